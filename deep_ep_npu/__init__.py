@@ -1,0 +1,10 @@
+"""deep_ep_npu: DeepEP-compatible low-latency expert-parallel communication for Ascend NPUs, runnable anywhere.
+
+Imports only torch; torch_npu is imported only when the Ascend backend is created.
+"""
+
+from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
+
+__version__ = "0.1.0"
+
+__all__ = ["MoeDistributeError", "__version__", "get_low_latency_ccl_buffer_size"]

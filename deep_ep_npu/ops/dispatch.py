@@ -1,0 +1,392 @@
+"""``moe_distribute_dispatch_v2`` over torch.distributed: the Ascend MoE distribute dispatch, flat layout.
+
+Same keyword names, defaults, return order and output shapes as ``torch_npu.npu_moe_distribute_dispatch_v2``
+(reference ascend_ops.md §2, §5), with A3 fullmesh semantics. Two extra keywords: ``ccl_buffer_size`` (MB the op may
+use; shapes that do not fit are refused) and ``strict`` (also enforce the Atlas A3 hardware limits).
+
+Wire protocol: a fixed-size header all-to-all (status, counts, parameter fingerprint), then one uneven
+``all_to_all_single`` carrying each token once per destination rank (once per pair when smoothed int8 makes the
+payload expert-specific) plus 16-20 bytes of metadata per (token, expert) pair; the receiver expands the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import checks, comm
+from .codec import Int8TokenCodec, PlainCodec, RowCodec
+from .errors import MoeDistributeError, shape
+from .layout import SendPlan, expert_major_counts, make_send_plan, receive_order
+from .spec import EpLayout, check_ccl_buffer, reject_unsupported, validate_layout, validate_tokens
+
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_FINGERPRINT = ("moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "meta_ints", "x dtype")
+META_TOKEN, META_SLOT, META_EXPERT, META_ROW, META_WEIGHT = range(5)
+
+
+def routed_pairs(
+    layout: EpLayout, expert_ids: torch.Tensor, x_active_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, slot, dest rank, local expert) of every pair that is sent, each `[num_pairs]` `torch.int64`.
+
+    A pair (t, k) is sent iff it is active (t inside the 1D mask's prefix, or ``mask[t, k]``) and its id is a routed
+    expert (< moe_expert_num); zero/copy/const experts are handled by combine on the source rank.
+    """
+    ids = expert_ids.long()
+    valid = ids < layout.num_moe_experts
+    if x_active_mask is not None:
+        if x_active_mask.dim() == 1:
+            valid &= x_active_mask.unsqueeze(1)
+        else:
+            valid &= x_active_mask
+    token, slot = valid.nonzero(as_tuple=True)
+    e = ids[token, slot]
+    num_local = layout.num_local_experts
+    return token, slot, layout.shared_expert_rank_num + e // num_local, e % num_local
+
+
+def build_plan(
+    layout: EpLayout, expert_ids: torch.Tensor, x_active_mask: torch.Tensor | None, per_pair_rows: bool
+) -> SendPlan:
+    token, slot, dest, expert = routed_pairs(layout, expert_ids, x_active_mask)
+    return make_send_plan(
+        token,
+        slot,
+        dest,
+        expert,
+        num_tokens=expert_ids.shape[0],
+        world_size=layout.world_size,
+        max_local_experts=max(layout.num_local_experts, 1),
+        per_pair_rows=per_pair_rows,
+    )
+
+
+@dataclasses.dataclass
+class _Prepared:
+    layout: EpLayout
+    x: torch.Tensor
+    topk: int
+    global_bs: int
+    quant_mode: int
+    codec: RowCodec
+    plan: SendPlan
+    meta: torch.Tensor
+    scales: torch.Tensor | None
+    expert_scales: torch.Tensor | None
+    expert_token_nums_type: int
+
+
+def _prepare(x, expert_ids, layout: EpLayout, kw: dict) -> _Prepared:
+    x, ids, mask, topk, global_bs = validate_tokens(layout, "x", x, expert_ids, kw["x_active_mask"], kw["global_bs"])
+    num_tokens, hidden = x.shape
+    quant_mode = checks.one_of(kw["quant_mode"], "quant_mode", (0, 2), "A2/A3 support 0 (none) and 2 (per-token int8)")
+    checks.one_of(kw["expert_token_nums_type"], "expert_token_nums_type", (0, 1))
+    scales = checks.optional_tensor(kw["scales"], "scales", (torch.float32,), 2)
+    if scales is not None:
+        checks.dims(
+            scales, "scales", (layout.shared_expert_num + layout.num_moe_experts, hidden), "(S + moe_expert_num, H)"
+        )
+    expert_scales = checks.optional_tensor(kw["expert_scales"], "expert_scales", (torch.float32,), 2)
+    if expert_scales is not None:
+        checks.dims(expert_scales, "expert_scales", (num_tokens, topk), "(Bs, K)")
+    reject_unsupported(
+        elastic_info=kw["elastic_info"],
+        performance_info=kw["performance_info"],
+        y_dtype=kw["y_dtype"],
+        x_dtype=kw["x_dtype"],
+        scales_dtype=kw["scales_dtype"],
+    )
+    check_ccl_buffer(layout, kw["ccl_buffer_size"], global_bs // layout.world_size, hidden, topk)
+
+    codec: RowCodec = Int8TokenCodec(hidden) if quant_mode == 2 else PlainCodec(hidden, x.dtype)
+    per_pair = quant_mode == 2 and scales is not None
+    plan = build_plan(layout, ids, mask, per_pair)
+    row_start = torch.tensor([0] + plan.rows_per_dest, dtype=torch.int64).cumsum(0)
+    fields = [plan.token, plan.slot, plan.expert, plan.row_of_pair - row_start[plan.dest]]
+    if expert_scales is not None:
+        fields.append(expert_scales[plan.token, plan.slot].view(torch.int32).long())
+    meta = (
+        torch.stack(fields, dim=1).to(torch.int32)
+        if plan.num_pairs
+        else torch.empty((0, len(fields)), dtype=torch.int32)
+    )
+    return _Prepared(
+        layout, x, topk, global_bs, quant_mode, codec, plan, meta, scales, expert_scales, kw["expert_token_nums_type"]
+    )
+
+
+class DispatchHandle:
+    """A dispatch whose send phase has started; :meth:`teardown` receives and returns the 7 outputs."""
+
+    def __init__(self, prep: _Prepared, header: comm.Header, exchange: comm.PendingExchange) -> None:
+        self._prep, self._header, self._exchange = prep, header, exchange
+        self._outputs: tuple[torch.Tensor, ...] | None = None
+
+    def teardown(self) -> tuple[torch.Tensor, ...]:
+        """Wait for the payload and build ``(expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums,
+        ep_recv_counts, tp_recv_counts, expand_scales)``. Idempotent."""
+        if self._outputs is None:
+            self._outputs = _finish(self._prep, self._header, self._exchange.wait())
+        return self._outputs
+
+
+def _finish(prep: _Prepared, header: comm.Header, recv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    layout, hidden, topk = prep.layout, prep.x.shape[1], prep.topk
+    w, num_local = layout.world_size, layout.num_local_experts_here
+    capacity = layout.recv_capacity(prep.global_bs, topk)
+    meta_ints = prep.meta.shape[1]
+    meta, src, row_base = comm.unpack_meta(recv, header.rows, header.pairs, meta_ints)
+    expert = meta[:, META_EXPERT].long()
+    order = receive_order(expert, src, w)
+    num_recv = int(order.numel())
+    if num_recv > capacity:
+        raise shape(
+            "expert_ids", f"this rank received {num_recv} rows but can hold A = {capacity}; inconsistent inputs"
+        )
+    rows = recv[(row_base + meta[:, META_ROW].long())[order]]
+
+    out_dtype = torch.int8 if prep.quant_mode == 2 else prep.x.dtype
+    expand_x = torch.zeros((capacity * max(layout.tp_world_size, 1), hidden), dtype=out_dtype)
+    if prep.quant_mode == 2:
+        dynamic_scales = torch.zeros((capacity,), dtype=torch.float32)
+        prep.codec.decode_into(rows, expand_x[:num_recv], dynamic_scales[:num_recv].unsqueeze(1))
+    else:
+        prep.codec.decode_into(rows, expand_x[:num_recv], None)
+        width = () if prep.scales is None else (prep.scales.shape[1],)
+        dynamic_scales = torch.zeros((capacity, *width), dtype=torch.float32)
+
+    assist = torch.zeros((max(prep.x.shape[0] * topk, capacity * 128),), dtype=torch.int32)
+    triples = torch.stack([src, meta[:, META_TOKEN].long(), meta[:, META_SLOT].long()], dim=1)[order]
+    assist[: 3 * num_recv] = triples.reshape(-1).to(torch.int32)
+
+    counts = expert_major_counts(expert, src, num_local, w)
+    per_expert = counts.sum(dim=1)
+    expert_token_nums = (per_expert.cumsum(0) if prep.expert_token_nums_type == 0 else per_expert).to(torch.int64)
+    extra = 2 * prep.global_bs * topk * (w // 8) if prep.expert_scales is not None else 0
+    ep_recv_counts = torch.zeros((w * num_local + extra,), dtype=torch.int32)
+    ep_recv_counts[: w * num_local] = counts.reshape(-1).cumsum(0).to(torch.int32)
+    tp_recv_counts = torch.full((layout.tp_world_size,), num_recv, dtype=torch.int32)
+    if prep.expert_scales is not None:
+        expand_scales = torch.zeros((capacity,), dtype=torch.float32)
+        expand_scales[:num_recv] = meta[order, META_WEIGHT].view(torch.float32)
+    else:
+        expand_scales = torch.empty((0,), dtype=torch.float32)
+    return expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales
+
+
+def moe_distribute_dispatch_setup(
+    x,
+    expert_ids,
+    group_ep,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    *,
+    scales=None,
+    x_active_mask=None,
+    expert_scales=None,
+    elastic_info=None,
+    performance_info=None,
+    group_tp="",
+    tp_world_size=0,
+    tp_rank_id=0,
+    expert_shard_type=0,
+    shared_expert_num=1,
+    shared_expert_rank_num=0,
+    quant_mode=0,
+    global_bs=0,
+    expert_token_nums_type=1,
+    comm_alg="",
+    zero_expert_num=0,
+    copy_expert_num=0,
+    const_expert_num=0,
+    y_dtype=None,
+    x_dtype=None,
+    scales_dtype=None,
+    ccl_buffer_size=None,
+    strict=False,
+) -> DispatchHandle:
+    """The send phase of :func:`moe_distribute_dispatch_v2` (the seeds' DispatchSetup): validates, exchanges the
+    header, and starts the payload all-to-all asynchronously. Compute placed before ``teardown()`` overlaps it."""
+    layout = validate_layout(
+        group_ep,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+        strict=strict,
+    )
+    kw = dict(
+        scales=scales,
+        x_active_mask=x_active_mask,
+        expert_scales=expert_scales,
+        elastic_info=elastic_info,
+        performance_info=performance_info,
+        quant_mode=quant_mode,
+        global_bs=global_bs,
+        expert_token_nums_type=expert_token_nums_type,
+        y_dtype=y_dtype,
+        x_dtype=x_dtype,
+        scales_dtype=scales_dtype,
+        ccl_buffer_size=ccl_buffer_size,
+    )
+    w = layout.world_size
+    try:
+        prep = _prepare(x, expert_ids, layout, kw)
+    except MoeDistributeError as err:
+        comm.exchange_header(layout.group, w, err.code, [0] * w, [0] * w, [0] * (len(_FINGERPRINT) + 1))
+        raise
+    plan = prep.plan
+    fingerprint = (
+        layout.num_moe_experts,
+        prep.x.shape[1],
+        prep.topk,
+        prep.quant_mode,
+        prep.global_bs,
+        prep.codec.row_bytes,
+        prep.meta.shape[1],
+        _DTYPE_CODES[prep.x.dtype],
+    )
+    header = comm.exchange_header(
+        layout.group, w, comm.STATUS_OK, plan.rows_per_dest, plan.pairs_per_dest, (*fingerprint, prep.x.shape[0])
+    )
+    _check_dispatch_header(header, layout, global_bs)
+    rows = _encode_rows(prep)
+    send, send_units = comm.pack_payload(rows, plan.rows_per_dest, prep.meta, plan.pairs_per_dest)
+    recv_units = [
+        comm.meta_units(p, prep.meta.shape[1] * 4, prep.codec.row_bytes) + r
+        for r, p in zip(header.rows, header.pairs, strict=True)
+    ]
+    return DispatchHandle(prep, header, comm.PendingExchange(layout.group, send, send_units, recv_units))
+
+
+def _check_dispatch_header(header: comm.Header, layout: EpLayout, global_bs: int) -> None:
+    comm.check_header(header, layout.rank, (), "moe_distribute_dispatch_v2")
+    batch = [fp[-1] for fp in header.fingerprint]
+    if global_bs == 0 and len(set(batch)) > 1:
+        raise shape(
+            "global_bs",
+            f"is 0 but x has different batch sizes across ranks (per rank: {batch}); pass global_bs = max(Bs) * W",
+        )
+    header.fingerprint = [fp[:-1] for fp in header.fingerprint]
+    comm.check_header(header, layout.rank, _FINGERPRINT, "moe_distribute_dispatch_v2")
+
+
+def _encode_rows(prep: _Prepared) -> torch.Tensor:
+    plan, layout = prep.plan, prep.layout
+    smooth = None
+    if prep.scales is not None and prep.quant_mode == 2:
+        global_expert = (plan.dest - layout.shared_expert_rank_num) * layout.num_local_experts + plan.expert
+        smooth = prep.scales[layout.shared_expert_num + global_expert]
+    return prep.codec.encode(prep.x[plan.row_token], smooth)
+
+
+def moe_distribute_dispatch_v2(
+    x,
+    expert_ids,
+    group_ep,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    *,
+    scales=None,
+    x_active_mask=None,
+    expert_scales=None,
+    elastic_info=None,
+    performance_info=None,
+    group_tp="",
+    tp_world_size=0,
+    tp_rank_id=0,
+    expert_shard_type=0,
+    shared_expert_num=1,
+    shared_expert_rank_num=0,
+    quant_mode=0,
+    global_bs=0,
+    expert_token_nums_type=1,
+    comm_alg="",
+    zero_expert_num=0,
+    copy_expert_num=0,
+    const_expert_num=0,
+    y_dtype=None,
+    x_dtype=None,
+    scales_dtype=None,
+    ccl_buffer_size=None,
+    strict=False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Send every token to the ranks hosting its experts (Ascend MoE distribute dispatch, flat layout).
+
+    Notation: W = ep_world_size, L = local experts (moe_expert_num / W on MoE ranks), K = top-k,
+    A = rows this rank can receive (``global_bs_real * min(L, K)``, ``global_bs_real = global_bs or Bs * W``).
+
+    Arguments:
+        x: `[Bs, H]` with `torch.bfloat16` / `torch.float16` (`torch.float32` on this reference path); Bs in [0, 512].
+        expert_ids: `[Bs, K]` with `torch.int32` (`torch.int64` accepted), K in (0, 16], ids distinct per row,
+            in [0, moe_expert_num + zero_expert_num + copy_expert_num + const_expert_num).
+        group_ep: the EP `ProcessGroup` or its group name; ep_world_size / ep_rank_id must match it.
+        moe_expert_num: routed experts in total, divisible by W - shared_expert_rank_num.
+        scales: `[S + moe_expert_num, H]` `torch.float32` smooth scales for quant_mode 2 (row ``S + e``: expert e).
+        x_active_mask: `[Bs]` bool (True entries first: the active prefix) or `[Bs, K]` bool per pair.
+        expert_scales: `[Bs, K]` `torch.float32` top-k weights, carried to ``expand_scales``.
+        quant_mode: 0 (none) or 2 (per-token dynamic int8: ``q = rint(xf * 127 / amax)``, scale ``amax / 127``).
+        global_bs: 0 (every rank has the same Bs) or max(Bs) * W.
+        expert_token_nums_type: 1 counts, 0 inclusive cumsum.
+        ccl_buffer_size: MB of CCL window available (None: unchecked); too small raises naming the size needed.
+        strict: also enforce the Atlas A3 hardware limits (H in [1024, 8192], W in [2, 768], bf16/fp16, int32 ids).
+
+    Returns:
+        expand_x: `[A, H]`, x's dtype (`torch.int8` with quant_mode 2). Rows expert-major, then source rank, then
+            source token; rows past the received total are zero (uninitialized on the NPU).
+        dynamic_scales: `[A]` `torch.float32` per-row dequant scales with quant_mode 2 (zeros otherwise; `[A, H]`
+            zeros when quant_mode 0 is given ``scales``).
+        assist_info_for_combine: `[max(Bs * K, A * 128)]` `torch.int32`; row i holds (src rank, src token, top-k slot)
+            at ``[3i : 3i + 3]``, the rest is zero.
+        expert_token_nums: `[L]` `torch.int64` rows per local expert (cumsum when expert_token_nums_type = 0).
+        ep_recv_counts: `[W * L]` `torch.int32` inclusive cumsum over (local expert, source rank)
+            (plus ``2 * global_bs * K * (W // 8)`` zero entries when expert_scales is given, as on the NPU).
+        tp_recv_counts: `[tp_world_size]` `torch.int32` (the row count with tp_world_size 1).
+        expand_scales: `[A]` `torch.float32` weight of each row when expert_scales is given, else `[0]`.
+
+    Raises:
+        MoeDistributeError: invalid input (on every rank; codes 161001 / 161002 / 561002).
+    """
+    return moe_distribute_dispatch_setup(
+        x,
+        expert_ids,
+        group_ep,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        scales=scales,
+        x_active_mask=x_active_mask,
+        expert_scales=expert_scales,
+        elastic_info=elastic_info,
+        performance_info=performance_info,
+        group_tp=group_tp,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        quant_mode=quant_mode,
+        global_bs=global_bs,
+        expert_token_nums_type=expert_token_nums_type,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+        y_dtype=y_dtype,
+        x_dtype=x_dtype,
+        scales_dtype=scales_dtype,
+        ccl_buffer_size=ccl_buffer_size,
+        strict=strict,
+    ).teardown()

@@ -1,0 +1,128 @@
+"""Multi-process test harness: ``parallel_launch(world_size, fn, *args)``.
+
+Each call starts ``world_size`` processes that join one gloo process group on a free loopback port, runs
+``fn(info, *args)`` on every rank and returns the per-rank results (rank order). Processes are forked from a
+forkserver that has already imported torch and this package, so a launch costs ~0.1 s instead of a fresh
+interpreter per rank. Any rank's exception fails the call with every failing rank's traceback; a rank that
+neither returns nor fails within ``timeout`` seconds (a deadlock) fails it with ``TimeoutError`` naming the
+stuck ranks, and all children are killed, so CI never hangs.
+
+``fn`` must be a module-level function (it is pickled by reference) and its result picklable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_PRELOAD = ["torch", "torch.distributed", "deep_ep_npu", "tests.distributed"]
+_CTX: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroupInfo:
+    """What a rank knows about its launch: ``rank``, ``world_size``, the gloo world ``group`` and its ``port``."""
+
+    rank: int
+    world_size: int
+    group: Any
+    port: int
+
+
+def get_open_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _CTX = ctx
+    return _CTX
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, pg_timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        try:
+            out = fn(ProcessGroupInfo(rank, world_size, dist.group.WORLD, port), *args)
+            results.put((rank, True, out))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - forwarded to the parent with its traceback
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _drain(results: Any, done: dict) -> None:
+    while True:
+        try:
+            rank, ok, out = results.get_nowait()
+        except queue.Empty:
+            return
+        done[rank] = (ok, out)
+
+
+def parallel_launch(
+    world_size: int, fn: Callable, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0
+) -> list:
+    """Run ``fn(ProcessGroupInfo, *args)`` on ``world_size`` gloo ranks; return the results in rank order.
+
+    Raises ``RuntimeError`` (with each failing rank's traceback) if any rank raised or died, ``TimeoutError`` if
+    some rank did not finish within ``timeout`` seconds. ``pg_timeout`` is the gloo group's own timeout.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    port = get_open_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    done: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, out = results.get(timeout=0.2)
+                done[rank] = (ok, out)
+            except queue.Empty:
+                _drain(results, done)  # a rank may have reported just before exiting
+                for r, p in enumerate(procs):  # a rank that died without reporting (segfault, os._exit)
+                    if r not in done and p.exitcode is not None:
+                        done[r] = (False, f"rank {r} exited with code {p.exitcode} without a result")
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if len(done) == world_size else 0.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results.close()
+    failures = {r: out for r, (ok, out) in sorted(done.items()) if not ok}
+    if failures:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items())
+        raise RuntimeError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
+    if len(done) < world_size:
+        stuck = [r for r in range(world_size) if r not in done]
+        raise TimeoutError(f"ranks {stuck} did not finish within {timeout:.0f}s (deadlock?)")
+    return [done[r][1] for r in range(world_size)]
