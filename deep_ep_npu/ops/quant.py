@@ -27,9 +27,12 @@ def per_token_int8(x: torch.Tensor, smooth_scales: torch.Tensor | None = None) -
     if smooth_scales is not None:
         xf = xf * smooth_scales
     amax = xf.abs().amax(dim=-1) if xf.shape[-1] > 0 else xf.new_zeros(xf.shape[:-1])
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # tensor / tensor on purpose: ``127.0 / amax`` is computed as ``reciprocal(amax) * 127`` by torch (and a scalar
+    # divisor may become a reciprocal multiply on GPU), which is 1 ulp off the formula and flips rint at .5 ties.
+    c127 = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, c127 / torch.where(amax > 0, amax, c127), torch.zeros_like(amax))
     q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q, amax / 127.0
+    return q, amax / c127
 
 
 def per_group_int8(x: torch.Tensor, group: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +50,8 @@ def per_group_int8(x: torch.Tensor, group: int = 8) -> tuple[torch.Tensor, torch
     """
     n, h = x.shape
     xg = x.float().view(n, h // group, group)
-    scale = (xg.abs().amax(dim=-1) / 127.0).to(x.dtype)
+    amax = xg.abs().amax(dim=-1)
+    scale = (amax / torch.full_like(amax, 127.0)).to(x.dtype)
     sf = scale.float().unsqueeze(-1)
     q = torch.where(sf > 0, torch.round(xg / torch.where(sf > 0, sf, torch.ones_like(sf))), torch.zeros_like(xg))
     return q.clamp_(-127, 127).to(torch.int8).view(n, h), scale
