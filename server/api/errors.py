@@ -1,0 +1,82 @@
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the right HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.async_engine import EngineDeadError, EngineOverloadedError
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          503: "service_unavailable_error"}  # fmt: skip
+
+
+class APIError(Exception):
+    """An error answered to the client. ``param`` names the offending request field, if any."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}  # fmt: skip
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
+
+
+def engine_error(e: BaseException, retry_after_s: int = 1) -> APIError:
+    """Map the async engine's errors: overloaded and dead are 503 (overloaded with ``Retry-After``)."""
+    if isinstance(e, EngineOverloadedError):
+        return APIError(503, str(e), code="engine_overloaded", headers={"Retry-After": str(retry_after_s)})
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_unavailable")
+    if isinstance(e, (ValueError, TypeError)):
+        return APIError(400, str(e), code="invalid_value")
+    raise e
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        message = f"unknown field {param!r}"
+    elif first.get("type") == "json_invalid":
+        message = "request body is not valid JSON"
+    else:
+        given = f" (got {first['input']!r})" if "input" in first and loc else ""
+        message = f"{param or 'body'}: {first['msg']}{given}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)

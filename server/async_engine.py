@@ -1,0 +1,264 @@
+"""Drive one :class:`~server.engine_api.EngineCore` from a background thread and expose per-request async streams.
+
+The engine thread is the only caller of the engine (the contract: not thread-safe). It applies queued commands
+(add / abort) between steps, so new requests join the running batch at the next step (continuous batching), then
+steps while any request is unfinished and hands each step's deltas to the asyncio loop in one callback. Streams,
+admission control (bounded queue) and metrics live on the asyncio side, so no locks guard them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from server.engine_api import EngineCore, RequestDelta, SamplingParams
+from server.metrics import Metrics
+
+_HEALTH_POLL_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has failed or was shut down; requests cannot be served (HTTP 503)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting (the bounded queue is full); retry later (HTTP 503 + Retry-After)."""
+
+
+@dataclasses.dataclass
+class RequestHandle:
+    """An added request: its id and the queue its deltas arrive on (read it through :meth:`AsyncEngine.stream`)."""
+
+    request_id: str
+    queue: asyncio.Queue
+    arrival: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+
+
+class AsyncEngine:
+    """Continuous batching over an :class:`EngineCore`, for asyncio callers.
+
+    Arguments:
+        engine: the started engine; owned from here on (``shutdown()`` shuts it down).
+        capacity: requests the engine runs at once (``max_num_seqs`` x DP ranks); admission allows
+            ``capacity + max_queue_len`` unfinished requests and refuses more with :class:`EngineOverloadedError`.
+        metrics: updated from the asyncio thread, or None.
+    """
+
+    def __init__(self, engine: EngineCore, *, capacity: int, max_queue_len: int, metrics: Metrics | None = None):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}")
+        self.engine = engine
+        self.capacity = capacity
+        self.max_queue_len = max_queue_len
+        self.metrics = metrics
+        self._requests: dict[str, RequestHandle] = {}
+        self._commands: list[tuple] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._healthy = True
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle (asyncio side) ----
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the streams."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread, fail the open streams and shut the engine down (idempotent)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        await asyncio.to_thread(self.engine.shutdown)
+
+    def is_healthy(self) -> bool:
+        """True while the engine thread runs and the engine reported every worker alive at its last check."""
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive and self._error is None and self._healthy and not self._stop
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # ---- requests (asyncio side) ----
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          arrival: float | None = None) -> RequestHandle:  # fmt: skip
+        """Hand a request to the engine; returns its handle for :meth:`stream` once the engine accepted it.
+
+        ``arrival`` is the ``time.monotonic()`` at which the request arrived (TTFT and queue time count from it).
+        Raises ``ValueError`` if the engine rejects the input, :class:`EngineOverloadedError` when the queue is
+        full, :class:`EngineDeadError` when the engine is down.
+        """
+        if not self.is_healthy():
+            raise EngineDeadError(f"the engine is not running ({self._error or 'stopped or unhealthy'})")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if len(self._requests) >= self.capacity + self.max_queue_len:
+            raise EngineOverloadedError(
+                f"{len(self._requests)} requests are unfinished (capacity {self.capacity} + queue "
+                f"{self.max_queue_len}); retry later"
+            )
+        assert self._loop is not None
+        req = RequestHandle(request_id, asyncio.Queue(), arrival or time.monotonic(), len(prompt_token_ids))
+        self._requests[request_id] = req
+        accepted = self._loop.create_future()
+        self._submit(("add", request_id, prompt_token_ids, params, accepted))
+        try:
+            await accepted
+        except BaseException:
+            self._requests.pop(request_id, None)
+            self._submit(("abort", request_id))  # no-op if the engine never took it
+            self._update_gauges()
+            raise
+        if self.metrics is not None:
+            self.metrics.on_request_added(len(prompt_token_ids))
+        self._update_gauges()
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its stream ends now and the engine frees its slot at the next step (no-op if the
+        request is unknown or finished)."""
+        if self._requests.pop(request_id, None) is not None:
+            self._submit(("abort", request_id))
+            self._update_gauges()
+
+    async def stream(self, handle: RequestHandle) -> AsyncIterator[list[RequestDelta]]:
+        """Yield an added request's deltas as they come, batched: each item is every delta delivered since the
+        last one (a slow consumer gets several steps at once). The last delta has a ``finish_reason``. Closing or
+        cancelling the iterator before that aborts the request in the engine (frees its slot).
+        Raises :class:`EngineDeadError` if the engine fails meanwhile."""
+        queue = handle.queue
+        finished = False
+        try:
+            while not finished:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                finished = items[-1].finish_reason is not None
+                yield items
+        finally:
+            if not finished:
+                self.abort(handle.request_id)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       arrival: float | None = None) -> AsyncIterator[list[RequestDelta]]:  # fmt: skip
+        """:meth:`add_request` then :meth:`stream`."""
+        handle = await self.add_request(request_id, prompt_token_ids, params, arrival)
+        async for items in self.stream(handle):
+            yield items
+
+    # ---- engine thread ----
+    def _submit(self, command: tuple) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        engine = self.engine
+        last_health = time.monotonic()
+        while True:
+            with self._cond:
+                while not self._stop and not self._commands and not engine.has_unfinished_requests():
+                    if not self._cond.wait(timeout=_HEALTH_POLL_S):
+                        break
+                if self._stop:
+                    return
+                commands, self._commands = self._commands, []
+            try:
+                for command in commands:
+                    self._apply(command)
+                now = time.monotonic()
+                if now - last_health >= _HEALTH_POLL_S:
+                    self._healthy, last_health = engine.is_healthy(), now
+                if not engine.has_unfinished_requests():
+                    continue
+                start = time.monotonic()
+                deltas = engine.step()
+                stats = engine.last_step_stats()
+                end = time.monotonic()
+            except BaseException as e:  # noqa: BLE001 - the engine is dead; every stream gets the error
+                self._error = e
+                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine failed: {e!r}"))
+                return
+            self._loop.call_soon_threadsafe(self._deliver, deltas, start, end, stats)
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "abort":
+            self.engine.abort_request(command[1])
+            return
+        _, request_id, prompt_token_ids, params, accepted = command
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+        except (ValueError, TypeError) as e:
+            self._loop.call_soon_threadsafe(_resolve, accepted, e)
+        else:
+            self._loop.call_soon_threadsafe(_resolve, accepted, None)
+
+    # ---- asyncio side: results ----
+    def _deliver(self, deltas: list[RequestDelta], start: float, end: float, stats: Any) -> None:
+        m = self.metrics
+        num_tokens = 0
+        for delta in deltas:
+            num_tokens += len(delta.new_token_ids)
+            req = self._requests.get(delta.request_id)
+            if req is None:  # aborted by us, or not ours
+                continue
+            if delta.new_token_ids:
+                if req.first_token_time is None:
+                    req.first_token_time = end
+                    if m is not None:
+                        m.time_to_first_token.observe(end - req.arrival)
+                        m.request_queue_time.observe(max(0.0, start - req.arrival))
+                elif m is not None:
+                    m.inter_token_latency.observe(end - req.last_token_time)
+                req.last_token_time = end
+            if delta.finish_reason is not None:
+                del self._requests[delta.request_id]
+                if m is not None:
+                    m.on_finished(delta.finish_reason, delta.num_output_tokens, end - req.arrival)
+            req.queue.put_nowait(delta)
+        if m is not None:
+            m.on_step(end - start, num_tokens, stats.dispatch_times, stats.combine_times)
+        self._update_gauges()
+
+    def _fail_all(self, error: BaseException) -> None:
+        requests, self._requests = self._requests, {}
+        for req in requests.values():
+            req.queue.put_nowait(error)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        running = sum(1 for r in self._requests.values() if r.first_token_time is not None)
+        self.metrics.set_queue_sizes(running, len(self._requests) - running)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the waiting caller was cancelled
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

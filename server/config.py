@@ -1,0 +1,123 @@
+"""The server's configuration: one pydantic model, filled from defaults < YAML file < command line.
+
+YAML keys are the long command-line option names (``max-num-seqs: 8``; ``max_num_seqs`` is accepted too). Unknown
+keys and bad values fail at start-up with a :class:`ConfigError` naming the key, the value and what is allowed.
+The option names of ``DESIGN.md`` §4 are a public contract; keep them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or key; the message names the key."""
+
+
+class ServerConfig(BaseModel):
+    """Everything ``python -m server`` takes. Field ``foo_bar`` is option ``--foo-bar`` and YAML key ``foo-bar``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str | None = Field(None, description="HF checkpoint directory (config.json + safetensors); absent = random")
+    host: str = Field("127.0.0.1", description="address to bind the HTTP server to (loopback by default)")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port)")
+    ep_size: int = Field(2, ge=1, le=1024, description="number of expert-parallel decode workers")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="model dtype")
+    backend: Literal["auto", "reference", "ascend"] = Field("auto", description="deep_ep_npu Buffer backend")
+    dist_backend: Literal["gloo", "nccl", "hccl"] = Field("gloo", description="torch.distributed backend of workers")
+    max_num_seqs: int = Field(16, ge=1, le=4096, description="running requests per DP rank (worker)")
+    max_model_len: int = Field(512, ge=2, le=1 << 20, description="prompt + output tokens per request")
+    api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>' on /v1/*")
+    served_model_name: str | None = Field(None, min_length=1, description="model id in the API (default: derived)")
+    seed: int = Field(0, ge=0, description="seed of the random model (when --model is absent)")
+    random_model: dict[str, Any] = Field(
+        default_factory=dict, description="overrides of the random model's shape, e.g. {hidden_size: 64}"
+    )
+    max_queue_len: int = Field(256, ge=0, description="requests allowed to wait beyond capacity; more get 503")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="largest accepted HTTP request body (bytes)")
+    max_tokens_limit: int | None = Field(None, ge=1, description="cap on a request's max_tokens (default: none)")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="uvicorn log level")
+
+    @model_validator(mode="after")
+    def _check_names(self) -> ServerConfig:
+        if self.model is not None and not os.path.isdir(self.model):
+            raise ValueError(f"model: {self.model!r} is not a directory (give a HF checkpoint dir or omit it)")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The model id clients send and ``/v1/models`` lists."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model:
+            return os.path.basename(os.path.normpath(self.model))
+        return "random-qwen3-moe"
+
+
+def option_name(field: str) -> str:
+    """``max_num_seqs`` -> ``max-num-seqs`` (the CLI option without ``--`` and the YAML key)."""
+    return field.replace("_", "-")
+
+
+def _field_name(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _format_error(err: ValidationError, sources: Mapping[str, str]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        key = option_name(loc[0]) if loc else "config"
+        where = sources.get(loc[0], "default") if loc else "config"
+        value = f" (got {e['input']!r})" if "input" in e and e["type"] != "extra_forbidden" else ""
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key; allowed keys: {', '.join(option_name(f) for f in ServerConfig.model_fields)}"
+        lines.append(f"{key}: {msg}{value} [from {where}]")
+    return "invalid server config:\n  " + "\n  ".join(lines)
+
+
+def build_config(
+    yaml_values: Mapping[str, Any] | None = None,
+    cli_values: Mapping[str, Any] | None = None,
+    yaml_path: str | None = None,
+) -> ServerConfig:
+    """Merge defaults < ``yaml_values`` < ``cli_values`` (both keyed by option names) and validate.
+
+    Raises :class:`ConfigError` naming each bad or unknown key and where it came from.
+    """
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for values, where in ((yaml_values or {}, yaml_path or "yaml"), (cli_values or {}, "command line")):
+        for key, value in values.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"config key {key!r} [from {where}] must be a string option name")
+            merged[_field_name(key)] = value
+            sources[_field_name(key)] = where
+    try:
+        return ServerConfig(**merged)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, sources)) from None
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file: a mapping of option names to values (empty file = no values)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config: {path!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path!r} must hold a mapping of option names, got {type(data).__name__}")
+    return data

@@ -1,0 +1,95 @@
+"""Prometheus metrics: vLLM's serving metric set under our own prefix (``deep_ep_npu:``), label ``model_name``.
+
+One :class:`Metrics` per app, each with its own ``CollectorRegistry`` (no process-global state). All intervals use
+``time.monotonic()`` of the API server process, and TTFT counts from the request's arrival at the HTTP layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "deep_ep_npu:"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_COMM_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class Metrics:
+    """The server's metrics. Call the ``on_*`` hooks from the asyncio thread; ``render()`` gives the text format."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests that have produced a token.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests accepted but without a token yet.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
+            registry=r,
+        )  # fmt: skip
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between a request's token deliveries, per token.", _LATENCY_BUCKETS
+        )
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival until the engine step that prefilled it began.", _LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt length per request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", _TOKEN_BUCKETS
+        )
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens produced per engine step.", _TOKEN_BUCKETS)
+        self.engine_step_time = histogram("engine_step_seconds", "Wall time of one engine step.", _LATENCY_BUCKETS)
+        self.dispatch_latency = histogram(
+            "moe_dispatch_latency_seconds", "MoE dispatch time per layer call (max over ranks).", _COMM_BUCKETS
+        )
+        self.combine_latency = histogram(
+            "moe_combine_latency_seconds", "MoE combine time per layer call (max over ranks).", _COMM_BUCKETS
+        )
+        for reason in FINISH_REASONS:  # export every label value from the start, at 0
+            self._success.labels(model_name, reason)
+
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+
+    def on_finished(self, finish_reason: str, num_output_tokens: int, e2e_latency: float) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+        self.request_generation_tokens.observe(num_output_tokens)
+        self.e2e_request_latency.observe(e2e_latency)
+
+    def on_step(self, step_time: float, num_tokens: int, dispatch_times: Sequence[float],
+                combine_times: Sequence[float]) -> None:  # fmt: skip
+        self.engine_step_time.observe(step_time)
+        self.iteration_tokens.observe(num_tokens)
+        self.generation_tokens.inc(num_tokens)
+        for t in dispatch_times:
+            self.dispatch_latency.observe(t)
+        for t in combine_times:
+            self.combine_latency.observe(t)
+
+    def set_queue_sizes(self, num_running: int, num_waiting: int) -> None:
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
