@@ -88,7 +88,8 @@ def _expert_outputs(rank: int, world_size: int, case: dict, expand_x, dyn, token
     return out
 
 
-def _run_cases(info, cases):
+def _run_cases(info, cases: bytes):
+    """Run every case (serialized with ``to_bytes``: tensors as bytes, not shared-memory handles) on this rank."""
     from deep_ep_npu.ops import (
         moe_distribute_combine_setup,
         moe_distribute_combine_v2,
@@ -97,7 +98,7 @@ def _run_cases(info, cases):
     )
 
     results = []
-    for case in cases:
+    for case in from_bytes(cases):
         inp = case["inputs"][info.rank]
         common = dict(global_bs=case["global_bs"], x_active_mask=inp.mask)
         args = (info.group, info.world_size, info.rank, case["num_experts"])
@@ -128,7 +129,7 @@ def _run_cases(info, cases):
 
 
 def check_cases(world_size: int, cases: list[dict]) -> None:
-    results = [from_bytes(b) for b in parallel_launch(world_size, _run_cases, cases, timeout=90)]
+    results = [from_bytes(b) for b in parallel_launch(world_size, _run_cases, to_bytes(cases), timeout=90)]
     for i, case in enumerate(cases):
         lay = Layout(world_size, case["num_experts"])
         smooth = case["smooth"]
