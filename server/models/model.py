@@ -1,0 +1,101 @@
+"""``MoECausalLM``: the decoder stack shared by Qwen3-MoE, DeepSeek-V3 and Mixtral, with HF's parameter names.
+
+What differs per architecture lives in :class:`ModelConfig` and the pieces it selects: attention (GQA with or
+without q/k norm, or MLA), the router semantics, which layers are MoE and the MoE block's name
+(``mlp`` or Mixtral's ``block_sparse_moe``), shared experts, and the on-disk names of expert weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import ForwardBatch, GQAttention, MLAttention
+from .config import ModelConfig
+from .ep_comm import ExpertComm
+from .layers import DenseMLP, RMSNorm
+from .moe import SparseMoE
+
+# On-disk names of one routed expert's (gate, up, down) weights, per architecture.
+EXPERT_KEYS = {
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("w1", "w3", "w2"),
+}
+
+
+def moe_block_name(cfg: ModelConfig) -> str:
+    return "block_sparse_moe" if cfg.architecture == "mixtral" else "mlp"
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, comm: ExpertComm) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg) if cfg.use_mla else GQAttention(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = layer_idx in cfg.moe_layers
+        self.mlp_name = moe_block_name(cfg) if self.is_moe else "mlp"
+        mlp = SparseMoE(cfg, comm) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        setattr(self, self.mlp_name, mlp)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: ExpertComm) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, comm) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class KVCache:
+    """Per layer, one tensor per cached quantity, each `[max_num_seqs, max_model_len, *shape]` in the model dtype;
+    a request owns one slot (row) for its whole life."""
+
+    def __init__(self, model: MoECausalLM, max_num_seqs: int, max_model_len: int, dtype: torch.dtype) -> None:
+        self.layers = [
+            [torch.zeros(max_num_seqs, max_model_len, *shape, dtype=dtype) for shape in layer.self_attn.cache_shapes()]
+            for layer in model.model.layers
+        ]
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
+
+class MoECausalLM(nn.Module):
+    """The model on one EP rank: every non-expert weight, plus this rank's routed experts (``comm`` decides which).
+
+    Build on the meta device, then materialise with :mod:`server.loader` (checkpoint or random weights).
+    """
+
+    def __init__(self, cfg: ModelConfig, comm: ExpertComm) -> None:
+        super().__init__()
+        self.cfg, self.comm = cfg, comm
+        self.model = Backbone(cfg, comm)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run one step and write the new tokens' keys/values into ``cache``.
+
+        Returns:
+            logits: `[len(batch.sample_rows), vocab_size]` with `torch.float32`.
+        """
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer, layer_cache in zip(self.model.layers, cache.layers, strict=True):
+            x = layer(x, batch, layer_cache)
+        x = self.model.norm(x[batch.sample_rows])
+        return self.lm_head(x).float()
+
+    def moe_layers(self) -> list[SparseMoE]:
+        return [getattr(layer, layer.mlp_name) for layer in self.model.layers if layer.is_moe]
+
+    def expert_checkpoint_keys(self, layer_idx: int, expert: int) -> tuple[str, str, str]:
+        """The checkpoint names of global expert ``expert``'s (gate, up, down) weights in layer ``layer_idx``."""
+        prefix = f"model.layers.{layer_idx}.{moe_block_name(self.cfg)}.experts.{expert}"
+        return tuple(f"{prefix}.{name}.weight" for name in EXPERT_KEYS[self.cfg.architecture])  # type: ignore[return-value]

@@ -1,0 +1,108 @@
+"""The routed MoE block: router -> ``dispatch`` -> this rank's experts on the masked layout -> ``combine``
+(+ shared experts, computed while the combine is in flight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .ep_comm import ExpertComm
+from .layers import DenseMLP
+from .quant import Int8Linear
+
+
+class Router(nn.Module):
+    """Top-k routing with the exact semantics of the HF class (``reference/serving.md`` §6).
+
+    softmax (Qwen3-MoE, Mixtral): fp32 softmax -> top-k -> renormalise iff ``norm_topk_prob``.
+    sigmoid (DeepSeek-V3): sigmoid -> + ``e_score_correction_bias`` (selection only) -> best ``topk_group`` of
+    ``n_group`` groups by the sum of each group's top-2 -> top-k -> unbiased scores, renormalised iff
+    ``norm_topk_prob`` (+1e-20) -> x ``routed_scaling_factor``. The router weight is kept in fp32.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` `[num_tokens, hidden]` -> topk_idx `[num_tokens, k]` `torch.int64`, topk_weights `torch.float32`."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        if cfg.scoring == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            weights, idx = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+            if cfg.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return idx, weights
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        t, per_group = x.shape[0], cfg.num_experts // cfg.n_group
+        group_scores = choice.view(t, cfg.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        keep = group_mask[:, :, None].expand(t, cfg.n_group, per_group).reshape(t, -1).bool()
+        idx = torch.topk(choice.masked_fill(~keep, float("-inf")), k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, weights * cfg.routed_scaling_factor
+
+
+class LocalExperts(nn.Module):
+    """This rank's routed experts, stacked: ``w13`` `[num_local_experts, 2 * I, hidden]` (gate rows first, then up)
+    and ``w2`` `[num_local_experts, hidden, I]`. :meth:`quantize_int8` swaps them for int8 weights."""
+
+    def __init__(self, num_local_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, intermediate))
+        self.int8: list[tuple[Int8Linear, Int8Linear]] | None = None
+
+    def quantize_int8(self) -> None:
+        """Per-output-channel int8 weights; activations are quantized per token at run time."""
+        self.int8 = [(Int8Linear(self.w13[e]), Int8Linear(self.w2[e])) for e in range(self.w13.shape[0])]
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+
+    def forward(self, recv_x: torch.Tensor, recv_count: torch.Tensor) -> torch.Tensor:
+        """``recv_x`` `[L, R*N, hidden]`, ``recv_count`` `[L]` int32 -> `[L, R*N, hidden]` (rows past the count: 0)."""
+        out = torch.zeros_like(recv_x)
+        for e, n in enumerate(recv_count.tolist()):
+            if n == 0:
+                continue
+            x = recv_x[e, :n]
+            if self.int8 is None:
+                gate, up = F.linear(x, self.w13[e]).split(self.intermediate, dim=-1)
+                out[e, :n] = F.linear(F.silu(gate) * up, self.w2[e])
+            else:
+                w13, w2 = self.int8[e]
+                gate, up = w13(x).split(self.intermediate, dim=-1)
+                out[e, :n] = w2(F.silu(gate) * up)
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Router + EP dispatch/combine around :class:`LocalExperts` (+ DeepSeek shared experts)."""
+
+    def __init__(self, cfg: ModelConfig, comm: ExpertComm) -> None:
+        super().__init__()
+        self.comm = comm
+        self.gate = Router(cfg)
+        self.experts = LocalExperts(comm.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.n_shared_experts > 0:
+            self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0)."""
+        topk_idx, topk_weights = self.gate(x)
+        recv_x, recv_count, handle = self.comm.timed_dispatch(x, topk_idx)
+        expert_out = self.experts(recv_x, recv_count)
+        shared = (lambda: self.shared_experts(x)) if hasattr(self, "shared_experts") else None
+        out, shared_out = self.comm.timed_combine(expert_out, topk_idx, topk_weights, handle, overlap=shared)
+        return out if shared_out is None else out + shared_out

@@ -1,0 +1,99 @@
+"""Tiny HF checkpoints for the golden tests, built with transformers from config and saved with save_pretrained.
+
+Routing is made decisive (router weights scaled up, so no fp32 noise can flip a top-k choice) and DeepSeek's
+``e_score_correction_bias`` is randomised so the biased-selection path is exercised.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+ROUTER_SCALE = 25.0
+
+
+def hf_config(arch: str):  # noqa: ANN201
+    import transformers as tf
+
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **COMMON,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=96,
+            head_dim=16,
+            eos_token_id=255,
+        )
+    if arch == "deepseek_v3":  # HF's MLA needs num_key_value_heads == num_attention_heads
+        return tf.DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4},
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=96,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_shared_experts=1,
+            eos_token_id=255,
+        )
+    if arch == "mixtral":
+        return tf.MixtralConfig(
+            **COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, eos_token_id=255
+        )
+    raise ValueError(arch)
+
+
+def make_checkpoint(arch: str, path: str, seed: int = 0) -> str:
+    """Build, make routing decisive, ``save_pretrained`` to ``path``; returns ``path``."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = hf_config(arch)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+                p.mul_(ROUTER_SCALE)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand(b.shape) * 0.5)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf(path: str):  # noqa: ANN201
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], num_steps: int) -> tuple[list[int], list[torch.Tensor]]:  # noqa: ANN001
+    """Greedy tokens and per-step last-position logits `[vocab]`, recomputing the full sequence every step."""
+    ids, tokens, logits = list(prompt), [], []
+    for _ in range(num_steps):
+        last = model(torch.tensor([ids])).logits[0, -1].float()
+        logits.append(last)
+        tokens.append(int(last.argmax()))
+        ids.append(tokens[-1])
+    return tokens, logits
+
+
+def test_routing_is_decisive(tmp_path) -> None:  # noqa: ANN001
+    """The scaled router leaves a clear gap between the k-th and (k+1)-th expert probability."""
+    model = load_hf(make_checkpoint("qwen3_moe", str(tmp_path / "q")))
+    x = torch.randn(256, 64)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+    probs = torch.softmax(x @ model.model.layers[0].mlp.gate.weight.T, dim=-1)
+    top = probs.topk(3, dim=-1).values
+    assert (top[:, 1] - top[:, 2]).median() > 1e-2
