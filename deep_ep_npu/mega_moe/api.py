@@ -1,0 +1,96 @@
+"""``mega_moe(group, ...)``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call (the PTO MegaMoE seed)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.errors import MoeDistributeError
+from ..ops.group import resolve_group
+from .backends import create_backend
+from .spec import agree, validate
+
+
+def mega_moe(
+    group,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    out_dtype: torch.dtype | None = None,
+    max_output_size: int | None = None,
+    num_segments: int | None = None,
+    backend: str = "reference",
+) -> torch.Tensor:
+    """Fused expert-parallel MoE layer: ``out[t] = sum_k topk_weights[t, k] * FFN_{topk_idx[t, k]}(x[t])``.
+
+    Every rank of ``group`` must call this together (a rank with no tokens passes ``M = 0``). Rank r hosts the
+    experts ``[r * E_local, (r + 1) * E_local)``, ``E_local = num_experts / W``. FFN is GMM1 -> SwiGLU -> GMM2:
+    with int8 weights (scales given) per-token dynamic int8 activations, exact int32 accumulation, per-channel weight
+    scales, SwiGLU ``silu(gate) * up``, dynamic int8 re-quantization, GMM2, scale (exact spec in
+    :mod:`deep_ep_npu.mega_moe.ffn`); with float weights the same chain in fp32. Pipelined per local-expert segment
+    so that one segment's communication overlaps another's compute (:mod:`deep_ep_npu.mega_moe.pipeline`).
+
+    Arguments:
+        group: the EP ``ProcessGroup`` (or its name), W ranks with W in [1, 16].
+        x: `[M, K]` with `torch.bfloat16` (`torch.float16` / `torch.float32` on the reference path),
+            M <= num_max_dispatch_tokens_per_rank.
+        topk_idx: `[M, topK]` with `torch.int32` / `torch.int64`, topK in [1, 16]; ids distinct per row, in
+            ``[0, num_experts)`` or -1 (no expert).
+        topk_weights: `[M, topK]` with `torch.float32` (the router probabilities).
+        w1: `[E_local, K, 2N]` with `torch.int8` when scales are given, else `torch.bfloat16` / `torch.float16` /
+            `torch.float32`; the last dim is gate (first N) then up.
+        w2: `[E_local, N, K]`, w1's dtype.
+        w1_scale: `[E_local, 2N]` with `torch.float32` per-output-channel scales of w1 (int8 weights), or None.
+        w2_scale: `[E_local, K]` with `torch.float32` per-output-channel scales of w2 (int8 weights), or None.
+        num_max_dispatch_tokens_per_rank: the largest M of any rank (same on all ranks), in [1, 512].
+        num_experts: routed experts in total, divisible by W.
+        out_dtype: `torch.float16` (the seed's), `torch.bfloat16` or `torch.float32`; None means x's dtype.
+        max_output_size: the seed's per-rank routed-row workspace, must be >= M * topK; default
+            ``num_max_dispatch_tokens_per_rank * topK * W`` (what any routing can need). Passed to the NPU op;
+            validated only on the reference path, whose ops size their own buffers.
+        num_segments: local-expert segments of the pipeline, in [1, E_local]; default min(E_local, 4). 1 = no overlap.
+        backend: ``reference`` (any torch.distributed backend), ``ascend`` (the fused NPU op
+            ``torch.ops._C_ascend.dispatch_ffn_combine`` when present and the shapes fit it, else the reference
+            pipeline) or ``auto``.
+
+    Returns:
+        out: `[M, K]` with ``out_dtype``. Expert outputs are rounded to ``out_dtype``, weighted and summed in fp32,
+        then rounded once more.
+
+    Raises:
+        MoeDistributeError: (a ``ValueError``) invalid input, naming the parameter, the value and what is allowed;
+            raised on every rank (before any token moves) when any rank's input is invalid or ranks disagree on
+            num_experts, K, N, topK, the weight dtype, out_dtype or num_max_dispatch_tokens_per_rank.
+        ValueError: unknown ``backend``. ImportError: ``ascend`` without torch_npu.
+    """
+    pg = resolve_group(group, "group")
+    world_size, rank = pg.size(), pg.rank()
+    impl = create_backend(backend)
+    try:
+        args = validate(
+            pg,
+            x,
+            topk_idx,
+            topk_weights,
+            w1,
+            w2,
+            w1_scale=w1_scale,
+            w2_scale=w2_scale,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            num_experts=num_experts,
+            out_dtype=out_dtype,
+            max_output_size=max_output_size,
+            num_segments=num_segments,
+        )
+    except MoeDistributeError as err:
+        if 1 <= world_size <= 16:
+            agree(pg, world_size, rank, err)
+        raise
+    fused = agree(pg, world_size, rank, None, args.fingerprint(), impl.can_fuse(args))
+    return impl.run(args, fused)

@@ -1,0 +1,105 @@
+"""The reference MegaMoE pipeline: the seed's stages over the two-stage ops, pipelined per local-expert segment.
+
+Stages (seed names) and where they run here:
+
+```
+FrontReorder  per-token int8 quant + expert-major ordering      dispatch setup (quant_mode 2 for int8 weights)
+Dispatch      rows to the ranks that host their experts          dispatch payload all-to-all (async)
+GMM1/SwiGLU/GMM2  the expert FFN (ffn.py)                        compute, per local expert
+Combine       expert outputs back to their source rank           combine payload all-to-all (async)
+Unpermute     top-k weighted sum at the source                   combine teardown (fp32), then one final cast
+```
+
+The local experts are split into S contiguous segments (the same on every rank). Segment s's dispatch carries only
+the (token, expert) pairs whose expert is in segment s (a 2D ``x_active_mask``), so segments are independent
+dispatch -> FFN -> combine chains. Two dispatches are kept in flight; each segment's combine is started as soon as
+its FFN is done and received at the very end, so one segment's transfers overlap another segment's compute:
+
+```
+            setup     teardown = wait for data
+comm     : [D0][D1]  .....D1 data......  [D2] ...D2 data...  [C1] ...  [D3] ... [C2] ... [C3] ... |
+                 [C0] ...C0 data...
+compute  :       |W0| FFN(seg 0) |     |W1| FFN(seg 1) |      |W2| FFN(seg 2) | |W3| FFN(seg 3) | [sum C0..C3]
+```
+
+(``[Dk]`` / ``[Ck]`` = dispatch / combine setup of segment k: validation, one small header all-to-all, the payload
+all-to-all started asynchronously; ``Wk`` = dispatch teardown of segment k.) The partial outputs of the S combines
+are fp32 (expert outputs are rounded to ``out_dtype`` first, as the seed's FP16 CV tiles, then sent as fp32) and
+summed in fp32; the single final cast to ``out_dtype`` makes the result equal to one unsegmented combine up to fp32
+re-association (at most one unit in the last place of ``out_dtype``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import moe_distribute_combine_setup, moe_distribute_dispatch_setup
+from ..ops.combine import CombineHandle
+from ..ops.dispatch import DispatchHandle
+from .ffn import grouped_ffn
+from .spec import MegaMoeArgs
+
+DISPATCH_LOOKAHEAD = 2
+
+
+def routed_ids(args: MegaMoeArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ops' view of ``topk_idx``: `-1` becomes a distinct zero expert (id ``num_experts + slot``, never sent,
+    contributes nothing), and a `[M, topK]` `torch.int64` map from each pair to its segment (-1: not routed)."""
+    idx, num_local = args.topk_idx, args.num_local_experts
+    slot = torch.arange(args.topk, dtype=torch.int64).expand_as(idx)
+    ids = torch.where(idx >= 0, idx, args.num_experts + slot)
+    segment_of_local = torch.empty((num_local,), dtype=torch.int64)
+    for s in range(args.num_segments):
+        r = args.segment_experts(s)
+        segment_of_local[r.start : r.stop] = s
+    segment = torch.where(idx >= 0, segment_of_local[idx.clamp(min=0) % num_local], -1)
+    return ids, segment
+
+
+def run_reference(args: MegaMoeArgs) -> torch.Tensor:
+    """Run the pipelined dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine; returns `[M, K]` with ``args.out_dtype``."""
+    ids, segment = routed_ids(args)
+    common = dict(
+        group_ep=args.group,
+        ep_world_size=args.world_size,
+        ep_rank_id=args.rank,
+        moe_expert_num=args.num_experts,
+        global_bs=args.num_max_dispatch_tokens_per_rank * args.world_size,
+        zero_expert_num=args.topk,
+    )
+    masks = [segment == s for s in range(args.num_segments)]
+    quant_mode = 2 if args.int8_weights else 0
+
+    def start_dispatch(s: int) -> DispatchHandle:
+        return moe_distribute_dispatch_setup(
+            args.x, ids, x_active_mask=masks[s], quant_mode=quant_mode, expert_token_nums_type=1, **common
+        )
+
+    num_segments = args.num_segments
+    dispatches = [start_dispatch(s) for s in range(min(DISPATCH_LOOKAHEAD, num_segments))]
+    combines: list[CombineHandle] = []
+    for s in range(num_segments):
+        expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, _, _ = dispatches[s].teardown()
+        if s + DISPATCH_LOOKAHEAD < num_segments:
+            dispatches.append(start_dispatch(s + DISPATCH_LOOKAHEAD))
+        y = grouped_ffn(
+            expand_x,
+            dynamic_scales,
+            expert_token_nums,
+            args.segment_experts(s),
+            args.w1,
+            args.w2,
+            args.w1_scale,
+            args.w2_scale,
+            args.out_dtype,
+        )
+        combines.append(
+            moe_distribute_combine_setup(
+                y.float(), ids, assist, ep_recv_counts, args.topk_weights, x_active_mask=masks[s], **common
+            )
+        )
+        dispatches[s] = None  # type: ignore[call-overload]  # free the segment's receive buffers
+    out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32)
+    for handle in combines:
+        out += handle.teardown()
+    return out.to(args.out_dtype)

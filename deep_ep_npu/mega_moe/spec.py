@@ -1,0 +1,247 @@
+"""Validated arguments of :func:`deep_ep_npu.mega_moe.mega_moe` and the seed's semantic constraints.
+
+Validation is pure and runs first on every rank; :func:`agree` then exchanges one small status/fingerprint row per
+rank (one ``all_gather``) so that a rank whose input was rejected, or ranks that disagree on a shape, make every rank
+raise the same error instead of leaving its peers waiting in the dispatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..ops import checks
+from ..ops.errors import MoeDistributeError, invalid, shape
+from ..ops.group import resolve_group
+
+MAX_WORLD_SIZE = 16  # the seed: worldSize in [1, 16]
+MAX_TOKENS_PER_RANK = 512  # the dispatch op's Bs limit
+MAX_TOPK = 16
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}
+_FINGERPRINT = (
+    "num_experts",
+    "hidden",
+    "N",
+    "topk",
+    "weight dtype",
+    "out_dtype",
+    "num_max_dispatch_tokens_per_rank",
+    "num_segments",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MegaMoeArgs:
+    """One rank's validated call. ``topk_idx`` is int64 with ``-1`` kept (no expert)."""
+
+    group: dist.ProcessGroup
+    world_size: int
+    rank: int
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w1_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    out_dtype: torch.dtype
+    max_output_size: int
+    num_segments: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def topk(self) -> int:
+        return self.topk_idx.shape[1]
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def intermediate(self) -> int:
+        """N: the FFN intermediate size (w1 has 2N columns, gate then up)."""
+        return self.w2.shape[1]
+
+    @property
+    def int8_weights(self) -> bool:
+        return self.w1_scale is not None
+
+    def segment_experts(self, s: int) -> range:
+        """Local experts of segment ``s``: contiguous groups, sizes differing by at most one."""
+        n, num_local = self.num_segments, self.num_local_experts
+        return range(s * num_local // n, (s + 1) * num_local // n)
+
+    def fingerprint(self) -> tuple[int, ...]:
+        return (
+            self.num_experts,
+            self.hidden,
+            self.intermediate,
+            self.topk,
+            _DTYPE_CODES[self.w1.dtype],
+            _DTYPE_CODES[self.out_dtype],
+            self.num_max_dispatch_tokens_per_rank,
+            self.num_segments,
+        )
+
+
+def validate(
+    group: object,
+    x: object,
+    topk_idx: object,
+    topk_weights: object,
+    w1: object,
+    w2: object,
+    *,
+    w1_scale: object,
+    w2_scale: object,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    out_dtype: torch.dtype | None,
+    max_output_size: int | None,
+    num_segments: int | None,
+) -> MegaMoeArgs:
+    """Check every argument (no communication); raise :class:`MoeDistributeError` naming the parameter."""
+    pg = resolve_group(group, "group")
+    w, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    checks.in_range(w, "group world size", 1, MAX_WORLD_SIZE)
+    checks.in_range(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1, MAX_TOKENS_PER_RANK)
+    checks.in_range(num_experts, "num_experts", 1, 1 << 16)
+    if num_experts % w:
+        raise shape("num_experts", f"{num_experts} is not divisible by the world size {w}")
+    num_local = num_experts // w
+
+    x = checks.tensor(x, "x", X_DTYPES, 2)
+    num_tokens, hidden = x.shape
+    if hidden < 1:
+        raise shape("x", f"hidden size (dim 1) must be >= 1, got shape {tuple(x.shape)}")
+    if num_tokens > num_max_dispatch_tokens_per_rank:
+        raise shape(
+            "x",
+            f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank}",
+        )
+    idx = checks.tensor(topk_idx, "topk_idx", (torch.int32, torch.int64), 2)
+    if idx.shape[0] != num_tokens:
+        raise shape("topk_idx", f"has {idx.shape[0]} rows but x has {num_tokens} tokens")
+    topk = checks.in_range(idx.shape[1], "topk_idx.shape[1] (topK)", 1, MAX_TOPK)
+    idx = idx.long()
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= num_experts:
+            raise shape("topk_idx", f"contains expert id {lo if lo < -1 else hi}, allowed -1 or [0, {num_experts})")
+        if topk > 1:
+            srt = idx.sort(dim=1).values
+            dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1)
+            if bool(dup.any()):
+                t = int(dup.nonzero()[0, 0])
+                raise shape(
+                    "topk_idx", f"row {t} repeats an expert ({idx[t].tolist()}); ids must be distinct per token"
+                )
+    weights = checks.tensor(topk_weights, "topk_weights", (torch.float32,), 2)
+    checks.dims(weights, "topk_weights", (num_tokens, topk), "(M, topK)")
+
+    if (w1_scale is None) != (w2_scale is None):
+        raise invalid(
+            "w2_scale" if w2_scale is None else "w1_scale",
+            "w1_scale and w2_scale must be given together (int8 weights) or both be None (float weights)",
+        )
+    int8 = w1_scale is not None
+    wdt = (torch.int8,) if int8 else FLOAT_WEIGHT_DTYPES
+    why = "int8 because scales are given" if int8 else "bf16/fp16/fp32 (int8 needs w1_scale and w2_scale)"
+    for name, t in (("w1", w1), ("w2", w2)):
+        if isinstance(t, torch.Tensor) and t.dtype not in wdt:
+            raise invalid(name, f"dtype {t.dtype} not allowed here; must be {why}")
+    w1 = checks.tensor(w1, "w1", wdt, 3)
+    w2 = checks.tensor(w2, "w2", wdt, 3)
+    if w1.shape[0] != num_local or w1.shape[1] != hidden or w1.shape[2] % 2 or w1.shape[2] == 0:
+        raise shape("w1", f"shape {tuple(w1.shape)} must be [E_local = {num_local}, K = {hidden}, 2N] (gate then up)")
+    n = w1.shape[2] // 2
+    checks.dims(w2, "w2", (num_local, n, hidden), "[E_local, N, K]")
+    if w1.dtype != w2.dtype:
+        raise invalid("w2", f"dtype {w2.dtype} differs from w1's {w1.dtype}")
+    if int8:
+        w1_scale = checks.tensor(w1_scale, "w1_scale", (torch.float32,), 2)
+        checks.dims(w1_scale, "w1_scale", (num_local, 2 * n), "[E_local, 2N]")
+        w2_scale = checks.tensor(w2_scale, "w2_scale", (torch.float32,), 2)
+        checks.dims(w2_scale, "w2_scale", (num_local, hidden), "[E_local, K]")
+
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    checks.one_of(out_dtype, "out_dtype", OUT_DTYPES)
+    if max_output_size is None:
+        max_output_size = num_max_dispatch_tokens_per_rank * topk * w
+    checks.in_range(max_output_size, "max_output_size", 0, 1 << 40)
+    if max_output_size < num_tokens * topk:
+        raise shape(
+            "max_output_size",
+            f"{max_output_size} < M * topK = {num_tokens} * {topk}; the routed-row "
+            "workspace must hold every (token, expert) pair of this rank",
+        )
+    if num_segments is None:
+        num_segments = min(num_local, 4)
+    checks.in_range(num_segments, "num_segments", 1, num_local)
+    return MegaMoeArgs(
+        pg,
+        w,
+        rank,
+        x,
+        idx,
+        weights,
+        w1,
+        w2,
+        w1_scale,
+        w2_scale,  # type: ignore[arg-type]
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        out_dtype,
+        max_output_size,
+        num_segments,
+    )
+
+
+def agree(
+    group: dist.ProcessGroup,
+    world_size: int,
+    rank: int,
+    error: MoeDistributeError | None,
+    fingerprint: tuple[int, ...] = (),
+    can_fuse: bool = False,
+) -> bool:
+    """Exchange (status, can_fuse, fingerprint) with every rank (one ``all_gather``); raise the same error on every
+    rank if any rank failed or the ranks disagree (re-raising ``error`` on the rank that produced it). Returns
+    whether every rank can run the fused op."""
+    width = 2 + len(_FINGERPRINT)
+    row = torch.zeros((width,), dtype=torch.int64)
+    row[0] = error.code if error is not None else 0
+    if error is None:
+        row[1] = int(can_fuse)
+        row[2:] = torch.tensor(fingerprint, dtype=torch.int64)
+    table = row.unsqueeze(0)
+    if world_size > 1:
+        parts = [torch.empty_like(row) for _ in range(world_size)]
+        dist.all_gather(parts, row, group=group)
+        table = torch.stack(parts)
+    if error is not None:
+        raise error
+    rows = table.tolist()
+    bad = [(r, v[0]) for r, v in enumerate(rows) if v[0]]
+    if bad:
+        ranks = ", ".join(f"rank {r} (aclnn {c})" for r, c in bad)
+        raise MoeDistributeError(bad[0][1], "inputs", f"mega_moe aborted on every rank: rejected on {ranks}")
+    for i, name in enumerate(_FINGERPRINT):
+        values = [v[2 + i] for v in rows]
+        if any(v != values[rank] for v in values):
+            raise shape(name, f"mega_moe: ranks disagree on {name} (per rank: {values}); it must match on all ranks")
+    return all(v[1] for v in rows)

@@ -1,0 +1,245 @@
+"""Fused MegaMoE (issue 8) against an independent single-process dense oracle and against the unfused path.
+
+The oracle recomputes ``out[t] = sum_k p[t,k] * FFN_e(x[t])`` token by token from the documented formula, with
+its own quantization (numpy, round half to even), int64 integer matmuls and per-token loops; it imports nothing
+from ``deep_ep_npu.mega_moe``.
+
+Tolerance (documented in README "Fused MegaMoE"): the int8 path equals the oracle except where a last-ulp fp32
+difference (SiLU's vectorized vs scalar kernel, summation order) flips one int8 rounding of the SwiGLU output; such
+a flip moves the output by about one quantization step, so we require >= 99% of elements within one unit in the
+last place of ``out_dtype`` and every element within 2% of max |out| (measured: > 99.9% bit-equal). The
+float-weight path differs only by BLAS summation order: rtol 1.6e-2 (bf16) and atol 1% of max |out|.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deep_ep_npu.ops import MoeDistributeError
+from tests.distributed import parallel_launch
+
+
+@dataclasses.dataclass
+class Case:
+    """Every rank's inputs and every expert's weights (global expert e lives on rank e // num_local)."""
+
+    xs: list[torch.Tensor]
+    idx: list[torch.Tensor]
+    probs: list[torch.Tensor]
+    w1: torch.Tensor  # [E, K, 2N]
+    w2: torch.Tensor  # [E, N, K]
+    s1: torch.Tensor | None  # [E, 2N]
+    s2: torch.Tensor | None  # [E, K]
+    num_local: int
+    num_max: int
+
+    def rank_args(self, r: int) -> tuple:
+        sl = slice(r * self.num_local, (r + 1) * self.num_local)
+        s1 = None if self.s1 is None else self.s1[sl]
+        s2 = None if self.s2 is None else self.s2[sl]
+        return self.xs[r], self.idx[r], self.probs[r], self.w1[sl], self.w2[sl], s1, s2
+
+
+def make_case(seed, tokens, hidden, n, topk, num_local, *, int8=True, x_dtype=torch.bfloat16, holes=0.0) -> Case:
+    g = torch.Generator().manual_seed(seed)
+    w = len(tokens)
+    e = w * num_local
+    xs, idx, probs = [], [], []
+    for m in tokens:
+        xs.append(torch.randn((m, hidden), generator=g).to(x_dtype))
+        ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]) if m else torch.zeros((0, topk))
+        ids = ids.long()
+        if holes:
+            ids[torch.rand(ids.shape, generator=g) < holes] = -1
+        idx.append(ids.to(torch.int32))
+        probs.append(torch.softmax(torch.randn((m, topk), generator=g), dim=-1))
+    if int8:
+        w1 = torch.randint(-127, 128, (e, hidden, 2 * n), generator=g, dtype=torch.int8)
+        w2 = torch.randint(-127, 128, (e, n, hidden), generator=g, dtype=torch.int8)
+        s1 = (torch.rand((e, 2 * n), generator=g) + 0.5) / (127.0 * hidden**0.5)
+        s2 = (torch.rand((e, hidden), generator=g) + 0.5) / (127.0 * n**0.5)
+    else:
+        w1 = (torch.randn((e, hidden, 2 * n), generator=g) / hidden**0.5).to(torch.bfloat16)
+        w2 = (torch.randn((e, n, hidden), generator=g) / n**0.5).to(torch.bfloat16)
+        s1 = s2 = None
+    return Case(xs, idx, probs, w1, w2, s1, s2, num_local, max(max(tokens), 1))
+
+
+# ---------------------------------------------------------------- the independent oracle
+
+
+def _quant(row: torch.Tensor) -> tuple[np.ndarray, float]:
+    """Per-token int8 (ascend_ops.md §2.5): s = 127 / amax, q = rint(x * s), scale = amax / 127; numpy fp32."""
+    v = row.float().numpy()
+    amax = np.float32(np.abs(v).max()) if v.size else np.float32(0)
+    if amax == 0:
+        return np.zeros(v.shape, dtype=np.int64), 0.0
+    s = np.float32(127.0) / amax
+    q = np.clip(np.rint(v * s), -127, 127).astype(np.int64)
+    return q, float(np.float32(amax / np.float32(127.0)))
+
+
+def _ffn(x_row: torch.Tensor, e: int, case: Case, out_dtype: torch.dtype) -> torch.Tensor:
+    """FFN of global expert ``e`` on one token `[K]` -> `[K]` out_dtype."""
+    if case.s1 is None:
+        h = x_row.float().unsqueeze(0) @ case.w1[e].float()
+        gate, up = h.chunk(2, dim=-1)
+        return ((F.silu(gate) * up) @ case.w2[e].float()).squeeze(0).to(out_dtype)
+    q1, a1 = _quant(x_row)
+    acc1 = torch.from_numpy(q1).unsqueeze(0) @ case.w1[e].long()  # exact int64
+    h = (acc1.double() * a1 * case.s1[e].double()).float()
+    gate, up = h.chunk(2, dim=-1)
+    q2, a2 = _quant((F.silu(gate) * up).squeeze(0))
+    acc2 = torch.from_numpy(q2).unsqueeze(0) @ case.w2[e].long()
+    return (acc2.double() * a2 * case.s2[e].double()).float().squeeze(0).to(out_dtype)
+
+
+def dense_reference(case: Case, out_dtype: torch.dtype) -> list[torch.Tensor]:
+    outs = []
+    for x, ids, p in zip(case.xs, case.idx, case.probs, strict=True):
+        out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32)
+        for t in range(x.shape[0]):
+            for k in range(ids.shape[1]):
+                e = int(ids[t, k])
+                if e >= 0:
+                    out[t] += p[t, k] * _ffn(x[t], e, case, out_dtype).float()
+        outs.append(out.to(out_dtype))
+    return outs
+
+
+def assert_matches(got: torch.Tensor, ref: torch.Tensor, int8: bool) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    if got.numel() == 0:
+        return
+    g, r = got.float(), ref.float()
+    ulp = torch.finfo(ref.dtype).eps * r.abs().clamp(min=torch.finfo(ref.dtype).tiny)
+    if int8:
+        close = ((g - r).abs() <= ulp).float().mean().item()
+        assert close >= 0.99, f"only {close:.3%} of elements within 1 ulp"
+        assert (g - r).abs().max().item() <= 0.02 * r.abs().max().item()
+    else:
+        torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2 * r.abs().max().item())
+
+
+# ---------------------------------------------------------------- workers
+
+
+def _run_fused(info, case: Case, kwargs: dict):
+    from deep_ep_npu.mega_moe import mega_moe
+
+    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
+    num_experts = case.num_local * info.world_size
+    return mega_moe(
+        info.group, x, idx, p, w1, w2, w1_scale=s1, w2_scale=s2,
+        num_max_dispatch_tokens_per_rank=case.num_max, num_experts=num_experts, **kwargs,
+    )  # fmt: skip
+
+
+def _run_unfused(info, case: Case, out_dtype: torch.dtype):
+    """Buffer-free unfused path: one dispatch_v2 -> the oracle's per-expert FFN -> one combine_v2."""
+    from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2
+
+    x, idx, p, *_ = case.rank_args(info.rank)
+    w, e = info.world_size, case.num_local * info.world_size
+    ids = torch.where(idx >= 0, idx.long(), e + torch.arange(idx.shape[1]))  # -1 -> a zero expert per slot
+    kw = dict(global_bs=case.num_max * w, zero_expert_num=idx.shape[1])
+    expand_x, _, assist, counts, ep_recv_counts, _, _ = moe_distribute_dispatch_v2(
+        x, ids, info.group, w, info.rank, e, **kw
+    )
+    rows, start = [], 0
+    for j, c in enumerate(counts.tolist()):
+        rows += [
+            _ffn(expand_x[start + i].to(x.dtype), info.rank * case.num_local + j, case, out_dtype) for i in range(c)
+        ]
+        start += c
+    y = torch.stack(rows).float() if rows else torch.zeros((0, x.shape[1]))
+    return moe_distribute_combine_v2(y, ids, assist, ep_recv_counts, p, info.group, w, info.rank, e, **kw).to(out_dtype)
+
+
+def _expect_errors(info, case: Case, bad: dict):
+    """Every rank must raise; rank ``bad['rank']`` gets the bad argument(s)."""
+    from deep_ep_npu.mega_moe import mega_moe
+
+    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
+    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max,
+              num_experts=case.num_local * info.world_size)  # fmt: skip
+    args = dict(x=x, topk_idx=idx, topk_weights=p, w1=w1, w2=w2)
+    if info.rank == bad["rank"]:
+        for name, value in bad["args"].items():
+            (args if name in args else kw)[name] = value
+    try:
+        mega_moe(info.group, **args, **kw)
+    except MoeDistributeError as err:
+        return err.param, str(err)
+    return None
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_seed_default_case_int8():
+    """The seed's default case: worldSize=2, M=16, K=128, N=128, topK=2, 16 experts per rank, fp16 out."""
+    case = make_case(1, [16, 16], 128, 128, 2, 16)
+    outs = parallel_launch(2, _run_fused, case, dict(out_dtype=torch.float16, max_output_size=32), timeout=60)
+    for got, ref in zip(outs, dense_reference(case, torch.float16), strict=True):
+        assert_matches(got, ref, int8=True)
+
+
+def test_seed_four_rank_case_scaled_down():
+    """The seed's 4-rank case (M=2048, K=7168, N=4096, topK=8, 16 experts/rank) scaled to M=24, K=256, N=128."""
+    case = make_case(2, [24, 24, 24, 24], 256, 128, 8, 16)
+    outs = parallel_launch(4, _run_fused, case, dict(out_dtype=torch.float16), timeout=60)
+    for got, ref in zip(outs, dense_reference(case, torch.float16), strict=True):
+        assert_matches(got, ref, int8=True)
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16-weights"])
+def test_zero_tokens_uneven_batches_and_no_expert_slots(int8):
+    """Rank 1 has no tokens, ranks differ in M, some slots are -1; fused == oracle == unfused, any segmenting."""
+    case = make_case(3, [7, 0, 12], 128, 64, 3, 4, int8=int8, holes=0.2)
+    ref = dense_reference(case, torch.bfloat16)
+    fused = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16), timeout=60)
+    unsegmented = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16, num_segments=1), timeout=60)
+    unfused = parallel_launch(3, _run_unfused, case, torch.bfloat16, timeout=60)
+    for r in range(3):
+        assert fused[r].shape == (case.xs[r].shape[0], 128)
+        assert_matches(fused[r], ref[r], int8)
+        assert_matches(unfused[r], ref[r], int8)
+        assert_matches(fused[r], unfused[r], int8)
+        torch.testing.assert_close(fused[r].float(), unsegmented[r].float(), rtol=8e-3, atol=1e-5)
+
+
+def test_fp32_reference_path_equals_unfused_exactly():
+    """fp32 activations and weights: every expert output is exact fp32, so fused and unfused agree to fp32 rounding."""
+    case = make_case(4, [5, 9], 64, 32, 2, 6, int8=False, x_dtype=torch.float32)
+    case.w1, case.w2 = case.w1.float(), case.w2.float()
+    fused = parallel_launch(2, _run_fused, case, dict(num_segments=3), timeout=60)
+    unfused = parallel_launch(2, _run_unfused, case, torch.float32, timeout=60)
+    for got, want in zip(fused, unfused, strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("bad", "param"),
+    [
+        ({"max_output_size": 31}, "max_output_size"),
+        ({"w1": torch.zeros((16, 128, 255), dtype=torch.int8)}, "w1"),
+        ({"w2_scale": None}, "w2_scale"),
+        ({"topk_idx": torch.full((16, 2), 32, dtype=torch.int32)}, "topk_idx"),
+        ({"num_max_dispatch_tokens_per_rank": 20}, "num_max_dispatch_tokens_per_rank"),
+        ({"out_dtype": torch.int8}, "out_dtype"),
+    ],
+    ids=["max_output_size", "w1_shape", "one_scale", "expert_id", "disagree", "out_dtype"],
+)
+def test_invalid_input_raises_on_every_rank(bad, param):
+    case = make_case(5, [16, 16], 128, 128, 2, 16)
+    results = parallel_launch(2, _expect_errors, case, {"rank": 1, "args": bad}, timeout=30)
+    assert all(res is not None for res in results), results
+    assert results[1][0] == param, results
+    assert "rank 1" in results[0][1] or results[0][0] == param, results
