@@ -3,8 +3,19 @@
 Imports only torch; torch_npu is imported only when the Ascend backend is created.
 """
 
+from .buffer import Buffer
+from .event import EventOverlap
+from .handle import FlatHandle, LowLatencyHandle
 from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
 
 __version__ = "0.1.0"
 
-__all__ = ["MoeDistributeError", "__version__", "get_low_latency_ccl_buffer_size"]
+__all__ = [
+    "Buffer",
+    "EventOverlap",
+    "FlatHandle",
+    "LowLatencyHandle",
+    "MoeDistributeError",
+    "__version__",
+    "get_low_latency_ccl_buffer_size",
+]

@@ -1,0 +1,311 @@
+"""The reference backend: DeepEP's low-latency masked layout over ``torch.distributed`` (gloo, NCCL or HCCL).
+
+Dispatch: a fixed-size header all-to-all (status, rows per destination, parameter fingerprint), then one uneven
+``all_to_all_single`` of :class:`~.wire.RowFormat` rows: each token travels once per destination rank with a
+bitmask of that rank's experts, and the receiver expands it into ``recv_x`` `[L, R * N, hidden]`. Inside local
+expert i, source rank j owns rows ``[begin, begin + count)`` (blocks in source-rank order, tokens ascending).
+Combine: a header carrying every rank's send and expect vectors (a handle or ``topk_idx`` that does not match
+the dispatch is reported on every rank), then the rows go back, in exactly the order the source rank's own
+``topk_idx`` predicts, and are reduced there in fp32. No Python loop touches tokens.
+
+Buffers: the wire buffers (send/receive of both ops) are owned by the backend, grown on demand and double-buffered
+like DeepEP's (index flipped by every dispatch and combine); results are fresh tensors.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..event import Completion
+from ..handle import LowLatencyHandle, make_handle
+from ..ops import comm, moe_distribute_combine_setup, moe_distribute_dispatch_setup
+from ..ops.errors import MoeDistributeError, shape
+from ..ops.layout import make_send_plan
+from .base import BufferConfig, CombineResult, DispatchResult, FlatPending, LowLatencyBackend
+from .spec import CombineArgs, DispatchArgs
+from .wire import RowFormat
+
+_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_QUANTS = {None: 0, "fp8_e4m3": 1, "int8_per_token": 2}
+_DISPATCH_FP = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype", "use_fp8 format", "row bytes")
+_COMBINE_FP = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype")
+
+
+def _exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return t.cumsum(dim) - t
+
+
+class _Workspace:
+    """Named, growable scratch tensors (the backend's communication buffer)."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        buf = self._tensors.get(name)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty((max(nbytes, 1),), dtype=torch.uint8)
+            self._tensors[name] = buf
+        return buf[:nbytes].view(dtype).view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self._tensors.values())
+
+    def clear(self) -> None:
+        self._tensors.clear()
+
+
+class _Exchange:
+    """An in-flight uneven all-to-all of `[rows, width]` uint8 tensors, plus the time spent waiting for it."""
+
+    def __init__(self, group, recv: torch.Tensor, send: torch.Tensor, recv_rows: list[int], send_rows: list[int]):
+        width = send.shape[1] if send.dim() == 2 else 0
+        self.wait_ns = 0
+        if len(send_rows) == 1:
+            recv.copy_(send)
+            self.work = None
+        else:
+            self.work = dist.all_to_all_single(
+                recv.view(-1),
+                send.reshape(-1),
+                output_split_sizes=[r * width for r in recv_rows],
+                input_split_sizes=[r * width for r in send_rows],
+                group=group,
+                async_op=True,
+            )
+
+    def wait(self) -> None:
+        if self.work is not None:
+            t0 = time.perf_counter_ns()
+            self.work.wait()
+            self.wait_ns = time.perf_counter_ns() - t0
+            self.work = None
+
+
+class ReferenceBackend(LowLatencyBackend):
+    """DeepEP low-latency semantics on any torch.distributed group (see the module docstring)."""
+
+    name = "reference"
+    native_quant_format = "fp8_e4m3"
+
+    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
+        super().__init__(group, config)
+        self._ws = _Workspace()
+        self._buffer_idx = 0
+
+    def _flip(self) -> int:
+        idx, self._buffer_idx = self._buffer_idx, self._buffer_idx ^ 1
+        return idx
+
+    def _header(self, op: str, status: int, rows: list[int], pairs: list[int], fingerprint) -> comm.Header:
+        return comm.exchange_header(self.group, self.num_ranks, status, rows, pairs, fingerprint)
+
+    def abort(self, op: str, code: int) -> None:
+        r = self.num_ranks
+        width = len(_DISPATCH_FP) if op == "dispatch" else 2 * r + len(_COMBINE_FP)
+        self._header(op, code, [0] * r, [0] * r, [0] * width)
+
+    # ---- which pairs leave this rank ------------------------------------------------------------------------
+    def _pairs(self, topk_idx: torch.Tensor, num_local: int):
+        """(token, slot, dest rank, local expert) `[num_pairs]` int64 of the valid entries of ``topk_idx``."""
+        ids = topk_idx.long()
+        valid = ids >= 0
+        if bool(self.mask.any()):  # shrink mode: masked ranks' experts are absent; a masked rank sends nothing
+            valid &= self.mask[ids.clamp(min=0) // num_local] == 0
+            if int(self.mask[self.rank]):
+                valid &= False
+        token, slot = valid.nonzero(as_tuple=True)
+        e = ids[token, slot]
+        return token, slot, e // num_local, e % num_local
+
+    # ---- dispatch ---------------------------------------------------------------------------------------------
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        r, num_local, n, hidden = (
+            self.num_ranks,
+            args.num_local_experts,
+            args.num_max_dispatch_tokens_per_rank,
+            args.hidden,
+        )
+        x, idx = args.x, self._flip()
+        fmt = RowFormat(hidden, x.dtype, args.quant, num_local, args.round_scale)
+        token, slot, dest, expert = self._pairs(args.topk_idx, num_local)
+        plan = make_send_plan(
+            token,
+            slot,
+            dest,
+            expert,
+            num_tokens=x.shape[0],
+            world_size=r,
+            max_local_experts=num_local,
+            per_pair_rows=False,
+        )
+        fingerprint = (n, args.num_experts, hidden, _DTYPES[x.dtype], _QUANTS[args.quant], fmt.row_bytes)
+        header = self._header("dispatch", comm.STATUS_OK, plan.rows_per_dest, plan.pairs_per_dest, fingerprint)
+        comm.check_header(header, self.rank, _DISPATCH_FP, "low_latency_dispatch")
+
+        send = self._ws.get(f"dispatch_send{idx}", (len(plan.row_token), fmt.row_bytes), torch.uint8)
+        fmt.encode_into(send, x[plan.row_token], plan.row_token, plan.row_of_pair, plan.expert)
+        recv = self._ws.get(f"dispatch_recv{idx}", (sum(header.rows), fmt.row_bytes), torch.uint8)
+        exchange = _Exchange(self.group, recv, send, header.rows, plan.rows_per_dest)
+
+        out_dtype = fmt.data_dtype
+        recv_x = torch.empty((num_local, r * n, hidden), dtype=out_dtype)
+        scales = None
+        if args.quant is not None:
+            groups = hidden // 512 if args.use_ue8m0 else hidden // 128
+            scale_dtype = torch.int32 if args.use_ue8m0 else torch.float32
+            # DeepEP allocates [L, groups, R * N] and transposes: the token dimension has stride 1
+            scales = torch.empty((num_local, groups, r * n), dtype=scale_dtype).transpose(1, 2)
+        src_info = torch.empty((num_local, r * n), dtype=torch.int32)
+        layout_range = torch.empty((num_local, r), dtype=torch.int64)
+        recv_count = torch.empty((num_local,), dtype=torch.int32)
+
+        def finish() -> None:
+            exchange.wait()
+            rows_per_src = torch.tensor(header.rows, dtype=torch.int64)
+            src_of_row = torch.repeat_interleave(torch.arange(r), rows_per_src)
+            bits = fmt.expert_bits(recv)
+            if bool(self.mask.any()):
+                bits &= (self.mask[src_of_row] == 0).unsqueeze(1)
+            row, local = bits.nonzero(as_tuple=True)  # row-major: (source, token) ascending, then expert
+            src = src_of_row[row]
+            order = torch.argsort(local * r + src, stable=True)
+            row, local, src = row[order], local[order], src[order]
+            counts = torch.bincount(local * r + src, minlength=num_local * r).view(num_local, r)
+            per_expert = counts.sum(dim=1)
+            pos = torch.arange(row.numel()) - _exclusive_cumsum(per_expert)[local]
+            flat = local * (r * n) + pos
+            fmt.scatter_data(recv, row, recv_x.view(num_local * r * n, -1).view(torch.uint8), flat)
+            if scales is not None:
+                scales[local, pos] = fmt.scales(recv, row, args.use_ue8m0)
+            src_info.view(-1)[flat] = fmt.tokens(recv)[row]
+            layout_range.copy_((_exclusive_cumsum(counts, 1) << 32) | counts)
+            recv_count.copy_(per_expert)
+            if args.cumulative_local_expert_recv_stats is not None:
+                args.cumulative_local_expert_recv_stats += recv_count
+            if args.dispatch_wait_recv_cost_stats is not None:
+                args.dispatch_wait_recv_cost_stats += exchange.wait_ns
+
+        handle = make_handle(src_info, layout_range, n, hidden, args.num_experts)
+        recv_out = recv_x if scales is None else (recv_x, scales)
+        return DispatchResult(recv_out, recv_count, handle, Completion(finish))
+
+    # ---- combine ----------------------------------------------------------------------------------------------
+    def _return_rows(self, handle: LowLatencyHandle) -> tuple[torch.Tensor, list[int]]:
+        """Rows of ``x`` `[L * R * N]` to send back, ordered by (source rank, expert, row), and rows per source."""
+        num_local, r = handle.layout_range.shape
+        n = handle.num_max_dispatch_tokens_per_rank
+        count, begin = handle.recv_count_per_rank, handle.recv_begin
+        if bool(((count < 0) | (begin < 0) | (begin + count > r * n)).any()):
+            raise shape("handle.layout_range", f"holds a block outside [0, R * N = {r * n}); pass dispatch's handle")
+        count_t = count.t().reshape(-1)
+        start_t = (begin + torch.arange(num_local).unsqueeze(1) * (r * n)).t().reshape(-1)
+        total = int(count_t.sum())
+        rows = torch.repeat_interleave(start_t - _exclusive_cumsum(count_t), count_t, output_size=total)
+        return rows + torch.arange(total), count.sum(dim=0).tolist()
+
+    def combine(self, args: CombineArgs) -> CombineResult:
+        h, r, idx = args.handle, self.num_ranks, self._flip()
+        num_local, n, hidden = h.layout_range.shape[0], h.num_max_dispatch_tokens_per_rank, h.hidden
+        try:
+            rows, rows_per_src = self._return_rows(h)
+        except MoeDistributeError as err:
+            self.abort("combine", err.code)
+            raise
+        token, slot, dest, expert = self._pairs(args.topk_idx, num_local)
+        order = torch.argsort((dest * num_local + expert) * max(args.topk_idx.shape[0], 1) + token)
+        token, slot, dest = token[order], slot[order], dest[order]
+        pairs_per_dest = torch.bincount(dest, minlength=r).tolist()
+        fingerprint = (*rows_per_src, *pairs_per_dest, n, h.num_experts, hidden, _DTYPES[args.x.dtype])
+        header = self._header("combine", comm.STATUS_OK, rows_per_src, pairs_per_dest, fingerprint)
+        comm.check_header(header, self.rank, (), "low_latency_combine")
+        sends = [fp[:r] for fp in header.fingerprint]
+        expects = [fp[r : 2 * r] for fp in header.fingerprint]
+        bad = [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]
+        if bad:
+            p, q = bad[0]
+            raise shape(
+                "handle",
+                f"rank {p} would return {sends[p][q]} rows to rank {q}, whose topk_idx routes {expects[q][p]} tokens "
+                f"to it; pass the dispatch's handle and the same topk_idx (mismatched rank pairs: {bad[:8]})",
+            )
+        header.fingerprint = [fp[2 * r :] for fp in header.fingerprint]
+        comm.check_header(header, self.rank, _COMBINE_FP, "low_latency_combine")
+
+        source = self._zero_copy_buffer(idx, h) if args.zero_copy else args.x
+        send = self._ws.get(f"combine_send{idx}", (rows.numel(), hidden), source.dtype)
+        torch.index_select(source.view(num_local * r * n, hidden), 0, rows, out=send)
+        recv = self._ws.get(f"combine_recv{idx}", (token.numel(), hidden), source.dtype)
+        row_bytes = hidden * source.dtype.itemsize
+        exchange = _Exchange(
+            self.group,
+            recv.view(torch.uint8).view(-1, row_bytes),
+            send.view(torch.uint8).view(-1, row_bytes),
+            header.rows,
+            rows_per_src,
+        )
+        num_tokens = args.topk_idx.shape[0]
+        out = args.out if args.out is not None else torch.empty((num_tokens, hidden), dtype=source.dtype)
+
+        def finish() -> None:
+            exchange.wait()
+            acc = torch.zeros((num_tokens, hidden), dtype=torch.float32)
+            weight = args.topk_weights[token, slot].unsqueeze(1)
+            acc.index_add_(0, token, recv.float() * weight)
+            out.copy_(acc)
+            if args.combine_wait_recv_cost_stats is not None:
+                args.combine_wait_recv_cost_stats += exchange.wait_ns
+
+        return CombineResult(out, Completion(finish))
+
+    def _zero_copy_buffer(self, idx: int, handle: LowLatencyHandle) -> torch.Tensor:
+        num_local, r = handle.layout_range.shape
+        shape_ = (num_local, r * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        return self._ws.get(f"zero_copy{idx}", shape_, torch.bfloat16)
+
+    def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        return self._zero_copy_buffer(self._buffer_idx, handle)
+
+    # ---- the Ascend flat layout, through the ops layer --------------------------------------------------------
+    def dispatch_flat(self, x: torch.Tensor, expert_ids: torch.Tensor, **op_kwargs) -> FlatPending:
+        return _OpsPending(
+            moe_distribute_dispatch_setup(x, expert_ids, self.group, self.num_ranks, self.rank, **op_kwargs)
+        )
+
+    def combine_flat(self, expand_x: torch.Tensor, expert_ids: torch.Tensor, *args, **op_kwargs) -> FlatPending:
+        assist, counts, weights, num_experts = args
+        handle = moe_distribute_combine_setup(
+            expand_x,
+            expert_ids,
+            assist,
+            counts,
+            weights,
+            self.group,
+            self.num_ranks,
+            self.rank,
+            num_experts,
+            **op_kwargs,
+        )
+        return _OpsPending(handle)
+
+    def clean(self) -> None:
+        self._buffer_idx = 0
+
+    def destroy(self) -> None:
+        self._ws.clear()
+
+
+class _OpsPending(FlatPending):
+    def __init__(self, handle) -> None:
+        self._handle = handle
+
+    def teardown(self):
+        return self._handle.teardown()

@@ -1,0 +1,227 @@
+"""Validated arguments of the DeepEP low-latency calls, shared by every backend.
+
+Validation is local and pure (no communication). The Buffer runs it first; when it fails, the backend's
+``abort`` tells the peers (the reference backend sends its fixed-size header with a failure status) so every
+rank raises instead of waiting. Errors are :class:`~deep_ep_npu.ops.MoeDistributeError` (a ``ValueError``) naming
+the parameter, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..handle import LowLatencyHandle
+from ..ops import checks
+from ..ops.errors import invalid, null, shape
+
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+IDX_DTYPES = (torch.int64, torch.int32)
+MAX_TOPK = 16
+QUANT_FORMATS = ("fp8_e4m3", "int8_per_token")
+
+
+@dataclasses.dataclass
+class DispatchArgs:
+    """A validated ``low_latency_dispatch`` call. ``quant`` is None (no quantization) or one of QUANT_FORMATS."""
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    num_ranks: int
+    quant: str | None
+    round_scale: bool
+    use_ue8m0: bool
+    cumulative_local_expert_recv_stats: torch.Tensor | None
+    dispatch_wait_recv_cost_stats: torch.Tensor | None
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def hidden(self) -> int:
+        return self.x.shape[1]
+
+
+@dataclasses.dataclass
+class CombineArgs:
+    """A validated ``low_latency_combine`` call."""
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    handle: LowLatencyHandle
+    zero_copy: bool
+    out: torch.Tensor | None
+    combine_wait_recv_cost_stats: torch.Tensor | None
+
+    @property
+    def num_ranks(self) -> int:
+        return self.handle.layout_range.shape[1]
+
+
+def _flag(value: object, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(param, f"must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _positive_int(value: object, param: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise shape(param, f"must be a positive int, got {value!r}")
+    return value
+
+
+def check_overlap_flags(async_finish: object, return_recv_hook: object) -> None:
+    if _flag(async_finish, "async_finish") and _flag(return_recv_hook, "return_recv_hook"):
+        raise invalid("async_finish", "async_finish and return_recv_hook cannot both be True (pick one overlap style)")
+
+
+def check_topk_idx(topk_idx: object, num_tokens: int, num_max: int, num_experts: int) -> torch.Tensor:
+    """`[T, K]` int64/int32 ids in ``[-1, num_experts)``, ``0 < K <= 16``, T rows, no expert twice in a row."""
+    idx = checks.tensor(topk_idx, "topk_idx", IDX_DTYPES, 2)
+    if idx.shape[0] != num_tokens:
+        raise shape("topk_idx", f"has {idx.shape[0]} rows but x has {num_tokens} tokens")
+    if idx.shape[0] > num_max:
+        raise shape(
+            "topk_idx",
+            f"{idx.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {num_max}; raise it (same on all ranks)",
+        )
+    k = idx.shape[1]
+    if not 0 < k <= MAX_TOPK:
+        raise shape("topk_idx", f"num_topk (dim 1) is {k}, allowed [1, {MAX_TOPK}]")
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= num_experts:
+            bad = lo if lo < -1 else hi
+            raise shape("topk_idx", f"contains {bad}; allowed [0, num_experts = {num_experts}) or -1 (no expert)")
+        if k > 1:
+            srt = idx.sort(dim=1).values
+            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+            if bool(dup.any()):
+                t = int(dup.any(dim=1).nonzero()[0, 0])
+                raise shape("topk_idx", f"row {t} lists an expert twice ({idx[t].tolist()}); use -1 for empty slots")
+    return idx
+
+
+def _stats(value: object, param: str, dtype: torch.dtype, size: int, what: str) -> torch.Tensor | None:
+    t = checks.optional_tensor(value, param, (dtype,), 1)
+    if t is not None and t.shape[0] != size:
+        raise shape(param, f"shape {tuple(t.shape)} must be [{what}] = [{size}]")
+    return t
+
+
+def validate_dispatch(
+    num_ranks: int,
+    x: object,
+    topk_idx: object,
+    num_max_dispatch_tokens_per_rank: object,
+    num_experts: object,
+    cumulative_local_expert_recv_stats: object,
+    dispatch_wait_recv_cost_stats: object,
+    use_fp8: object,
+    round_scale: object,
+    use_ue8m0: object,
+    async_finish: object,
+    return_recv_hook: object,
+    quant_format: str | None,
+    default_quant_format: str,
+) -> DispatchArgs:
+    check_overlap_flags(async_finish, return_recv_hook)
+    use_fp8, round_scale = _flag(use_fp8, "use_fp8"), _flag(round_scale, "round_scale")
+    if _flag(use_ue8m0, "use_ue8m0") and not round_scale:
+        raise invalid("use_ue8m0", "use_ue8m0=True requires round_scale=True (UE8M0 scales are powers of two)")
+    num_max = _positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+    num_experts = _positive_int(num_experts, "num_experts")
+    if num_experts % num_ranks:
+        raise shape("num_experts", f"{num_experts} is not divisible by num_ranks = {num_ranks}")
+    x = checks.tensor(x, "x", ACT_DTYPES, 2)
+    hidden = x.shape[1]
+    if hidden < 1:
+        raise shape("x", f"hidden (dim 1) must be >= 1, got shape {tuple(x.shape)}")
+    idx = check_topk_idx(topk_idx, x.shape[0], num_max, num_experts)
+    quant = None
+    if use_fp8:
+        quant = default_quant_format if quant_format is None else quant_format
+        checks.one_of(quant, "quant_format", QUANT_FORMATS)
+        if hidden % 128:
+            raise shape("x", f"hidden = {hidden} must be a multiple of 128 with use_fp8 (per-128-channel scales)")
+        if use_ue8m0 and hidden % 512:
+            raise shape("x", f"hidden = {hidden} must be a multiple of 512 with use_ue8m0 (4 scales per int32)")
+        if quant == "int8_per_token" and round_scale:
+            raise invalid("round_scale", "is not available with the int8_per_token format (scales are amax / 127)")
+    elif quant_format is not None:
+        checks.one_of(quant_format, "quant_format", QUANT_FORMATS)
+    num_local = num_experts // num_ranks
+    recv_stats = _stats(
+        cumulative_local_expert_recv_stats,
+        "cumulative_local_expert_recv_stats",
+        torch.int32,
+        num_local,
+        "num_local_experts",
+    )
+    wait_stats = _stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64, num_ranks, "R")
+    return DispatchArgs(
+        x, idx, num_max, num_experts, num_ranks, quant, round_scale, bool(use_ue8m0), recv_stats, wait_stats
+    )
+
+
+def as_handle(handle: object) -> LowLatencyHandle:
+    if handle is None:
+        raise null("handle", "pass the handle returned by low_latency_dispatch")
+    if isinstance(handle, LowLatencyHandle):
+        return handle
+    if not isinstance(handle, tuple) or len(handle) != 5:
+        raise invalid("handle", f"must be the 5-field handle returned by low_latency_dispatch, got {type(handle)}")
+    return LowLatencyHandle(*handle)
+
+
+def validate_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
+    h = as_handle(handle)
+    num_max = _positive_int(h.num_max_dispatch_tokens_per_rank, "handle.num_max_dispatch_tokens_per_rank")
+    num_experts = _positive_int(h.num_experts, "handle.num_experts")
+    _positive_int(h.hidden, "handle.hidden")
+    if num_experts % num_ranks:
+        raise shape("handle.num_experts", f"{num_experts} is not divisible by num_ranks = {num_ranks}")
+    num_local = num_experts // num_ranks
+    src_info = checks.tensor(h.src_info, "handle.src_info", (torch.int32,), 2)
+    checks.dims(src_info, "handle.src_info", (num_local, num_ranks * num_max), "[L, R * N]")
+    layout_range = checks.tensor(h.layout_range, "handle.layout_range", (torch.int64,), 2)
+    checks.dims(layout_range, "handle.layout_range", (num_local, num_ranks), "[L, R]")
+    return h
+
+
+def validate_combine(
+    num_ranks: int,
+    x: object,
+    topk_idx: object,
+    topk_weights: object,
+    handle: object,
+    use_logfmt: object,
+    zero_copy: object,
+    async_finish: object,
+    return_recv_hook: object,
+    out: object,
+    combine_wait_recv_cost_stats: object,
+) -> CombineArgs:
+    check_overlap_flags(async_finish, return_recv_hook)
+    if _flag(use_logfmt, "use_logfmt"):
+        raise invalid("use_logfmt", "LogFMT combine is not implemented by deep_ep_npu; pass use_logfmt=False")
+    zero_copy = _flag(zero_copy, "zero_copy")
+    h = validate_handle(handle, num_ranks)
+    num_local, num_max, hidden = h.src_info.shape[0], h.num_max_dispatch_tokens_per_rank, h.hidden
+    x = checks.tensor(x, "x", ACT_DTYPES, 3)
+    checks.dims(x, "x", (num_local, num_ranks * num_max, hidden), "[L, R * N, hidden] from the handle")
+    if zero_copy and x.dtype != torch.bfloat16:
+        raise invalid("x", f"zero_copy combines the bfloat16 buffer; x must be torch.bfloat16, got {x.dtype}")
+    weights = checks.tensor(topk_weights, "topk_weights", (torch.float32,), 2)
+    idx = check_topk_idx(topk_idx, weights.shape[0], num_max, h.num_experts)
+    checks.dims(weights, "topk_weights", tuple(idx.shape), "topk_idx's shape")
+    out = checks.optional_tensor(out, "out", (x.dtype,), 2)
+    if out is not None:
+        checks.dims(out, "out", (idx.shape[0], hidden), "[num_tokens, hidden]")
+    stats = _stats(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, num_ranks, "R")
+    return CombineArgs(x, idx, weights, h, zero_copy, out, stats)

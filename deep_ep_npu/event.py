@@ -1,0 +1,68 @@
+"""``EventOverlap``: DeepEP's completion object for ``async_finish=True``.
+
+On a GPU/NPU it wraps a stream event; on the reference (CPU) backend it wraps the pending receive, so
+``current_stream_wait()`` (or leaving a ``with event:`` block) completes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class EventOverlap:
+    """A communication result that may still be in flight.
+
+    Arguments:
+        event: anything with a ``wait()`` method (a ``torch.cuda.Event`` / ``torch.npu.Event``, whose ``wait()``
+            makes the current stream wait, or a pending CPU receive), or None for an already finished operation.
+        extra_tensors: tensors kept alive until the event is waited on (DeepEP's CUDA-graph-safe ``record_stream``).
+
+    Example (overlap compute with an in-flight dispatch)::
+
+        recv_x, recv_count, handle, event, _ = buffer.low_latency_dispatch(x, topk_idx, N, E, async_finish=True)
+        other = compute_something_else()        # runs while the tokens travel
+        event.current_stream_wait()             # recv_x, recv_count and handle are valid from here on
+    """
+
+    def __init__(self, event: Any = None, extra_tensors: tuple | None = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        """Block (CPU) or make the current stream wait (device) until the operation is complete. Idempotent."""
+        if self.event is not None:
+            self.event.wait()
+        self.extra_tensors = None
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, exc_type: object, exc_val: object, exc_tb: object) -> None:
+        self.current_stream_wait()
+
+
+class Completion:
+    """Runs ``finish`` once, on the first ``wait()`` (or ``__call__``): the receive half of a split operation."""
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Callable[[], None] | None = finish
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def wait(self) -> None:
+        """Run the receive (first call); later calls return at once, or re-raise the first call's error."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            try:
+                finish()
+            except BaseException as err:
+                self._error = err
+                raise
+        elif self._error is not None:
+            raise self._error
+
+    __call__ = wait
