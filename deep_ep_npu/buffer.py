@@ -39,7 +39,8 @@ from .ops.errors import invalid
 
 
 def _hint_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
-    """DeepEP's LowLatencyLayout: two copies of (send, recv, signal) buffers, rounded up to 128 bytes."""
+    """DeepEP's LowLatencyLayout: two copies of (send, recv, signal) buffers, plus its alignment step
+    ``(total + 128) // 128 * 128`` (which adds 128 bytes to an already aligned total, as DeepEP does)."""
     n, scales = num_max_dispatch_tokens_per_rank, hidden // 128
     dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
     combine_msg = scales * 4 + hidden * 2
@@ -47,7 +48,7 @@ def _hint_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts:
     recv = max(num_experts * n * dispatch_msg, num_experts * n * combine_msg)
     signal = (num_experts * 4 + 127) // 128 * 128
     total = 2 * (send + recv + signal)
-    return (total + 127) // 128 * 128
+    return (total + 128) // 128 * 128
 
 
 class Buffer(FlatMixin):
