@@ -14,7 +14,8 @@ Float weights (bf16 / fp16 / fp32, no scales): ``h = fp32(x) @ fp32(w1)``; ``g =
 ``y = out_dtype(g @ fp32(w2))``.
 
 The integer products are exact: int8 values summed over ``K`` stay far below 2^53, so an fp64 matmul (BLAS-fast
-on CPU) returns the exact int32 accumulator the NPU's cube unit produces. Known differences to the A5 kernel of the
+on CPU) returns the exact int32 accumulator the NPU's cube unit produces; for inner sizes <= 1040 every partial sum
+stays below 2^24 and the (faster) fp32 matmul is exact as well. Known differences to the A5 kernel of the
 seed: it rounds GMM1's output to fp16 (``gmC``) before SwiGLU where this spec keeps fp32, and its doc writes
 ``SiLU(up) * gate`` where the issue and every serving model use ``silu(gate) * up`` (kept here).
 """
@@ -25,6 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.quant import per_token_int8
+
+FP32_EXACT_INNER = (1 << 24) // (127 * 127)
+"""Inner sizes up to this keep every int8 partial sum below 2^24, so an fp32 matmul is exact too (and faster)."""
 
 
 def int8_gmm(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -37,6 +41,8 @@ def int8_gmm(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Returns:
         acc: `[num_rows, m]` with `torch.float64`, holding the exact integer sums (the int32 accumulator).
     """
+    if q.shape[1] <= FP32_EXACT_INNER:
+        return (q.float() @ w.float()).double()
     return q.double() @ w.double()
 
 

@@ -31,6 +31,8 @@ re-association (at most one unit in the last place of ``out_dtype``).
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
 from ..ops import moe_distribute_combine_setup, moe_distribute_dispatch_setup
@@ -38,8 +40,6 @@ from ..ops.combine import CombineHandle
 from ..ops.dispatch import DispatchHandle
 from .ffn import grouped_ffn
 from .spec import MegaMoeArgs
-
-DISPATCH_LOOKAHEAD = 2
 
 
 def routed_ids(args: MegaMoeArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,31 +75,47 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
             args.x, ids, x_active_mask=masks[s], quant_mode=quant_mode, expert_token_nums_type=1, **common
         )
 
-    num_segments = args.num_segments
-    dispatches = [start_dispatch(s) for s in range(min(DISPATCH_LOOKAHEAD, num_segments))]
-    combines: list[CombineHandle] = []
-    for s in range(num_segments):
-        expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, _, _ = dispatches[s].teardown()
-        if s + DISPATCH_LOOKAHEAD < num_segments:
-            dispatches.append(start_dispatch(s + DISPATCH_LOOKAHEAD))
-        y = grouped_ffn(
-            expand_x,
-            dynamic_scales,
-            expert_token_nums,
-            args.segment_experts(s),
-            args.w1,
-            args.w2,
-            args.w1_scale,
-            args.w2_scale,
-            args.out_dtype,
+    def start_combine(s: int, y: torch.Tensor, assist: torch.Tensor, ep_recv_counts: torch.Tensor) -> CombineHandle:
+        return moe_distribute_combine_setup(
+            y.float(), ids, assist, ep_recv_counts, args.topk_weights, x_active_mask=masks[s], **common
         )
-        combines.append(
-            moe_distribute_combine_setup(
-                y.float(), ids, assist, ep_recv_counts, args.topk_weights, x_active_mask=masks[s], **common
+
+    # One comm thread issues every collective, in the same order on every rank; this thread only computes.
+    comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mega_moe_comm")
+    try:
+        # comm order: D0 D1 T0 D2 T1 ... (Dk: dispatch setup of segment k, Tk: its teardown), so segment 0's rows
+        # arrive after two setups while the later segments' payloads are still in flight
+        dispatches: list = [comm.submit(start_dispatch, 0)]
+        received: list = []
+        for s in range(1, args.num_segments + 1):
+            if s < args.num_segments:
+                dispatches.append(comm.submit(start_dispatch, s))
+            received.append(comm.submit(_teardown, dispatches[s - 1]))
+        combines = []
+        for s in range(args.num_segments):
+            expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, _, _ = received[s].result()
+            received[s] = dispatches[s] = None  # type: ignore[call-overload]  # free the receive buffers early
+            y = grouped_ffn(
+                expand_x,
+                dynamic_scales,
+                expert_token_nums,
+                args.segment_experts(s),
+                args.w1,
+                args.w2,
+                args.w1_scale,
+                args.w2_scale,
+                args.out_dtype,
             )
-        )
-        dispatches[s] = None  # type: ignore[call-overload]  # free the segment's receive buffers
-    out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32)
-    for handle in combines:
-        out += handle.teardown()
+            combines.append(comm.submit(start_combine, s, y, assist, ep_recv_counts))
+        partials = [comm.submit(_teardown, c) for c in combines]
+        out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32)
+        for p in partials:
+            out += p.result()
+    finally:
+        comm.shutdown(wait=True, cancel_futures=True)
     return out.to(args.out_dtype)
+
+
+def _teardown(setup: Future) -> object:
+    """Finish a two-stage op whose setup ran as an earlier task on the same comm thread."""
+    return setup.result().teardown()

@@ -1,0 +1,143 @@
+"""Fused MegaMoE vs the unfused dispatch -> experts -> combine, measured in the same run (issue 8).
+
+For each EP size, every rank times (median over iterations of the slowest rank, after a barrier):
+  fused    ``mega_moe(...)`` (per-local-expert-segment pipeline)
+  unfused  ``moe_distribute_dispatch_v2`` -> all local experts' FFN -> ``moe_distribute_combine_v2``
+  comm     the same dispatch + combine with no FFN in between (communication only)
+  compute  the FFN alone on the rows one dispatch delivered (compute only)
+and reports ``fused / unfused`` and the overlap achieved: ``hidden = (unfused - fused) / min(comm, compute)``, the
+fraction of the shorter phase that the pipeline hid behind the longer one (1.0 = perfect overlap).
+
+    .venv/bin/python benchmarks/bench_mega_moe.py --ep 2 4 --json mega_moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deep_ep_npu.mega_moe import mega_moe  # noqa: E402
+from deep_ep_npu.mega_moe.ffn import grouped_ffn  # noqa: E402
+from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2  # noqa: E402
+from tests.distributed import parallel_launch  # noqa: E402
+
+
+def _inputs(rank: int, world_size: int, cfg: dict):
+    g = torch.Generator().manual_seed(1000 + rank)
+    m, h, n, k, num_local = cfg["tokens"], cfg["hidden"], cfg["intermediate"], cfg["topk"], cfg["num_local_experts"]
+    e = num_local * world_size
+    x = torch.randn((m, h), generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).to(torch.int32)
+    probs = torch.softmax(torch.randn((m, k), generator=g), dim=-1)
+    if cfg["weights"] == "int8":
+        w1 = torch.randint(-127, 128, (num_local, h, 2 * n), generator=g, dtype=torch.int8)
+        w2 = torch.randint(-127, 128, (num_local, n, h), generator=g, dtype=torch.int8)
+        s1 = torch.full((num_local, 2 * n), 1.0 / (127 * h**0.5))
+        s2 = torch.full((num_local, h), 1.0 / (127 * n**0.5))
+    else:
+        w1 = (torch.randn((num_local, h, 2 * n), generator=g) / h**0.5).to(torch.bfloat16)
+        w2 = (torch.randn((num_local, n, h), generator=g) / n**0.5).to(torch.bfloat16)
+        s1 = s2 = None
+    return x, idx, probs, w1, w2, s1, s2
+
+
+def _time_interleaved(group, fns: dict, iters: int, warmup: int) -> dict:
+    """Median over iterations of the slowest rank's latency (µs) per function. The functions run interleaved, one
+    after another in every iteration, so that background load on a shared machine hits them alike."""
+    samples: dict = {name: [] for name in fns}
+    for i in range(warmup + iters):
+        for name, fn in fns.items():
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+            if i >= warmup:
+                samples[name].append(dt.item() * 1e6)
+    return {f"{name}_us": statistics.median(v) for name, v in samples.items()}
+
+
+def _worker(info, cfg: dict) -> dict:
+    torch.set_num_threads(cfg["threads"])
+    group, w, rank = info.group, info.world_size, info.rank
+    x, idx, probs, w1, w2, s1, s2 = _inputs(rank, w, cfg)
+    e = cfg["num_local_experts"] * w
+    out_dtype = torch.bfloat16
+    quant_mode = 2 if s1 is not None else 0
+    op_kw = dict(group_ep=group, ep_world_size=w, ep_rank_id=rank, moe_expert_num=e)
+
+    def dispatch():
+        return moe_distribute_dispatch_v2(x, idx, quant_mode=quant_mode, **op_kw)
+
+    def ffn(d):
+        return grouped_ffn(d[0], d[1], d[3], range(cfg["num_local_experts"]), w1, w2, s1, s2, out_dtype)
+
+    def unfused():
+        d = dispatch()
+        return moe_distribute_combine_v2(ffn(d), idx, d[2], d[4], probs, **op_kw)
+
+    received = dispatch()
+    zeros = torch.zeros((int(received[4][-1]), x.shape[1]), dtype=out_dtype)
+
+    def comm():
+        d = dispatch()
+        return moe_distribute_combine_v2(zeros, idx, d[2], d[4], probs, **op_kw)
+
+    def fused():
+        return mega_moe(
+            group, x, idx, probs, w1, w2, w1_scale=s1, w2_scale=s2, out_dtype=out_dtype,
+            num_max_dispatch_tokens_per_rank=x.shape[0], num_experts=e, num_segments=cfg["segments"],
+        )  # fmt: skip
+
+    fns = {"unfused": unfused, "fused": fused, "comm": comm, "compute": lambda: ffn(received)}
+    res = _time_interleaved(group, fns, cfg["iters"], cfg["warmup"])
+    diff = (fused().float() - unfused().float()).abs().max().item()
+    res["max_abs_diff_fused_vs_unfused"] = diff
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="EP sizes (ranks) to run")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank (M)")
+    p.add_argument("--hidden", type=int, default=1024, help="K")
+    p.add_argument("--intermediate", type=int, default=256, help="N")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--num-local-experts", type=int, default=8)
+    p.add_argument("--weights", choices=["int8", "bf16"], default="int8")
+    p.add_argument("--segments", type=int, default=4, help="pipeline segments (local-expert groups)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", type=str, default=None, help="write the results here")
+    a = p.parse_args()
+    cfg = {k: v for k, v in vars(a).items() if k not in ("ep", "json")}
+    rows = []
+    print(f"shape: {cfg}")
+    hdr = f"{'EP':>3} {'unfused µs':>11} {'fused µs':>9} {'ratio':>6} {'comm µs':>8} {'compute µs':>11} {'hidden':>7}"
+    print(hdr)
+    for w in a.ep:
+        res = parallel_launch(w, _worker, cfg, timeout=600, pg_timeout=300)[0]
+        res["ep"] = w
+        res["ratio"] = res["fused_us"] / res["unfused_us"]
+        res["hidden"] = (res["unfused_us"] - res["fused_us"]) / min(res["comm_us"], res["compute_us"])
+        rows.append(res)
+        print(
+            f"{w:>3} {res['unfused_us']:>11.0f} {res['fused_us']:>9.0f} {res['ratio']:>6.2f} {res['comm_us']:>8.0f} "
+            f"{res['compute_us']:>11.0f} {res['hidden']:>7.2f}"
+        )
+    if a.json:
+        Path(a.json).write_text(json.dumps({"config": cfg, "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
