@@ -86,3 +86,11 @@ def active_mask(mask: torch.Tensor | None, param: str, num_tokens: int, topk: in
             raise shape(param, "a 1D mask must mark a prefix of active tokens (all True entries first)")
     elif tuple(mask.shape) != (num_tokens, topk):
         raise shape(param, f"2D mask shape {tuple(mask.shape)} does not match (Bs, K) = ({num_tokens}, {topk})")
+
+
+def performance_info(value: object, world_size: int) -> torch.Tensor | None:
+    """`performance_info`: None or `[W]` `torch.int64`, accumulated in place by the op."""
+    perf = optional_tensor(value, "performance_info", (torch.int64,), 1)
+    if perf is not None:
+        dims(perf, "performance_info", (world_size,), "(ep_world_size,)")
+    return perf

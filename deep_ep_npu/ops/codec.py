@@ -11,7 +11,7 @@ import abc
 
 import torch
 
-from .quant import per_token_int8
+from .quant import dequant_per_group_int8, per_group_int8, per_token_int8
 
 ROW_ALIGN = 16
 
@@ -45,6 +45,10 @@ class RowCodec(abc.ABC):
         if scales_out is not None and self.num_scales:
             scales_out.copy_(packed[:, self.data_bytes : self.data_bytes + 4 * self.num_scales].view(torch.float32))
 
+    def decode_float(self, packed: torch.Tensor) -> torch.Tensor:
+        """`[n, row_bytes]` ``uint8`` rows to `[n, hidden]` `torch.float32` values (what combine weights)."""
+        return packed[:, : self.data_bytes].view(self.data_dtype).float()
+
     def _pack(self, data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty((data.shape[0], self.row_bytes), dtype=torch.uint8, device=data.device)
         out[:, : self.data_bytes].view(self.data_dtype).copy_(data)
@@ -76,3 +80,31 @@ class Int8TokenCodec(RowCodec):
     def encode(self, rows: torch.Tensor, smooth_scales: torch.Tensor | None = None) -> torch.Tensor:
         q, scale = per_token_int8(rows, smooth_scales)
         return self._pack(q, scale.unsqueeze(-1))
+
+
+class Int8GroupCodec(RowCodec):
+    """Combine ``comm_quant_mode=2``: int8 data plus one scale per ``group`` elements in the activation dtype
+    (:func:`per_group_int8`); decoded as ``to_dtype(q * scale)``, so the values keep the output dtype's precision."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, group: int = 8) -> None:
+        self.hidden, self.data_dtype, self.scale_dtype, self.group = hidden, torch.int8, dtype, group
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.hidden // self.group * self.scale_dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return _align(self.hidden + self.scale_bytes)
+
+    def encode(self, rows: torch.Tensor, smooth_scales: torch.Tensor | None = None) -> torch.Tensor:
+        q, scale = per_group_int8(rows, self.group)
+        out = torch.zeros((rows.shape[0], self.row_bytes), dtype=torch.uint8, device=rows.device)
+        out[:, : self.hidden].view(torch.int8).copy_(q)
+        out[:, self.hidden : self.hidden + self.scale_bytes].view(self.scale_dtype).copy_(scale)
+        return out
+
+    def decode_float(self, packed: torch.Tensor) -> torch.Tensor:
+        q = packed[:, : self.hidden].view(torch.int8)
+        scale = packed[:, self.hidden : self.hidden + self.scale_bytes].view(self.scale_dtype)
+        return dequant_per_group_int8(q, scale, self.group).to(self.scale_dtype).float()

@@ -160,3 +160,13 @@ def unpack_meta(
     meta = torch.cat(metas) if metas else torch.empty((0, meta_ints), dtype=torch.int32)
     row_base = torch.tensor(bases, dtype=torch.int64)[src]
     return meta, src, row_base
+
+
+def add_wait_time(performance_info: torch.Tensor | None, header: Header, wait_us: int) -> None:
+    """Add the payload all-to-all's wait (µs) to ``performance_info[src]`` for every source rank that sent this rank
+    data. The reference path receives all sources in one collective, so they share its wait time; never reset."""
+    if performance_info is None:
+        return
+    for src, (rows, pairs) in enumerate(zip(header.rows, header.pairs, strict=True)):
+        if rows or pairs:
+            performance_info[src] += wait_us

@@ -18,49 +18,28 @@ import torch
 from . import checks, comm
 from .codec import Int8TokenCodec, PlainCodec, RowCodec
 from .errors import MoeDistributeError, shape
-from .layout import SendPlan, expert_major_counts, make_send_plan, receive_order
+from .group import abort_peers
+from .layout import SendPlan, build_plan, expert_major_counts, logical_rank_of, receive_order
 from .spec import EpLayout, check_ccl_buffer, reject_unsupported, validate_layout, validate_tokens
+from .tp import raise_if_peer_failed, tp_agree_status, tp_allgather_rows
 
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
-_FINGERPRINT = ("moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "meta_ints", "x dtype")
+_FINGERPRINT = (
+    "moe_expert_num",
+    "hidden",
+    "topk",
+    "quant_mode",
+    "global_bs",
+    "row_bytes",
+    "meta_ints",
+    "x dtype",
+    "shared_expert_num",
+    "shared_expert_rank_num",
+    "elastic_info",
+    "tp_world_size",
+)
+_HEADER_WIDTH = len(_FINGERPRINT) + 1
 META_TOKEN, META_SLOT, META_EXPERT, META_ROW, META_WEIGHT = range(5)
-
-
-def routed_pairs(
-    layout: EpLayout, expert_ids: torch.Tensor, x_active_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, slot, dest rank, local expert) of every pair that is sent, each `[num_pairs]` `torch.int64`.
-
-    A pair (t, k) is sent iff it is active (t inside the 1D mask's prefix, or ``mask[t, k]``) and its id is a routed
-    expert (< moe_expert_num); zero/copy/const experts are handled by combine on the source rank.
-    """
-    ids = expert_ids.long()
-    valid = ids < layout.num_moe_experts
-    if x_active_mask is not None:
-        if x_active_mask.dim() == 1:
-            valid &= x_active_mask.unsqueeze(1)
-        else:
-            valid &= x_active_mask
-    token, slot = valid.nonzero(as_tuple=True)
-    e = ids[token, slot]
-    num_local = layout.num_local_experts
-    return token, slot, layout.shared_expert_rank_num + e // num_local, e % num_local
-
-
-def build_plan(
-    layout: EpLayout, expert_ids: torch.Tensor, x_active_mask: torch.Tensor | None, per_pair_rows: bool
-) -> SendPlan:
-    token, slot, dest, expert = routed_pairs(layout, expert_ids, x_active_mask)
-    return make_send_plan(
-        token,
-        slot,
-        dest,
-        expert,
-        num_tokens=expert_ids.shape[0],
-        world_size=layout.world_size,
-        max_local_experts=max(layout.num_local_experts, 1),
-        per_pair_rows=per_pair_rows,
-    )
 
 
 @dataclasses.dataclass
@@ -76,6 +55,7 @@ class _Prepared:
     scales: torch.Tensor | None
     expert_scales: torch.Tensor | None
     expert_token_nums_type: int
+    performance_info: torch.Tensor | None
 
 
 def _prepare(x, expert_ids, layout: EpLayout, kw: dict) -> _Prepared:
@@ -86,18 +66,13 @@ def _prepare(x, expert_ids, layout: EpLayout, kw: dict) -> _Prepared:
     scales = checks.optional_tensor(kw["scales"], "scales", (torch.float32,), 2)
     if scales is not None:
         checks.dims(
-            scales, "scales", (layout.shared_expert_num + layout.num_moe_experts, hidden), "(S + moe_expert_num, H)"
+            scales, "scales", (layout.shared_expert_num + layout.scales_experts, hidden), "(S + moe_expert_num, H)"
         )
     expert_scales = checks.optional_tensor(kw["expert_scales"], "expert_scales", (torch.float32,), 2)
     if expert_scales is not None:
         checks.dims(expert_scales, "expert_scales", (num_tokens, topk), "(Bs, K)")
-    reject_unsupported(
-        elastic_info=kw["elastic_info"],
-        performance_info=kw["performance_info"],
-        y_dtype=kw["y_dtype"],
-        x_dtype=kw["x_dtype"],
-        scales_dtype=kw["scales_dtype"],
-    )
+    perf = checks.performance_info(kw["performance_info"], layout.world_size)
+    reject_unsupported(y_dtype=kw["y_dtype"], x_dtype=kw["x_dtype"], scales_dtype=kw["scales_dtype"])
     check_ccl_buffer(layout, kw["ccl_buffer_size"], global_bs // layout.world_size, hidden, topk)
 
     codec: RowCodec = Int8TokenCodec(hidden) if quant_mode == 2 else PlainCodec(hidden, x.dtype)
@@ -105,15 +80,29 @@ def _prepare(x, expert_ids, layout: EpLayout, kw: dict) -> _Prepared:
     plan = build_plan(layout, ids, mask, per_pair)
     row_start = torch.tensor([0] + plan.rows_per_dest, dtype=torch.int64).cumsum(0)
     fields = [plan.token, plan.slot, plan.expert, plan.row_of_pair - row_start[plan.dest]]
-    if expert_scales is not None:
-        fields.append(expert_scales[plan.token, plan.slot].view(torch.int32).long())
+    if expert_scales is not None:  # shared-expert copies (slot >= K) carry weight 1
+        routed = plan.slot < topk
+        weight = torch.ones(plan.num_pairs, dtype=torch.float32)
+        weight[routed] = expert_scales[plan.token[routed], plan.slot[routed]]
+        fields.append(weight.view(torch.int32).long())
     meta = (
         torch.stack(fields, dim=1).to(torch.int32)
         if plan.num_pairs
         else torch.empty((0, len(fields)), dtype=torch.int32)
     )
     return _Prepared(
-        layout, x, topk, global_bs, quant_mode, codec, plan, meta, scales, expert_scales, kw["expert_token_nums_type"]
+        layout,
+        x,
+        topk,
+        global_bs,
+        quant_mode,
+        codec,
+        plan,
+        meta,
+        scales,
+        expert_scales,
+        kw["expert_token_nums_type"],
+        perf,
     )
 
 
@@ -128,7 +117,9 @@ class DispatchHandle:
         """Wait for the payload and build ``(expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums,
         ep_recv_counts, tp_recv_counts, expand_scales)``. Idempotent."""
         if self._outputs is None:
-            self._outputs = _finish(self._prep, self._header, self._exchange.wait())
+            recv = self._exchange.wait()
+            comm.add_wait_time(self._prep.performance_info, self._header, self._exchange.wait_us)
+            self._outputs = _finish(self._prep, self._header, recv)
         return self._outputs
 
 
@@ -146,28 +137,36 @@ def _finish(prep: _Prepared, header: comm.Header, recv: torch.Tensor) -> tuple[t
             "expert_ids", f"this rank received {num_recv} rows but can hold A = {capacity}; inconsistent inputs"
         )
     rows = recv[(row_base + meta[:, META_ROW].long())[order]]
+    counts = expert_major_counts(expert, src, num_local, w).reshape(-1)
+    all_counts = counts
+    tp = max(layout.tp_world_size, 1)
+    tp_recv_counts = torch.full((layout.tp_world_size,), num_recv, dtype=torch.int32)
+    if layout.tp_group is not None:  # own rows first, then the TP peer's
+        peer_rows, peer_counts = tp_allgather_rows(layout.tp_group, layout.tp_rank_id, rows, counts)
+        tp_recv_counts[1 - layout.tp_rank_id] = peer_rows.shape[0]
+        rows = torch.cat([rows, peer_rows])
+        all_counts = torch.cat([counts, peer_counts])
+    num_rows = rows.shape[0]
 
     out_dtype = torch.int8 if prep.quant_mode == 2 else prep.x.dtype
-    expand_x = torch.zeros((capacity * max(layout.tp_world_size, 1), hidden), dtype=out_dtype)
+    expand_x = torch.zeros((capacity * tp, hidden), dtype=out_dtype)
     if prep.quant_mode == 2:
-        dynamic_scales = torch.zeros((capacity,), dtype=torch.float32)
-        prep.codec.decode_into(rows, expand_x[:num_recv], dynamic_scales[:num_recv].unsqueeze(1))
+        dynamic_scales = torch.zeros((capacity * tp,), dtype=torch.float32)
+        prep.codec.decode_into(rows, expand_x[:num_rows], dynamic_scales[:num_rows].unsqueeze(1))
     else:
-        prep.codec.decode_into(rows, expand_x[:num_recv], None)
+        prep.codec.decode_into(rows, expand_x[:num_rows], None)
         width = () if prep.scales is None else (prep.scales.shape[1],)
-        dynamic_scales = torch.zeros((capacity, *width), dtype=torch.float32)
+        dynamic_scales = torch.zeros((capacity * tp, *width), dtype=torch.float32)
 
     assist = torch.zeros((max(prep.x.shape[0] * topk, capacity * 128),), dtype=torch.int32)
     triples = torch.stack([src, meta[:, META_TOKEN].long(), meta[:, META_SLOT].long()], dim=1)[order]
     assist[: 3 * num_recv] = triples.reshape(-1).to(torch.int32)
 
-    counts = expert_major_counts(expert, src, num_local, w)
-    per_expert = counts.sum(dim=1)
+    per_expert = all_counts.view(tp, num_local, w).sum(dim=(0, 2))
     expert_token_nums = (per_expert.cumsum(0) if prep.expert_token_nums_type == 0 else per_expert).to(torch.int64)
     extra = 2 * prep.global_bs * topk * (w // 8) if prep.expert_scales is not None else 0
-    ep_recv_counts = torch.zeros((w * num_local + extra,), dtype=torch.int32)
-    ep_recv_counts[: w * num_local] = counts.reshape(-1).cumsum(0).to(torch.int32)
-    tp_recv_counts = torch.full((layout.tp_world_size,), num_recv, dtype=torch.int32)
+    ep_recv_counts = torch.zeros((all_counts.numel() + extra,), dtype=torch.int32)
+    ep_recv_counts[: all_counts.numel()] = all_counts.cumsum(0).to(torch.int32)
     if prep.expert_scales is not None:
         expand_scales = torch.zeros((capacity,), dtype=torch.float32)
         expand_scales[:num_recv] = meta[order, META_WEIGHT].view(torch.float32)
@@ -210,27 +209,32 @@ def moe_distribute_dispatch_setup(
 ) -> DispatchHandle:
     """The send phase of :func:`moe_distribute_dispatch_v2` (the seeds' DispatchSetup): validates, exchanges the
     header, and starts the payload all-to-all asynchronously. Compute placed before ``teardown()`` overlaps it."""
-    layout = validate_layout(
-        group_ep,
-        ep_world_size,
-        ep_rank_id,
-        moe_expert_num,
-        tp_world_size=tp_world_size,
-        tp_rank_id=tp_rank_id,
-        expert_shard_type=expert_shard_type,
-        shared_expert_num=shared_expert_num,
-        shared_expert_rank_num=shared_expert_rank_num,
-        comm_alg=comm_alg,
-        zero_expert_num=zero_expert_num,
-        copy_expert_num=copy_expert_num,
-        const_expert_num=const_expert_num,
-        strict=strict,
-    )
+    try:
+        layout = validate_layout(
+            group_ep,
+            ep_world_size,
+            ep_rank_id,
+            moe_expert_num,
+            tp_world_size=tp_world_size,
+            tp_rank_id=tp_rank_id,
+            expert_shard_type=expert_shard_type,
+            shared_expert_num=shared_expert_num,
+            shared_expert_rank_num=shared_expert_rank_num,
+            comm_alg=comm_alg,
+            zero_expert_num=zero_expert_num,
+            copy_expert_num=copy_expert_num,
+            const_expert_num=const_expert_num,
+            strict=strict,
+            group_tp=group_tp,
+            elastic_info=elastic_info,
+        )
+    except MoeDistributeError as err:
+        abort_peers(group_ep, group_tp, tp_world_size, _HEADER_WIDTH, err)
+        raise
     kw = dict(
         scales=scales,
         x_active_mask=x_active_mask,
         expert_scales=expert_scales,
-        elastic_info=elastic_info,
         performance_info=performance_info,
         quant_mode=quant_mode,
         global_bs=global_bs,
@@ -244,7 +248,8 @@ def moe_distribute_dispatch_setup(
     try:
         prep = _prepare(x, expert_ids, layout, kw)
     except MoeDistributeError as err:
-        comm.exchange_header(layout.group, w, err.code, [0] * w, [0] * w, [0] * (len(_FINGERPRINT) + 1))
+        comm.exchange_header(layout.group, w, err.code, [0] * w, [0] * w, [0] * _HEADER_WIDTH)
+        tp_agree_status(layout.tp_group, err.code)
         raise
     plan = prep.plan
     fingerprint = (
@@ -256,11 +261,20 @@ def moe_distribute_dispatch_setup(
         prep.codec.row_bytes,
         prep.meta.shape[1],
         _DTYPE_CODES[prep.x.dtype],
+        layout.shared_expert_num,
+        layout.shared_expert_rank_num,
+        hash(layout.ep_rank_of) & 0x7FFFFFFF,
+        layout.tp_world_size,
     )
     header = comm.exchange_header(
         layout.group, w, comm.STATUS_OK, plan.rows_per_dest, plan.pairs_per_dest, (*fingerprint, prep.x.shape[0])
     )
-    _check_dispatch_header(header, layout, global_bs)
+    try:
+        _check_dispatch_header(header, layout, global_bs)
+    except MoeDistributeError as err:
+        tp_agree_status(layout.tp_group, err.code)
+        raise
+    raise_if_peer_failed(layout.tp_group, comm.STATUS_OK, "moe_distribute_dispatch_v2")
     rows = _encode_rows(prep)
     send, send_units = comm.pack_payload(rows, plan.rows_per_dest, prep.meta, plan.pairs_per_dest)
     recv_units = [
@@ -285,9 +299,11 @@ def _check_dispatch_header(header: comm.Header, layout: EpLayout, global_bs: int
 def _encode_rows(prep: _Prepared) -> torch.Tensor:
     plan, layout = prep.plan, prep.layout
     smooth = None
-    if prep.scales is not None and prep.quant_mode == 2:
-        global_expert = (plan.dest - layout.shared_expert_rank_num) * layout.num_local_experts + plan.expert
-        smooth = prep.scales[layout.shared_expert_num + global_expert]
+    if prep.scales is not None and prep.quant_mode == 2:  # row S + e for routed expert e, row s for shared s
+        logical = logical_rank_of(layout)[plan.dest]
+        global_expert = (logical - layout.shared_expert_rank_num) * layout.num_local_experts + plan.expert
+        row = torch.where(plan.slot >= prep.topk, plan.slot - prep.topk, layout.shared_expert_num + global_expert)
+        smooth = prep.scales[row]
     return prep.codec.encode(prep.x[plan.row_token], smooth)
 
 

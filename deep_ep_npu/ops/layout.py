@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from .spec import EpLayout
+
 
 @dataclasses.dataclass
 class SendPlan:
@@ -74,3 +76,70 @@ def expert_major_counts(
     """`[num_local_experts, world_size]` int64: pairs received per (local expert, source rank)."""
     flat = torch.bincount(expert * world_size + src, minlength=num_local_experts * world_size)
     return flat.view(num_local_experts, world_size)
+
+
+def active_tokens(x_active_mask: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+    """Tokens sent to the shared experts, `[n]` `torch.int64`: all, the 1D mask's prefix, or (2D mask) the tokens
+    with at least one active pair."""
+    if x_active_mask is None:
+        return torch.arange(num_tokens)
+    if x_active_mask.dim() == 1:
+        return torch.arange(int(x_active_mask.sum()))
+    return x_active_mask.any(dim=1).nonzero().squeeze(1)
+
+
+def routed_pairs(
+    layout: EpLayout, expert_ids: torch.Tensor, x_active_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, slot, dest EP rank, local expert) of every pair that is sent, each `[num_pairs]` `torch.int64`.
+
+    A pair (t, k) is sent iff it is active (t inside the 1D mask's prefix, or ``mask[t, k]``) and its id is a routed
+    expert (< moe_expert_num); zero/copy/const experts are handled by combine on the source rank. Every active token
+    also goes to shared expert s (slot ``K + s``) on logical rank ``(rank % R) + s * R``. A rank that elastic_info
+    scaled out sends nothing.
+    """
+    ids = expert_ids.long()
+    if not layout.active:
+        empty = torch.empty((0,), dtype=torch.int64)
+        return empty, empty, empty, empty
+    valid = ids < layout.num_moe_experts
+    if x_active_mask is not None:
+        valid &= x_active_mask.unsqueeze(1) if x_active_mask.dim() == 1 else x_active_mask
+    token, slot = valid.nonzero(as_tuple=True)
+    e = ids[token, slot]
+    num_local = layout.num_local_experts
+    tokens, slots, dests, experts = [token], [slot], [layout.shared_expert_rank_num + e // num_local], [e % num_local]
+    if layout.shared_expert_num:
+        act = active_tokens(x_active_mask, ids.shape[0])
+        r = layout.ranks_per_shared_expert
+        for s in range(layout.shared_expert_num):
+            tokens.append(act)
+            slots.append(torch.full_like(act, ids.shape[1] + s))
+            dests.append(torch.full_like(act, layout.logical_rank % r + s * r))
+            experts.append(torch.zeros_like(act))
+    ep_rank_of = torch.tensor(layout.ep_rank_of, dtype=torch.int64)
+    return torch.cat(tokens), torch.cat(slots), ep_rank_of[torch.cat(dests)], torch.cat(experts)
+
+
+def build_plan(
+    layout: EpLayout, expert_ids: torch.Tensor, x_active_mask: torch.Tensor | None, per_pair_rows: bool
+) -> SendPlan:
+    """The send plan of this rank's pairs (:func:`routed_pairs`)."""
+    token, slot, dest, expert = routed_pairs(layout, expert_ids, x_active_mask)
+    return make_send_plan(
+        token,
+        slot,
+        dest,
+        expert,
+        num_tokens=expert_ids.shape[0],
+        world_size=layout.world_size,
+        max_local_experts=max(layout.num_local_experts, 1),
+        per_pair_rows=per_pair_rows,
+    )
+
+
+def logical_rank_of(layout: EpLayout) -> torch.Tensor:
+    """`[W]` `torch.int64`: the logical rank of each EP rank (-1: scaled out)."""
+    out = torch.full((layout.world_size,), -1, dtype=torch.int64)
+    out[torch.tensor(layout.ep_rank_of, dtype=torch.int64)] = torch.arange(len(layout.ep_rank_of))
+    return out

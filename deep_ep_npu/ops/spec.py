@@ -26,13 +26,18 @@ MAX_BS = 512
 
 @dataclasses.dataclass(frozen=True)
 class EpLayout:
-    """Where experts live: ranks ``[0, SR)`` host shared experts, the rest ``L`` routed experts each."""
+    """Where experts live (ascend_ops.md §2.3).
+
+    Ranks are addressed by their *logical* rank: the EP rank itself, or with ``elastic_info`` the rank in the
+    scaled-down EP (``Table1[ep_rank]``, -1 for ranks that do not take part). Logical ranks ``[0, SR)`` host shared
+    experts, the rest ``L`` routed experts each; ``ep_rank_of[logical]`` is the EP rank to talk to.
+    """
 
     group: dist.ProcessGroup
-    world_size: int
+    world_size: int  # W: ranks of group_ep (the communication domain)
     rank: int
-    num_moe_experts: int
-    shared_expert_rank_num: int
+    num_moe_experts: int  # E in the active layout (elastic: new_moe_expert_count)
+    shared_expert_rank_num: int  # SR in the active layout
     shared_expert_num: int  # effective S (0 when SR == 0)
     zero_expert_num: int
     copy_expert_num: int
@@ -41,19 +46,29 @@ class EpLayout:
     tp_rank_id: int
     comm_alg: str
     strict: bool
+    logical_world_size: int = 0  # W' (== W without elastic_info)
+    logical_rank: int = 0  # -1: this rank does not take part (elastic)
+    ep_rank_of: tuple[int, ...] = ()  # logical rank -> EP rank
+    tp_group: dist.ProcessGroup | None = None
+    scales_experts: int = 0  # moe_expert_num as given (rows of ``scales`` after the shared ones)
 
     @property
     def num_local_experts(self) -> int:
         """L: routed experts per MoE rank."""
-        return self.num_moe_experts // (self.world_size - self.shared_expert_rank_num)
+        return self.num_moe_experts // (self.logical_world_size - self.shared_expert_rank_num)
 
     @property
     def ranks_per_shared_expert(self) -> int:
         return self.shared_expert_rank_num // self.shared_expert_num if self.shared_expert_num else 0
 
     @property
+    def active(self) -> bool:
+        """False for a rank that elastic_info scaled out: it sends and receives nothing."""
+        return self.logical_rank >= 0
+
+    @property
     def is_shared_rank(self) -> bool:
-        return self.rank < self.shared_expert_rank_num
+        return 0 <= self.logical_rank < self.shared_expert_rank_num
 
     @property
     def num_local_experts_here(self) -> int:
@@ -63,11 +78,20 @@ class EpLayout:
     def num_expert_ids(self) -> int:
         return self.num_moe_experts + self.zero_expert_num + self.copy_expert_num + self.const_expert_num
 
+    @property
+    def elastic(self) -> bool:
+        return self.logical_world_size != self.world_size or self.ep_rank_of != tuple(range(self.world_size))
+
     def recv_capacity(self, global_bs: int, topk: int) -> int:
-        """A: the most rows this rank can receive (shared rank: ``maxBs * ceil(W / R)``)."""
-        if self.is_shared_rank:
-            return global_bs // self.world_size * math.ceil(self.world_size / self.ranks_per_shared_expert)
-        return global_bs * min(self.num_local_experts, topk)
+        """A: the most rows this rank can receive per TP rank (shared rank: ``maxBs * ceil(W / R)``; with
+        elastic_info the larger of both formulas, since the role of a rank can change)."""
+        moe = global_bs * min(self.num_local_experts, topk)
+        if not self.shared_expert_num:
+            return moe
+        shared = global_bs // self.world_size * math.ceil(self.logical_world_size / self.ranks_per_shared_expert)
+        if self.elastic:
+            return max(moe, shared)
+        return shared if self.is_shared_rank else moe
 
 
 def validate_layout(
@@ -86,6 +110,8 @@ def validate_layout(
     copy_expert_num: int,
     const_expert_num: int,
     strict: bool,
+    group_tp: object = "",
+    elastic_info: object = None,
 ) -> EpLayout:
     pg = resolve_group(group, "group_ep")
     lo_w, hi_w = (2, 768) if strict else (1, 1 << 16)
@@ -99,10 +125,7 @@ def validate_layout(
     checks.in_range(expert_shard_type, "expert_shard_type", 0, 0, code="param")
     checks.in_range(shared_expert_num, "shared_expert_num", 0, 4, code="param")
     checks.in_range(shared_expert_rank_num, "shared_expert_rank_num", 0, ep_world_size - 1)
-    if shared_expert_rank_num:
-        raise invalid(
-            "shared_expert_rank_num", f"got {shared_expert_rank_num}; shared-expert ranks are not implemented yet"
-        )
+    effective_shared = _effective_shared(shared_expert_num, shared_expert_rank_num, ep_world_size)
     moe_ranks = ep_world_size - shared_expert_rank_num
     if moe_expert_num % moe_ranks:
         raise shape(
@@ -115,13 +138,11 @@ def validate_layout(
         ("const_expert_num", const_expert_num),
     ):
         checks.in_range(value, name, 0, 1 << 20)
-    checks.in_range(tp_world_size, "tp_world_size", 0, 1, code="param")
-    checks.in_range(tp_rank_id, "tp_rank_id", 0, max(tp_world_size, 1) - 1)
     checks.one_of(comm_alg, "comm_alg", COMM_ALGS, "the reference path implements the A3 fullmesh layout")
     if strict and (moe_expert_num // moe_ranks) * ep_world_size > 2048:
         raise shape("moe_expert_num", "local experts x ep_world_size exceeds 2048 (Atlas A3 limit)")
-    effective_shared = 0 if shared_expert_rank_num == 0 else shared_expert_num
-    return EpLayout(
+    tp_group = validate_tp(group_tp, tp_world_size, tp_rank_id, moe_expert_num // moe_ranks)
+    layout = EpLayout(
         pg,
         ep_world_size,
         ep_rank_id,
@@ -135,6 +156,94 @@ def validate_layout(
         tp_rank_id,
         comm_alg,
         strict,
+        ep_world_size,
+        ep_rank_id,
+        tuple(range(ep_world_size)),
+        tp_group,
+        moe_expert_num,
+    )
+    if elastic_info is not None:
+        if tp_world_size > 1:
+            raise invalid(
+                "elastic_info", f"is only supported with tp_world_size <= 1, got tp_world_size {tp_world_size}"
+            )
+        layout = apply_elastic(layout, elastic_info, shared_expert_num)
+    return layout
+
+
+def _effective_shared(shared_expert_num: int, shared_expert_rank_num: int, world_size: int) -> int:
+    """S: 0 when there are no shared-expert ranks (the tiling forces S = 0 for SR = 0, S = 1)."""
+    if shared_expert_rank_num == 0:
+        if shared_expert_num > 1:
+            raise invalid(
+                "shared_expert_num",
+                f"got {shared_expert_num} with shared_expert_rank_num 0; shared experts need shared-expert ranks "
+                "(use 0 or 1, which both mean none, or set shared_expert_rank_num)",
+            )
+        return 0
+    if shared_expert_num == 0:
+        raise invalid(
+            "shared_expert_num", f"is 0 but shared_expert_rank_num is {shared_expert_rank_num}; allowed [1, 4]"
+        )
+    if shared_expert_rank_num % shared_expert_num:
+        raise shape(
+            "shared_expert_rank_num",
+            f"{shared_expert_rank_num} is not a multiple of shared_expert_num {shared_expert_num}",
+        )
+    if shared_expert_rank_num >= world_size:
+        raise shape("shared_expert_rank_num", f"{shared_expert_rank_num} leaves no MoE rank in {world_size} ranks")
+    return shared_expert_num
+
+
+def validate_tp(group_tp: object, tp_world_size: int, tp_rank_id: int, num_local_experts: int):
+    """TP domain: tp_world_size 0/1 (none) or 2 (group_tp of 2 ranks, one routed expert per rank)."""
+    checks.in_range(tp_world_size, "tp_world_size", 0, 2, code="param")
+    checks.in_range(tp_rank_id, "tp_rank_id", 0, max(tp_world_size, 1) - 1)
+    if tp_world_size < 2:
+        return None
+    tp = resolve_group(group_tp, "group_tp")
+    if dist.get_world_size(tp) != 2:
+        raise shape("group_tp", f"has {dist.get_world_size(tp)} ranks, tp_world_size 2 needs 2")
+    if dist.get_rank(tp) != tp_rank_id:
+        raise shape("tp_rank_id", f"is {tp_rank_id} but this process is rank {dist.get_rank(tp)} of group_tp")
+    if num_local_experts > 1:
+        raise shape(
+            "moe_expert_num",
+            f"gives {num_local_experts} local experts per rank; with tp_world_size 2 each rank hosts exactly 1",
+        )
+    return tp
+
+
+def apply_elastic(layout: EpLayout, elastic_info: object, shared_expert_num: int) -> EpLayout:
+    """Re-lay the experts over the scaled-down EP that ``elastic_info`` describes (`[4 + 2W]` `torch.int32`:
+    is_scaled_down, new_rank_count, new_shared_rank_count, new_moe_expert_count, Table1[W], Table2[W])."""
+    w = layout.world_size
+    info = checks.tensor(elastic_info, "elastic_info", (torch.int32,), 1)
+    checks.dims(info, "elastic_info", (4 + 2 * w,), "(4 + 2 * ep_world_size,)")
+    vals = info.tolist()
+    scaled, new_w, new_sr, new_e = vals[:4]
+    checks.in_range(scaled, "elastic_info[0] (is_scaled_down)", 0, 1)
+    if not scaled:
+        return layout
+    checks.in_range(new_w, "elastic_info[1] (new_rank_count)", 1, w)
+    checks.in_range(new_sr, "elastic_info[2] (new_shared_rank_count)", 0, new_w - 1)
+    checks.in_range(new_e, "elastic_info[3] (new_moe_expert_count)", 1, layout.scales_experts)
+    if new_e % (new_w - new_sr):
+        raise shape("elastic_info[3] (new_moe_expert_count)", f"{new_e} is not divisible by {new_w - new_sr} MoE ranks")
+    table1, table2 = vals[4 : 4 + w], vals[4 + w : 4 + w + new_w]
+    if sorted(v for v in table1 if v >= 0) != list(range(new_w)) or any(v < -1 for v in table1):
+        raise shape("elastic_info", f"Table1 {table1} must map exactly {new_w} EP ranks onto 0..{new_w - 1}, others -1")
+    if any(not 0 <= e < w or table1[e] != i for i, e in enumerate(table2)):
+        raise shape("elastic_info", f"Table2 {table2} must be the inverse of Table1 {table1}")
+    shared = _effective_shared(shared_expert_num, new_sr, new_w)
+    return dataclasses.replace(
+        layout,
+        num_moe_experts=new_e,
+        shared_expert_rank_num=new_sr,
+        shared_expert_num=shared,
+        logical_world_size=new_w,
+        logical_rank=table1[layout.rank],
+        ep_rank_of=tuple(table2),
     )
 
 
