@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,13 @@ from server.engine_api import EngineCore, RequestDelta, SamplingParams
 from server.metrics import Metrics
 
 _HEALTH_POLL_S = 1.0
+logger = logging.getLogger("server.engine")
+
+
+def _first_line(e: BaseException) -> str:
+    """A client-safe summary of an engine failure (the full traceback goes to the log only)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 class EngineDeadError(RuntimeError):
@@ -107,7 +115,8 @@ class AsyncEngine:
         full, :class:`EngineDeadError` when the engine is down.
         """
         if not self.is_healthy():
-            raise EngineDeadError(f"the engine is not running ({self._error or 'stopped or unhealthy'})")
+            why = _first_line(self._error) if self._error is not None else "stopped or unhealthy"
+            raise EngineDeadError(f"the engine is not running ({why})")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         if len(self._requests) >= self.capacity + self.max_queue_len:
@@ -199,7 +208,8 @@ class AsyncEngine:
                 end = time.monotonic()
             except BaseException as e:  # noqa: BLE001 - the engine is dead; every stream gets the error
                 self._error = e
-                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine failed: {e!r}"))
+                logger.error("the engine failed; serving 503 from now on", exc_info=e)
+                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine failed: {_first_line(e)}"))
                 return
             self._loop.call_soon_threadsafe(self._deliver, deltas, start, end, stats)
 
