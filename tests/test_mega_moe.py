@@ -91,7 +91,12 @@ def _ffn(x_row: torch.Tensor, e: int, case: Case, out_dtype: torch.dtype) -> tor
         gate, up = h.chunk(2, dim=-1)
         return ((F.silu(gate) * up) @ case.w2[e].float()).squeeze(0).to(out_dtype)
     q1, a1 = _quant(x_row)
-    acc1 = torch.from_numpy(q1).unsqueeze(0) @ case.w1[e].long()  # exact int64
+    return _ffn_quantized(torch.from_numpy(q1), a1, e, case, out_dtype)
+
+
+def _ffn_quantized(q1: torch.Tensor, a1: float, e: int, case: Case, out_dtype: torch.dtype) -> torch.Tensor:
+    """The int8 FFN from an already-quantized token (`[K]` int values and its scale)."""
+    acc1 = q1.long().unsqueeze(0) @ case.w1[e].long()  # exact int64
     h = (acc1.double() * a1 * case.s1[e].double()).float()
     gate, up = h.chunk(2, dim=-1)
     q2, a2 = _quant((F.silu(gate) * up).squeeze(0))
@@ -161,22 +166,51 @@ def _run_unfused(info, case: Case, out_dtype: torch.dtype):
     return moe_distribute_combine_v2(y, ids, assist, ep_recv_counts, p, info.group, w, info.rank, e, **kw).to(out_dtype)
 
 
-def _expect_errors(info, case: Case, bad: dict):
-    """Every rank must raise; rank ``bad['rank']`` gets the bad argument(s)."""
+def _run_buffer_unfused(info, case: Case, out_dtype: torch.dtype):
+    """Buffer.low_latency_dispatch (int8 per-token or plain) -> the oracle's per-expert FFN -> low_latency_combine."""
+    from deep_ep_npu import Buffer
+
+    x, idx, p, *_ = case.rank_args(info.rank)
+    e, n = case.num_local * info.world_size, case.num_max
+    buf = Buffer(info.group, backend="reference", explicitly_destroy=True)
+    int8 = case.s1 is not None
+    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
+        x, idx, n, e, use_fp8=int8, quant_format="int8_per_token" if int8 else None
+    )
+    data = recv_x[0] if int8 else recv_x
+    y = torch.zeros(data.shape, dtype=out_dtype)
+    for j, c in enumerate(recv_count.tolist()):
+        for i in range(c):
+            g = info.rank * case.num_local + j
+            if int8:
+                y[j, i] = _ffn_quantized(data[j, i], float(recv_x[1][j, i, 0]), g, case, out_dtype)
+            else:
+                y[j, i] = _ffn(data[j, i], g, case, out_dtype)
+    out, _, _ = buf.low_latency_combine(y, idx, p, handle)
+    buf.destroy()
+    return out
+
+
+def _expect_errors(info, case: Case, bad_cases: list):
+    """For each bad case, rank 1 alone gets the bad argument(s); every rank must raise (no hang). Runs them in turn
+    on one group, which also shows that the group stays usable after a rejected call."""
     from deep_ep_npu.mega_moe import mega_moe
 
-    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
-    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max,
-              num_experts=case.num_local * info.world_size)  # fmt: skip
-    args = dict(x=x, topk_idx=idx, topk_weights=p, w1=w1, w2=w2)
-    if info.rank == bad["rank"]:
-        for name, value in bad["args"].items():
-            (args if name in args else kw)[name] = value
-    try:
-        mega_moe(info.group, **args, **kw)
-    except MoeDistributeError as err:
-        return err.param, str(err)
-    return None
+    results = []
+    for bad in bad_cases:
+        x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
+        kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max,
+                  num_experts=case.num_local * info.world_size)  # fmt: skip
+        args = dict(x=x, topk_idx=idx, topk_weights=p, w1=w1, w2=w2)
+        if info.rank == 1:
+            for name, value in bad.items():
+                (args if name in args else kw)[name] = value
+        try:
+            mega_moe(info.group, **args, **kw)
+            results.append(None)
+        except MoeDistributeError as err:
+            results.append((err.param, str(err)))
+    return results
 
 
 # ---------------------------------------------------------------- tests
@@ -214,6 +248,16 @@ def test_zero_tokens_uneven_batches_and_no_expert_slots(int8):
         torch.testing.assert_close(fused[r].float(), unsegmented[r].float(), rtol=8e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16-weights"])
+def test_equals_buffer_dispatch_experts_combine(int8):
+    """Fused == Buffer.low_latency_dispatch -> experts -> Buffer.low_latency_combine (DeepEP layout)."""
+    case = make_case(6, [9, 0, 13], 128, 64, 4, 4, int8=int8, holes=0.1)
+    fused = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.float16), timeout=60)
+    unfused = parallel_launch(3, _run_buffer_unfused, case, torch.float16, timeout=60)
+    for got, want in zip(fused, unfused, strict=True):
+        assert_matches(got, want, int8)
+
+
 def test_fp32_reference_path_equals_unfused_exactly():
     """fp32 activations and weights: every expert output is exact fp32, so fused and unfused agree to fp32 rounding."""
     case = make_case(4, [5, 9], 64, 32, 2, 6, int8=False, x_dtype=torch.float32)
@@ -225,21 +269,24 @@ def test_fp32_reference_path_equals_unfused_exactly():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    ("bad", "param"),
-    [
-        ({"max_output_size": 31}, "max_output_size"),
-        ({"w1": torch.zeros((16, 128, 255), dtype=torch.int8)}, "w1"),
-        ({"w2_scale": None}, "w2_scale"),
-        ({"topk_idx": torch.full((16, 2), 32, dtype=torch.int32)}, "topk_idx"),
-        ({"num_max_dispatch_tokens_per_rank": 20}, "num_max_dispatch_tokens_per_rank"),
-        ({"out_dtype": torch.int8}, "out_dtype"),
-    ],
-    ids=["max_output_size", "w1_shape", "one_scale", "expert_id", "disagree", "out_dtype"],
-)
-def test_invalid_input_raises_on_every_rank(bad, param):
+BAD_INPUTS = [
+    ({"max_output_size": 31}, "max_output_size"),
+    ({"w1": torch.zeros((16, 128, 255), dtype=torch.int8)}, "w1"),
+    ({"w2_scale": None}, "w2_scale"),
+    ({"topk_idx": torch.full((16, 2), 32, dtype=torch.int32)}, "topk_idx"),
+    ({"num_max_dispatch_tokens_per_rank": 20}, "num_max_dispatch_tokens_per_rank"),
+    ({"out_dtype": torch.int8}, "out_dtype"),
+]
+
+
+def test_invalid_input_raises_on_every_rank():
+    """max_output_size < M * topK, bad w1 shape, one scale only, expert id out of range, ranks disagreeing on
+    num_max_dispatch_tokens_per_rank, bad out_dtype: rank 1 names the parameter, rank 0 raises too."""
     case = make_case(5, [16, 16], 128, 128, 2, 16)
-    results = parallel_launch(2, _expect_errors, case, {"rank": 1, "args": bad}, timeout=30)
-    assert all(res is not None for res in results), results
-    assert results[1][0] == param, results
-    assert "rank 1" in results[0][1] or results[0][0] == param, results
+    per_rank = parallel_launch(2, _expect_errors, case, [bad for bad, _ in BAD_INPUTS], timeout=60)
+    for i, (_, param) in enumerate(BAD_INPUTS):
+        on0, on1 = per_rank[0][i], per_rank[1][i]
+        assert on0 is not None and on1 is not None, (param, on0, on1)
+        assert on1[0] == param, (param, on1)
+        assert "rank 1" in on0[1] or on0[0] == param, (param, on0)
+        assert "allowed" in on1[1] or "must" in on1[1] or "<" in on1[1], on1

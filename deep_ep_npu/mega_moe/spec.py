@@ -167,7 +167,10 @@ def validate(
     w1 = checks.tensor(w1, "w1", wdt, 3)
     w2 = checks.tensor(w2, "w2", wdt, 3)
     if w1.shape[0] != num_local or w1.shape[1] != hidden or w1.shape[2] % 2 or w1.shape[2] == 0:
-        raise shape("w1", f"shape {tuple(w1.shape)} must be [E_local = {num_local}, K = {hidden}, 2N] (gate then up)")
+        raise shape(
+            "w1",
+            f"shape {tuple(w1.shape)} must be [E_local = {num_local}, K = {hidden}, 2N] (gate then up, 2N > 0)",
+        )
     n = w1.shape[2] // 2
     checks.dims(w2, "w2", (num_local, n, hidden), "[E_local, N, K]")
     if w1.dtype != w2.dtype:
