@@ -1,0 +1,274 @@
+"""The Ascend backend: the real MoE distribute ops, converted between DeepEP's masked layout and the flat one.
+
+Ops, first found wins: ops-transformer's context-based V3 ops (``cann_ops_transformer.ops.MoeDistributeBuffer``,
+CANN 9.1+, methods ``low_latency_dispatch/combine``; else ``npu_ops_transformer.ops.MoeDistributeBuffer``, methods
+``npu_low_latency_dispatch/combine``), else ``torch_npu.npu_moe_distribute_dispatch_v2`` / ``combine_v2`` on the
+group's HCCL communicator. ``torch_npu`` is imported when this backend is created, never before.
+
+Mapping (documented in the Buffer): ``-1`` in ``topk_idx`` becomes a zero expert (never sent, adds 0), with
+``global_bs = N * R`` so ranks may hold fewer than N tokens; ``use_fp8=True`` is A2/A3's per-token dynamic int8
+(``quant_mode=2``); the flat ``expand_x`` (rows expert-major, then source rank, then token) is gathered into
+``recv_x`` `[L, R * N, hidden]` with index tensors only (no host synchronization), ``src_info`` is the token of
+``assist_info_for_combine``'s (rank, token, slot) triples (the A3 fullmesh layout), and combine gathers the masked
+rows back into the flat order. The NPU ops run in stream order at call time: ``hook()`` and the event's wait have
+nothing left to do, and ``dispatch_wait_recv_cost_stats`` is the op's ``performance_info`` (µs per source rank).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..event import Completion
+from ..handle import LowLatencyHandle, make_handle
+from ..ops.ccl_buffer import ccl_buffer_bytes, ccl_buffer_mb
+from ..ops.errors import invalid, shape
+from .base import BufferConfig, CombineResult, DispatchResult, FlatPending, LowLatencyBackend, map_no_expert
+from .spec import CombineArgs, DispatchArgs
+
+_CONTEXT_PACKAGES = ("cann_ops_transformer.ops", "npu_ops_transformer.ops")
+
+
+def _exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return t.cumsum(dim) - t
+
+
+def _find_context_ops() -> Any | None:
+    for name in _CONTEXT_PACKAGES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "MoeDistributeBuffer"):
+            return module
+    return None
+
+
+class _TorchNpuOps:
+    """``torch_npu.npu_moe_distribute_{dispatch,combine}_v2`` on the group's HCCL communicator name."""
+
+    path = "torch_npu"
+
+    def __init__(self, torch_npu: Any, group_name: str, num_ranks: int, rank: int) -> None:
+        self.torch_npu, self.group_name, self.num_ranks, self.rank = torch_npu, group_name, num_ranks, rank
+
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor, moe_expert_num: int, **kw: Any) -> tuple:
+        return tuple(
+            self.torch_npu.npu_moe_distribute_dispatch_v2(
+                x, expert_ids, self.group_name, self.num_ranks, self.rank, moe_expert_num, **kw
+            )
+        )
+
+    def combine(self, expand_x, expert_ids, assist, counts, weights, moe_expert_num: int, **kw: Any) -> torch.Tensor:
+        return self.torch_npu.npu_moe_distribute_combine_v2(
+            expand_x,
+            expert_ids,
+            assist,
+            counts,
+            weights,
+            self.group_name,
+            self.num_ranks,
+            self.rank,
+            moe_expert_num,
+            **kw,
+        )
+
+
+class _ContextOps:
+    """ops-transformer's ``MoeDistributeBuffer`` (the V3 context ops), created on first use with the CCL size."""
+
+    def __init__(self, module: Any, group: dist.ProcessGroup, num_ranks: int) -> None:
+        self.module, self.group, self.num_ranks = module, group, num_ranks
+        self.path = module.__name__.split(".")[0]
+        self.buffer: Any = None
+
+    def _buffer(self, ccl_buffer_size: int) -> Any:
+        if self.buffer is None:
+            self.buffer = self.module.MoeDistributeBuffer(self.group, ccl_buffer_size)
+        return self.buffer
+
+    def _method(self, name: str, ccl_buffer_size: int) -> Any:
+        buf = self._buffer(ccl_buffer_size)
+        return getattr(buf, name, None) or getattr(buf, "npu_" + name)
+
+    def dispatch(self, x, expert_ids, moe_expert_num: int, *, ccl_buffer_size: int, **kw: Any) -> tuple:
+        global_bs = kw.pop("global_bs")
+        kw["x_smooth_scale"] = kw.pop("scales", None)
+        kw["topk_weights"] = kw.pop("expert_scales", None)
+        kw.pop("performance_info", None)  # not exposed by the context wrapper
+        outs = self._method("low_latency_dispatch", ccl_buffer_size)(
+            x, expert_ids, moe_expert_num, num_max_dispatch_tokens_per_rank=global_bs // self.num_ranks, **kw
+        )
+        expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, expand_scales = outs
+        tp_recv_counts = torch.zeros((1,), dtype=torch.int32, device=expand_x.device)
+        return expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales
+
+    def combine(self, expand_x, expert_ids, assist, counts, weights, moe_expert_num: int, **kw: Any) -> torch.Tensor:
+        global_bs = kw.pop("global_bs")
+        return self._method("low_latency_combine", 0)(
+            expand_x,
+            expert_ids,
+            weights,
+            assist,
+            counts,
+            num_experts=moe_expert_num,
+            num_max_dispatch_tokens_per_rank=global_bs // self.num_ranks,
+            **kw,
+        )
+
+
+class _Done(FlatPending):
+    def __init__(self, outputs: Any) -> None:
+        self._outputs = outputs
+
+    def teardown(self) -> Any:
+        return self._outputs
+
+
+class AscendBackend(LowLatencyBackend):
+    """DeepEP's low-latency API on the Ascend MoE distribute ops (see the module docstring)."""
+
+    name = "ascend"
+    native_quant_format = "int8_per_token"
+
+    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
+        try:
+            torch_npu = importlib.import_module("torch_npu")
+        except ImportError as err:
+            raise ImportError(
+                "backend='ascend' needs torch_npu (pip install 'deep_ep_npu[npu]'); use backend='reference' elsewhere"
+            ) from err
+        super().__init__(group, config)
+        context = _find_context_ops()
+        if context is not None:
+            self.ops: Any = _ContextOps(context, group, self.num_ranks)
+        else:
+            self.ops = _TorchNpuOps(torch_npu, self._group_name(), self.num_ranks, self.rank)
+        self._buffer_idx = 0
+        self._zero_copy: dict[int, torch.Tensor] = {}
+
+    @property
+    def ops_path(self) -> str:
+        """Which ops run: ``"cann_ops_transformer"``, ``"npu_ops_transformer"`` or ``"torch_npu"``."""
+        return self.ops.path
+
+    def _group_name(self) -> str:
+        """The HCCL communicator name the torch_npu ops take as ``group_ep``."""
+        device = torch.device("npu")
+        return self.group._get_backend(device).get_hccl_comm_name(self.rank)
+
+    def _ccl_size(self, num_max: int, hidden: int, num_local: int, topk: int) -> int:
+        need = ccl_buffer_mb(ccl_buffer_bytes(self.num_ranks, num_max, hidden, num_local, topk))
+        given = self.config.ccl_buffer_size
+        if given is not None and given < need:
+            raise shape(
+                "ccl_buffer_size",
+                f"{given} MB is too small for R={self.num_ranks}, N={num_max}, hidden={hidden}, L={num_local}, "
+                f"K={topk}: at least {need} MB is needed (Buffer.get_low_latency_ccl_buffer_size)",
+            )
+        return given if given is not None else need
+
+    def _flip(self) -> int:
+        idx, self._buffer_idx = self._buffer_idx, self._buffer_idx ^ 1
+        return idx
+
+    def _op_kwargs(self, ccl_size: int) -> dict:
+        return {"ccl_buffer_size": ccl_size} if isinstance(self.ops, _ContextOps) else {}
+
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        if args.quant == "fp8_e4m3":
+            raise invalid("quant_format", "fp8_e4m3 has no Ascend A2/A3 op; use_fp8 means int8_per_token here")
+        if bool(self.mask.any()):
+            raise invalid("mask", "shrink-mode masking is implemented by the reference backend only")
+        self._flip()
+        r, num_local, n, hidden = (
+            self.num_ranks,
+            args.num_local_experts,
+            args.num_max_dispatch_tokens_per_rank,
+            args.hidden,
+        )
+        ids, zero_num = map_no_expert(args.topk_idx, args.num_experts)
+        kw = dict(quant_mode=2 if args.quant else 0, global_bs=n * r, zero_expert_num=zero_num)
+        if args.dispatch_wait_recv_cost_stats is not None:
+            kw["performance_info"] = args.dispatch_wait_recv_cost_stats
+        ccl = self._ccl_size(n, hidden, num_local, ids.shape[1])
+        expand_x, dynamic_scales, assist, _, ep_recv_counts, _, _ = self.ops.dispatch(
+            args.x, ids, args.num_experts, **kw, **self._op_kwargs(ccl)
+        )
+        cum = ep_recv_counts[: num_local * r].long()
+        counts = (cum - torch.cat([cum.new_zeros(1), cum[:-1]])).view(num_local, r)
+        per_expert = counts.sum(dim=1)
+        start = _exclusive_cumsum(per_expert)
+        num_rows = expand_x.shape[0]
+        gather = (start.unsqueeze(1) + torch.arange(r * n, device=start.device)).clamp_(max=num_rows - 1).view(-1)
+        recv_x: Any = expand_x.index_select(0, gather).view(num_local, r * n, hidden)
+        if args.quant:
+            scales = dynamic_scales.index_select(0, gather).view(num_local, r * n, 1).expand(-1, -1, hidden // 128)
+            recv_x = (recv_x, scales)
+        src_info = assist.view(-1)[3 * gather + 1].view(num_local, r * n).to(torch.int32)
+        layout_range = (_exclusive_cumsum(counts, 1) << 32) | counts
+        recv_count = per_expert.to(torch.int32)
+        if args.cumulative_local_expert_recv_stats is not None:
+            args.cumulative_local_expert_recv_stats += recv_count
+        # combine's gather: flat row -> (expert, position) in the masked layout
+        rows = torch.arange(num_rows, device=start.device)
+        expert_of_row = torch.searchsorted(per_expert.cumsum(0), rows, right=True).clamp_(max=num_local - 1)
+        scatter = (expert_of_row * (r * n) + (rows - start[expert_of_row]).clamp_(0, r * n - 1)).clamp_(
+            max=num_local * r * n - 1
+        )
+        state = dict(assist=assist, ep_recv_counts=ep_recv_counts, rows=scatter, zero_expert_num=zero_num, ccl=ccl)
+        handle = make_handle(src_info, layout_range, n, hidden, args.num_experts, backend_state=state)
+        return DispatchResult(recv_x, recv_count, handle, Completion(lambda: None))
+
+    def combine(self, args: CombineArgs) -> CombineResult:
+        idx = self._flip()
+        h = args.handle
+        state = h.backend_state
+        if not isinstance(state, dict) or "assist" not in state:
+            raise invalid("handle", "was not produced by the ascend backend's low_latency_dispatch")
+        num_local, rn, hidden = h.src_info.shape[0], h.src_info.shape[1], h.hidden
+        source = self._zero_copy_buffer(idx, h) if args.zero_copy else args.x
+        expand_x = source.reshape(num_local * rn, hidden).index_select(0, state["rows"])
+        ids, _ = map_no_expert(args.topk_idx, h.num_experts)
+        combined = self.ops.combine(
+            expand_x,
+            ids,
+            state["assist"],
+            state["ep_recv_counts"],
+            args.topk_weights,
+            h.num_experts,
+            global_bs=h.num_max_dispatch_tokens_per_rank * self.num_ranks,
+            zero_expert_num=state["zero_expert_num"],
+        )
+        out = combined if args.out is None else args.out.copy_(combined)
+        return CombineResult(out, Completion(lambda: None))
+
+    def _zero_copy_buffer(self, idx: int, handle: LowLatencyHandle) -> torch.Tensor:
+        num_local, rn = handle.src_info.shape
+        want = (num_local, rn, handle.hidden)
+        buf = self._zero_copy.get(idx)
+        if buf is None or tuple(buf.shape) != want:
+            buf = torch.empty(want, dtype=torch.bfloat16, device=handle.src_info.device)
+            self._zero_copy[idx] = buf
+        return buf
+
+    def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        return self._zero_copy_buffer(self._buffer_idx, handle)
+
+    def dispatch_flat(self, x: torch.Tensor, expert_ids: torch.Tensor, **op_kwargs: Any) -> FlatPending:
+        moe_expert_num = op_kwargs.pop("moe_expert_num")
+        given = op_kwargs.pop("ccl_buffer_size", None)
+        num_max = op_kwargs["global_bs"] // self.num_ranks
+        ccl = self._ccl_size(num_max, x.shape[1], moe_expert_num // self.num_ranks, expert_ids.shape[1])
+        del given  # checked against config.ccl_buffer_size above
+        return _Done(self.ops.dispatch(x, expert_ids, moe_expert_num, **op_kwargs, **self._op_kwargs(ccl)))
+
+    def combine_flat(self, expand_x: torch.Tensor, expert_ids: torch.Tensor, *args: Any, **op_kwargs: Any):
+        assist, counts, weights, num_experts = args
+        return _Done(self.ops.combine(expand_x, expert_ids, assist, counts, weights, num_experts, **op_kwargs))
+
+    def destroy(self) -> None:
+        self._zero_copy.clear()
