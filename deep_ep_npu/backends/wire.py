@@ -74,7 +74,7 @@ class RowFormat:
         """`[n, num_local_experts]` bool: which local experts each received row is for."""
         packed = rows[:, self.mask_off : self.mask_off + self.mask_bytes]
         bits = (packed.unsqueeze(-1) >> _BITS) & 1
-        return bits.view(rows.shape[0], -1)[:, : self.num_local_experts].bool()
+        return bits.view(rows.shape[0], self.mask_bytes * 8)[:, : self.num_local_experts].bool()
 
     def scatter_data(self, rows: torch.Tensor, row: torch.Tensor, dest_bytes: torch.Tensor, flat: torch.Tensor) -> None:
         """Copy the data of ``rows[row]`` into ``dest_bytes`` `[L * R * N, data_bytes]` uint8 at rows ``flat``."""
