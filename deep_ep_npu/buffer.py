@@ -366,6 +366,46 @@ class Buffer(FlatMixin):
         self._check_shrink()
         self._backend.mask.zero_()
 
+    # ---- fused MegaMoE (deep_ep_npu/mega_moe) --------------------------------------------------------------------
+    def mega_moe(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        w1_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        out_dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call, pipelined per local expert, on this Buffer's
+        group and backend (delegates to :func:`deep_ep_npu.mega_moe.mega_moe`, which documents the math and the
+        extra keywords ``max_output_size`` / ``num_segments``).
+
+        Arguments:
+            x: `[M, K]` with `torch.bfloat16` (`torch.float16` / `torch.float32` on the reference backend).
+            topk_idx: `[M, topK]` with `torch.int32` / `torch.int64` (-1: no expert).
+            topk_weights: `[M, topK]` with `torch.float32`.
+            w1: `[E_local, K, 2N]` (gate then up) with `torch.int8` when scales are given, else a float dtype.
+            w2: `[E_local, N, K]`, w1's dtype.
+            w1_scale: `[E_local, 2N]` / w2_scale: `[E_local, K]` with `torch.float32` per-channel scales, or None.
+
+        Returns:
+            out: `[M, K]` with ``out_dtype`` (default x's dtype): ``sum_k topk_weights[t, k] * FFN_e(x[t])``.
+        """
+        from .mega_moe import mega_moe
+
+        self._check_alive()
+        return mega_moe(
+            self.group, x, topk_idx, topk_weights, w1, w2, w1_scale=w1_scale, w2_scale=w2_scale,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, num_experts=num_experts,
+            out_dtype=out_dtype, backend=self.backend_name, **kwargs,
+        )  # fmt: skip
+
     # ---- lifetime -------------------------------------------------------------------------------------------------
     def destroy(self) -> None:
         """Release the buffers and communication context. Requires ``explicitly_destroy=True`` (as DeepEP);

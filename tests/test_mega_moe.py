@@ -135,14 +135,20 @@ def assert_matches(got: torch.Tensor, ref: torch.Tensor, int8: bool) -> None:
 
 
 def _run_fused(info, case: Case, kwargs: dict):
+    """``mega_moe(group, ...)``, or ``Buffer.mega_moe(...)`` with ``via_buffer=True``."""
+    from deep_ep_npu import Buffer
     from deep_ep_npu.mega_moe import mega_moe
 
+    kwargs = dict(kwargs)
     x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
     num_experts = case.num_local * info.world_size
-    return mega_moe(
-        info.group, x, idx, p, w1, w2, w1_scale=s1, w2_scale=s2,
-        num_max_dispatch_tokens_per_rank=case.num_max, num_experts=num_experts, **kwargs,
-    )  # fmt: skip
+    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max, num_experts=num_experts)
+    if kwargs.pop("via_buffer", False):
+        buf = Buffer(info.group, backend="reference", explicitly_destroy=True)
+        out = buf.mega_moe(x, idx, p, w1, w2, **kw, **kwargs)
+        buf.destroy()
+        return out
+    return mega_moe(info.group, x, idx, p, w1, w2, **kw, **kwargs)
 
 
 def _run_unfused(info, case: Case, out_dtype: torch.dtype):
@@ -250,9 +256,9 @@ def test_zero_tokens_uneven_batches_and_no_expert_slots(int8):
 
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16-weights"])
 def test_equals_buffer_dispatch_experts_combine(int8):
-    """Fused == Buffer.low_latency_dispatch -> experts -> Buffer.low_latency_combine (DeepEP layout)."""
+    """Buffer.mega_moe == Buffer.low_latency_dispatch -> experts -> Buffer.low_latency_combine (DeepEP layout)."""
     case = make_case(6, [9, 0, 13], 128, 64, 4, 4, int8=int8, holes=0.1)
-    fused = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.float16), timeout=60)
+    fused = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.float16, via_buffer=True), timeout=60)
     unfused = parallel_launch(3, _run_buffer_unfused, case, torch.float16, timeout=60)
     for got, want in zip(fused, unfused, strict=True):
         assert_matches(got, want, int8)
