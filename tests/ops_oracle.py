@@ -28,23 +28,53 @@ class RankInput:
 
 @dataclasses.dataclass
 class Layout:
-    """The expert layout the oracle assumes (ascend_ops.md §2.3): shared ranks first, then L experts per rank."""
+    """The expert layout the oracle assumes (ascend_ops.md §2.3): shared ranks first, then L experts per rank.
+
+    With ``table1`` (elastic_info's EP rank -> new rank, -1 = scaled out) the experts are laid over the new ranks.
+    """
 
     world_size: int
     moe_expert_num: int
     shared_expert_rank_num: int = 0
     shared_expert_num: int = 0  # effective S
+    zero: int = 0
+    copy: int = 0
+    const: int = 0
+    table1: list[int] | None = None
+
+    @property
+    def num_ids(self) -> int:
+        return self.moe_expert_num + self.zero + self.copy + self.const
+
+    @property
+    def logical_world_size(self) -> int:
+        return self.world_size if self.table1 is None else sum(v >= 0 for v in self.table1)
+
+    def logical(self, ep_rank: int) -> int:
+        return ep_rank if self.table1 is None else self.table1[ep_rank]
+
+    def ep_of(self, logical: int) -> int:
+        return logical if self.table1 is None else self.table1.index(logical)
 
     @property
     def num_local(self) -> int:
-        return self.moe_expert_num // (self.world_size - self.shared_expert_rank_num)
+        return self.moe_expert_num // (self.logical_world_size - self.shared_expert_rank_num)
 
     def dest_of_expert(self, e: int) -> int:
-        return self.shared_expert_rank_num + e // self.num_local
+        return self.ep_of(self.shared_expert_rank_num + e // self.num_local)
 
     def shared_dest(self, src: int, s: int) -> int:
         r = self.shared_expert_rank_num // self.shared_expert_num
-        return src % r + s * r
+        return self.ep_of(self.logical(src) % r + s * r)
+
+    def expert_of_rank(self, ep_rank: int, local: int) -> int:
+        """Global expert id of local expert ``local`` on ``ep_rank`` (shared expert s: -1 - s)."""
+        lr = self.logical(ep_rank)
+        if lr < 0:  # scaled out: receives nothing
+            return 0
+        if lr < self.shared_expert_rank_num:
+            return -1 - lr // (self.shared_expert_rank_num // self.shared_expert_num)
+        return (lr - self.shared_expert_rank_num) * self.num_local + local
 
 
 def expert_fn(x: torch.Tensor, expert: torch.Tensor | int) -> torch.Tensor:
@@ -98,26 +128,32 @@ def active_tokens(inp: RankInput) -> list[int]:
 
 def routed_rows(inputs: list[RankInput], lay: Layout) -> dict[int, list[tuple[int, int, int, int]]]:
     """Per destination rank, its received rows in order: (src rank, token, slot, global expert id or -1 - s)."""
-    flat = [(r, t, j, e) for r, inp in enumerate(inputs) for (t, j, e) in active_pairs(inp, lay.moe_expert_num)]
+    live = [r for r in range(len(inputs)) if lay.logical(r) >= 0]
+    flat = [(r, t, j, e) for r in live for (t, j, e) in active_pairs(inputs[r], lay.moe_expert_num)]
     flat.sort(key=lambda p: p[3])  # stable: ties keep (rank, token, slot) order -- the golden tests' routing sort
     per_dest: dict[int, list] = {d: [] for d in range(lay.world_size)}
     for p in flat:
         per_dest[lay.dest_of_expert(p[3])].append(p)
     k = inputs[0].ids.shape[1]
     for s in range(lay.shared_expert_num):
-        for r, inp in enumerate(inputs):
-            for t in active_tokens(inp):
+        for r in live:
+            for t in active_tokens(inputs[r]):
                 per_dest[lay.shared_dest(r, s)].append((r, t, k + s, -1 - s))
     for d in range(lay.shared_expert_rank_num):
-        per_dest[d].sort(key=lambda p: (p[0], p[1]))
+        per_dest[lay.ep_of(d)].sort(key=lambda p: (p[0], p[1]))
     return per_dest
 
 
 def recv_capacity(lay: Layout, rank: int, global_bs_real: int, topk: int) -> int:
-    if rank < lay.shared_expert_rank_num:
-        r = lay.shared_expert_rank_num // lay.shared_expert_num
-        return global_bs_real // lay.world_size * math.ceil(lay.world_size / r)
-    return global_bs_real * min(lay.num_local, topk)
+    """A (§2.3): MoE rank ``global_bs * min(L, K)``, shared rank ``maxBs * ceil(W / R)``, elastic: the larger."""
+    moe = global_bs_real * min(lay.num_local, topk)
+    if not lay.shared_expert_num:
+        return moe
+    r = lay.shared_expert_rank_num // lay.shared_expert_num
+    shared = global_bs_real // lay.world_size * math.ceil(lay.logical_world_size / r)
+    if lay.table1 is not None:
+        return max(moe, shared)
+    return shared if 0 <= lay.logical(rank) < lay.shared_expert_rank_num else moe
 
 
 def dispatch_oracle(
@@ -139,7 +175,7 @@ def dispatch_oracle(
     outs = []
     for d in range(w):
         rows = per_dest[d]
-        shared_rank = d < lay.shared_expert_rank_num
+        shared_rank = 0 <= lay.logical(d) < lay.shared_expert_rank_num
         num_local = 1 if shared_rank else lay.num_local
         cap = recv_capacity(lay, d, global_bs_real, topk)
         n = len(rows)
@@ -160,7 +196,7 @@ def dispatch_oracle(
             else:
                 expand_x[i] = row
             assist[3 * i : 3 * i + 3] = torch.tensor([r, t, j], dtype=torch.int32)
-            local = 0 if shared_rank else e - (d - lay.shared_expert_rank_num) * lay.num_local
+            local = 0 if shared_rank else e - (lay.logical(d) - lay.shared_expert_rank_num) * lay.num_local
             counts[local, r] += 1
             if inputs[r].weights is not None:
                 expand_scales[i] = inputs[r].weights[t, j] if j < topk else 1.0
@@ -181,30 +217,81 @@ def dispatch_oracle(
 
 
 def combine_oracle(
-    inputs: list[RankInput], lay: Layout, *, quant: bool = False, smooth: torch.Tensor | None = None
+    inputs: list[RankInput],
+    lay: Layout,
+    *,
+    quant: bool = False,
+    smooth: torch.Tensor | None = None,
+    comm_quant: bool = False,
+    special: list[dict] | None = None,
+    expert_out=None,
 ) -> list[torch.Tensor]:
     """Expected combine output of every rank when expert e maps a row x to ``expert_fn(x, e)``.
 
-    ``out[t] = sum_k w[t,k] * y[t,k]`` (k ascending, fp32; masked or non-routed pairs add nothing), plus the
-    shared experts' outputs and ``shared_x[t]`` with weight 1, then one cast. With ``quant`` the expert sees
-    the dequantized int8 row ``q * scale`` (fp32).
+    ``out[t] = sum_k c[t, k]`` (k ascending, fp32; masked pairs add nothing), where ``c`` is ``w * y`` for a routed
+    expert, 0 / ``w * ori_x`` / ``w * (a1 * ori_x + a2 * v[c])`` for zero / copy / const experts, then the shared
+    experts' ``y`` (slots K + s) and ``shared_x[t]`` with weight 1, then one cast. With ``quant`` the expert sees the
+    dequantized int8 row ``q * scale``; with ``comm_quant`` the returned y went through the 8-element int8 codec.
+    ``expert_out(src_rank, row, e)`` overrides how y is computed (the TP tests sum two partial experts).
     """
     outs = []
-    for inp in inputs:
+    for r, inp in enumerate(inputs):
         bs, hidden = inp.x.shape
         acc = torch.zeros((bs, hidden), dtype=torch.float32)
-        pairs = active_pairs(inp, lay.moe_expert_num)
-        for t, j, e in sorted(pairs, key=lambda p: (p[1], p[0])):
-            acc[t] += inp.weights[t, j] * _expert_out(inp.x[t], e, lay, quant, smooth).float()
+        if lay.logical(r) < 0:
+            outs.append(acc.to(inp.x.dtype))
+            continue
+
+        def y_of(t: int, e: int, r=r, inp=inp) -> torch.Tensor:
+            y = _expert_out(inp.x[t], e, lay, quant, smooth) if expert_out is None else expert_out(r, inp.x[t], e)
+            return comm_quant_row(y) if comm_quant else y
+
+        pairs = {(t, j): e for t, j, e in active_pairs(inp, lay.num_ids)}
+        for t in range(bs):
+            for j in range(inp.ids.shape[1]):
+                if (t, j) not in pairs:
+                    continue
+                e, w = pairs[(t, j)], inp.weights[t, j]
+                if e < lay.moe_expert_num:
+                    acc[t] += w * y_of(t, e).float()
+                elif e >= lay.moe_expert_num + lay.zero:
+                    acc[t] += w * _special_value(inp.x.dtype, special[r], t, e - lay.moe_expert_num - lay.zero, lay)
         for s in range(lay.shared_expert_num):
             for t in active_tokens(inp):
-                acc[t] += _expert_out(inp.x[t], -1 - s, lay, quant, smooth).float()
+                acc[t] += y_of(t, -1 - s).float()
         if inp.shared_x is not None:
             acc += inp.shared_x.float().reshape(bs, hidden)
         if inp.mask is not None and inp.mask.dim() == 1:
             acc[int(inp.mask.sum()) :] = 0
         outs.append(acc.to(inp.x.dtype))
     return outs
+
+
+def _special_value(dtype: torch.dtype, sp: dict, t: int, c: int, lay: Layout) -> torch.Tensor:
+    """Copy expert (c < copy): ori_x[t]; const expert c': a1 * ori_x[t] + a2 * v[c'] with a 2-way softmax of the
+    dot products <alpha_i[c'], ori_x[t]> (the kernel's reading of §3.3), fp32, via numpy."""
+    ori = sp["ori_x"][t].float().numpy().astype(np.float64)
+    if c < lay.copy:
+        return torch.from_numpy(ori.astype(np.float32))
+    c -= lay.copy
+    d1 = float(np.dot(sp["alpha_1"][c].float().numpy().astype(np.float64), ori))
+    d2 = float(np.dot(sp["alpha_2"][c].float().numpy().astype(np.float64), ori))
+    m = max(d1, d2)
+    e1, e2 = math.exp(d1 - m), math.exp(d2 - m)
+    a1, a2 = e1 / (e1 + e2), e2 / (e1 + e2)
+    v = sp["v"][c].float().numpy().astype(np.float64)
+    return torch.from_numpy((a1 * ori + a2 * v).astype(np.float32))
+
+
+def comm_quant_row(y: torch.Tensor, group: int = 8) -> torch.Tensor:
+    """A row after combine's int8 comm quant (§3.3), numpy: per 8 elements ``scale = to_dtype(amax / 127)``,
+    ``q = rint(y / scale)``, back as ``to_dtype(q * scale)``."""
+    yf = y.float().numpy().astype(np.float32).reshape(-1, group)
+    amax = np.abs(yf).max(axis=1).astype(np.float32)
+    scale = torch.from_numpy((amax / np.float32(127)).astype(np.float32)).to(y.dtype).float().numpy()[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale > 0, np.rint(yf / np.where(scale > 0, scale, 1)), 0).clip(-127, 127)
+    return torch.from_numpy((q * scale).astype(np.float32).reshape(-1)).to(y.dtype)
 
 
 def _expert_out(row: torch.Tensor, e: int, lay: Layout, quant: bool, smooth: torch.Tensor | None) -> torch.Tensor:

@@ -29,6 +29,7 @@ class Header:
     rows: list[int]
     pairs: list[int]
     fingerprint: list[tuple[int, ...]]
+    wait_us: int = 0  # time spent in the header all-to-all (waiting for the slowest peer)
 
 
 def exchange_header(
@@ -46,13 +47,18 @@ def exchange_header(
     send[:, 1] = torch.tensor(list(rows_per_dest), dtype=torch.int64)
     send[:, 2] = torch.tensor(list(pairs_per_dest), dtype=torch.int64)
     send[:, 3:] = torch.tensor(list(fingerprint), dtype=torch.int64)
+    wait_us = 0
     if world_size == 1:
         recv = send
     else:
         recv = torch.empty_like(send)
+        t0 = time.perf_counter()
         dist.all_to_all_single(recv, send, group=group)
+        wait_us = int((time.perf_counter() - t0) * 1e6)
     rows = recv.tolist()
-    return Header([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [tuple(r[3:]) for r in rows])
+    header = Header([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [tuple(r[3:]) for r in rows])
+    header.wait_us = wait_us
+    return header
 
 
 def check_header(header: Header, own_rank: int, fingerprint_names: Sequence[str], op: str) -> None:
@@ -163,10 +169,11 @@ def unpack_meta(
 
 
 def add_wait_time(performance_info: torch.Tensor | None, header: Header, wait_us: int) -> None:
-    """Add the payload all-to-all's wait (µs) to ``performance_info[src]`` for every source rank that sent this rank
-    data. The reference path receives all sources in one collective, so they share its wait time; never reset."""
+    """Add this call's wait (µs: the header all-to-all plus the payload wait ``wait_us``) to ``performance_info[src]``
+    for every source rank that sent this rank data. The reference path receives all sources in one collective, so
+    they share its wait time. Accumulates; never resets."""
     if performance_info is None:
         return
     for src, (rows, pairs) in enumerate(zip(header.rows, header.pairs, strict=True)):
         if rows or pairs:
-            performance_info[src] += wait_us
+            performance_info[src] += header.wait_us + wait_us
