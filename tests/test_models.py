@@ -151,3 +151,15 @@ def test_unknown_architecture_is_rejected() -> None:
         ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"]})
     with pytest.raises(ValueError, match="architecture='gpt2'"):
         random_hf_config({"architecture": "gpt2"})
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zero_token_step(arch: str) -> None:
+    """A worker with no work runs the forward with zero tokens (it must still enter every MoE layer)."""
+    model = load_model(None, _local, random_model={"architecture": arch})
+    calls = []
+    for moe in model.moe_layers():
+        moe.register_forward_hook(lambda mod, inp, out: calls.append(out.shape))
+    out = model(ForwardBatch.build([], []), KVCache(model, 1, 8, torch.float32))
+    assert out.shape == (0, model.cfg.vocab_size)
+    assert calls == [(0, model.cfg.hidden_size)] * len(model.moe_layers())

@@ -113,7 +113,7 @@ class GQAttention(nn.Module):
             k_cache[s.slot, s.start : end] = k[rows]
             v_cache[s.slot, s.start : end] = v[rows]
             out[rows] = _attend(q[rows], k_cache[s.slot, :end], v_cache[s.slot, :end], s.start, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLAttention(nn.Module):
@@ -164,4 +164,4 @@ class MLAttention(nn.Module):
             k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
             k = torch.cat((k_nope, rot_cache[s.slot, :end, None, :].expand(end, self.num_heads, self.rope)), dim=-1)
             out[rows] = _attend(q[rows], k, v, s.start, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))

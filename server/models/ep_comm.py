@@ -119,3 +119,53 @@ class LocalComm(ExpertComm):
         out = torch.zeros(num_tokens, expert_out.shape[2], dtype=torch.float32)
         out.index_add_(0, torch.div(slots, num_topk, rounding_mode="floor"), rows)
         return out.to(expert_out.dtype), (overlap() if overlap is not None else None)
+
+
+class BufferComm(ExpertComm):
+    """``deep_ep_npu.Buffer`` low-latency dispatch/combine over ``group`` (exact: ``use_fp8=False``).
+
+    With shared experts, combine is issued with ``return_recv_hook=True``: the send phase runs, the shared experts
+    are computed, then ``hook()`` receives (DeepEP's hook-based overlap).
+    """
+
+    def __init__(
+        self, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int, backend: str = "auto"
+    ) -> None:
+        import torch.distributed as dist
+
+        from deep_ep_npu import Buffer
+
+        super().__init__(
+            dist.get_rank(group), dist.get_world_size(group), num_experts, num_max_dispatch_tokens_per_rank
+        )
+        num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(
+            num_max_dispatch_tokens_per_rank, hidden, self.num_ranks, num_experts
+        )
+        self.buffer = Buffer(
+            group,
+            num_rdma_bytes=num_rdma_bytes,
+            low_latency_mode=True,
+            num_qps_per_rank=self.num_local_experts,
+            explicitly_destroy=True,
+            backend=backend,
+        )
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
+            x, topk_idx, self.num_max_dispatch_tokens_per_rank, self.num_experts, use_fp8=False
+        )
+        return recv_x, recv_count, handle
+
+    def combine(self, expert_out, topk_idx, topk_weights, handle, overlap=None):  # noqa: ANN001
+        if overlap is None:
+            combined, _, _ = self.buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+            return combined, None
+        combined, _, hook = self.buffer.low_latency_combine(
+            expert_out, topk_idx, topk_weights, handle, return_recv_hook=True
+        )
+        shared = overlap()
+        hook()
+        return combined, shared
+
+    def destroy(self) -> None:
+        self.buffer.destroy()

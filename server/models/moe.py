@@ -45,7 +45,7 @@ class Router(nn.Module):
         group_scores = choice.view(t, cfg.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
         group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        keep = group_mask[:, :, None].expand(t, cfg.n_group, per_group).reshape(t, -1).bool()
+        keep = group_mask[:, :, None].expand(t, cfg.n_group, per_group).reshape(t, cfg.num_experts).bool()
         idx = torch.topk(choice.masked_fill(~keep, float("-inf")), k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
         weights = scores.gather(1, idx)
         if cfg.norm_topk_prob:

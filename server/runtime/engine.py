@@ -1,0 +1,156 @@
+"""``EPEngine``: the :class:`~server.engine_api.EngineCore` over W lockstep EP workers (DP attention + EP MoE)."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+from ..engine_api import EngineCore, RequestDelta, SamplingParams, StepStats
+from ..loader import DTYPES, random_hf_config, read_config
+from ..models import ModelConfig
+from ..tokenizer import load_tokenizer
+from .scheduler import RankScheduler, Request, apply_token
+from .worker import StepPlan, WorkerArgs
+from .workers import ProcessWorkers, TorchrunWorkers, WorkerError, WorkerGroup, torchrun_env
+
+
+def default_capacity(max_num_seqs: int, num_max_dispatch_tokens_per_rank: int | None = None) -> int:
+    """The per-step token capacity N of a worker: the given value, else ``max(max_num_seqs, 64)``."""
+    return num_max_dispatch_tokens_per_rank or max(max_num_seqs, 64)
+
+
+class EPEngine(EngineCore):
+    """W workers stepping in lockstep; each owns its requests and KV cache (``max_num_seqs`` per worker).
+
+    Arguments (as the server's config options): ``model`` an HF checkpoint dir or None for the random model
+    ``random_model`` (spec for :func:`server.loader.random_hf_config`) from ``seed``; ``ep_size`` workers;
+    ``dtype`` float32/bfloat16/float16; ``backend`` the ``deep_ep_npu.Buffer`` backend; ``max_num_seqs`` and
+    ``max_model_len``; ``num_max_dispatch_tokens_per_rank`` the per-step token capacity N of each worker (default
+    ``max(max_num_seqs, 64)``; longer prefills are chunked); ``int8_experts`` W8A8 routed experts; ``launch``
+    ``"spawn"`` (start local workers), ``"torchrun"`` (this process is rank 0 of a torchrun job) or ``"auto"``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        ep_size: int = 1,
+        dtype: str = "float32",
+        backend: str = "auto",
+        max_num_seqs: int = 16,
+        max_model_len: int = 512,
+        seed: int = 0,
+        random_model: dict[str, Any] | None = None,
+        num_max_dispatch_tokens_per_rank: int | None = None,
+        int8_experts: bool = False,
+        launch: str = "auto",
+        dist_timeout_s: float = 120.0,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if launch not in ("auto", "spawn", "torchrun"):
+            raise ValueError(f"launch={launch!r} must be 'auto', 'spawn' or 'torchrun'")
+        for name, value in (("ep_size", ep_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        n = default_capacity(max_num_seqs, num_max_dispatch_tokens_per_rank)
+        if n < max_num_seqs:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank={n} must be >= max_num_seqs={max_num_seqs}")
+        cfg = read_config(model) if model is not None else ModelConfig.from_hf(random_hf_config(random_model))
+        use_torchrun = launch == "torchrun" or (launch == "auto" and torchrun_env())
+        if not use_torchrun and cfg.num_experts % ep_size != 0:
+            raise ValueError(f"ep_size={ep_size} must divide the model's num_experts={cfg.num_experts}")
+        self.model_config = cfg
+        self.tokenizer = load_tokenizer(model, cfg.eos_token_ids)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        args = WorkerArgs(model, dtype, backend, seed, random_model, max_num_seqs, max_model_len, n, int8_experts,
+                          dist_timeout_s=dist_timeout_s)  # fmt: skip
+        self.workers: WorkerGroup = TorchrunWorkers(args) if use_torchrun else ProcessWorkers(ep_size, args)
+        self._finalizer = weakref.finalize(self, self.workers.shutdown)
+        self.ep_size = len(self.workers.infos)
+        self.schedulers = [RankScheduler(max_num_seqs, n) for _ in range(self.ep_size)]
+        self._requests: dict[str, tuple[int, Request]] = {}
+        self._aborts: list[str] = []
+        self._stats = StepStats()
+        self._error: str | None = None
+
+    @property
+    def worker_infos(self) -> list[dict]:
+        """Per worker: peak RSS after loading, expert/weight/KV-cache bytes, number of local experts."""
+        return self.workers.infos
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already running")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.model_config.vocab_size
+        if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be a non-empty list of ints in [0, {vocab}) (vocab_size)")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} leaves room for "
+                f"at most {self.max_model_len - 1}"
+            )
+        rank = min(range(self.ep_size), key=lambda r: self.schedulers[r].num_requests)
+        req = Request(request_id, list(prompt_token_ids), params)
+        self.schedulers[rank].waiting.append(req)
+        self._requests[request_id] = (rank, req)
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self._requests:
+            self._aborts.append(request_id)
+
+    def step(self) -> list[RequestDelta]:
+        if self._error is not None:
+            raise WorkerError(f"the engine has failed: {self._error}")
+        t0 = time.perf_counter()
+        deltas = []
+        for request_id in self._aborts:
+            if request_id in self._requests:
+                rank, req = self._requests.pop(request_id)
+                self.schedulers[rank].remove(req)
+                deltas.append(
+                    RequestDelta(
+                        request_id, [], req.text, "abort", None, len(req.prompt_token_ids), len(req.output_token_ids)
+                    )
+                )
+        self._aborts.clear()
+        scheduled = [s.schedule() for s in self.schedulers]
+        plans: list[StepPlan] = [plan for plan, _ in scheduled]
+        if not any(plan.entries for plan in plans):
+            return deltas
+        try:
+            results = self.workers.step(plans)
+        except WorkerError as e:
+            self._error = str(e).splitlines()[0]
+            self.workers.shutdown()
+            raise
+        for rank, ((_, sampling), result) in enumerate(zip(scheduled, results, strict=True)):
+            for req, token in zip(sampling, result.token_ids, strict=True):
+                delta = apply_token(req, token, self.tokenizer, self.max_model_len)
+                if delta.finish_reason is not None:
+                    self.schedulers[rank].remove(req)
+                    del self._requests[req.request_id]
+                deltas.append(delta)
+        self._stats = StepStats(
+            step_time=time.perf_counter() - t0,
+            dispatch_times=[r.dispatch_time for r in results],
+            combine_times=[r.combine_time for r in results],
+            num_running=sum(len(s.running) for s in self.schedulers),
+            num_waiting=sum(len(s.waiting) for s in self.schedulers),
+        )
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def is_healthy(self) -> bool:
+        return self._error is None and self.workers.is_alive()
+
+    def last_step_stats(self) -> StepStats:
+        return self._stats
+
+    def shutdown(self) -> None:
+        self._finalizer()

@@ -1,0 +1,99 @@
+"""The offline API, as in vLLM: ``LLM(model=..., ep_size=..., dtype=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from ..engine_api import SamplingParams
+from .engine import EPEngine
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+Prompt = str | Sequence[int] | dict
+
+
+class LLM:
+    """Start an :class:`EPEngine` (W local workers, or a torchrun job's rank 0) and generate offline.
+
+    Keyword arguments are :class:`EPEngine`'s (``model``, ``ep_size``, ``dtype``, ``max_num_seqs``, ...). Use as a
+    context manager or call :meth:`shutdown`; workers are also stopped when the object is collected or at exit.
+    """
+
+    def __init__(self, model: str | None = None, ep_size: int = 1, dtype: str = "float32", **kwargs: Any) -> None:
+        self.engine = EPEngine(model=model, ep_size=ep_size, dtype=dtype, **kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One :class:`RequestOutput` per prompt, in order. A prompt is a string, a list of token ids, or a dict
+        with ``prompt`` or ``prompt_token_ids``."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params, strict=True):
+            text, ids = self._tokenize(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, ids, p)
+            outputs[request_id] = RequestOutput(request_id, text, ids, [CompletionOutput(0, "", [], None)])
+            order.append(request_id)
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    out = outputs[delta.request_id].outputs[0]
+                    out.token_ids.extend(delta.new_token_ids)
+                    out.text, out.finish_reason = delta.text, delta.finish_reason
+        except BaseException:
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
+        return [outputs[r] for r in order]
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
