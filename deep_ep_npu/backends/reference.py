@@ -183,7 +183,11 @@ class ReferenceBackend(LowLatencyBackend):
             per_expert = counts.sum(dim=1)
             pos = torch.arange(row.numel()) - _exclusive_cumsum(per_expert)[local]
             flat = local * (r * n) + pos
-            fmt.scatter_data(recv, row, recv_x.view(num_local * r * n, -1).view(torch.uint8), flat)
+            begin = 0
+            for i, count in enumerate(per_expert.tolist()):  # expert i's rows are the prefix of its block
+                if count:
+                    fmt.gather_data(recv, row[begin : begin + count], recv_x[i, :count])
+                begin += count
             if scales is not None:
                 scales[local, pos] = fmt.scales(recv, row, args.use_ue8m0)
             src_info.view(-1)[flat] = fmt.tokens(recv)[row]
@@ -257,9 +261,10 @@ class ReferenceBackend(LowLatencyBackend):
 
         def finish() -> None:
             exchange.wait()
-            acc = torch.zeros((num_tokens, hidden), dtype=torch.float32)
-            weight = args.topk_weights[token, slot].unsqueeze(1)
-            acc.index_add_(0, token, recv.float() * weight)
+            weighted = self._ws.get("combine_weighted", (token.numel(), hidden), torch.float32)
+            weighted.copy_(recv).mul_(args.topk_weights[token, slot].unsqueeze(1))  # (mixed-dtype mul is slow)
+            acc = self._ws.get("combine_acc", (num_tokens, hidden), torch.float32).zero_()
+            acc.index_add_(0, token, weighted)
             out.copy_(acc)
             if args.combine_wait_recv_cost_stats is not None:
                 args.combine_wait_recv_cost_stats += exchange.wait_ns

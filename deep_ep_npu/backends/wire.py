@@ -76,9 +76,19 @@ class RowFormat:
         bits = (packed.unsqueeze(-1) >> _BITS) & 1
         return bits.view(rows.shape[0], self.mask_bytes * 8)[:, : self.num_local_experts].bool()
 
-    def scatter_data(self, rows: torch.Tensor, row: torch.Tensor, dest_bytes: torch.Tensor, flat: torch.Tensor) -> None:
-        """Copy the data of ``rows[row]`` into ``dest_bytes`` `[L * R * N, data_bytes]` uint8 at rows ``flat``."""
-        dest_bytes.index_copy_(0, flat, rows[row, : self.data_bytes])
+    @property
+    def word_dtype(self) -> torch.dtype:
+        """The widest integer type that tiles the data bytes (copies move words, not bytes)."""
+        for dtype in (torch.int64, torch.int32, torch.int16):
+            if self.data_bytes % dtype.itemsize == 0:
+                return dtype
+        return torch.uint8
+
+    def gather_data(self, rows: torch.Tensor, row: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the data of ``rows[row]`` into ``out`` `[len(row), hidden]` (contiguous, ``data_dtype``) in one pass."""
+        word = self.word_dtype
+        src = rows.view(word)[:, : self.data_bytes // word.itemsize]
+        torch.index_select(src, 0, row, out=out.view(torch.uint8).view(word))
 
     def scales(self, rows: torch.Tensor, row: torch.Tensor, use_ue8m0: bool) -> torch.Tensor:
         """Scales of ``rows[row]`` in DeepEP's shape: `[P, hidden // 128]` fp32 (int8: the per-token scale repeated
