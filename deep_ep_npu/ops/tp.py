@@ -75,7 +75,9 @@ def tp_reduce_scatter(
     one cast back to expand_x's dtype). ``expand_x`` rows: own ``[0, num_own)``, peer ``[num_own, num_own + num_peer)``.
     """
     hidden, dtype = expand_x.shape[1], expand_x.dtype
-    send = expand_x[num_own : num_own + num_peer].contiguous().view(torch.uint8).reshape(num_peer, -1)
+    send = (
+        expand_x[num_own : num_own + num_peer].contiguous().view(torch.uint8).reshape(num_peer, hidden * dtype.itemsize)
+    )
     recv = _swap(tp_group, tp_rank, send, num_own)
     peer_part = recv.view(dtype).view(num_own, hidden)
     return (expand_x[:num_own].float() + peer_part.float()).to(dtype)
