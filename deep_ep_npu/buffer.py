@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .backends import BufferConfig, create_backend, resolve_backend_name
 from .backends import spec as ll_spec
 from .buffer_flat import FlatMixin
+from .buffer_shrink import ShrinkMixin
 from .event import Completion, EventOverlap
 from .handle import LowLatencyHandle
 from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
@@ -51,7 +52,7 @@ def _hint_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts:
     return (total + 128) // 128 * 128
 
 
-class Buffer(FlatMixin):
+class Buffer(FlatMixin, ShrinkMixin):
     """The low-latency expert-parallel communication buffer (DeepEP-compatible).
 
     Arguments:
@@ -336,35 +337,6 @@ class Buffer(FlatMixin):
         dist.barrier(group=self.group)
         self._backend.clean()
         dist.barrier(group=self.group)
-
-    # ---- shrink mode ----------------------------------------------------------------------------------------------
-    def _check_shrink(self) -> None:
-        if not self.enable_shrink:
-            raise RuntimeError("Shrink mode must be enabled: construct the Buffer with enable_shrink=True")
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mark ``rank_to_mask`` as absent (``mask=True``) or present again. Masked ranks' experts are treated as
-        absent by dispatch and combine (no token goes to or comes from them; a masked rank sends nothing). Every
-        rank must hold the same mask; masked ranks still take part in the collectives here."""
-        self._check_shrink()
-        if not 0 <= rank_to_mask < self.group_size:
-            raise ValueError(f"rank_to_mask: {rank_to_mask} is outside [0, {self.group_size})")
-        self._backend.mask[rank_to_mask] = int(bool(mask))
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Copy the mask into ``mask_status`` `[R]` `torch.int32` (1 = masked)."""
-        self._check_shrink()
-        if mask_status.dtype != torch.int32 or tuple(mask_status.shape) != (self.group_size,):
-            raise ValueError(
-                f"mask_status: must be [{self.group_size}] torch.int32, got {mask_status.dtype} "
-                f"{tuple(mask_status.shape)}"
-            )
-        mask_status.copy_(self._backend.mask)
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank."""
-        self._check_shrink()
-        self._backend.mask.zero_()
 
     # ---- fused MegaMoE (deep_ep_npu/mega_moe) --------------------------------------------------------------------
     def mega_moe(
