@@ -344,3 +344,100 @@ def _hypothesis_in_rank(info):
 
 def test_random_bad_inputs_hypothesis():
     assert parallel_launch(1, _hypothesis_in_rank, timeout=120) == [True]
+
+
+def _issue3_checks(info):
+    """Issue 3's constraints, every rank passing the same bad input (W = 2)."""
+    from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2
+
+    g, r = info.group, info.rank
+    x = torch.ones(BS, H)
+    ids = _ids([[0, 1]] * BS)
+    d = {}
+
+    def disp(**kw):
+        args = dict(x=x, ids=ids, e=E)
+        args.update({k: kw.pop(k) for k in ("x", "ids", "e") if k in kw})
+        return _error_of(lambda: moe_distribute_dispatch_v2(args["x"], args["ids"], g, 2, r, args["e"], **kw))
+
+    d["shared_num_no_ranks"] = disp(shared_expert_num=2)
+    d["shared_ranks_no_num"] = disp(shared_expert_rank_num=1, shared_expert_num=0, e=4)
+    d["shared_ranks_all"] = disp(shared_expert_rank_num=2)
+    d["elastic_dtype"] = disp(elastic_info=torch.zeros(8, dtype=torch.int64))
+    d["elastic_shape"] = disp(elastic_info=torch.zeros(7, dtype=torch.int32))
+    d["elastic_table"] = disp(elastic_info=torch.tensor([1, 1, 0, 8, 0, 0, 0, 0], dtype=torch.int32))
+    d["elastic_experts"] = disp(elastic_info=torch.tensor([1, 1, 0, 9, 0, -1, 0, -1], dtype=torch.int32))
+    d["perf_shape"] = disp(performance_info=torch.zeros(3, dtype=torch.int64))
+    d["perf_dtype"] = disp(performance_info=torch.zeros(2, dtype=torch.int32))
+    d["special_id_range"] = disp(ids=_ids([[0, 9]] * BS), zero_expert_num=1)
+    expand_x, _, assist, _, counts, _, _ = moe_distribute_dispatch_v2(x, ids, g, 2, r, E, copy_expert_num=1)
+    w = torch.ones(BS, K)
+
+    def comb(**kw):
+        return _error_of(
+            lambda: moe_distribute_combine_v2(expand_x, ids, assist, counts, w, g, 2, r, E, copy_expert_num=1, **kw)
+        )
+
+    d["copy_no_ori_x"] = comb()
+    d["ori_x_shape"] = comb(ori_x=torch.ones(BS, H + 1))
+    d["ori_x_dtype"] = comb(ori_x=torch.ones(BS, H, dtype=torch.bfloat16))
+    d["const_no_alpha"] = comb(ori_x=x, const_expert_num=1)
+    d["const_v_shape"] = comb(
+        ori_x=x,
+        const_expert_num=1,
+        const_expert_alpha_1=torch.ones(1, H),
+        const_expert_alpha_2=torch.ones(1, H),
+        const_expert_v=torch.ones(2, H),
+    )
+    d["comm_quant_hidden"] = _error_of(
+        lambda: moe_distribute_combine_v2(
+            expand_x[:, :12].contiguous(),
+            ids,
+            assist,
+            counts,
+            w,
+            g,
+            2,
+            r,
+            E,
+            ori_x=x[:, :12],
+            comm_quant_mode=2,
+            copy_expert_num=1,
+        )
+    )
+    d["shared_x_with_shared_ranks"] = _error_of(
+        lambda: moe_distribute_combine_v2(
+            expand_x, ids, assist, counts, w, g, 2, r, 4, shared_expert_rank_num=1, shared_expert_x=x
+        )
+    )
+    return d
+
+
+ISSUE3_EXPECT = {
+    "shared_num_no_ranks": (PARAM, "shared_expert_num", "2"),
+    "shared_ranks_no_num": (PARAM, "shared_expert_num", "[1, 4]"),
+    "shared_ranks_all": (SHAPE, "shared_expert_rank_num", "[0, 1]"),
+    "elastic_dtype": (PARAM, "elastic_info", "torch.int64"),
+    "elastic_shape": (SHAPE, "elastic_info", "(7,)"),
+    "elastic_table": (SHAPE, "elastic_info", "Table1"),
+    "elastic_experts": (SHAPE, "elastic_info[3] (new_moe_expert_count)", "9"),
+    "perf_shape": (SHAPE, "performance_info", "(3,)"),
+    "perf_dtype": (PARAM, "performance_info", "torch.int32"),
+    "special_id_range": (SHAPE, "expert_ids", "9"),
+    "copy_no_ori_x": (NULL, "ori_x", "copy_expert_num"),
+    "ori_x_shape": (SHAPE, "ori_x", "(4, 17)"),
+    "ori_x_dtype": (PARAM, "ori_x", "bfloat16"),
+    "const_no_alpha": (NULL, "const_expert_alpha_1", "const_expert_num"),
+    "const_v_shape": (SHAPE, "const_expert_v", "(2, 16)"),
+    "comm_quant_hidden": (SHAPE, "expand_x", "multiple of 8"),
+    "shared_x_with_shared_ranks": (SHAPE, "shared_expert_x", "shared_expert_rank_num"),
+}
+
+
+def test_issue3_checks_two_ranks():
+    bad = []
+    for r, got in enumerate(parallel_launch(2, _issue3_checks, timeout=60)):
+        for name, (code, param, text) in ISSUE3_EXPECT.items():
+            if got[name] is None or got[name][:2] != (code, param) or text not in got[name][2]:
+                bad.append(f"rank {r} {name}: expected ({code}, {param}, ...{text}...), got {got[name]}")
+    assert not bad, "\n".join(bad)
