@@ -10,23 +10,23 @@ Combine       expert outputs back to their source rank           combine payload
 Unpermute     top-k weighted sum at the source                   combine teardown (fp32), then one final cast
 ```
 
-The local experts are split into S contiguous segments (the same on every rank). Segment s's dispatch carries only
-the (token, expert) pairs whose expert is in segment s (a 2D ``x_active_mask``), so segments are independent
-dispatch -> FFN -> combine chains. Two dispatches are kept in flight; each segment's combine is started as soon as
-its FFN is done and received at the very end, so one segment's transfers overlap another segment's compute:
+The local experts are split into S contiguous segments (the same on every rank). Segment k's dispatch carries only
+the (token, expert) pairs whose expert is in segment k (a 2D ``x_active_mask``), so segments are independent
+dispatch -> FFN -> combine chains. As the seed splits AIV (communication) from AIC (GMMs), one comm thread issues
+every collective, in the same order on every rank, while the calling thread only computes:
 
 ```
-            setup     teardown = wait for data
-comm     : [D0][D1]  .....D1 data......  [D2] ...D2 data...  [C1] ...  [D3] ... [C2] ... [C3] ... |
-                 [C0] ...C0 data...
-compute  :       |W0| FFN(seg 0) |     |W1| FFN(seg 1) |      |W2| FFN(seg 2) | |W3| FFN(seg 3) | [sum C0..C3]
+comm thread : [D0][D1] T0 [D2] T1 [D3] T2 T3 ........ [C0] ........ [C1] ........ [C2] ........ [C3]  R0 R1 R2 R3
+compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3  |                  sum -> out
+                           ^ rows of seg 0 (T0)        ^ C0 starts as soon as FFN seg 0 is done
 ```
 
-(``[Dk]`` / ``[Ck]`` = dispatch / combine setup of segment k: validation, one small header all-to-all, the payload
-all-to-all started asynchronously; ``Wk`` = dispatch teardown of segment k.) The partial outputs of the S combines
-are fp32 (expert outputs are rounded to ``out_dtype`` first, as the seed's FP16 CV tiles, then sent as fp32) and
-summed in fp32; the single final cast to ``out_dtype`` makes the result equal to one unsegmented combine up to fp32
-re-association (at most one unit in the last place of ``out_dtype``).
+``Dk`` / ``Ck``: dispatch / combine setup of segment k (validation, one small header all-to-all, the payload
+all-to-all started asynchronously); ``Tk``: dispatch teardown (wait for segment k's rows); ``Rk``: combine teardown.
+While FFN(k) runs, later segments' dispatch payloads and earlier segments' combines are in flight. The partial
+outputs of the S combines are fp32 (expert outputs are rounded to ``out_dtype`` first, as the seed's FP16 CV tiles,
+then sent as fp32) and summed in fp32; the single final cast to ``out_dtype`` makes the result equal to one
+unsegmented combine up to fp32 re-association (at most one unit in the last place of ``out_dtype``).
 """
 
 from __future__ import annotations
