@@ -3,7 +3,7 @@
 Checkpoints are HF directories: ``config.json`` (+ optional ``generation_config.json``) and either
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Tensors are read one at a time through
 ``safetensors.safe_open`` and only those this rank needs: every shared weight, and of the routed experts only
-``comm.local_expert_ids``, so a rank's peak memory holds its own experts only. The model is built on the meta device
+``comm.local_expert_ids``, so a rank's peak memory holds its own experts only. The model is built uninitialised
 and materialised directly in the target dtype (no random init, no second copy).
 
 Without a checkpoint, :func:`random_hf_config` turns a small spec (architecture + sizes + seed) into an HF-style
@@ -12,14 +12,16 @@ config and every tensor is drawn from a generator seeded by (seed, tensor name):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from .models.config import ARCHITECTURES, ModelConfig
 from .models.ep_comm import ExpertComm
@@ -148,16 +150,32 @@ class RandomTensors:
         return torch.randn(shape, generator=gen) * std
 
 
+@contextlib.contextmanager
+def _no_init(dtype: torch.dtype) -> Iterator[None]:
+    """Build with uninitialised parameters of ``dtype``: ``reset_parameters`` of torch layers is skipped (every
+    value is loaded right after, so there is no random init and no second copy for a dtype cast)."""
+    saved = [(cls, cls.reset_parameters) for cls in (nn.Linear, nn.Embedding)]
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    for cls, _ in saved:
+        cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default_dtype)
+        for cls, fn in saved:
+            cls.reset_parameters = fn  # type: ignore[method-assign]
+
+
 def build_model(
     cfg: ModelConfig, comm: ExpertComm, dtype: torch.dtype, tensors: CheckpointTensors | RandomTensors
 ) -> MoECausalLM:
     """Create the rank's model and fill every parameter and buffer from ``tensors`` (routers stay fp32)."""
-    with torch.device("meta"):
-        model = MoECausalLM(cfg, comm).to(dtype)
-        for m in model.modules():
-            if isinstance(m, Router):
-                m.float()
-    model.to_empty(device="cpu")
+    with _no_init(dtype):
+        model = MoECausalLM(cfg, comm)
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.float()
     get: Callable[[str, torch.Size], torch.Tensor] = tensors.get
     for name, t in model.state_dict(keep_vars=True).items():
         match = _EXPERT_PARAM.match(name)

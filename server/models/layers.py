@@ -28,7 +28,7 @@ class Rotary(nn.Module):
     def __init__(self, dim: int, theta: float, interleave: bool = False) -> None:
         super().__init__()
         self.interleave = interleave
-        # A plain attribute, not a buffer: models are built on the meta device and then materialised.
+        # A plain attribute, not a buffer: the loader fills every state-dict entry, this one is computed here.
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

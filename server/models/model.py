@@ -70,7 +70,7 @@ class KVCache:
 class MoECausalLM(nn.Module):
     """The model on one EP rank: every non-expert weight, plus this rank's routed experts (``comm`` decides which).
 
-    Build on the meta device, then materialise with :mod:`server.loader` (checkpoint or random weights).
+    Build and fill it with :mod:`server.loader` (checkpoint or random weights).
     """
 
     def __init__(self, cfg: ModelConfig, comm: ExpertComm) -> None:
