@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The main job: installs what it needs into .venv (CPU torch 2.13.0) and runs it on this machine's CPU.
+# The main job: installs what it needs into .venv (CPU torch 2.13.0) and serves the default config on this machine:
+# an OpenAI-compatible API on http://127.0.0.1:8000 over 2 expert-parallel decode workers (gloo, a small random
+# Qwen3-MoE-style model; nothing is downloaded). Extra arguments override the config, e.g. `--port 9000`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[serve]'
-exec .venv/bin/python examples/ll_demo.py "$@"
+exec .venv/bin/python -m server --config configs/default.yaml "$@"

@@ -60,10 +60,12 @@ class Metrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens produced per engine step.", _TOKEN_BUCKETS)
         self.engine_step_time = histogram("engine_step_seconds", "Wall time of one engine step.", _LATENCY_BUCKETS)
         self.dispatch_latency = histogram(
-            "moe_dispatch_latency_seconds", "MoE dispatch time per layer call (max over ranks).", _COMM_BUCKETS
+            "moe_dispatch_latency_seconds",
+            "MoE dispatch time of one worker in one step (all MoE layers).",
+            _COMM_BUCKETS,
         )
         self.combine_latency = histogram(
-            "moe_combine_latency_seconds", "MoE combine time per layer call (max over ranks).", _COMM_BUCKETS
+            "moe_combine_latency_seconds", "MoE combine time of one worker in one step (all MoE layers).", _COMM_BUCKETS
         )
         for reason in FINISH_REASONS:  # export every label value from the start, at 0
             self._success.labels(model_name, reason)
