@@ -99,3 +99,13 @@ def test_engine_failure_non_streaming_is_503():
         assert _error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 9}), 503)["code"] == (
             "engine_unavailable"
         )
+
+
+def test_health_follows_an_idle_engine():
+    """A worker dying while no request runs turns /health to 503 within the health poll (about 1 s)."""
+    engine = FakeEngine()
+    with UvicornThread(create_app(build_config({}), engine)) as srv, httpx.Client(base_url=srv.url) as c:
+        assert c.get("/health").status_code == 200
+        engine.healthy = False
+        _wait_until(lambda: c.get("/health").status_code == 503, timeout=5)
+        assert _error(c.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "engine_unavailable"
