@@ -1,0 +1,246 @@
+"""The one-shot torch_npu-named ops: ``moe_distribute_dispatch_v2`` and ``moe_distribute_combine_v2``.
+
+Same keyword names, defaults, return order and output shapes as ``torch_npu.npu_moe_distribute_dispatch_v2`` /
+``npu_moe_distribute_combine_v2`` (reference ascend_ops.md §2, §3, §5), with A3 fullmesh semantics, plus two keywords
+of our own: ``ccl_buffer_size`` (dispatch: MB the op may use; shapes that do not fit are refused) and ``strict``
+(also enforce the Atlas A3 hardware limits). Each is its ``*_setup(...)`` followed at once by ``teardown()``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .combine import moe_distribute_combine_setup
+from .dispatch import moe_distribute_dispatch_setup
+
+
+def moe_distribute_dispatch_v2(
+    x,
+    expert_ids,
+    group_ep,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    *,
+    scales=None,
+    x_active_mask=None,
+    expert_scales=None,
+    elastic_info=None,
+    performance_info=None,
+    group_tp="",
+    tp_world_size=0,
+    tp_rank_id=0,
+    expert_shard_type=0,
+    shared_expert_num=1,
+    shared_expert_rank_num=0,
+    quant_mode=0,
+    global_bs=0,
+    expert_token_nums_type=1,
+    comm_alg="",
+    zero_expert_num=0,
+    copy_expert_num=0,
+    const_expert_num=0,
+    y_dtype=None,
+    x_dtype=None,
+    scales_dtype=None,
+    ccl_buffer_size=None,
+    strict=False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Send every token to the ranks hosting its experts (Ascend MoE distribute dispatch, flat layout).
+
+    Notation: W = ep_world_size, SR = shared_expert_rank_num, S = shared experts (0 when SR == 0: the tiling turns
+    the default shared_expert_num=1 into 0), L = routed experts per MoE rank (moe_expert_num / (W - SR)), K = top-k,
+    ``global_bs_real = global_bs or Bs * W``, A = rows this rank can receive per TP rank: ``global_bs_real * min(L, K)``
+    on a MoE rank, ``global_bs_real / W * ceil(W / R)`` (R = SR / S) on a shared-expert rank, the larger of both with
+    elastic_info. Ranks ``[0, SR)`` host shared expert ``s`` on ranks ``s * R .. s * R + R - 1``; routed expert e lives
+    on rank ``SR + e // L``, local slot ``e % L``.
+
+    Arguments:
+        x: `[Bs, H]` with `torch.bfloat16` / `torch.float16` (`torch.float32` on this reference path); Bs in [0, 512].
+        expert_ids: `[Bs, K]` with `torch.int32` (`torch.int64` accepted), K in (0, 16], ids distinct per row,
+            in [0, moe_expert_num + zero_expert_num + copy_expert_num + const_expert_num). Zero / copy / const
+            experts (ids from moe_expert_num on, in that order) are never sent; combine handles them locally.
+        group_ep: the EP `ProcessGroup` or its group name; ep_world_size / ep_rank_id must match it.
+        moe_expert_num: routed experts in total, divisible by W - SR.
+        scales: `[S + moe_expert_num, H]` `torch.float32` smooth scales for quant_mode 2, shared experts first
+            (row ``s``: shared expert s, row ``S + e``: routed expert e).
+        x_active_mask: `[Bs]` bool (True entries first: the active prefix) or `[Bs, K]` bool per pair. A token goes
+            to the shared experts if it is in the prefix (1D) or has any active pair (2D, an assumption: undocumented).
+        expert_scales: `[Bs, K]` `torch.float32` top-k weights, carried to ``expand_scales`` (shared rows carry 1).
+        elastic_info: `[4 + 2W]` `torch.int32` ``[is_scaled_down, new_rank_count W', new_shared_rank_count SR',
+            new_moe_expert_count E', Table1[W] (EP rank -> new rank or -1), Table2[W] (new rank -> EP rank)]``:
+            experts are laid out over the W' new ranks as above; ranks mapped to -1 send and receive nothing (they
+            must still call the op). Only with tp_world_size <= 1.
+        performance_info: `[W]` `torch.int64`; each call adds this rank's wait in µs (header exchange + payload
+            wait, one collective for all sources) to the entry of every source rank that sent it data. Never reset.
+        group_tp, tp_world_size, tp_rank_id: TP domain. With tp_world_size 2 (group_tp: a 2-rank `ProcessGroup` or
+            its name, L must be 1), each rank also receives its TP peer's rows: own rows first, then the peer's.
+        expert_shard_type: 0 (shared experts on the first ranks); shared_expert_num in [0, 4].
+        quant_mode: 0 (none) or 2 (per-token dynamic int8: ``q = rint(xf * (127 / amax))``, scale ``amax / 127``).
+        global_bs: 0 (every rank has the same Bs) or max(Bs) * W.
+        expert_token_nums_type: 1 counts, 0 inclusive cumsum.
+        comm_alg: "", "fullmesh_v1" or "fullmesh_v2" (same layout here; fullmesh_v2 limits Bs <= 256 and K <= 12).
+        y_dtype, x_dtype, scales_dtype: Ascend 950 only; must be None.
+        ccl_buffer_size: MB of CCL window available (None: unchecked); too small raises naming the size needed.
+        strict: also enforce the Atlas A3 hardware limits (H in [1024, 8192], W in [2, 768], bf16/fp16, int32 ids).
+
+    Returns:
+        expand_x: `[A * max(tp_world_size, 1), H]`, x's dtype (`torch.int8` with quant_mode 2). Rows expert-major,
+            then source rank, then source token; with TP the peer's rows follow this rank's. Rows past the received
+            total are zero (uninitialized on the NPU).
+        dynamic_scales: `[A * max(tp, 1)]` `torch.float32` per-row dequant scales with quant_mode 2 (zeros
+            otherwise; `[A * max(tp, 1), H]` zeros when quant_mode 0 is given ``scales``).
+        assist_info_for_combine: `[max(Bs * K, A * 128)]` `torch.int32`; own row i holds (src EP rank, src token,
+            top-k slot; ``K + s`` for shared expert s) at ``[3i : 3i + 3]``, the rest is zero.
+        expert_token_nums: `[L]` `torch.int64` rows per local expert, TP peer's rows included (cumsum when
+            expert_token_nums_type = 0). `[1]` on a shared-expert rank.
+        ep_recv_counts: `[W * L * max(tp, 1)]` `torch.int32` inclusive cumsum over (local expert, source rank); with TP
+            the peer's W * L entries follow and continue the sum, so they index expand_x directly (plus
+            ``2 * global_bs * K * (W // 8)`` zero entries when expert_scales is given, as on the NPU).
+        tp_recv_counts: `[tp_world_size]` `torch.int32`: rows from each TP rank (the row count with tp_world_size 1).
+        expand_scales: `[A]` `torch.float32` weight of each own row when expert_scales is given, else `[0]`.
+
+    Raises:
+        MoeDistributeError: invalid input (on every rank of the EP domain, and of the TP pair; codes
+            161001 / 161002 / 561002).
+    """
+    return moe_distribute_dispatch_setup(
+        x,
+        expert_ids,
+        group_ep,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        scales=scales,
+        x_active_mask=x_active_mask,
+        expert_scales=expert_scales,
+        elastic_info=elastic_info,
+        performance_info=performance_info,
+        group_tp=group_tp,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        quant_mode=quant_mode,
+        global_bs=global_bs,
+        expert_token_nums_type=expert_token_nums_type,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+        y_dtype=y_dtype,
+        x_dtype=x_dtype,
+        scales_dtype=scales_dtype,
+        ccl_buffer_size=ccl_buffer_size,
+        strict=strict,
+    ).teardown()
+
+
+def moe_distribute_combine_v2(
+    expand_x,
+    expert_ids,
+    assist_info_for_combine,
+    ep_send_counts,
+    expert_scales,
+    group_ep,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    *,
+    tp_send_counts=None,
+    x_active_mask=None,
+    expand_scales=None,
+    shared_expert_x=None,
+    elastic_info=None,
+    ori_x=None,
+    const_expert_alpha_1=None,
+    const_expert_alpha_2=None,
+    const_expert_v=None,
+    performance_info=None,
+    group_tp="",
+    tp_world_size=0,
+    tp_rank_id=0,
+    expert_shard_type=0,
+    shared_expert_num=1,
+    shared_expert_rank_num=0,
+    global_bs=0,
+    comm_quant_mode=0,
+    comm_alg="",
+    zero_expert_num=0,
+    copy_expert_num=0,
+    const_expert_num=0,
+    strict=False,
+) -> torch.Tensor:
+    """Return expert outputs to their source ranks and reduce them there (Ascend MoE distribute combine).
+
+    Same notation as :func:`moe_distribute_dispatch_v2`. With tp_world_size 2 a ReduceScatterV over the TP pair runs
+    first (each rank's own rows + the peer's partial result for them, fp32 add, one cast), then the AllToAllV over EP.
+
+    Arguments:
+        expand_x: `[A * max(tp, 1), H]` with `torch.bfloat16` / `torch.float16` (`torch.float32` here): expert
+            outputs, row-aligned with dispatch's ``expand_x``.
+        expert_ids: `[Bs, K]` `torch.int32`, x_active_mask `[Bs]` / `[Bs, K]` bool, global_bs, the layout keywords
+            (shared experts, zero/copy/const counts, elastic_info, TP): as given to dispatch.
+        assist_info_for_combine: dispatch's `torch.int32` output, unchanged.
+        ep_send_counts: dispatch's ``ep_recv_counts`` (`[W * L * max(tp, 1)]` `torch.int32`), unchanged.
+        expert_scales: `[Bs, K]` `torch.float32` top-k weights, applied at the source rank.
+        tp_send_counts: dispatch's ``tp_recv_counts`` (`[2]` `torch.int32`); required with tp_world_size 2.
+        shared_expert_x: `[Bs, H]` (or `[a, b, H]` with a * b = Bs), expand_x's dtype: added with weight 1. Only
+            when shared_expert_rank_num is 0.
+        ori_x: `[Bs, H]`, expand_x's dtype: the tokens before dispatch; required iff copy or const experts exist.
+        const_expert_alpha_1, const_expert_alpha_2, const_expert_v: `[const_expert_num, H]`, expand_x's dtype;
+            required iff const_expert_num > 0.
+        performance_info: `[W]` `torch.int64`, accumulated as in dispatch (µs per source rank; never reset).
+        comm_quant_mode: 0, or 2: rows travel as int8 with one scale per 8 elements kept in expand_x's dtype
+            (``scale = to_dtype(amax / 127)``, ``q = rint(y / scale)``, received as ``to_dtype(q * scale)``); H must be
+            a multiple of 8; not with tp_world_size 2. Each returned value is then within half a step
+            (``amax_8 / 254``) of the unquantized one, plus the output dtype's rounding.
+        expand_scales: accepted for signature compatibility; unused (A3 fullmesh weights at the source).
+
+    Returns:
+        x: `[Bs, H]` in expand_x's dtype: ``sum_k c[t, k]`` over slots k ascending in fp32, where c is
+        ``expert_scales[t, k] * y[t, k]`` for a routed expert, 0 for a zero expert, ``w * ori_x[t]`` for a copy
+        expert and ``w * (a1 * ori_x[t] + a2 * v[c])`` for const expert c, with
+        ``(a1, a2) = softmax(<alpha_1[c], ori_x[t]>, <alpha_2[c], ori_x[t]>)`` (the kernel's reading; the docs'
+        formula reads as elementwise); then each shared expert's output (slot ``K + s``) and ``shared_expert_x[t]``
+        with weight 1; one round-to-nearest-even cast. Masked pairs contribute nothing; tokens outside a 1D mask's
+        prefix are zero, and so is every token of a rank that elastic_info scaled out.
+
+    Raises:
+        MoeDistributeError: invalid input, or inputs that do not match the dispatch (on every rank).
+    """
+    return moe_distribute_combine_setup(
+        expand_x,
+        expert_ids,
+        assist_info_for_combine,
+        ep_send_counts,
+        expert_scales,
+        group_ep,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        tp_send_counts=tp_send_counts,
+        x_active_mask=x_active_mask,
+        expand_scales=expand_scales,
+        shared_expert_x=shared_expert_x,
+        elastic_info=elastic_info,
+        ori_x=ori_x,
+        const_expert_alpha_1=const_expert_alpha_1,
+        const_expert_alpha_2=const_expert_alpha_2,
+        const_expert_v=const_expert_v,
+        performance_info=performance_info,
+        group_tp=group_tp,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        global_bs=global_bs,
+        comm_quant_mode=comm_quant_mode,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+        strict=strict,
+    ).teardown()
