@@ -219,3 +219,21 @@ def test_performance_info_accumulates():
     # rank 1 receives from both; it waited ~50 ms for rank 0 each call, added on top of the initial values
     assert h1[0][0] >= 5 + 30_000 and h1[1][0] >= h1[0][0] + 30_000
     assert h1[0][1] >= 7 and h1[1][1] >= h1[0][1]
+
+
+def test_shared_experts_with_masks_uneven_batches_and_empty_ranks():
+    """x_active_mask + global_bs + shared experts together, a rank with 0 tokens, then every rank with 0 tokens."""
+    cases = []
+    for i, mask in enumerate([None, "1d", "2d"]):
+        case = make_case(300 + i, 4, sr=2, s=2, mask=mask, uneven=True, max_bs=4, quant=i == 1, smooth=True)
+        empty = case["inputs"][3]
+        hidden, topk = empty.x.shape[1], empty.ids.shape[1]
+        case["inputs"][3] = RankInput(
+            empty.x[:0], empty.ids[:0], None if mask is None else empty.mask[:0], empty.weights[:0]
+        )
+        assert case["inputs"][3].x.shape == (0, hidden) and case["inputs"][3].ids.shape == (0, topk)
+        cases.append(case)
+    everyone_empty = make_case(310, 4, sr=1, s=1, max_bs=0, uneven=False, special=(1, 1, 0))
+    everyone_empty["dkw"]["global_bs"] = 4
+    cases.append(everyone_empty)
+    check(4, cases)
