@@ -196,3 +196,14 @@ def test_bad_engine_arguments() -> None:
     with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank=4 must be >= max_num_seqs=8"):
         LLM(max_num_seqs=8, num_max_dispatch_tokens_per_rank=4)
     assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
+def test_other_architectures_greedy_ep2(arch: str, tmp_path) -> None:  # noqa: ANN001
+    """DeepSeek-V3 (MLA, grouped sigmoid routing, shared experts, dense first layer) and Mixtral served at EP 2."""
+    path = make_checkpoint(arch, str(tmp_path / arch))
+    hf = load_hf(path)
+    prompts = PROMPTS[:4]
+    golden = [hf_greedy(hf, p, STEPS)[0] for p in prompts]
+    with LLM(model=path, ep_size=2, **ENGINE) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == golden

@@ -108,7 +108,7 @@ class LocalComm(ExpertComm):
         offsets = torch.cumsum(counts, 0) - counts
         pos = torch.arange(slots.numel()) - offsets[experts]
         tokens = torch.div(slots, topk_idx.shape[1], rounding_mode="floor")
-        recv_x = x.new_zeros(self.num_experts, n, h)
+        recv_x = x.new_empty(self.num_experts, n, h)  # rows past each expert's count stay uninitialised
         recv_x[experts, pos] = x[tokens]
         return recv_x, counts.to(torch.int32), (slots, experts, pos)
 

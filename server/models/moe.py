@@ -71,8 +71,9 @@ class LocalExperts(nn.Module):
         self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
     def forward(self, recv_x: torch.Tensor, recv_count: torch.Tensor) -> torch.Tensor:
-        """``recv_x`` `[L, R*N, hidden]`, ``recv_count`` `[L]` int32 -> `[L, R*N, hidden]` (rows past the count: 0)."""
-        out = torch.zeros_like(recv_x)
+        """``recv_x`` `[L, R*N, hidden]`, ``recv_count`` `[L]` int32 -> `[L, R*N, hidden]` (rows past the count are
+        uninitialised, as in DeepEP's layout; combine reads only the counted rows)."""
+        out = torch.empty_like(recv_x)
         for e, n in enumerate(recv_count.tolist()):
             if n == 0:
                 continue
