@@ -101,7 +101,8 @@ def _run_cases(info, cases: bytes):
     for case in from_bytes(cases):
         inp = case["inputs"][info.rank]
         common = dict(global_bs=case["global_bs"], x_active_mask=inp.mask)
-        args = (info.group, info.world_size, info.rank, case["num_experts"])
+        group = info.group.group_name if case["two_stage"] else info.group  # a ProcessGroup or its name
+        args = (group, info.world_size, info.rank, case["num_experts"])
         dkw = dict(
             common,
             quant_mode=2 if case["quant"] else 0,
@@ -114,6 +115,8 @@ def _run_cases(info, cases: bytes):
             _ = expert_fn(inp.x, 0)  # compute between setup and teardown
             outs = handle.teardown()
             assert handle.teardown() is outs
+            again = moe_distribute_dispatch_v2(inp.x, inp.ids, *args, **dkw)  # the one-shot form, same inputs
+            assert all(torch.equal(a, b) for a, b in zip(outs, again, strict=True))
         else:
             outs = moe_distribute_dispatch_v2(inp.x, inp.ids, *args, **dkw)
         expand_x, dyn, assist, token_nums, recv_counts, _, expand_scales = outs
@@ -122,6 +125,7 @@ def _run_cases(info, cases: bytes):
         cargs = (y, inp.ids, assist, recv_counts, inp.weights, *args)
         if case["two_stage"]:
             combined = moe_distribute_combine_setup(*cargs, **ckw).teardown()
+            assert torch.equal(combined, moe_distribute_combine_v2(*cargs, **ckw))
         else:
             combined = moe_distribute_combine_v2(*cargs, **ckw)
         results.append((outs, combined))
