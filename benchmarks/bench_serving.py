@@ -30,15 +30,24 @@ import httpx
 import numpy as np
 
 STEP = "deep_ep_npu:engine_step_seconds"
+ITL = "deep_ep_npu:inter_token_latency_seconds"
+TOKEN_STEP = "deep_ep_npu:token_step_seconds"
 
 
 def _metric_sums(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(STEP + "_sum") or line.startswith(STEP + "_count"):
+        if line.startswith(tuple(f"{m}_{s}" for m in (STEP, ITL, TOKEN_STEP) for s in ("sum", "count"))):
             name, value = line.rsplit(" ", 1)
             out[name.split("{")[0]] = float(value)
     return out
+
+
+def _mean_delta(before: dict, after: dict, name: str) -> tuple[float, float]:
+    """(count, mean) of a histogram over the run, from its _sum and _count before and after."""
+    count = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+    total = after.get(name + "_sum", 0) - before.get(name + "_sum", 0)
+    return count, (total / count if count else float("nan"))
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int, args: Any) -> dict:
@@ -115,8 +124,9 @@ def summarize(results: list[dict], duration: float, before: dict, after: dict, a
     out_tokens = sum(r["output_tokens"] for r in ok)
     in_tokens = sum(r["prompt_tokens"] for r in ok)
     tpots = [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
-    steps = after.get(STEP + "_count", 0) - before.get(STEP + "_count", 0)
-    step_s = (after.get(STEP + "_sum", 0) - before.get(STEP + "_sum", 0)) / steps if steps else float("nan")
+    steps, step_s = _mean_delta(before, after, STEP)
+    _, server_itl_s = _mean_delta(before, after, ITL)
+    _, token_step_s = _mean_delta(before, after, TOKEN_STEP)
     tpot = _stats(tpots, pct)
     return {
         "completed": len(ok), "failed": len(results) - len(ok),
@@ -126,8 +136,10 @@ def summarize(results: list[dict], duration: float, before: dict, after: dict, a
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "ttft_ms": _stats([r["ttft"] for r in ok], pct), "tpot_ms": tpot,
         "itl_ms": _stats([g for r in ok for g in r["itl"]], pct), "e2el_ms": _stats([r["latency"] for r in ok], pct),
-        "engine_steps": steps, "engine_step_ms": step_s * 1000.0,
-        "http_sched_overhead_of_tpot": 1.0 - step_s * 1000.0 / tpot["mean"] if tpots else float("nan"),
+        "engine_steps": steps, "engine_step_ms": step_s * 1000.0, "engine_busy_fraction": steps * step_s / duration,
+        "server_itl_ms": server_itl_s * 1000.0, "token_weighted_step_ms": token_step_s * 1000.0,
+        "overhead_of_tpot": 1.0 - token_step_s * 1000.0 / tpot["mean"] if tpots else float("nan"),
+        "overhead_of_server_itl": 1.0 - token_step_s / server_itl_s,
     }  # fmt: skip
 
 
@@ -141,8 +153,12 @@ def print_table(name: str, res: dict) -> None:
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         s = res[key]
         print(f"{key[:-3].upper():5s} ms  " + "  ".join(f"{k} {v:8.2f}" for k, v in s.items()))
-    print(f"engine step (ms, same run)   {res['engine_step_ms']:.2f} over {res['engine_steps']:.0f} steps")
-    print(f"HTTP+scheduling share of TPOT {100 * res['http_sched_overhead_of_tpot']:.1f}%")
+    print(f"engine step (ms, same run)   {res['engine_step_ms']:.2f} over {res['engine_steps']:.0f} steps, "
+          f"engine busy {100 * res['engine_busy_fraction']:.0f}% of the run")  # fmt: skip
+    print(f"token-weighted step (ms)     {res['token_weighted_step_ms']:.2f}  (the step each token came from)")
+    print(f"server-side ITL mean (ms)    {res['server_itl_ms']:.2f}")
+    print(f"overhead share of TPOT       {100 * res['overhead_of_tpot']:.1f}%  (1 - token-weighted step / mean TPOT)")
+    print(f"overhead share of server ITL {100 * res['overhead_of_server_itl']:.1f}%")
 
 
 def launch(args: Any, ep_size: int) -> tuple[subprocess.Popen, str]:

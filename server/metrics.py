@@ -59,6 +59,10 @@ class Metrics:
         )
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens produced per engine step.", _TOKEN_BUCKETS)
         self.engine_step_time = histogram("engine_step_seconds", "Wall time of one engine step.", _LATENCY_BUCKETS)
+        self.token_step_time = histogram(
+            "token_step_seconds", "Wall time of the engine step that produced each token (token-weighted).",
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
         self.dispatch_latency = histogram(
             "moe_dispatch_latency_seconds",
             "MoE dispatch time of one worker in one step (all MoE layers).",
@@ -82,6 +86,8 @@ class Metrics:
     def on_step(self, step_time: float, num_tokens: int, dispatch_times: Sequence[float],
                 combine_times: Sequence[float]) -> None:  # fmt: skip
         self.engine_step_time.observe(step_time)
+        for _ in range(num_tokens):
+            self.token_step_time.observe(step_time)
         self.iteration_tokens.observe(num_tokens)
         self.generation_tokens.inc(num_tokens)
         for t in dispatch_times:

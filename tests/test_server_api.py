@@ -256,6 +256,7 @@ def test_metrics_names_and_counts(server, client):
                  "request_prompt_tokens", "request_generation_tokens"):  # fmt: skip
         assert delta(f'{p}{hist}_count{{model_name="tiny"}}') == n_req
     assert delta(p + 'inter_token_latency_seconds_count{model_name="tiny"}') == out_tokens - n_req
+    assert delta(p + 'token_step_seconds_count{model_name="tiny"}') == out_tokens
     for name in ("num_requests_running", "num_requests_waiting"):
         assert after[f'{p}{name}{{model_name="tiny"}}'] == 0
     for hist in ("moe_dispatch_latency_seconds", "moe_combine_latency_seconds", "engine_step_seconds"):
