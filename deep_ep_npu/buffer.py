@@ -296,7 +296,7 @@ class Buffer(FlatMixin, ShrinkMixin):
 
         Returns:
             combined_x: `[num_tokens, hidden]` in x's dtype: ``sum_k topk_weights[t, k] * expert_out[t, k]`` over
-                ``topk_idx[t, k] >= 0`` (and experts of unmasked ranks), accumulated in fp32; all--1 tokens give 0.
+                ``topk_idx[t, k] >= 0`` (and experts of unmasked ranks), accumulated in fp32; all -1 ids give 0.
             event: :class:`EventOverlap`. hook: the receive phase with ``return_recv_hook``, else None.
 
         Raises:

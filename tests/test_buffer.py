@@ -176,3 +176,32 @@ def _ll_port(info, num_max: int, tokens_per_rank: list[int], hidden: int, num_to
 def test_low_latency_port(world_size, tokens_per_rank, num_experts):
     results = parallel_launch(world_size, _ll_port, 16, tokens_per_rank, 512, 4, num_experts, 7, timeout=120)
     assert results == [32] * world_size
+
+
+def _two_batch_overlap(info, num_max: int, hidden: int, num_topk: int, num_experts: int):
+    """Two micro-batches in flight at once (DeepEP's two-batch overlap): both dispatches are sent before either
+    is received, then both combines; the double-buffered communication buffers must keep them apart."""
+    r, rank = info.world_size, info.rank
+    buffer = Buffer(info.group, backend="reference")
+    batches = [make_inputs(rank, num_max - b, hidden, num_topk, num_experts, 40 + b, marker=False) for b in (0, 1)]
+    pending = [
+        buffer.low_latency_dispatch(x, idx, num_max, num_experts, use_fp8=b == 1, return_recv_hook=True)
+        for b, (x, idx, _) in enumerate(batches)
+    ]
+    for *_, hook in pending:
+        hook()
+    expert_out = [per_token_cast_back(*p[0]) if b == 1 else p[0] for b, p in enumerate(pending)]
+    combines = [
+        buffer.low_latency_combine(expert_out[b], idx, w, pending[b][2], return_recv_hook=True)
+        for b, (_, idx, w) in enumerate(batches)
+    ]
+    for _, _, hook in reversed(combines):  # receive in the other order
+        hook()
+    for b, (x, idx, w) in enumerate(batches):
+        want = expected_combine(x, idx, w, "plain" if b == 1 else None)
+        assert calc_diff(want, combines[b][0]) < 1e-5
+    return r
+
+
+def test_two_micro_batches_in_flight():
+    assert parallel_launch(2, _two_batch_overlap, 8, 256, 3, 8, timeout=60) == [2, 2]
