@@ -348,7 +348,7 @@ def test_random_bad_inputs_hypothesis():
 
 def _issue3_checks(info):
     """Issue 3's constraints, every rank passing the same bad input (W = 2)."""
-    from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2
+    from deep_ep_npu.ops import get_low_latency_ccl_buffer_size, moe_distribute_combine_v2, moe_distribute_dispatch_v2
 
     g, r = info.group, info.rank
     x = torch.ones(BS, H)
@@ -370,6 +370,10 @@ def _issue3_checks(info):
     d["perf_shape"] = disp(performance_info=torch.zeros(3, dtype=torch.int64))
     d["perf_dtype"] = disp(performance_info=torch.zeros(2, dtype=torch.int32))
     d["special_id_range"] = disp(ids=_ids([[0, 9]] * BS), zero_expert_num=1)
+    a3 = torch.ones(BS, 1024, dtype=torch.bfloat16)
+    d["strict_a3_shape_ok"] = disp(
+        x=a3, strict=True, ccl_buffer_size=get_low_latency_ccl_buffer_size(2, BS, 1024, E, K)
+    )
     expand_x, _, assist, _, counts, _, _ = moe_distribute_dispatch_v2(x, ids, g, 2, r, E, copy_expert_num=1)
     w = torch.ones(BS, K)
 
@@ -437,6 +441,8 @@ ISSUE3_EXPECT = {
 def test_issue3_checks_two_ranks():
     bad = []
     for r, got in enumerate(parallel_launch(2, _issue3_checks, timeout=60)):
+        ok = got.pop("strict_a3_shape_ok")
+        assert ok is None, f"rank {r}: a valid A3 shape with the CCL size it needs was rejected: {ok}"
         for name, (code, param, text) in ISSUE3_EXPECT.items():
             if got[name] is None or got[name][:2] != (code, param) or text not in got[name][2]:
                 bad.append(f"rank {r} {name}: expected ({code}, {param}, ...{text}...), got {got[name]}")
