@@ -202,23 +202,25 @@ class AscendBackend(LowLatencyBackend):
         counts = (cum - torch.cat([cum.new_zeros(1), cum[:-1]])).view(num_local, r)
         per_expert = counts.sum(dim=1)
         start = _exclusive_cumsum(per_expert)
-        num_rows = expand_x.shape[0]
-        gather = (start.unsqueeze(1) + torch.arange(r * n, device=start.device)).clamp_(max=num_rows - 1).view(-1)
-        recv_x: Any = expand_x.index_select(0, gather).view(num_local, r * n, hidden)
+        # flat row -> its row in the masked layout; rows past the received total go to a spare row at the end, so
+        # only the A flat rows are moved (not L * R * N) and nothing needs the counts on the host
+        rn, spare = r * n, num_local * r * n
+        rows = torch.arange(expand_x.shape[0], device=start.device)
+        expert_of_row = torch.searchsorted(per_expert.cumsum(0), rows, right=True)
+        expert_clamped = expert_of_row.clamp(max=num_local - 1)
+        dest = torch.where(expert_of_row < num_local, expert_clamped * rn + rows - start[expert_clamped], spare)
+        recv_x: Any = expand_x.new_empty((spare + 1, hidden)).index_copy_(0, dest, expand_x)[:spare]
+        recv_x = recv_x.view(num_local, rn, hidden)
         if args.quant:
-            scales = dynamic_scales.index_select(0, gather).view(num_local, r * n, 1).expand(-1, -1, hidden // 128)
-            recv_x = (recv_x, scales)
-        src_info = assist.view(-1)[3 * gather + 1].view(num_local, r * n).to(torch.int32)
+            scales = dynamic_scales.new_empty((spare + 1,)).index_copy_(0, dest, dynamic_scales[: rows.numel()])
+            recv_x = (recv_x, scales[:spare].view(num_local, rn, 1).expand(-1, -1, hidden // 128))
+        tokens = assist.view(-1)[3 * rows + 1].to(torch.int32)
+        src_info = tokens.new_empty((spare + 1,)).index_copy_(0, dest, tokens)[:spare].view(num_local, rn)
         layout_range = (_exclusive_cumsum(counts, 1) << 32) | counts
         recv_count = per_expert.to(torch.int32)
         if args.cumulative_local_expert_recv_stats is not None:
             args.cumulative_local_expert_recv_stats += recv_count
-        # combine's gather: flat row -> (expert, position) in the masked layout
-        rows = torch.arange(num_rows, device=start.device)
-        expert_of_row = torch.searchsorted(per_expert.cumsum(0), rows, right=True).clamp_(max=num_local - 1)
-        scatter = (expert_of_row * (r * n) + (rows - start[expert_of_row]).clamp_(0, r * n - 1)).clamp_(
-            max=num_local * r * n - 1
-        )
+        scatter = dest.clamp(max=spare - 1)  # combine gathers the flat order back (spare rows: any valid row)
         state = dict(assist=assist, ep_recv_counts=ep_recv_counts, rows=scatter, zero_expert_num=zero_num, ccl=ccl)
         handle = make_handle(src_info, layout_range, n, hidden, args.num_experts, backend_state=state)
         return DispatchResult(recv_x, recv_count, handle, Completion(lambda: None))
