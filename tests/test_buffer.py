@@ -200,6 +200,23 @@ def _two_batch_overlap(info, num_max: int, hidden: int, num_topk: int, num_exper
     for b, (x, idx, w) in enumerate(batches):
         want = expected_combine(x, idx, w, "plain" if b == 1 else None)
         assert calc_diff(want, combines[b][0]) < 1e-5
+
+    # the stats tensors accumulate over calls; clean_low_latency_buffer is collective and leaves the buffer usable
+    buffer.clean_low_latency_buffer(num_max, hidden, num_experts)
+    x, idx, w = batches[0]
+    recv_stats = torch.zeros((num_experts // r,), dtype=torch.int32)
+    wait_stats = torch.zeros((r,), dtype=torch.int64)
+    combine_wait = torch.zeros((r,), dtype=torch.int64)
+    counts = []
+    for _ in range(3):
+        recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(
+            x, idx, num_max, num_experts, recv_stats, wait_stats, use_fp8=False
+        )
+        buffer.low_latency_combine(recv_x, idx, w, handle, combine_wait_recv_cost_stats=combine_wait)
+        counts.append(recv_count.clone())
+    assert torch.equal(recv_stats, counts[0] * 3) and int(recv_stats.sum()) > 0
+    for waits in (wait_stats, combine_wait):  # receive waits (ns), the same wait added to every source's entry
+        assert bool((waits > 0).all()) and waits.unique().numel() == 1
     return r
 
 
