@@ -92,6 +92,15 @@ def test_cli_main_reports_config_error(capsys):
     assert "port: Input should be greater than or equal to 0" in capsys.readouterr().err
 
 
+def test_cli_main_reports_engine_refusal(capsys, tmp_path):
+    from server.cli import main
+
+    assert main(["--ep-size", "3"]) == 2  # the default random model has 8 experts
+    assert "ep_size=3 must divide the model's num_experts=8" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path)]) == 2  # a directory without config.json
+    assert "has no config.json" in capsys.readouterr().err
+
+
 def test_config_is_frozen():
     c = build_config()
     with pytest.raises(Exception, match="frozen"):

@@ -47,8 +47,14 @@ def serve(config: ServerConfig) -> int:
             run_torchrun_worker(config)
             return 0
     # uvicorn handles SIGINT/SIGTERM itself; make SIGTERM before it starts (during the model load) exit cleanly too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    engine = build_engine(config)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        engine = build_engine(config)
+    except (ValueError, FileNotFoundError) as e:  # the config is valid but the model / runtime refuse it
+        print(f"error: cannot start the engine: {e}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     try:
         app = create_app(config, engine)
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5)
