@@ -21,6 +21,14 @@ from .event import Completion, EventOverlap
 from .handle import FlatHandle
 
 
+def _op_ids(topk_idx: object, num_experts: int, zero_expert_num: int) -> tuple[object, int]:
+    """``-1`` mapped onto zero experts; anything that is not a 2-D int tensor goes to the op unchanged, so that the op
+    rejects it on every rank (a local error here would leave the peers waiting)."""
+    if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 and topk_idx.dtype in (torch.int32, torch.int64):
+        return map_no_expert(topk_idx, num_experts, zero_expert_num)
+    return topk_idx, zero_expert_num
+
+
 class FlatDispatchOutput:
     """The outputs of ``low_latency_dispatch_flat``; readable once the receive ran (at once, or after ``hook()`` /
     the event's wait).
@@ -92,12 +100,13 @@ class FlatMixin:
             (output, event, hook): :class:`FlatDispatchOutput`, an :class:`EventOverlap`, the receive hook or None.
         """
         self._check_alive()
-        ids, zero_num = map_no_expert(topk_idx, num_experts, zero_expert_num)
+        ids, zero_num = _op_ids(topk_idx, num_experts, zero_expert_num)
+        num_max = num_max_dispatch_tokens_per_rank
         op_kwargs = dict(
             x_active_mask=x_active_mask,
             shared_expert_num=shared_expert_num,
             shared_expert_rank_num=shared_expert_rank_num,
-            global_bs=num_max_dispatch_tokens_per_rank * self.group_size,
+            global_bs=num_max * self.group_size if isinstance(num_max, int) else num_max,
             zero_expert_num=zero_num,
             copy_expert_num=copy_expert_num,
             const_expert_num=const_expert_num,
@@ -164,7 +173,8 @@ class FlatMixin:
         if not isinstance(handle, FlatHandle):
             raise ValueError(f"handle: must be the FlatHandle from low_latency_dispatch_flat, got {type(handle)}")
         kw = dict(handle.op_kwargs)
-        ids, _ = map_no_expert(topk_idx, handle.num_experts, kw["zero_expert_num"] - topk_idx.shape[1])
+        k = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0
+        ids, _ = _op_ids(topk_idx, handle.num_experts, kw["zero_expert_num"] - k)
         pending = self._backend.combine_flat(
             x,
             ids,

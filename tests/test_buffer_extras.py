@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deep_ep_npu import Buffer, FlatHandle
+from deep_ep_npu import Buffer, FlatHandle, MoeDistributeError
 from tests.deepep_utils import calc_diff
 from tests.distributed import parallel_launch
 
@@ -83,6 +83,10 @@ def _flat(info):
         want[active[rank] :] = 0
         if tokens[rank]:
             assert calc_diff(combined, want) < (1e-4 if quant_mode else 1e-5)
+    # bad input on one rank: the op rejects it on every rank
+    bad_idx = topk_idx.float() if rank == 1 else topk_idx
+    with pytest.raises(MoeDistributeError, match="expert_ids" if rank == 1 else "rejected on rank 1"):
+        buffer.low_latency_dispatch_flat(x, bad_idx, N, E)
     return True
 
 
