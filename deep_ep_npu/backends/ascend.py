@@ -12,6 +12,10 @@ Mapping (documented in the Buffer): ``-1`` in ``topk_idx`` becomes a zero expert
 ``assist_info_for_combine``'s (rank, token, slot) triples (the A3 fullmesh layout), and combine gathers the masked
 rows back into the flat order. The NPU ops run in stream order at call time: ``hook()`` and the event's wait have
 nothing left to do, and ``dispatch_wait_recv_cost_stats`` is the op's ``performance_info`` (µs per source rank).
+
+Limits: validation here is local (no extra collective per call): a rank whose input is rejected raises, but peers
+that passed validation enter the NPU op and wait until the HCCL timeout, so give every rank the same N,
+num_experts and hidden. Shrink-mode masks are refused; ``round_scale`` / ``use_ue8m0`` / fp8 e4m3 have no A2/A3 op.
 """
 
 from __future__ import annotations
