@@ -72,6 +72,7 @@ class AsyncEngine:
         self._commands: list[tuple] = []
         self._cond = threading.Condition()
         self._stop = False
+        self._closed = False  # set by the engine thread when it exits; commands are then rejected
         self._error: BaseException | None = None
         self._healthy = True
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -180,10 +181,29 @@ class AsyncEngine:
     # ---- engine thread ----
     def _submit(self, command: tuple) -> None:
         with self._cond:
-            self._commands.append(command)
-            self._cond.notify()
+            if not self._closed:
+                self._commands.append(command)
+                self._cond.notify()
+                return
+        self._reject(command)
+
+    def _reject(self, command: tuple) -> None:
+        """Answer a command the engine thread will never apply (it has exited): an add fails with 503."""
+        if command[0] == "add":
+            why = _first_line(self._error) if self._error is not None else "the engine was shut down"
+            self._loop.call_soon_threadsafe(_resolve, command[4], EngineDeadError(f"the engine is not running ({why})"))
 
     def _run(self) -> None:
+        try:
+            self._loop_engine()
+        finally:
+            with self._cond:
+                self._closed = True
+                leftover, self._commands = self._commands, []
+            for command in leftover:
+                self._reject(command)
+
+    def _loop_engine(self) -> None:
         engine = self.engine
         last_health = time.monotonic()
         while True:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 
 import httpx
 import pytest
 
 from server.api import create_app
+from server.async_engine import AsyncEngine, EngineDeadError
 from server.config import build_config
+from server.engine_api import SamplingParams
 from tests.server_helpers import FakeEngine, UvicornThread
 
 
@@ -109,3 +113,38 @@ def test_health_follows_an_idle_engine():
         engine.healthy = False
         _wait_until(lambda: c.get("/health").status_code == 503, timeout=5)
         assert _error(c.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "engine_unavailable"
+
+
+class _StepBlocksThenFails(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__(step_time=0.0)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def step(self):  # noqa: ANN201
+        self.entered.set()
+        self.release.wait(10)
+        raise RuntimeError("worker 0 died")
+
+
+def test_requests_queued_during_a_failing_step_get_503_not_a_hang():
+    async def scenario() -> None:
+        engine = _StepBlocksThenFails()
+        async_engine = AsyncEngine(engine, capacity=4, max_queue_len=4)
+        async_engine.start()
+        params = SamplingParams(max_tokens=2)
+        first = await async_engine.add_request("a", [1], params)
+        await asyncio.to_thread(engine.entered.wait, 10)
+        second = asyncio.ensure_future(async_engine.add_request("b", [1], params))  # queued behind the step
+        await asyncio.sleep(0.05)
+        engine.release.set()
+        with pytest.raises(EngineDeadError, match="worker 0 died"):
+            await asyncio.wait_for(second, 10)
+        with pytest.raises(EngineDeadError, match="worker 0 died"):
+            async for _ in async_engine.stream(first):
+                pass
+        with pytest.raises(EngineDeadError):
+            await async_engine.add_request("c", [1], params)
+        await async_engine.shutdown()
+        assert engine.shut_down
+
+    asyncio.run(scenario())
