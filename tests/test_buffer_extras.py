@@ -126,3 +126,27 @@ def _shrink(info):
 
 def test_shrink_mask_treats_masked_ranks_as_absent():
     assert parallel_launch(4, _shrink, timeout=60) == [True] * 4
+
+
+def _dtypes_and_odd_hidden(info):
+    buffer = Buffer(info.group, backend="reference")
+    checked = []
+    for dtype, hidden in ((torch.float32, 64), (torch.float16, 96), (torch.bfloat16, 101), (torch.bfloat16, 3)):
+        g = torch.Generator().manual_seed(info.rank)
+        x = torch.randn((5, hidden), generator=g).to(dtype)
+        topk_idx = torch.topk(torch.rand((5, E), generator=g), K, dim=1).indices
+        weights = torch.rand((5, K), generator=g)
+        recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False)
+        assert recv_x.dtype == dtype and tuple(recv_x.shape) == (E // info.world_size, info.world_size * N, hidden)
+        combined, _, _ = buffer.low_latency_combine(recv_x, topk_idx, weights, handle)
+        want = x.float() * weights.sum(dim=1, keepdim=True)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert combined.dtype == dtype and torch.allclose(combined.float(), want, rtol=tol, atol=tol)
+        checked.append(int(recv_count.sum()))
+    return checked
+
+
+def test_other_dtypes_and_odd_hidden():
+    """float32 / float16 activations and hidden sizes that are not multiples of 8 (bf16 only in DeepEP)."""
+    results = parallel_launch(2, _dtypes_and_odd_hidden, timeout=60)
+    assert sum(sum(r) for r in results) == 2 * 4 * 5 * K  # every (token, k) of both ranks arrives once
