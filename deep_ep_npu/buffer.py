@@ -126,9 +126,28 @@ class Buffer(FlatMixin, ShrinkMixin):
         return _hint_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     @staticmethod
-    def get_low_latency_ccl_buffer_size(*args: Any, **kwargs: Any) -> int:
-        """MB of CCL buffer the Ascend ops need (:func:`deep_ep_npu.ops.get_low_latency_ccl_buffer_size`)."""
-        return get_low_latency_ccl_buffer_size(*args, **kwargs)
+    def get_low_latency_ccl_buffer_size(
+        world_size: int,
+        num_max_dispatch_tokens_per_rank: int,
+        hidden: int,
+        num_moe_expert: int,
+        topk: int,
+        num_shared_expert: int = 0,
+        num_shared_expert_ranks: int = 0,
+        comm_alg: str = "",
+    ) -> int:
+        """MB of CCL buffer the Ascend ops need (ops-transformer's formula; see
+        :func:`deep_ep_npu.ops.get_low_latency_ccl_buffer_size`), e.g. 479 for ``(8, 128, 7168, 256, 8)``."""
+        return get_low_latency_ccl_buffer_size(
+            world_size,
+            num_max_dispatch_tokens_per_rank,
+            hidden,
+            num_moe_expert,
+            topk,
+            num_shared_expert,
+            num_shared_expert_ranks,
+            comm_alg,
+        )
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
