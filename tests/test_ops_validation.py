@@ -447,3 +447,62 @@ def test_issue3_checks_two_ranks():
             if got[name] is None or got[name][:2] != (code, param) or text not in got[name][2]:
                 bad.append(f"rank {r} {name}: expected ({code}, {param}, ...{text}...), got {got[name]}")
     assert not bad, "\n".join(bad)
+
+
+@st.composite
+def bad_combine(draw):
+    """A broken argument for a combine of ``_base()``'s 1-rank dispatch, plus the (code, param, text) it must raise."""
+    kind = draw(st.sampled_from(["w_shape", "w_dtype", "x_dtype", "x_dims", "counts", "assist", "shared", "cq"]))
+    if kind == "w_shape":
+        rows, cols = draw(st.tuples(st.integers(0, 8), st.integers(0, 8)).filter(lambda s: s != (BS, K)))
+        return dict(weights=torch.ones(rows, cols)), (SHAPE, "expert_scales", f"({rows}, {cols})")
+    if kind == "w_dtype":
+        dt = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float64, torch.int32]))
+        return dict(weights=torch.ones(BS, K, dtype=dt)), (PARAM, "expert_scales", str(dt))
+    if kind == "x_dtype":
+        dt = draw(st.sampled_from([torch.int8, torch.int32, torch.float64, torch.uint8]))
+        return dict(expand_x=lambda x: x.to(dt)), (PARAM, "expand_x", str(dt))
+    if kind == "x_dims":
+        n = draw(st.sampled_from([1, 3]))
+        return dict(expand_x=lambda x: x.reshape(-1) if n == 1 else x.unsqueeze(0)), (SHAPE, "expand_x", "dims")
+    if kind == "counts":
+        extra = draw(st.integers(1, 10_000))
+        return dict(counts=lambda c: c + extra), (SHAPE, "ep_send_counts", "rows")
+    if kind == "assist":
+        src = draw(st.integers(1, 50) | st.integers(-50, -1))
+        return dict(assist=lambda a: torch.cat([a[:1] * 0 + src, a[1:]])), (SHAPE, "assist_info_for_combine", "source")
+    if kind == "shared":
+        h = draw(st.integers(1, 40).filter(lambda v: v != H))
+        return dict(kw=dict(shared_expert_x=torch.zeros(BS, h))), (SHAPE, "shared_expert_x", f"({BS}, {h})")
+    v = draw(st.integers(-5, 9).filter(lambda q: q not in (0, 2)))
+    return dict(kw=dict(comm_quant_mode=v)), (PARAM, "comm_quant_mode", str(v))
+
+
+def _hypothesis_combine_in_rank(info):
+    from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2
+
+    c = _base()
+    expand_x, _, assist, _, counts, _, _ = moe_distribute_dispatch_v2(c["x"], c["expert_ids"], info.group, 1, 0, E)
+    base = dict(expand_x=expand_x, assist=assist, counts=counts, weights=torch.rand(BS, K), kw={})
+
+    @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(bad_combine())
+    def check(case):
+        change, (code, param, text) = case
+        a = dict(base)
+        for key, value in change.items():
+            a[key] = value(base[key]) if callable(value) else value
+        got = _error_of(
+            lambda: moe_distribute_combine_v2(
+                a["expand_x"], c["expert_ids"], a["assist"], a["counts"], a["weights"], info.group, 1, 0, E, **a["kw"]
+            )
+        )
+        assert got is not None, f"no error for {case}"
+        assert got[:2] == (code, param) and text in got[2], f"expected ({code}, {param}, {text}), got {got}"
+
+    check()
+    return True
+
+
+def test_random_bad_combine_inputs_hypothesis():
+    assert parallel_launch(1, _hypothesis_combine_in_rank, timeout=120) == [True]
