@@ -75,7 +75,13 @@ def _check_dispatch(info, recv_x, recv_count, handle, stats, all_idx, num_max, n
                 assert torch.equal(got, want)
 
 
-def _ll_port(info, num_max: int, tokens_per_rank: list[int], hidden: int, num_topk: int, num_experts: int, seed: int):
+def _ll_port(
+    info, num_max: int, tokens_per_rank: list[int], hidden: int, num_topk: int, num_experts: int, seed: int, loop: bool
+):
+    if loop:  # fill recv_x with one gather per expert (the large-message path) instead of one scatter
+        from deep_ep_npu.backends import reference
+
+        reference._LOOP_BYTES = 0
     r, rank = info.world_size, info.rank
     num_local = num_experts // r
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, r, num_experts)
@@ -169,12 +175,12 @@ def _ll_port(info, num_max: int, tokens_per_rank: list[int], hidden: int, num_to
 
 
 @pytest.mark.parametrize(
-    "world_size, tokens_per_rank, num_experts",
-    [(2, [16, 16], 6), (4, [16, 11, 16, 0], 12)],
-    ids=["W2", "W4-uneven-and-empty-rank"],
+    "world_size, tokens_per_rank, num_experts, loop",
+    [(2, [16, 16], 6, True), (4, [16, 11, 16, 0], 12, False)],
+    ids=["W2-gather-per-expert", "W4-uneven-and-empty-rank"],
 )
-def test_low_latency_port(world_size, tokens_per_rank, num_experts):
-    results = parallel_launch(world_size, _ll_port, 16, tokens_per_rank, 512, 4, num_experts, 7, timeout=120)
+def test_low_latency_port(world_size, tokens_per_rank, num_experts, loop):
+    results = parallel_launch(world_size, _ll_port, 16, tokens_per_rank, 512, 4, num_experts, 7, loop, timeout=120)
     assert results == [32] * world_size
 
 

@@ -32,6 +32,7 @@ _DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _QUANTS = {None: 0, "fp8_e4m3": 1, "int8_per_token": 2}
 _DISPATCH_FP = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype", "use_fp8 format", "row bytes")
 _COMBINE_FP = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype")
+_LOOP_BYTES = 1 << 22  # received data above which recv_x is filled by one gather per expert
 
 
 def _exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -183,11 +184,14 @@ class ReferenceBackend(LowLatencyBackend):
             per_expert = counts.sum(dim=1)
             pos = torch.arange(row.numel()) - _exclusive_cumsum(per_expert)[local]
             flat = local * (r * n) + pos
-            begin = 0
-            for i, count in enumerate(per_expert.tolist()):  # expert i's rows are the prefix of its block
-                if count:
-                    fmt.gather_data(recv, row[begin : begin + count], recv_x[i, :count])
-                begin += count
+            if row.numel() * fmt.data_bytes < _LOOP_BYTES:  # small: one scatter beats a call per expert
+                fmt.scatter_data(recv, row, recv_x.view(num_local * r * n, hidden), flat)
+            else:  # large: expert i's rows are the prefix of its block, gathered in one pass each
+                begin = 0
+                for i, count in enumerate(per_expert.tolist()):
+                    if count:
+                        fmt.gather_data(recv, row[begin : begin + count], recv_x[i, :count])
+                    begin += count
             if scales is not None:
                 scales[local, pos] = fmt.scales(recv, row, args.use_ue8m0)
             src_info.view(-1)[flat] = fmt.tokens(recv)[row]

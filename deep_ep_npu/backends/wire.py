@@ -84,6 +84,12 @@ class RowFormat:
                 return dtype
         return torch.uint8
 
+    def scatter_data(self, rows: torch.Tensor, row: torch.Tensor, out: torch.Tensor, flat: torch.Tensor) -> None:
+        """Copy the data of ``rows[row]`` into rows ``flat`` of ``out`` `[num_rows, hidden]` (``data_dtype``)."""
+        word = self.word_dtype
+        src = rows.view(word)[:, : self.data_bytes // word.itemsize]
+        out.view(torch.uint8).view(word).index_copy_(0, flat, src[row])
+
     def gather_data(self, rows: torch.Tensor, row: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the data of ``rows[row]`` into ``out`` `[len(row), hidden]` (contiguous, ``data_dtype``) in one pass."""
         word = self.word_dtype
