@@ -192,6 +192,8 @@ def _tp_errors(info):
     )
     elastic = torch.tensor([0, 2, 0, 2, 0, 1, 0, 1], dtype=torch.int32)
     out["elastic_tp"] = err(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, elastic_info=elastic, **tpkw))
+    quant = 2 if t == 1 else 0  # each EP domain agrees; the TP pairs do not
+    out["tp_disagree"] = err(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, quant_mode=quant, **tpkw))
     bad_ids = ids.clone() if info.rank != 0 else torch.tensor([[0], [5]], dtype=torch.int32)
     out["rank0_bad"] = err(lambda: moe_distribute_dispatch_v2(x, bad_ids, ep, 2, e, 2, **tpkw))
     expand_x, _, assist, _, counts, tp_counts, _ = moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, **tpkw)
@@ -216,6 +218,7 @@ def test_tp_validation_on_every_rank():
         "elastic_tp": (PARAM, "elastic_info", "tp_world_size"),
         "comm_quant": (PARAM, "comm_quant_mode", "tp_world_size 2"),
         "no_tp_counts": (NULL, "tp_send_counts", "None"),
+        "tp_disagree": (SHAPE, "dtype / quant", "TP pair disagrees"),
     }
     for g, got in enumerate(results):
         assert got.pop("ok") is True

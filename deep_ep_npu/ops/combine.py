@@ -312,7 +312,13 @@ def moe_distribute_combine_setup(
     except MoeDistributeError as err:
         tp_agree_status(layout.tp_group, err.code)
         raise
-    raise_if_peer_failed(layout.tp_group, comm.STATUS_OK, "moe_distribute_combine_v2")
+    tp_print = (
+        prep.hidden,
+        _DTYPE_CODES[prep.out_dtype] * 4 + comm_quant_mode,
+        prep.codec.row_bytes,
+        layout.num_moe_experts,
+    )
+    raise_if_peer_failed(layout.tp_group, comm.STATUS_OK, "moe_distribute_combine_v2", tp_print)
     rows = prep.rows
     if layout.tp_group is not None:
         rows = tp_reduce_scatter(layout.tp_group, layout.tp_rank_id, rows, prep.num_own_rows, prep.num_peer_rows)

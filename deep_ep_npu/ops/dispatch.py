@@ -274,7 +274,13 @@ def moe_distribute_dispatch_setup(
     except MoeDistributeError as err:
         tp_agree_status(layout.tp_group, err.code)
         raise
-    raise_if_peer_failed(layout.tp_group, comm.STATUS_OK, "moe_distribute_dispatch_v2")
+    tp_print = (
+        prep.x.shape[1],
+        _DTYPE_CODES[prep.x.dtype] * 4 + prep.quant_mode,
+        prep.codec.row_bytes,
+        layout.num_moe_experts,
+    )
+    raise_if_peer_failed(layout.tp_group, comm.STATUS_OK, "moe_distribute_dispatch_v2", tp_print)
     rows = _encode_rows(prep)
     send, send_units = comm.pack_payload(rows, plan.rows_per_dest, prep.meta, plan.pairs_per_dest)
     recv_units = [

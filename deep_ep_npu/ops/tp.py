@@ -11,30 +11,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import MoeDistributeError
+from .errors import MoeDistributeError, shape
 
 _STATUS_OK = 0
 
 
-def tp_agree_status(tp_group: dist.ProcessGroup | None, status: int) -> int:
-    """Share a status across the TP pair (both ranks always call this): returns the first non-OK one, else OK.
+TP_FINGERPRINT = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
 
-    A rank whose EP domain rejected its input still calls it, so its TP peer (in another EP domain) raises too
-    instead of waiting in a later TP collective.
+
+def tp_agree_status(
+    tp_group: dist.ProcessGroup | None, status: int, fingerprint: tuple[int, ...] = (0,) * len(TP_FINGERPRINT)
+) -> tuple[int, list[tuple[int, ...]]]:
+    """Share a status and a parameter fingerprint across the TP pair (both ranks always call this).
+
+    Returns the first non-OK status (else OK) and both ranks' fingerprints. A rank whose EP domain rejected its input
+    still calls it, so its TP peer (in another EP domain) raises too instead of waiting in a later TP collective.
     """
     if tp_group is None:
-        return status
-    t = torch.tensor([status], dtype=torch.int64)
+        return status, []
+    t = torch.tensor([status, *fingerprint], dtype=torch.int64)
     out = [torch.empty_like(t) for _ in range(2)]
     dist.all_gather(out, t, group=tp_group)
-    bad = [int(v) for v in out if int(v) != _STATUS_OK]
-    return bad[0] if bad else _STATUS_OK
+    bad = [int(v[0]) for v in out if int(v[0]) != _STATUS_OK]
+    return (bad[0] if bad else _STATUS_OK), [tuple(v[1:].tolist()) for v in out]
 
 
-def raise_if_peer_failed(tp_group: dist.ProcessGroup | None, status: int, op: str) -> None:
-    agreed = tp_agree_status(tp_group, status)
+def raise_if_peer_failed(
+    tp_group: dist.ProcessGroup | None, status: int, op: str, fingerprint: tuple[int, ...]
+) -> None:
+    """After this rank's EP domain accepted the call: raise if the TP peer's did not, or if the pair disagrees."""
+    agreed, prints = tp_agree_status(tp_group, status, fingerprint)
     if agreed != _STATUS_OK and status == _STATUS_OK:
         raise MoeDistributeError(agreed, "inputs", f"{op} aborted: the TP peer rank rejected its input")
+    for i, name in enumerate(TP_FINGERPRINT):
+        if prints and prints[0][i] != prints[1][i]:
+            raise shape(name, f"{op}: the TP pair disagrees on {name} ({prints[0][i]} vs {prints[1][i]})")
 
 
 def _swap(tp_group: dist.ProcessGroup, tp_rank: int, send: torch.Tensor, num_recv_rows: int) -> torch.Tensor:
