@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import io
 import multiprocessing as mp
 import queue
 import socket
@@ -51,12 +52,29 @@ def _context() -> Any:
     return _CTX
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, pg_timeout: float) -> None:
+def _dumps(obj: Any) -> bytes:
+    """Serialize with torch.save: tensors travel as bytes, not as shared-memory handles (which break when the
+    sender exits first, and run out of file descriptors with many tensors)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: bytes, results: Any, pg_timeout: float) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        args = _loads(args)
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -66,7 +84,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         )
         try:
             out = fn(ProcessGroupInfo(rank, world_size, dist.group.WORLD, port), *args)
-            results.put((rank, True, out))
+            results.put((rank, True, _dumps(out)))
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - forwarded to the parent with its traceback
@@ -93,8 +111,9 @@ def parallel_launch(
     ctx = _context()
     results = ctx.Queue()
     port = get_open_port()
+    payload = _dumps(args)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, payload, results, pg_timeout), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -125,4 +144,4 @@ def parallel_launch(
     if len(done) < world_size:
         stuck = [r for r in range(world_size) if r not in done]
         raise TimeoutError(f"ranks {stuck} did not finish within {timeout:.0f}s (deadlock?)")
-    return [done[r][1] for r in range(world_size)]
+    return [_loads(done[r][1]) for r in range(world_size)]
