@@ -16,9 +16,10 @@ Overlap, two ways (both as in DeepEP):
 - ``async_finish=True``: the returned :class:`EventOverlap` completes the receive on ``current_stream_wait()``
   (or at the end of a ``with event:`` block).
 
-Buffer reuse: the backend's communication buffers are double-buffered and flip on every low-latency dispatch and
-combine, so (as in DeepEP) do not hold more than 2 low-latency calls' results at a time while a receive is
-pending, and call ``hook()`` / wait on the event before the next-but-one call.
+Buffer reuse (DeepEP's rule: do not hold more than 2 low-latency results at a time): the backend's communication
+buffers are double-buffered and flip on every dispatch and combine, and dispatch results (``recv_x``, its scales,
+``recv_count``, the handle's tensors) alternate between two sets, so they stay valid until the next-but-one
+dispatch. Finish a call's receive (``hook()`` / the event) before the next-but-one low-latency call.
 """
 
 from __future__ import annotations

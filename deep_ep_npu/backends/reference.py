@@ -9,7 +9,9 @@ the dispatch is reported on every rank), then the rows go back, in exactly the o
 ``topk_idx`` predicts, and are reduced there in fp32. No Python loop touches tokens.
 
 Buffers: the wire buffers (send/receive of both ops) are owned by the backend, grown on demand and double-buffered
-like DeepEP's (index flipped by every dispatch and combine); results are fresh tensors.
+like DeepEP's (index flipped by every dispatch and combine). Dispatch results (``recv_x``, scales, ``recv_count``,
+the handle's tensors) live in two alternating sets, so a dispatch's results stay valid until the next-but-one
+dispatch (DeepEP: do not hold more than 2 low-latency results); combine results are fresh tensors (or ``out``).
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class ReferenceBackend(LowLatencyBackend):
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
         self._ws = _Workspace()
-        self._buffer_idx = 0
+        self._buffer_idx = 0  # wire buffers: flips on every dispatch and combine
+        self._dispatch_idx = 0  # dispatch results: flips on every dispatch
 
     def _flip(self) -> int:
         idx, self._buffer_idx = self._buffer_idx, self._buffer_idx ^ 1
@@ -157,17 +160,19 @@ class ReferenceBackend(LowLatencyBackend):
         recv = self._ws.get(f"dispatch_recv{idx}", (sum(header.rows), fmt.row_bytes), torch.uint8)
         exchange = _Exchange(self.group, recv, send, header.rows, plan.rows_per_dest)
 
-        out_dtype = fmt.data_dtype
-        recv_x = torch.empty((num_local, r * n, hidden), dtype=out_dtype)
+        # the results live in two alternating sets (DeepEP: hold at most 2 results); reuse avoids page faults
+        out = f"dispatch_out{self._dispatch_idx}_"
+        self._dispatch_idx ^= 1
+        recv_x = self._ws.get(out + "x", (num_local, r * n, hidden), fmt.data_dtype)
         scales = None
         if args.quant is not None:
             groups = hidden // 512 if args.use_ue8m0 else hidden // 128
             scale_dtype = torch.int32 if args.use_ue8m0 else torch.float32
             # DeepEP allocates [L, groups, R * N] and transposes: the token dimension has stride 1
-            scales = torch.empty((num_local, groups, r * n), dtype=scale_dtype).transpose(1, 2)
-        src_info = torch.empty((num_local, r * n), dtype=torch.int32)
-        layout_range = torch.empty((num_local, r), dtype=torch.int64)
-        recv_count = torch.empty((num_local,), dtype=torch.int32)
+            scales = self._ws.get(out + "scales", (num_local, groups, r * n), scale_dtype).transpose(1, 2)
+        src_info = self._ws.get(out + "src_info", (num_local, r * n), torch.int32)
+        layout_range = self._ws.get(out + "layout_range", (num_local, r), torch.int64)
+        recv_count = self._ws.get(out + "recv_count", (num_local,), torch.int32)
 
         def finish() -> None:
             exchange.wait()
