@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -132,7 +133,9 @@ def main() -> None:
         f"{'EP':>3} {'unfused µs':>11} {fused_cols} {'best ratio':>10} {'comm µs':>8} {'compute µs':>11} {'hidden':>7}"
     )
     for w in a.ep:
+        load_before = os.getloadavg()[0]
         res = parallel_launch(w, _worker, cfg, timeout=900, pg_timeout=600)[0]
+        res["loadavg_1min"] = [load_before, os.getloadavg()[0]]  # this machine may be shared: say how busy it was
         best = min(a.segments, key=lambda seg: res[f"fused_s{seg}_us"])
         res.update(ep=w, best_segments=best, fused_us=res[f"fused_s{best}_us"])
         res["ratio"] = res["fused_us"] / res["unfused_us"]
@@ -141,7 +144,7 @@ def main() -> None:
         fused_vals = " ".join(f"{res[f'fused_s{seg}_us']:>14.0f}" for seg in a.segments)
         print(
             f"{w:>3} {res['unfused_us']:>11.0f} {fused_vals} {res['ratio']:>10.2f} {res['comm_us']:>8.0f} "
-            f"{res['compute_us']:>11.0f} {res['hidden']:>7.2f}"
+            f"{res['compute_us']:>11.0f} {res['hidden']:>7.2f}   (load {load_before:.1f})"
         )
     if a.json:
         Path(a.json).write_text(json.dumps({"config": cfg, "results": rows}, indent=2))
