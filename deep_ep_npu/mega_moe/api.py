@@ -90,7 +90,7 @@ def mega_moe(
         )
     except MoeDistributeError as err:
         if 1 <= world_size <= 16:
-            agree(pg, world_size, rank, err)
+            agree(pg, world_size, rank, err, device=x.device if isinstance(x, torch.Tensor) else "cpu")
         raise
-    fused = agree(pg, world_size, rank, None, args.fingerprint(), impl.can_fuse(args))
+    fused = agree(pg, world_size, rank, None, args.fingerprint(), impl.can_fuse(args), device=args.x.device)
     return impl.run(args, fused)

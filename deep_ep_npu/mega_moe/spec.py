@@ -221,10 +221,12 @@ def agree(
     error: MoeDistributeError | None,
     fingerprint: tuple[int, ...] = (),
     can_fuse: bool = False,
+    device: torch.device | str = "cpu",
 ) -> bool:
-    """Exchange (status, can_fuse, fingerprint) with every rank (one ``all_gather``); raise the same error on every
-    rank if any rank failed or the ranks disagree (re-raising ``error`` on the rank that produced it). Returns
-    whether every rank can run the fused op."""
+    """Exchange (status, can_fuse, fingerprint) with every rank (one ``all_gather`` of int64 on ``device``, x's
+    device, so that an HCCL / NCCL group gets device tensors); raise the same error on every rank if any rank failed
+    or the ranks disagree (re-raising ``error`` on the rank that produced it). Returns whether every rank can run
+    the fused op."""
     width = 2 + len(_FINGERPRINT)
     row = torch.zeros((width,), dtype=torch.int64)
     row[0] = error.code if error is not None else 0
@@ -233,9 +235,10 @@ def agree(
         row[2:] = torch.tensor(fingerprint, dtype=torch.int64)
     table = row.unsqueeze(0)
     if world_size > 1:
+        row = row.to(device)
         parts = [torch.empty_like(row) for _ in range(world_size)]
         dist.all_gather(parts, row, group=group)
-        table = torch.stack(parts)
+        table = torch.stack(parts).cpu()
     if error is not None:
         raise error
     rows = table.tolist()
