@@ -15,6 +15,28 @@ FP8_MAX = 448.0
 GROUP = 128
 
 
+def scale_for_fp8_(work: torch.Tensor, x: torch.Tensor, round_scale: bool = False) -> torch.Tensor:
+    """Write ``x / scale_inv`` (clamped to the e4m3 range) into ``work`` and return ``scale_inv``; casting ``work``
+    to e4m3 (any ``copy_`` into a float8 tensor) completes the quantization. No temporaries of x's size.
+
+    Arguments:
+        work: `[num_tokens, hidden]` with `torch.float32` (overwritten).
+        x: `[num_tokens, hidden]`, any float dtype, ``hidden % 128 == 0``.
+
+    Returns:
+        scale_inv: `[num_tokens, hidden // 128]` with `torch.float32`.
+    """
+    n, h = x.shape
+    work.copy_(x)
+    wg = work.view(n, h // GROUP, GROUP)
+    amax = torch.maximum(wg.amax(dim=-1), wg.amin(dim=-1).neg_()).clamp_(min=1e-4)
+    scale_inv = amax.div_(FP8_MAX)
+    if round_scale:
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
+    wg.div_(scale_inv.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    return scale_inv
+
+
 def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize rows to e4m3 with one scale per 128 channels.
 
@@ -26,14 +48,9 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[t
         q: `[num_tokens, hidden]` with `torch.float8_e4m3fn`.
         scale_inv: `[num_tokens, hidden // 128]` with `torch.float32` (dequantize: ``q * scale_inv`` per group).
     """
-    n, h = x.shape
-    xg = x.float().view(n, h // GROUP, GROUP)
-    amax = xg.abs().amax(dim=-1).clamp_(min=1e-4) if n else xg.new_empty((0, h // GROUP))
-    scale_inv = amax / FP8_MAX
-    if round_scale:
-        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
-    q = (xg / scale_inv.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(n, h), scale_inv
+    work = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    scale_inv = scale_for_fp8_(work, x, round_scale)
+    return work.to(FP8_DTYPE), scale_inv
 
 
 def pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:

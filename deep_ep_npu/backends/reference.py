@@ -155,8 +155,13 @@ class ReferenceBackend(LowLatencyBackend):
         header = self._header("dispatch", comm.STATUS_OK, plan.rows_per_dest, plan.pairs_per_dest, fingerprint)
         comm.check_header(header, self.rank, _DISPATCH_FP, "low_latency_dispatch")
 
-        send = self._ws.get(f"dispatch_send{idx}", (len(plan.row_token), fmt.row_bytes), torch.uint8)
-        fmt.encode_into(send, x[plan.row_token], plan.row_token, plan.row_of_pair, plan.expert)
+        num_rows = len(plan.row_token)
+        send = self._ws.get(f"dispatch_send{idx}", (num_rows, fmt.row_bytes), torch.uint8)
+        x_rows = torch.index_select(
+            x, 0, plan.row_token, out=self._ws.get("dispatch_rows", (num_rows, hidden), x.dtype)
+        )
+        work = self._ws.get("dispatch_fp8", (num_rows, hidden), torch.float32) if args.quant == "fp8_e4m3" else None
+        fmt.encode_into(send, x_rows, plan.row_token, plan.row_of_pair, plan.expert, work)
         recv = self._ws.get(f"dispatch_recv{idx}", (sum(header.rows), fmt.row_bytes), torch.uint8)
         exchange = _Exchange(self.group, recv, send, header.rows, plan.rows_per_dest)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8 import FP8_DTYPE, GROUP, pack_ue8m0, per_token_cast_to_fp8
+from ..fp8 import FP8_DTYPE, GROUP, pack_ue8m0, scale_for_fp8_
 from ..ops.quant import per_token_int8
 
 _BITS = torch.arange(8, dtype=torch.uint8)
@@ -46,19 +46,24 @@ class RowFormat:
         token: torch.Tensor,
         pair_row: torch.Tensor,
         pair_expert: torch.Tensor,
+        work: torch.Tensor | None = None,
     ) -> None:
         """Fill ``out`` `[n, row_bytes]` uint8 from ``x_rows`` `[n, hidden]`, ``token`` `[n]` int64 (source row index)
-        and the (row, local expert) pairs `[num_pairs]` int64 that set the bitmask."""
+        and the (row, local expert) pairs `[num_pairs]` int64 that set the bitmask. ``work`` (`[n, hidden]` fp32,
+        optional) is scratch for the fp8 cast."""
         n = out.shape[0]
+        data = out[:, : self.data_bytes].view(self.data_dtype)
         if self.quant is None:
-            out[:, : self.data_bytes].view(self.data_dtype).copy_(x_rows)
+            data.copy_(x_rows)
         else:
             if self.quant == "fp8_e4m3":
-                q, scales = per_token_cast_to_fp8(x_rows, self.round_scale)
+                work = torch.empty(x_rows.shape, dtype=torch.float32) if work is None else work
+                scales = scale_for_fp8_(work, x_rows, self.round_scale)
+                data.copy_(work)  # the cast to e4m3
             else:
                 q, scale = per_token_int8(x_rows)
                 scales = scale.unsqueeze(1)
-            out[:, : self.data_bytes].view(self.data_dtype).copy_(q)
+                data.copy_(q)
             out[:, self.scale_off : self.token_off].view(torch.float32).copy_(scales)
         out[:, self.token_off : self.mask_off].view(torch.int32).copy_(token.view(n, 1))
         bits = torch.zeros((n, self.mask_bytes * 8), dtype=torch.uint8)
