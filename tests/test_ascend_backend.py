@@ -220,6 +220,38 @@ def _ccl_too_small(info):
     return str(err.value)
 
 
+def _ccl_sources(info):
+    import os
+
+    from deep_ep_npu.backends import ascend
+
+    ascend.AscendBackend._group_name = lambda self: self.group.group_name
+    _, topk_idx, _ = _inputs(info.rank, 4)
+    x = torch.zeros((4, 4096), dtype=torch.bfloat16)
+    # torch_npu path: HCCL_BUFFSIZE (read when the backend is created) bounds the shapes
+    sys.modules["torch_npu"] = _torch_npu_standin([])
+    os.environ["HCCL_BUFFSIZE"] = "2"
+    buffer = Buffer(info.group, backend="ascend")
+    del os.environ["HCCL_BUFFSIZE"]
+    with pytest.raises(ValueError, match="HCCL_BUFFSIZE: 2 MB is too small.*at least 12 MB"):
+        buffer.low_latency_dispatch(x, topk_idx, 128, E)
+    # context path: the context is sized on the first call; a later call needing more is refused
+    calls: list = []
+    pkg, ops_mod = _context_standin(calls)
+    sys.modules["cann_ops_transformer"], sys.modules["cann_ops_transformer.ops"] = pkg, ops_mod
+    buffer = Buffer(info.group, backend="ascend")
+    buffer.low_latency_dispatch(x[:, :1024], topk_idx, 8, E, use_fp8=False)
+    with pytest.raises(ValueError, match="context was created on the first call") as err:
+        buffer.low_latency_dispatch(x, topk_idx, 128, E)
+    return [kw for name, kw in calls if name == "init"], str(err.value)
+
+
+def test_ascend_contract_ccl_size_sources():
+    """Contract test: HCCL_BUFFSIZE (torch_npu path) and the context's first-call size (V3 path) bound the shapes."""
+    for inits, text in parallel_launch(2, _ccl_sources, timeout=60):
+        assert inits == [{"ccl_buffer_size": 1}] and "at least 12 MB" in text
+
+
 def test_ascend_contract_ccl_buffer_and_formats():
     """Contract test: the Buffer's CCL size is checked with the needed size in the message; fp8 is refused."""
     texts = parallel_launch(2, _ccl_too_small, timeout=60)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import envs
 from ..event import Completion
 from ..handle import LowLatencyHandle, make_handle
 from ..ops.ccl_buffer import ccl_buffer_bytes, ccl_buffer_mb
@@ -88,10 +89,12 @@ class _ContextOps:
         self.module, self.group, self.num_ranks = module, group, num_ranks
         self.path = module.__name__.split(".")[0]
         self.buffer: Any = None
+        self.created_ccl_buffer_size: int | None = None
 
     def _buffer(self, ccl_buffer_size: int) -> Any:
         if self.buffer is None:
             self.buffer = self.module.MoeDistributeBuffer(self.group, ccl_buffer_size)
+            self.created_ccl_buffer_size = ccl_buffer_size
         return self.buffer
 
     def _method(self, name: str, ccl_buffer_size: int) -> Any:
@@ -153,6 +156,7 @@ class AscendBackend(LowLatencyBackend):
             self.ops = _TorchNpuOps(torch_npu, self._group_name(), self.num_ranks, self.rank)
         self._buffer_idx = 0
         self._zero_copy: dict[int, torch.Tensor] = {}
+        self._env_ccl = envs.hccl_buffsize_mb()
 
     @property
     def ops_path(self) -> str:
@@ -165,15 +169,21 @@ class AscendBackend(LowLatencyBackend):
         return self.group._get_backend(device).get_hccl_comm_name(self.rank)
 
     def _ccl_size(self, num_max: int, hidden: int, num_local: int, topk: int) -> int:
+        """The CCL window (MB) for these shapes; raises, naming the size needed, if the one in use is smaller."""
         need = ccl_buffer_mb(ccl_buffer_bytes(self.num_ranks, num_max, hidden, num_local, topk))
-        given = self.config.ccl_buffer_size
-        if given is not None and given < need:
-            raise shape(
-                "ccl_buffer_size",
-                f"{given} MB is too small for R={self.num_ranks}, N={num_max}, hidden={hidden}, L={num_local}, "
-                f"K={topk}: at least {need} MB is needed (Buffer.get_low_latency_ccl_buffer_size)",
-            )
-        return given if given is not None else need
+        created = getattr(self.ops, "created_ccl_buffer_size", None)
+        for have, source in (
+            (self.config.ccl_buffer_size, "ccl_buffer_size"),
+            (created, "ccl_buffer_size (the context was created on the first call with this size)"),
+            (self._env_ccl if isinstance(self.ops, _TorchNpuOps) else None, "HCCL_BUFFSIZE"),
+        ):
+            if have is not None and have < need:
+                raise shape(
+                    "ccl_buffer_size",
+                    f"{source}: {have} MB is too small for R={self.num_ranks}, N={num_max}, hidden={hidden}, "
+                    f"L={num_local}, K={topk}: at least {need} MB is needed (Buffer.get_low_latency_ccl_buffer_size)",
+                )
+        return self.config.ccl_buffer_size if self.config.ccl_buffer_size is not None else max(need, created or 0)
 
     def _flip(self) -> int:
         idx, self._buffer_idx = self._buffer_idx, self._buffer_idx ^ 1
