@@ -150,3 +150,28 @@ def test_other_dtypes_and_odd_hidden():
     """float32 / float16 activations and hidden sizes that are not multiples of 8 (bf16 only in DeepEP)."""
     results = parallel_launch(2, _dtypes_and_odd_hidden, timeout=60)
     assert sum(sum(r) for r in results) == 2 * 4 * 5 * K  # every (token, k) of both ranks arrives once
+
+
+def _special_experts(info):
+    """Zero and copy experts through the flat path: a copy expert adds ``w * x`` at the source, a zero expert 0."""
+    num_zero, num_copy, num_experts = 1, 1, 4
+    g = torch.Generator().manual_seed(info.rank)
+    x = torch.randn((5, 64), generator=g).to(torch.bfloat16)
+    topk_idx = torch.tensor([[0, 4, 5], [1, -1, 2], [5, 3, -1], [4, 0, 1], [-1, -1, -1]])
+    weights = torch.rand((5, 3), generator=g)
+    buffer = Buffer(info.group, backend="reference")
+    result, _, _ = buffer.low_latency_dispatch_flat(
+        x, topk_idx, 8, num_experts, zero_expert_num=num_zero, copy_expert_num=num_copy
+    )
+    expert_out = (result.expand_x.float() * 2).to(torch.bfloat16)
+    combined, _, _ = buffer.low_latency_combine_flat(expert_out, topk_idx, weights, result.handle, ori_x=x)
+    routed = (topk_idx >= 0) & (topk_idx < num_experts)
+    copied = topk_idx == num_experts + num_zero
+    factor = (2 * weights * routed + weights * copied).sum(dim=1, keepdim=True)
+    assert calc_diff(combined, x.float() * factor) < 1e-5
+    return int(result.expert_token_nums.sum())
+
+
+def test_flat_zero_and_copy_experts():
+    counts = parallel_launch(2, _special_experts, timeout=60)
+    assert sum(counts) == 2 * 6  # routed (token, k) pairs of both ranks: 6 per rank

@@ -278,7 +278,8 @@ class AscendBackend(LowLatencyBackend):
         moe_expert_num = op_kwargs.pop("moe_expert_num")
         given = op_kwargs.pop("ccl_buffer_size", None)
         num_max = op_kwargs["global_bs"] // self.num_ranks
-        ccl = self._ccl_size(num_max, x.shape[1], moe_expert_num // self.num_ranks, expert_ids.shape[1])
+        moe_ranks = self.num_ranks - op_kwargs.get("shared_expert_rank_num", 0)
+        ccl = self._ccl_size(num_max, x.shape[1], moe_expert_num // max(moe_ranks, 1), expert_ids.shape[1])
         del given  # checked against config.ccl_buffer_size above
         return _Done(self.ops.dispatch(x, expert_ids, moe_expert_num, **op_kwargs, **self._op_kwargs(ccl)))
 
