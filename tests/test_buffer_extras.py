@@ -175,3 +175,28 @@ def _special_experts(info):
 def test_flat_zero_and_copy_experts():
     counts = parallel_launch(2, _special_experts, timeout=60)
     assert sum(counts) == 2 * 6  # routed (token, k) pairs of both ranks: 6 per rank
+
+
+def _shared_expert_rank(info):
+    """One shared-expert rank (rank 0) and two MoE ranks: every token also visits the shared expert, whose output
+    is added with weight 1."""
+    num_experts = 4  # on ranks 1 and 2
+    g = torch.Generator().manual_seed(info.rank)
+    x = torch.randn((4, 64), generator=g).to(torch.bfloat16)
+    topk_idx = torch.topk(torch.rand((4, num_experts), generator=g), 2, dim=1).indices
+    topk_idx[0, 1] = -1
+    weights = torch.rand((4, 2), generator=g)
+    buffer = Buffer(info.group, backend="reference")
+    result, _, _ = buffer.low_latency_dispatch_flat(
+        x, topk_idx, 4, num_experts, shared_expert_num=1, shared_expert_rank_num=1
+    )
+    expert_out = (result.expand_x.float() * 2).to(torch.bfloat16)
+    combined, _, _ = buffer.low_latency_combine_flat(expert_out, topk_idx, weights, result.handle)
+    factor = 2 * weights.masked_fill(topk_idx < 0, 0).sum(dim=1, keepdim=True) + 2
+    assert calc_diff(combined, x.float() * factor) < 1e-5
+    return int(result.expert_token_nums.sum())
+
+
+def test_flat_shared_expert_rank():
+    counts = parallel_launch(3, _shared_expert_rank, timeout=60)
+    assert counts[0] == 3 * 4  # the shared-expert rank sees every token of every rank
