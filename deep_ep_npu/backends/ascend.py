@@ -6,7 +6,8 @@ CANN 9.1+, methods ``low_latency_dispatch/combine``; else ``npu_ops_transformer.
 group's HCCL communicator. ``torch_npu`` is imported when this backend is created, never before.
 
 Mapping (documented in the Buffer): ``-1`` in ``topk_idx`` becomes a zero expert (never sent, adds 0), with
-``global_bs = N * R`` so ranks may hold fewer than N tokens; ``use_fp8=True`` is A2/A3's per-token dynamic int8
+``global_bs = N * R`` so ranks may hold fewer than N tokens (a rank with none sends one row routed nowhere, as
+the ops need Bs >= 1); ``use_fp8=True`` is A2/A3's per-token dynamic int8
 (``quant_mode=2``); the flat ``expand_x`` (rows expert-major, then source rank, then token) is gathered into
 ``recv_x`` `[L, R * N, hidden]` with index tensors only (no host synchronization), ``src_info`` is the token of
 ``assist_info_for_combine``'s (rank, token, slot) triples (the A3 fullmesh layout), and combine gathers the masked
@@ -50,6 +51,13 @@ def _find_context_ops() -> Any | None:
         if hasattr(module, "MoeDistributeBuffer"):
             return module
     return None
+
+
+def _pad_empty(rows: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NPU ops need Bs >= 1: a rank with no tokens sends one zero row routed nowhere (all ids -1)."""
+    if topk_idx.shape[0]:
+        return rows, topk_idx
+    return rows.new_zeros((1, rows.shape[1])), topk_idx.new_full((1, topk_idx.shape[1]), -1)
 
 
 class _TorchNpuOps:
@@ -204,13 +212,14 @@ class AscendBackend(LowLatencyBackend):
             args.num_max_dispatch_tokens_per_rank,
             args.hidden,
         )
-        ids, zero_num = map_no_expert(args.topk_idx, args.num_experts)
+        x, topk_idx = _pad_empty(args.x, args.topk_idx)
+        ids, zero_num = map_no_expert(topk_idx, args.num_experts)
         kw = dict(quant_mode=2 if args.quant else 0, global_bs=n * r, zero_expert_num=zero_num)
         if args.dispatch_wait_recv_cost_stats is not None:
             kw["performance_info"] = args.dispatch_wait_recv_cost_stats
         ccl = self._ccl_size(n, hidden, num_local, ids.shape[1])
         expand_x, dynamic_scales, assist, _, ep_recv_counts, _, _ = self.ops.dispatch(
-            args.x, ids, args.num_experts, **kw, **self._op_kwargs(ccl)
+            x, ids, args.num_experts, **kw, **self._op_kwargs(ccl)
         )
         cum = ep_recv_counts[: num_local * r].long()
         counts = (cum - torch.cat([cum.new_zeros(1), cum[:-1]])).view(num_local, r)
@@ -248,17 +257,19 @@ class AscendBackend(LowLatencyBackend):
         num_local, rn, hidden = h.src_info.shape[0], h.src_info.shape[1], h.hidden
         source = self._zero_copy_buffer(idx, h) if args.zero_copy else args.x
         expand_x = source.reshape(num_local * rn, hidden).index_select(0, state["rows"])
-        ids, _ = map_no_expert(args.topk_idx, h.num_experts)
+        num_tokens = args.topk_idx.shape[0]
+        weights, topk_idx = _pad_empty(args.topk_weights, args.topk_idx)
+        ids, _ = map_no_expert(topk_idx, h.num_experts)
         combined = self.ops.combine(
             expand_x,
             ids,
             state["assist"],
             state["ep_recv_counts"],
-            args.topk_weights,
+            weights,
             h.num_experts,
             global_bs=h.num_max_dispatch_tokens_per_rank * self.num_ranks,
             zero_expert_num=state["zero_expert_num"],
-        )
+        )[:num_tokens]
         out = combined if args.out is None else args.out.copy_(combined)
         return CombineResult(out, Completion(lambda: None))
 
