@@ -67,8 +67,10 @@ class Buffer(FlatMixin, ShrinkMixin):
         enable_shrink: enables the mask buffer (``low_latency_update/query/clean_mask_buffer``).
         backend: ``"auto"`` (``"ascend"`` when torch_npu and an NPU are present, else ``"reference"``),
             ``"reference"`` (torch.distributed) or ``"ascend"`` (ops-transformer V3 context ops or torch_npu).
-        ccl_buffer_size: MB of HCCL window the Ascend ops may use (``get_low_latency_ccl_buffer_size``); None sizes
-            it from the shapes. When given, shapes that need more raise, naming the size needed.
+        ccl_buffer_size: MB of HCCL window the Ascend ops may use (``get_low_latency_ccl_buffer_size``). When given,
+            shapes that need more raise, naming the size needed (ascend backend, and the flat methods on both
+            backends). None: the ascend backend checks ``HCCL_BUFFSIZE`` if set (torch_npu ops) or sizes the V3
+            context from the first call's shapes.
     """
 
     num_sms: int = 20
