@@ -60,7 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from server.api.serve import serve
 
-    return serve(config)
+    try:
+        return serve(config)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully, serve() has stopped the workers
+        return 0
 
 
 if __name__ == "__main__":

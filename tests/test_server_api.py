@@ -208,7 +208,7 @@ def test_concurrent_streams_continuous_batching(server, client):
     the running batch between steps, spread over both DP ranks."""
 
     async def one(c: httpx.AsyncClient, i: int) -> tuple[str, int]:
-        body = {"prompt": f"req{i}", "max_tokens": 3 + i % 7, "stream": True}
+        body = {"prompt": f"req{i}", "max_tokens": 20 + i % 7, "stream": True}
         async with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             text = ""
@@ -223,9 +223,9 @@ def test_concurrent_streams_continuous_batching(server, client):
 
     before = server.engine.num_steps
     for text, i in asyncio.run(run()):
-        assert text == _text(expected_token_ids(list(f"req{i}".encode()), 3 + i % 7))
+        assert text == _text(expected_token_ids(list(f"req{i}".encode()), 20 + i % 7))
     assert server.engine.max_running == 8  # both ranks full at some step
-    assert server.engine.num_steps - before < sum(3 + i % 7 for i in range(32))  # batched, not one by one
+    assert server.engine.num_steps - before < sum(20 + i % 7 for i in range(32))  # batched, not one by one
 
 
 def _wait_until(cond, timeout: float = 10.0) -> None:

@@ -63,7 +63,7 @@ def test_disconnect_cancels_non_streaming_request(one_slot):
     engine = one_slot.engine
     with httpx.Client(base_url=one_slot.url, timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/completions", json={"prompt": "x", "max_tokens": 200})  # ~2 s of steps
-    _wait_until(lambda: len(engine.finished_aborts) == 1, timeout=1.5)
+    _wait_until(lambda: len(engine.finished_aborts) == 1)  # only an abort lands here, never a completion
     _wait_until(lambda: not engine.running)
 
 

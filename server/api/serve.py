@@ -46,18 +46,25 @@ def serve(config: ServerConfig) -> int:
 
             run_torchrun_worker(config)
             return 0
-    # uvicorn handles SIGINT/SIGTERM itself; make SIGTERM before it starts (during the model load) exit cleanly too
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # SIGTERM exits cleanly (code 0, workers shut down) while the model loads, and after uvicorn's graceful
+    # shutdown too: uvicorn re-raises the signal it caught with the handler it found, i.e. this one
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        engine = build_engine(config)
-    except (ValueError, FileNotFoundError) as e:  # the config is valid but the model / runtime refuse it
-        print(f"error: cannot start the engine: {e}", file=sys.stderr)
-        return 2
+        try:
+            engine = build_engine(config)
+        except (ValueError, FileNotFoundError) as e:  # the config is valid but the model / runtime refuse it
+            print(f"error: cannot start the engine: {e}", file=sys.stderr)
+            return 2
+        try:
+            app = create_app(config, engine)
+            uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                        timeout_graceful_shutdown=5)  # fmt: skip
+        finally:
+            engine.shutdown()
+        return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-    try:
-        app = create_app(config, engine)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5)
-    finally:
-        engine.shutdown()
-    return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
