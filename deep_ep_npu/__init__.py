@@ -5,7 +5,7 @@ Imports only torch; torch_npu is imported only when the Ascend backend is create
 
 from .buffer import Buffer
 from .event import EventOverlap
-from .handle import FlatHandle, LowLatencyHandle
+from .handle import FlatHandle, LowLatencyHandle, topk_idx_t
 from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
 
 __version__ = "0.1.0"
@@ -18,4 +18,5 @@ __all__ = [
     "MoeDistributeError",
     "__version__",
     "get_low_latency_ccl_buffer_size",
+    "topk_idx_t",
 ]

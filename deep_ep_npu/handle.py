@@ -11,6 +11,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+topk_idx_t = torch.int64
+"""DeepEP's ``deep_ep.topk_idx_t``: the default ``topk_idx`` dtype (`torch.int32` is accepted as well)."""
+
 
 class _LowLatencyHandleFields(NamedTuple):
     src_info: torch.Tensor

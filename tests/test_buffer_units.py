@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deep_ep_npu import Buffer, EventOverlap, LowLatencyHandle
+from deep_ep_npu import Buffer, EventOverlap, LowLatencyHandle, topk_idx_t
 from deep_ep_npu.backends.base import map_no_expert
 from deep_ep_npu.event import Completion
 from deep_ep_npu.fp8 import pack_ue8m0, per_token_cast_to_fp8, unpack_ue8m0
@@ -35,7 +35,7 @@ def test_handle_is_deepep_tuple_with_names():
     handle = LowLatencyHandle(src_info, layout_range, 4, 128, 4)
     a, b, n, h, e = handle
     assert a is handle[0] is handle.src_info and b is handle[1] is handle.layout_range
-    assert (n, h, e) == (4, 128, 4) and len(handle) == 5
+    assert (n, h, e) == (4, 128, 4) and len(handle) == 5 and topk_idx_t == torch.int64
     assert handle.recv_begin.tolist() == [[3, 0]] and handle.recv_count_per_rank.tolist() == [[5, 2]]
 
 
