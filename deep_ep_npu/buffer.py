@@ -32,28 +32,16 @@ import torch.distributed as dist
 
 from .backends import BufferConfig, create_backend, resolve_backend_name
 from .backends import spec as ll_spec
+from .buffer_compat import CompatMixin, hint_bytes
 from .buffer_flat import FlatMixin
 from .buffer_shrink import ShrinkMixin
 from .event import Completion, EventOverlap
 from .handle import LowLatencyHandle
-from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
+from .ops import MoeDistributeError
 from .ops.errors import invalid
 
 
-def _hint_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
-    """DeepEP's LowLatencyLayout: two copies of (send, recv, signal) buffers, plus its alignment step
-    ``(total + 128) // 128 * 128`` (which adds 128 bytes to an already aligned total, as DeepEP does)."""
-    n, scales = num_max_dispatch_tokens_per_rank, hidden // 128
-    dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
-    combine_msg = scales * 4 + hidden * 2
-    send = max(n * dispatch_msg, num_experts * n * combine_msg)
-    recv = max(num_experts * n * dispatch_msg, num_experts * n * combine_msg)
-    signal = (num_experts * 4 + 127) // 128 * 128
-    total = 2 * (send + recv + signal)
-    return (total + 128) // 128 * 128
-
-
-class Buffer(FlatMixin, ShrinkMixin):
+class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
     """The low-latency expert-parallel communication buffer (DeepEP-compatible).
 
     Arguments:
@@ -72,8 +60,6 @@ class Buffer(FlatMixin, ShrinkMixin):
             backends). None: the ascend backend checks ``HCCL_BUFFSIZE`` if set (torch_npu ops) or sizes the V3
             context from the first call's shapes.
     """
-
-    num_sms: int = 20
 
     def __init__(
         self,
@@ -119,59 +105,6 @@ class Buffer(FlatMixin, ShrinkMixin):
         self._backend = create_backend(self.backend_name, group, self.config)
         self._destroyed = False
 
-    # ---- sizes --------------------------------------------------------------------------------------------------
-    @staticmethod
-    def get_low_latency_rdma_size_hint(
-        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
-    ) -> int:
-        """Bytes of low-latency buffer DeepEP needs for these shapes (its formula; independent of ``num_ranks``)."""
-        del num_ranks
-        return _hint_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-
-    @staticmethod
-    def get_low_latency_ccl_buffer_size(
-        world_size: int,
-        num_max_dispatch_tokens_per_rank: int,
-        hidden: int,
-        num_moe_expert: int,
-        topk: int,
-        num_shared_expert: int = 0,
-        num_shared_expert_ranks: int = 0,
-        comm_alg: str = "",
-    ) -> int:
-        """MB of CCL buffer the Ascend ops need (ops-transformer's formula; see
-        :func:`deep_ep_npu.ops.get_low_latency_ccl_buffer_size`), e.g. 479 for ``(8, 128, 7168, 256, 8)``."""
-        return get_low_latency_ccl_buffer_size(
-            world_size,
-            num_max_dispatch_tokens_per_rank,
-            hidden,
-            num_moe_expert,
-            topk,
-            num_shared_expert,
-            num_shared_expert_ranks,
-            comm_alg,
-        )
-
-    @staticmethod
-    def set_num_sms(new_num_sms: int) -> None:
-        """Accepted for compatibility (normal kernels only in DeepEP; nothing to set here)."""
-        if new_num_sms % 2:
-            raise ValueError(f"new_num_sms: must be even, got {new_num_sms}")
-        Buffer.num_sms = new_num_sms
-
-    @staticmethod
-    def capture() -> EventOverlap:
-        """An already-complete event (there is no separate communication stream to capture here)."""
-        return EventOverlap(None)
-
-    @staticmethod
-    def is_sm90_compiled() -> bool:
-        return False
-
-    def get_comm_stream(self) -> None:
-        """There is no separate communication stream; returns None."""
-        return None
-
     # ---- helpers --------------------------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -186,7 +119,7 @@ class Buffer(FlatMixin, ShrinkMixin):
             raise
 
     def _check_rdma_size(self, num_max: int, hidden: int, num_experts: int) -> None:
-        need = _hint_bytes(num_max, hidden, num_experts)
+        need = hint_bytes(num_max, hidden, num_experts)
         if self.num_rdma_bytes and need > self.num_rdma_bytes:
             raise invalid(
                 "num_rdma_bytes",
