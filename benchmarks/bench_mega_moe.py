@@ -98,6 +98,7 @@ def _worker(info, cfg: dict) -> dict:
         return mega_moe(
             group, x, idx, probs, w1, w2, w1_scale=s1, w2_scale=s2, out_dtype=out_dtype,
             num_max_dispatch_tokens_per_rank=x.shape[0], num_experts=e, num_segments=num_segments,
+            segment_by=cfg["segment_by"],
         )  # fmt: skip
 
     fns = {"unfused": unfused, "comm": comm, "compute": lambda: ffn(received)}
@@ -124,6 +125,7 @@ def main() -> None:
     p.add_argument("--num-local-experts", type=int, default=8)
     p.add_argument("--weights", choices=["int8", "bf16"], default="int8")
     p.add_argument("--segments", type=int, nargs="+", default=[1, 2, 4], help="pipeline segments to time")
+    p.add_argument("--segment-by", choices=["expert", "token"], default="expert", help="how segments split the work")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)

@@ -240,18 +240,19 @@ def test_seed_four_rank_case_scaled_down():
 
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16-weights"])
 def test_zero_tokens_uneven_batches_and_no_expert_slots(int8):
-    """Rank 1 has no tokens, ranks differ in M, some slots are -1; fused == oracle == unfused, any segmenting."""
+    """Rank 1 has no tokens, ranks differ in M, some slots are -1; fused (by expert, by token) == oracle == unfused."""
     case = make_case(3, [7, 0, 12], 128, 64, 3, 4, int8=int8, holes=0.2)
     ref = dense_reference(case, torch.bfloat16)
     fused = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16), timeout=60)
-    unsegmented = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16, num_segments=1), timeout=60)
+    by_token = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16, segment_by="token"), timeout=60)
     unfused = parallel_launch(3, _run_unfused, case, torch.bfloat16, timeout=60)
     for r in range(3):
         assert fused[r].shape == (case.xs[r].shape[0], 128)
         assert_matches(fused[r], ref[r], int8)
         assert_matches(unfused[r], ref[r], int8)
         assert_matches(fused[r], unfused[r], int8)
-        torch.testing.assert_close(fused[r].float(), unsegmented[r].float(), rtol=8e-3, atol=1e-5)
+        assert_matches(by_token[r], ref[r], int8)
+        torch.testing.assert_close(fused[r].float(), by_token[r].float(), rtol=8e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16-weights"])
@@ -262,6 +263,31 @@ def test_equals_buffer_dispatch_experts_combine(int8):
     unfused = parallel_launch(3, _run_buffer_unfused, case, torch.float16, timeout=60)
     for got, want in zip(fused, unfused, strict=True):
         assert_matches(got, want, int8)
+
+
+def _run_one_combine(info, case: Case, out_dtype: torch.dtype):
+    """One dispatch_v2 -> the implementation's grouped FFN over all local experts -> one combine_v2 (no segments)."""
+    from deep_ep_npu.mega_moe.ffn import grouped_ffn
+    from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2
+
+    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
+    w, e = info.world_size, case.num_local * info.world_size
+    ids = torch.where(idx >= 0, idx.long(), e + torch.arange(idx.shape[1]))
+    kw = dict(global_bs=case.num_max * w, zero_expert_num=idx.shape[1])
+    quant_mode = 2 if s1 is not None else 0
+    d = moe_distribute_dispatch_v2(x, ids, info.group, w, info.rank, e, quant_mode=quant_mode, **kw)
+    y = grouped_ffn(d[0], d[1], d[3], range(case.num_local), w1, w2, s1, s2, out_dtype)
+    return moe_distribute_combine_v2(y, ids, d[2], d[4], p, info.group, w, info.rank, e, **kw)
+
+
+def test_token_segments_bit_equal_to_one_combine():
+    """segment_by="token": every token's pairs live in one segment, so segmenting changes no bit of the result."""
+    case = make_case(7, [11, 0, 6], 128, 64, 3, 4, holes=0.1)
+    seg = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.float16, segment_by="token", num_segments=3))
+    one = parallel_launch(3, _run_one_combine, case, torch.float16, timeout=60)
+    for got, want in zip(seg, one, strict=True):
+        assert got.dtype == want.dtype == torch.float16
+        assert torch.equal(got, want)
 
 
 def test_fp32_reference_path_equals_unfused_exactly():

@@ -25,6 +25,7 @@ def mega_moe(
     out_dtype: torch.dtype | None = None,
     max_output_size: int | None = None,
     num_segments: int | None = None,
+    segment_by: str = "expert",
     backend: str = "reference",
 ) -> torch.Tensor:
     """Fused expert-parallel MoE layer: ``out[t] = sum_k topk_weights[t, k] * FFN_{topk_idx[t, k]}(x[t])``.
@@ -54,7 +55,12 @@ def mega_moe(
         max_output_size: the seed's per-rank routed-row workspace, must be >= M * topK; default
             ``num_max_dispatch_tokens_per_rank * topK * W`` (what any routing can need). Passed to the NPU op;
             validated only on the reference path, whose ops size their own buffers.
-        num_segments: local-expert segments of the pipeline, in [1, E_local]; default min(E_local, 4). 1 = no overlap.
+        num_segments: pipeline segments, in [1, E_local] (by expert) or [1, num_max_dispatch_tokens_per_rank] (by
+            token); default min(that bound, 4). 1 = no overlap.
+        segment_by: ``"expert"`` (the seed's expert-granular pipeline: segment k = a contiguous group of local
+            experts; partial sums travel in fp32, equal to the unfused path up to fp32 re-association) or ``"token"``
+            (segment k = a chunk of each rank's tokens, all experts; rows travel in ``out_dtype``, bit-equal to one
+            dispatch -> FFN -> combine, half the combine bytes).
         backend: ``reference`` (any torch.distributed backend), ``ascend`` (the fused NPU op
             ``torch.ops._C_ascend.dispatch_ffn_combine`` when present and the shapes fit it, else the reference
             pipeline) or ``auto``.
@@ -87,6 +93,7 @@ def mega_moe(
             out_dtype=out_dtype,
             max_output_size=max_output_size,
             num_segments=num_segments,
+            segment_by=segment_by,
         )
     except MoeDistributeError as err:
         if 1 <= world_size <= 16:

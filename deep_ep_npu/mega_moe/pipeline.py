@@ -27,6 +27,11 @@ While FFN(k) runs, later segments' dispatch payloads and earlier segments' combi
 outputs of the S combines are fp32 (expert outputs are rounded to ``out_dtype`` first, as the seed's FP16 CV tiles,
 then sent as fp32) and summed in fp32; the single final cast to ``out_dtype`` makes the result equal to one
 unsegmented combine up to fp32 re-association (at most one unit in the last place of ``out_dtype``).
+
+``segment_by="token"`` runs the same schedule with segment k = the k-th chunk of each rank's tokens (all local
+experts): a token's pairs then all live in one segment, its combined row is final, rows travel in ``out_dtype``
+(half the fp32 bytes) and the result is bit-equal to one dispatch -> FFN -> combine; the price is S smaller GEMMs
+per expert instead of one.
 """
 
 from __future__ import annotations
@@ -44,16 +49,19 @@ from .spec import MegaMoeArgs
 
 def routed_ids(args: MegaMoeArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """The ops' view of ``topk_idx``: `-1` becomes a distinct zero expert (id ``num_experts + slot``, never sent,
-    contributes nothing), and a `[M, topK]` `torch.int64` map from each pair to its segment (-1: not routed)."""
-    idx, num_local = args.topk_idx, args.num_local_experts
+    contributes nothing), and a `[M, topK]` `torch.int64` map from each pair to its segment (-1: not routed):
+    the segment of its local expert (``segment_by="expert"``) or of its token's chunk (``"token"``)."""
+    idx, num_local, num_segments = args.topk_idx, args.num_local_experts, args.num_segments
     slot = torch.arange(args.topk, dtype=torch.int64).expand_as(idx)
     ids = torch.where(idx >= 0, idx, args.num_experts + slot)
+    if args.segment_by == "token":
+        chunk = torch.arange(args.num_tokens, dtype=torch.int64) * num_segments // max(args.num_tokens, 1)
+        return ids, torch.where(idx >= 0, chunk.unsqueeze(1).expand_as(idx), -1)
     segment_of_local = torch.empty((num_local,), dtype=torch.int64)
-    for s in range(args.num_segments):
+    for s in range(num_segments):
         r = args.segment_experts(s)
         segment_of_local[r.start : r.stop] = s
-    segment = torch.where(idx >= 0, segment_of_local[idx.clamp(min=0) % num_local], -1)
-    return ids, segment
+    return ids, torch.where(idx >= 0, segment_of_local[idx.clamp(min=0) % num_local], -1)
 
 
 def run_reference(args: MegaMoeArgs) -> torch.Tensor:
@@ -75,9 +83,13 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
             args.x, ids, x_active_mask=masks[s], quant_mode=quant_mode, expert_token_nums_type=1, **common
         )
 
+    # expert segments return partial sums of a token's pairs, so they travel in fp32 and are rounded once at the
+    # end; token segments return final rows, so they travel in out_dtype (bit-equal to one unsegmented combine)
+    wire_dtype = torch.float32 if args.segment_by == "expert" else args.out_dtype
+
     def start_combine(s: int, y: torch.Tensor, assist: torch.Tensor, ep_recv_counts: torch.Tensor) -> CombineHandle:
         return moe_distribute_combine_setup(
-            y.float(), ids, assist, ep_recv_counts, args.topk_weights, x_active_mask=masks[s], **common
+            y.to(wire_dtype), ids, assist, ep_recv_counts, args.topk_weights, x_active_mask=masks[s], **common
         )
 
     # One comm thread issues every collective, in the same order on every rank; this thread only computes.
@@ -110,7 +122,7 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
         partials = [comm.submit(_teardown, c) for c in combines]
         out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32)
         for p in partials:
-            out += p.result()
+            out += p.result().float()  # token segments: each row is nonzero in one segment only (exact)
     finally:
         comm.shutdown(wait=True, cancel_futures=True)
     return out.to(args.out_dtype)

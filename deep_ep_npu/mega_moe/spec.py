@@ -32,7 +32,9 @@ _FINGERPRINT = (
     "out_dtype",
     "num_max_dispatch_tokens_per_rank",
     "num_segments",
+    "segment_by",
 )
+SEGMENT_BY = ("expert", "token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,7 @@ class MegaMoeArgs:
     out_dtype: torch.dtype
     max_output_size: int
     num_segments: int
+    segment_by: str
 
     @property
     def num_tokens(self) -> int:
@@ -81,8 +84,11 @@ class MegaMoeArgs:
         return self.w1_scale is not None
 
     def segment_experts(self, s: int) -> range:
-        """Local experts of segment ``s``: contiguous groups, sizes differing by at most one."""
+        """Local experts computed in segment ``s``: contiguous groups of sizes differing by at most one with
+        ``segment_by="expert"``, every local expert with ``"token"``."""
         n, num_local = self.num_segments, self.num_local_experts
+        if self.segment_by == "token":
+            return range(num_local)
         return range(s * num_local // n, (s + 1) * num_local // n)
 
     def fingerprint(self) -> tuple[int, ...]:
@@ -95,6 +101,7 @@ class MegaMoeArgs:
             _DTYPE_CODES[self.out_dtype],
             self.num_max_dispatch_tokens_per_rank,
             self.num_segments,
+            SEGMENT_BY.index(self.segment_by),
         )
 
 
@@ -113,6 +120,7 @@ def validate(
     out_dtype: torch.dtype | None,
     max_output_size: int | None,
     num_segments: int | None,
+    segment_by: str = "expert",
 ) -> MegaMoeArgs:
     """Check every argument (no communication); raise :class:`MoeDistributeError` naming the parameter."""
     pg = resolve_group(group, "group")
@@ -192,9 +200,11 @@ def validate(
             f"{max_output_size} < M * topK = {num_tokens} * {topk}; the routed-row "
             "workspace must hold every (token, expert) pair of this rank",
         )
+    checks.one_of(segment_by, "segment_by", SEGMENT_BY)
+    most = num_local if segment_by == "expert" else num_max_dispatch_tokens_per_rank
     if num_segments is None:
-        num_segments = min(num_local, 4)
-    checks.in_range(num_segments, "num_segments", 1, num_local)
+        num_segments = min(most, 4)
+    checks.in_range(num_segments, "num_segments", 1, most)
     return MegaMoeArgs(
         pg,
         w,
@@ -211,6 +221,7 @@ def validate(
         out_dtype,
         max_output_size,
         num_segments,
+        segment_by,
     )
 
 
