@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deep_ep_npu import Buffer, FlatHandle, MoeDistributeError
-from tests.deepep_utils import calc_diff
+from tests.deepep_utils import calc_diff, fp8_e4m3_reference, per_token_cast_back
 from tests.distributed import parallel_launch
 
 N, H, E, K = 6, 128, 8, 3
@@ -200,3 +200,29 @@ def _shared_expert_rank(info):
 def test_flat_shared_expert_rank():
     counts = parallel_launch(3, _shared_expert_rank, timeout=60)
     assert counts[0] == 3 * 4  # the shared-expert rank sees every token of every rank
+
+
+def _nothing_received(info):
+    """Every token of every rank goes to rank 0's experts: rank 1 receives no row at all (and returns none)."""
+    g = torch.Generator().manual_seed(info.rank)
+    x = torch.randn((6, 256), generator=g).to(torch.bfloat16)
+    topk_idx = torch.tensor([[0, 1], [1, -1], [0, 1], [1, 0], [-1, -1], [0, -1]])
+    weights = torch.rand((6, 2), generator=g)
+    buffer = Buffer(info.group, backend="reference")
+    counts = []
+    for use_fp8 in (False, True):
+        recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+            x, topk_idx, 8, 4, use_fp8=use_fp8, return_recv_hook=True
+        )
+        hook()
+        expert_out = per_token_cast_back(*recv_x) if use_fp8 else recv_x
+        combined, _, _ = buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
+        want = fp8_e4m3_reference(x, False) if use_fp8 else x
+        assert calc_diff(combined, want.float() * weights.masked_fill(topk_idx < 0, 0).sum(1, keepdim=True)) < 1e-5
+        counts.append(recv_count.tolist())
+    return counts
+
+
+def test_a_rank_that_receives_nothing():
+    counts = parallel_launch(2, _nothing_received, timeout=60)
+    assert counts[1] == [[0, 0], [0, 0]] and counts[0] == [[8, 8], [8, 8]]
