@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import profiling
 from .backends import BufferConfig, create_backend, resolve_backend_name
 from .backends import spec as ll_spec
 from .buffer_compat import CompatMixin, hint_bytes
@@ -215,7 +216,9 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
             self._check_rdma_size(args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts)
             return args
 
+        lap = profiling.laps("dispatch")
         args = self._validated("dispatch", validate)
+        lap("validation")
         res = backend.dispatch(args)
         tensors = (res.recv_x, res.recv_count, res.handle)
         event, hook = self._overlap(res.completion, async_finish, return_recv_hook, tensors)
@@ -274,7 +277,9 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
                 combine_wait_recv_cost_stats,
             )
 
+        lap = profiling.laps("combine")
         args = self._validated("combine", validate)
+        lap("validation")
         res = self._backend.combine(args)
         event, hook = self._overlap(res.completion, async_finish, return_recv_hook, (res.combined_x,))
         return res.combined_x, event, hook

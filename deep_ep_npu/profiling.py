@@ -42,6 +42,33 @@ def section(name: str) -> contextlib.AbstractContextManager:
     return _timed(name) if _enabled else contextlib.nullcontext()
 
 
+class _Laps:
+    """Records the time since the previous lap (or creation) under ``prefix.name`` at each call."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.t = prefix, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        key = f"{self.prefix}.{name}"
+        _totals[key] += now - self.t
+        _counts[key] += 1
+        self.t = now
+
+
+class _NoLaps:
+    def __call__(self, name: str) -> None:
+        return None
+
+
+_NO_LAPS = _NoLaps()
+
+
+def laps(prefix: str) -> _Laps | _NoLaps:
+    """``lap = laps("dispatch"); ...; lap("layout"); ...; lap("packing")`` - a no-op while disabled."""
+    return _Laps(prefix) if _enabled else _NO_LAPS
+
+
 def report(reset: bool = False) -> dict[str, float]:
     """Mean µs per occurrence of each section since the last reset."""
     out = {k: _totals[k] / _counts[k] * 1e6 for k in _totals}

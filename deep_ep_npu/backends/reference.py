@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import profiling
 from ..event import Completion
 from ..handle import LowLatencyHandle, make_handle
 from ..ops import comm, moe_distribute_combine_setup, moe_distribute_dispatch_setup
@@ -139,6 +140,7 @@ class ReferenceBackend(LowLatencyBackend):
             args.hidden,
         )
         x, idx = args.x, self._flip()
+        lap = profiling.laps("dispatch")
         fmt = RowFormat(hidden, x.dtype, args.quant, num_local, args.round_scale)
         token, slot, dest, expert = self._pairs(args.topk_idx, num_local)
         plan = make_send_plan(
@@ -152,8 +154,13 @@ class ReferenceBackend(LowLatencyBackend):
             per_pair_rows=False,
         )
         fingerprint = (n, args.num_experts, hidden, _DTYPES[x.dtype], _QUANTS[args.quant], fmt.row_bytes)
+        lap("layout")
         header = self._header("dispatch", comm.STATUS_OK, plan.rows_per_dest, plan.pairs_per_dest, fingerprint)
         comm.check_header(header, self.rank, _DISPATCH_FP, "low_latency_dispatch")
+        lap("header")
+        profiling.record_wire(
+            "dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], self.rank, 8 * (3 + len(fingerprint))
+        )
 
         num_rows = len(plan.row_token)
         send = self._ws.get(f"dispatch_send{idx}", (num_rows, fmt.row_bytes), torch.uint8)
@@ -163,7 +170,9 @@ class ReferenceBackend(LowLatencyBackend):
         work = self._ws.get("dispatch_fp8", (num_rows, hidden), torch.float32) if args.quant == "fp8_e4m3" else None
         fmt.encode_into(send, x_rows, plan.row_token, plan.row_of_pair, plan.expert, work)
         recv = self._ws.get(f"dispatch_recv{idx}", (sum(header.rows), fmt.row_bytes), torch.uint8)
+        lap("packing")
         exchange = _Exchange(self.group, recv, send, header.rows, plan.rows_per_dest)
+        lap("collective_start")
 
         # the results live in two alternating sets (DeepEP: hold at most 2 results); reuse avoids page faults
         out = f"dispatch_out{self._dispatch_idx}_"
@@ -180,7 +189,9 @@ class ReferenceBackend(LowLatencyBackend):
         recv_count = self._ws.get(out + "recv_count", (num_local,), torch.int32)
 
         def finish() -> None:
+            lap = profiling.laps("dispatch")
             exchange.wait()
+            lap("collective_wait")
             rows_per_src = torch.tensor(header.rows, dtype=torch.int64)
             src_of_row = torch.repeat_interleave(torch.arange(r), rows_per_src)
             bits = fmt.expert_bits(recv)
@@ -211,6 +222,7 @@ class ReferenceBackend(LowLatencyBackend):
                 args.cumulative_local_expert_recv_stats += recv_count
             if args.dispatch_wait_recv_cost_stats is not None:
                 args.dispatch_wait_recv_cost_stats += exchange.wait_ns
+            lap("unpacking")
 
         handle = make_handle(src_info, layout_range, n, hidden, args.num_experts)
         recv_out = recv_x if scales is None else (recv_x, scales)
@@ -232,6 +244,7 @@ class ReferenceBackend(LowLatencyBackend):
 
     def combine(self, args: CombineArgs) -> CombineResult:
         h, r, idx = args.handle, self.num_ranks, self._flip()
+        lap = profiling.laps("combine")
         num_local, n, hidden = h.layout_range.shape[0], h.num_max_dispatch_tokens_per_rank, h.hidden
         try:
             rows, rows_per_src = self._return_rows(h)
@@ -243,6 +256,7 @@ class ReferenceBackend(LowLatencyBackend):
         token, slot, dest = token[order], slot[order], dest[order]
         pairs_per_dest = torch.bincount(dest, minlength=r).tolist()
         fingerprint = (*rows_per_src, *pairs_per_dest, n, h.num_experts, hidden, _DTYPES[args.x.dtype])
+        lap("layout")
         header = self._header("combine", comm.STATUS_OK, rows_per_src, pairs_per_dest, fingerprint)
         comm.check_header(header, self.rank, (), "low_latency_combine")
         sends = [fp[:r] for fp in header.fingerprint]
@@ -257,6 +271,13 @@ class ReferenceBackend(LowLatencyBackend):
             )
         header.fingerprint = [fp[2 * r :] for fp in header.fingerprint]
         comm.check_header(header, self.rank, _COMBINE_FP, "low_latency_combine")
+        lap("header")
+        profiling.record_wire(
+            "combine",
+            [k * hidden * args.x.dtype.itemsize for k in rows_per_src],
+            self.rank,
+            8 * (3 + len(fingerprint)),
+        )
 
         source = self._zero_copy_buffer(idx, h) if args.zero_copy else args.x
         send = self._ws.get(f"combine_send{idx}", (rows.numel(), hidden), source.dtype)
@@ -270,11 +291,14 @@ class ReferenceBackend(LowLatencyBackend):
             header.rows,
             rows_per_src,
         )
+        lap("packing")
         num_tokens = args.topk_idx.shape[0]
         out = args.out if args.out is not None else torch.empty((num_tokens, hidden), dtype=source.dtype)
 
         def finish() -> None:
+            lap = profiling.laps("combine")
             exchange.wait()
+            lap("collective_wait")
             weighted = self._ws.get("combine_weighted", (token.numel(), hidden), torch.float32)
             weighted.copy_(recv).mul_(args.topk_weights[token, slot].unsqueeze(1))  # (mixed-dtype mul is slow)
             acc = self._ws.get("combine_acc", (num_tokens, hidden), torch.float32).zero_()
@@ -282,6 +306,7 @@ class ReferenceBackend(LowLatencyBackend):
             out.copy_(acc)
             if args.combine_wait_recv_cost_stats is not None:
                 args.combine_wait_recv_cost_stats += exchange.wait_ns
+            lap("unpacking")
 
         return CombineResult(out, Completion(finish))
 
