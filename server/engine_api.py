@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from collections.abc import Sequence
 
 
@@ -28,8 +29,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also refuses NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64) (a 64-bit integer), got {self.seed}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

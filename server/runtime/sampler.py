@@ -1,10 +1,12 @@
-"""Token sampling with vLLM's parameters: greedy (``temperature == 0``), temperature, top-k, top-p, per-request seed."""
+"""Token sampling with vLLM's parameters: greedy (``temperature`` under 1e-5), temperature, top-k, top-p, seed."""
 
 from __future__ import annotations
 
 import torch
 
 from ..engine_api import SamplingParams
+
+_GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING_EPS)
 
 
 def make_generator(params: SamplingParams, fallback: torch.Generator) -> torch.Generator:
@@ -19,7 +21,7 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     Order as in vLLM: temperature, then top-k, then top-p (smallest set of tokens whose probability reaches
     ``top_p``; the most likely token is always kept), then a draw from ``generator``.
     """
-    if params.temperature == 0:
+    if params.temperature < _GREEDY_BELOW:  # logits / a tiny temperature overflow to inf (then NaN probabilities)
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < logits.numel():
