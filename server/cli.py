@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import typing
 from collections.abc import Sequence
 from typing import Any
 
-from server.config import ConfigError, ServerConfig, build_config, load_yaml, option_name
+from server.config import ConfigError, ServerConfig, build_config, env_values, load_yaml, option_name
 
 
 def _is_dict_field(name: str) -> bool:
@@ -49,7 +50,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{option_name(name)}: expected a JSON object, got {value!r} ({e})") from None
         cli_values[name] = value
-    return build_config(yaml_values, cli_values, yaml_path=path)
+    return build_config(yaml_values, cli_values, yaml_path=path, env=env_values(os.environ))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

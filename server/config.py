@@ -41,6 +41,11 @@ class ServerConfig(BaseModel):
     max_queue_len: int = Field(256, ge=0, description="requests allowed to wait beyond capacity; more get 503")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="largest accepted HTTP request body (bytes)")
     max_tokens_limit: int | None = Field(None, ge=1, description="cap on a request's max_tokens (default: none)")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="cap on a request's prompt tokens (default: none)")
+    api_key_health: bool = Field(False, description="with api-key: /health needs the key too (default: open)")
+    api_key_metrics: bool = Field(False, description="with api-key: /metrics and /version need the key too")
+    step_timeout_s: float = Field(30.0, gt=0, le=86400, description="a worker step (or health ping) slower than "
+                                  "this marks the engine failed: /health 503, requests 503")  # fmt: skip
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="uvicorn log level")
 
     @model_validator(mode="after")
@@ -82,18 +87,30 @@ def _format_error(err: ValidationError, sources: Mapping[str, str]) -> str:
     return "invalid server config:\n  " + "\n  ".join(lines)
 
 
+API_KEY_ENV = "DEEP_EP_NPU_API_KEY"  # the API key from the environment (below YAML and the command line)
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The options the environment can set: ``api-key`` from ``DEEP_EP_NPU_API_KEY`` (keeps it off the command
+    line, where other local users can read it in the process list)."""
+    return {"api-key": environ[API_KEY_ENV]} if environ.get(API_KEY_ENV) else {}
+
+
 def build_config(
     yaml_values: Mapping[str, Any] | None = None,
     cli_values: Mapping[str, Any] | None = None,
     yaml_path: str | None = None,
+    env: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
-    """Merge defaults < ``yaml_values`` < ``cli_values`` (both keyed by option names) and validate.
+    """Merge defaults < ``env`` (:func:`env_values`) < ``yaml_values`` < ``cli_values`` (all keyed by option names)
+    and validate.
 
     Raises :class:`ConfigError` naming each bad or unknown key and where it came from.
     """
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for values, where in ((yaml_values or {}, yaml_path or "yaml"), (cli_values or {}, "command line")):
+    layers = ((env or {}, "environment"), (yaml_values or {}, yaml_path or "yaml"), (cli_values or {}, "command line"))
+    for values, where in layers:
         for key, value in values.items():
             if not isinstance(key, str):
                 raise ConfigError(f"config key {key!r} [from {where}] must be a string option name")

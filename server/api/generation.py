@@ -53,6 +53,11 @@ def sampling_params(req: SamplingFields, requested: int | None, num_prompt_token
     """Check the prompt length and ``max_tokens`` against ``max_model_len`` / ``max_tokens_limit``; build the
     engine's sampling params. ``default`` None means "the rest of the context"."""
     max_model_len, limit = state.max_model_len, state.config.max_tokens_limit
+    max_prompt_tokens = state.config.max_prompt_tokens
+    if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
+        raise APIError(400, f"{prompt_param}: {num_prompt_tokens} prompt tokens are over this server's limit of "
+                       f"{max_prompt_tokens} (max-prompt-tokens)", param=prompt_param,
+                       code="context_length_exceeded")  # fmt: skip
     remaining = max_model_len - num_prompt_tokens
     if remaining < 1:
         raise APIError(400, f"{prompt_param}: {num_prompt_tokens} prompt tokens leave no room for output: this "

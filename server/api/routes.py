@@ -1,5 +1,5 @@
 """The endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (API key checked when configured),
-``/health``, ``/metrics`` and ``/version``."""
+``/health``, ``/metrics`` and ``/version`` (open unless ``api-key-health`` / ``api-key-metrics``)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,11 @@ def make_router(state: ServingState) -> APIRouter:
             raise APIError(404, f"model: {req.model!r} does not exist; this server serves {state.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 
+    config = state.config
     router = APIRouter()
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    health_auth = [Depends(check_api_key)] if config.api_key_health else []
+    metrics_auth = [Depends(check_api_key)] if config.api_key_metrics else []
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, http: Request) -> Response:
@@ -60,17 +63,17 @@ def make_router(state: ServingState) -> APIRouter:
                 "root": state.config.model or state.model_name, "max_model_len": state.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
-    @router.get("/health")
+    @router.get("/health", dependencies=health_auth)
     async def health() -> Response:
         if state.engine.is_healthy():
             return Response(status_code=200)
         return JSONResponse(error_body(503, "the engine is down", code="engine_unavailable"), 503)
 
-    @router.get("/metrics")
+    @router.get("/metrics", dependencies=metrics_auth)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/version")
+    @router.get("/version", dependencies=metrics_auth)
     async def version() -> dict:
         from importlib.metadata import PackageNotFoundError
         from importlib.metadata import version as package_version

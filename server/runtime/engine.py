@@ -14,6 +14,8 @@ from .scheduler import RankScheduler, Request, apply_token
 from .worker import StepPlan, WorkerArgs
 from .workers import ProcessWorkers, TorchrunWorkers, WorkerError, WorkerGroup, torchrun_env
 
+DEFAULT_STEP_TIMEOUT_S = 30.0
+
 
 def default_capacity(max_num_seqs: int, num_max_dispatch_tokens_per_rank: int | None = None) -> int:
     """The per-step token capacity N of a worker: the given value, else ``max(max_num_seqs, 64)``."""
@@ -28,7 +30,9 @@ class EPEngine(EngineCore):
     ``dtype`` float32/bfloat16/float16; ``backend`` the ``deep_ep_npu.Buffer`` backend; ``max_num_seqs`` and
     ``max_model_len``; ``num_max_dispatch_tokens_per_rank`` the per-step token capacity N of each worker (default
     ``max(max_num_seqs, 64)``; longer prefills are chunked); ``int8_experts`` W8A8 routed experts; ``launch``
-    ``"spawn"`` (start local workers), ``"torchrun"`` (this process is rank 0 of a torchrun job) or ``"auto"``.
+    ``"spawn"`` (start local workers), ``"torchrun"`` (this process is rank 0 of a torchrun job) or ``"auto"``;
+    ``step_timeout_s`` how long one lockstep step (or a health ping) may take before the engine declares the
+    workers hung, stops them and fails (spawned workers; a dead worker is noticed at once).
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class EPEngine(EngineCore):
         int8_experts: bool = False,
         launch: str = "auto",
         dist_timeout_s: float = 120.0,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
@@ -53,6 +58,8 @@ class EPEngine(EngineCore):
         for name, value in (("ep_size", ep_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s={step_timeout_s!r} must be > 0 (seconds)")
         n = default_capacity(max_num_seqs, num_max_dispatch_tokens_per_rank)
         if n < max_num_seqs:
             raise ValueError(f"num_max_dispatch_tokens_per_rank={n} must be >= max_num_seqs={max_num_seqs}")
@@ -66,7 +73,9 @@ class EPEngine(EngineCore):
         self.max_num_seqs = max_num_seqs
         args = WorkerArgs(model, dtype, backend, seed, random_model, max_num_seqs, max_model_len, n, int8_experts,
                           dist_timeout_s=dist_timeout_s)  # fmt: skip
-        self.workers: WorkerGroup = TorchrunWorkers(args) if use_torchrun else ProcessWorkers(ep_size, args)
+        self.workers: WorkerGroup = (
+            TorchrunWorkers(args) if use_torchrun else ProcessWorkers(ep_size, args, step_timeout_s=step_timeout_s)
+        )
         self._finalizer = weakref.finalize(self, self.workers.shutdown)
         self.ep_size = len(self.workers.infos)
         self.schedulers = [RankScheduler(max_num_seqs, n) for _ in range(self.ep_size)]
@@ -74,6 +83,7 @@ class EPEngine(EngineCore):
         self._aborts: list[str] = []
         self._stats = StepStats()
         self._error: str | None = None
+        self.ping_timeout_s = min(step_timeout_s, 5.0)
 
     @property
     def worker_infos(self) -> list[dict]:
@@ -147,7 +157,17 @@ class EPEngine(EngineCore):
         return bool(self._requests)
 
     def is_healthy(self) -> bool:
-        return self._error is None and self.workers.is_alive()
+        """Every worker process is alive and answers a ping within ``min(step_timeout_s, 5)`` seconds (call it
+        between steps, from the driver thread). A failed check stops the workers: the engine stays failed."""
+        if self._error is None:
+            try:
+                if not self.workers.is_alive():
+                    raise WorkerError("a worker process has exited")
+                self.workers.ping(self.ping_timeout_s)
+            except WorkerError as e:
+                self._error = str(e).splitlines()[0]
+                self.workers.shutdown()
+        return self._error is None
 
     def last_step_stats(self) -> StepStats:
         return self._stats

@@ -26,6 +26,7 @@ def engine_from_config(config: Any) -> EPEngine:
         max_model_len=config.max_model_len,
         seed=config.seed,
         random_model=dict(config.random_model) or None,
+        step_timeout_s=getattr(config, "step_timeout_s", 30.0),
     )
 
 

@@ -9,7 +9,6 @@ channel is a private ``multiprocessing`` pipe.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import resource
 import time
@@ -22,6 +21,7 @@ from ..engine_api import SamplingParams
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, KVCache, LocalComm, ModelConfig
 from ..models.ep_comm import BufferComm, ExpertComm
+from .rendezvous import init_loopback_group
 from .sampler import make_generator, sample_one
 
 
@@ -136,13 +136,7 @@ def worker_main(rank: int, world_size: int, port: int, conn: Any, args: WorkerAr
     worker = None
     try:
         if world_size > 1 or args.use_buffer_at_ep1:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=args.dist_timeout_s),
-            )
+            init_loopback_group(rank, world_size, port, args.dist_timeout_s)
         worker = Worker(args, rank, world_size, dist.group.WORLD if dist.is_initialized() else None)
         conn.send(("ready", worker.info))
         while True:
@@ -152,6 +146,9 @@ def worker_main(rank: int, world_size: int, port: int, conn: Any, args: WorkerAr
                 break
             if msg[0] == "stop":
                 break
+            if msg[0] == "ping":  # the driver's liveness probe
+                conn.send(("pong", None))
+                continue
             conn.send(("ok", worker.execute(msg[1])))
         worker.close()
         if dist.is_initialized():

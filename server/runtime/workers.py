@@ -31,6 +31,11 @@ class WorkerGroup(abc.ABC):
     def is_alive(self) -> bool: ...
 
     @abc.abstractmethod
+    def ping(self, timeout_s: float) -> None:
+        """Check that every worker answers within ``timeout_s`` (a hung one does not); raise :class:`WorkerError`
+        and stop all workers if one does not. Between steps only."""
+
+    @abc.abstractmethod
     def shutdown(self) -> None: ...
 
 
@@ -81,7 +86,7 @@ class ProcessWorkers(WorkerGroup):
             )
             if not ready:
                 self.shutdown()
-                raise WorkerError(f"workers {sorted(pending.values())} did not answer within {timeout_s:.0f}s")
+                raise WorkerError(f"workers {sorted(pending.values())} did not answer within {timeout_s:g}s (hung?)")
             for obj in ready:
                 rank = pending.get(obj)  # type: ignore[call-overload]
                 if rank is None:  # a process sentinel: it died; its error message may still be in the pipe
@@ -103,12 +108,26 @@ class ProcessWorkers(WorkerGroup):
     def step(self, plans: list[StepPlan]) -> list[StepResult]:
         if self._closed:
             raise WorkerError("the workers were shut down")
-        for conn, plan in zip(self.conns, plans, strict=True):
-            conn.send(("step", plan))
+        self._send_all([("step", plan) for plan in plans])
         return [payload for _, payload in self._collect("ok", self.step_timeout_s)]
 
     def is_alive(self) -> bool:
         return not self._closed and all(p.is_alive() for p in self.procs)
+
+    def ping(self, timeout_s: float) -> None:
+        if self._closed:
+            raise WorkerError("the workers were shut down")
+        self._send_all([("ping", None)] * len(self.conns))
+        self._collect("pong", timeout_s)
+
+    def _send_all(self, messages: list[tuple[str, Any]]) -> None:
+        for rank, (conn, message) in enumerate(zip(self.conns, messages, strict=True)):
+            try:
+                conn.send(message)
+            except OSError:  # its end of the pipe is closed: the process has exited
+                self.procs[rank].join(timeout=1.0)
+                self.shutdown()
+                raise WorkerError(f"worker {rank} exited with code {self.procs[rank].exitcode}") from None
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every worker to stop, wait up to ``grace_s``, then kill what is left (no orphans)."""
@@ -179,6 +198,11 @@ class TorchrunWorkers(WorkerGroup):
 
     def is_alive(self) -> bool:
         return not self._closed
+
+    def ping(self, timeout_s: float) -> None:
+        """Not checked between steps: a hung rank > 0 fails the next step after the gloo timeout."""
+        if self._closed:
+            raise WorkerError("the workers were shut down")
 
     def shutdown(self) -> None:
         if self._closed:
