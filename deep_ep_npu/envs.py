@@ -1,4 +1,5 @@
-"""The only place deep_ep_npu reads environment variables (read once, when a backend is created; never per call)."""
+"""The only place deep_ep_npu reads environment variables (read once, when a backend, a Buffer or a group's
+failure monitor is created; never per call)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,22 @@ def hccl_buffsize_mb() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"HCCL_BUFFSIZE: must be a positive integer (MB), got {value!r}")
     return int(value)
+
+
+def timeout_s() -> float | None:
+    """``DEEP_EP_NPU_TIMEOUT``: seconds each collective wait of the ops and the Buffer may take before the peers
+    that did not take part are reported (:class:`deep_ep_npu.failure.EPRankFailure`); None when it is not set.
+
+    Raises:
+        ValueError: it is set but is not a positive number.
+    """
+    value = os.environ.get("DEEP_EP_NPU_TIMEOUT")
+    if value is None or value == "":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"DEEP_EP_NPU_TIMEOUT: must be a positive number of seconds, got {value!r}")
+    return seconds

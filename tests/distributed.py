@@ -101,12 +101,18 @@ def _drain(results: Any, done: dict) -> None:
 
 
 def parallel_launch(
-    world_size: int, fn: Callable, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0
+    world_size: int,
+    fn: Callable,
+    *args: Any,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    allow_exit: tuple[int, ...] = (),
 ) -> list:
     """Run ``fn(ProcessGroupInfo, *args)`` on ``world_size`` gloo ranks; return the results in rank order.
 
     Raises ``RuntimeError`` (with each failing rank's traceback) if any rank raised or died, ``TimeoutError`` if
     some rank did not finish within ``timeout`` seconds. ``pg_timeout`` is the gloo group's own timeout.
+    ``allow_exit``: ranks expected to exit without a result (failure tests); their result is None.
     """
     ctx = _context()
     results = ctx.Queue()
@@ -137,6 +143,9 @@ def parallel_launch(
                 p.kill()
                 p.join(timeout=5.0)
         results.close()
+    for r in allow_exit:
+        if r in done and not done[r][0] and "without a result" in done[r][1]:
+            done[r] = (True, None)
     failures = {r: out for r, (ok, out) in sorted(done.items()) if not ok}
     if failures:
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items())
@@ -144,4 +153,4 @@ def parallel_launch(
     if len(done) < world_size:
         stuck = [r for r in range(world_size) if r not in done]
         raise TimeoutError(f"ranks {stuck} did not finish within {timeout:.0f}s (deadlock?)")
-    return [_loads(done[r][1]) for r in range(world_size)]
+    return [None if done[r][1] is None else _loads(done[r][1]) for r in range(world_size)]

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..failure import monitor
 from .errors import MoeDistributeError, shape
 
 STATUS_OK = 0
@@ -39,8 +40,14 @@ def exchange_header(
     rows_per_dest: Sequence[int],
     pairs_per_dest: Sequence[int],
     fingerprint: Sequence[int],
+    *,
+    timeout: float | None = None,
+    op: str = "header exchange",
 ) -> Header:
-    """All-to-all of `[world_size, 3 + len(fingerprint)]` int64; returns what every peer sent to this rank."""
+    """All-to-all of `[world_size, 3 + len(fingerprint)]` int64; returns what every peer sent to this rank.
+
+    The wait is bounded by ``timeout`` seconds (None: ``DEEP_EP_NPU_TIMEOUT``, else 30 s); a peer that exited or
+    did not call raises :class:`deep_ep_npu.failure.EPRankFailure` (naming it, labelled ``op``) on every rank."""
     width = 3 + len(fingerprint)
     send = torch.empty((world_size, width), dtype=torch.int64)
     send[:, 0] = status
@@ -53,7 +60,11 @@ def exchange_header(
     else:
         recv = torch.empty_like(send)
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send, group=group)
+        mon = monitor(group)
+        seconds = mon.default_timeout if timeout is None else timeout
+        mon.wait(
+            mon.start(lambda: dist.all_to_all_single(recv, send, group=group, async_op=True), op, seconds), op, seconds
+        )
         wait_us = int((time.perf_counter() - t0) * 1e6)
     rows = recv.tolist()
     header = Header([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [tuple(r[3:]) for r in rows])
@@ -103,7 +114,8 @@ def pack_payload(
 
 
 class PendingExchange:
-    """An in-flight uneven all-to-all of `[units, row_bytes]` uint8; :meth:`wait` returns the receive buffer."""
+    """An in-flight uneven all-to-all of `[units, row_bytes]` uint8; :meth:`wait` returns the receive buffer (its
+    wait bounded by ``timeout`` seconds, as :func:`exchange_header`)."""
 
     def __init__(
         self,
@@ -111,31 +123,41 @@ class PendingExchange:
         send: torch.Tensor,
         send_units: Sequence[int],
         recv_units: Sequence[int],
+        *,
+        timeout: float | None = None,
+        op: str = "payload exchange",
     ) -> None:
         row_bytes = send.shape[1]
         self.recv = torch.empty((sum(recv_units), row_bytes), dtype=torch.uint8)
         self.started = time.perf_counter()
         self.wait_us = 0
+        self.op = op
         if len(send_units) == 1:
             self.recv.copy_(send)
             self.work = None
         else:
-            self.work = dist.all_to_all_single(
-                self.recv.view(-1),
-                send.reshape(-1),
-                output_split_sizes=[u * row_bytes for u in recv_units],
-                input_split_sizes=[u * row_bytes for u in send_units],
-                group=group,
-                async_op=True,
+            self._monitor = monitor(group)
+            self._timeout = self._monitor.default_timeout if timeout is None else timeout
+            self.work = self._monitor.start(
+                lambda: dist.all_to_all_single(
+                    self.recv.view(-1),
+                    send.reshape(-1),
+                    output_split_sizes=[u * row_bytes for u in recv_units],
+                    input_split_sizes=[u * row_bytes for u in send_units],
+                    group=group,
+                    async_op=True,
+                ),
+                op,
+                self._timeout,
             )
         self._send = send  # keep alive until the collective completes
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             t0 = time.perf_counter()
-            self.work.wait()
+            pending, self.work = self.work, None
+            self._monitor.wait(pending, self.op, self._timeout)
             self.wait_us = int((time.perf_counter() - t0) * 1e6)
-            self.work = None
         self._send = None
         return self.recv
 
