@@ -1,8 +1,8 @@
 """Fused MegaMoE (issue 8) against an independent single-process dense oracle and against the unfused path.
 
-The oracle recomputes ``out[t] = sum_k p[t,k] * FFN_e(x[t])`` token by token from the documented formula, with
-its own quantization (numpy, round half to even), int64 integer matmuls and per-token loops; it imports nothing
-from ``deep_ep_npu.mega_moe``.
+The oracle (``tests/mega_moe_oracle.py``) recomputes ``out[t] = sum_k p[t,k] * FFN_e(x[t])`` token by token from
+the documented formula, with its own quantization (numpy, round half to even), int64 integer matmuls and per-token
+loops; it imports nothing from ``deep_ep_npu``.
 
 Tolerance (documented in README "Fused MegaMoE"): the int8 path equals the oracle except where a last-ulp fp32
 difference (SiLU's vectorized vs scalar kernel, summation order) flips one int8 rounding of the SwiGLU output; such
@@ -13,123 +13,12 @@ float-weight path differs only by BLAS summation order: rtol 1.6e-2 (bf16) and a
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from deep_ep_npu.ops import MoeDistributeError
 from tests.distributed import parallel_launch
-
-
-@dataclasses.dataclass
-class Case:
-    """Every rank's inputs and every expert's weights (global expert e lives on rank e // num_local)."""
-
-    xs: list[torch.Tensor]
-    idx: list[torch.Tensor]
-    probs: list[torch.Tensor]
-    w1: torch.Tensor  # [E, K, 2N]
-    w2: torch.Tensor  # [E, N, K]
-    s1: torch.Tensor | None  # [E, 2N]
-    s2: torch.Tensor | None  # [E, K]
-    num_local: int
-    num_max: int
-
-    def rank_args(self, r: int) -> tuple:
-        sl = slice(r * self.num_local, (r + 1) * self.num_local)
-        s1 = None if self.s1 is None else self.s1[sl]
-        s2 = None if self.s2 is None else self.s2[sl]
-        return self.xs[r], self.idx[r], self.probs[r], self.w1[sl], self.w2[sl], s1, s2
-
-
-def make_case(seed, tokens, hidden, n, topk, num_local, *, int8=True, x_dtype=torch.bfloat16, holes=0.0) -> Case:
-    g = torch.Generator().manual_seed(seed)
-    w = len(tokens)
-    e = w * num_local
-    xs, idx, probs = [], [], []
-    for m in tokens:
-        xs.append(torch.randn((m, hidden), generator=g).to(x_dtype))
-        ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(m)]) if m else torch.zeros((0, topk))
-        ids = ids.long()
-        if holes:
-            ids[torch.rand(ids.shape, generator=g) < holes] = -1
-        idx.append(ids.to(torch.int32))
-        probs.append(torch.softmax(torch.randn((m, topk), generator=g), dim=-1))
-    if int8:
-        w1 = torch.randint(-127, 128, (e, hidden, 2 * n), generator=g, dtype=torch.int8)
-        w2 = torch.randint(-127, 128, (e, n, hidden), generator=g, dtype=torch.int8)
-        s1 = (torch.rand((e, 2 * n), generator=g) + 0.5) / (127.0 * hidden**0.5)
-        s2 = (torch.rand((e, hidden), generator=g) + 0.5) / (127.0 * n**0.5)
-    else:
-        w1 = (torch.randn((e, hidden, 2 * n), generator=g) / hidden**0.5).to(torch.bfloat16)
-        w2 = (torch.randn((e, n, hidden), generator=g) / n**0.5).to(torch.bfloat16)
-        s1 = s2 = None
-    return Case(xs, idx, probs, w1, w2, s1, s2, num_local, max(max(tokens), 1))
-
-
-# ---------------------------------------------------------------- the independent oracle
-
-
-def _quant(row: torch.Tensor) -> tuple[np.ndarray, float]:
-    """Per-token int8 (ascend_ops.md §2.5): s = 127 / amax, q = rint(x * s), scale = amax / 127; numpy fp32."""
-    v = row.float().numpy()
-    amax = np.float32(np.abs(v).max()) if v.size else np.float32(0)
-    if amax == 0:
-        return np.zeros(v.shape, dtype=np.int64), 0.0
-    s = np.float32(127.0) / amax
-    q = np.clip(np.rint(v * s), -127, 127).astype(np.int64)
-    return q, float(np.float32(amax / np.float32(127.0)))
-
-
-def _ffn(x_row: torch.Tensor, e: int, case: Case, out_dtype: torch.dtype) -> torch.Tensor:
-    """FFN of global expert ``e`` on one token `[K]` -> `[K]` out_dtype."""
-    if case.s1 is None:
-        h = x_row.float().unsqueeze(0) @ case.w1[e].float()
-        gate, up = h.chunk(2, dim=-1)
-        return ((F.silu(gate) * up) @ case.w2[e].float()).squeeze(0).to(out_dtype)
-    q1, a1 = _quant(x_row)
-    return _ffn_quantized(torch.from_numpy(q1), a1, e, case, out_dtype)
-
-
-def _ffn_quantized(q1: torch.Tensor, a1: float, e: int, case: Case, out_dtype: torch.dtype) -> torch.Tensor:
-    """The int8 FFN from an already-quantized token (`[K]` int values and its scale)."""
-    acc1 = q1.long().unsqueeze(0) @ case.w1[e].long()  # exact int64
-    h = (acc1.double() * a1 * case.s1[e].double()).float()
-    gate, up = h.chunk(2, dim=-1)
-    q2, a2 = _quant((F.silu(gate) * up).squeeze(0))
-    acc2 = torch.from_numpy(q2).unsqueeze(0) @ case.w2[e].long()
-    return (acc2.double() * a2 * case.s2[e].double()).float().squeeze(0).to(out_dtype)
-
-
-def dense_reference(case: Case, out_dtype: torch.dtype) -> list[torch.Tensor]:
-    outs = []
-    for x, ids, p in zip(case.xs, case.idx, case.probs, strict=True):
-        out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32)
-        for t in range(x.shape[0]):
-            for k in range(ids.shape[1]):
-                e = int(ids[t, k])
-                if e >= 0:
-                    out[t] += p[t, k] * _ffn(x[t], e, case, out_dtype).float()
-        outs.append(out.to(out_dtype))
-    return outs
-
-
-def assert_matches(got: torch.Tensor, ref: torch.Tensor, int8: bool) -> None:
-    assert got.dtype == ref.dtype and got.shape == ref.shape
-    if got.numel() == 0:
-        return
-    g, r = got.float(), ref.float()
-    ulp = torch.finfo(ref.dtype).eps * r.abs().clamp(min=torch.finfo(ref.dtype).tiny)
-    if int8:
-        close = ((g - r).abs() <= ulp).float().mean().item()
-        assert close >= 0.99, f"only {close:.3%} of elements within 1 ulp"
-        assert (g - r).abs().max().item() <= 0.02 * r.abs().max().item()
-    else:
-        torch.testing.assert_close(g, r, rtol=1.6e-2, atol=1e-2 * r.abs().max().item())
-
+from tests.mega_moe_oracle import Case, assert_matches, dense_reference, make_case, oracle_ffn, oracle_ffn_quantized
 
 # ---------------------------------------------------------------- workers
 
@@ -165,7 +54,8 @@ def _run_unfused(info, case: Case, out_dtype: torch.dtype):
     rows, start = [], 0
     for j, c in enumerate(counts.tolist()):
         rows += [
-            _ffn(expand_x[start + i].to(x.dtype), info.rank * case.num_local + j, case, out_dtype) for i in range(c)
+            oracle_ffn(expand_x[start + i].to(x.dtype), info.rank * case.num_local + j, case, out_dtype)
+            for i in range(c)
         ]
         start += c
     y = torch.stack(rows).float() if rows else torch.zeros((0, x.shape[1]))
@@ -189,9 +79,9 @@ def _run_buffer_unfused(info, case: Case, out_dtype: torch.dtype):
         for i in range(c):
             g = info.rank * case.num_local + j
             if int8:
-                y[j, i] = _ffn_quantized(data[j, i], float(recv_x[1][j, i, 0]), g, case, out_dtype)
+                y[j, i] = oracle_ffn_quantized(data[j, i], float(recv_x[1][j, i, 0]), g, case, out_dtype)
             else:
-                y[j, i] = _ffn(data[j, i], g, case, out_dtype)
+                y[j, i] = oracle_ffn(data[j, i], g, case, out_dtype)
     out, _, _ = buf.low_latency_combine(y, idx, p, handle)
     buf.destroy()
     return out
@@ -288,6 +178,16 @@ def test_token_segments_bit_equal_to_one_combine():
     for got, want in zip(seg, one, strict=True):
         assert got.dtype == want.dtype == torch.float16
         assert torch.equal(got, want)
+
+
+def test_single_rank_and_every_rank_empty():
+    """W = 1 (the seed's lower bound) against the oracle; and a step where no rank has a token."""
+    case = make_case(9, [10], 128, 64, 2, 4)
+    (out,) = parallel_launch(1, _run_fused, case, dict(out_dtype=torch.float16), timeout=60)
+    assert_matches(out, dense_reference(case, torch.float16)[0], int8=True)
+    empty = make_case(9, [0, 0], 128, 64, 2, 4)
+    outs = parallel_launch(2, _run_fused, empty, dict(out_dtype=torch.bfloat16), timeout=60)
+    assert all(o.shape == (0, 128) and o.dtype == torch.bfloat16 for o in outs)
 
 
 def test_fp32_reference_path_equals_unfused_exactly():

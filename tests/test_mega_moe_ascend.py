@@ -37,6 +37,7 @@ def _args(*, int8=True, hidden=256, n=128, x_dtype=torch.bfloat16, out_dtype=tor
         out_dtype=out_dtype,
         max_output_size=32,
         num_segments=2,
+        segment_by="expert",
     )
 
 
