@@ -3,7 +3,9 @@
 Dispatch: a fixed-size header all-to-all (status, rows per destination, parameter fingerprint), then one uneven
 ``all_to_all_single`` of :class:`~.wire.RowFormat` rows: each token travels once per destination rank with a
 bitmask of that rank's experts, and the receiver expands it into ``recv_x`` `[L, R * N, hidden]`. Inside local
-expert i, source rank j owns rows ``[begin, begin + count)`` (blocks in source-rank order, tokens ascending).
+expert i, source rank j owns rows ``[begin, begin + count)`` (this rank's own block first, then the other
+sources in rank order; tokens ascending). Rows for this rank itself never touch the wire: they are expanded while
+the remote rows are in flight.
 Combine: a header carrying every rank's send and expect vectors (a handle or ``topk_idx`` that does not match
 the dispatch is reported on every rank), then the rows go back, in exactly the order the source rank's own
 ``topk_idx`` predicts, and are reduced there in fp32. No Python loop touches tokens.
@@ -162,16 +164,24 @@ class ReferenceBackend(LowLatencyBackend):
             "dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], self.rank, 8 * (3 + len(fingerprint))
         )
 
-        num_rows = len(plan.row_token)
+        # rows for this rank itself never touch the wire: move them behind the others and expand them while the
+        # all-to-all of the remote rows is in flight (their block comes first inside every expert)
+        me, num_rows = self.rank, len(plan.row_token)
+        row_dest = torch.repeat_interleave(torch.arange(r), torch.tensor(plan.rows_per_dest), output_size=num_rows)
+        row_perm = torch.argsort(torch.where(row_dest == me, r, row_dest), stable=True)
+        inv_perm = torch.empty_like(row_perm)
+        inv_perm[row_perm] = torch.arange(num_rows)
+        row_token = plan.row_token[row_perm]
+        num_remote = num_rows - plan.rows_per_dest[me]
         send = self._ws.get(f"dispatch_send{idx}", (num_rows, fmt.row_bytes), torch.uint8)
-        x_rows = torch.index_select(
-            x, 0, plan.row_token, out=self._ws.get("dispatch_rows", (num_rows, hidden), x.dtype)
-        )
+        x_rows = torch.index_select(x, 0, row_token, out=self._ws.get("dispatch_rows", (num_rows, hidden), x.dtype))
         work = self._ws.get("dispatch_fp8", (num_rows, hidden), torch.float32) if args.quant == "fp8_e4m3" else None
-        fmt.encode_into(send, x_rows, plan.row_token, plan.row_of_pair, plan.expert, work)
-        recv = self._ws.get(f"dispatch_recv{idx}", (sum(header.rows), fmt.row_bytes), torch.uint8)
+        fmt.encode_into(send, x_rows, row_token, inv_perm[plan.row_of_pair], plan.expert, work)
+        recv_rows = [0 if s == me else k for s, k in enumerate(header.rows)]
+        send_rows = [0 if s == me else k for s, k in enumerate(plan.rows_per_dest)]
+        recv = self._ws.get(f"dispatch_recv{idx}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
         lap("packing")
-        exchange = _Exchange(self.group, recv, send, header.rows, plan.rows_per_dest)
+        exchange = _Exchange(self.group, recv, send[:num_remote], recv_rows, send_rows)
         lap("collective_start")
 
         # the results live in two alternating sets (DeepEP: hold at most 2 results); reuse avoids page faults
@@ -187,37 +197,25 @@ class ReferenceBackend(LowLatencyBackend):
         src_info = self._ws.get(out + "src_info", (num_local, r * n), torch.int32)
         layout_range = self._ws.get(out + "layout_range", (num_local, r), torch.int64)
         recv_count = self._ws.get(out + "recv_count", (num_local,), torch.int32)
+        outputs = (recv_x, scales, src_info, args.use_ue8m0)
+        self_rows = send[num_remote:]
+        counts_self = self._expand(
+            fmt, self_rows, torch.full((len(self_rows),), me), torch.zeros(num_local, dtype=torch.int64), outputs, n
+        )
+        lap("unpacking_self")
 
         def finish() -> None:
             lap = profiling.laps("dispatch")
             exchange.wait()
             lap("collective_wait")
-            rows_per_src = torch.tensor(header.rows, dtype=torch.int64)
-            src_of_row = torch.repeat_interleave(torch.arange(r), rows_per_src)
-            bits = fmt.expert_bits(recv)
-            if bool(self.mask.any()):
-                bits &= (self.mask[src_of_row] == 0).unsqueeze(1)
-            row, local = bits.nonzero(as_tuple=True)  # row-major: (source, token) ascending, then expert
-            src = src_of_row[row]
-            order = torch.argsort(local * r + src, stable=True)
-            row, local, src = row[order], local[order], src[order]
-            counts = torch.bincount(local * r + src, minlength=num_local * r).view(num_local, r)
-            per_expert = counts.sum(dim=1)
-            pos = torch.arange(row.numel()) - _exclusive_cumsum(per_expert)[local]
-            flat = local * (r * n) + pos
-            if row.numel() * fmt.data_bytes < _LOOP_BYTES:  # small: one scatter beats a call per expert
-                fmt.scatter_data(recv, row, recv_x.view(num_local * r * n, hidden), flat)
-            else:  # large: expert i's rows are the prefix of its block, gathered in one pass each
-                begin = 0
-                for i, count in enumerate(per_expert.tolist()):
-                    if count:
-                        fmt.gather_data(recv, row[begin : begin + count], recv_x[i, :count])
-                    begin += count
-            if scales is not None:
-                scales[local, pos] = fmt.scales(recv, row, args.use_ue8m0)
-            src_info.view(-1)[flat] = fmt.tokens(recv)[row]
-            layout_range.copy_((_exclusive_cumsum(counts, 1) << 32) | counts)
-            recv_count.copy_(per_expert)
+            src_of_row = torch.repeat_interleave(torch.arange(r), torch.tensor(recv_rows), output_size=len(recv))
+            counts = counts_self + self._expand(fmt, recv, src_of_row, counts_self.sum(dim=1), outputs, n)
+            # blocks inside an expert: this rank's own first, then the other sources in rank order
+            order = torch.tensor([me] + [s for s in range(r) if s != me])
+            begin = torch.empty_like(counts)
+            begin[:, order] = _exclusive_cumsum(counts[:, order], 1)
+            layout_range.copy_((begin << 32) | counts)
+            recv_count.copy_(counts.sum(dim=1))
             if args.cumulative_local_expert_recv_stats is not None:
                 args.cumulative_local_expert_recv_stats += recv_count
             if args.dispatch_wait_recv_cost_stats is not None:
@@ -227,6 +225,39 @@ class ReferenceBackend(LowLatencyBackend):
         handle = make_handle(src_info, layout_range, n, hidden, args.num_experts)
         recv_out = recv_x if scales is None else (recv_x, scales)
         return DispatchResult(recv_out, recv_count, handle, Completion(finish))
+
+    def _expand(
+        self, fmt: RowFormat, rows: torch.Tensor, src_of_row: torch.Tensor, base: torch.Tensor, outputs, n: int
+    ):
+        """Expand received ``rows`` `[k, row_bytes]` (sources ``src_of_row`` `[k]`, ascending) into ``recv_x`` and
+        friends, expert i's rows starting at position ``base[i]``. Returns `[L, R]` int64 rows per (expert, source)."""
+        recv_x, scales, src_info, use_ue8m0 = outputs
+        num_local, r = recv_x.shape[0], self.num_ranks
+        bits = fmt.expert_bits(rows)
+        if bool(self.mask.any()):
+            bits &= (self.mask[src_of_row] == 0).unsqueeze(1)
+        row, local = bits.nonzero(as_tuple=True)  # row-major: (source, token) ascending, then expert
+        src = src_of_row[row]
+        order = torch.argsort(local * r + src, stable=True)
+        row, local, src = row[order], local[order], src[order]
+        counts = torch.bincount(local * r + src, minlength=num_local * r).view(num_local, r)
+        per_expert = counts.sum(dim=1)
+        pos = torch.arange(row.numel()) - _exclusive_cumsum(per_expert)[local] + base[local]
+        flat = local * (r * n) + pos
+        if row.numel() == 0:
+            return counts
+        if row.numel() * fmt.data_bytes < _LOOP_BYTES:  # small: one scatter beats a call per expert
+            fmt.scatter_data(rows, row, recv_x.view(num_local * r * n, -1), flat)
+        else:  # large: expert i's rows are one contiguous range of its block, gathered in one pass each
+            begin = 0
+            for i, (count, b) in enumerate(zip(per_expert.tolist(), base.tolist(), strict=True)):
+                if count:
+                    fmt.gather_data(rows, row[begin : begin + count], recv_x[i, b : b + count])
+                begin += count
+        if scales is not None:
+            scales[local, pos] = fmt.scales(rows, row, use_ue8m0)
+        src_info.view(-1)[flat] = fmt.tokens(rows)[row]
+        return counts
 
     # ---- combine ----------------------------------------------------------------------------------------------
     def _return_rows(self, handle: LowLatencyHandle) -> tuple[torch.Tensor, list[int]]:
