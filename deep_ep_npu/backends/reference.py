@@ -311,35 +311,56 @@ class ReferenceBackend(LowLatencyBackend):
         )
 
         source = self._zero_copy_buffer(idx, h) if args.zero_copy else args.x
-        send = self._ws.get(f"combine_send{idx}", (rows.numel(), hidden), source.dtype)
-        torch.index_select(source.view(num_local * r * n, hidden), 0, rows, out=send)
-        recv = self._ws.get(f"combine_recv{idx}", (token.numel(), hidden), source.dtype)
+        flat_source = source.view(num_local * r * n, hidden)
+        # this rank's own rows are reduced locally while the remote rows travel (they never touch the wire)
+        me = self.rank
+        row_lo = sum(rows_per_src[:me])
+        row_hi = row_lo + rows_per_src[me]
+        pair_lo = sum(pairs_per_dest[:me])
+        pair_hi = pair_lo + pairs_per_dest[me]
+        remote_rows = torch.cat([rows[:row_lo], rows[row_hi:]])
+        send = self._ws.get(f"combine_send{idx}", (remote_rows.numel(), hidden), source.dtype)
+        torch.index_select(flat_source, 0, remote_rows, out=send)
+        recv_rows = [0 if s == me else k for s, k in enumerate(header.rows)]
+        send_rows = [0 if s == me else k for s, k in enumerate(rows_per_src)]
+        recv = self._ws.get(f"combine_recv{idx}", (sum(recv_rows), hidden), source.dtype)
         row_bytes = hidden * source.dtype.itemsize
         exchange = _Exchange(
             self.group,
             recv.view(torch.uint8).view(-1, row_bytes),
             send.view(torch.uint8).view(-1, row_bytes),
-            header.rows,
-            rows_per_src,
+            recv_rows,
+            send_rows,
         )
         lap("packing")
         num_tokens = args.topk_idx.shape[0]
         out = args.out if args.out is not None else torch.empty((num_tokens, hidden), dtype=source.dtype)
+        acc = self._ws.get(f"combine_acc{idx}", (num_tokens, hidden), torch.float32).zero_()
+        weights = args.topk_weights[token, slot].unsqueeze(1)
+        self._accumulate(acc, flat_source[rows[row_lo:row_hi]], token[pair_lo:pair_hi], weights[pair_lo:pair_hi])
+        lap("unpacking_self")
+        remote_token = torch.cat([token[:pair_lo], token[pair_hi:]])
+        remote_weights = torch.cat([weights[:pair_lo], weights[pair_hi:]])
 
         def finish() -> None:
             lap = profiling.laps("combine")
             exchange.wait()
             lap("collective_wait")
-            weighted = self._ws.get("combine_weighted", (token.numel(), hidden), torch.float32)
-            weighted.copy_(recv).mul_(args.topk_weights[token, slot].unsqueeze(1))  # (mixed-dtype mul is slow)
-            acc = self._ws.get("combine_acc", (num_tokens, hidden), torch.float32).zero_()
-            acc.index_add_(0, token, weighted)
+            self._accumulate(acc, recv, remote_token, remote_weights)
             out.copy_(acc)
             if args.combine_wait_recv_cost_stats is not None:
                 args.combine_wait_recv_cost_stats += exchange.wait_ns
             lap("unpacking")
 
         return CombineResult(out, Completion(finish))
+
+    def _accumulate(self, acc: torch.Tensor, y: torch.Tensor, token: torch.Tensor, weights: torch.Tensor) -> None:
+        """``acc[token[i]] += weights[i] * y[i]`` in fp32 (``y`` `[k, hidden]`, weights `[k, 1]` fp32)."""
+        if token.numel() == 0:
+            return
+        weighted = self._ws.get("combine_weighted", tuple(y.shape), torch.float32)
+        weighted.copy_(y).mul_(weights)  # (a mixed-dtype mul is slow)
+        acc.index_add_(0, token, weighted)
 
     def _zero_copy_buffer(self, idx: int, handle: LowLatencyHandle) -> torch.Tensor:
         num_local, r = handle.layout_range.shape
