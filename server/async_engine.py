@@ -75,6 +75,7 @@ class AsyncEngine:
         self._closed = False  # set by the engine thread when it exits; commands are then rejected
         self._error: BaseException | None = None
         self._healthy = True
+        self._unhealthy_why = "stopped or unhealthy"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -116,7 +117,7 @@ class AsyncEngine:
         full, :class:`EngineDeadError` when the engine is down.
         """
         if not self.is_healthy():
-            why = _first_line(self._error) if self._error is not None else "stopped or unhealthy"
+            why = _first_line(self._error) if self._error is not None else self._unhealthy_why
             raise EngineDeadError(f"the engine is not running ({why})")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -220,6 +221,8 @@ class AsyncEngine:
                 now = time.monotonic()
                 if now - last_health >= _HEALTH_POLL_S:
                     self._healthy, last_health = engine.is_healthy(), now
+                    if not self._healthy:
+                        self._unhealthy_why = engine.failure() or self._unhealthy_why
                 if not engine.has_unfinished_requests():
                     continue
                 start = time.monotonic()

@@ -122,6 +122,10 @@ class EngineCore(abc.ABC):
     def last_step_stats(self) -> StepStats:
         return StepStats()
 
+    def failure(self) -> str | None:
+        """Why the engine is unhealthy (one line for clients), if it knows; None while healthy."""
+        return None
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop all workers (idempotent); no orphan processes."""

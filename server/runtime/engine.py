@@ -161,8 +161,6 @@ class EPEngine(EngineCore):
         between steps, from the driver thread). A failed check stops the workers: the engine stays failed."""
         if self._error is None:
             try:
-                if not self.workers.is_alive():
-                    raise WorkerError("a worker process has exited")
                 self.workers.ping(self.ping_timeout_s)
             except WorkerError as e:
                 self._error = str(e).splitlines()[0]
@@ -171,6 +169,9 @@ class EPEngine(EngineCore):
 
     def last_step_stats(self) -> StepStats:
         return self._stats
+
+    def failure(self) -> str | None:
+        return self._error
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -85,22 +85,23 @@ class ProcessWorkers(WorkerGroup):
                 timeout=max(0.0, deadline - time.monotonic()),
             )
             if not ready:
-                self.shutdown()
+                self._abort()
                 raise WorkerError(f"workers {sorted(pending.values())} did not answer within {timeout_s:g}s (hung?)")
             for obj in ready:
                 rank = pending.get(obj)  # type: ignore[call-overload]
                 if rank is None:  # a process sentinel: it died; its error message may still be in the pipe
                     rank = next(r for r in pending.values() if self.procs[r].sentinel == obj)
                     if not self.conns[rank].poll():
-                        self.shutdown()
+                        self._abort()
                         raise WorkerError(f"worker {rank} exited with code {self.procs[rank].exitcode}")
                 try:
                     kind, payload = self.conns[rank].recv()
-                except EOFError:
-                    self.shutdown()
+                except (EOFError, OSError):  # closed (EOF) or reset by the dying process
+                    self.procs[rank].join(timeout=1.0)
+                    self._abort()
                     raise WorkerError(f"worker {rank} exited with code {self.procs[rank].exitcode}") from None
                 if kind == "error":
-                    self.shutdown()
+                    self._abort()
                     raise WorkerError(payload)
                 replies[rank] = (kind, payload)
         return [replies[r] for r in range(len(self.conns))]
@@ -126,8 +127,12 @@ class ProcessWorkers(WorkerGroup):
                 conn.send(message)
             except OSError:  # its end of the pipe is closed: the process has exited
                 self.procs[rank].join(timeout=1.0)
-                self.shutdown()
+                self._abort()
                 raise WorkerError(f"worker {rank} exited with code {self.procs[rank].exitcode}") from None
+
+    def _abort(self) -> None:
+        """Stop every worker at once after a failure: the others may be stuck in a collective with the failed one."""
+        self.shutdown(grace_s=0.0)
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every worker to stop, wait up to ``grace_s``, then kill what is left (no orphans)."""
