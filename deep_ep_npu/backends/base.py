@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..ep_group import EPGroup
 from ..event import Completion
 from ..handle import LowLatencyHandle
 from .spec import CombineArgs, DispatchArgs
@@ -32,6 +33,7 @@ class BufferConfig:
     explicitly_destroy: bool = False
     enable_shrink: bool = False
     ccl_buffer_size: int | None = None
+    timeout: float | None = None  # seconds per collective wait (deep_ep_npu.failure); None: env / default
 
 
 class DispatchResult(NamedTuple):
@@ -70,6 +72,8 @@ class LowLatencyBackend(abc.ABC):
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.mask = torch.zeros((self.num_ranks,), dtype=torch.int32)  # shrink mode: 1 = rank treated as absent
+        # bounded collectives over the live ranks; in shrink mode, continues on the survivors (deep_ep_npu.ep_group)
+        self.ep = EPGroup(group, self.mask, config.timeout, config.enable_shrink)
 
     @abc.abstractmethod
     def dispatch(self, args: DispatchArgs) -> DispatchResult:

@@ -18,12 +18,14 @@ dispatch (DeepEP: do not hold more than 2 low-latency results); combine results 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 import torch.distributed as dist
 
 from .. import profiling
+from ..ep_group import EPGroup
 from ..event import Completion
 from ..handle import LowLatencyHandle, make_handle
 from ..ops import comm, moe_distribute_combine_setup, moe_distribute_dispatch_setup
@@ -72,28 +74,22 @@ class _Workspace:
 class _Exchange:
     """An in-flight uneven all-to-all of `[rows, width]` uint8 tensors, plus the time spent waiting for it."""
 
-    def __init__(self, group, recv: torch.Tensor, send: torch.Tensor, recv_rows: list[int], send_rows: list[int]):
+    def __init__(self, ep: EPGroup, recv: torch.Tensor, send: torch.Tensor, recv_rows: list[int], send_rows: list[int]):
         width = send.shape[1] if send.dim() == 2 else 0
-        self.wait_ns = 0
+        self.wait_ns, self._ep = 0, ep
         if len(send_rows) == 1:
             recv.copy_(send)
             self.work = None
-        else:
-            self.work = dist.all_to_all_single(
-                recv.view(-1),
-                send.reshape(-1),
-                output_split_sizes=[r * width for r in recv_rows],
-                input_split_sizes=[r * width for r in send_rows],
-                group=group,
-                async_op=True,
-            )
+        else:  # bounded wait; a missing peer raises EPRankFailure (deep_ep_npu.failure)
+            recv_splits, send_splits = [r * width for r in recv_rows], [r * width for r in send_rows]
+            self.work = ep.all_to_all(recv.view(-1), send.reshape(-1), recv_splits, send_splits, "payload exchange")
 
     def wait(self) -> None:
         if self.work is not None:
             t0 = time.perf_counter_ns()
-            self.work.wait()
+            work, self.work = self.work, None
+            self._ep.wait(work, "payload exchange")
             self.wait_ns = time.perf_counter_ns() - t0
-            self.work = None
 
 
 class ReferenceBackend(LowLatencyBackend):
@@ -113,7 +109,16 @@ class ReferenceBackend(LowLatencyBackend):
         return idx
 
     def _header(self, op: str, status: int, rows: list[int], pairs: list[int], fingerprint) -> comm.Header:
-        return comm.exchange_header(self.group, self.num_ranks, status, rows, pairs, fingerprint)
+        # ranks removed by shrink mode read as "nothing to send or expect" (combine: the first 2R entries)
+        neutral = (
+            tuple(fingerprint)
+            if op == "dispatch"
+            else (0,) * (2 * self.num_ranks) + tuple(fingerprint[2 * self.num_ranks :])
+        )
+        return self.ep.exchange_header(status, rows, pairs, fingerprint, neutral, f"low_latency_{op}")
+
+    def _rewind(self, state: tuple[int, int]) -> None:
+        self._buffer_idx, self._dispatch_idx = state
 
     def abort(self, op: str, code: int) -> None:
         r = self.num_ranks
@@ -135,6 +140,10 @@ class ReferenceBackend(LowLatencyBackend):
 
     # ---- dispatch ---------------------------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        state = (self._buffer_idx, self._dispatch_idx)  # shrink mode re-runs into the same result set
+        return self.ep.run(lambda: self._dispatch(args), lambda: self._rewind(state))
+
+    def _dispatch(self, args: DispatchArgs) -> DispatchResult:
         r, num_local, n, hidden = (
             self.num_ranks,
             args.num_local_experts,
@@ -181,7 +190,7 @@ class ReferenceBackend(LowLatencyBackend):
         send_rows = [0 if s == me else k for s, k in enumerate(plan.rows_per_dest)]
         recv = self._ws.get(f"dispatch_recv{idx}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
         lap("packing")
-        exchange = _Exchange(self.group, recv, send[:num_remote], recv_rows, send_rows)
+        exchange = _Exchange(self.ep, recv, send[:num_remote], recv_rows, send_rows)
         lap("collective_start")
 
         # the results live in two alternating sets (DeepEP: hold at most 2 results); reuse avoids page faults
@@ -267,6 +276,8 @@ class ReferenceBackend(LowLatencyBackend):
         count, begin = handle.recv_count_per_rank, handle.recv_begin
         if bool(((count < 0) | (begin < 0) | (begin + count > r * n)).any()):
             raise shape("handle.layout_range", f"holds a block outside [0, R * N = {r * n}); pass dispatch's handle")
+        if bool(self.mask.any()):  # nothing goes back to masked ranks (e.g. one that failed after the dispatch)
+            count = count.masked_fill(self.mask.bool().unsqueeze(0), 0)
         count_t = count.t().reshape(-1)
         start_t = (begin + torch.arange(num_local).unsqueeze(1) * (r * n)).t().reshape(-1)
         total = int(count_t.sum())
@@ -274,6 +285,16 @@ class ReferenceBackend(LowLatencyBackend):
         return rows + torch.arange(total), count.sum(dim=0).tolist()
 
     def combine(self, args: CombineArgs) -> CombineResult:
+        state, first = (self._buffer_idx, self._dispatch_idx), []
+
+        def send() -> CombineResult:  # a shrink-mode re-run writes the tensor the first attempt returned
+            res = self._combine(args if not first else dataclasses.replace(args, out=first[0]))
+            first.append(res.combined_x)
+            return res
+
+        return self.ep.run(send, lambda: self._rewind(state))
+
+    def _combine(self, args: CombineArgs) -> CombineResult:
         h, r, idx = args.handle, self.num_ranks, self._flip()
         lap = profiling.laps("combine")
         num_local, n, hidden = h.layout_range.shape[0], h.num_max_dispatch_tokens_per_rank, h.hidden
@@ -326,7 +347,7 @@ class ReferenceBackend(LowLatencyBackend):
         recv = self._ws.get(f"combine_recv{idx}", (sum(recv_rows), hidden), source.dtype)
         row_bytes = hidden * source.dtype.itemsize
         exchange = _Exchange(
-            self.group,
+            self.ep,
             recv.view(torch.uint8).view(-1, row_bytes),
             send.view(torch.uint8).view(-1, row_bytes),
             recv_rows,
