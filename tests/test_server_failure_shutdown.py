@@ -1,0 +1,83 @@
+"""SIGTERM while requests run (``python -m server``, 2 EP workers): the server stops accepting, a short request in
+flight finishes in full, a long one is failed visibly (an error event, or a response cut before its end, which the
+client sees as an incomplete body), the process exits 0 within uvicorn's grace period and no process is left."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+
+import httpx
+
+from tests.server_helpers import free_port
+from tests.test_server_failure import TINY_MODEL
+from tests.test_server_launch import _assert_all_exit, _descendants, _output, _popen, _wait_healthy
+
+GRACE_S = 5  # uvicorn's timeout_graceful_shutdown in server/api/serve.py
+
+
+def _stream(url: str, body: dict, out: dict) -> None:
+    """Read one SSE stream; ``out`` gets its token count, finish reason, error event and whether it ended cleanly."""
+    out.update(tokens=0, finish=None, error=None, done=False, broken=None)
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    out["done"] = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        out["error"] = event["error"]
+                        continue
+                    out["tokens"] += len(event["choices"][0]["token_ids"])
+                    out["finish"] = event["choices"][0]["finish_reason"] or out["finish"]
+                    out.setdefault("first", threading.Event()).set()
+    except httpx.HTTPError as e:  # the server closed the connection mid-body
+        out["broken"] = repr(e)
+    out.setdefault("first", threading.Event()).set()
+
+
+def test_sigterm_finishes_short_requests_and_fails_long_ones_visibly() -> None:
+    port = free_port()
+    proc = _popen([sys.executable, "-m", "server", "--port", str(port), "--ep-size", "2", "--backend", "reference",
+                   "--random-model", json.dumps(TINY_MODEL), "--max-model-len", "4096",
+                   "--log-level", "warning"])  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, [proc])
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2
+        common = {"prompt": [1, 2, 3], "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        short, long = {}, {}
+        threads = [threading.Thread(target=_stream, args=(url, {**common, "max_tokens": n}, out))
+                   for n, out in ((60, short), (4000, long))]  # fmt: skip
+        for t in threads:
+            t.start()
+        for out in (short, long):
+            assert out.setdefault("first", threading.Event()).wait(30)
+        proc.send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        time.sleep(0.3)
+        try:  # no new work once shutdown began: refused, or a clean error status
+            r = httpx.post(url + "/v1/completions", json={**common, "max_tokens": 1}, timeout=5)
+            assert r.status_code >= 500, r.text
+        except httpx.HTTPError:
+            pass
+        code = proc.wait(timeout=GRACE_S + 20)
+        took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for t in threads:
+        t.join(timeout=10)
+    assert code == 0, _output(proc)
+    assert took < GRACE_S + 10, f"shutdown took {took:.1f}s"
+    assert (short["tokens"], short["finish"], short["done"]) == (60, "length", True), short
+    # the long one did not finish: it must not look finished (no finish_reason, no clean [DONE] without an error)
+    assert long["tokens"] < 4000 and long["finish"] is None, long
+    assert long["broken"] is not None or (long["error"] is not None and long["done"]), long
+    _assert_all_exit(workers)
