@@ -74,7 +74,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(_validation_error(exc))
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
+        code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
         return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
     app.add_exception_handler(APIError, on_api_error)
