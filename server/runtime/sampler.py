@@ -31,6 +31,7 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
+        drop[0] = False  # a top_p under float32's smallest value would otherwise drop every token
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
