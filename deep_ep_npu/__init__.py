@@ -5,6 +5,7 @@ Imports only torch; torch_npu is imported only when the Ascend backend is create
 
 from .buffer import Buffer
 from .event import EventOverlap
+from .failure import EPRankFailure
 from .handle import FlatHandle, LowLatencyHandle, topk_idx_t
 from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
 
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Buffer",
+    "EPRankFailure",
     "EventOverlap",
     "FlatHandle",
     "LowLatencyHandle",

@@ -37,6 +37,7 @@ from .buffer_compat import CompatMixin, hint_bytes
 from .buffer_flat import FlatMixin
 from .buffer_shrink import ShrinkMixin
 from .event import Completion, EventOverlap
+from .failure import resolve_timeout
 from .handle import LowLatencyHandle
 from .ops import MoeDistributeError
 from .ops.errors import invalid
@@ -60,6 +61,11 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
             shapes that need more raise, naming the size needed (ascend backend, and the flat methods on both
             backends). None: the ascend backend checks ``HCCL_BUFFSIZE`` if set (torch_npu ops) or sizes the V3
             context from the first call's shapes.
+        timeout: seconds each collective wait of this Buffer may take (keyword-only extension). A rank that exits
+            or stops calling makes every other rank raise :class:`deep_ep_npu.EPRankFailure` naming it within about
+            this time (never a hang). None: ``DEEP_EP_NPU_TIMEOUT``, else 30 s (DeepEP's kernels: ~100 s). With
+            ``enable_shrink``, the survivors instead agree on the failed ranks, continue on a group of themselves,
+            mask the failed ranks and re-run the interrupted call (reference backend; see "Failure handling").
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
         *,
         backend: str = "auto",
         ccl_buffer_size: int | None = None,
+        timeout: float | None = None,
     ) -> None:
         if group is None:
             raise ValueError("group: a torch.distributed ProcessGroup is required (deep_ep_npu has no mpi4py comm)")
@@ -84,6 +91,7 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
                 raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
         if ccl_buffer_size is not None and (not isinstance(ccl_buffer_size, int) or ccl_buffer_size < 1):
             raise ValueError(f"ccl_buffer_size: must be None or a positive int (MB), got {ccl_buffer_size!r}")
+        timeout = resolve_timeout(timeout)
         self.backend_name = resolve_backend_name(backend)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -102,6 +110,7 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
             explicitly_destroy,
             enable_shrink,
             ccl_buffer_size,
+            timeout,
         )
         self._backend = create_backend(self.backend_name, group, self.config)
         self._destroyed = False
@@ -192,6 +201,8 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
         Raises:
             MoeDistributeError (a ValueError): invalid input on any rank, or N / num_experts / hidden / format
             differing across ranks; raised on every rank, before any payload moves.
+            EPRankFailure (a RuntimeError): a peer exited or stopped calling (without ``enable_shrink``), raised
+            here or by ``hook()`` / the event on every surviving rank, naming the missing ranks.
         """
         self._check_alive()
         backend = self._backend
@@ -259,6 +270,7 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
 
         Raises:
             MoeDistributeError: invalid input on any rank, or a handle / topk_idx that does not match the dispatch.
+            EPRankFailure: a peer exited or stopped calling (as in dispatch).
         """
         self._check_alive()
 
@@ -292,11 +304,12 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
         return self._backend.next_combine_buffer(ll_spec.validate_handle(handle, self.group_size))
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset the low-latency buffer state between two barriers (collective: every rank must call it)."""
+        """Reset the low-latency buffer state between two barriers (collective: every rank must call it; the
+        barriers are bounded by ``timeout`` like dispatch and combine)."""
         self._check_alive()
-        dist.barrier(group=self.group)
+        self._backend.ep.barrier("clean_low_latency_buffer")
         self._backend.clean()
-        dist.barrier(group=self.group)
+        self._backend.ep.barrier("clean_low_latency_buffer")
 
     # ---- fused MegaMoE (deep_ep_npu/mega_moe) --------------------------------------------------------------------
     def mega_moe(

@@ -94,7 +94,13 @@ class EPGroup:
         return self.start(launch, op)
 
     def barrier(self, op: str) -> None:
-        self.wait(self.start(lambda group: dist.barrier(group=group, async_op=True), op), op)
+        """A bounded barrier of the live ranks (in shrink mode, of the survivors after a failure)."""
+        while True:
+            try:
+                self.wait(self.start(lambda group: dist.barrier(group=group, async_op=True), op), op)
+                return
+            except EPRankFailure as err:
+                self.shrink(err)
 
     def exchange_header(
         self,

@@ -1,0 +1,149 @@
+"""Failure detection and shrink mode of ``deep_ep_npu.Buffer`` at W = 4 (issue 9, library part).
+
+A victim rank exits (``os._exit``) or hangs (sleeps; it leaves once the survivors are done) at dispatch, at combine,
+or between calls (at ``clean_low_latency_buffer``, as DeepEP's ``simulate_failure_and_skip`` does with its third
+victim). Without shrink mode every survivor raises ``EPRankFailure`` naming the victim within the timeout. With
+``enable_shrink=True`` the survivors continue: the interrupted call returns, the mask names the victim, and every
+result equals an independent single-process oracle in which the victim's ranks are masked (their ``topk_idx``
+entries contribute nothing, as in DeepEP's test reference).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deep_ep_npu import Buffer, EPRankFailure
+from tests.distributed import parallel_launch
+
+W, N, HIDDEN, TOPK, EXPERTS = 4, 8, 128, 3, 8
+VICTIM = 2  # rank 0 hosts the rendezvous store; a different rank fails
+TIMEOUT = 2.0
+
+
+def _inputs(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    num_tokens = N - (rank + step) % 3
+    x = (torch.randn((num_tokens, HIDDEN), generator=g) * 4).to(torch.bfloat16)
+    topk_idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(num_tokens)])
+    if num_tokens:
+        topk_idx[0, -1] = -1
+    weights = torch.rand((num_tokens, TOPK), generator=g)
+    return x, topk_idx, weights
+
+
+def _oracle(rank: int, step: int, masked: set[int]):
+    """recv_count per local expert of ``rank`` and its combined output (experts = identity), ranks ``masked`` absent."""
+    num_local = EXPERTS // W
+    owner = lambda e: e // num_local  # noqa: E731
+    counts = torch.zeros(num_local, dtype=torch.int32)
+    if rank not in masked:
+        for src in range(W):
+            if src in masked:
+                continue
+            idx = _inputs(src, step)[1]
+            for i in range(num_local):
+                counts[i] += int((idx == rank * num_local + i).sum())
+    x, idx, w = _inputs(rank, step)
+    keep = (idx >= 0) & torch.tensor([[owner(int(e)) not in masked for e in row] for row in idx]).view(idx.shape)
+    if rank in masked:
+        keep &= False
+    combined = (x.float() * (w * keep).sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    return counts, combined
+
+
+def _step(buf: Buffer, rank: int, step: int, stop_before: str | None = None):
+    """One dispatch -> identity experts -> combine; returns (recv_count, combined). ``stop_before`` is for the
+    victim: return None just before that call."""
+    x, idx, w = _inputs(rank, step)
+    if stop_before == "dispatch":
+        return None
+    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False)
+    if stop_before == "combine":
+        return None
+    combined, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    if stop_before == "clean":
+        return None
+    buf.clean_low_latency_buffer(N, HIDDEN, EXPERTS)
+    return recv_count.clone(), combined.clone()
+
+
+def _fail(how: str, store) -> None:
+    try:
+        if how == "hang":  # stop calling; leave once the survivors are done (or rank 0's store is gone)
+            deadline = time.monotonic() + 30
+            while not store.check(["test/done"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        os._exit(0)
+
+
+def _scenario(info, where: str, how: str, shrink: bool):
+    store = dist.distributed_c10d._get_default_store()
+    buf = Buffer(info.group, enable_shrink=shrink, timeout=TIMEOUT)
+    counts, combined = _step(buf, info.rank, 0)
+    exp_counts, exp_combined = _oracle(info.rank, 0, set())
+    assert torch.equal(counts, exp_counts)
+    torch.testing.assert_close(combined, exp_combined, rtol=1e-2, atol=1e-2)
+    if info.rank == VICTIM:
+        _step(buf, info.rank, 1, stop_before=where)
+        _fail(how, store)
+    t0 = time.monotonic()
+    try:
+        out = {"steps": [_step(buf, info.rank, 1)], "elapsed": time.monotonic() - t0}
+        out["steps"].append(_step(buf, info.rank, 2))
+        mask = torch.zeros(W, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(mask)
+        out["mask"] = mask.tolist()
+    except EPRankFailure as err:
+        out = {"error": err.missing_ranks, "message": str(err), "elapsed": time.monotonic() - t0}
+    _leave_together(store, info.rank)
+    return out
+
+
+def _leave_together(store, rank: int) -> None:
+    """Rank 0 hosts the store: it leaves last, after every other survivor's last store operation."""
+    if rank != 0:
+        store.add("test/left", 1)
+        return
+    while int(store.add("test/left", 0)) < W - 2:
+        time.sleep(0.01)
+    store.set("test/done", "1")
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+@pytest.mark.parametrize("where", ["dispatch", "combine", "clean"])
+def test_survivors_raise_naming_the_missing_rank(where, how):
+    results = parallel_launch(W, _scenario, where, how, False, timeout=60, allow_exit=(VICTIM,))
+    for rank, res in enumerate(results):
+        if rank == VICTIM:
+            assert res is None
+            continue
+        assert res.get("error") == (VICTIM,), res
+        assert f"ranks [{VICTIM}]" in res["message"]
+        assert res["elapsed"] < 2 * TIMEOUT + 1.5, res  # within the timeout (plus the agreement), never a hang
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+@pytest.mark.parametrize("where", ["dispatch", "combine", "clean"])
+def test_shrink_mode_continues_with_the_rank_masked(where, how):
+    results = parallel_launch(W, _scenario, where, how, True, timeout=60, allow_exit=(VICTIM,))
+    for rank, res in enumerate(results):
+        if rank == VICTIM:
+            continue
+        assert "error" not in res, res
+        assert res["mask"] == [int(r == VICTIM) for r in range(W)]
+        assert res["elapsed"] < 2 * TIMEOUT + 1.5, res
+        # the call that was interrupted (step 1) and the next one equal the oracle with the victim masked; a victim
+        # that fails after step 1's dispatch (at combine / clean) still had its step-1 tokens dispatched
+        for step, (counts, combined) in enumerate(res["steps"], start=1):
+            before_masked = step == 1 and where == "clean"
+            exp_counts, exp_combined = _oracle(rank, step, set() if before_masked else {VICTIM})
+            if step == 1 and where == "combine":
+                exp_counts = _oracle(rank, step, set())[0]
+            assert torch.equal(counts, exp_counts), (step, counts, exp_counts)
+            torch.testing.assert_close(combined, exp_combined, rtol=1e-2, atol=1e-2)
