@@ -82,13 +82,17 @@ def test_ascend_backend_calls_fused_op_and_casts_out():
         kw["out"].fill_(1.5)
         kw["expert_token_nums"].fill_(3)
 
-    backend = AscendMegaMoe(fused_op=fake_op, group_name=lambda g, r: f"comm{r}", prepare_weight=lambda w: w)
+    backend = AscendMegaMoe(
+        fused_op=fake_op, group_name=lambda g, r: f"comm{r}", prepare_weight=lambda w: w, device_type="cpu"
+    )
     args = _args()
     assert backend.can_fuse(args)
     out = backend.run(args, fused=True)
     assert len(calls) == 1 and calls[0]["group"] == "comm1"
     assert out.dtype == torch.float16 and out.shape == (6, 256) and bool((out == 1.5).all())
     assert not backend.can_fuse(_args(hidden=192))  # ineligible calls fall back to the reference pipeline
+    on_npu_only = AscendMegaMoe(fused_op=fake_op, group_name=lambda g, r: "", prepare_weight=lambda w: w)
+    assert not on_npu_only.can_fuse(args)  # x on the CPU: the fused op is not used
 
 
 def test_backend_registry():

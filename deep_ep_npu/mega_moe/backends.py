@@ -8,11 +8,11 @@ backend. Every rank must take the same path, so :meth:`MegaMoeBackend.can_fuse` 
 from __future__ import annotations
 
 import abc
-import importlib.util
 from collections.abc import Callable
 
 import torch
 
+from ..backends import npu_available
 from . import ascend
 from .pipeline import run_reference
 from .spec import MegaMoeArgs
@@ -48,6 +48,7 @@ class AscendMegaMoe(MegaMoeBackend):
         fused_op: the op to call (tests pass a fake); by default looked up after importing ``torch_npu``.
         group_name: ``ProcessGroup -> HCCL comm name`` (default: ``ascend.hccl_comm_name``).
         prepare_weight: how a weight is put into the op's layout (default: ``ascend.to_npu_nz``).
+        device_type: the device x must be on for the fused op (``"npu"``; tests pass ``"cpu"``).
     """
 
     name = "ascend"
@@ -57,13 +58,19 @@ class AscendMegaMoe(MegaMoeBackend):
         fused_op: Callable[..., object] | None = None,
         group_name: Callable[..., str] | None = None,
         prepare_weight: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        device_type: str = "npu",
     ) -> None:
         self.fused_op = fused_op if fused_op is not None else ascend.find_fused_op()
         self.group_name = group_name or ascend.hccl_comm_name
         self.prepare_weight = prepare_weight or ascend.to_npu_nz
+        self.device_type = device_type
 
     def can_fuse(self, args: MegaMoeArgs) -> bool:
-        return self.fused_op is not None and ascend.fused_op_blocker(args) is None
+        return (
+            self.fused_op is not None
+            and args.x.device.type == self.device_type
+            and ascend.fused_op_blocker(args) is None
+        )
 
     def run(self, args: MegaMoeArgs, fused: bool) -> torch.Tensor:
         if not fused:
@@ -81,9 +88,10 @@ def available_backends() -> list[str]:
 
 
 def create_backend(name: str) -> MegaMoeBackend:
-    """The backend registered as ``name``; ``auto`` picks ``ascend`` when torch_npu is installed, else reference."""
+    """The backend registered as ``name``; ``auto`` picks ``ascend`` when torch_npu and an NPU are present (as the
+    Buffer does), else ``reference``."""
     if name == "auto":
-        name = "ascend" if importlib.util.find_spec("torch_npu") is not None else "reference"
+        name = "ascend" if npu_available() else "reference"
     if name not in _REGISTRY:
         raise ValueError(f"backend: unknown MegaMoE backend {name!r}; available: {available_backends()}")
     return _REGISTRY[name]()
