@@ -56,7 +56,7 @@ def mega_moe(
             ``num_max_dispatch_tokens_per_rank * topK * W`` (what any routing can need). Passed to the NPU op;
             validated only on the reference path, whose ops size their own buffers.
         num_segments: pipeline segments, in [1, E_local] (by expert) or [1, num_max_dispatch_tokens_per_rank] (by
-            token); default min(that bound, 4). 1 = no overlap.
+            token); default min(that bound, 2). 1 = no overlap.
         segment_by: ``"expert"`` (the seed's expert-granular pipeline: segment k = a contiguous group of local
             experts; partial sums travel in fp32, equal to the unfused path up to fp32 re-association) or ``"token"``
             (segment k = a chunk of each rank's tokens, all experts; rows travel in ``out_dtype``, bit-equal to one

@@ -203,7 +203,7 @@ def validate(
     checks.one_of(segment_by, "segment_by", SEGMENT_BY)
     most = num_local if segment_by == "expert" else num_max_dispatch_tokens_per_rank
     if num_segments is None:
-        num_segments = min(most, 4)
+        num_segments = min(most, 2)  # measured best on the CPU reference path (README)
     checks.in_range(num_segments, "num_segments", 1, most)
     return MegaMoeArgs(
         pg,
