@@ -72,7 +72,7 @@ def mega_moe(
     Raises:
         MoeDistributeError: (a ``ValueError``) invalid input, naming the parameter, the value and what is allowed;
             raised on every rank (before any token moves) when any rank's input is invalid or ranks disagree on
-            num_experts, K, N, topK, the weight dtype, out_dtype or num_max_dispatch_tokens_per_rank.
+            num_experts, K, N, topK, the weight dtype, out_dtype, num_max_dispatch_tokens_per_rank or the segments.
         ValueError: unknown ``backend``. ImportError: ``ascend`` without torch_npu.
     """
     pg = resolve_group(group, "group")
