@@ -56,6 +56,11 @@ def _oracle(rank: int, step: int, masked: set[int]):
     return counts, combined
 
 
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """bf16 results of the same fp32 sums in a different order: within bf16 rounding."""
+    return a.shape == b.shape and bool(((a.float() - b.float()).abs() <= 1e-2 + 1e-2 * b.float().abs()).all())
+
+
 def _step(buf: Buffer, rank: int, step: int, stop_before: str | None = None):
     """One dispatch -> identity experts -> combine; returns (recv_count, combined). ``stop_before`` is for the
     victim: return None just before that call."""
@@ -88,7 +93,7 @@ def _scenario(info, where: str, how: str, shrink: bool):
     counts, combined = _step(buf, info.rank, 0)
     exp_counts, exp_combined = _oracle(info.rank, 0, set())
     assert torch.equal(counts, exp_counts)
-    torch.testing.assert_close(combined, exp_combined, rtol=1e-2, atol=1e-2)
+    assert _close(combined, exp_combined)
     if info.rank == VICTIM:
         _step(buf, info.rank, 1, stop_before=where)
         _fail(how, store)
@@ -146,4 +151,4 @@ def test_shrink_mode_continues_with_the_rank_masked(where, how):
             if step == 1 and where == "combine":
                 exp_counts = _oracle(rank, step, set())[0]
             assert torch.equal(counts, exp_counts), (step, counts, exp_counts)
-            torch.testing.assert_close(combined, exp_combined, rtol=1e-2, atol=1e-2)
+            assert _close(combined, exp_combined), (step, combined, exp_combined)
