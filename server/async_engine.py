@@ -273,6 +273,7 @@ class AsyncEngine:
             req.queue.put_nowait(delta)
         if m is not None:
             m.on_step(end - start, num_tokens, stats.dispatch_times, stats.combine_times)
+            m.ep_ranks_lost.set(stats.num_lost_ranks)
         self._update_gauges()
 
     def _fail_all(self, error: BaseException) -> None:

@@ -46,6 +46,8 @@ class ServerConfig(BaseModel):
     api_key_metrics: bool = Field(False, description="with api-key: /metrics and /version need the key too")
     step_timeout_s: float = Field(30.0, gt=0, le=86400, description="a worker step (or health ping) slower than "
                                   "this marks the engine failed: /health 503, requests 503")  # fmt: skip
+    elastic: bool = Field(False, description="keep serving on the surviving workers when one dies or hangs (its "
+                          "requests fail, its experts are dropped; logged, metric ep_ranks_lost)")  # fmt: skip
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="uvicorn log level")
 
     @model_validator(mode="after")

@@ -74,6 +74,7 @@ class StepStats:
     combine_times: Sequence[float] = ()
     num_running: int = 0
     num_waiting: int = 0
+    num_lost_ranks: int = 0  # EP workers lost so far (elastic mode; their experts are dropped)
 
 
 class Tokenizer(abc.ABC):

@@ -71,6 +71,7 @@ class Metrics:
         self.combine_latency = histogram(
             "moe_combine_latency_seconds", "MoE combine time of one worker in one step (all MoE layers).", _COMM_BUCKETS
         )
+        self.ep_ranks_lost = gauge("ep_ranks_lost", "EP workers lost in elastic mode (their experts are dropped).")
         for reason in FINISH_REASONS:  # export every label value from the start, at 0
             self._success.labels(model_name, reason)
 

@@ -124,13 +124,13 @@ class LocalComm(ExpertComm):
 class BufferComm(ExpertComm):
     """``deep_ep_npu.Buffer`` low-latency dispatch/combine over ``group`` (exact: ``use_fp8=False``).
 
+    ``enable_shrink`` / ``timeout`` go to the Buffer (a lost rank's experts are then dropped, see the Buffer).
     With shared experts, combine is issued with ``return_recv_hook=True``: the send phase runs, the shared experts
     are computed, then ``hook()`` receives (DeepEP's hook-based overlap).
     """
 
-    def __init__(
-        self, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int, backend: str = "auto"
-    ) -> None:
+    def __init__(self, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                 backend: str = "auto", enable_shrink: bool = False, timeout: float | None = None) -> None:  # fmt: skip
         import torch.distributed as dist
 
         from deep_ep_npu import Buffer
@@ -148,6 +148,8 @@ class BufferComm(ExpertComm):
             num_qps_per_rank=self.num_local_experts,
             explicitly_destroy=True,
             backend=backend,
+            enable_shrink=enable_shrink,
+            timeout=timeout,
         )
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:

@@ -32,7 +32,10 @@ class EPEngine(EngineCore):
     ``max(max_num_seqs, 64)``; longer prefills are chunked); ``int8_experts`` W8A8 routed experts; ``launch``
     ``"spawn"`` (start local workers), ``"torchrun"`` (this process is rank 0 of a torchrun job) or ``"auto"``;
     ``step_timeout_s`` how long one lockstep step (or a health ping) may take before the engine declares the
-    workers hung, stops them and fails (spawned workers; a dead worker is noticed at once).
+    workers hung, stops them and fails (spawned workers; a dead worker is noticed at once); ``elastic`` (spawned
+    workers) keeps serving on the survivors when a worker dies or hangs: its requests end with ``"error"``, its
+    experts are dropped (the Buffers' shrink mode: tokens routed to them get nothing from them), the loss is logged
+    and counted in :class:`StepStats`; the Buffers' collective timeout is then ``step_timeout_s / 3``.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class EPEngine(EngineCore):
         launch: str = "auto",
         dist_timeout_s: float = 120.0,
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+        elastic: bool = False,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
@@ -71,10 +75,15 @@ class EPEngine(EngineCore):
         self.tokenizer = load_tokenizer(model, cfg.eos_token_ids)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        if elastic and use_torchrun:
+            raise ValueError("elastic=True needs spawned workers (launch='spawn'); torchrun jobs are not elastic")
         args = WorkerArgs(model, dtype, backend, seed, random_model, max_num_seqs, max_model_len, n, int8_experts,
-                          dist_timeout_s=dist_timeout_s)  # fmt: skip
+                          dist_timeout_s=dist_timeout_s, elastic=elastic,
+                          comm_timeout_s=step_timeout_s / 3 if elastic else None)  # fmt: skip
         self.workers: WorkerGroup = (
-            TorchrunWorkers(args) if use_torchrun else ProcessWorkers(ep_size, args, step_timeout_s=step_timeout_s)
+            TorchrunWorkers(args)
+            if use_torchrun
+            else ProcessWorkers(ep_size, args, step_timeout_s=step_timeout_s, elastic=elastic)
         )
         self._finalizer = weakref.finalize(self, self.workers.shutdown)
         self.ep_size = len(self.workers.infos)
@@ -83,6 +92,7 @@ class EPEngine(EngineCore):
         self._aborts: list[str] = []
         self._stats = StepStats()
         self._error: str | None = None
+        self._failed_ranks: set[int] = set()  # lost workers whose requests have been failed
         self.ping_timeout_s = min(step_timeout_s, 5.0)
 
     @property
@@ -103,7 +113,8 @@ class EPEngine(EngineCore):
                 f"prompt has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} leaves room for "
                 f"at most {self.max_model_len - 1}"
             )
-        rank = min(range(self.ep_size), key=lambda r: self.schedulers[r].num_requests)
+        live = [r for r in range(self.ep_size) if r not in self.workers.lost]
+        rank = min(live, key=lambda r: self.schedulers[r].num_requests)
         req = Request(request_id, list(prompt_token_ids), params)
         self.schedulers[rank].waiting.append(req)
         self._requests[request_id] = (rank, req)
@@ -116,7 +127,7 @@ class EPEngine(EngineCore):
         if self._error is not None:
             raise WorkerError(f"the engine has failed: {self._error}")
         t0 = time.perf_counter()
-        deltas = []
+        deltas = self._fail_lost_ranks()
         for request_id in self._aborts:
             if request_id in self._requests:
                 rank, req = self._requests.pop(request_id)
@@ -137,7 +148,10 @@ class EPEngine(EngineCore):
             self._error = str(e).splitlines()[0]
             self.workers.shutdown()
             raise
+        deltas += self._fail_lost_ranks()
         for rank, ((_, sampling), result) in enumerate(zip(scheduled, results, strict=True)):
+            if result is None:  # lost this step (elastic mode): its requests were just failed
+                continue
             for req, token in zip(sampling, result.token_ids, strict=True):
                 delta = apply_token(req, token, self.tokenizer, self.max_model_len)
                 if delta.finish_reason is not None:
@@ -146,11 +160,28 @@ class EPEngine(EngineCore):
                 deltas.append(delta)
         self._stats = StepStats(
             step_time=time.perf_counter() - t0,
-            dispatch_times=[r.dispatch_time for r in results],
-            combine_times=[r.combine_time for r in results],
+            dispatch_times=[r.dispatch_time for r in results if r is not None],
+            combine_times=[r.combine_time for r in results if r is not None],
             num_running=sum(len(s.running) for s in self.schedulers),
             num_waiting=sum(len(s.waiting) for s in self.schedulers),
+            num_lost_ranks=len(self.workers.lost),
         )
+        return deltas
+
+    def _fail_lost_ranks(self) -> list[RequestDelta]:
+        """Elastic mode: end the requests of newly lost workers with an error (their KV cache is gone)."""
+        deltas = []
+        for rank, why in self.workers.lost.items():
+            if rank in self._failed_ranks:
+                continue
+            self._failed_ranks.add(rank)
+            error = f"EP worker {rank} was lost ({why}); this request ran on it. Serving continues without it"
+            for request_id, (r, req) in list(self._requests.items()):
+                if r == rank:
+                    del self._requests[request_id]
+                    self.schedulers[rank].remove(req)
+                    deltas.append(RequestDelta(request_id, [], req.text, "error", error, len(req.prompt_token_ids),
+                                               len(req.output_token_ids)))  # fmt: skip
         return deltas
 
     def has_unfinished_requests(self) -> bool:

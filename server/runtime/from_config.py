@@ -27,6 +27,7 @@ def engine_from_config(config: Any) -> EPEngine:
         seed=config.seed,
         random_model=dict(config.random_model) or None,
         step_timeout_s=getattr(config, "step_timeout_s", 30.0),
+        elastic=getattr(config, "elastic", False),
     )
 
 

@@ -40,6 +40,8 @@ class WorkerArgs:
     int8_experts: bool = False
     use_buffer_at_ep1: bool = False  # EP 1 uses an in-process dispatch unless this is set
     dist_timeout_s: float = 120.0
+    elastic: bool = False  # Buffer shrink mode: survivors of a lost rank regroup and drop its experts
+    comm_timeout_s: float | None = None  # the Buffer's bound on each collective wait (None: the library default)
 
 
 @dataclasses.dataclass
@@ -84,7 +86,8 @@ class Worker:
         def comm_factory(cfg: ModelConfig) -> ExpertComm:
             if world_size == 1 and not args.use_buffer_at_ep1:
                 return LocalComm(cfg.num_experts, n)
-            return BufferComm(group, cfg.num_experts, n, cfg.hidden_size, backend=args.backend)
+            return BufferComm(group, cfg.num_experts, n, cfg.hidden_size, backend=args.backend,
+                              enable_shrink=args.elastic, timeout=args.comm_timeout_s)  # fmt: skip
 
         rss_before = _rss_bytes()
         self.model = load_model(args.model, comm_factory, args.dtype, args.seed, args.random_model)

@@ -6,14 +6,17 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime
+import logging
 import multiprocessing as mp
 import os
-import socket
 import time
 from multiprocessing.connection import wait
 from typing import Any
 
+from .rendezvous import serve_loopback_store
 from .worker import StepPlan, StepResult, Worker, WorkerArgs, worker_main
+
+logger = logging.getLogger("server.engine")
 
 
 class WorkerError(RuntimeError):
@@ -22,10 +25,12 @@ class WorkerError(RuntimeError):
 
 class WorkerGroup(abc.ABC):
     infos: list[dict]
+    lost: dict[int, str]  # elastic mode: lost worker rank -> why
 
     @abc.abstractmethod
-    def step(self, plans: list[StepPlan]) -> list[StepResult]:
-        """Run one plan per worker (all step together); raise :class:`WorkerError` if any fails."""
+    def step(self, plans: list[StepPlan]) -> list[StepResult | None]:
+        """Run one plan per worker (all step together); raise :class:`WorkerError` if any fails. A None result: that
+        worker is lost (elastic mode)."""
 
     @abc.abstractmethod
     def is_alive(self) -> bool: ...
@@ -39,25 +44,26 @@ class WorkerGroup(abc.ABC):
     def shutdown(self) -> None: ...
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ProcessWorkers(WorkerGroup):
-    """W worker processes started from a forkserver (torch preloaded), one pipe each."""
+    """W worker processes started from a forkserver (torch preloaded), one pipe each.
 
-    def __init__(
-        self, world_size: int, args: WorkerArgs, start_timeout_s: float = 300.0, step_timeout_s: float = 600.0
-    ) -> None:
+    ``elastic``: once started, a worker that dies, hangs past the timeout or fails is *lost* instead of failing the
+    group, as long as another one is left: it is killed, ``lost[rank]`` says why (logged as a warning), it gets no
+    more plans and its slot in :meth:`step`'s results is None. The survivors' Buffers (``enable_shrink``) regroup
+    without it and drop its experts.
+    """
+
+    def __init__(self, world_size: int, args: WorkerArgs, start_timeout_s: float = 300.0,
+                 step_timeout_s: float = 600.0, elastic: bool = False) -> None:  # fmt: skip
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "server.runtime.worker"])
-        port = _free_port()
         self.step_timeout_s = step_timeout_s
         self.conns, self.procs = [], []
+        self.lost: dict[int, str] = {}
+        self.elastic = False  # a failure while starting fails the group
         self._closed = False
         try:
+            self._store, port = serve_loopback_store(world_size, args.dist_timeout_s)
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
@@ -70,65 +76,87 @@ class ProcessWorkers(WorkerGroup):
                 child.close()
                 self.conns.append(parent)
                 self.procs.append(proc)
-            self.infos = [info for _, info in self._collect("ready", start_timeout_s)]
+            self.infos = list(self._collect(start_timeout_s).values())
         except BaseException:
             self.shutdown()
             raise
+        self.elastic = elastic
 
-    def _collect(self, expect: str, timeout_s: float) -> list[tuple[str, Any]]:
-        replies: dict[int, tuple[str, Any]] = {}
+    def _live(self) -> list[int]:
+        return [r for r in range(len(self.conns)) if r not in self.lost]
+
+    def _failed(self, ranks: list[int], why: str) -> None:
+        """``ranks`` failed: lose them (elastic, survivors left) or stop every worker and raise."""
+        if not self.elastic or not [r for r in self._live() if r not in ranks]:
+            self._abort()
+            raise WorkerError(why)
+        for rank in ranks:
+            logger.warning("elastic: EP worker %d is lost (%s); serving continues on workers %s without its experts",
+                           rank, why.splitlines()[0], [r for r in self._live() if r not in ranks])  # fmt: skip
+            if self.procs[rank].is_alive():
+                self.procs[rank].kill()
+                self.procs[rank].join(timeout=5.0)
+            self.conns[rank].close()
+            self.lost[rank] = why.splitlines()[0]
+
+    def _collect(self, timeout_s: float) -> dict[int, Any]:
+        """Every live worker's next reply payload, by rank (failed ones are lost or raise, see :meth:`_failed`)."""
+        replies: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
-        while len(replies) < len(self.conns):
-            pending = {c: r for r, c in enumerate(self.conns) if r not in replies}
+        while True:
+            pending = {self.conns[r]: r for r in self._live() if r not in replies}
+            if not pending:
+                return replies
             ready = wait(
                 list(pending) + [self.procs[r].sentinel for r in pending.values()],
                 timeout=max(0.0, deadline - time.monotonic()),
             )
             if not ready:
-                self._abort()
-                raise WorkerError(f"workers {sorted(pending.values())} did not answer within {timeout_s:g}s (hung?)")
+                ranks = sorted(pending.values())
+                self._failed(ranks, f"workers {ranks} did not answer within {timeout_s:g}s (hung?)")
             for obj in ready:
                 rank = pending.get(obj)  # type: ignore[call-overload]
                 if rank is None:  # a process sentinel: it died; its error message may still be in the pipe
                     rank = next(r for r in pending.values() if self.procs[r].sentinel == obj)
-                    if not self.conns[rank].poll():
-                        self._abort()
-                        raise WorkerError(f"worker {rank} exited with code {self.procs[rank].exitcode}")
+                if rank in self.lost or rank in replies:  # both its pipe and its sentinel were ready
+                    continue
+                if not self.conns[rank].poll():
+                    self._failed([rank], f"worker {rank} exited with code {self.procs[rank].exitcode}")
+                    continue
                 try:
                     kind, payload = self.conns[rank].recv()
                 except (EOFError, OSError):  # closed (EOF) or reset by the dying process
                     self.procs[rank].join(timeout=1.0)
-                    self._abort()
-                    raise WorkerError(f"worker {rank} exited with code {self.procs[rank].exitcode}") from None
+                    self._failed([rank], f"worker {rank} exited with code {self.procs[rank].exitcode}")
+                    continue
                 if kind == "error":
-                    self._abort()
-                    raise WorkerError(payload)
-                replies[rank] = (kind, payload)
-        return [replies[r] for r in range(len(self.conns))]
+                    self._failed([rank], payload)
+                    continue
+                replies[rank] = payload
 
-    def step(self, plans: list[StepPlan]) -> list[StepResult]:
+    def step(self, plans: list[StepPlan]) -> list[StepResult | None]:
         if self._closed:
             raise WorkerError("the workers were shut down")
-        self._send_all([("step", plan) for plan in plans])
-        return [payload for _, payload in self._collect("ok", self.step_timeout_s)]
+        self._send_all({r: ("step", plans[r]) for r in self._live()})
+        replies = self._collect(self.step_timeout_s)
+        return [replies.get(r) for r in range(len(self.conns))]
 
     def is_alive(self) -> bool:
-        return not self._closed and all(p.is_alive() for p in self.procs)
+        return not self._closed and all(self.procs[r].is_alive() for r in self._live())
 
     def ping(self, timeout_s: float) -> None:
         if self._closed:
             raise WorkerError("the workers were shut down")
-        self._send_all([("ping", None)] * len(self.conns))
-        self._collect("pong", timeout_s)
+        self._send_all({r: ("ping", None) for r in self._live()})
+        self._collect(timeout_s)
 
-    def _send_all(self, messages: list[tuple[str, Any]]) -> None:
-        for rank, (conn, message) in enumerate(zip(self.conns, messages, strict=True)):
+    def _send_all(self, messages: dict[int, tuple[str, Any]]) -> None:
+        for rank, message in messages.items():
             try:
-                conn.send(message)
+                self.conns[rank].send(message)
             except OSError:  # its end of the pipe is closed: the process has exited
                 self.procs[rank].join(timeout=1.0)
-                self._abort()
-                raise WorkerError(f"worker {rank} exited with code {self.procs[rank].exitcode}") from None
+                self._failed([rank], f"worker {rank} exited with code {self.procs[rank].exitcode}")
 
     def _abort(self) -> None:
         """Stop every worker at once after a failure: the others may be stuck in a collective with the failed one."""
@@ -152,6 +180,7 @@ class ProcessWorkers(WorkerGroup):
                 proc.join(timeout=5.0)
         for conn in self.conns:
             conn.close()
+        self._store = None
 
 
 def torchrun_env() -> bool:
@@ -189,6 +218,7 @@ class TorchrunWorkers(WorkerGroup):
         infos: list[Any] = [None] * self.world_size
         dist.gather_object(self.worker.info, infos, dst=0, group=self.control)
         self.infos = infos
+        self.lost = {}
         self._closed = False
 
     def step(self, plans: list[StepPlan]) -> list[StepResult]:

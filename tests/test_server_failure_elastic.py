@@ -1,0 +1,91 @@
+"""Elastic mode (``--elastic``): a worker that dies (SIGKILL) or hangs (SIGSTOP) mid-stream is lost, the survivor
+keeps serving. The request that ran on the lost worker ends with an error naming it; the one on the survivor
+finishes in full; ``/health`` stays 200; the loss is metered; and a new request's greedy tokens equal an independent
+single-process oracle (every expert local, no Buffer) in which the lost worker's experts contribute nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from server.engine_api import SamplingParams
+from server.runtime.worker import PlanEntry, StepPlan, Worker, WorkerArgs
+from tests.test_server_failure import TINY_MODEL, real_server
+
+STEP_TIMEOUT_S = 6.0  # the Buffers' collective timeout is a third of it
+PROMPT = [7, 3, 9, 1]
+
+
+def oracle_greedy(prompt: list[int], num_tokens: int, dropped_experts: set[int]) -> list[int]:
+    """Greedy tokens of the tiny model on one process (LocalComm: every expert local), with the experts in
+    ``dropped_experts`` removed from every token's top-k (their weight is not renormalised: DeepEP's reference)."""
+    worker = Worker(WorkerArgs(random_model=TINY_MODEL, max_num_seqs=4, max_model_len=512), 0, 1)
+    comm = worker.model.comm
+    plain_dispatch = comm.dispatch
+    dropped = torch.tensor(sorted(dropped_experts), dtype=torch.int64)
+
+    def dispatch(x: torch.Tensor, topk_idx: torch.Tensor):  # noqa: ANN202
+        return plain_dispatch(x, topk_idx.masked_fill(torch.isin(topk_idx, dropped), -1))
+
+    comm.dispatch = dispatch
+    params = SamplingParams(max_tokens=num_tokens, temperature=0)
+    out = worker.execute(StepPlan([PlanEntry(0, 0, list(prompt), True, params)])).token_ids
+    while len(out) < num_tokens:
+        out += worker.execute(StepPlan([PlanEntry(0, len(prompt) + len(out) - 1, [out[-1]], True)])).token_ids
+    return out
+
+
+def _stream(url: str, out: dict) -> None:
+    out.update(tokens=0, finish=None, error=None, done=False)
+    body = {"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                out["done"] = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["error"] = event["error"]
+                    continue
+                out["tokens"] += len(event["choices"][0]["token_ids"])
+                out["finish"] = event["choices"][0]["finish_reason"] or out["finish"]
+                out["first"].set()
+    out["first"].set()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_elastic_mode_keeps_serving_on_the_survivor(sig: int) -> None:
+    with real_server(**{"elastic": True, "step-timeout-s": STEP_TIMEOUT_S}) as srv:
+        on_rank0, on_rank1 = {"first": threading.Event()}, {"first": threading.Event()}
+        threads = []
+        for out in (on_rank0, on_rank1):  # least-loaded placement: the first goes to worker 0, the second to 1
+            threads.append(threading.Thread(target=_stream, args=(srv.url, out)))
+            threads[-1].start()
+            assert out["first"].wait(30)
+        os.kill(srv.worker_pids[1], sig)
+        lost_at = time.monotonic()
+        for t in threads:
+            t.join(timeout=60)
+        took = time.monotonic() - lost_at
+        assert on_rank1["error"] is not None and "EP worker 1 was lost" in on_rank1["error"]["message"], on_rank1
+        assert on_rank1["finish"] is None and on_rank1["tokens"] < 400
+        survivor = (on_rank0["tokens"], on_rank0["finish"], on_rank0["done"], on_rank0["error"])
+        assert survivor == (400, "length", True, None), on_rank0
+        assert took < STEP_TIMEOUT_S + 10
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            assert 'deep_ep_npu:ep_ranks_lost{model_name="random-qwen3-moe"} 1.0' in c.get("/metrics").text
+            body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            token_ids = [c.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] for _ in range(2)]
+        assert not srv.engine.workers.procs[1].is_alive() and srv.engine.workers.procs[0].is_alive()
+    masked = oracle_greedy(PROMPT, 8, dropped_experts={2, 3})  # 4 experts over 2 workers: worker 1 held 2 and 3
+    assert token_ids == [masked, masked]
+    assert masked != oracle_greedy(PROMPT, 8, dropped_experts=set())  # the oracle tells the two apart
