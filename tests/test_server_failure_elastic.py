@@ -1,7 +1,8 @@
 """Elastic mode (``--elastic``): a worker that dies (SIGKILL) or hangs (SIGSTOP) mid-stream is lost, the survivor
 keeps serving. The request that ran on the lost worker ends with an error naming it; the one on the survivor
-finishes in full; ``/health`` stays 200; the loss is metered; and a new request's greedy tokens equal an independent
-single-process oracle (every expert local, no Buffer) in which the lost worker's experts contribute nothing."""
+finishes in full (also when worker 0 is lost: the rendezvous store lives in the driver); ``/health`` stays 200;
+the loss is metered; and a new request's greedy tokens equal an independent single-process oracle (every expert
+local, no Buffer) in which the lost worker's experts contribute nothing."""
 
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def _stream(url: str, out: dict) -> None:
     out["first"].set()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
-def test_elastic_mode_keeps_serving_on_the_survivor(sig: int) -> None:
+@pytest.mark.parametrize(("sig", "lost"), [(signal.SIGKILL, 1), (signal.SIGSTOP, 1), (signal.SIGKILL, 0)])
+def test_elastic_mode_keeps_serving_on_the_survivor(sig: int, lost: int) -> None:
     with real_server(**{"elastic": True, "step-timeout-s": STEP_TIMEOUT_S}) as srv:
         on_rank0, on_rank1 = {"first": threading.Event()}, {"first": threading.Event()}
         threads = []
@@ -70,22 +71,23 @@ def test_elastic_mode_keeps_serving_on_the_survivor(sig: int) -> None:
             threads.append(threading.Thread(target=_stream, args=(srv.url, out)))
             threads[-1].start()
             assert out["first"].wait(30)
-        os.kill(srv.worker_pids[1], sig)
+        on_lost, on_survivor = (on_rank1, on_rank0) if lost == 1 else (on_rank0, on_rank1)
+        os.kill(srv.worker_pids[lost], sig)
         lost_at = time.monotonic()
         for t in threads:
             t.join(timeout=60)
         took = time.monotonic() - lost_at
-        assert on_rank1["error"] is not None and "EP worker 1 was lost" in on_rank1["error"]["message"], on_rank1
-        assert on_rank1["finish"] is None and on_rank1["tokens"] < 400
-        survivor = (on_rank0["tokens"], on_rank0["finish"], on_rank0["done"], on_rank0["error"])
-        assert survivor == (400, "length", True, None), on_rank0
+        assert on_lost["error"] is not None and f"EP worker {lost} was lost" in on_lost["error"]["message"], on_lost
+        assert on_lost["finish"] is None and on_lost["tokens"] < 400
+        survivor = (on_survivor["tokens"], on_survivor["finish"], on_survivor["done"], on_survivor["error"])
+        assert survivor == (400, "length", True, None), on_survivor
         assert took < STEP_TIMEOUT_S + 10
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             assert c.get("/health").status_code == 200
             assert 'deep_ep_npu:ep_ranks_lost{model_name="random-qwen3-moe"} 1.0' in c.get("/metrics").text
             body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
             token_ids = [c.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] for _ in range(2)]
-        assert not srv.engine.workers.procs[1].is_alive() and srv.engine.workers.procs[0].is_alive()
-    masked = oracle_greedy(PROMPT, 8, dropped_experts={2, 3})  # 4 experts over 2 workers: worker 1 held 2 and 3
+        assert not srv.engine.workers.procs[lost].is_alive() and srv.engine.workers.procs[1 - lost].is_alive()
+    masked = oracle_greedy(PROMPT, 8, dropped_experts={2 * lost, 2 * lost + 1})  # 4 experts, 2 per worker
     assert token_ids == [masked, masked]
     assert masked != oracle_greedy(PROMPT, 8, dropped_experts=set())  # the oracle tells the two apart
