@@ -132,6 +132,29 @@ def test_invalid_utf8_in_strings(server, path: str, junk: bytes) -> None:
     _check(_post_raw(server.client, path, b"{" + field + b': "' + junk + b'"' + tail), allow_ok=False)
 
 
+surrogates = st.text(alphabet=st.characters(categories=["Cs"]), min_size=1, max_size=3)
+
+
+@FUZZ
+@given(
+    path=st.sampled_from(PATHS), text=st.text(max_size=5), bad=surrogates, field=st.sampled_from(["", "stop", "user"])
+)
+def test_lone_surrogates(server, path: str, text: str, bad: str, field: str) -> None:
+    """JSON can escape a lone surrogate (``"\\ud800"``), UTF-8 cannot encode it: the prompt or message gets a 400,
+    other string fields are served or refused, never a 5xx."""
+    body = dict(BASE[path])
+    if field:
+        body[field] = text + bad
+    elif path == PATHS[0]:
+        body["prompt"] = text + bad
+    else:
+        body["messages"] = [{"role": "user", "content": text + bad}]
+    r = _post_raw(server.client, path, json.dumps(body).encode())  # ensure_ascii: escaped as \udXXX
+    _check(r, allow_ok=bool(field))
+    if not field:
+        assert error_of(r, 400)["param"] == ("prompt" if path == PATHS[0] else "messages")
+
+
 def _utf8(b: bytes) -> bool:
     try:
         b.decode("utf-8")

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -34,7 +34,7 @@ def completion_prompt(req: CompletionRequest, state: ServingState) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
-        return state.tokenizer.encode(prompt)
+        return _encode(lambda: state.tokenizer.encode(prompt), "prompt")
     if not prompt:
         raise APIError(400, "prompt: the token id list must not be empty", param="prompt", code="invalid_value")
     bad = [t for t in prompt if t < 0]
@@ -45,7 +45,17 @@ def completion_prompt(req: CompletionRequest, state: ServingState) -> list[int]:
 
 def chat_prompt(req: ChatCompletionRequest, state: ServingState) -> list[int]:
     """Token ids of ``messages`` after the tokenizer's chat template."""
-    return state.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    return _encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
+
+
+def _encode(tokenize: Callable[[], list[int]], param: str) -> list[int]:
+    """``tokenize()``; text JSON can carry but UTF-8 cannot (a lone surrogate such as ``"\\ud800"``) is a 400."""
+    try:
+        return tokenize()
+    except UnicodeError as e:
+        raise APIError(400, f"{param}: not encodable as UTF-8 ({e.reason}, e.g. a lone surrogate escape)",
+                       param=param, code="invalid_value") from None  # fmt: skip
 
 
 def sampling_params(req: SamplingFields, requested: int | None, num_prompt_tokens: int, default: int | None,
