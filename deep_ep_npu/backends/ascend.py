@@ -16,7 +16,9 @@ nothing left to do, and ``dispatch_wait_recv_cost_stats`` is the op's ``performa
 
 Limits: validation here is local (no extra collective per call): a rank whose input is rejected raises, but peers
 that passed validation enter the NPU op and wait until the HCCL timeout, so give every rank the same N,
-num_experts and hidden. Shrink-mode masks are refused; ``round_scale`` / ``use_ue8m0`` / fp8 e4m3 have no A2/A3 op.
+num_experts and hidden. ``round_scale`` / ``use_ue8m0`` / fp8 e4m3 have no A2/A3 op. Shrink-mode masks set with
+``low_latency_update_mask_buffer`` (the same on every rank) become the ops' ``elastic_info`` (:mod:`.elastic`);
+detecting a failed rank on the NPU (HCCL) is not implemented here, so the mask is the caller's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..handle import LowLatencyHandle, make_handle
 from ..ops.ccl_buffer import ccl_buffer_bytes, ccl_buffer_mb
 from ..ops.errors import invalid, shape
 from .base import BufferConfig, CombineResult, DispatchResult, FlatPending, LowLatencyBackend, map_no_expert
+from .elastic import elastic_info_from_mask, remap_expert_ids
 from .spec import CombineArgs, DispatchArgs
 
 _CONTEXT_PACKAGES = ("cann_ops_transformer.ops", "npu_ops_transformer.ops")
@@ -203,8 +206,6 @@ class AscendBackend(LowLatencyBackend):
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         if args.quant == "fp8_e4m3":
             raise invalid("quant_format", "fp8_e4m3 has no Ascend A2/A3 op; use_fp8 means int8_per_token here")
-        if bool(self.mask.any()):
-            raise invalid("mask", "shrink-mode masking is implemented by the reference backend only")
         self._flip()
         r, num_local, n, hidden = (
             self.num_ranks,
@@ -213,8 +214,16 @@ class AscendBackend(LowLatencyBackend):
             args.hidden,
         )
         x, topk_idx = _pad_empty(args.x, args.topk_idx)
-        ids, zero_num = map_no_expert(topk_idx, args.num_experts)
+        elastic = elastic_info_from_mask(self.mask, num_local)  # shrink mode: masked ranks scaled out
+        # moe_expert_num stays E; elastic_info's E' numbers the live experts, zero experts start after them
+        op_experts = args.num_experts if elastic is None else int(elastic[3])
+        if elastic is not None:
+            topk_idx = remap_expert_ids(topk_idx, elastic, num_local)
+            elastic = elastic.to(x.device)
+        ids, zero_num = map_no_expert(topk_idx, op_experts)
         kw = dict(quant_mode=2 if args.quant else 0, global_bs=n * r, zero_expert_num=zero_num)
+        if elastic is not None:
+            kw["elastic_info"] = elastic
         if args.dispatch_wait_recv_cost_stats is not None:
             kw["performance_info"] = args.dispatch_wait_recv_cost_stats
         ccl = self._ccl_size(n, hidden, num_local, ids.shape[1])
@@ -244,7 +253,15 @@ class AscendBackend(LowLatencyBackend):
         if args.cumulative_local_expert_recv_stats is not None:
             args.cumulative_local_expert_recv_stats += recv_count
         scatter = dest.clamp(max=spare - 1)  # combine gathers the flat order back (spare rows: any valid row)
-        state = dict(assist=assist, ep_recv_counts=ep_recv_counts, rows=scatter, zero_expert_num=zero_num, ccl=ccl)
+        state = dict(
+            assist=assist,
+            ep_recv_counts=ep_recv_counts,
+            rows=scatter,
+            zero_expert_num=zero_num,
+            ccl=ccl,
+            elastic_info=elastic,
+            op_experts=op_experts,
+        )
         handle = make_handle(src_info, layout_range, n, hidden, args.num_experts, backend_state=state)
         return DispatchResult(recv_x, recv_count, handle, Completion(lambda: None))
 
@@ -259,7 +276,11 @@ class AscendBackend(LowLatencyBackend):
         expand_x = source.reshape(num_local * rn, hidden).index_select(0, state["rows"])
         num_tokens = args.topk_idx.shape[0]
         weights, topk_idx = _pad_empty(args.topk_weights, args.topk_idx)
-        ids, _ = map_no_expert(topk_idx, h.num_experts)
+        elastic = state.get("elastic_info")  # the mask as it was at dispatch
+        extra = {} if elastic is None else {"elastic_info": elastic}
+        if elastic is not None:
+            topk_idx = remap_expert_ids(topk_idx, elastic, num_local)
+        ids, _ = map_no_expert(topk_idx, state.get("op_experts", h.num_experts))
         combined = self.ops.combine(
             expand_x,
             ids,
@@ -269,6 +290,7 @@ class AscendBackend(LowLatencyBackend):
             h.num_experts,
             global_bs=h.num_max_dispatch_tokens_per_rank * self.num_ranks,
             zero_expert_num=state["zero_expert_num"],
+            **extra,
         )[:num_tokens]
         out = combined if args.out is None else args.out.copy_(combined)
         return CombineResult(out, Completion(lambda: None))
