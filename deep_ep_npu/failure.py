@@ -8,8 +8,9 @@ How the missing ranks are named (torch.distributed's own c10d store; no extra tr
   group in the same order, so the numbers agree.
 - The wait is ``work.wait(timeout)``. When it fails (a peer's connection closed, or the timeout passed), the rank
   posts ``<seq>/alive/<rank>`` and waits until every rank has either posted too or counts as missing: a rank that
-  never arrived at this collective once ``timeout`` has passed since it was issued, or any rank that has not posted
-  within ``timeout`` of the failure (it arrived and then died).
+  never arrived at this collective, once ``timeout`` has passed since it was issued or a grace of
+  ``min(timeout, max(1 s, timeout / 10))`` has passed since the failure (a peer that is merely late gets that long),
+  or any rank that has not posted within ``timeout`` of the failure (it arrived and then died).
 - The first rank to decide writes the missing set with ``compare_set``; every rank raises with that one set, so
   the survivors agree (a late rank that finds itself in the set raises too: it was excluded).
 
@@ -133,6 +134,7 @@ class GroupMonitor:
         prefix = f"{seq}/"
         self.store.set(f"{prefix}alive/{self.rank}", "1")
         failed_at = time.monotonic()
+        grace = min(timeout, max(1.0, timeout / 10))
         while True:
             if self.store.check([f"{prefix}decision"]):
                 return _parse(self.store.get(f"{prefix}decision"))
@@ -141,7 +143,8 @@ class GroupMonitor:
             undecided = [
                 r
                 for r in range(self.size)
-                if r not in alive and not (now - started >= timeout and not self._arrived(r, seq))
+                if r not in alive
+                and not ((now - started >= timeout or now - failed_at >= grace) and not self._arrived(r, seq))
             ]
             if not undecided or now - failed_at >= timeout:
                 missing = ",".join(str(r) for r in range(self.size) if r not in alive) or "-"
