@@ -152,3 +152,41 @@ def test_shrink_mode_continues_with_the_rank_masked(where, how):
                 exp_counts = _oracle(rank, step, set())[0]
             assert torch.equal(counts, exp_counts), (step, counts, exp_counts)
             assert _close(combined, exp_combined), (step, combined, exp_combined)
+
+
+def _payload_scenario(info):
+    """The victim dies between the header and the payload of a dispatch whose receive runs in ``hook()``: the
+    survivors' send phase returns, ``hook()`` hits the failure, shrinks, re-runs the dispatch and fills the tensors
+    the first call returned."""
+    from deep_ep_npu.ep_group import EPGroup
+
+    store = dist.distributed_c10d._get_default_store()
+    buf = Buffer(info.group, enable_shrink=True, timeout=TIMEOUT)
+    _step(buf, info.rank, 0)
+    if info.rank == VICTIM:
+        issue = EPGroup.all_to_all
+
+        def die_at_payload(self, *args):
+            if args[-1] == "payload exchange":
+                os._exit(0)
+            return issue(self, *args)
+
+        EPGroup.all_to_all = die_at_payload
+        _step(buf, info.rank, 1)
+    x, idx, w = _inputs(info.rank, 1)
+    recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
+        x, idx, N, EXPERTS, use_fp8=False, return_recv_hook=True
+    )
+    hook()
+    combined, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    _leave_together(store, info.rank)
+    return recv_count.clone(), combined.clone()
+
+
+def test_shrink_mode_recovers_inside_the_receive_hook():
+    results = parallel_launch(W, _payload_scenario, timeout=60, allow_exit=(VICTIM,))
+    for rank, res in enumerate(results):
+        if rank == VICTIM:
+            continue
+        exp_counts, exp_combined = _oracle(rank, 1, {VICTIM})
+        assert torch.equal(res[0], exp_counts) and _close(res[1], exp_combined)
