@@ -132,7 +132,7 @@ def test_invalid_utf8_in_strings(server, path: str, junk: bytes) -> None:
     _check(_post_raw(server.client, path, b"{" + field + b': "' + junk + b'"' + tail), allow_ok=False)
 
 
-surrogates = st.text(alphabet=st.characters(categories=["Cs"]), min_size=1, max_size=3)
+surrogates = st.characters(categories=["Cs"])  # one, at the end of the text: never part of a pair
 
 
 @FUZZ
