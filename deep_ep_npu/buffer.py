@@ -54,7 +54,8 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
         low_latency_mode: accepted; this Buffer implements the low-latency mode only (normal-mode kernels are absent).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted for compatibility; unused.
         explicitly_destroy: the caller must call :meth:`destroy`; without it, resources are released with the object.
-        enable_shrink: enables the mask buffer (``low_latency_update/query/clean_mask_buffer``).
+        enable_shrink: enables the mask buffer (``low_latency_update/query/clean_mask_buffer``); on the reference
+            backend a rank that exits or stops calling is then masked by the survivors, who continue (``timeout``).
         backend: ``"auto"`` (``"ascend"`` when torch_npu and an NPU are present, else ``"reference"``),
             ``"reference"`` (torch.distributed) or ``"ascend"`` (ops-transformer V3 context ops or torch_npu).
         ccl_buffer_size: MB of HCCL window the Ascend ops may use (``get_low_latency_ccl_buffer_size``). When given,
