@@ -146,11 +146,17 @@ def _run(buffer: Buffer, x, topk_idx, weights, use_fp8: bool, hook: bool, zero_c
     if hook:
         recv_hook()
     assert combined is out
-    valid = [int(c) for c in recv_count]
-    rows = [data[i, :c] for i, c in enumerate(valid)]
-    row_scales = [scales[i, :c].contiguous() for i, c in enumerate(valid)] if scales is not None else []
-    src = [handle.src_info[i, :c] for i, c in enumerate(valid)]
-    return recv_count.clone(), handle.layout_range.clone(), rows, row_scales, src, combined.clone()
+    # DeepEP leaves the order of source blocks inside an expert open: compare block by block (expert, source)
+    layout = handle.layout_range
+    blocks = [
+        (i, j, int(layout[i, j]) >> 32, int(layout[i, j]) & 0xFFFFFFFF)
+        for i in range(layout.shape[0])
+        for j in range(layout.shape[1])
+    ]
+    rows = [data[i, b : b + c] for i, _, b, c in blocks]
+    row_scales = [scales[i, b : b + c].contiguous() for i, _, b, c in blocks] if scales is not None else []
+    src = [handle.src_info[i, b : b + c] for i, _, b, c in blocks]
+    return recv_count.clone(), layout & 0xFFFFFFFF, rows, row_scales, src, combined.clone()
 
 
 def _parity_with_standin(info, standin: str):
