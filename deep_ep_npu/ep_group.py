@@ -12,6 +12,7 @@ way in (they are 0: masked ranks send and receive nothing) and filled with a neu
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -113,28 +114,41 @@ class EPGroup:
     ) -> comm.Header:
         """:func:`deep_ep_npu.ops.comm.exchange_header` over the live ranks; failed ranks read as status 0, no rows,
         ``neutral_fingerprint``."""
+        return self.start_header(status, rows_per_dest, pairs_per_dest, fingerprint, neutral_fingerprint, op)()
+
+    def start_header(
+        self,
+        status: int,
+        rows_per_dest: Sequence[int],
+        pairs_per_dest: Sequence[int],
+        fingerprint: Sequence[int],
+        neutral_fingerprint: Sequence[int],
+        op: str,
+    ) -> Callable[[], comm.Header]:
+        """Start :meth:`exchange_header` and return ``finish() -> Header``, so local work overlaps its round trip."""
         live = self.live
-        try:
-            h = comm.exchange_header(
-                self.comm,
-                len(live),
-                status,
-                [rows_per_dest[r] for r in live],
-                [pairs_per_dest[r] for r in live],
-                fingerprint,
-                timeout=self.timeout,
-                op=op,
-            )
-        except EPRankFailure as err:
-            raise self._translate(err) from err.__cause__
-        if len(live) == self.num_ranks:
-            return h
-        r = self.num_ranks
-        out = comm.Header([0] * r, [0] * r, [0] * r, [tuple(neutral_fingerprint)] * r, h.wait_us)
-        for i, rank in enumerate(live):
-            out.status[rank], out.rows[rank], out.pairs[rank] = h.status[i], h.rows[i], h.pairs[i]
-            out.fingerprint[rank] = h.fingerprint[i]
-        return out
+        send = comm.header_tensor(
+            status, [rows_per_dest[r] for r in live], [pairs_per_dest[r] for r in live], fingerprint
+        )
+        recv, pending, t0 = send, None, time.perf_counter()
+        if len(live) > 1:
+            recv = torch.empty_like(send)
+            pending = self.start(lambda group: dist.all_to_all_single(recv, send, group=group, async_op=True), op)
+
+        def finish() -> comm.Header:
+            if pending is not None:
+                self.wait(pending, op)
+            h = comm.parse_header(recv, int((time.perf_counter() - t0) * 1e6))
+            if len(live) == self.num_ranks:
+                return h
+            r = self.num_ranks
+            out = comm.Header([0] * r, [0] * r, [0] * r, [tuple(neutral_fingerprint)] * r, h.wait_us)
+            for i, rank in enumerate(live):
+                out.status[rank], out.rows[rank], out.pairs[rank] = h.status[i], h.rows[i], h.pairs[i]
+                out.fingerprint[rank] = h.fingerprint[i]
+            return out
+
+        return finish
 
     # ---- shrink mode --------------------------------------------------------------------------------------------
     def shrink(self, failure: EPRankFailure) -> None:

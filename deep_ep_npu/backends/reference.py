@@ -109,13 +109,17 @@ class ReferenceBackend(LowLatencyBackend):
         return idx
 
     def _header(self, op: str, status: int, rows: list[int], pairs: list[int], fingerprint) -> comm.Header:
+        return self._start_header(op, status, rows, pairs, fingerprint)()
+
+    def _start_header(self, op: str, status: int, rows: list[int], pairs: list[int], fingerprint):
+        """Start the header exchange; returns ``finish() -> Header`` (local work can overlap the round trip)."""
         # ranks removed by shrink mode read as "nothing to send or expect" (combine: the first 2R entries)
         neutral = (
             tuple(fingerprint)
             if op == "dispatch"
             else (0,) * (2 * self.num_ranks) + tuple(fingerprint[2 * self.num_ranks :])
         )
-        return self.ep.exchange_header(status, rows, pairs, fingerprint, neutral, f"low_latency_{op}")
+        return self.ep.start_header(status, rows, pairs, fingerprint, neutral, f"low_latency_{op}")
 
     def _rewind(self, state: tuple[int, int]) -> None:
         self._buffer_idx, self._dispatch_idx = state
@@ -166,9 +170,9 @@ class ReferenceBackend(LowLatencyBackend):
         )
         fingerprint = (n, args.num_experts, hidden, _DTYPES[x.dtype], _QUANTS[args.quant], fmt.row_bytes)
         lap("layout")
-        header = self._header("dispatch", comm.STATUS_OK, plan.rows_per_dest, plan.pairs_per_dest, fingerprint)
-        comm.check_header(header, self.rank, _DISPATCH_FP, "low_latency_dispatch")
-        lap("header")
+        finish_header = self._start_header(
+            "dispatch", comm.STATUS_OK, plan.rows_per_dest, plan.pairs_per_dest, fingerprint
+        )
         profiling.record_wire(
             "dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], self.rank, 8 * (3 + len(fingerprint))
         )
@@ -186,10 +190,13 @@ class ReferenceBackend(LowLatencyBackend):
         x_rows = torch.index_select(x, 0, row_token, out=self._ws.get("dispatch_rows", (num_rows, hidden), x.dtype))
         work = self._ws.get("dispatch_fp8", (num_rows, hidden), torch.float32) if args.quant == "fp8_e4m3" else None
         fmt.encode_into(send, x_rows, row_token, inv_perm[plan.row_of_pair], plan.expert, work)
+        lap("packing")  # (while the header travels)
+        header = finish_header()
+        comm.check_header(header, self.rank, _DISPATCH_FP, "low_latency_dispatch")
+        lap("header_wait")
         recv_rows = [0 if s == me else k for s, k in enumerate(header.rows)]
         send_rows = [0 if s == me else k for s, k in enumerate(plan.rows_per_dest)]
         recv = self._ws.get(f"dispatch_recv{idx}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
-        lap("packing")
         exchange = _Exchange(self.ep, recv, send[:num_remote], recv_rows, send_rows)
         lap("collective_start")
 
@@ -309,21 +316,7 @@ class ReferenceBackend(LowLatencyBackend):
         pairs_per_dest = torch.bincount(dest, minlength=r).tolist()
         fingerprint = (*rows_per_src, *pairs_per_dest, n, h.num_experts, hidden, _DTYPES[args.x.dtype])
         lap("layout")
-        header = self._header("combine", comm.STATUS_OK, rows_per_src, pairs_per_dest, fingerprint)
-        comm.check_header(header, self.rank, (), "low_latency_combine")
-        sends = [fp[:r] for fp in header.fingerprint]
-        expects = [fp[r : 2 * r] for fp in header.fingerprint]
-        bad = [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]
-        if bad:
-            p, q = bad[0]
-            raise shape(
-                "handle",
-                f"rank {p} would return {sends[p][q]} rows to rank {q}, whose topk_idx routes {expects[q][p]} tokens "
-                f"to it; pass the dispatch's handle and the same topk_idx (mismatched rank pairs: {bad[:8]})",
-            )
-        header.fingerprint = [fp[2 * r :] for fp in header.fingerprint]
-        comm.check_header(header, self.rank, _COMBINE_FP, "low_latency_combine")
-        lap("header")
+        finish_header = self._start_header("combine", comm.STATUS_OK, rows_per_src, pairs_per_dest, fingerprint)
         profiling.record_wire(
             "combine",
             [k * hidden * args.x.dtype.itemsize for k in rows_per_src],
@@ -342,6 +335,23 @@ class ReferenceBackend(LowLatencyBackend):
         remote_rows = torch.cat([rows[:row_lo], rows[row_hi:]])
         send = self._ws.get(f"combine_send{idx}", (remote_rows.numel(), hidden), source.dtype)
         torch.index_select(flat_source, 0, remote_rows, out=send)
+        lap("packing")  # (while the header travels)
+
+        header = finish_header()
+        comm.check_header(header, self.rank, (), "low_latency_combine")
+        sends = [fp[:r] for fp in header.fingerprint]
+        expects = [fp[r : 2 * r] for fp in header.fingerprint]
+        bad = [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]
+        if bad:
+            p, q = bad[0]
+            raise shape(
+                "handle",
+                f"rank {p} would return {sends[p][q]} rows to rank {q}, whose topk_idx routes {expects[q][p]} tokens "
+                f"to it; pass the dispatch's handle and the same topk_idx (mismatched rank pairs: {bad[:8]})",
+            )
+        header.fingerprint = [fp[2 * r :] for fp in header.fingerprint]
+        comm.check_header(header, self.rank, _COMBINE_FP, "low_latency_combine")
+        lap("header_wait")
         recv_rows = [0 if s == me else k for s, k in enumerate(header.rows)]
         send_rows = [0 if s == me else k for s, k in enumerate(rows_per_src)]
         recv = self._ws.get(f"combine_recv{idx}", (sum(recv_rows), hidden), source.dtype)
@@ -353,7 +363,7 @@ class ReferenceBackend(LowLatencyBackend):
             recv_rows,
             send_rows,
         )
-        lap("packing")
+        lap("collective_start")
         num_tokens = args.topk_idx.shape[0]
         out = args.out if args.out is not None else torch.empty((num_tokens, hidden), dtype=source.dtype)
         acc = self._ws.get(f"combine_acc{idx}", (num_tokens, hidden), torch.float32).zero_()

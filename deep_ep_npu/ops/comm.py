@@ -48,12 +48,7 @@ def exchange_header(
 
     The wait is bounded by ``timeout`` seconds (None: ``DEEP_EP_NPU_TIMEOUT``, else 30 s); a peer that exited or
     did not call raises :class:`deep_ep_npu.failure.EPRankFailure` (naming it, labelled ``op``) on every rank."""
-    width = 3 + len(fingerprint)
-    send = torch.empty((world_size, width), dtype=torch.int64)
-    send[:, 0] = status
-    send[:, 1] = torch.tensor(list(rows_per_dest), dtype=torch.int64)
-    send[:, 2] = torch.tensor(list(pairs_per_dest), dtype=torch.int64)
-    send[:, 3:] = torch.tensor(list(fingerprint), dtype=torch.int64)
+    send = header_tensor(status, rows_per_dest, pairs_per_dest, fingerprint)
     wait_us = 0
     if world_size == 1:
         recv = send
@@ -66,6 +61,23 @@ def exchange_header(
             mon.start(lambda: dist.all_to_all_single(recv, send, group=group, async_op=True), op, seconds), op, seconds
         )
         wait_us = int((time.perf_counter() - t0) * 1e6)
+    return parse_header(recv, wait_us)
+
+
+def header_tensor(
+    status: int, rows_per_dest: Sequence[int], pairs_per_dest: Sequence[int], fingerprint: Sequence[int]
+) -> torch.Tensor:
+    """The header this rank sends: `[len(rows_per_dest), 3 + len(fingerprint)]` int64, one row per peer."""
+    send = torch.empty((len(rows_per_dest), 3 + len(fingerprint)), dtype=torch.int64)
+    send[:, 0] = status
+    send[:, 1] = torch.tensor(list(rows_per_dest), dtype=torch.int64)
+    send[:, 2] = torch.tensor(list(pairs_per_dest), dtype=torch.int64)
+    send[:, 3:] = torch.tensor(list(fingerprint), dtype=torch.int64)
+    return send
+
+
+def parse_header(recv: torch.Tensor, wait_us: int = 0) -> Header:
+    """The :class:`Header` from the received `[peers, 3 + F]` int64 rows."""
     rows = recv.tolist()
     header = Header([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [tuple(r[3:]) for r in rows])
     header.wait_us = wait_us
