@@ -368,7 +368,8 @@ class ReferenceBackend(LowLatencyBackend):
         out = args.out if args.out is not None else torch.empty((num_tokens, hidden), dtype=source.dtype)
         acc = self._ws.get(f"combine_acc{idx}", (num_tokens, hidden), torch.float32).zero_()
         weights = args.topk_weights[token, slot].unsqueeze(1)
-        self._accumulate(acc, flat_source[rows[row_lo:row_hi]], token[pair_lo:pair_hi], weights[pair_lo:pair_hi])
+        self_rows = torch.index_select(flat_source, 0, rows[row_lo:row_hi])
+        self._accumulate(acc, self_rows, token[pair_lo:pair_hi], weights[pair_lo:pair_hi])
         lap("unpacking_self")
         remote_token = torch.cat([token[:pair_lo], token[pair_hi:]])
         remote_weights = torch.cat([weights[:pair_lo], weights[pair_hi:]])
@@ -389,9 +390,8 @@ class ReferenceBackend(LowLatencyBackend):
         """``acc[token[i]] += weights[i] * y[i]`` in fp32 (``y`` `[k, hidden]`, weights `[k, 1]` fp32)."""
         if token.numel() == 0:
             return
-        weighted = self._ws.get("combine_weighted", tuple(y.shape), torch.float32)
-        weighted.copy_(y).mul_(weights)  # (a mixed-dtype mul is slow)
-        acc.index_add_(0, token, weighted)
+        # (``y`` is a scratch tensor: converted or scaled in place; a mixed-dtype mul would be slower)
+        acc.index_add_(0, token, y.float().mul_(weights))
 
     def _zero_copy_buffer(self, idx: int, handle: LowLatencyHandle) -> torch.Tensor:
         num_local, r = handle.layout_range.shape
