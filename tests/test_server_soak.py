@@ -129,16 +129,22 @@ def test_burst_over_capacity_is_503_with_retry_after_and_bounded() -> None:
     async_engine = app.state.serving.engine
     peak = 0
 
-    async def one(c: httpx.AsyncClient, i: int) -> httpx.Response:
+    async def sample_peak() -> None:  # admitted-and-unfinished requests, sampled while the burst runs
         nonlocal peak
-        r = await c.post("/v1/completions", json={"prompt": f"b{i}", "max_tokens": 20})
-        peak = max(peak, async_engine.num_unfinished + (r.status_code == 200))
-        return r
+        while True:
+            peak = max(peak, async_engine.num_unfinished)
+            await asyncio.sleep(0.0005)
 
     async def burst(url: str) -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=200)
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(200)))
+            sampler = asyncio.ensure_future(sample_peak())
+            try:
+                return await asyncio.gather(
+                    *(c.post("/v1/completions", json={"prompt": f"b{i}", "max_tokens": 20}) for i in range(200))
+                )
+            finally:
+                sampler.cancel()
 
     with UvicornThread(app) as srv:
         responses = asyncio.run(burst(srv.url))
