@@ -48,6 +48,9 @@ class ServerConfig(BaseModel):
                                   "this marks the engine failed: /health 503, requests 503")  # fmt: skip
     elastic: bool = Field(False, description="keep serving on the surviving workers when one dies or hangs (its "
                           "requests fail, its experts are dropped; logged, metric ep_ranks_lost)")  # fmt: skip
+    moe_impl: Literal["unfused", "fused"] = Field(
+        "unfused", description="MoE layers: dispatch -> experts -> combine, or the fused pipelined Buffer.mega_moe"
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="uvicorn log level")
 
     @model_validator(mode="after")

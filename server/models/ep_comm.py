@@ -126,11 +126,13 @@ class BufferComm(ExpertComm):
 
     ``enable_shrink`` / ``timeout`` go to the Buffer (a lost rank's experts are then dropped, see the Buffer).
     With shared experts, combine is issued with ``return_recv_hook=True``: the send phase runs, the shared experts
-    are computed, then ``hook()`` receives (DeepEP's hook-based overlap).
+    are computed, then ``hook()`` receives (DeepEP's hook-based overlap). ``fused=True`` asks the MoE layer to use
+    :meth:`fused_moe` (``Buffer.mega_moe``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one pipelined call).
     """
 
     def __init__(self, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
-                 backend: str = "auto", enable_shrink: bool = False, timeout: float | None = None) -> None:  # fmt: skip
+                 backend: str = "auto", enable_shrink: bool = False, timeout: float | None = None,
+                 fused: bool = False) -> None:  # fmt: skip
         import torch.distributed as dist
 
         from deep_ep_npu import Buffer
@@ -151,6 +153,25 @@ class BufferComm(ExpertComm):
             enable_shrink=enable_shrink,
             timeout=timeout,
         )
+        self.fused = fused
+
+    def fused_moe(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """``sum_k topk_weights[t, k] * FFN_e(x[t])`` via ``Buffer.mega_moe`` (timed as dispatch).
+
+        Arguments:
+            x: `[num_tokens, hidden]`; topk_idx `[num_tokens, num_topk]` int64; topk_weights `torch.float32`.
+            w1: `[num_local_experts, hidden, 2 * I]` (gate columns, then up); w2: `[num_local_experts, I, hidden]`.
+        """
+        t0 = time.perf_counter()
+        out = self.buffer.mega_moe(
+            x, topk_idx, topk_weights, w1, w2,
+            num_max_dispatch_tokens_per_rank=self.num_max_dispatch_tokens_per_rank,
+            num_experts=self.num_experts, out_dtype=x.dtype,
+        )  # fmt: skip
+        self.stats.dispatch += time.perf_counter() - t0
+        return out
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
         recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(

@@ -102,8 +102,22 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0)."""
         topk_idx, topk_weights = self.gate(x)
+        if getattr(self.comm, "fused", False) and self.experts.int8 is None:
+            return self._fused(x, topk_idx, topk_weights)
         recv_x, recv_count, handle = self.comm.timed_dispatch(x, topk_idx)
         expert_out = self.experts(recv_x, recv_count)
         shared = (lambda: self.shared_experts(x)) if hasattr(self, "shared_experts") else None
         out, shared_out = self.comm.timed_combine(expert_out, topk_idx, topk_weights, handle, overlap=shared)
         return out if shared_out is None else out + shared_out
+
+    def _fused(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The fused path (``Buffer.mega_moe``); the expert weights are laid out for it once, on first use."""
+        if not hasattr(self, "_mega_weights"):
+            w13, w2 = self.experts.w13.detach(), self.experts.w2.detach()
+            self._mega_weights = (w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous())
+            self.experts.w13 = nn.Parameter(w13.new_empty(0), requires_grad=False)  # (not kept twice)
+            self.experts.w2 = nn.Parameter(w2.new_empty(0), requires_grad=False)
+        out = self.comm.fused_moe(x, topk_idx, topk_weights, *self._mega_weights)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out

@@ -54,7 +54,14 @@ class EPEngine(EngineCore):
         dist_timeout_s: float = 120.0,
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         elastic: bool = False,
+        moe_impl: str = "unfused",
     ) -> None:
+        if moe_impl not in ("unfused", "fused"):
+            raise ValueError(
+                f"moe_impl={moe_impl!r} must be 'unfused' (dispatch/experts/combine) or 'fused' (mega_moe)"
+            )
+        if moe_impl == "fused" and int8_experts:
+            raise ValueError("moe_impl='fused' uses the float expert weights; it cannot be combined with int8_experts")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if launch not in ("auto", "spawn", "torchrun"):
@@ -79,7 +86,7 @@ class EPEngine(EngineCore):
             raise ValueError("elastic=True needs spawned workers (launch='spawn'); torchrun jobs are not elastic")
         args = WorkerArgs(model, dtype, backend, seed, random_model, max_num_seqs, max_model_len, n, int8_experts,
                           dist_timeout_s=dist_timeout_s, elastic=elastic,
-                          comm_timeout_s=step_timeout_s / 3 if elastic else None)  # fmt: skip
+                          comm_timeout_s=step_timeout_s / 3 if elastic else None, moe_impl=moe_impl)  # fmt: skip
         self.workers: WorkerGroup = (
             TorchrunWorkers(args)
             if use_torchrun

@@ -28,6 +28,7 @@ def engine_from_config(config: Any) -> EPEngine:
         random_model=dict(config.random_model) or None,
         step_timeout_s=getattr(config, "step_timeout_s", 30.0),
         elastic=getattr(config, "elastic", False),
+        moe_impl=getattr(config, "moe_impl", "unfused"),
     )
 
 
@@ -44,5 +45,6 @@ def run_torchrun_worker(config: Any) -> None:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             num_max_dispatch_tokens_per_rank=default_capacity(config.max_num_seqs),
+            moe_impl=getattr(config, "moe_impl", "unfused"),
         )
     )

@@ -42,6 +42,7 @@ class WorkerArgs:
     dist_timeout_s: float = 120.0
     elastic: bool = False  # Buffer shrink mode: survivors of a lost rank regroup and drop its experts
     comm_timeout_s: float | None = None  # the Buffer's bound on each collective wait (None: the library default)
+    moe_impl: str = "unfused"  # "fused": Buffer.mega_moe (dispatch -> FFN -> combine in one pipelined call)
 
 
 @dataclasses.dataclass
@@ -84,10 +85,11 @@ class Worker:
         n = args.num_max_dispatch_tokens_per_rank
 
         def comm_factory(cfg: ModelConfig) -> ExpertComm:
-            if world_size == 1 and not args.use_buffer_at_ep1:
+            if world_size == 1 and not args.use_buffer_at_ep1 and args.moe_impl != "fused":
                 return LocalComm(cfg.num_experts, n)
             return BufferComm(group, cfg.num_experts, n, cfg.hidden_size, backend=args.backend,
-                              enable_shrink=args.elastic, timeout=args.comm_timeout_s)  # fmt: skip
+                              enable_shrink=args.elastic, timeout=args.comm_timeout_s,
+                              fused=args.moe_impl == "fused")  # fmt: skip
 
         rss_before = _rss_bytes()
         self.model = load_model(args.model, comm_factory, args.dtype, args.seed, args.random_model)
@@ -138,7 +140,7 @@ def worker_main(rank: int, world_size: int, port: int, conn: Any, args: WorkerAr
     torch.set_num_threads(1)
     worker = None
     try:
-        if world_size > 1 or args.use_buffer_at_ep1:
+        if world_size > 1 or args.use_buffer_at_ep1 or args.moe_impl == "fused":
             init_loopback_group(rank, world_size, port, args.dist_timeout_s)
         worker = Worker(args, rank, world_size, dist.group.WORLD if dist.is_initialized() else None)
         conn.send(("ready", worker.info))
