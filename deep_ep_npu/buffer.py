@@ -226,6 +226,7 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
                 backend.native_quant_format,
             )
             self._check_rdma_size(args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts)
+            backend.check_device(args.x, "x")
             return args
 
         lap = profiling.laps("dispatch")
@@ -276,6 +277,7 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
         self._check_alive()
 
         def validate() -> ll_spec.CombineArgs:
+            self._backend.check_device(x, "x")
             return ll_spec.validate_combine(
                 self.group_size,
                 x,

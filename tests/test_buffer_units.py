@@ -83,3 +83,14 @@ def _lifetime(info):
 
 def test_lifetime_and_modes():
     assert parallel_launch(2, _lifetime, timeout=60) == ["reference", "reference"]
+
+
+def test_reference_backend_refuses_device_tensors_clearly():
+    """A non-CPU x is refused by name before any communication (the reference backend's buffers live on the CPU)."""
+    from deep_ep_npu.backends.reference import ReferenceBackend
+    from deep_ep_npu.ops import MoeDistributeError
+
+    x = torch.zeros((2, 128), device="meta")
+    with pytest.raises(MoeDistributeError, match=r"x: is on meta; the reference backend works on CPU tensors"):
+        ReferenceBackend.check_device(None, x, "x")
+    ReferenceBackend.check_device(None, torch.zeros(2, 128), "x")  # CPU is fine

@@ -83,6 +83,9 @@ class LowLatencyBackend(abc.ABC):
     def combine(self, args: CombineArgs) -> CombineResult:
         """Run the send phase of a validated low-latency combine."""
 
+    def check_device(self, tensor: torch.Tensor, param: str) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`~deep_ep_npu.MoeDistributeError` if this backend cannot use ``tensor``'s device."""
+
     def abort(self, op: str, code: int) -> None:  # noqa: B027 - optional hook, default: nothing to tell the peers
         """Tell the peers that this rank rejected its input of ``op`` ("dispatch"/"combine") so they raise too."""
 

@@ -1,4 +1,6 @@
-"""The reference backend: DeepEP's low-latency masked layout over ``torch.distributed`` (gloo, NCCL or HCCL).
+"""The reference backend: DeepEP's low-latency masked layout over ``torch.distributed`` on CPU tensors (gloo).
+
+Device tensors (NCCL / HCCL groups) are refused with a clear error: the wire and result buffers live on the CPU.
 
 Dispatch: a fixed-size header all-to-all (status, rows per destination, parameter fingerprint), then one uneven
 ``all_to_all_single`` of :class:`~.wire.RowFormat` rows: each token travels once per destination rank with a
@@ -29,7 +31,7 @@ from ..ep_group import EPGroup
 from ..event import Completion
 from ..handle import LowLatencyHandle, make_handle
 from ..ops import comm, moe_distribute_combine_setup, moe_distribute_dispatch_setup
-from ..ops.errors import MoeDistributeError, shape
+from ..ops.errors import MoeDistributeError, invalid, shape
 from ..ops.layout import make_send_plan
 from .base import BufferConfig, CombineResult, DispatchResult, FlatPending, LowLatencyBackend
 from .spec import CombineArgs, DispatchArgs
@@ -123,6 +125,14 @@ class ReferenceBackend(LowLatencyBackend):
 
     def _rewind(self, state: tuple[int, int]) -> None:
         self._buffer_idx, self._dispatch_idx = state
+
+    def check_device(self, tensor: torch.Tensor, param: str) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+            raise invalid(
+                param,
+                f"is on {tensor.device}; the reference backend works on CPU tensors over gloo (move it to the CPU, "
+                "or use backend='ascend' on an Ascend NPU)",
+            )
 
     def abort(self, op: str, code: int) -> None:
         r = self.num_ranks
