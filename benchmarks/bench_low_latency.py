@@ -170,13 +170,8 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
     if rank == 0:
         with open(results_path, "w") as f:
             json.dump(records, f)
-    buffer.destroy()
-    dist.barrier(group=group)
+    buffer.destroy()  # collective: no rank tears the group down while a peer still finishes a collective
     dist.destroy_process_group()
-    # NOTES: ranks leave with os._exit: a normal interpreter exit after destroy_process_group sometimes aborts in a
-    # C++ thread ("terminate called without an active exception", no Python frame) - after the results are written
-    sys.stdout.flush()
-    os._exit(0)
 
 
 def run(args, retry: bool = True) -> list[dict]:

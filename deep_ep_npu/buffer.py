@@ -24,6 +24,7 @@ dispatch. Finish a call's receive (``hook()`` / the event) before the next-but-o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ from .buffer_compat import CompatMixin, hint_bytes
 from .buffer_flat import FlatMixin
 from .buffer_shrink import ShrinkMixin
 from .event import Completion, EventOverlap
-from .failure import resolve_timeout
+from .failure import EPRankFailure, resolve_timeout
 from .handle import LowLatencyHandle
 from .ops import MoeDistributeError
 from .ops.errors import invalid
@@ -357,11 +358,17 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
     # ---- lifetime -------------------------------------------------------------------------------------------------
     def destroy(self) -> None:
         """Release the buffers and communication context. Requires ``explicitly_destroy=True`` (as DeepEP);
-        calling it again is a no-op; using the Buffer afterwards raises."""
+        calling it again is a no-op; using the Buffer afterwards raises.
+
+        Collective: every live rank calls it. It first waits (bounded) until every peer got here, so no rank tears
+        its process group down while a peer still finishes the last combine (gloo aborts a process whose peer closes
+        the connection mid-collective). A peer that is already gone is not waited for."""
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
         if not self._destroyed:
             self._destroyed = True
+            with contextlib.suppress(EPRankFailure):  # a peer that is gone leaves nothing to wait for
+                self._backend.ep.barrier("destroy")
             self._backend.destroy()
 
     def __del__(self) -> None:
