@@ -21,13 +21,11 @@ dispatch (DeepEP: do not hold more than 2 low-latency results); combine results 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
 
 from .. import profiling
-from ..ep_group import EPGroup
 from ..event import Completion
 from ..handle import LowLatencyHandle, make_handle
 from ..ops import comm, moe_distribute_combine_setup, moe_distribute_dispatch_setup
@@ -36,6 +34,7 @@ from ..ops.layout import make_send_plan
 from .base import BufferConfig, CombineResult, DispatchResult, FlatPending, LowLatencyBackend
 from .spec import CombineArgs, DispatchArgs
 from .wire import RowFormat
+from .workspace import Exchange, Workspace
 
 _DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _QUANTS = {None: 0, "fp8_e4m3": 1, "int8_per_token": 2}
@@ -48,52 +47,6 @@ def _exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return t.cumsum(dim) - t
 
 
-class _Workspace:
-    """Named, growable scratch tensors (the backend's communication buffer)."""
-
-    def __init__(self) -> None:
-        self._tensors: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * dtype.itemsize
-        buf = self._tensors.get(name)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty((max(nbytes, 1),), dtype=torch.uint8)
-            self._tensors[name] = buf
-        return buf[:nbytes].view(dtype).view(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self._tensors.values())
-
-    def clear(self) -> None:
-        self._tensors.clear()
-
-
-class _Exchange:
-    """An in-flight uneven all-to-all of `[rows, width]` uint8 tensors, plus the time spent waiting for it."""
-
-    def __init__(self, ep: EPGroup, recv: torch.Tensor, send: torch.Tensor, recv_rows: list[int], send_rows: list[int]):
-        width = send.shape[1] if send.dim() == 2 else 0
-        self.wait_ns, self._ep = 0, ep
-        if len(send_rows) == 1:
-            recv.copy_(send)
-            self.work = None
-        else:  # bounded wait; a missing peer raises EPRankFailure (deep_ep_npu.failure)
-            recv_splits, send_splits = [r * width for r in recv_rows], [r * width for r in send_rows]
-            self.work = ep.all_to_all(recv.view(-1), send.reshape(-1), recv_splits, send_splits, "payload exchange")
-
-    def wait(self) -> None:
-        if self.work is not None:
-            t0 = time.perf_counter_ns()
-            work, self.work = self.work, None
-            self._ep.wait(work, "payload exchange")
-            self.wait_ns = time.perf_counter_ns() - t0
-
-
 class ReferenceBackend(LowLatencyBackend):
     """DeepEP low-latency semantics on any torch.distributed group (see the module docstring)."""
 
@@ -102,7 +55,7 @@ class ReferenceBackend(LowLatencyBackend):
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
-        self._ws = _Workspace()
+        self._ws = Workspace()
         self._buffer_idx = 0  # wire buffers: flips on every dispatch and combine
         self._dispatch_idx = 0  # dispatch results: flips on every dispatch
 
@@ -207,7 +160,7 @@ class ReferenceBackend(LowLatencyBackend):
         recv_rows = [0 if s == me else k for s, k in enumerate(header.rows)]
         send_rows = [0 if s == me else k for s, k in enumerate(plan.rows_per_dest)]
         recv = self._ws.get(f"dispatch_recv{idx}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
-        exchange = _Exchange(self.ep, recv, send[:num_remote], recv_rows, send_rows)
+        exchange = Exchange(self.ep, recv, send[:num_remote], recv_rows, send_rows)
         lap("collective_start")
 
         # the results live in two alternating sets (DeepEP: hold at most 2 results); reuse avoids page faults
@@ -366,7 +319,7 @@ class ReferenceBackend(LowLatencyBackend):
         send_rows = [0 if s == me else k for s, k in enumerate(rows_per_src)]
         recv = self._ws.get(f"combine_recv{idx}", (sum(recv_rows), hidden), source.dtype)
         row_bytes = hidden * source.dtype.itemsize
-        exchange = _Exchange(
+        exchange = Exchange(
             self.ep,
             recv.view(torch.uint8).view(-1, row_bytes),
             send.view(torch.uint8).view(-1, row_bytes),
