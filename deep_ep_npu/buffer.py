@@ -31,20 +31,45 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import ll_params as ll_spec
 from . import profiling
 from .backends import BufferConfig, create_backend, resolve_backend_name
-from .backends import spec as ll_spec
-from .buffer_compat import CompatMixin, hint_bytes
-from .buffer_flat import FlatMixin
-from .buffer_shrink import ShrinkMixin
+from .errors import MoeDistributeError, invalid
 from .event import Completion, EventOverlap
 from .failure import EPRankFailure, resolve_timeout
-from .handle import LowLatencyHandle
-from .ops import MoeDistributeError
-from .ops.errors import invalid
+from .handle import FlatHandle, LowLatencyHandle
+from .params import CombineParams, DispatchParams
+from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
 
 
-class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
+class FlatDispatchOutput:
+    """The outputs of ``low_latency_dispatch_flat``; readable once the receive ran (at once, or after ``hook()`` /
+    the event's wait).
+
+    Attributes (A = rows this rank can receive, L local experts, W ranks):
+        expand_x: `[A, hidden]`, x's dtype (`torch.int8` with ``quant_mode=2``); rows past the received total are
+            unspecified.
+        dynamic_scales: `[A]` `torch.float32` per-row dequant scales with ``quant_mode=2``.
+        expert_token_nums: `[L]` `torch.int64` rows per local expert (counts, or the inclusive cumsum with
+            ``expert_token_nums_type=0``): ``npu_grouped_matmul``'s ``group_list`` (``group_list_type`` 1 / 0).
+        handle: :class:`FlatHandle` for ``low_latency_combine_flat``.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[str, Any] | None = None
+
+    def _get(self, name: str) -> Any:
+        if self._values is None:
+            raise RuntimeError(f"{name} is not received yet: call hook() or event.current_stream_wait() first")
+        return self._values[name]
+
+    expand_x = property(lambda self: self._get("expand_x"))
+    dynamic_scales = property(lambda self: self._get("dynamic_scales"))
+    expert_token_nums = property(lambda self: self._get("expert_token_nums"))
+    handle = property(lambda self: self._get("handle"))
+
+
+class Buffer:
     """The low-latency expert-parallel communication buffer (DeepEP-compatible).
 
     Arguments:
@@ -69,6 +94,8 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
             ``enable_shrink``, the survivors instead agree on the failed ranks, continue on a group of themselves,
             mask the failed ranks and re-run the interrupted call (reference backend; see "Failure handling").
     """
+
+    num_sms: int = 20
 
     def __init__(
         self,
@@ -131,7 +158,7 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
             raise
 
     def _check_rdma_size(self, num_max: int, hidden: int, num_experts: int) -> None:
-        need = hint_bytes(num_max, hidden, num_experts)
+        need = rdma_size_hint(num_max, hidden, num_experts)
         if self.num_rdma_bytes and need > self.num_rdma_bytes:
             raise invalid(
                 "num_rdma_bytes",
@@ -227,7 +254,6 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
                 backend.native_quant_format,
             )
             self._check_rdma_size(args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts)
-            backend.check_device(args.x, "x")
             return args
 
         lap = profiling.laps("dispatch")
@@ -278,7 +304,6 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
         self._check_alive()
 
         def validate() -> ll_spec.CombineArgs:
-            self._backend.check_device(x, "x")
             return ll_spec.validate_combine(
                 self.group_size,
                 x,
@@ -315,6 +340,222 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
         self._backend.clean()
         self._backend.ep.barrier("clean_low_latency_buffer")
 
+    # ---- the flat Ascend layout (the MoE distribute ops' outputs) ------------------------------------------
+    def low_latency_dispatch_flat(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        *,
+        topk_weights: torch.Tensor | None = None,
+        quant_mode: int = 0,
+        smooth_scales: torch.Tensor | None = None,
+        x_active_mask: torch.Tensor | None = None,
+        expert_token_nums_type: int = 1,
+        shared_expert_num: int = 1,
+        shared_expert_rank_num: int = 0,
+        zero_expert_num: int = 0,
+        copy_expert_num: int = 0,
+        const_expert_num: int = 0,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[FlatDispatchOutput, EventOverlap, Callable[[], None] | None]:
+        """Dispatch into the flat Ascend layout (``npu_moe_distribute_dispatch_v2`` semantics, A3 fullmesh).
+
+        Arguments:
+            x: `[T, hidden]` `torch.bfloat16` / `torch.float16` (`torch.float32` on the reference backend), T <= N.
+            topk_idx: `[T, K]` `torch.int64` / `torch.int32`: routed experts ``[0, num_experts)``, zero experts
+                ``[E, E + Z)``, copy ``[E + Z, E + Z + C)``, const experts after them, or ``-1`` (no expert; mapped
+                onto extra zero experts, see ``backends.base.map_no_expert``).
+            num_max_dispatch_tokens_per_rank: N, the same on every rank (``global_bs = N * R``).
+            num_experts: routed experts (``moe_expert_num``).
+            topk_weights: `[T, K]` `torch.float32`, carried to ``handle.expand_scales`` (``expert_scales``).
+            quant_mode: 0, or 2 (per-token dynamic int8: ``q = rint(x * 127 / amax)``, scale ``amax / 127``).
+            smooth_scales: `[shared_expert_num + num_experts, hidden]` `torch.float32` (the op's ``scales``).
+            x_active_mask: `[T]` bool (True first) or `[T, K]` bool.
+            expert_token_nums_type: 1 counts, 0 inclusive cumsum.
+            shared_expert_num, shared_expert_rank_num, zero/copy/const_expert_num: as in the Ascend op.
+            async_finish, return_recv_hook: as in ``low_latency_dispatch``.
+
+        Returns:
+            (output, event, hook): :class:`FlatDispatchOutput`, an :class:`EventOverlap`, the receive hook or None.
+        """
+        self._check_alive()
+        layout = dict(
+            x_active_mask=x_active_mask,
+            shared_expert_num=shared_expert_num,
+            shared_expert_rank_num=shared_expert_rank_num,
+            global_bs=num_max_dispatch_tokens_per_rank * self.group_size
+            if isinstance(num_max_dispatch_tokens_per_rank, int)
+            else num_max_dispatch_tokens_per_rank,
+            zero_expert_num=zero_expert_num,
+            copy_expert_num=copy_expert_num,
+            const_expert_num=const_expert_num,
+        )
+        params = DispatchParams(
+            x, topk_idx, self.group, self.group_size, self.rank, num_experts, scales=smooth_scales,
+            expert_scales=topk_weights, quant_mode=quant_mode, expert_token_nums_type=expert_token_nums_type,
+            ccl_buffer_size=self.config.ccl_buffer_size, no_expert=True, **layout,
+        )  # fmt: skip
+        pending = self._backend.dispatch_flat(params)
+        result = FlatDispatchOutput()
+
+        def finish() -> None:
+            expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = (
+                pending.wait()
+            )
+            handle = FlatHandle(assist, ep_recv_counts, tp_recv_counts, expand_scales, num_experts, layout)
+            result._values = dict(
+                expand_x=expand_x, dynamic_scales=dynamic_scales, expert_token_nums=expert_token_nums, handle=handle
+            )
+
+        event, hook = self._overlap(Completion(finish), async_finish, return_recv_hook, ())
+        return result, event, hook
+
+    def low_latency_combine_flat(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: FlatHandle,
+        *,
+        shared_expert_x: torch.Tensor | None = None,
+        ori_x: torch.Tensor | None = None,
+        const_expert_alpha_1: torch.Tensor | None = None,
+        const_expert_alpha_2: torch.Tensor | None = None,
+        const_expert_v: torch.Tensor | None = None,
+        comm_quant_mode: int = 0,
+        out: torch.Tensor | None = None,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """Combine flat expert outputs (``npu_moe_distribute_combine_v2`` semantics).
+
+        Arguments:
+            x: `[A, hidden]` expert outputs row-aligned with ``expand_x`` (`torch.bfloat16` / `torch.float16`).
+            topk_idx: `[T, K]`, the one given to ``low_latency_dispatch_flat``. topk_weights: `[T, K]` fp32.
+            handle: the dispatch's :class:`FlatHandle`.
+            shared_expert_x: `[T, hidden]` in x's dtype, added with weight 1.
+            ori_x: `[T, hidden]` (copy / const experts); const_expert_alpha_1/_2, const_expert_v:
+                `[const_expert_num, hidden]`.
+            comm_quant_mode: 0, or 2 (int8 on the wire).
+            out: `[T, hidden]` in x's dtype, written in place, or None.
+
+        Returns:
+            combined_x: `[T, hidden]` in x's dtype (filled once the receive ran), event, hook.
+        """
+        self._check_alive()
+        if not isinstance(handle, FlatHandle):
+            raise ValueError(f"handle: must be the FlatHandle from low_latency_dispatch_flat, got {type(handle)}")
+        params = CombineParams(
+            x, topk_idx, handle.assist_info_for_combine, handle.ep_recv_counts, topk_weights, self.group,
+            self.group_size, self.rank, handle.num_experts,
+            expand_scales=handle.expand_scales if handle.expand_scales.numel() else None,
+            shared_expert_x=shared_expert_x, ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,
+            const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
+            comm_quant_mode=comm_quant_mode, no_expert=True, **handle.op_kwargs,
+        )  # fmt: skip
+        pending = self._backend.combine_flat(params)
+        if not (async_finish or return_recv_hook):
+            combined = pending.wait()
+            if out is not None:
+                out.copy_(combined)
+                combined = out
+            return combined, EventOverlap(None), None
+        combined = out if out is not None else x.new_empty((topk_idx.shape[0], x.shape[1]))
+
+        def finish() -> None:
+            combined.copy_(pending.wait())
+
+        event, hook = self._overlap(Completion(finish), async_finish, return_recv_hook, (combined,))
+        return combined, event, hook
+
+    # ---- shrink mode ------------------------------------------------------------------------------------------
+    def _check_shrink(self) -> None:
+        if not self.enable_shrink:
+            raise RuntimeError("Shrink mode must be enabled: construct the Buffer with enable_shrink=True")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mark ``rank_to_mask`` as absent (``mask=True``) or present again. Masked ranks' experts are treated as
+        absent by dispatch and combine (no token goes to or comes from them; a masked rank sends nothing). Every
+        rank must hold the same mask; masked ranks still take part in the collectives here."""
+        self._check_shrink()
+        if not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask: {rank_to_mask} is outside [0, {self.group_size})")
+        if not mask and rank_to_mask in self._backend.ep.failed:
+            raise ValueError(f"rank_to_mask: rank {rank_to_mask} failed and left the group; it cannot be unmasked")
+        self._backend.mask[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copy the mask into ``mask_status`` `[R]` `torch.int32` (1 = masked)."""
+        self._check_shrink()
+        if mask_status.dtype != torch.int32 or tuple(mask_status.shape) != (self.group_size,):
+            raise ValueError(
+                f"mask_status: must be [{self.group_size}] torch.int32, got {mask_status.dtype} "
+                f"{tuple(mask_status.shape)}"
+            )
+        mask_status.copy_(self._backend.mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank, except ranks that failed (they left the group and stay masked)."""
+        self._check_shrink()
+        self._backend.mask.zero_()
+        self._backend.mask[self._backend.ep.failed] = 1
+
+    # ---- sizes and DeepEP's compatibility helpers ---------------------------------------------------------------
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Bytes of low-latency buffer DeepEP needs for these shapes (its formula; independent of ``num_ranks``)."""
+        del num_ranks
+        return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    @staticmethod
+    def get_low_latency_ccl_buffer_size(
+        world_size: int,
+        num_max_dispatch_tokens_per_rank: int,
+        hidden: int,
+        num_moe_expert: int,
+        topk: int,
+        num_shared_expert: int = 0,
+        num_shared_expert_ranks: int = 0,
+        comm_alg: str = "",
+    ) -> int:
+        """MB of CCL buffer the Ascend ops need (ops-transformer's formula; see
+        :func:`deep_ep_npu.ops.get_low_latency_ccl_buffer_size`), e.g. 479 for ``(8, 128, 7168, 256, 8)``."""
+        return get_low_latency_ccl_buffer_size(
+            world_size,
+            num_max_dispatch_tokens_per_rank,
+            hidden,
+            num_moe_expert,
+            topk,
+            num_shared_expert,
+            num_shared_expert_ranks,
+            comm_alg,
+        )
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Accepted for compatibility (normal kernels only in DeepEP; nothing to set here)."""
+        if new_num_sms % 2:
+            raise ValueError(f"new_num_sms: must be even, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An already-complete event (there is no separate communication stream to capture here)."""
+        return EventOverlap(None)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return False
+
+    def get_comm_stream(self) -> None:
+        """There is no separate communication stream; returns None."""
+        return None
+
     # ---- fused MegaMoE (deep_ep_npu/mega_moe) --------------------------------------------------------------------
     def mega_moe(
         self,
@@ -346,13 +587,13 @@ class Buffer(CompatMixin, FlatMixin, ShrinkMixin):
         Returns:
             out: `[M, K]` with ``out_dtype`` (default x's dtype): ``sum_k topk_weights[t, k] * FFN_e(x[t])``.
         """
-        from .mega_moe import mega_moe
+        from .mega_moe.api import run_mega_moe
 
         self._check_alive()
-        return mega_moe(
-            self.group, x, topk_idx, topk_weights, w1, w2, w1_scale=w1_scale, w2_scale=w2_scale,
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, num_experts=num_experts,
-            out_dtype=out_dtype, backend=self.backend_name, **kwargs,
+        return run_mega_moe(
+            self._backend.ep, self.backend_name, x, topk_idx, topk_weights, w1, w2, w1_scale=w1_scale,
+            w2_scale=w2_scale, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            num_experts=num_experts, out_dtype=out_dtype, **kwargs,
         )  # fmt: skip
 
     # ---- lifetime -------------------------------------------------------------------------------------------------

@@ -43,26 +43,30 @@ class EventOverlap:
 
 
 class Completion:
-    """Runs ``finish`` once, on the first ``wait()`` (or ``__call__``): the receive half of a split operation."""
+    """The one in-flight type: the receive half of a split operation (a Buffer hook, an event, a ``*_start`` op).
 
-    def __init__(self, finish: Callable[[], None]) -> None:
-        self._finish: Callable[[], None] | None = finish
+    ``finish`` runs once, on the first ``wait()`` (or ``__call__``), and its result is kept: later calls return it
+    at once, or re-raise the first call's error."""
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self._finish: Callable[[], Any] | None = finish
+        self._result: Any = None
         self._error: BaseException | None = None
 
     @property
     def done(self) -> bool:
         return self._finish is None
 
-    def wait(self) -> None:
-        """Run the receive (first call); later calls return at once, or re-raise the first call's error."""
+    def wait(self) -> Any:
         if self._finish is not None:
             finish, self._finish = self._finish, None
             try:
-                finish()
+                self._result = finish()
             except BaseException as err:
                 self._error = err
                 raise
         elif self._error is not None:
             raise self._error
+        return self._result
 
     __call__ = wait

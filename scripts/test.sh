@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Installs what the tests need into .venv (CPU torch 2.13.0, no accelerator) and runs the whole suite.
+# Installs what the tests need into .venv (CPU torch 2.13.0, no accelerator), lints and type-checks, runs the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[serve,dev]'
-exec .venv/bin/python -m pytest -q "$@"
+# Every check runs even if an earlier one fails; any failure fails the script (settings: pyproject.toml).
+status=0
+.venv/bin/ruff check . || status=1
+.venv/bin/ruff format --check . || status=1
+.venv/bin/mypy deep_ep_npu || status=1
+# pytest last, so that its summary is the closing line (CI reads it); its exit status wins if it fails.
+.venv/bin/python -m pytest -q "$@" || status=$?
+exit "$status"

@@ -91,9 +91,9 @@ def _expert_outputs(rank: int, world_size: int, case: dict, expand_x, dyn, token
 def _run_cases(info, cases: bytes):
     """Run every case (serialized with ``to_bytes``: tensors as bytes, not shared-memory handles) on this rank."""
     from deep_ep_npu.ops import (
-        moe_distribute_combine_setup,
+        moe_distribute_combine_start,
         moe_distribute_combine_v2,
-        moe_distribute_dispatch_setup,
+        moe_distribute_dispatch_start,
         moe_distribute_dispatch_v2,
     )
 
@@ -111,10 +111,10 @@ def _run_cases(info, cases: bytes):
             expert_token_nums_type=case["ent_type"],
         )
         if case["two_stage"]:
-            handle = moe_distribute_dispatch_setup(inp.x, inp.ids, *args, **dkw)
-            _ = expert_fn(inp.x, 0)  # compute between setup and teardown
-            outs = handle.teardown()
-            assert handle.teardown() is outs
+            handle = moe_distribute_dispatch_start(inp.x, inp.ids, *args, **dkw)
+            _ = expert_fn(inp.x, 0)  # compute between the send and the receive
+            outs = handle.wait()
+            assert handle.wait() is outs
             again = moe_distribute_dispatch_v2(inp.x, inp.ids, *args, **dkw)  # the one-shot form, same inputs
             assert all(torch.equal(a, b) for a, b in zip(outs, again, strict=True))
         else:
@@ -124,7 +124,7 @@ def _run_cases(info, cases: bytes):
         ckw = dict(common, shared_expert_x=inp.shared_x, expand_scales=expand_scales)
         cargs = (y, inp.ids, assist, recv_counts, inp.weights, *args)
         if case["two_stage"]:
-            combined = moe_distribute_combine_setup(*cargs, **ckw).teardown()
+            combined = moe_distribute_combine_start(*cargs, **ckw).wait()
             assert torch.equal(combined, moe_distribute_combine_v2(*cargs, **ckw))
         else:
             combined = moe_distribute_combine_v2(*cargs, **ckw)

@@ -30,13 +30,14 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
+from ..errors import invalid, shape
 from ..event import Completion
 from ..handle import LowLatencyHandle, make_handle
-from ..ops.ccl_buffer import ccl_buffer_bytes, ccl_buffer_mb
-from ..ops.errors import invalid, shape
-from .base import BufferConfig, CombineResult, DispatchResult, FlatPending, LowLatencyBackend, map_no_expert
+from ..ll_params import CombineArgs, DispatchArgs
+from ..params import CombineParams, DispatchParams
+from ..sizes import ccl_buffer_bytes, ccl_buffer_mb
+from .base import BufferConfig, CombineResult, DispatchResult, LowLatencyBackend, map_no_expert
 from .elastic import elastic_info_from_mask, remap_expert_ids
-from .spec import CombineArgs, DispatchArgs
 
 _CONTEXT_PACKAGES = ("cann_ops_transformer.ops", "npu_ops_transformer.ops")
 
@@ -136,14 +137,6 @@ class _ContextOps:
             num_max_dispatch_tokens_per_rank=global_bs // self.num_ranks,
             **kw,
         )
-
-
-class _Done(FlatPending):
-    def __init__(self, outputs: Any) -> None:
-        self._outputs = outputs
-
-    def teardown(self) -> Any:
-        return self._outputs
 
 
 class AscendBackend(LowLatencyBackend):
@@ -307,18 +300,41 @@ class AscendBackend(LowLatencyBackend):
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         return self._zero_copy_buffer(self._buffer_idx, handle)
 
-    def dispatch_flat(self, x: torch.Tensor, expert_ids: torch.Tensor, **op_kwargs: Any) -> FlatPending:
-        moe_expert_num = op_kwargs.pop("moe_expert_num")
-        given = op_kwargs.pop("ccl_buffer_size", None)
-        num_max = op_kwargs["global_bs"] // self.num_ranks
-        moe_ranks = self.num_ranks - op_kwargs.get("shared_expert_rank_num", 0)
-        ccl = self._ccl_size(num_max, x.shape[1], moe_expert_num // max(moe_ranks, 1), expert_ids.shape[1])
-        del given  # checked against config.ccl_buffer_size above
-        return _Done(self.ops.dispatch(x, expert_ids, moe_expert_num, **op_kwargs, **self._op_kwargs(ccl)))
+    def dispatch_flat(self, params: DispatchParams) -> Completion:
+        v = params.validate()  # the op's rules, checked here too (the NPU op raises on its own only on device)
+        ids, zero_num = map_no_expert(v.ids, params.moe_expert_num, params.zero_expert_num)
+        moe_ranks = self.num_ranks - params.shared_expert_rank_num
+        num_local = params.moe_expert_num // max(moe_ranks, 1)
+        ccl = self._ccl_size(params.global_bs // self.num_ranks, v.x.shape[1], num_local, ids.shape[1])
+        kw = _op_keywords(params, DISPATCH_KEYWORDS, zero_expert_num=zero_num)
+        outputs = self.ops.dispatch(v.x, ids, params.moe_expert_num, **kw, **self._op_kwargs(ccl))
+        return Completion(lambda: outputs)
 
-    def combine_flat(self, expand_x: torch.Tensor, expert_ids: torch.Tensor, *args: Any, **op_kwargs: Any):
-        assist, counts, weights, num_experts = args
-        return _Done(self.ops.combine(expand_x, expert_ids, assist, counts, weights, num_experts, **op_kwargs))
+    def combine_flat(self, params: CombineParams) -> Completion:
+        v = params.validate()
+        ids, zero_num = map_no_expert(v.ids, params.moe_expert_num, params.zero_expert_num)
+        kw = _op_keywords(params, COMBINE_KEYWORDS, zero_expert_num=zero_num)
+        out = self.ops.combine(
+            v.expand_x, ids, params.assist_info_for_combine, params.ep_send_counts, params.expert_scales,
+            params.moe_expert_num, **kw,
+        )  # fmt: skip
+        return Completion(lambda: out)
 
     def destroy(self) -> None:
         self._zero_copy.clear()
+
+
+DISPATCH_KEYWORDS = (
+    "scales", "x_active_mask", "expert_scales", "quant_mode", "expert_token_nums_type", "shared_expert_num",
+    "shared_expert_rank_num", "global_bs", "copy_expert_num", "const_expert_num",
+)  # fmt: skip
+COMBINE_KEYWORDS = (
+    "x_active_mask", "expand_scales", "shared_expert_x", "ori_x", "const_expert_alpha_1", "const_expert_alpha_2",
+    "const_expert_v", "comm_quant_mode", "shared_expert_num", "shared_expert_rank_num", "global_bs",
+    "copy_expert_num", "const_expert_num",
+)  # fmt: skip
+
+
+def _op_keywords(params: DispatchParams | CombineParams, names: tuple[str, ...], **extra: Any) -> dict[str, Any]:
+    """The keywords the flat methods give the op: ``names`` of ``params``, then ``extra``."""
+    return {**{n: getattr(params, n) for n in names}, **extra}

@@ -1,6 +1,6 @@
 """The backend interface behind :class:`deep_ep_npu.Buffer`: one small ABC; every backend is ``cls(group, config)``.
 
-A backend turns validated DeepEP calls (:mod:`.spec`) into a *send phase*, run inside the call, and a *receive
+A backend turns validated DeepEP calls (:mod:`deep_ep_npu.ll_params`) into a *send phase*, run inside the call, and a *receive
 phase* returned as a :class:`~deep_ep_npu.event.Completion`; the Buffer runs the receive at once, at
 ``event.current_stream_wait()`` (``async_finish``) or in ``hook()`` (``return_recv_hook``).
 """
@@ -14,10 +14,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..ep_group import EPGroup
 from ..event import Completion
+from ..group import EPGroup
 from ..handle import LowLatencyHandle
-from .spec import CombineArgs, DispatchArgs
+from ..ll_params import CombineArgs, DispatchArgs
+from ..params import CombineParams, DispatchParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +54,6 @@ class CombineResult(NamedTuple):
     completion: Completion
 
 
-class FlatPending(abc.ABC):
-    """A flat (Ascend layout) operation whose send phase has run; :meth:`teardown` returns its outputs."""
-
-    @abc.abstractmethod
-    def teardown(self) -> Any: ...
-
-
 class LowLatencyBackend(abc.ABC):
     """Moves tokens for the Buffer. Subclasses set ``name`` and ``native_quant_format`` (``use_fp8=True``'s format)."""
 
@@ -83,9 +77,6 @@ class LowLatencyBackend(abc.ABC):
     def combine(self, args: CombineArgs) -> CombineResult:
         """Run the send phase of a validated low-latency combine."""
 
-    def check_device(self, tensor: torch.Tensor, param: str) -> None:  # noqa: B027 - optional hook
-        """Raise :class:`~deep_ep_npu.MoeDistributeError` if this backend cannot use ``tensor``'s device."""
-
     def abort(self, op: str, code: int) -> None:  # noqa: B027 - optional hook, default: nothing to tell the peers
         """Tell the peers that this rank rejected its input of ``op`` ("dispatch"/"combine") so they raise too."""
 
@@ -94,12 +85,12 @@ class LowLatencyBackend(abc.ABC):
         """The `[L, R * N, hidden]` bfloat16 buffer the next ``zero_copy`` combine reads."""
 
     @abc.abstractmethod
-    def dispatch_flat(self, x: torch.Tensor, expert_ids: torch.Tensor, **op_kwargs: Any) -> FlatPending:
-        """Start ``npu_moe_distribute_dispatch_v2(x, expert_ids, <group>, R, rank, **op_kwargs)``."""
+    def dispatch_flat(self, params: DispatchParams) -> Completion:
+        """Start ``npu_moe_distribute_dispatch_v2`` (its ``wait()`` returns the 7 outputs)."""
 
     @abc.abstractmethod
-    def combine_flat(self, expand_x: torch.Tensor, expert_ids: torch.Tensor, *args: Any, **op_kwargs: Any):
-        """Start ``npu_moe_distribute_combine_v2(expand_x, expert_ids, assist, counts, weights, <group>, ...)``."""
+    def combine_flat(self, params: CombineParams) -> Completion:
+        """Start ``npu_moe_distribute_combine_v2`` (its ``wait()`` returns ``x``)."""
 
     def clean(self) -> None:  # noqa: B027 - optional hook
         """Reset communication state between two barriers (``clean_low_latency_buffer``)."""

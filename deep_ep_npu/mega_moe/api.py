@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..ops.errors import MoeDistributeError
-from ..ops.group import resolve_group
+from ..errors import MoeDistributeError
+from ..group import EPGroup, ep_group, resolve_group
 from .backends import create_backend
-from .spec import agree, validate
+from .params import agree, validate
 
 
 def mega_moe(
@@ -75,29 +77,25 @@ def mega_moe(
             num_experts, K, N, topK, the weight dtype, out_dtype, num_max_dispatch_tokens_per_rank or the segments.
         ValueError: unknown ``backend``. ImportError: ``ascend`` without torch_npu.
     """
-    pg = resolve_group(group, "group")
-    world_size, rank = pg.size(), pg.rank()
+    ep = ep_group(resolve_group(group, "group"))
+    kwargs = dict(
+        w1_scale=w1_scale, w2_scale=w2_scale, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+        num_experts=num_experts, out_dtype=out_dtype, max_output_size=max_output_size, num_segments=num_segments,
+        segment_by=segment_by,
+    )  # fmt: skip
+    return run_mega_moe(ep, backend, x, topk_idx, topk_weights, w1, w2, **kwargs)
+
+
+def run_mega_moe(ep: EPGroup, backend: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """:func:`mega_moe` on ``ep`` (a Buffer's group: its timeout and shrink state)."""
     impl = create_backend(backend)
+    x = args[0]
+    device = x.device if isinstance(x, torch.Tensor) else None
     try:
-        args = validate(
-            pg,
-            x,
-            topk_idx,
-            topk_weights,
-            w1,
-            w2,
-            w1_scale=w1_scale,
-            w2_scale=w2_scale,
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            num_experts=num_experts,
-            out_dtype=out_dtype,
-            max_output_size=max_output_size,
-            num_segments=num_segments,
-            segment_by=segment_by,
-        )
+        valid = validate(ep.group, *args, ep=ep, **kwargs)
     except MoeDistributeError as err:
-        if 1 <= world_size <= 16:
-            agree(pg, world_size, rank, err, device=x.device if isinstance(x, torch.Tensor) else "cpu")
+        if 1 <= ep.num_ranks <= 16:
+            agree(ep, err, device=device)
         raise
-    fused = agree(pg, world_size, rank, None, args.fingerprint(), impl.can_fuse(args), device=args.x.device)
-    return impl.run(args, fused)
+    fused = agree(ep, None, valid.fingerprint(), impl.can_fuse(valid), device=device)
+    return impl.run(valid, fused)

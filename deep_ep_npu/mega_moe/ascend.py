@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .spec import MegaMoeArgs
+from .params import MegaMoeArgs
 
 FUSED_OP = "torch.ops._C_ascend.dispatch_ffn_combine"
 ACL_FORMAT_FRACTAL_NZ = 29

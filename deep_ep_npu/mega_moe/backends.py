@@ -14,8 +14,8 @@ import torch
 
 from ..backends import npu_available
 from . import ascend
+from .params import MegaMoeArgs
 from .pipeline import run_reference
-from .spec import MegaMoeArgs
 
 
 class MegaMoeBackend(abc.ABC):

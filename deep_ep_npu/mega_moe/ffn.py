@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.quant import per_token_int8
+from ..quant import per_token_int8
 
 FP32_EXACT_INNER = (1 << 24) // (127 * 127)
 """Inner sizes up to this keep every int8 partial sum below 2^24, so an fp32 matmul is exact too (and faster)."""
@@ -131,7 +131,7 @@ def grouped_ffn(
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
-    y = torch.empty((starts[-1], expand_x.shape[1]), dtype=out_dtype)
+    y = torch.empty((starts[-1], expand_x.shape[1]), dtype=out_dtype, device=expand_x.device)
     for e in experts:
         lo, hi = starts[e], starts[e + 1]
         if hi == lo:

@@ -40,24 +40,26 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..ops import moe_distribute_combine_setup, moe_distribute_dispatch_setup
-from ..ops.combine import CombineHandle
-from ..ops.dispatch import DispatchHandle
+from ..engine.flat import start_combine_flat, start_dispatch_flat
+from ..event import Completion
+from ..params import CombineParams, DispatchParams
 from .ffn import grouped_ffn
-from .spec import MegaMoeArgs
+from .params import MegaMoeArgs
 
 
 def routed_ids(args: MegaMoeArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ops' view of ``topk_idx``: `-1` becomes a distinct zero expert (id ``num_experts + slot``, never sent,
-    contributes nothing), and a `[M, topK]` `torch.int64` map from each pair to its segment (-1: not routed):
-    the segment of its local expert (``segment_by="expert"``) or of its token's chunk (``"token"``)."""
+    """``topk_idx`` (-1: no expert) and a `[M, topK]` `torch.int64` map from each pair to its segment (-1: not
+    routed): the segment of its local expert (``segment_by="expert"``) or of its token's chunk (``"token"``)."""
     idx, num_local, num_segments = args.topk_idx, args.num_local_experts, args.num_segments
-    slot = torch.arange(args.topk, dtype=torch.int64).expand_as(idx)
-    ids = torch.where(idx >= 0, idx, args.num_experts + slot)
+    ids = idx
     if args.segment_by == "token":
-        chunk = torch.arange(args.num_tokens, dtype=torch.int64) * num_segments // max(args.num_tokens, 1)
+        chunk = (
+            torch.arange(args.num_tokens, dtype=torch.int64, device=idx.device)
+            * num_segments
+            // max(args.num_tokens, 1)
+        )
         return ids, torch.where(idx >= 0, chunk.unsqueeze(1).expand_as(idx), -1)
-    segment_of_local = torch.empty((num_local,), dtype=torch.int64)
+    segment_of_local = torch.empty((num_local,), dtype=torch.int64, device=idx.device)
     for s in range(num_segments):
         r = args.segment_experts(s)
         segment_of_local[r.start : r.stop] = s
@@ -73,24 +75,26 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
         ep_rank_id=args.rank,
         moe_expert_num=args.num_experts,
         global_bs=args.num_max_dispatch_tokens_per_rank * args.world_size,
-        zero_expert_num=args.topk,
+        no_expert=True,
     )
     masks = [segment == s for s in range(args.num_segments)]
     quant_mode = 2 if args.int8_weights else 0
 
-    def start_dispatch(s: int) -> DispatchHandle:
-        return moe_distribute_dispatch_setup(
+    def start_dispatch(s: int) -> Completion:
+        params = DispatchParams(
             args.x, ids, x_active_mask=masks[s], quant_mode=quant_mode, expert_token_nums_type=1, **common
         )
+        return start_dispatch_flat(params, args.ep)
 
     # expert segments return partial sums of a token's pairs, so they travel in fp32 and are rounded once at the
     # end; token segments return final rows, so they travel in out_dtype (bit-equal to one unsegmented combine)
     wire_dtype = torch.float32 if args.segment_by == "expert" else args.out_dtype
 
-    def start_combine(s: int, y: torch.Tensor, assist: torch.Tensor, ep_recv_counts: torch.Tensor) -> CombineHandle:
-        return moe_distribute_combine_setup(
+    def start_combine(s: int, y: torch.Tensor, assist: torch.Tensor, ep_recv_counts: torch.Tensor) -> Completion:
+        params = CombineParams(
             y.to(wire_dtype), ids, assist, ep_recv_counts, args.topk_weights, x_active_mask=masks[s], **common
         )
+        return start_combine_flat(params, args.ep)
 
     # One comm thread issues every collective, in the same order on every rank; this thread only computes.
     comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mega_moe_comm")
@@ -102,7 +106,7 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
         for s in range(1, args.num_segments + 1):
             if s < args.num_segments:
                 dispatches.append(comm.submit(start_dispatch, s))
-            received.append(comm.submit(_teardown, dispatches[s - 1]))
+            received.append(comm.submit(_receive, dispatches[s - 1]))
         combines = []
         for s in range(args.num_segments):
             expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, _, _ = received[s].result()
@@ -119,8 +123,8 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
                 args.out_dtype,
             )
             combines.append(comm.submit(start_combine, s, y, assist, ep_recv_counts))
-        partials = [comm.submit(_teardown, c) for c in combines]
-        out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32)
+        partials = [comm.submit(_receive, c) for c in combines]
+        out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32, device=args.x.device)
         for p in partials:
             out += p.result().float()  # token segments: each row is nonzero in one segment only (exact)
     finally:
@@ -128,6 +132,6 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
     return out.to(args.out_dtype)
 
 
-def _teardown(setup: Future) -> object:
-    """Finish a two-stage op whose setup ran as an earlier task on the same comm thread."""
-    return setup.result().teardown()
+def _receive(start: Future) -> object:
+    """Finish an op whose send phase ran as an earlier task on the same comm thread."""
+    return start.result().wait()

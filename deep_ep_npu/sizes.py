@@ -1,4 +1,5 @@
-"""CCL (HCCL window) buffer sizing, by ops-transformer's ``get_low_latency_ccl_buffer_size`` formula."""
+"""Buffer sizes: the CCL (HCCL window) size by ops-transformer's ``get_low_latency_ccl_buffer_size`` formula, and
+DeepEP's low-latency RDMA size hint."""
 
 from __future__ import annotations
 
@@ -82,3 +83,16 @@ def get_low_latency_ccl_buffer_size(
         world_size, num_max_dispatch_tokens_per_rank, hidden, num_local_experts, topk, num_shared_expert, comm_alg
     )
     return ccl_buffer_mb(num_bytes)
+
+
+def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
+    """DeepEP's ``LowLatencyLayout``: two copies of (send, recv, signal) buffers, plus its alignment step
+    ``(total + 128) // 128 * 128`` (which adds 128 bytes to an already aligned total, as DeepEP does)."""
+    n, scales = num_max_dispatch_tokens_per_rank, hidden // 128
+    dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
+    combine_msg = scales * 4 + hidden * 2
+    send = max(n * dispatch_msg, num_experts * n * combine_msg)
+    recv = max(num_experts * n * dispatch_msg, num_experts * n * combine_msg)
+    signal = (num_experts * 4 + 127) // 128 * 128
+    total = 2 * (send + recv + signal)
+    return (total + 128) // 128 * 128

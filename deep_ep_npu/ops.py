@@ -1,17 +1,43 @@
-"""The one-shot torch_npu-named ops: ``moe_distribute_dispatch_v2`` and ``moe_distribute_combine_v2``.
+"""The Ascend MoE distribute ops with torch_npu's signatures, on the one exchange engine (:mod:`deep_ep_npu.engine`).
 
-Same keyword names, defaults, return order and output shapes as ``torch_npu.npu_moe_distribute_dispatch_v2`` /
-``npu_moe_distribute_combine_v2`` (reference ascend_ops.md §2, §3, §5), with A3 fullmesh semantics, plus two keywords
-of our own: ``ccl_buffer_size`` (dispatch: MB the op may use; shapes that do not fit are refused) and ``strict``
-(also enforce the Atlas A3 hardware limits). Each is its ``*_setup(...)`` followed at once by ``teardown()``.
+``moe_distribute_dispatch_v2`` / ``moe_distribute_combine_v2`` take exactly the arguments of
+``torch_npu.npu_moe_distribute_dispatch_v2`` / ``npu_moe_distribute_combine_v2`` (A3 fullmesh semantics), plus
+``ccl_buffer_size`` and ``strict`` of our own. ``moe_distribute_dispatch_start`` / ``moe_distribute_combine_start``
+take the same arguments and return after the send phase: their :class:`~deep_ep_npu.event.Completion`'s ``wait()``
+receives and returns the outputs, so compute placed in between overlaps the transfer.
+
+Every call: the arguments become one :class:`~deep_ep_npu.params.DispatchParams` / ``CombineParams``, validated once
+(a rejected rank still takes part in the agreement step, so every rank raises), then the engine runs the agreement
+step, the payload all-to-all and the flat placement, bounded by the group's timeout (``DEEP_EP_NPU_TIMEOUT``, else
+30 s): a peer that exits or stops calling raises :class:`~deep_ep_npu.failure.EPRankFailure` naming it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .combine import moe_distribute_combine_setup
-from .dispatch import moe_distribute_dispatch_setup
+from .engine.flat import start_combine_flat, start_dispatch_flat
+from .errors import (
+    ACLNN_ERR_INNER_TILING_ERROR,
+    ACLNN_ERR_PARAM_INVALID,
+    ACLNN_ERR_PARAM_NULLPTR,
+    MoeDistributeError,
+)
+from .event import Completion
+from .params import CombineParams, DispatchParams
+from .sizes import get_low_latency_ccl_buffer_size
+
+__all__ = [
+    "ACLNN_ERR_INNER_TILING_ERROR",
+    "ACLNN_ERR_PARAM_INVALID",
+    "ACLNN_ERR_PARAM_NULLPTR",
+    "MoeDistributeError",
+    "get_low_latency_ccl_buffer_size",
+    "moe_distribute_combine_start",
+    "moe_distribute_combine_v2",
+    "moe_distribute_dispatch_start",
+    "moe_distribute_dispatch_v2",
+]
 
 
 def moe_distribute_dispatch_v2(
@@ -104,37 +130,7 @@ def moe_distribute_dispatch_v2(
         MoeDistributeError: invalid input (on every rank of the EP domain, and of the TP pair; codes
             161001 / 161002 / 561002).
     """
-    return moe_distribute_dispatch_setup(
-        x,
-        expert_ids,
-        group_ep,
-        ep_world_size,
-        ep_rank_id,
-        moe_expert_num,
-        scales=scales,
-        x_active_mask=x_active_mask,
-        expert_scales=expert_scales,
-        elastic_info=elastic_info,
-        performance_info=performance_info,
-        group_tp=group_tp,
-        tp_world_size=tp_world_size,
-        tp_rank_id=tp_rank_id,
-        expert_shard_type=expert_shard_type,
-        shared_expert_num=shared_expert_num,
-        shared_expert_rank_num=shared_expert_rank_num,
-        quant_mode=quant_mode,
-        global_bs=global_bs,
-        expert_token_nums_type=expert_token_nums_type,
-        comm_alg=comm_alg,
-        zero_expert_num=zero_expert_num,
-        copy_expert_num=copy_expert_num,
-        const_expert_num=const_expert_num,
-        y_dtype=y_dtype,
-        x_dtype=x_dtype,
-        scales_dtype=scales_dtype,
-        ccl_buffer_size=ccl_buffer_size,
-        strict=strict,
-    ).teardown()
+    return start_dispatch_flat(DispatchParams(**locals())).wait()
 
 
 def moe_distribute_combine_v2(
@@ -210,37 +206,16 @@ def moe_distribute_combine_v2(
     Raises:
         MoeDistributeError: invalid input, or inputs that do not match the dispatch (on every rank).
     """
-    return moe_distribute_combine_setup(
-        expand_x,
-        expert_ids,
-        assist_info_for_combine,
-        ep_send_counts,
-        expert_scales,
-        group_ep,
-        ep_world_size,
-        ep_rank_id,
-        moe_expert_num,
-        tp_send_counts=tp_send_counts,
-        x_active_mask=x_active_mask,
-        expand_scales=expand_scales,
-        shared_expert_x=shared_expert_x,
-        elastic_info=elastic_info,
-        ori_x=ori_x,
-        const_expert_alpha_1=const_expert_alpha_1,
-        const_expert_alpha_2=const_expert_alpha_2,
-        const_expert_v=const_expert_v,
-        performance_info=performance_info,
-        group_tp=group_tp,
-        tp_world_size=tp_world_size,
-        tp_rank_id=tp_rank_id,
-        expert_shard_type=expert_shard_type,
-        shared_expert_num=shared_expert_num,
-        shared_expert_rank_num=shared_expert_rank_num,
-        global_bs=global_bs,
-        comm_quant_mode=comm_quant_mode,
-        comm_alg=comm_alg,
-        zero_expert_num=zero_expert_num,
-        copy_expert_num=copy_expert_num,
-        const_expert_num=const_expert_num,
-        strict=strict,
-    ).teardown()
+    return start_combine_flat(CombineParams(**locals())).wait()
+
+
+def moe_distribute_dispatch_start(*args: object, **kwargs: object) -> Completion:
+    """:func:`moe_distribute_dispatch_v2`'s send phase (same arguments): ``wait()`` on the result receives and
+    returns the 7 outputs."""
+    return start_dispatch_flat(DispatchParams(*args, **kwargs))  # type: ignore[arg-type]
+
+
+def moe_distribute_combine_start(*args: object, **kwargs: object) -> Completion:
+    """:func:`moe_distribute_combine_v2`'s send phase (same arguments): ``wait()`` on the result receives, reduces
+    and returns ``x``."""
+    return start_combine_flat(CombineParams(*args, **kwargs))  # type: ignore[arg-type]

@@ -12,9 +12,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..ops import checks
-from ..ops.errors import MoeDistributeError, invalid, shape
-from ..ops.group import resolve_group
+from .. import errors as checks
+from ..errors import MoeDistributeError, invalid, shape
+from ..group import STATUS_OK, EPGroup, ep_group, resolve_group
 
 MAX_WORLD_SIZE = 16  # the seed: worldSize in [1, 16]
 MAX_TOKENS_PER_RANK = 512  # the dispatch op's Bs limit
@@ -42,6 +42,7 @@ class MegaMoeArgs:
     """One rank's validated call. ``topk_idx`` is int64 with ``-1`` kept (no expert)."""
 
     group: dist.ProcessGroup
+    ep: EPGroup
     world_size: int
     rank: int
     x: torch.Tensor
@@ -121,9 +122,11 @@ def validate(
     max_output_size: int | None,
     num_segments: int | None,
     segment_by: str = "expert",
+    ep: EPGroup | None = None,
 ) -> MegaMoeArgs:
     """Check every argument (no communication); raise :class:`MoeDistributeError` naming the parameter."""
     pg = resolve_group(group, "group")
+    ep = ep or ep_group(pg)
     w, rank = dist.get_world_size(pg), dist.get_rank(pg)
     checks.in_range(w, "group world size", 1, MAX_WORLD_SIZE)
     checks.in_range(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1, MAX_TOKENS_PER_RANK)
@@ -141,23 +144,8 @@ def validate(
             "x",
             f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank}",
         )
-    idx = checks.tensor(topk_idx, "topk_idx", (torch.int32, torch.int64), 2)
-    if idx.shape[0] != num_tokens:
-        raise shape("topk_idx", f"has {idx.shape[0]} rows but x has {num_tokens} tokens")
-    topk = checks.in_range(idx.shape[1], "topk_idx.shape[1] (topK)", 1, MAX_TOPK)
-    idx = idx.long()
-    if idx.numel():
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < -1 or hi >= num_experts:
-            raise shape("topk_idx", f"contains expert id {lo if lo < -1 else hi}, allowed -1 or [0, {num_experts})")
-        if topk > 1:
-            srt = idx.sort(dim=1).values
-            dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1)
-            if bool(dup.any()):
-                t = int(dup.nonzero()[0, 0])
-                raise shape(
-                    "topk_idx", f"row {t} repeats an expert ({idx[t].tolist()}); ids must be distinct per token"
-                )
+    idx = checks.expert_ids(topk_idx, "topk_idx", num_experts, num_tokens, MAX_TOPK, no_expert=True).long()
+    topk = idx.shape[1]
     weights = checks.tensor(topk_weights, "topk_weights", (torch.float32,), 2)
     checks.dims(weights, "topk_weights", (num_tokens, topk), "(M, topK)")
 
@@ -207,6 +195,7 @@ def validate(
     checks.in_range(num_segments, "num_segments", 1, most)
     return MegaMoeArgs(
         pg,
+        ep,
         w,
         rank,
         x,
@@ -226,39 +215,19 @@ def validate(
 
 
 def agree(
-    group: dist.ProcessGroup,
-    world_size: int,
-    rank: int,
+    ep: EPGroup,
     error: MoeDistributeError | None,
     fingerprint: tuple[int, ...] = (),
     can_fuse: bool = False,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> bool:
-    """Exchange (status, can_fuse, fingerprint) with every rank (one ``all_gather`` of int64 on ``device``, x's
-    device, so that an HCCL / NCCL group gets device tensors); raise the same error on every rank if any rank failed
-    or the ranks disagree (re-raising ``error`` on the rank that produced it). Returns whether every rank can run
-    the fused op."""
-    width = 2 + len(_FINGERPRINT)
-    row = torch.zeros((width,), dtype=torch.int64)
-    row[0] = error.code if error is not None else 0
-    if error is None:
-        row[1] = int(can_fuse)
-        row[2:] = torch.tensor(fingerprint, dtype=torch.int64)
-    table = row.unsqueeze(0)
-    if world_size > 1:
-        row = row.to(device)
-        parts = [torch.empty_like(row) for _ in range(world_size)]
-        dist.all_gather(parts, row, group=group)
-        table = torch.stack(parts).cpu()
+    """The agreement step of a MegaMoE call (status, can_fuse, fingerprint; bounded like every collective here):
+    raise the same error on every rank if any rank failed or the ranks disagree (re-raising ``error`` on the rank
+    that produced it). Returns whether every rank can run the fused op."""
+    row = [int(can_fuse), *fingerprint] if error is None else [0] * (1 + len(_FINGERPRINT))
+    status = error.code if error is not None else STATUS_OK
+    agreement = ep.start_agree("mega_moe", status, [[] for _ in range(ep.num_ranks)], row, device=device)()
     if error is not None:
         raise error
-    rows = table.tolist()
-    bad = [(r, v[0]) for r, v in enumerate(rows) if v[0]]
-    if bad:
-        ranks = ", ".join(f"rank {r} (aclnn {c})" for r, c in bad)
-        raise MoeDistributeError(bad[0][1], "inputs", f"mega_moe aborted on every rank: rejected on {ranks}")
-    for i, name in enumerate(_FINGERPRINT):
-        values = [v[2 + i] for v in rows]
-        if any(v != values[rank] for v in values):
-            raise shape(name, f"mega_moe: ranks disagree on {name} (per rank: {values}); it must match on all ranks")
-    return all(v[1] for v in rows)
+    agreement.check(ep.rank, _FINGERPRINT, offset=1)
+    return all(fp[0] for fp in agreement.shared)

@@ -1,9 +1,7 @@
-"""Validated arguments of the DeepEP low-latency calls, shared by every backend.
+"""The DeepEP low-latency calls' parameters, validated by the same rules as the ops (:mod:`deep_ep_npu.errors`).
 
 Validation is local and pure (no communication). The Buffer runs it first; when it fails, the backend's
-``abort`` tells the peers (the reference backend sends its fixed-size header with a failure status) so every
-rank raises instead of waiting. Errors are :class:`~deep_ep_npu.ops.MoeDistributeError` (a ``ValueError``) naming
-the parameter, the value and what is allowed.
+``abort`` takes part in the agreement step with the error's code so every rank raises instead of waiting.
 """
 
 from __future__ import annotations
@@ -12,9 +10,10 @@ import dataclasses
 
 import torch
 
-from ..handle import LowLatencyHandle
-from ..ops import checks
-from ..ops.errors import invalid, null, shape
+from . import errors as checks
+from .errors import flag as _flag
+from .errors import invalid, null, shape
+from .handle import LowLatencyHandle
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IDX_DTYPES = (torch.int64, torch.int32)
@@ -63,12 +62,6 @@ class CombineArgs:
         return self.handle.layout_range.shape[1]
 
 
-def _flag(value: object, param: str) -> bool:
-    if not isinstance(value, bool):
-        raise invalid(param, f"must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
 def _positive_int(value: object, param: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise shape(param, f"must be a positive int, got {value!r}")
@@ -82,28 +75,12 @@ def check_overlap_flags(async_finish: object, return_recv_hook: object) -> None:
 
 def check_topk_idx(topk_idx: object, num_tokens: int, num_max: int, num_experts: int) -> torch.Tensor:
     """`[T, K]` int64/int32 ids in ``[-1, num_experts)``, ``0 < K <= 16``, T rows, no expert twice in a row."""
-    idx = checks.tensor(topk_idx, "topk_idx", IDX_DTYPES, 2)
-    if idx.shape[0] != num_tokens:
-        raise shape("topk_idx", f"has {idx.shape[0]} rows but x has {num_tokens} tokens")
+    idx = checks.expert_ids(topk_idx, "topk_idx", num_experts, num_tokens, MAX_TOPK, no_expert=True)
     if idx.shape[0] > num_max:
         raise shape(
             "topk_idx",
             f"{idx.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {num_max}; raise it (same on all ranks)",
         )
-    k = idx.shape[1]
-    if not 0 < k <= MAX_TOPK:
-        raise shape("topk_idx", f"num_topk (dim 1) is {k}, allowed [1, {MAX_TOPK}]")
-    if idx.numel():
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < -1 or hi >= num_experts:
-            bad = lo if lo < -1 else hi
-            raise shape("topk_idx", f"contains {bad}; allowed [0, num_experts = {num_experts}) or -1 (no expert)")
-        if k > 1:
-            srt = idx.sort(dim=1).values
-            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-            if bool(dup.any()):
-                t = int(dup.any(dim=1).nonzero()[0, 0])
-                raise shape("topk_idx", f"row {t} lists an expert twice ({idx[t].tolist()}); use -1 for empty slots")
     return idx
 
 

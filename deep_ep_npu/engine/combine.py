@@ -1,0 +1,157 @@
+"""Combine: return expert outputs to their source ranks and reduce them there, in fp32.
+
+The expert rank sends each received row back to its source, grouped by source in the order the source's own plan
+predicts (:mod:`.plan`), so only rows travel. The agreement step carries every rank's full send and expect
+vectors, so a handle or top-k that does not match the dispatch is reported on every rank instead of hanging the
+all-to-all. Rows for this rank itself never touch the wire.
+
+Reduction order: with ``by_slot`` (the Ascend ops) ``out[t] = sum_k c[t, k]`` over slots k ascending, then
+``shared_expert_x[t]``; otherwise (DeepEP) this rank's own experts first, then the remote ranks in rank order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .. import profiling
+from ..errors import shape
+from ..event import Completion
+from ..group import STATUS_OK, Agreement, EPGroup
+from .plan import Plan
+from .rows import ReturnFormat
+from .workspace import Workspace
+
+
+@dataclasses.dataclass
+class CombineJob:
+    """One validated combine.
+
+    ``source`` `[rows, hidden]`: the expert outputs; ``return_rows`` `[n]` int64: its rows to send back, grouped
+    by source rank (``rows_per_src``); ``plan``: this rank's pairs; ``weights`` `[P]` fp32 per pair; ``extra``:
+    (token, slot, value `[n, hidden]` fp32) contributions computed locally (copy / const experts); ``addend``
+    `[T, hidden]` added at the end (``shared_expert_x``); ``active`` tokens ``[0, active)`` are written, the rest 0.
+    """
+
+    ep: EPGroup
+    op: str
+    source: torch.Tensor
+    return_rows: torch.Tensor
+    rows_per_src: list[int]
+    plan: Plan
+    weights: torch.Tensor
+    fmt: ReturnFormat
+    num_tokens: int
+    out: torch.Tensor
+    fingerprint: tuple[int, ...]
+    names: tuple[str, ...]
+    mismatch: tuple[str, str]  # (parameter, what to pass) named when sends and expects disagree
+    workspace: Workspace
+    tag: str = ""
+    by_slot: bool = False
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    addend: torch.Tensor | None = None
+    active: int | None = None
+    on_wait: Callable[[Agreement, int], None] | None = None  # the wait statistics
+    before_send: Callable[[], bool] | None = None  # after the agreement, before the payload; True: re-pack
+
+
+def check_combine(agreement: Agreement, rank: int, names, mismatch: tuple[str, str]) -> None:
+    r = len(agreement.status)
+    agreement.check(rank, ())
+    sends = [fp[:r] for fp in agreement.shared]  # sends[p][q]: rows rank p returns to rank q
+    expects = [fp[r : 2 * r] for fp in agreement.shared]  # expects[q][p]: pairs rank q sent to rank p
+    bad = [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]
+    if bad:
+        p, q = bad[0]
+        raise shape(
+            mismatch[0],
+            f"rank {p} would return {sends[p][q]} rows to rank {q}, which routed {expects[q][p]} pairs to it; pass "
+            f"{mismatch[1]} (mismatched rank pairs: {bad[:8]})",
+        )
+    agreement.check(rank, names, offset=2 * r)
+
+
+def start_combine(job: CombineJob) -> Completion:
+    """Run the send phase; the returned completion receives and reduces into ``job.out``."""
+    ep, plan, fmt = job.ep, job.plan, job.fmt
+    me, r, dev, lap = ep.rank, ep.num_ranks, job.source.device, profiling.laps("combine")
+    shared = (*job.rows_per_src, *plan.pairs_per_dest, *job.fingerprint)
+    neutral = (0,) * (2 * r) + tuple(job.fingerprint)
+    finish_agree = ep.start_agree(job.op, STATUS_OK, [[] for _ in range(r)], shared, neutral, device=dev)
+    profiling.record_wire("combine", [k * fmt.row_bytes for k in job.rows_per_src], me, 8 * len(shared))
+    row_lo = sum(job.rows_per_src[:me])
+    row_hi = row_lo + job.rows_per_src[me]
+    remote = torch.cat([job.return_rows[:row_lo], job.return_rows[row_hi:]])
+    send = job.workspace.get(f"combine_send{job.tag}", (remote.numel(), fmt.row_bytes), torch.uint8)
+
+    def pack() -> None:
+        if fmt.quantized:
+            fmt.encode(job.source.index_select(0, remote), send)
+        else:
+            torch.index_select(job.source, 0, remote, out=send.view(fmt.dtype))
+
+    pack()
+    lap("packing")  # (while the agreement travels)
+    agreement = finish_agree()
+    check_combine(agreement, me, job.names, job.mismatch)
+    if job.before_send is not None and job.before_send():
+        pack()
+    lap("header_wait")
+    recv_rows = [0 if s == me else fp[me] for s, fp in enumerate(agreement.shared)]
+    send_rows = [0 if s == me else k for s, k in enumerate(job.rows_per_src)]
+    recv = job.workspace.get(f"combine_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
+    transfer = ep.transfer(recv, send, recv_rows, send_rows, "payload exchange")
+    lap("collective_start")
+    own = plan.own_pairs()
+    token, weights = plan.token, job.weights.unsqueeze(1)
+    own_y = job.source.index_select(0, job.return_rows[row_lo:row_hi])
+    if fmt.quantized:  # own rows take the same int8 round trip as the remote ones
+        packed = torch.empty((own_y.shape[0], fmt.row_bytes), dtype=torch.uint8, device=dev)
+        fmt.encode(own_y, packed)
+        own_y = fmt.decode_float(packed)
+    acc = job.workspace.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32).zero_()
+    if not job.by_slot:
+        _accumulate(acc, own_y, token[own], weights[own])
+    lap("unpacking_self")
+    remote_pairs = torch.cat([torch.arange(own.start, device=dev), torch.arange(own.stop, token.numel(), device=dev)])
+
+    def finish() -> None:
+        lap = profiling.laps("combine")
+        wait_ns = transfer.wait()
+        lap("collective_wait")
+        y = fmt.decode_float(recv)
+        if job.by_slot:
+            values = torch.empty((token.numel(), fmt.hidden), dtype=torch.float32, device=dev)
+            values[own] = own_y.float()
+            values[remote_pairs] = y
+            _accumulate_by_slot(acc, values.mul_(weights), token, plan.slot, job.extra)
+        else:
+            _accumulate(acc, y, token[remote_pairs], weights[remote_pairs])
+        if job.addend is not None:
+            acc.add_(job.addend.float())
+        if job.active is not None:
+            acc[job.active :] = 0.0
+        job.out.copy_(acc)
+        if job.on_wait is not None:
+            job.on_wait(agreement, wait_ns)
+        lap("unpacking")
+
+    return Completion(finish)
+
+
+def _accumulate(acc: torch.Tensor, y: torch.Tensor, token: torch.Tensor, weights: torch.Tensor) -> None:
+    """``acc[token[i]] += weights[i] * y[i]`` in fp32 (``y`` `[k, hidden]`, weights `[k, 1]` fp32)."""
+    if token.numel():
+        # (``y`` is scratch, converted or scaled in place: a mixed-dtype mul would be slower)
+        acc.index_add_(0, token, y.float().mul_(weights))
+
+
+def _accumulate_by_slot(acc, values, token, slot, extra) -> None:
+    if extra is not None:
+        token, slot, values = torch.cat([token, extra[0]]), torch.cat([slot, extra[1]]), torch.cat([values, extra[2]])
+    for k in torch.unique(slot).tolist():
+        sel = (slot == k).nonzero(as_tuple=True)[0]
+        acc.index_add_(0, token[sel], values[sel])

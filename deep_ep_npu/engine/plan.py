@@ -1,0 +1,72 @@
+"""Which rows leave this rank: (token, slot) pairs routed to (destination rank, local expert), and the rows that
+carry them.
+
+Pairs are sorted by (destination, local expert, token). Receivers place rows so that inside one (local expert,
+source rank) block tokens ascend, so combine returns rows in exactly this order and the source reduces them
+without any metadata. A row is one token copy per destination rank (the receiver expands it into one row per
+local expert it is for) or one per pair when its encoding depends on the expert (smoothed int8 quant).
+Rows are ordered by destination with this rank's own rows last: the remote rows are one contiguous send buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class Plan:
+    """Pairs `[P]` `torch.int64` (sorted by (dest, expert, token)) and rows `[num_rows]` (remote rows first)."""
+
+    token: torch.Tensor
+    slot: torch.Tensor
+    dest: torch.Tensor
+    expert: torch.Tensor
+    pairs_per_dest: list[int]
+    row_token: torch.Tensor
+    row_of_pair: torch.Tensor
+    rows_per_dest: list[int]
+    rank: int
+
+    @property
+    def num_remote_rows(self) -> int:
+        return int(self.row_token.numel()) - self.rows_per_dest[self.rank]
+
+    def own_pairs(self) -> slice:
+        lo = sum(self.pairs_per_dest[: self.rank])
+        return slice(lo, lo + self.pairs_per_dest[self.rank])
+
+
+def make_plan(
+    token: torch.Tensor,
+    slot: torch.Tensor,
+    dest: torch.Tensor,
+    expert: torch.Tensor,
+    *,
+    num_tokens: int,
+    num_ranks: int,
+    rank: int,
+    num_local_experts: int,
+    per_pair_rows: bool,
+) -> Plan:
+    """Sort the pairs (`[P]` int64 tensors, any order) and derive the rows that carry them."""
+    nt, nl = max(num_tokens, 1), max(num_local_experts, 1)
+    order = torch.argsort((dest * nl + expert) * nt + token)
+    token, slot, dest, expert = token[order], slot[order], dest[order], expert[order]
+    pairs_per_dest = torch.bincount(dest, minlength=num_ranks).tolist()
+    last = torch.where(dest == rank, num_ranks, dest)  # this rank's rows go last
+    if per_pair_rows:
+        row_order = torch.argsort(last, stable=True)
+        row_of_pair = torch.empty_like(row_order)
+        row_of_pair[row_order] = torch.arange(row_order.numel(), device=dest.device)
+        return Plan(token, slot, dest, expert, pairs_per_dest, token[row_order], row_of_pair, pairs_per_dest, rank)
+    keys, row_of_pair = torch.unique(last * nt + token, sorted=True, return_inverse=True)
+    rows = torch.bincount(keys // nt, minlength=num_ranks + 1).tolist()
+    rows[rank] = rows[num_ranks]
+    return Plan(token, slot, dest, expert, pairs_per_dest, keys % nt, row_of_pair, rows[:num_ranks], rank)
+
+
+def dest_order_rows(plan: Plan) -> list[int]:
+    """Rows per destination in the order they sit in the row list (the own rank's count moved last)."""
+    return [k if d != plan.rank else 0 for d, k in enumerate(plan.rows_per_dest)]

@@ -1,0 +1,133 @@
+"""How one row travels: a fixed number of bytes per row, so a receive buffer is indexed by row directly.
+
+Dispatch row (``uint8``, ``row_bytes`` a multiple of 16)::
+
+    [data: hidden x itemsize][scales: fp32][src token: int32][local expert per slot: num_slots x int32][weights]
+
+Slot ``j`` holds the destination's local expert that pair (token, j) goes to, or -1; ``weights`` (fp32 per slot,
+only when the caller gives top-k weights) travel with them. The receiver expands a row into one output row per
+slot that is not -1. float8 and int8 data travel as bytes (gloo cannot carry float8).
+Combine rows are the expert outputs in their dtype, or int8 with one scale per 8 elements (``comm_quant_mode=2``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import FP8_DTYPE, GROUP, pack_ue8m0, per_group_int8, per_token_int8, scale_for_fp8_
+
+QUANTS = (None, "fp8_e4m3", "int8_per_token")
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def word_dtype(num_bytes: int) -> torch.dtype:
+    """The widest integer type that tiles ``num_bytes`` (copies move words, not bytes)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if num_bytes % dtype.itemsize == 0:
+            return dtype
+    return torch.uint8
+
+
+class RowFormat:
+    """A dispatch row of ``hidden`` channels for one (dtype, quant, slots, weights) combination."""
+
+    def __init__(
+        self, hidden: int, dtype: torch.dtype, quant: str | None, num_slots: int, weights: bool, round_scale: bool
+    ) -> None:
+        self.hidden, self.quant, self.round_scale, self.num_slots = hidden, quant, round_scale, num_slots
+        self.data_dtype = {None: dtype, "fp8_e4m3": FP8_DTYPE, "int8_per_token": torch.int8}[quant]
+        self.num_scales = {None: 0, "fp8_e4m3": hidden // GROUP, "int8_per_token": 1}[quant]
+        self.data_bytes = hidden * self.data_dtype.itemsize
+        self.scale_off = _align(self.data_bytes, 4)
+        self.token_off = self.scale_off + 4 * self.num_scales
+        self.slot_off = self.token_off + 4
+        self.weight_off = self.slot_off + 4 * num_slots
+        self.end = self.weight_off + (4 * num_slots if weights else 0)
+        self.has_weights = weights
+        self.row_bytes = _align(self.end, 16)
+
+    def encode_into(
+        self,
+        out: torch.Tensor,
+        x_rows: torch.Tensor,
+        token: torch.Tensor,
+        slot_expert: torch.Tensor,
+        weights: torch.Tensor | None,
+        smooth: torch.Tensor | None = None,
+    ) -> None:
+        """Fill ``out`` `[n, row_bytes]` uint8 from ``x_rows`` `[n, hidden]`, ``token`` `[n]`, ``slot_expert``
+        `[n, num_slots]` int32, ``weights`` `[n, num_slots]` fp32 (or None) and int8 ``smooth`` `[n, hidden]`."""
+        data = out[:, : self.data_bytes].view(self.data_dtype)
+        if self.quant is None:
+            data.copy_(x_rows)
+        else:
+            if self.quant == "fp8_e4m3":
+                work = torch.empty(x_rows.shape, dtype=torch.float32, device=x_rows.device)
+                scales = scale_for_fp8_(work, x_rows, self.round_scale)
+                data.copy_(work)  # the cast to e4m3
+            else:
+                q, scale = per_token_int8(x_rows, smooth)
+                scales = scale.unsqueeze(1)
+                data.copy_(q)
+            out[:, self.scale_off : self.token_off].view(torch.float32).copy_(scales)
+        out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
+        out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
+        if weights is not None:
+            out[:, self.weight_off : self.end].view(torch.float32).copy_(weights)
+
+    def tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.token_off : self.slot_off].view(torch.int32).view(-1)
+
+    def slot_experts(self, rows: torch.Tensor) -> torch.Tensor:
+        """`[n, num_slots]` int32: the local expert of each slot (-1: not for this rank)."""
+        return rows[:, self.slot_off : self.weight_off].view(torch.int32)
+
+    def weights(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.weight_off : self.end].view(torch.float32)
+
+    def scatter_data(self, rows: torch.Tensor, row: torch.Tensor, out: torch.Tensor, pos: torch.Tensor) -> None:
+        """Copy the data of ``rows[row]`` into rows ``pos`` of ``out`` `[num_rows, hidden]` (``data_dtype``)."""
+        word = word_dtype(self.data_bytes)
+        src = rows.view(word)[:, : self.data_bytes // word.itemsize]
+        out.view(torch.uint8).view(word).index_copy_(0, pos, src[row])
+
+    def gather_data(self, rows: torch.Tensor, row: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the data of ``rows[row]`` into ``out`` `[len(row), hidden]` (contiguous, ``data_dtype``)."""
+        word = word_dtype(self.data_bytes)
+        src = rows.view(word)[:, : self.data_bytes // word.itemsize]
+        torch.index_select(src, 0, row, out=out.view(torch.uint8).view(word))
+
+    def scales(self, rows: torch.Tensor, row: torch.Tensor, use_ue8m0: bool = False) -> torch.Tensor:
+        """Scales of ``rows[row]``: `[P, hidden // 128]` fp32 for fp8 (`[P, hidden // 512]` int32 UE8M0 with
+        ``use_ue8m0``), `[P, 1]` fp32 for int8."""
+        s = rows[row, self.scale_off : self.token_off].view(torch.float32)
+        return pack_ue8m0(s) if use_ue8m0 else s
+
+
+class ReturnFormat:
+    """A combine row: the expert output in ``dtype``, or int8 + one ``dtype`` scale per 8 elements (quantized)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, quantized: bool) -> None:
+        self.hidden, self.dtype, self.quantized = hidden, dtype, quantized
+        self.scale_bytes = hidden // 8 * dtype.itemsize if quantized else 0
+        self.row_bytes = hidden + self.scale_bytes if quantized else hidden * dtype.itemsize
+
+    def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """``rows`` `[n, hidden]` into ``out`` `[n, row_bytes]` uint8."""
+        if not self.quantized:
+            out.view(self.dtype).copy_(rows)
+            return
+        q, scale = per_group_int8(rows)
+        out[:, : self.hidden].view(torch.int8).copy_(q)
+        out[:, self.hidden :].view(self.dtype).copy_(scale)
+
+    def decode_float(self, packed: torch.Tensor) -> torch.Tensor:
+        """`[n, row_bytes]` uint8 to `[n, hidden]` fp32 (a fresh tensor: callers scale it in place)."""
+        if not self.quantized:
+            return packed.view(self.dtype).float()
+        q = packed[:, : self.hidden].view(torch.int8).float().view(-1, self.hidden // 8, 8)
+        scale = packed[:, self.hidden :].view(self.dtype).float().unsqueeze(-1)
+        return (q * scale).view(-1, self.hidden).to(self.dtype).float()
