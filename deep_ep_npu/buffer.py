@@ -31,8 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import ll_params as ll_spec
-from . import profiling
+from . import ll_params, profiling
 from .backends import BufferConfig, create_backend, resolve_backend_name
 from .errors import MoeDistributeError, invalid
 from .event import Completion, EventOverlap
@@ -236,23 +235,12 @@ class Buffer:
         self._check_alive()
         backend = self._backend
 
-        def validate() -> ll_spec.DispatchArgs:
-            args = ll_spec.validate_dispatch(
-                self.group_size,
-                x,
-                topk_idx,
-                num_max_dispatch_tokens_per_rank,
-                num_experts,
-                cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats,
-                use_fp8,
-                round_scale,
-                use_ue8m0,
-                async_finish,
-                return_recv_hook,
-                quant_format,
-                backend.native_quant_format,
-            )
+        call = {k: v for k, v in locals().items() if k not in ("self", "backend")}
+
+        def validate() -> ll_params.DispatchArgs:
+            args = ll_params.DispatchArgs(
+                **call, num_ranks=self.group_size, native_quant_format=backend.native_quant_format
+            ).validate()
             self._check_rdma_size(args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts)
             return args
 
@@ -303,20 +291,10 @@ class Buffer:
         """
         self._check_alive()
 
-        def validate() -> ll_spec.CombineArgs:
-            return ll_spec.validate_combine(
-                self.group_size,
-                x,
-                topk_idx,
-                topk_weights,
-                handle,
-                use_logfmt,
-                zero_copy,
-                async_finish,
-                return_recv_hook,
-                out,
-                combine_wait_recv_cost_stats,
-            )
+        call = {k: v for k, v in locals().items() if k != "self"}
+
+        def validate() -> ll_params.CombineArgs:
+            return ll_params.CombineArgs(**call, num_ranks=self.group_size).validate()
 
         lap = profiling.laps("combine")
         args = self._validated("combine", validate)
@@ -330,7 +308,7 @@ class Buffer:
         outputs into it, then call ``low_latency_combine(..., zero_copy=True)`` with no other low-latency call in
         between (the buffers flip on every call)."""
         self._check_alive()
-        return self._backend.next_combine_buffer(ll_spec.validate_handle(handle, self.group_size))
+        return self._backend.next_combine_buffer(ll_params.validate_handle(handle, self.group_size))
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency buffer state between two barriers (collective: every rank must call it; the
@@ -593,7 +571,7 @@ class Buffer:
         return run_mega_moe(
             self._backend.ep, self.backend_name, x, topk_idx, topk_weights, w1, w2, w1_scale=w1_scale,
             w2_scale=w2_scale, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            num_experts=num_experts, out_dtype=out_dtype, **kwargs,
+            num_experts=num_experts, out_dtype=out_dtype, **{"max_output_size": None, "num_segments": None, **kwargs},
         )  # fmt: skip
 
     # ---- lifetime -------------------------------------------------------------------------------------------------

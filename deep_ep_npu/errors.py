@@ -102,16 +102,18 @@ def expert_ids(
         raise shape(param, f"has {t.shape[0]} rows but x has {num_tokens} tokens")
     k = t.shape[1]
     if not 0 < k <= max_topk:
-        raise shape(param, f"top-k (dim 1) is {k}, allowed [1, {max_topk}]")
+        raise shape(param, f"top-k (dim 1) is {k}, allowed (0, {max_topk}]")
     if t.numel():
         lo, hi, floor = int(t.min()), int(t.max()), -1 if no_expert else 0
         if lo < floor or hi >= num_ids:
             allowed = f"[0, {num_ids}){what}" + (" or -1 (no expert)" if no_expert else "")
-            raise shape(param, f"contains expert id {lo if lo < floor else hi}, allowed {allowed}")
+            raise shape(param, f"contains {lo if lo < floor else hi}, allowed {allowed}")
         if k > 1:
             srt = t.sort(dim=1).values
             dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1)
             if bool(dup.any()):
                 row = int(dup.nonzero()[0, 0])
-                raise shape(param, f"row {row} repeats an expert id ({t[row].tolist()}); ids must be distinct")
+                raise shape(
+                    param, f"row {row} lists an expert twice ({t[row].tolist()}); ids must be distinct per token"
+                )
     return t

@@ -7,6 +7,7 @@ Validation is local and pure (no communication). The Buffer runs it first; when 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -23,18 +24,25 @@ QUANT_FORMATS = ("fp8_e4m3", "int8_per_token")
 
 @dataclasses.dataclass
 class DispatchArgs:
-    """A validated ``low_latency_dispatch`` call. ``quant`` is None (no quantization) or one of QUANT_FORMATS."""
+    """``low_latency_dispatch``'s arguments by DeepEP's names (plus the group size and the backend's 8-bit format).
+    :meth:`validate` checks them once and returns the validated call: tensors checked, ``quant`` set to None (no
+    quantization) or one of ``QUANT_FORMATS``."""
 
-    x: torch.Tensor
-    topk_idx: torch.Tensor
-    num_max_dispatch_tokens_per_rank: int
-    num_experts: int
-    num_ranks: int
-    quant: str | None
-    round_scale: bool
-    use_ue8m0: bool
-    cumulative_local_expert_recv_stats: torch.Tensor | None
-    dispatch_wait_recv_cost_stats: torch.Tensor | None
+    x: Any
+    topk_idx: Any
+    num_max_dispatch_tokens_per_rank: Any
+    num_experts: Any
+    cumulative_local_expert_recv_stats: Any = None
+    dispatch_wait_recv_cost_stats: Any = None
+    use_fp8: Any = True
+    round_scale: Any = False
+    use_ue8m0: Any = False
+    async_finish: Any = False
+    return_recv_hook: Any = False
+    quant_format: Any = None
+    num_ranks: int = 1
+    native_quant_format: str = "fp8_e4m3"
+    quant: str | None = None
 
     @property
     def num_local_experts(self) -> int:
@@ -44,22 +52,82 @@ class DispatchArgs:
     def hidden(self) -> int:
         return self.x.shape[1]
 
+    def validate(self) -> DispatchArgs:
+        r = self.num_ranks
+        check_overlap_flags(self.async_finish, self.return_recv_hook)
+        use_fp8, round_scale = _flag(self.use_fp8, "use_fp8"), _flag(self.round_scale, "round_scale")
+        if _flag(self.use_ue8m0, "use_ue8m0") and not round_scale:
+            raise invalid("use_ue8m0", "use_ue8m0=True requires round_scale=True (UE8M0 scales are powers of two)")
+        num_max = _positive_int(self.num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+        num_experts = _positive_int(self.num_experts, "num_experts")
+        if num_experts % r:
+            raise shape("num_experts", f"{num_experts} is not divisible by num_ranks = {r}")
+        x = checks.tensor(self.x, "x", ACT_DTYPES, 2)
+        hidden = x.shape[1]
+        if hidden < 1:
+            raise shape("x", f"hidden (dim 1) must be >= 1, got shape {tuple(x.shape)}")
+        idx = check_topk_idx(self.topk_idx, x.shape[0], num_max, num_experts)
+        quant = None
+        if use_fp8:
+            quant = self.native_quant_format if self.quant_format is None else self.quant_format
+            checks.one_of(quant, "quant_format", QUANT_FORMATS)
+            if hidden % 128:
+                raise shape("x", f"hidden = {hidden} must be a multiple of 128 with use_fp8 (per-128-channel scales)")
+            if self.use_ue8m0 and hidden % 512:
+                raise shape("x", f"hidden = {hidden} must be a multiple of 512 with use_ue8m0 (4 scales per int32)")
+            if quant == "int8_per_token" and round_scale:
+                raise invalid("round_scale", "is not available with the int8_per_token format (scales are amax / 127)")
+        elif self.quant_format is not None:
+            checks.one_of(self.quant_format, "quant_format", QUANT_FORMATS)
+        stats = self.cumulative_local_expert_recv_stats
+        recv_stats = _stats(stats, "cumulative_local_expert_recv_stats", torch.int32, num_experts // r, "L")
+        wait_stats = _stats(self.dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64, r, "R")
+        return dataclasses.replace(
+            self, x=x, topk_idx=idx, num_max_dispatch_tokens_per_rank=num_max, num_experts=num_experts, quant=quant,
+            cumulative_local_expert_recv_stats=recv_stats, dispatch_wait_recv_cost_stats=wait_stats,
+        )  # fmt: skip
+
 
 @dataclasses.dataclass
 class CombineArgs:
-    """A validated ``low_latency_combine`` call."""
+    """``low_latency_combine``'s arguments by DeepEP's names (plus the group size); :meth:`validate` returns the
+    validated call (``handle`` a :class:`LowLatencyHandle`)."""
 
-    x: torch.Tensor
-    topk_idx: torch.Tensor
-    topk_weights: torch.Tensor
-    handle: LowLatencyHandle
-    zero_copy: bool
-    out: torch.Tensor | None
-    combine_wait_recv_cost_stats: torch.Tensor | None
+    x: Any
+    topk_idx: Any
+    topk_weights: Any
+    handle: Any
+    use_logfmt: Any = False
+    zero_copy: Any = False
+    async_finish: Any = False
+    return_recv_hook: Any = False
+    out: Any = None
+    combine_wait_recv_cost_stats: Any = None
+    num_ranks: int = 1
 
-    @property
-    def num_ranks(self) -> int:
-        return self.handle.layout_range.shape[1]
+    def validate(self) -> CombineArgs:
+        r = self.num_ranks
+        check_overlap_flags(self.async_finish, self.return_recv_hook)
+        if _flag(self.use_logfmt, "use_logfmt"):
+            raise invalid("use_logfmt", "LogFMT combine is not implemented by deep_ep_npu; pass use_logfmt=False")
+        zero_copy = _flag(self.zero_copy, "zero_copy")
+        h = validate_handle(self.handle, r)
+        num_local, num_max, hidden = h.src_info.shape[0], h.num_max_dispatch_tokens_per_rank, h.hidden
+        x = checks.tensor(self.x, "x", ACT_DTYPES, 3)
+        checks.dims(x, "x", (num_local, r * num_max, hidden), "[L, R * N, hidden] from the handle")
+        if zero_copy and x.dtype != torch.bfloat16:
+            raise invalid("x", f"zero_copy combines the bfloat16 buffer; x must be torch.bfloat16, got {x.dtype}")
+        weights = checks.tensor(self.topk_weights, "topk_weights", (torch.float32,), 2)
+        idx = check_topk_idx(self.topk_idx, weights.shape[0], num_max, h.num_experts)
+        checks.dims(weights, "topk_weights", tuple(idx.shape), "topk_idx's shape")
+        out = checks.optional_tensor(self.out, "out", (x.dtype,), 2)
+        if out is not None:
+            checks.dims(out, "out", (idx.shape[0], hidden), "[num_tokens, hidden]")
+        stats = _stats(self.combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, r, "R")
+        return dataclasses.replace(
+            self, x=x, topk_idx=idx, topk_weights=weights, handle=h, zero_copy=zero_copy, out=out,
+            combine_wait_recv_cost_stats=stats,
+        )  # fmt: skip
 
 
 def _positive_int(value: object, param: str) -> int:
@@ -91,61 +159,6 @@ def _stats(value: object, param: str, dtype: torch.dtype, size: int, what: str) 
     return t
 
 
-def validate_dispatch(
-    num_ranks: int,
-    x: object,
-    topk_idx: object,
-    num_max_dispatch_tokens_per_rank: object,
-    num_experts: object,
-    cumulative_local_expert_recv_stats: object,
-    dispatch_wait_recv_cost_stats: object,
-    use_fp8: object,
-    round_scale: object,
-    use_ue8m0: object,
-    async_finish: object,
-    return_recv_hook: object,
-    quant_format: str | None,
-    default_quant_format: str,
-) -> DispatchArgs:
-    check_overlap_flags(async_finish, return_recv_hook)
-    use_fp8, round_scale = _flag(use_fp8, "use_fp8"), _flag(round_scale, "round_scale")
-    if _flag(use_ue8m0, "use_ue8m0") and not round_scale:
-        raise invalid("use_ue8m0", "use_ue8m0=True requires round_scale=True (UE8M0 scales are powers of two)")
-    num_max = _positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
-    num_experts = _positive_int(num_experts, "num_experts")
-    if num_experts % num_ranks:
-        raise shape("num_experts", f"{num_experts} is not divisible by num_ranks = {num_ranks}")
-    x = checks.tensor(x, "x", ACT_DTYPES, 2)
-    hidden = x.shape[1]
-    if hidden < 1:
-        raise shape("x", f"hidden (dim 1) must be >= 1, got shape {tuple(x.shape)}")
-    idx = check_topk_idx(topk_idx, x.shape[0], num_max, num_experts)
-    quant = None
-    if use_fp8:
-        quant = default_quant_format if quant_format is None else quant_format
-        checks.one_of(quant, "quant_format", QUANT_FORMATS)
-        if hidden % 128:
-            raise shape("x", f"hidden = {hidden} must be a multiple of 128 with use_fp8 (per-128-channel scales)")
-        if use_ue8m0 and hidden % 512:
-            raise shape("x", f"hidden = {hidden} must be a multiple of 512 with use_ue8m0 (4 scales per int32)")
-        if quant == "int8_per_token" and round_scale:
-            raise invalid("round_scale", "is not available with the int8_per_token format (scales are amax / 127)")
-    elif quant_format is not None:
-        checks.one_of(quant_format, "quant_format", QUANT_FORMATS)
-    num_local = num_experts // num_ranks
-    recv_stats = _stats(
-        cumulative_local_expert_recv_stats,
-        "cumulative_local_expert_recv_stats",
-        torch.int32,
-        num_local,
-        "num_local_experts",
-    )
-    wait_stats = _stats(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64, num_ranks, "R")
-    return DispatchArgs(
-        x, idx, num_max, num_experts, num_ranks, quant, round_scale, bool(use_ue8m0), recv_stats, wait_stats
-    )
-
-
 def as_handle(handle: object) -> LowLatencyHandle:
     if handle is None:
         raise null("handle", "pass the handle returned by low_latency_dispatch")
@@ -169,36 +182,3 @@ def validate_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
     layout_range = checks.tensor(h.layout_range, "handle.layout_range", (torch.int64,), 2)
     checks.dims(layout_range, "handle.layout_range", (num_local, num_ranks), "[L, R]")
     return h
-
-
-def validate_combine(
-    num_ranks: int,
-    x: object,
-    topk_idx: object,
-    topk_weights: object,
-    handle: object,
-    use_logfmt: object,
-    zero_copy: object,
-    async_finish: object,
-    return_recv_hook: object,
-    out: object,
-    combine_wait_recv_cost_stats: object,
-) -> CombineArgs:
-    check_overlap_flags(async_finish, return_recv_hook)
-    if _flag(use_logfmt, "use_logfmt"):
-        raise invalid("use_logfmt", "LogFMT combine is not implemented by deep_ep_npu; pass use_logfmt=False")
-    zero_copy = _flag(zero_copy, "zero_copy")
-    h = validate_handle(handle, num_ranks)
-    num_local, num_max, hidden = h.src_info.shape[0], h.num_max_dispatch_tokens_per_rank, h.hidden
-    x = checks.tensor(x, "x", ACT_DTYPES, 3)
-    checks.dims(x, "x", (num_local, num_ranks * num_max, hidden), "[L, R * N, hidden] from the handle")
-    if zero_copy and x.dtype != torch.bfloat16:
-        raise invalid("x", f"zero_copy combines the bfloat16 buffer; x must be torch.bfloat16, got {x.dtype}")
-    weights = checks.tensor(topk_weights, "topk_weights", (torch.float32,), 2)
-    idx = check_topk_idx(topk_idx, weights.shape[0], num_max, h.num_experts)
-    checks.dims(weights, "topk_weights", tuple(idx.shape), "topk_idx's shape")
-    out = checks.optional_tensor(out, "out", (x.dtype,), 2)
-    if out is not None:
-        checks.dims(out, "out", (idx.shape[0], hidden), "[num_tokens, hidden]")
-    stats = _stats(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, num_ranks, "R")
-    return CombineArgs(x, idx, weights, h, zero_copy, out, stats)

@@ -79,9 +79,9 @@ def _ll_port(
     info, num_max: int, tokens_per_rank: list[int], hidden: int, num_topk: int, num_experts: int, seed: int, loop: bool
 ):
     if loop:  # fill recv_x with one gather per expert (the large-message path) instead of one scatter
-        from deep_ep_npu.backends import reference
+        from deep_ep_npu.engine import layouts
 
-        reference._LOOP_BYTES = 0
+        layouts.LOOP_BYTES = 0
     r, rank = info.world_size, info.rank
     num_local = num_experts // r
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, r, num_experts)

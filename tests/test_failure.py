@@ -158,7 +158,7 @@ def _payload_scenario(info):
     """The victim dies between the header and the payload of a dispatch whose receive runs in ``hook()``: the
     survivors' send phase returns, ``hook()`` hits the failure, shrinks, re-runs the dispatch and fills the tensors
     the first call returned."""
-    from deep_ep_npu.ep_group import EPGroup
+    from deep_ep_npu.group import EPGroup
 
     store = dist.distributed_c10d._get_default_store()
     buf = Buffer(info.group, enable_shrink=True, timeout=TIMEOUT)

@@ -10,7 +10,7 @@ import torch
 
 from deep_ep_npu.mega_moe import AscendMegaMoe, available_backends, create_backend
 from deep_ep_npu.mega_moe.ascend import fused_op_blocker, fused_op_kwargs
-from deep_ep_npu.mega_moe.spec import MegaMoeArgs
+from deep_ep_npu.mega_moe.params import MegaMoeArgs
 
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 

@@ -68,7 +68,7 @@ def check_combine(agreement: Agreement, rank: int, names, mismatch: tuple[str, s
         p, q = bad[0]
         raise shape(
             mismatch[0],
-            f"rank {p} would return {sends[p][q]} rows to rank {q}, which routed {expects[q][p]} pairs to it; pass "
+            f"rank {p} would return {sends[p][q]} rows to rank {q}, which dispatched {expects[q][p]} pairs to it; pass "
             f"{mismatch[1]} (mismatched rank pairs: {bad[:8]})",
         )
     agreement.check(rank, names, offset=2 * r)

@@ -9,6 +9,8 @@ peer that is gone is named in an :class:`~deep_ep_npu.failure.EPRankFailure`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import MoeDistributeError, shape
@@ -46,7 +48,9 @@ def _swap(tp: EPGroup, tp_rank: int, send: torch.Tensor, num_recv: int) -> torch
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    return rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
+    """`[n, ...]` rows as `[n, row_bytes]` uint8."""
+    row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+    return rows.contiguous().view(torch.uint8).reshape(rows.shape[0], row_bytes)
 
 
 def tp_gather_rows(

@@ -1,4 +1,4 @@
-"""``mega_moe(group, ...)``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call (the PTO MegaMoE seed)."""
+"""``mega_moe(group, ...)``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call (as the A5 PTO MegaMoE kernel)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,16 @@ import torch
 
 from ..errors import MoeDistributeError
 from ..group import EPGroup, ep_group, resolve_group
-from .backends import create_backend
-from .params import agree, validate
+from .ascend import create_backend
+from .params import MAX_WORLD_SIZE, agree, validate
 
 
 def mega_moe(
-    group,
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    *,
-    w1_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    num_max_dispatch_tokens_per_rank: int,
-    num_experts: int,
-    out_dtype: torch.dtype | None = None,
-    max_output_size: int | None = None,
-    num_segments: int | None = None,
-    segment_by: str = "expert",
-    backend: str = "reference",
-) -> torch.Tensor:
+    group, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
+    w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, num_max_dispatch_tokens_per_rank: int,
+    num_experts: int, out_dtype: torch.dtype | None = None, max_output_size: int | None = None,
+    num_segments: int | None = None, segment_by: str = "expert", backend: str = "reference",
+) -> torch.Tensor:  # fmt: skip
     """Fused expert-parallel MoE layer: ``out[t] = sum_k topk_weights[t, k] * FFN_{topk_idx[t, k]}(x[t])``.
 
     Every rank of ``group`` must call this together (a rank with no tokens passes ``M = 0``). Rank r hosts the
@@ -53,13 +41,13 @@ def mega_moe(
         w2_scale: `[E_local, K]` with `torch.float32` per-output-channel scales of w2 (int8 weights), or None.
         num_max_dispatch_tokens_per_rank: the largest M of any rank (same on all ranks), in [1, 512].
         num_experts: routed experts in total, divisible by W.
-        out_dtype: `torch.float16` (the seed's), `torch.bfloat16` or `torch.float32`; None means x's dtype.
-        max_output_size: the seed's per-rank routed-row workspace, must be >= M * topK; default
+        out_dtype: `torch.float16` (the A5 PTO MegaMoE kernel's), `torch.bfloat16` or `torch.float32`; None means x's dtype.
+        max_output_size: the fused op's per-rank routed-row workspace, must be >= M * topK; default
             ``num_max_dispatch_tokens_per_rank * topK * W`` (what any routing can need). Passed to the NPU op;
             validated only on the reference path, whose ops size their own buffers.
         num_segments: pipeline segments, in [1, E_local] (by expert) or [1, num_max_dispatch_tokens_per_rank] (by
             token); default min(that bound, 2). 1 = no overlap.
-        segment_by: ``"expert"`` (the seed's expert-granular pipeline: segment k = a contiguous group of local
+        segment_by: ``"expert"`` (the A5 PTO MegaMoE kernel's expert-granular pipeline: segment k = a contiguous group of local
             experts; partial sums travel in fp32, equal to the unfused path up to fp32 re-association) or ``"token"``
             (segment k = a chunk of each rank's tokens, all experts; rows travel in ``out_dtype``, bit-equal to one
             dispatch -> FFN -> combine, half the combine bytes).
@@ -77,13 +65,11 @@ def mega_moe(
             num_experts, K, N, topK, the weight dtype, out_dtype, num_max_dispatch_tokens_per_rank or the segments.
         ValueError: unknown ``backend``. ImportError: ``ascend`` without torch_npu.
     """
-    ep = ep_group(resolve_group(group, "group"))
-    kwargs = dict(
-        w1_scale=w1_scale, w2_scale=w2_scale, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-        num_experts=num_experts, out_dtype=out_dtype, max_output_size=max_output_size, num_segments=num_segments,
-        segment_by=segment_by,
+    return run_mega_moe(
+        ep_group(resolve_group(group, "group")), backend, x, topk_idx, topk_weights, w1, w2, w1_scale=w1_scale,
+        w2_scale=w2_scale, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, num_experts=num_experts,
+        out_dtype=out_dtype, max_output_size=max_output_size, num_segments=num_segments, segment_by=segment_by,
     )  # fmt: skip
-    return run_mega_moe(ep, backend, x, topk_idx, topk_weights, w1, w2, **kwargs)
 
 
 def run_mega_moe(ep: EPGroup, backend: str, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -94,7 +80,7 @@ def run_mega_moe(ep: EPGroup, backend: str, *args: Any, **kwargs: Any) -> torch.
     try:
         valid = validate(ep.group, *args, ep=ep, **kwargs)
     except MoeDistributeError as err:
-        if 1 <= ep.num_ranks <= 16:
+        if 1 <= ep.num_ranks <= MAX_WORLD_SIZE:
             agree(ep, err, device=device)
         raise
     fused = agree(ep, None, valid.fingerprint(), impl.can_fuse(valid), device=device)

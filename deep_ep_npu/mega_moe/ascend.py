@@ -1,7 +1,11 @@
-"""The fused NPU op behind the ``ascend`` MegaMoE backend, and the argument mapping onto it (contract-tested).
+"""MegaMoE backends, a registry keyed by name (``reference``, ``ascend``, ``auto``), and the fused NPU op mapping.
 
-The seed's A5 kernel (``dispatch_mega_combine_kernel``, a PTO sample with its own host executable) has no Python
-binding. The fused dispatch + FFN + combine op that Python can call on Ascend is vllm-ascend's custom op
+``reference`` runs :mod:`.pipeline` on any torch.distributed backend. ``ascend`` calls the fused NPU op when the
+installed stack provides it and the call fits it, else the reference pipeline; every rank must take the same path,
+so :meth:`MegaMoeBackend.can_fuse` is agreed on across ranks first.
+
+The A5 PTO MegaMoE kernel (``dispatch_mega_combine_kernel``, with its own host executable) has no Python binding.
+The fused dispatch + FFN + combine op Python can call on Ascend is vllm-ascend's custom op
 ``torch.ops._C_ascend.dispatch_ffn_combine`` (aclnn ``aclnnDispatchFFNCombine`` for int8 weights,
 ``aclnnDispatchFFNCombineBF16`` for bf16 weights), registered when vllm-ascend's custom-op library is loaded:
 
@@ -12,29 +16,30 @@ dispatch_ffn_combine(Tensor x, Tensor[] weight1, Tensor[] weight2, Tensor expert
                      float swiglu_limit=1000000.0) -> (Tensor, Tensor)
 ```
 
-Mapping (keyword arguments, so older schemas without ``bias1/2`` fail loudly rather than shift):
-``x`` -> x (bf16); ``w1`` / ``w2`` -> one-element lists, cast to the NZ format (``npu_format_cast(w, 29)``);
-``topk_idx`` -> ``expert_idx`` int32; ``topk_weights`` -> ``probs`` fp32; ``w1_scale`` / ``w2_scale`` -> one-element
-lists (empty int64 for bf16 weights); ``bias1/2`` -> empty fp32; ``group`` -> the HCCL comm name;
-``max_output_size`` as given; ``out`` `[M, K]` in x's dtype (cast to ``out_dtype`` afterwards);
-``expert_token_nums`` `[E_local]` int32. Unconfirmed: whether the int8 op wants the fp32 per-channel scales as given
-or packed Fixpipe (uint64) words, and its numerics (GMM1 output rounded to fp16); NPU parity is not tested here.
+Mapping (keyword arguments, so older schemas without ``bias1/2`` fail loudly rather than shift): ``x`` -> x (bf16);
+``w1`` / ``w2`` -> one-element lists, cast to the NZ format (``npu_format_cast(w, 29)``); ``topk_idx`` ->
+``expert_idx`` int32; ``topk_weights`` -> ``probs`` fp32; ``w1_scale`` / ``w2_scale`` -> one-element lists (empty
+int64 for bf16 weights); ``bias1/2`` -> empty fp32; ``group`` -> the HCCL comm name; ``max_output_size`` as given;
+``out`` `[M, K]` in x's dtype (cast to ``out_dtype`` afterwards); ``expert_token_nums`` `[E_local]` int32.
+Unconfirmed: whether the int8 op wants the fp32 per-channel scales as given or packed Fixpipe (uint64) words, and
+its numerics (GMM1 output rounded to fp16); NPU parity is not tested here.
 """
 
 from __future__ import annotations
 
+import abc
 import importlib.util
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..backends import npu_available
 from .params import MegaMoeArgs
+from .pipeline import run_reference
 
-FUSED_OP = "torch.ops._C_ascend.dispatch_ffn_combine"
 ACL_FORMAT_FRACTAL_NZ = 29
-HIDDEN_ALIGN = 128  # the seed's tiling: K % 128 == 0
-INTERMEDIATE_ALIGN = 64  # N % 64 == 0
+HIDDEN_ALIGN, INTERMEDIATE_ALIGN = 128, 64  # the A5 PTO MegaMoE kernel's tiling: K % 128 == 0, N % 64 == 0
 
 
 def find_fused_op() -> Callable[..., object] | None:
@@ -83,26 +88,87 @@ def fused_op_blocker(args: MegaMoeArgs) -> str | None:
 def fused_op_kwargs(
     args: MegaMoeArgs, group_name: str, prepare_weight: Callable[[torch.Tensor], torch.Tensor]
 ) -> dict[str, object]:
-    """The keyword arguments of one fused-op call (see the module docstring for the mapping)."""
-    device = args.x.device
-    if args.int8_weights:
-        scale1, scale2 = [args.w1_scale], [args.w2_scale]
-    else:
-        scale1 = [torch.empty((0,), dtype=torch.int64, device=device)]
-        scale2 = [torch.empty((0,), dtype=torch.int64, device=device)]
-    no_bias = [torch.empty((0,), dtype=torch.float32, device=device)]
-    return {
-        "x": args.x,
-        "weight1": [prepare_weight(args.w1)],
-        "weight2": [prepare_weight(args.w2)],
-        "expert_idx": args.topk_idx.to(torch.int32),
-        "scale1": scale1,
-        "scale2": scale2,
-        "bias1": no_bias,
-        "bias2": no_bias,
-        "probs": args.topk_weights,
-        "group": group_name,
-        "max_output_size": args.max_output_size,
-        "out": torch.empty((args.num_tokens, args.hidden), dtype=args.x.dtype, device=device),
-        "expert_token_nums": torch.zeros((args.num_local_experts,), dtype=torch.int32, device=device),
-    }
+    """The keyword arguments of one fused-op call (the mapping of the module docstring)."""
+    dev = args.x.device
+    no_scale = [torch.empty((0,), dtype=torch.int64, device=dev)]
+    no_bias = [torch.empty((0,), dtype=torch.float32, device=dev)]
+    scale1, scale2 = ([args.w1_scale], [args.w2_scale]) if args.int8_weights else (no_scale, no_scale)
+    return dict(
+        x=args.x, weight1=[prepare_weight(args.w1)], weight2=[prepare_weight(args.w2)],
+        expert_idx=args.topk_idx.to(torch.int32), scale1=scale1, scale2=scale2, bias1=no_bias, bias2=no_bias,
+        probs=args.topk_weights, group=group_name, max_output_size=args.max_output_size,
+        out=torch.empty((args.num_tokens, args.hidden), dtype=args.x.dtype, device=dev),
+        expert_token_nums=torch.zeros((args.num_local_experts,), dtype=torch.int32, device=dev),
+    )  # fmt: skip
+
+
+class MegaMoeBackend(abc.ABC):
+    """Runs one validated MegaMoE call."""
+
+    name: str
+
+    def can_fuse(self, args: MegaMoeArgs) -> bool:
+        """Whether this rank could run the call as one fused device op (every rank must agree to use it)."""
+        return False
+
+    @abc.abstractmethod
+    def run(self, args: MegaMoeArgs, fused: bool) -> torch.Tensor:
+        """Return `[M, K]` with ``args.out_dtype``; ``fused`` is True only if every rank's :meth:`can_fuse` was."""
+
+
+class ReferenceMegaMoe(MegaMoeBackend):
+    """The pipelined reference path over the two-stage ops (:mod:`deep_ep_npu.mega_moe.pipeline`)."""
+
+    name = "reference"
+
+    def run(self, args: MegaMoeArgs, fused: bool) -> torch.Tensor:
+        return run_reference(args)
+
+
+class AscendMegaMoe(MegaMoeBackend):
+    """The fused NPU op ``torch.ops._C_ascend.dispatch_ffn_combine`` when present, else the reference pipeline.
+
+    Arguments:
+        fused_op: the op to call (tests pass a fake); by default looked up after importing ``torch_npu``.
+        group_name: ``(ProcessGroup, rank) -> HCCL comm name`` (default: :func:`hccl_comm_name`).
+        prepare_weight: how a weight is put into the op's layout (default: :func:`to_npu_nz`).
+        device_type: the device x must be on for the fused op (``"npu"``; tests pass ``"cpu"``).
+    """
+
+    name = "ascend"
+
+    def __init__(self, fused_op: Callable[..., object] | None = None, group_name: Callable[..., str] | None = None,
+                 prepare_weight: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 device_type: str = "npu") -> None:  # fmt: skip
+        self.fused_op = fused_op if fused_op is not None else find_fused_op()
+        self.group_name = group_name or hccl_comm_name
+        self.prepare_weight = prepare_weight or to_npu_nz
+        self.device_type = device_type
+
+    def can_fuse(self, args: MegaMoeArgs) -> bool:
+        on_device = self.fused_op is not None and args.x.device.type == self.device_type
+        return on_device and fused_op_blocker(args) is None
+
+    def run(self, args: MegaMoeArgs, fused: bool) -> torch.Tensor:
+        if not fused:
+            return run_reference(args)
+        kwargs = fused_op_kwargs(args, self.group_name(args.group, args.rank), self.prepare_weight)
+        self.fused_op(**kwargs)  # type: ignore[misc]
+        return kwargs["out"].to(args.out_dtype)  # type: ignore[attr-defined]
+
+
+_REGISTRY: dict[str, Callable[[], MegaMoeBackend]] = {"reference": ReferenceMegaMoe, "ascend": AscendMegaMoe}
+
+
+def available_backends() -> list[str]:
+    return sorted([*_REGISTRY, "auto"])
+
+
+def create_backend(name: str) -> MegaMoeBackend:
+    """The backend registered as ``name``; ``auto`` picks ``ascend`` when torch_npu and an NPU are present (as the
+    Buffer does), else ``reference``."""
+    if name == "auto":
+        name = "ascend" if npu_available() else "reference"
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: unknown MegaMoE backend {name!r}; available: {available_backends()}")
+    return _REGISTRY[name]()

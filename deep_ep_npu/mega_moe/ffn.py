@@ -15,67 +15,47 @@ Float weights (bf16 / fp16 / fp32, no scales): ``h = fp32(x) @ fp32(w1)``; ``g =
 
 The integer products are exact: int8 values summed over ``K`` stay far below 2^53, so an fp64 matmul (BLAS-fast
 on CPU) returns the exact int32 accumulator the NPU's cube unit produces; for inner sizes <= 1040 every partial sum
-stays below 2^24 and the (faster) fp32 matmul is exact as well. Known differences to the A5 kernel of the
-seed: it rounds GMM1's output to fp16 (``gmC``) before SwiGLU where this spec keeps fp32, and its doc writes
-``SiLU(up) * gate`` where the issue and every serving model use ``silu(gate) * up`` (kept here).
+stays below 2^24 and the (faster) fp32 matmul is exact as well. Known differences to the A5 PTO MegaMoE kernel: it
+rounds GMM1's output to fp16 (``gmC``) before SwiGLU where this spec keeps fp32, and its doc writes
+``SiLU(up) * gate`` where serving models use ``silu(gate) * up`` (kept here).
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..quant import per_token_int8
 
-FP32_EXACT_INNER = (1 << 24) // (127 * 127)
-"""Inner sizes up to this keep every int8 partial sum below 2^24, so an fp32 matmul is exact too (and faster)."""
+FP32_EXACT_INNER = (1 << 24) // (127 * 127)  # inner sizes keeping every int8 partial sum below 2^24 (fp32 exact)
 
 
-def int8_gmm(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Exact integer matmul of int8 operands.
-
-    Arguments:
-        q: `[num_rows, k]` with `torch.int8`.
-        w: `[k, m]` with `torch.int8`.
-
-    Returns:
-        acc: `[num_rows, m]` with `torch.float64`, holding the exact integer sums (the int32 accumulator).
-    """
+def int8_gmm(q: Tensor, w: Tensor) -> Tensor:
+    """Exact integer matmul of int8 `[rows, k]` by int8 `[k, m]`: `[rows, m]` `torch.float64` integer sums."""
     if q.shape[1] <= FP32_EXACT_INNER:
         return (q.float() @ w.float()).double()
     return q.double() @ w.double()
 
 
-def dequant(acc: torch.Tensor, token_scale: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
-    """``fp32(acc * token_scale[t] * channel_scale[c])``, evaluated left to right in fp64.
-
-    Arguments:
-        acc: `[num_rows, m]` with `torch.float64` (exact integers).
-        token_scale: `[num_rows]` with `torch.float32`.
-        channel_scale: `[m]` with `torch.float32`.
-
-    Returns:
-        `[num_rows, m]` with `torch.float32`.
-    """
+def dequant(acc: Tensor, token_scale: Tensor, channel_scale: Tensor) -> Tensor:
+    """``fp32(acc * token_scale[t] * channel_scale[c])``, evaluated left to right in fp64: ``acc`` `[rows, m]`
+    `torch.float64`, ``token_scale`` `[rows]` / ``channel_scale`` `[m]` `torch.float32`; returns `[rows, m]` fp32."""
     return (acc * token_scale.double().unsqueeze(1) * channel_scale.double().unsqueeze(0)).float()
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
+def swiglu(h: Tensor) -> Tensor:
     """``silu(gate) * up`` of `[num_rows, 2N]` `torch.float32` (gate first); returns `[num_rows, N]` fp32."""
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 def int8_expert_ffn(
-    q: torch.Tensor,
-    q_scale: torch.Tensor,
-    w1: torch.Tensor,
-    w1_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """One expert's int8 FFN on already-quantized rows (see the module docstring for the formula).
+    q: Tensor, q_scale: Tensor, w1: Tensor, w1_scale: Tensor, w2: Tensor, w2_scale: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    """One expert's int8 FFN on already-quantized rows (the formula of the module docstring).
 
     Arguments:
         q: `[num_rows, hidden]` with `torch.int8`; q_scale: `[num_rows]` with `torch.float32` (per-token scales).
@@ -90,7 +70,7 @@ def int8_expert_ffn(
     return dequant(int8_gmm(q2, w2), s2, w2_scale).to(out_dtype)
 
 
-def float_expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def float_expert_ffn(x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype) -> Tensor:
     """One expert's float FFN: ``out_dtype(swiglu(fp32(x) @ fp32(w1)) @ fp32(w2))``.
 
     Arguments:
@@ -104,16 +84,9 @@ def float_expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, out_dt
 
 
 def grouped_ffn(
-    expand_x: torch.Tensor,
-    dynamic_scales: torch.Tensor,
-    expert_token_nums: torch.Tensor,
-    experts: range,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    w1_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
+    expand_x: Tensor, dynamic_scales: Tensor, expert_token_nums: Tensor, experts: range, w1: Tensor, w2: Tensor,
+    w1_scale: Tensor | None, w2_scale: Tensor | None, out_dtype: torch.dtype,
+) -> Tensor:  # fmt: skip
     """GMM1 -> SwiGLU -> GMM2 over dispatch's expert-major rows, for the local experts in ``experts``.
 
     Arguments:
@@ -127,19 +100,13 @@ def grouped_ffn(
     Returns:
         y: `[num_rows, hidden]` with ``out_dtype``, row-aligned with ``expand_x[:num_rows]``.
     """
-    counts = expert_token_nums.tolist()
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
+    starts = [0, *itertools.accumulate(expert_token_nums.tolist())]
     y = torch.empty((starts[-1], expand_x.shape[1]), dtype=out_dtype, device=expand_x.device)
     for e in experts:
         lo, hi = starts[e], starts[e + 1]
-        if hi == lo:
-            continue
-        if w1_scale is not None and w2_scale is not None:
-            y[lo:hi] = int8_expert_ffn(
-                expand_x[lo:hi], dynamic_scales[lo:hi], w1[e], w1_scale[e], w2[e], w2_scale[e], out_dtype
-            )
-        else:
-            y[lo:hi] = float_expert_ffn(expand_x[lo:hi], w1[e], w2[e], out_dtype)
+        x = expand_x[lo:hi]
+        if hi > lo and w1_scale is not None and w2_scale is not None:
+            y[lo:hi] = int8_expert_ffn(x, dynamic_scales[lo:hi], w1[e], w1_scale[e], w2[e], w2_scale[e], out_dtype)
+        elif hi > lo:
+            y[lo:hi] = float_expert_ffn(x, w1[e], w2[e], out_dtype)
     return y

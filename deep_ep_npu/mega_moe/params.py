@@ -1,9 +1,6 @@
-"""Validated arguments of :func:`deep_ep_npu.mega_moe.mega_moe` and the seed's semantic constraints.
-
-Validation is pure and runs first on every rank; :func:`agree` then exchanges one small status/fingerprint row per
-rank (one ``all_gather``) so that a rank whose input was rejected, or ranks that disagree on a shape, make every rank
-raise the same error instead of leaving its peers waiting in the dispatch.
-"""
+"""Validated arguments of :func:`deep_ep_npu.mega_moe.mega_moe`. Validation is pure and runs first on every rank;
+:func:`agree` then exchanges one status/fingerprint row per rank, so that a rejected input or a shape the ranks
+disagree on makes every rank raise the same error instead of leaving its peers waiting in the dispatch."""
 
 from __future__ import annotations
 
@@ -16,33 +13,22 @@ from .. import errors as checks
 from ..errors import MoeDistributeError, invalid, shape
 from ..group import STATUS_OK, EPGroup, ep_group, resolve_group
 
-MAX_WORLD_SIZE = 16  # the seed: worldSize in [1, 16]
+MAX_WORLD_SIZE = 16  # the A5 PTO MegaMoE kernel: worldSize in [1, 16]
 MAX_TOKENS_PER_RANK = 512  # the dispatch op's Bs limit
 MAX_TOPK = 16
-X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of x and of float weights
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}
-_FINGERPRINT = (
-    "num_experts",
-    "hidden",
-    "N",
-    "topk",
-    "weight dtype",
-    "out_dtype",
-    "num_max_dispatch_tokens_per_rank",
-    "num_segments",
-    "segment_by",
-)
 SEGMENT_BY = ("expert", "token")
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}
+_FINGERPRINT = ("num_experts", "hidden", "N", "topk", "weight dtype", "out_dtype", "num_max_dispatch_tokens_per_rank",
+                "num_segments", "segment_by")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class MegaMoeArgs:
-    """One rank's validated call. ``topk_idx`` is int64 with ``-1`` kept (no expert)."""
+    """One rank's validated call. ``topk_idx`` is int64 with ``-1`` kept (no expert); ``ep`` None: the ops' group."""
 
     group: dist.ProcessGroup
-    ep: EPGroup
     world_size: int
     rank: int
     x: torch.Tensor
@@ -58,72 +44,33 @@ class MegaMoeArgs:
     max_output_size: int
     num_segments: int
     segment_by: str
+    ep: EPGroup | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def hidden(self) -> int:
-        return self.x.shape[1]
-
-    @property
-    def topk(self) -> int:
-        return self.topk_idx.shape[1]
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.num_experts // self.world_size
-
-    @property
-    def intermediate(self) -> int:
-        """N: the FFN intermediate size (w1 has 2N columns, gate then up)."""
-        return self.w2.shape[1]
-
-    @property
-    def int8_weights(self) -> bool:
-        return self.w1_scale is not None
+    num_tokens = property(lambda self: self.x.shape[0])
+    hidden = property(lambda self: self.x.shape[1])
+    topk = property(lambda self: self.topk_idx.shape[1])
+    num_local_experts = property(lambda self: self.num_experts // self.world_size)
+    intermediate = property(lambda self: self.w2.shape[1], doc="N: the FFN size (w1 has 2N columns, gate then up).")
+    int8_weights = property(lambda self: self.w1_scale is not None)
 
     def segment_experts(self, s: int) -> range:
         """Local experts computed in segment ``s``: contiguous groups of sizes differing by at most one with
         ``segment_by="expert"``, every local expert with ``"token"``."""
         n, num_local = self.num_segments, self.num_local_experts
-        if self.segment_by == "token":
-            return range(num_local)
-        return range(s * num_local // n, (s + 1) * num_local // n)
+        return range(num_local) if self.segment_by == "token" else range(s * num_local // n, (s + 1) * num_local // n)
 
     def fingerprint(self) -> tuple[int, ...]:
-        return (
-            self.num_experts,
-            self.hidden,
-            self.intermediate,
-            self.topk,
-            _DTYPE_CODES[self.w1.dtype],
-            _DTYPE_CODES[self.out_dtype],
-            self.num_max_dispatch_tokens_per_rank,
-            self.num_segments,
-            SEGMENT_BY.index(self.segment_by),
-        )
+        return (self.num_experts, self.hidden, self.intermediate, self.topk, _DTYPE_CODES[self.w1.dtype],
+                _DTYPE_CODES[self.out_dtype], self.num_max_dispatch_tokens_per_rank, self.num_segments,
+                SEGMENT_BY.index(self.segment_by))  # fmt: skip
 
 
 def validate(
-    group: object,
-    x: object,
-    topk_idx: object,
-    topk_weights: object,
-    w1: object,
-    w2: object,
-    *,
-    w1_scale: object,
-    w2_scale: object,
-    num_max_dispatch_tokens_per_rank: int,
-    num_experts: int,
-    out_dtype: torch.dtype | None,
-    max_output_size: int | None,
-    num_segments: int | None,
-    segment_by: str = "expert",
-    ep: EPGroup | None = None,
-) -> MegaMoeArgs:
+    group: object, x: object, topk_idx: object, topk_weights: object, w1: object, w2: object, *,
+    w1_scale: object = None, w2_scale: object = None, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+    out_dtype: torch.dtype | None = None, max_output_size: int | None = None, num_segments: int | None = None,
+    segment_by: str = "expert", ep: EPGroup | None = None,
+) -> MegaMoeArgs:  # fmt: skip
     """Check every argument (no communication); raise :class:`MoeDistributeError` naming the parameter."""
     pg = resolve_group(group, "group")
     ep = ep or ep_group(pg)
@@ -135,15 +82,13 @@ def validate(
         raise shape("num_experts", f"{num_experts} is not divisible by the world size {w}")
     num_local = num_experts // w
 
-    x = checks.tensor(x, "x", X_DTYPES, 2)
+    x = checks.tensor(x, "x", FLOAT_DTYPES, 2)
     num_tokens, hidden = x.shape
     if hidden < 1:
         raise shape("x", f"hidden size (dim 1) must be >= 1, got shape {tuple(x.shape)}")
     if num_tokens > num_max_dispatch_tokens_per_rank:
-        raise shape(
-            "x",
-            f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank}",
-        )
+        limit = f"num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank}"
+        raise shape("x", f"has {num_tokens} tokens, more than {limit}")
     idx = checks.expert_ids(topk_idx, "topk_idx", num_experts, num_tokens, MAX_TOPK, no_expert=True).long()
     topk = idx.shape[1]
     weights = checks.tensor(topk_weights, "topk_weights", (torch.float32,), 2)
@@ -155,18 +100,15 @@ def validate(
             "w1_scale and w2_scale must be given together (int8 weights) or both be None (float weights)",
         )
     int8 = w1_scale is not None
-    wdt = (torch.int8,) if int8 else FLOAT_WEIGHT_DTYPES
+    wdt = (torch.int8,) if int8 else FLOAT_DTYPES
     why = "int8 because scales are given" if int8 else "bf16/fp16/fp32 (int8 needs w1_scale and w2_scale)"
     for name, t in (("w1", w1), ("w2", w2)):
         if isinstance(t, torch.Tensor) and t.dtype not in wdt:
             raise invalid(name, f"dtype {t.dtype} not allowed here; must be {why}")
-    w1 = checks.tensor(w1, "w1", wdt, 3)
-    w2 = checks.tensor(w2, "w2", wdt, 3)
+    w1, w2 = checks.tensor(w1, "w1", wdt, 3), checks.tensor(w2, "w2", wdt, 3)
     if w1.shape[0] != num_local or w1.shape[1] != hidden or w1.shape[2] % 2 or w1.shape[2] == 0:
-        raise shape(
-            "w1",
-            f"shape {tuple(w1.shape)} must be [E_local = {num_local}, K = {hidden}, 2N] (gate then up, 2N > 0)",
-        )
+        want = f"[E_local = {num_local}, K = {hidden}, 2N] (gate then up, 2N > 0)"
+        raise shape("w1", f"shape {tuple(w1.shape)} must be {want}")
     n = w1.shape[2] // 2
     checks.dims(w2, "w2", (num_local, n, hidden), "[E_local, N, K]")
     if w1.dtype != w2.dtype:
@@ -183,44 +125,20 @@ def validate(
         max_output_size = num_max_dispatch_tokens_per_rank * topk * w
     checks.in_range(max_output_size, "max_output_size", 0, 1 << 40)
     if max_output_size < num_tokens * topk:
-        raise shape(
-            "max_output_size",
-            f"{max_output_size} < M * topK = {num_tokens} * {topk}; the routed-row "
-            "workspace must hold every (token, expert) pair of this rank",
-        )
+        why = "the routed-row workspace must hold every (token, expert) pair of this rank"
+        raise shape("max_output_size", f"{max_output_size} < M * topK = {num_tokens} * {topk}; {why}")
     checks.one_of(segment_by, "segment_by", SEGMENT_BY)
     most = num_local if segment_by == "expert" else num_max_dispatch_tokens_per_rank
     if num_segments is None:
         num_segments = min(most, 2)  # measured best on the CPU reference path (README)
     checks.in_range(num_segments, "num_segments", 1, most)
-    return MegaMoeArgs(
-        pg,
-        ep,
-        w,
-        rank,
-        x,
-        idx,
-        weights,
-        w1,
-        w2,
-        w1_scale,
-        w2_scale,  # type: ignore[arg-type]
-        num_max_dispatch_tokens_per_rank,
-        num_experts,
-        out_dtype,
-        max_output_size,
-        num_segments,
-        segment_by,
-    )
+    return MegaMoeArgs(pg, w, rank, x, idx, weights, w1, w2, w1_scale, w2_scale,  # type: ignore[arg-type]
+                       num_max_dispatch_tokens_per_rank, num_experts, out_dtype, max_output_size, num_segments,
+                       segment_by, ep)  # fmt: skip
 
 
-def agree(
-    ep: EPGroup,
-    error: MoeDistributeError | None,
-    fingerprint: tuple[int, ...] = (),
-    can_fuse: bool = False,
-    device: torch.device | str | None = None,
-) -> bool:
+def agree(ep: EPGroup, error: MoeDistributeError | None, fingerprint: tuple[int, ...] = (), can_fuse: bool = False,
+          device: torch.device | str | None = None) -> bool:  # fmt: skip
     """The agreement step of a MegaMoE call (status, can_fuse, fingerprint; bounded like every collective here):
     raise the same error on every rank if any rank failed or the ranks disagree (re-raising ``error`` on the rank
     that produced it). Returns whether every rank can run the fused op."""

@@ -1,6 +1,4 @@
-"""The reference MegaMoE pipeline: the seed's stages over the two-stage ops, pipelined per local-expert segment.
-
-Stages (seed names) and where they run here:
+"""The reference MegaMoE pipeline: the A5 PTO MegaMoE kernel's stages over the two-stage ops, per segment.
 
 ```
 FrontReorder  per-token int8 quant + expert-major ordering      dispatch setup (quant_mode 2 for int8 weights)
@@ -10,10 +8,10 @@ Combine       expert outputs back to their source rank           combine payload
 Unpermute     top-k weighted sum at the source                   combine teardown (fp32), then one final cast
 ```
 
-The local experts are split into S contiguous segments (the same on every rank). Segment k's dispatch carries only
-the (token, expert) pairs whose expert is in segment k (a 2D ``x_active_mask``), so segments are independent
-dispatch -> FFN -> combine chains. As the seed splits AIV (communication) from AIC (GMMs), one comm thread issues
-every collective, in the same order on every rank, while the calling thread only computes:
+The local experts are split into S contiguous segments (the same on every rank); segment k's dispatch carries only
+the pairs whose expert is in segment k (a 2D ``x_active_mask``), so segments are independent dispatch -> FFN ->
+combine chains. As the kernel splits AIV (communication) from AIC (GMMs), one comm thread issues every collective,
+in the same order on every rank, while the calling thread only computes:
 
 ```
 comm thread : [D0][D1] T0 [D2] T1 [D3] T2 T3 ........ [C0] ........ [C1] ........ [C2] ........ [C3]  R0 R1 R2 R3
@@ -22,16 +20,12 @@ compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3
 ```
 
 ``Dk`` / ``Ck``: dispatch / combine setup of segment k (validation, one small header all-to-all, the payload
-all-to-all started asynchronously); ``Tk``: dispatch teardown (wait for segment k's rows); ``Rk``: combine teardown.
-While FFN(k) runs, later segments' dispatch payloads and earlier segments' combines are in flight. The partial
-outputs of the S combines are fp32 (expert outputs are rounded to ``out_dtype`` first, as the seed's FP16 CV tiles,
-then sent as fp32) and summed in fp32; the single final cast to ``out_dtype`` makes the result equal to one
-unsegmented combine up to fp32 re-association (at most one unit in the last place of ``out_dtype``).
-
-``segment_by="token"`` runs the same schedule with segment k = the k-th chunk of each rank's tokens (all local
-experts): a token's pairs then all live in one segment, its combined row is final, rows travel in ``out_dtype``
-(half the fp32 bytes) and the result is bit-equal to one dispatch -> FFN -> combine; the price is S smaller GEMMs
-per expert instead of one.
+all-to-all started asynchronously); ``Tk`` / ``Rk``: dispatch / combine teardown. Expert outputs are rounded to
+``out_dtype`` (as the kernel's FP16 CV tiles), sent as fp32 and the S partial outputs summed in fp32; one final cast
+makes the result equal to one unsegmented combine up to fp32 re-association (at most one ulp of ``out_dtype``).
+``segment_by="token"``: segment k = the k-th chunk of each rank's tokens (all local experts), so a token's combined
+row is final, rows travel in ``out_dtype`` (half the bytes) and the result is bit-equal to one dispatch -> FFN ->
+combine, at the price of S smaller GEMMs per expert.
 """
 
 from __future__ import annotations
@@ -47,60 +41,45 @@ from .ffn import grouped_ffn
 from .params import MegaMoeArgs
 
 
-def routed_ids(args: MegaMoeArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topk_idx`` (-1: no expert) and a `[M, topK]` `torch.int64` map from each pair to its segment (-1: not
-    routed): the segment of its local expert (``segment_by="expert"``) or of its token's chunk (``"token"``)."""
-    idx, num_local, num_segments = args.topk_idx, args.num_local_experts, args.num_segments
-    ids = idx
+def pair_segments(args: MegaMoeArgs) -> torch.Tensor:
+    """`[M, topK]` `torch.int64`: each pair's segment (-1: not routed), that of its local expert
+    (``segment_by="expert"``) or of its token's chunk (``"token"``)."""
+    idx = args.topk_idx
     if args.segment_by == "token":
-        chunk = (
-            torch.arange(args.num_tokens, dtype=torch.int64, device=idx.device)
-            * num_segments
-            // max(args.num_tokens, 1)
-        )
-        return ids, torch.where(idx >= 0, chunk.unsqueeze(1).expand_as(idx), -1)
-    segment_of_local = torch.empty((num_local,), dtype=torch.int64, device=idx.device)
-    for s in range(num_segments):
+        chunk = torch.arange(args.num_tokens, device=idx.device) * args.num_segments // max(args.num_tokens, 1)
+        return torch.where(idx >= 0, chunk.unsqueeze(1).expand_as(idx), -1)
+    segment_of_local = torch.empty((args.num_local_experts,), dtype=torch.int64, device=idx.device)
+    for s in range(args.num_segments):
         r = args.segment_experts(s)
         segment_of_local[r.start : r.stop] = s
-    return ids, torch.where(idx >= 0, segment_of_local[idx.clamp(min=0) % num_local], -1)
+    return torch.where(idx >= 0, segment_of_local[idx.clamp(min=0) % args.num_local_experts], -1)
 
 
 def run_reference(args: MegaMoeArgs) -> torch.Tensor:
     """Run the pipelined dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine; returns `[M, K]` with ``args.out_dtype``."""
-    ids, segment = routed_ids(args)
-    common = dict(
-        group_ep=args.group,
-        ep_world_size=args.world_size,
-        ep_rank_id=args.rank,
-        moe_expert_num=args.num_experts,
-        global_bs=args.num_max_dispatch_tokens_per_rank * args.world_size,
-        no_expert=True,
-    )
+    ids, segment = args.topk_idx, pair_segments(args)
+    global_bs = args.num_max_dispatch_tokens_per_rank * args.world_size
+    common = dict(group_ep=args.group, ep_world_size=args.world_size, ep_rank_id=args.rank,
+                  moe_expert_num=args.num_experts, global_bs=global_bs, no_expert=True)  # fmt: skip
     masks = [segment == s for s in range(args.num_segments)]
     quant_mode = 2 if args.int8_weights else 0
-
-    def start_dispatch(s: int) -> Completion:
-        params = DispatchParams(
-            args.x, ids, x_active_mask=masks[s], quant_mode=quant_mode, expert_token_nums_type=1, **common
-        )
-        return start_dispatch_flat(params, args.ep)
-
     # expert segments return partial sums of a token's pairs, so they travel in fp32 and are rounded once at the
     # end; token segments return final rows, so they travel in out_dtype (bit-equal to one unsegmented combine)
     wire_dtype = torch.float32 if args.segment_by == "expert" else args.out_dtype
+    weights = (args.w1, args.w2, args.w1_scale, args.w2_scale)
 
-    def start_combine(s: int, y: torch.Tensor, assist: torch.Tensor, ep_recv_counts: torch.Tensor) -> Completion:
-        params = CombineParams(
-            y.to(wire_dtype), ids, assist, ep_recv_counts, args.topk_weights, x_active_mask=masks[s], **common
-        )
-        return start_combine_flat(params, args.ep)
+    def start_dispatch(s: int) -> Completion:
+        kw = dict(x_active_mask=masks[s], quant_mode=quant_mode, expert_token_nums_type=1, **common)
+        return start_dispatch_flat(DispatchParams(args.x, ids, **kw), args.ep)
+
+    def start_combine(s: int, y: torch.Tensor, assist: torch.Tensor, counts: torch.Tensor) -> Completion:
+        p = CombineParams(y.to(wire_dtype), ids, assist, counts, args.topk_weights, x_active_mask=masks[s], **common)
+        return start_combine_flat(p, args.ep)
 
     # One comm thread issues every collective, in the same order on every rank; this thread only computes.
     comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mega_moe_comm")
     try:
-        # comm order: D0 D1 T0 D2 T1 ... (Dk: dispatch setup of segment k, Tk: its teardown), so segment 0's rows
-        # arrive after two setups while the later segments' payloads are still in flight
+        # comm order: D0 D1 T0 D2 T1 ..., so segment 0's rows arrive after two setups while later payloads fly
         dispatches: list = [comm.submit(start_dispatch, 0)]
         received: list = []
         for s in range(1, args.num_segments + 1):
@@ -109,20 +88,10 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
             received.append(comm.submit(_receive, dispatches[s - 1]))
         combines = []
         for s in range(args.num_segments):
-            expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, _, _ = received[s].result()
-            received[s] = dispatches[s] = None  # type: ignore[call-overload]  # free the receive buffers early
-            y = grouped_ffn(
-                expand_x,
-                dynamic_scales,
-                expert_token_nums,
-                args.segment_experts(s),
-                args.w1,
-                args.w2,
-                args.w1_scale,
-                args.w2_scale,
-                args.out_dtype,
-            )
-            combines.append(comm.submit(start_combine, s, y, assist, ep_recv_counts))
+            expand_x, scales, assist, token_nums, recv_counts, _, _ = received[s].result()
+            received[s] = dispatches[s] = None  # free the receive buffers early
+            y = grouped_ffn(expand_x, scales, token_nums, args.segment_experts(s), *weights, args.out_dtype)
+            combines.append(comm.submit(start_combine, s, y, assist, recv_counts))
         partials = [comm.submit(_receive, c) for c in combines]
         out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32, device=args.x.device)
         for p in partials:
