@@ -490,29 +490,8 @@ class Buffer:
         del num_ranks
         return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    @staticmethod
-    def get_low_latency_ccl_buffer_size(
-        world_size: int,
-        num_max_dispatch_tokens_per_rank: int,
-        hidden: int,
-        num_moe_expert: int,
-        topk: int,
-        num_shared_expert: int = 0,
-        num_shared_expert_ranks: int = 0,
-        comm_alg: str = "",
-    ) -> int:
-        """MB of CCL buffer the Ascend ops need (ops-transformer's formula; see
-        :func:`deep_ep_npu.ops.get_low_latency_ccl_buffer_size`), e.g. 479 for ``(8, 128, 7168, 256, 8)``."""
-        return get_low_latency_ccl_buffer_size(
-            world_size,
-            num_max_dispatch_tokens_per_rank,
-            hidden,
-            num_moe_expert,
-            topk,
-            num_shared_expert,
-            num_shared_expert_ranks,
-            comm_alg,
-        )
+    get_low_latency_ccl_buffer_size = staticmethod(get_low_latency_ccl_buffer_size)
+    """MB of CCL buffer the Ascend ops need (ops-transformer's formula), e.g. 479 for ``(8, 128, 7168, 256, 8)``."""
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:

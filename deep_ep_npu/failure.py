@@ -162,11 +162,12 @@ _MONITORS: dict[str, tuple[dist.ProcessGroup, GroupMonitor]] = {}
 
 def monitor(group: dist.ProcessGroup | None) -> GroupMonitor:
     """The :class:`GroupMonitor` of ``group`` (None: the default group); one per group per process."""
-    group = dist.group.WORLD if group is None else group
-    key = getattr(group, "group_name", "") or "default"
+    pg = dist.group.WORLD if group is None else group
+    assert pg is not None, "torch.distributed is not initialized"
+    key = getattr(pg, "group_name", "") or "default"
     cached = _MONITORS.get(key)
-    if cached is None or cached[0] is not group:
-        cached = (group, GroupMonitor(group))
+    if cached is None or cached[0] is not pg:
+        cached = (pg, GroupMonitor(pg))
         _MONITORS[key] = cached
     return cached[1]
 

@@ -273,7 +273,8 @@ class Transfer:
         send_rows: Sequence[int],
         op: str,
     ) -> None:
-        self.ep, self.op, self.wait_ns, self._keep = ep, op, 0, (recv, send)
+        self.ep, self.op, self.wait_ns = ep, op, 0
+        self._keep: tuple[torch.Tensor, torch.Tensor] | None = (recv, send)
         self.pending: Pending | None = None
         if ep.num_ranks > 1:
             width = send.shape[1] if send.dim() == 2 else recv.shape[1]

@@ -15,6 +15,7 @@ step, the payload all-to-all and the flat placement, bounded by the group's time
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .engine.flat import start_combine_flat, start_dispatch_flat
 from .errors import (
@@ -40,37 +41,37 @@ __all__ = [
 ]
 
 
-def moe_distribute_dispatch_v2(
-    x,
-    expert_ids,
-    group_ep,
-    ep_world_size,
-    ep_rank_id,
-    moe_expert_num,
+def moe_distribute_dispatch_v2(  # fmt: skip
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    group_ep: dist.ProcessGroup | str,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
     *,
-    scales=None,
-    x_active_mask=None,
-    expert_scales=None,
-    elastic_info=None,
-    performance_info=None,
-    group_tp="",
-    tp_world_size=0,
-    tp_rank_id=0,
-    expert_shard_type=0,
-    shared_expert_num=1,
-    shared_expert_rank_num=0,
-    quant_mode=0,
-    global_bs=0,
-    expert_token_nums_type=1,
-    comm_alg="",
-    zero_expert_num=0,
-    copy_expert_num=0,
-    const_expert_num=0,
-    y_dtype=None,
-    x_dtype=None,
-    scales_dtype=None,
-    ccl_buffer_size=None,
-    strict=False,
+    scales: torch.Tensor | None = None,
+    x_active_mask: torch.Tensor | None = None,
+    expert_scales: torch.Tensor | None = None,
+    elastic_info: torch.Tensor | None = None,
+    performance_info: torch.Tensor | None = None,
+    group_tp: dist.ProcessGroup | str = "",
+    tp_world_size: int = 0,
+    tp_rank_id: int = 0,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    quant_mode: int = 0,
+    global_bs: int = 0,
+    expert_token_nums_type: int = 1,
+    comm_alg: str = "",
+    zero_expert_num: int = 0,
+    copy_expert_num: int = 0,
+    const_expert_num: int = 0,
+    y_dtype: torch.dtype | None = None,
+    x_dtype: torch.dtype | None = None,
+    scales_dtype: torch.dtype | None = None,
+    ccl_buffer_size: int | None = None,
+    strict: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Send every token to the ranks hosting its experts (Ascend MoE distribute dispatch, flat layout).
 
@@ -133,41 +134,21 @@ def moe_distribute_dispatch_v2(
     return start_dispatch_flat(DispatchParams(**locals())).wait()
 
 
+# fmt: off
 def moe_distribute_combine_v2(
-    expand_x,
-    expert_ids,
-    assist_info_for_combine,
-    ep_send_counts,
-    expert_scales,
-    group_ep,
-    ep_world_size,
-    ep_rank_id,
-    moe_expert_num,
-    *,
-    tp_send_counts=None,
-    x_active_mask=None,
-    expand_scales=None,
-    shared_expert_x=None,
-    elastic_info=None,
-    ori_x=None,
-    const_expert_alpha_1=None,
-    const_expert_alpha_2=None,
-    const_expert_v=None,
-    performance_info=None,
-    group_tp="",
-    tp_world_size=0,
-    tp_rank_id=0,
-    expert_shard_type=0,
-    shared_expert_num=1,
-    shared_expert_rank_num=0,
-    global_bs=0,
-    comm_quant_mode=0,
-    comm_alg="",
-    zero_expert_num=0,
-    copy_expert_num=0,
-    const_expert_num=0,
-    strict=False,
+    expand_x: torch.Tensor, expert_ids: torch.Tensor, assist_info_for_combine: torch.Tensor,
+    ep_send_counts: torch.Tensor, expert_scales: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
+    ep_rank_id: int, moe_expert_num: int, *, tp_send_counts: torch.Tensor | None = None,
+    x_active_mask: torch.Tensor | None = None, expand_scales: torch.Tensor | None = None,
+    shared_expert_x: torch.Tensor | None = None, elastic_info: torch.Tensor | None = None,
+    ori_x: torch.Tensor | None = None, const_expert_alpha_1: torch.Tensor | None = None,
+    const_expert_alpha_2: torch.Tensor | None = None, const_expert_v: torch.Tensor | None = None,
+    performance_info: torch.Tensor | None = None, group_tp: dist.ProcessGroup | str = "", tp_world_size: int = 0,
+    tp_rank_id: int = 0, expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0,
+    global_bs: int = 0, comm_quant_mode: int = 0, comm_alg: str = "", zero_expert_num: int = 0,
+    copy_expert_num: int = 0, const_expert_num: int = 0, strict: bool = False,
 ) -> torch.Tensor:
+    # fmt: on
     """Return expert outputs to their source ranks and reduce them there (Ascend MoE distribute combine).
 
     Same notation as :func:`moe_distribute_dispatch_v2`. With tp_world_size 2 a ReduceScatterV over the TP pair runs

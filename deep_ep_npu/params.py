@@ -117,7 +117,8 @@ def validate_layout(p: DispatchParams | CombineParams) -> EpLayout:
     if p.moe_expert_num % moe_ranks:
         raise shape(
             "moe_expert_num",
-            f"{p.moe_expert_num} is not divisible by the {moe_ranks} MoE ranks (ep_world_size - shared_expert_rank_num)",
+            f"{p.moe_expert_num} is not divisible by the {moe_ranks} MoE ranks "
+            "(ep_world_size - shared_expert_rank_num)",
         )
     for name, value in (
         ("zero_expert_num", p.zero_expert_num),
@@ -256,7 +257,7 @@ def _tokens(layout: EpLayout, x_param: str, x: object, ids: object, mask: object
     global_bs_real."""
     strict = layout.strict
     x = checks.tensor(x, x_param, NPU_ACT_DTYPES if strict else ACT_DTYPES, 2)
-    checks.tensor(ids, "expert_ids", (torch.int32,) if strict else ID_DTYPES, 2)
+    checks.tensor(ids, "topk_idx" if no_expert else "expert_ids", (torch.int32,) if strict else ID_DTYPES, 2)
     num_tokens, hidden = x.shape
     max_bs = 256 if layout.comm_alg == "fullmesh_v2" else MAX_BS
     checks.in_range(num_tokens, f"{x_param}.shape[0] (Bs)", 1 if strict else 0, max_bs)
@@ -266,7 +267,8 @@ def _tokens(layout: EpLayout, x_param: str, x: object, ids: object, mask: object
         raise shape(x_param, f"hidden size (dim 1) must be >= 1, got {hidden}")
     max_topk = 12 if layout.comm_alg == "fullmesh_v2" else 16
     what = " (moe + zero + copy + const experts)"
-    ids_ = checks.expert_ids(ids, "expert_ids", layout.num_expert_ids, num_tokens, max_topk, no_expert, what).long()
+    param = "topk_idx" if no_expert else "expert_ids"  # the callers that allow -1 name it as DeepEP does
+    ids_ = checks.expert_ids(ids, param, layout.num_expert_ids, num_tokens, max_topk, no_expert, what).long()
     topk = ids_.shape[1]
     mask_ = checks.optional_tensor(mask, "x_active_mask", (torch.bool,), (1, 2))
     if mask_ is not None and mask_.dim() == 1:
@@ -299,20 +301,11 @@ def _performance_info(value: object, world_size: int) -> torch.Tensor | None:
 
 
 @dataclasses.dataclass
-class DispatchParams:
-    """The arguments of ``npu_moe_distribute_dispatch_v2``, by its keyword names (documented on
-    :func:`deep_ep_npu.ops.moe_distribute_dispatch_v2`), plus ``ccl_buffer_size`` / ``strict`` (ours) and
-    ``no_expert`` (internal: -1 in ``expert_ids`` means "no expert", as DeepEP; the Buffer's flat methods)."""
+class _Common:
+    """The keywords both ops take (same names and defaults)."""
 
-    x: Any
-    expert_ids: Any
-    group_ep: Any
-    ep_world_size: Any
-    ep_rank_id: Any
-    moe_expert_num: Any
-    scales: Any = None
+    _: dataclasses.KW_ONLY
     x_active_mask: Any = None
-    expert_scales: Any = None
     elastic_info: Any = None
     performance_info: Any = None
     group_tp: Any = ""
@@ -321,19 +314,37 @@ class DispatchParams:
     expert_shard_type: Any = 0
     shared_expert_num: Any = 1
     shared_expert_rank_num: Any = 0
-    quant_mode: Any = 0
     global_bs: Any = 0
-    expert_token_nums_type: Any = 1
     comm_alg: Any = ""
     zero_expert_num: Any = 0
     copy_expert_num: Any = 0
     const_expert_num: Any = 0
+    strict: Any = False
+    no_expert: bool = False
+
+
+@dataclasses.dataclass
+class DispatchParams(_Common):
+    """The arguments of ``npu_moe_distribute_dispatch_v2``, by its keyword names (documented on
+    :func:`deep_ep_npu.ops.moe_distribute_dispatch_v2`), plus ``ccl_buffer_size`` / ``strict`` (ours) and
+    ``no_expert`` (internal: -1 in ``expert_ids`` means "no expert" and errors name it ``topk_idx``, as DeepEP; the
+    Buffer's flat methods and MegaMoE)."""
+
+    x: Any
+    expert_ids: Any
+    group_ep: Any
+    ep_world_size: Any
+    ep_rank_id: Any
+    moe_expert_num: Any
+    _: dataclasses.KW_ONLY
+    scales: Any = None
+    expert_scales: Any = None
+    quant_mode: Any = 0
+    expert_token_nums_type: Any = 1
     y_dtype: Any = None
     x_dtype: Any = None
     scales_dtype: Any = None
     ccl_buffer_size: Any = None
-    strict: Any = False
-    no_expert: bool = False
 
     def validate(self) -> ValidDispatch:
         """Check every argument (no communication); raise :class:`~deep_ep_npu.errors.MoeDistributeError` naming
@@ -384,7 +395,7 @@ class ValidDispatch:
 
 
 @dataclasses.dataclass
-class CombineParams:
+class CombineParams(_Common):
     """The arguments of ``npu_moe_distribute_combine_v2``, by its keyword names (documented on
     :func:`deep_ep_npu.ops.moe_distribute_combine_v2`), plus ``strict`` (ours) and ``no_expert`` (internal, as in
     :class:`DispatchParams`)."""
@@ -398,30 +409,15 @@ class CombineParams:
     ep_world_size: Any
     ep_rank_id: Any
     moe_expert_num: Any
+    _: dataclasses.KW_ONLY
     tp_send_counts: Any = None
-    x_active_mask: Any = None
     expand_scales: Any = None
     shared_expert_x: Any = None
-    elastic_info: Any = None
     ori_x: Any = None
     const_expert_alpha_1: Any = None
     const_expert_alpha_2: Any = None
     const_expert_v: Any = None
-    performance_info: Any = None
-    group_tp: Any = ""
-    tp_world_size: Any = 0
-    tp_rank_id: Any = 0
-    expert_shard_type: Any = 0
-    shared_expert_num: Any = 1
-    shared_expert_rank_num: Any = 0
-    global_bs: Any = 0
     comm_quant_mode: Any = 0
-    comm_alg: Any = ""
-    zero_expert_num: Any = 0
-    copy_expert_num: Any = 0
-    const_expert_num: Any = 0
-    strict: Any = False
-    no_expert: bool = False
 
     def validate(self) -> ValidCombine:
         """Check every argument (no communication), as :meth:`DispatchParams.validate`."""

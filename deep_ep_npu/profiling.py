@@ -1,15 +1,14 @@
 """Opt-in timing of where dispatch/combine time goes, and the bytes the last calls put on the wire.
 
-Off by default: :func:`section` then costs one flag check. Benchmarks call :func:`enable`, run, and read
+Off by default: :func:`laps` then costs one flag check. Benchmarks call :func:`enable`, run, and read
 :func:`report` (mean µs per call of each named section: validation, layout, packing, collectives, unpacking).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 _enabled = False
 _totals: dict[str, float] = defaultdict(float)
@@ -25,21 +24,6 @@ def enable() -> None:
 def disable() -> None:
     global _enabled
     _enabled = False
-
-
-@contextlib.contextmanager
-def _timed(name: str) -> Iterator[None]:
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        _totals[name] += time.perf_counter() - t0
-        _counts[name] += 1
-
-
-def section(name: str) -> contextlib.AbstractContextManager:
-    """``with section("layout"): ...`` accumulates the block's wall time under ``name`` while enabled."""
-    return _timed(name) if _enabled else contextlib.nullcontext()
 
 
 class _Laps:
@@ -86,7 +70,7 @@ def record_wire(op: str, send_bytes_per_rank: Sequence[int], own_rank: int, head
 def wire_stats(_buffer: object = None) -> dict:
     """Bytes of the last dispatch and combine on this rank: ``{op}_send_bytes`` (payload per destination, self
     included) and ``{op}_wire_bytes`` (what actually left this rank: payload to others + headers)."""
-    out = {}
+    out: dict[str, object] = {}
     for op, (per_rank, own, header) in _wire.items():
         out[f"{op}_send_bytes"] = per_rank
         out[f"{op}_wire_bytes"] = sum(per_rank) - per_rank[own] + header * (len(per_rank) - 1)

@@ -62,12 +62,6 @@ def per_group_int8(x: torch.Tensor, group: int = 8) -> tuple[torch.Tensor, torch
     return q.clamp_(-127, 127).to(torch.int8).view(n, h), scale
 
 
-def dequant_per_group_int8(q: torch.Tensor, scale: torch.Tensor, group: int = 8) -> torch.Tensor:
-    """Inverse of :func:`per_group_int8`, in fp32: `[num_tokens, hidden]` with `torch.float32`."""
-    n, h = q.shape
-    return (q.float().view(n, h // group, group) * scale.float().unsqueeze(-1)).view(n, h)
-
-
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128

@@ -4,8 +4,6 @@
 # Qwen3-MoE-style model; nothing is downloaded). Extra arguments override the config, e.g. `--port 9000`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[serve]'
+source scripts/_venv.sh
+setup_venv serve
 exec .venv/bin/python -m server --config configs/default.yaml "$@"

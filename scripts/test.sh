@@ -2,10 +2,8 @@
 # Installs what the tests need into .venv (CPU torch 2.13.0, no accelerator), lints and type-checks, runs the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[serve,dev]'
+source scripts/_venv.sh
+setup_venv serve,dev
 # Every check runs even if an earlier one fails; any failure fails the script (settings: pyproject.toml).
 status=0
 .venv/bin/ruff check . || status=1

@@ -49,14 +49,21 @@ RANDOM_DEFAULTS: dict[str, Any] = dict(
     eos_token_id=256,
     max_position_embeddings=4096,
 )
+# What a random ``deepseek_v3`` model adds: grouped routing with one shared expert, and the MLA attention sizes.
+DEEPSEEK_V3_ROUTING: dict[str, Any] = dict(
+    n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_shared_experts=1
+)
+DEEPSEEK_V3_MLA: dict[str, Any] = dict(
+    kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
+)
 
 
 def random_hf_config(spec: dict[str, Any] | None = None) -> dict[str, Any]:
     """An HF-style ``config.json`` dict for a random model: :data:`RANDOM_DEFAULTS` overridden by ``spec``.
 
     ``architecture`` is ``qwen3_moe``, ``deepseek_v3`` or ``mixtral`` (or an HF class name); other keys are HF
-    config field names. For ``deepseek_v3`` MLA and grouped-routing defaults are added; for ``mixtral`` the expert
-    size is ``intermediate_size``.
+    config field names. For ``deepseek_v3`` the grouped-routing and MLA defaults (:data:`DEEPSEEK_V3_ROUTING`,
+    :data:`DEEPSEEK_V3_MLA`) are added; for ``mixtral`` the expert size is ``intermediate_size``.
     """
     cfg = {**RANDOM_DEFAULTS, **(spec or {})}
     arch = cfg.pop("architecture")
@@ -65,19 +72,7 @@ def random_hf_config(spec: dict[str, Any] | None = None) -> dict[str, Any]:
         raise ValueError(f"random_model architecture={arch!r} is not one of {sorted(_ARCH_NAMES)}")
     cfg["architectures"] = [_ARCH_NAMES[arch]]
     if arch == "deepseek_v3":
-        ds = dict(
-            n_routed_experts=cfg.pop("num_experts"),
-            n_group=4,
-            topk_group=2,
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
-            n_shared_experts=1,
-            kv_lora_rank=32,
-            q_lora_rank=None,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-        )
+        ds = {"n_routed_experts": cfg.pop("num_experts"), **DEEPSEEK_V3_ROUTING, **DEEPSEEK_V3_MLA}
         cfg = {**ds, **cfg}
     elif arch == "mixtral":
         cfg["num_local_experts"] = cfg.pop("num_experts")

@@ -8,6 +8,9 @@ neither returns nor fails within ``timeout`` seconds (a deadlock) fails it with 
 stuck ranks, and all children are killed, so CI never hangs.
 
 ``fn`` must be a module-level function (it is pickled by reference) and its result picklable.
+
+Also small helpers for the rank functions: a failure test's victim and survivors (``stop_victim``,
+``leave_together``) and ``op_error`` (what a ``deep_ep_npu.ops`` call raises).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 import datetime
 import io
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
@@ -154,3 +158,34 @@ def parallel_launch(
         stuck = [r for r in range(world_size) if r not in done]
         raise TimeoutError(f"ranks {stuck} did not finish within {timeout:.0f}s (deadlock?)")
     return [None if done[r][1] is None else _loads(done[r][1]) for r in range(world_size)]
+
+
+def leave_together(store: Any, rank: int, num_survivors: int) -> None:
+    """Survivors leave together: each counts itself under ``test/left`` in ``store``; rank 0 (the store's host)
+    leaves last, once all ``num_survivors`` have, after setting ``test/done`` (which releases a hanging victim)."""
+    store.add("test/left", 1)
+    while rank == 0 and int(store.add("test/left", 0)) < num_survivors:
+        time.sleep(0.01)
+    if rank == 0:
+        store.set("test/done", "1")
+
+
+def stop_victim(store: Any, how: str) -> None:
+    """The victim of a failure test: exit at once (``how="exit"``), or hang (stop calling) until the survivors
+    are done (``test/done`` in ``store``), then exit."""
+    try:
+        while how == "hang" and not store.check(["test/done"]):
+            time.sleep(0.05)
+    finally:
+        os._exit(0)
+
+
+def op_error(fn: Callable[[], object]) -> tuple[int, str, str] | None:
+    """``(code, param, message)`` of the ``MoeDistributeError`` that ``fn()`` raises, or None if it returns."""
+    from deep_ep_npu.ops import MoeDistributeError
+
+    try:
+        fn()
+    except MoeDistributeError as err:
+        return err.code, err.param, str(err)
+    return None

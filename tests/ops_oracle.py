@@ -10,9 +10,21 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import random
 
 import numpy as np
 import torch
+
+# The outputs of ``moe_distribute_dispatch_v2``, in order.
+DISPATCH_OUTPUTS = (
+    "expand_x",
+    "dynamic_scales",
+    "assist_info_for_combine",
+    "expert_token_nums",
+    "ep_recv_counts",
+    "tp_recv_counts",
+    "expand_scales",
+)
 
 
 @dataclasses.dataclass
@@ -24,6 +36,27 @@ class RankInput:
     mask: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     shared_x: torch.Tensor | None = None
+
+
+def random_rank_input(
+    x: torch.Tensor, num_ids: int, topk: int, mask: str | None, shared_x: bool, rng: random.Random, g: torch.Generator
+) -> RankInput:
+    """A random :class:`RankInput` around ``x`` `[Bs, H]`: ``topk`` distinct ids in ``[0, num_ids)`` per token, the
+    ``mask`` (``"1d"``: the first ``randint(0, Bs)`` tokens, ``"2d"``: each (token, k) pair with probability 0.7, or
+    None), weights in [0, 1) and, with ``shared_x``, a shared-expert input of ``x``'s shape and dtype.
+
+    Drawn from ``rng`` and ``g`` in that order (ids, mask, weights, shared_x), so a seeded case stays the same."""
+    bs, hidden = x.shape
+    ids = torch.stack([torch.randperm(num_ids, generator=g)[:topk] for _ in range(bs)]) if bs else None
+    ids = ids.to(torch.int32) if bs else torch.zeros((0, topk), dtype=torch.int32)
+    rank_mask = None
+    if mask == "1d":
+        rank_mask = torch.arange(bs) < rng.randint(0, bs)
+    elif mask == "2d":
+        rank_mask = torch.rand((bs, topk), generator=g) < 0.7
+    weights = torch.rand((bs, topk), generator=g)
+    shared = torch.randn((bs, hidden), generator=g).to(x.dtype) if shared_x else None
+    return RankInput(x, ids, rank_mask, weights, shared)
 
 
 @dataclasses.dataclass

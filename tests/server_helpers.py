@@ -7,11 +7,13 @@ that formula, not against the fake's own bookkeeping.
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import httpx
 import uvicorn
 
 from server.engine_api import EngineCore, RequestDelta, SamplingParams, StepStats, Tokenizer
@@ -133,6 +135,51 @@ class FakeEngine(EngineCore):
 
     def last_step_stats(self) -> StepStats:
         return StepStats(self.step_time, [1e-4, 2e-4], [3e-4], len(self.running), len(self.waiting))
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    """The OpenAI-style error object of ``r``, after checking its status and the object's keys."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def wait_until(
+    cond: Callable[[], object], timeout: float = 10.0, what: str = "condition not reached in time", poll: float = 0.005
+) -> None:
+    """Poll ``cond()`` every ``poll`` seconds until it is true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(poll)
+
+
+def stream_completion(url: str, body: dict, out: dict) -> None:
+    """POST ``body`` to ``url``'s ``/v1/completions`` as a stream (SSE) and read it to the end (for a thread).
+
+    ``out`` gets ``status``, ``tokens`` (how many token ids arrived), ``finish`` (the last finish reason), ``error``
+    (an error event), ``done`` (``[DONE]`` was received) and ``broken`` (the ``httpx.HTTPError`` that cut the
+    response, as a repr). ``out["first"]``, an Event (made if absent), is set at each chunk and at the end."""
+    out.update(tokens=0, finish=None, error=None, done=False, broken=None)
+    first = out.setdefault("first", threading.Event())
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    out["done"] = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        out["error"] = event["error"]
+                        continue
+                    out["tokens"] += len(event["choices"][0]["token_ids"])
+                    out["finish"] = event["choices"][0]["finish_reason"] or out["finish"]
+                    first.set()
+    except httpx.HTTPError as e:  # the server closed the connection mid-body
+        out["broken"] = repr(e)
+    first.set()
 
 
 def free_port() -> int:

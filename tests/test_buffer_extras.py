@@ -85,7 +85,7 @@ def _flat(info):
             assert calc_diff(combined, want) < (1e-4 if quant_mode else 1e-5)
     # bad input on one rank: the op rejects it on every rank
     bad_idx = topk_idx.float() if rank == 1 else topk_idx
-    with pytest.raises(MoeDistributeError, match="expert_ids" if rank == 1 else "rejected on rank 1"):
+    with pytest.raises(MoeDistributeError, match="topk_idx" if rank == 1 else "rejected on rank 1"):
         buffer.low_latency_dispatch_flat(x, bad_idx, N, E)
     return True
 

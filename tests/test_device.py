@@ -15,6 +15,7 @@ import torch.distributed as dist
 from deep_ep_npu import Buffer
 from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2
 from tests.deepep_utils import calc_diff, per_token_cast_back
+from tests.ops_oracle import DISPATCH_OUTPUTS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,15 +80,7 @@ def _assert_same(got: dict, want: dict, device: str = "cuda") -> None:
 
 
 # ---- (a) the one-shot ops ------------------------------------------------------------------------------------------
-OP_KEYS = (
-    "expand_x",
-    "dynamic_scales",
-    "assist_info_for_combine",
-    "expert_token_nums",
-    "ep_recv_counts",
-    "tp_recv_counts",
-    "expand_scales",
-)
+OP_KEYS = DISPATCH_OUTPUTS
 
 
 def _run_ops(device: str, group, quant_mode: int) -> dict:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_npu import Buffer, EPRankFailure
-from tests.distributed import parallel_launch
+from tests.distributed import leave_together, parallel_launch
 
 W, N, HIDDEN, TOPK, EXPERTS = 4, 8, 128, 3, 8
 VICTIM = 2  # rank 0 hosts the rendezvous store; a different rank fails
@@ -106,40 +106,36 @@ def _scenario(info, where: str, how: str, shrink: bool):
         out["mask"] = mask.tolist()
     except EPRankFailure as err:
         out = {"error": err.missing_ranks, "message": str(err), "elapsed": time.monotonic() - t0}
-    _leave_together(store, info.rank)
+    leave_together(store, info.rank, W - 1)  # every rank but the victim
     return out
 
 
-def _leave_together(store, rank: int) -> None:
-    """Rank 0 hosts the store: it leaves last, after every other survivor's last store operation."""
-    if rank != 0:
-        store.add("test/left", 1)
-        return
-    while int(store.add("test/left", 0)) < W - 2:
-        time.sleep(0.01)
-    store.set("test/done", "1")
+def _launch(scenario, *args) -> tuple[object, dict]:
+    """Run ``scenario(info, *args)`` on W ranks: the victim's result and the survivors' results by rank."""
+    results = parallel_launch(W, scenario, *args, timeout=60, allow_exit=(VICTIM,))
+    return results[VICTIM], {rank: res for rank, res in enumerate(results) if rank != VICTIM}
 
 
-@pytest.mark.parametrize("how", ["exit", "hang"])
-@pytest.mark.parametrize("where", ["dispatch", "combine", "clean"])
+def _each_failure(test):
+    """Parametrize ``test`` over every point of failure (``where``) and way to fail (``how``)."""
+    test = pytest.mark.parametrize("where", ["dispatch", "combine", "clean"])(test)
+    return pytest.mark.parametrize("how", ["exit", "hang"])(test)
+
+
+@_each_failure
 def test_survivors_raise_naming_the_missing_rank(where, how):
-    results = parallel_launch(W, _scenario, where, how, False, timeout=60, allow_exit=(VICTIM,))
-    for rank, res in enumerate(results):
-        if rank == VICTIM:
-            assert res is None
-            continue
+    victim, survivors = _launch(_scenario, where, how, False)
+    assert victim is None
+    for res in survivors.values():
         assert res.get("error") == (VICTIM,), res
         assert f"ranks [{VICTIM}]" in res["message"]
         assert res["elapsed"] < 2 * TIMEOUT + 1.5, res  # within the timeout (plus the agreement), never a hang
 
 
-@pytest.mark.parametrize("how", ["exit", "hang"])
-@pytest.mark.parametrize("where", ["dispatch", "combine", "clean"])
+@_each_failure
 def test_shrink_mode_continues_with_the_rank_masked(where, how):
-    results = parallel_launch(W, _scenario, where, how, True, timeout=60, allow_exit=(VICTIM,))
-    for rank, res in enumerate(results):
-        if rank == VICTIM:
-            continue
+    _, survivors = _launch(_scenario, where, how, True)
+    for rank, res in survivors.items():
         assert "error" not in res, res
         assert res["mask"] == [int(r == VICTIM) for r in range(W)]
         assert res["elapsed"] < 2 * TIMEOUT + 1.5, res
@@ -179,14 +175,12 @@ def _payload_scenario(info):
     )
     hook()
     combined, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
-    _leave_together(store, info.rank)
+    leave_together(store, info.rank, W - 1)  # every rank but the victim
     return recv_count.clone(), combined.clone()
 
 
 def test_shrink_mode_recovers_inside_the_receive_hook():
-    results = parallel_launch(W, _payload_scenario, timeout=60, allow_exit=(VICTIM,))
-    for rank, res in enumerate(results):
-        if rank == VICTIM:
-            continue
+    _, survivors = _launch(_payload_scenario)
+    for rank, res in survivors.items():
         exp_counts, exp_combined = _oracle(rank, 1, {VICTIM})
         assert torch.equal(res[0], exp_counts) and _close(res[1], exp_combined)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from deep_ep_npu import Buffer, EPRankFailure, envs
 from deep_ep_npu import ops as ep_ops
 from deep_ep_npu.failure import DEFAULT_TIMEOUT_S, resolve_timeout
-from tests.distributed import parallel_launch
+from tests.distributed import leave_together, parallel_launch, stop_victim
 
 N, H, E, K = 4, 64, 6, 2
 
@@ -37,33 +37,20 @@ def _ops_round(info, stop_before: str | None = None):
     return ep_ops.moe_distribute_combine_v2(expand_x, ids, assist, counts, w, *args)
 
 
-def _leave(store, rank: int, num_survivors: int) -> None:
-    """Survivors leave together; rank 0 (the store's host) last."""
-    store.add("test/left", 1)
-    while rank == 0 and int(store.add("test/left", 0)) < num_survivors:
-        time.sleep(0.01)
-    if rank == 0:
-        store.set("test/done", "1")
-
-
 def _ops_failure(info, where: str, how: str, victim: int):
     os.environ["DEEP_EP_NPU_TIMEOUT"] = "1.5"  # read when the group's monitor is created (first collective)
     store = dist.distributed_c10d._get_default_store()
     _ops_round(info)
     if info.rank == victim:
         _ops_round(info, stop_before=where)
-        try:
-            while how == "hang" and not store.check(["test/done"]):
-                time.sleep(0.05)
-        finally:
-            os._exit(0)
+        stop_victim(store, how)
     t0 = time.monotonic()
     try:
         _ops_round(info)
         out = None
     except EPRankFailure as err:
         out = (err.missing_ranks, err.excluded, time.monotonic() - t0, str(err))
-    _leave(store, info.rank, info.world_size - 1)
+    leave_together(store, info.rank, info.world_size - 1)
     return out
 
 
@@ -88,7 +75,7 @@ def _late_rank(info):
         out = None
     except EPRankFailure as err:
         out = (err.missing_ranks, err.excluded)
-    _leave(store, info.rank, info.world_size)
+    leave_together(store, info.rank, info.world_size)
     return out
 
 

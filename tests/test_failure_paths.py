@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deep_ep_npu import Buffer, EPRankFailure, MoeDistributeError
 from deep_ep_npu import ops as ep_ops
 from deep_ep_npu.mega_moe import mega_moe
-from tests.distributed import parallel_launch
+from tests.distributed import leave_together, parallel_launch, stop_victim
 
 TIMEOUT = 1.5  # the failure-detection bound under test
 SLACK = 4.0  # allowed on top of it (agreement, process scheduling)
@@ -37,24 +37,6 @@ def _inputs(rank: int, num_experts: int, tokens: int = N, topk: int = K):
     x = torch.randn((tokens, H), generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(tokens)]).long()
     return x, ids, torch.softmax(torch.randn((tokens, topk), generator=g), dim=-1)
-
-
-def _leave(store, rank: int, num_survivors: int) -> None:
-    """Survivors leave together; rank 0 (the store's host) last, then it releases a hanging victim."""
-    store.add("test/left", 1)
-    while rank == 0 and int(store.add("test/left", 0)) < num_survivors:
-        time.sleep(0.01)
-    if rank == 0:
-        store.set("test/done", "1")
-
-
-def _stop(store, how: str) -> None:
-    """The victim: exit at once, or hang (stop calling) until the survivors are done, then exit."""
-    try:
-        while how == "hang" and not store.check(["test/done"]):
-            time.sleep(0.05)
-    finally:
-        os._exit(0)
 
 
 # ---------------------------------------------------------------- the rounds (stop_before: where the victim stops)
@@ -123,7 +105,7 @@ def _failure(info, kind: str, where: str | None, how: str, victim: int):
     round_fn(ctx, info)  # warm-up: every rank completes one call
     if info.rank == victim:
         round_fn(ctx, info, stop_before=where or "dispatch")
-        _stop(store, how)
+        stop_victim(store, how)
     t0 = time.monotonic()
     try:
         round_fn(ctx, info)
@@ -134,7 +116,7 @@ def _failure(info, kind: str, where: str | None, how: str, victim: int):
         out = (type(err).__name__, str(err), time.monotonic() - t0)
     if isinstance(ctx, Buffer):
         ctx.destroy()
-    _leave(store, info.rank, info.world_size - 1)
+    leave_together(store, info.rank, info.world_size - 1)
     return out
 
 

@@ -10,7 +10,10 @@ import os
 
 import torch
 
+from server.loader import DEEPSEEK_V3_MLA, DEEPSEEK_V3_ROUTING
+
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96, eos_token_id=255)  # not Mixtral's
 ROUTER_SCALE = 25.0
 
 
@@ -18,32 +21,11 @@ def hf_config(arch: str):  # noqa: ANN201
     import transformers as tf
 
     if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(
-            **COMMON,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            intermediate_size=96,
-            head_dim=16,
-            eos_token_id=255,
-        )
+        return tf.Qwen3MoeConfig(**COMMON, **MOE, num_experts=8, head_dim=16)
     if arch == "deepseek_v3":  # HF's MLA needs num_key_value_heads == num_attention_heads
+        mla = {**DEEPSEEK_V3_MLA, "kv_lora_rank": 16}  # the server's random DeepSeek-V3 sizes, a smaller KV rank
         return tf.DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4},
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            intermediate_size=96,
-            n_group=4,
-            topk_group=2,
-            first_k_dense_replace=1,
-            kv_lora_rank=16,
-            q_lora_rank=None,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            n_shared_experts=1,
-            eos_token_id=255,
+            **{**COMMON, "num_key_value_heads": 4}, **MOE, n_routed_experts=8, **DEEPSEEK_V3_ROUTING, **mla
         )
     if arch == "mixtral":
         return tf.MixtralConfig(

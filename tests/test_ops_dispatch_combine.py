@@ -13,18 +13,19 @@ import pytest
 import torch
 
 from tests.distributed import parallel_launch
-from tests.ops_oracle import Layout, RankInput, combine_oracle, dispatch_oracle, expert_fn, from_bytes, to_bytes
+from tests.ops_oracle import (
+    DISPATCH_OUTPUTS,
+    Layout,
+    combine_oracle,
+    dispatch_oracle,
+    expert_fn,
+    from_bytes,
+    random_rank_input,
+    to_bytes,
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-KEYS = (
-    "expand_x",
-    "dynamic_scales",
-    "assist_info_for_combine",
-    "expert_token_nums",
-    "ep_recv_counts",
-    "tp_recv_counts",
-    "expand_scales",
-)
+KEYS = DISPATCH_OUTPUTS
 
 
 def make_case(seed: int, world_size: int, **force) -> dict:
@@ -58,16 +59,7 @@ def make_case(seed: int, world_size: int, **force) -> dict:
         if c["empty_rank"] and r == world_size - 1:
             bs = 0
         x = (torch.randn((bs, c["hidden"]), generator=g) * 2).to(c["dtype"])
-        ids = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(bs)]) if bs else None
-        ids = ids.to(torch.int32) if bs else torch.zeros((0, topk), dtype=torch.int32)
-        mask = None
-        if c["mask"] == "1d":
-            mask = torch.arange(bs) < rng.randint(0, bs)
-        elif c["mask"] == "2d":
-            mask = torch.rand((bs, topk), generator=g) < 0.7
-        weights = torch.rand((bs, topk), generator=g)
-        shared_x = torch.randn((bs, c["hidden"]), generator=g).to(c["dtype"]) if c["shared_x"] else None
-        inputs.append(RankInput(x, ids, mask, weights, shared_x))
+        inputs.append(random_rank_input(x, num_experts, topk, c["mask"], c["shared_x"], rng, g))
     smooth = None
     if c["quant"] and c["smooth"]:
         smooth = torch.rand((num_experts, c["hidden"]), generator=g) + 0.5

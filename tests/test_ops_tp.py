@@ -12,8 +12,17 @@ import random
 import torch
 import torch.distributed as dist
 
-from tests.distributed import parallel_launch
-from tests.ops_oracle import Layout, RankInput, combine_oracle, dispatch_oracle, expert_fn, from_bytes, to_bytes
+from tests.distributed import op_error, parallel_launch
+from tests.ops_oracle import (
+    DISPATCH_OUTPUTS,
+    Layout,
+    combine_oracle,
+    dispatch_oracle,
+    expert_fn,
+    from_bytes,
+    random_rank_input,
+    to_bytes,
+)
 
 NULL, PARAM, SHAPE = 161001, 161002, 561002
 
@@ -39,14 +48,7 @@ def make_case(seed: int) -> dict:
     for _ in range(4):
         bs = rng.randint(0, max_bs) if uneven else max_bs
         x = (torch.randn((bs, hidden), generator=g) * 2).to(dtype)
-        ids = torch.stack([torch.randperm(2, generator=g)[:topk] for _ in range(bs)]) if bs else None
-        ids = ids.to(torch.int32) if bs else torch.zeros((0, topk), dtype=torch.int32)
-        mask = None
-        if mask_kind == "1d":
-            mask = torch.arange(bs) < rng.randint(0, bs)
-        elif mask_kind == "2d":
-            mask = torch.rand((bs, topk), generator=g) < 0.7
-        inputs.append(RankInput(x, ids, mask, torch.rand((bs, topk), generator=g)))
+        inputs.append(random_rank_input(x, 2, topk, mask_kind, False, rng, g))
     return dict(
         dtype=dtype,
         inputs=inputs,
@@ -140,15 +142,7 @@ def combine_oracle_dequant(row: torch.Tensor) -> torch.Tensor:
     return (torch.from_numpy(q).float() * float(sc)).to(row.dtype)
 
 
-KEYS = (
-    "expand_x",
-    "dynamic_scales",
-    "assist_info_for_combine",
-    "expert_token_nums",
-    "ep_recv_counts",
-    "tp_recv_counts",
-    "expand_scales",
-)
+KEYS = DISPATCH_OUTPUTS
 
 
 def test_tp_dispatch_combine_match_oracle():
@@ -169,40 +163,35 @@ def test_tp_dispatch_combine_match_oracle():
 
 
 def _tp_errors(info):
-    from deep_ep_npu.ops import MoeDistributeError, moe_distribute_combine_v2, moe_distribute_dispatch_v2
+    from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2
 
     ep, tp = _groups(info)
     e, t = info.rank % 2, info.rank // 2
     x, ids = torch.ones(2, 8), torch.tensor([[0], [1]], dtype=torch.int32)
     tpkw = dict(group_tp=tp, tp_world_size=2, tp_rank_id=t)
 
-    def err(fn):
-        try:
-            fn()
-        except MoeDistributeError as exc:
-            return exc.code, exc.param, str(exc)
-        return None
-
     out = {}
-    out["local_experts_2"] = err(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 4, **tpkw))
-    out["tp_3"] = err(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, group_tp=tp, tp_world_size=3))
-    out["no_group_tp"] = err(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, tp_world_size=2, tp_rank_id=t))
-    out["tp_rank_wrong"] = err(
+    out["local_experts_2"] = op_error(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 4, **tpkw))
+    out["tp_3"] = op_error(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, group_tp=tp, tp_world_size=3))
+    out["no_group_tp"] = op_error(
+        lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, tp_world_size=2, tp_rank_id=t)
+    )
+    out["tp_rank_wrong"] = op_error(
         lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, group_tp=tp, tp_world_size=2, tp_rank_id=1 - t)
     )
     elastic = torch.tensor([0, 2, 0, 2, 0, 1, 0, 1], dtype=torch.int32)
-    out["elastic_tp"] = err(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, elastic_info=elastic, **tpkw))
+    out["elastic_tp"] = op_error(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, elastic_info=elastic, **tpkw))
     quant = 2 if t == 1 else 0  # each EP domain agrees; the TP pairs do not
-    out["tp_disagree"] = err(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, quant_mode=quant, **tpkw))
+    out["tp_disagree"] = op_error(lambda: moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, quant_mode=quant, **tpkw))
     bad_ids = ids.clone() if info.rank != 0 else torch.tensor([[0], [5]], dtype=torch.int32)
-    out["rank0_bad"] = err(lambda: moe_distribute_dispatch_v2(x, bad_ids, ep, 2, e, 2, **tpkw))
+    out["rank0_bad"] = op_error(lambda: moe_distribute_dispatch_v2(x, bad_ids, ep, 2, e, 2, **tpkw))
     expand_x, _, assist, _, counts, tp_counts, _ = moe_distribute_dispatch_v2(x, ids, ep, 2, e, 2, **tpkw)
     w = torch.ones(2, 1)
     args = (expand_x, ids, assist, counts, w, ep, 2, e, 2)
-    out["comm_quant"] = err(
+    out["comm_quant"] = op_error(
         lambda: moe_distribute_combine_v2(*args, tp_send_counts=tp_counts, comm_quant_mode=2, **tpkw)
     )
-    out["no_tp_counts"] = err(lambda: moe_distribute_combine_v2(*args, **tpkw))
+    out["no_tp_counts"] = op_error(lambda: moe_distribute_combine_v2(*args, **tpkw))
     y = moe_distribute_combine_v2(*args, tp_send_counts=tp_counts, **tpkw)  # identity experts on both TP ranks
     out["ok"] = torch.equal(y, 2 * x)
     return out

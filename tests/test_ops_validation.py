@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.distributed import parallel_launch
+from tests.distributed import op_error, parallel_launch
 
 NULL, PARAM, SHAPE = 161001, 161002, 561002
 H, E, K, BS = 16, 8, 2, 4
@@ -121,22 +121,12 @@ def _call_dispatch(info, c):
     )
 
 
-def _error_of(fn):
-    from deep_ep_npu.ops import MoeDistributeError
-
-    try:
-        fn()
-    except MoeDistributeError as err:
-        return err.code, err.param, str(err)
-    return None
-
-
 def _run_dispatch_table(info):
     out = {}
     for name, (mutate, *_rest) in DISPATCH_CASES.items():
         c = _base()
         mutate(c)
-        out[name] = _error_of(lambda c=c: _call_dispatch(info, c))
+        out[name] = op_error(lambda c=c: _call_dispatch(info, c))
     return out
 
 
@@ -164,7 +154,7 @@ def _run_combine_table(info):
     for name, mutate in cases.items():
         b = dict(base, kw={})
         mutate(b)
-        out[name] = _error_of(
+        out[name] = op_error(
             lambda b=b: moe_distribute_combine_v2(
                 b["expand_x"], b["expert_ids"], b["assist"], b["counts"], b["weights"], info.group, 1, 0, E, **b["kw"]
             )
@@ -223,7 +213,7 @@ def _two_rank_scenarios(info):
     out = {}
 
     def run(name, fn):
-        out[name] = _error_of(fn)
+        out[name] = op_error(fn)
 
     bad_ids = ids.clone()
     if r == 1:
@@ -329,16 +319,23 @@ def bad_dispatch(draw):
     return call, (SHAPE, "global_bs", str(v))
 
 
-def _hypothesis_in_rank(info):
-    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(bad_dispatch())
+def _check_drawn_errors(bad_inputs: st.SearchStrategy, max_examples: int, call) -> None:
+    """For every ``(inp, (code, param, text))`` that ``bad_inputs`` draws, ``call(inp)`` raises MoeDistributeError
+    with that code and param and ``text`` in its message."""
+
+    @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(bad_inputs)
     def check(case):
-        call, (code, param, text) = case
-        got = _error_of(lambda: _call_dispatch(info, call))
+        inp, (code, param, text) = case
+        got = op_error(lambda: call(inp))
         assert got is not None, f"no error for {case}"
         assert got[:2] == (code, param) and text in got[2], f"expected ({code}, {param}, {text}), got {got}"
 
     check()
+
+
+def _hypothesis_in_rank(info):
+    _check_drawn_errors(bad_dispatch(), 150, lambda call: _call_dispatch(info, call))
     return True
 
 
@@ -358,7 +355,7 @@ def _issue3_checks(info):
     def disp(**kw):
         args = dict(x=x, ids=ids, e=E)
         args.update({k: kw.pop(k) for k in ("x", "ids", "e") if k in kw})
-        return _error_of(lambda: moe_distribute_dispatch_v2(args["x"], args["ids"], g, 2, r, args["e"], **kw))
+        return op_error(lambda: moe_distribute_dispatch_v2(args["x"], args["ids"], g, 2, r, args["e"], **kw))
 
     d["shared_num_no_ranks"] = disp(shared_expert_num=2)
     d["shared_ranks_no_num"] = disp(shared_expert_rank_num=1, shared_expert_num=0, e=4)
@@ -378,7 +375,7 @@ def _issue3_checks(info):
     w = torch.ones(BS, K)
 
     def comb(**kw):
-        return _error_of(
+        return op_error(
             lambda: moe_distribute_combine_v2(expand_x, ids, assist, counts, w, g, 2, r, E, copy_expert_num=1, **kw)
         )
 
@@ -393,7 +390,7 @@ def _issue3_checks(info):
         const_expert_alpha_2=torch.ones(1, H),
         const_expert_v=torch.ones(2, H),
     )
-    d["comm_quant_hidden"] = _error_of(
+    d["comm_quant_hidden"] = op_error(
         lambda: moe_distribute_combine_v2(
             expand_x[:, :12].contiguous(),
             ids,
@@ -409,7 +406,7 @@ def _issue3_checks(info):
             copy_expert_num=1,
         )
     )
-    d["shared_x_with_shared_ranks"] = _error_of(
+    d["shared_x_with_shared_ranks"] = op_error(
         lambda: moe_distribute_combine_v2(
             expand_x, ids, assist, counts, w, g, 2, r, 4, shared_expert_rank_num=1, shared_expert_x=x
         )
@@ -485,22 +482,15 @@ def _hypothesis_combine_in_rank(info):
     expand_x, _, assist, _, counts, _, _ = moe_distribute_dispatch_v2(c["x"], c["expert_ids"], info.group, 1, 0, E)
     base = dict(expand_x=expand_x, assist=assist, counts=counts, weights=torch.rand(BS, K), kw={})
 
-    @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(bad_combine())
-    def check(case):
-        change, (code, param, text) = case
+    def combine(change):
         a = dict(base)
         for key, value in change.items():
             a[key] = value(base[key]) if callable(value) else value
-        got = _error_of(
-            lambda: moe_distribute_combine_v2(
-                a["expand_x"], c["expert_ids"], a["assist"], a["counts"], a["weights"], info.group, 1, 0, E, **a["kw"]
-            )
+        return moe_distribute_combine_v2(
+            a["expand_x"], c["expert_ids"], a["assist"], a["counts"], a["weights"], info.group, 1, 0, E, **a["kw"]
         )
-        assert got is not None, f"no error for {case}"
-        assert got[:2] == (code, param) and text in got[2], f"expected ({code}, {param}, {text}), got {got}"
 
-    check()
+    _check_drawn_errors(bad_combine(), 100, combine)
     return True
 
 

@@ -22,7 +22,7 @@ import pytest
 from server.api import create_app
 from server.api.serve import build_engine
 from server.config import build_config
-from tests.server_helpers import UvicornThread
+from tests.server_helpers import UvicornThread, error_of, wait_until
 
 TINY_MODEL = {"architecture": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
               "num_key_value_heads": 1, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4,
@@ -52,17 +52,8 @@ def real_server(**options: object) -> Iterator[UvicornThread]:
 
 
 def assert_workers_gone(engine: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(p.is_alive() for p in engine.workers.procs):
-        assert time.monotonic() < deadline, "worker processes left behind"
-        time.sleep(0.05)
-
-
-def error_of(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    return err
+    procs = engine.workers.procs
+    wait_until(lambda: not any(p.is_alive() for p in procs), timeout, "worker processes left behind", poll=0.05)
 
 
 async def _stream_until_failure(srv: UvicornThread, sig: int, rank: int) -> tuple[list[dict], dict, float, dict]:

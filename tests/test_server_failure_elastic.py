@@ -6,7 +6,6 @@ local, no Buffer) in which the lost worker's experts contribute nothing."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -18,10 +17,12 @@ import torch
 
 from server.engine_api import SamplingParams
 from server.runtime.worker import PlanEntry, StepPlan, Worker, WorkerArgs
+from tests.server_helpers import stream_completion
 from tests.test_server_failure import TINY_MODEL, real_server
 
 STEP_TIMEOUT_S = 6.0  # the Buffers' collective timeout is a third of it
 PROMPT = [7, 3, 9, 1]
+LONG = {"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
 
 def oracle_greedy(prompt: list[int], num_tokens: int, dropped_experts: set[int]) -> list[int]:
@@ -43,32 +44,13 @@ def oracle_greedy(prompt: list[int], num_tokens: int, dropped_experts: set[int])
     return out
 
 
-def _stream(url: str, out: dict) -> None:
-    out.update(tokens=0, finish=None, error=None, done=False)
-    body = {"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-            "stream": True}  # fmt: skip
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
-                out["done"] = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out["error"] = event["error"]
-                    continue
-                out["tokens"] += len(event["choices"][0]["token_ids"])
-                out["finish"] = event["choices"][0]["finish_reason"] or out["finish"]
-                out["first"].set()
-    out["first"].set()
-
-
 @pytest.mark.parametrize(("sig", "lost"), [(signal.SIGKILL, 1), (signal.SIGSTOP, 1), (signal.SIGKILL, 0)])
 def test_elastic_mode_keeps_serving_on_the_survivor(sig: int, lost: int) -> None:
     with real_server(**{"elastic": True, "step-timeout-s": STEP_TIMEOUT_S}) as srv:
         on_rank0, on_rank1 = {"first": threading.Event()}, {"first": threading.Event()}
         threads = []
         for out in (on_rank0, on_rank1):  # least-loaded placement: the first goes to worker 0, the second to 1
-            threads.append(threading.Thread(target=_stream, args=(srv.url, out)))
+            threads.append(threading.Thread(target=stream_completion, args=(srv.url, LONG, out)))
             threads[-1].start()
             assert out["first"].wait(30)
         on_lost, on_survivor = (on_rank1, on_rank0) if lost == 1 else (on_rank0, on_rank1)

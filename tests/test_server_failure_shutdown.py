@@ -12,33 +12,11 @@ import time
 
 import httpx
 
-from tests.server_helpers import free_port
+from tests.server_helpers import free_port, stream_completion
 from tests.test_server_failure import TINY_MODEL
 from tests.test_server_launch import _assert_all_exit, _descendants, _output, _popen, _wait_healthy
 
 GRACE_S = 5  # uvicorn's timeout_graceful_shutdown in server/api/serve.py
-
-
-def _stream(url: str, body: dict, out: dict) -> None:
-    """Read one SSE stream; ``out`` gets its token count, finish reason, error event and whether it ended cleanly."""
-    out.update(tokens=0, finish=None, error=None, done=False, broken=None)
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-            out["status"] = r.status_code
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    out["done"] = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        out["error"] = event["error"]
-                        continue
-                    out["tokens"] += len(event["choices"][0]["token_ids"])
-                    out["finish"] = event["choices"][0]["finish_reason"] or out["finish"]
-                    out.setdefault("first", threading.Event()).set()
-    except httpx.HTTPError as e:  # the server closed the connection mid-body
-        out["broken"] = repr(e)
-    out.setdefault("first", threading.Event()).set()
 
 
 def test_sigterm_finishes_short_requests_and_fails_long_ones_visibly() -> None:
@@ -53,7 +31,7 @@ def test_sigterm_finishes_short_requests_and_fails_long_ones_visibly() -> None:
         assert len(workers) >= 2
         common = {"prompt": [1, 2, 3], "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         short, long = {}, {}
-        threads = [threading.Thread(target=_stream, args=(url, {**common, "max_tokens": n}, out))
+        threads = [threading.Thread(target=stream_completion, args=(url, {**common, "max_tokens": n}, out))
                    for n, out in ((60, short), (4000, long))]  # fmt: skip
         for t in threads:
             t.start()

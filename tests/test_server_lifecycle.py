@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -14,21 +13,7 @@ from server.api import create_app
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.config import build_config
 from server.engine_api import SamplingParams
-from tests.server_helpers import FakeEngine, UvicornThread
-
-
-def _wait_until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
-
-
-def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    return err
+from tests.server_helpers import FakeEngine, UvicornThread, error_of, wait_until
 
 
 @pytest.fixture
@@ -49,12 +34,12 @@ def test_cancel_mid_stream_frees_the_slot(one_slot):
             first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
             request_id = first["id"]
             busy = c.post("/v1/completions", json={"prompt": "y", "max_tokens": 1})  # the only slot is taken
-            err = _error(busy, 503)
+            err = error_of(busy, 503)
             assert err["code"] == "engine_overloaded" and busy.headers["retry-after"] == "1"
         # leaving the block closes the connection mid-stream
-        _wait_until(lambda: request_id in engine.finished_aborts)
+        wait_until(lambda: request_id in engine.finished_aborts)
         assert engine.num_steps < 200  # it did not run to the end
-        _wait_until(lambda: not engine.running)
+        wait_until(lambda: not engine.running)
         ok = c.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
@@ -63,18 +48,18 @@ def test_disconnect_cancels_non_streaming_request(one_slot):
     engine = one_slot.engine
     with httpx.Client(base_url=one_slot.url, timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/completions", json={"prompt": "x", "max_tokens": 200})  # ~2 s of steps
-    _wait_until(lambda: len(engine.finished_aborts) == 1)  # only an abort lands here, never a completion
-    _wait_until(lambda: not engine.running)
+    wait_until(lambda: len(engine.finished_aborts) == 1)  # only an abort lands here, never a completion
+    wait_until(lambda: not engine.running)
 
 
 def test_api_key():
     config = build_config({"api-key": "sekret", "ep-size": 1})
     with UvicornThread(create_app(config, FakeEngine())) as srv, httpx.Client(base_url=srv.url) as c:
-        assert _error(c.get("/v1/models"), 401)["code"] == "invalid_api_key"
+        assert error_of(c.get("/v1/models"), 401)["code"] == "invalid_api_key"
         assert c.get("/v1/models").headers["www-authenticate"] == "Bearer"
-        _error(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
-        _error(c.get("/v1/models", headers={"Authorization": "Basic sekret"}), 401)
-        _error(c.post("/v1/completions", json={"prompt": "x"}), 401)
+        error_of(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        error_of(c.get("/v1/models", headers={"Authorization": "Basic sekret"}), 401)
+        error_of(c.post("/v1/completions", json={"prompt": "x"}), 401)
         good = {"Authorization": "Bearer sekret"}
         assert c.get("/v1/models", headers=good).status_code == 200
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=good).status_code == 200
@@ -92,15 +77,15 @@ def test_engine_failure_is_503_and_unhealthy():
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])["error"]
         assert err["code"] == "engine_unavailable" and "worker 1 died" in err["message"]
-        assert _error(c.get("/health"), 503)["code"] == "engine_unavailable"
-        assert _error(c.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "engine_unavailable"
+        assert error_of(c.get("/health"), 503)["code"] == "engine_unavailable"
+        assert error_of(c.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "engine_unavailable"
     assert engine.shut_down
 
 
 def test_engine_failure_non_streaming_is_503():
     engine = FakeEngine(step_time=0.001, fail_at_step=2)
     with UvicornThread(create_app(build_config({}), engine)) as srv, httpx.Client(base_url=srv.url) as c:
-        assert _error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 9}), 503)["code"] == (
+        assert error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 9}), 503)["code"] == (
             "engine_unavailable"
         )
 
@@ -111,8 +96,8 @@ def test_health_follows_an_idle_engine():
     with UvicornThread(create_app(build_config({}), engine)) as srv, httpx.Client(base_url=srv.url) as c:
         assert c.get("/health").status_code == 200
         engine.healthy = False
-        _wait_until(lambda: c.get("/health").status_code == 503, timeout=5)
-        assert _error(c.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "engine_unavailable"
+        wait_until(lambda: c.get("/health").status_code == 503, timeout=5)
+        assert error_of(c.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "engine_unavailable"
 
 
 class _StepBlocksThenFails(FakeEngine):

@@ -170,7 +170,7 @@ class AscendBackend(LowLatencyBackend):
     def _group_name(self) -> str:
         """The HCCL communicator name the torch_npu ops take as ``group_ep``."""
         device = torch.device("npu")
-        return self.group._get_backend(device).get_hccl_comm_name(self.rank)
+        return self.group._get_backend(device).get_hccl_comm_name(self.rank)  # type: ignore[attr-defined]
 
     def _ccl_size(self, num_max: int, hidden: int, num_local: int, topk: int) -> int:
         """The CCL window (MB) for these shapes; raises, naming the size needed, if the one in use is smaller."""

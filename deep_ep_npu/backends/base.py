@@ -1,8 +1,8 @@
 """The backend interface behind :class:`deep_ep_npu.Buffer`: one small ABC; every backend is ``cls(group, config)``.
 
-A backend turns validated DeepEP calls (:mod:`deep_ep_npu.ll_params`) into a *send phase*, run inside the call, and a *receive
-phase* returned as a :class:`~deep_ep_npu.event.Completion`; the Buffer runs the receive at once, at
-``event.current_stream_wait()`` (``async_finish``) or in ``hook()`` (``return_recv_hook``).
+A backend turns validated DeepEP calls (:mod:`deep_ep_npu.ll_params`) into a *send phase*, run inside the call,
+and a *receive phase* returned as a :class:`~deep_ep_npu.event.Completion`; the Buffer runs the receive at once,
+at ``event.current_stream_wait()`` (``async_finish``) or in ``hook()`` (``return_recv_hook``).
 """
 
 from __future__ import annotations

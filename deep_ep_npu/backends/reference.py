@@ -125,7 +125,7 @@ class ReferenceBackend(LowLatencyBackend):
 
     # ---- combine ----------------------------------------------------------------------------------------------
     def combine(self, args: CombineArgs) -> CombineResult:
-        state, first = (self._buffer_idx, self._dispatch_idx), []
+        state, first = (self._buffer_idx, self._dispatch_idx), list[torch.Tensor]()
 
         def send() -> CombineResult:  # a shrink-mode re-run writes the tensor the first attempt returned
             res = self._combine(args if not first else dataclasses.replace(args, out=first[0]))

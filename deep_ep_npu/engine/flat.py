@@ -8,11 +8,11 @@ import torch
 from ..errors import MoeDistributeError
 from ..event import Completion
 from ..group import EPGroup, ep_group, resolve_group
-from ..params import CombineParams, DispatchParams, ValidDispatch, logical_rank_of, routed_pairs
+from ..params import CombineParams, DispatchParams, EpLayout, ValidDispatch, logical_rank_of, routed_pairs
 from .combine import CombineJob, start_combine
 from .dispatch import DispatchJob, start_dispatch
 from .layouts import Flat, add_wait_time
-from .plan import make_plan
+from .plan import Plan, make_plan
 from .rows import ReturnFormat, RowFormat
 from .special import special_contributions
 from .tp import tp_agree, tp_reduce_scatter
@@ -70,6 +70,13 @@ def _run(start, job, tp: EPGroup | None, op: str, tp_fingerprint: tuple[int, ...
         raise
 
 
+def _plan(layout: EpLayout, token, slot, dest, expert, num_tokens: int, per_pair: bool) -> Plan:
+    return make_plan(
+        token, slot, dest, expert, num_tokens=num_tokens, num_ranks=layout.world_size, rank=layout.rank,
+        num_local_experts=max(layout.num_local_experts, 1), per_pair_rows=per_pair,
+    )  # fmt: skip
+
+
 def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace: Workspace | None = None) -> Completion:
     """Validate ``p`` and run the send phase; ``wait()`` returns the 7 outputs of ``npu_moe_distribute_dispatch_v2``
     (``ep``: the Buffer's group, default the ops' group of ``group_ep``)."""
@@ -82,10 +89,7 @@ def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace:
     ep = ep or ep_group(layout.group)
     per_pair = v.quant and v.scales is not None
     token, slot, dest, expert = routed_pairs(layout, v.ids, v.mask, ep.mask)
-    plan = make_plan(
-        token, slot, dest, expert, num_tokens=x.shape[0], num_ranks=layout.world_size, rank=layout.rank,
-        num_local_experts=max(layout.num_local_experts, 1), per_pair_rows=per_pair,
-    )  # fmt: skip
+    plan = _plan(layout, token, slot, dest, expert, x.shape[0], per_pair)
     weights = None
     if v.expert_scales is not None:  # shared-expert copies (slot >= K) carry weight 1
         routed = plan.slot < v.topk
@@ -146,10 +150,7 @@ def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: W
     ep = ep or ep_group(layout.group)
     dev, num_tokens, hidden = expand_x.device, v.ids.shape[0], expand_x.shape[1]
     token, slot, dest, expert = routed_pairs(layout, v.ids, v.mask, ep.mask)
-    plan = make_plan(
-        token, slot, dest, expert, num_tokens=num_tokens, num_ranks=layout.world_size, rank=layout.rank,
-        num_local_experts=max(layout.num_local_experts, 1), per_pair_rows=True,
-    )  # fmt: skip
+    plan = _plan(layout, token, slot, dest, expert, num_tokens, True)
     weights = torch.ones(plan.token.numel(), dtype=torch.float32, device=dev)
     routed = plan.slot < v.topk
     weights[routed] = v.weights[plan.token[routed], plan.slot[routed]]
@@ -172,7 +173,8 @@ def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: W
     )  # fmt: skip
     mismatch = (
         "assist_info_for_combine",
-        "the expert_ids / x_active_mask used at dispatch and that dispatch's assist_info_for_combine and ep_recv_counts",
+        "the expert_ids / x_active_mask used at dispatch and that dispatch's assist_info_for_combine and "
+        "ep_recv_counts",
     )
     out = torch.empty((num_tokens, hidden), dtype=expand_x.dtype, device=dev)
     job = CombineJob(

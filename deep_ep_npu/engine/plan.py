@@ -65,8 +65,3 @@ def make_plan(
     rows = torch.bincount(keys // nt, minlength=num_ranks + 1).tolist()
     rows[rank] = rows[num_ranks]
     return Plan(token, slot, dest, expert, pairs_per_dest, keys % nt, row_of_pair, rows[:num_ranks], rank)
-
-
-def dest_order_rows(plan: Plan) -> list[int]:
-    """Rows per destination in the order they sit in the row list (the own rank's count moved last)."""
-    return [k if d != plan.rank else 0 for d, k in enumerate(plan.rows_per_dest)]

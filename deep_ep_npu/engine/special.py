@@ -34,21 +34,24 @@ def special_contributions(
     ids = expert_ids.long()
     first_copy = layout.num_moe_experts + layout.zero_expert_num
     token, slot = (valid & (ids >= first_copy)).nonzero(as_tuple=True)
-    hidden = 0 if tensors["ori_x"] is None else tensors["ori_x"].shape[1]
-    if token.numel() == 0:
+    ori_x, alpha_1, alpha_2, v = (
+        tensors[k] for k in ("ori_x", "const_expert_alpha_1", "const_expert_alpha_2", "const_expert_v")
+    )
+    if token.numel() == 0 or ori_x is None:
+        hidden = 0 if ori_x is None else ori_x.shape[1]
         return token, slot, torch.zeros((0, hidden), dtype=torch.float32, device=expert_ids.device)
-    ori = tensors["ori_x"][token].float()
+    ori = ori_x[token].float()
     w = weights[token, slot].unsqueeze(1)
     value = ori.clone()
     c = ids[token, slot] - first_copy - layout.copy_expert_num
     is_const = c >= 0
-    if bool(is_const.any()):
+    if bool(is_const.any()) and alpha_1 is not None and alpha_2 is not None and v is not None:
         cc = c[is_const]
         o = ori[is_const]
-        d1 = (tensors["const_expert_alpha_1"][cc].float() * o).sum(dim=1)
-        d2 = (tensors["const_expert_alpha_2"][cc].float() * o).sum(dim=1)
+        d1 = (alpha_1[cc].float() * o).sum(dim=1)
+        d2 = (alpha_2[cc].float() * o).sum(dim=1)
         m = torch.maximum(d1, d2)
         e1, e2 = torch.exp(d1 - m), torch.exp(d2 - m)
         a1, a2 = (e1 / (e1 + e2)).unsqueeze(1), (e2 / (e1 + e2)).unsqueeze(1)
-        value[is_const] = a1 * o + a2 * tensors["const_expert_v"][cc].float()
+        value[is_const] = a1 * o + a2 * v[cc].float()
     return token, slot, w * value

@@ -1,4 +1,4 @@
-"""``mega_moe(group, ...)``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call (as the A5 PTO MegaMoE kernel)."""
+"""``mega_moe(group, ...)``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call, as the A5 PTO MegaMoE kernel."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ def mega_moe(
 ) -> torch.Tensor:  # fmt: skip
     """Fused expert-parallel MoE layer: ``out[t] = sum_k topk_weights[t, k] * FFN_{topk_idx[t, k]}(x[t])``.
 
-    Every rank of ``group`` must call this together (a rank with no tokens passes ``M = 0``). Rank r hosts the
-    experts ``[r * E_local, (r + 1) * E_local)``, ``E_local = num_experts / W``. FFN is GMM1 -> SwiGLU -> GMM2:
-    with int8 weights (scales given) per-token dynamic int8 activations, exact int32 accumulation, per-channel weight
-    scales, SwiGLU ``silu(gate) * up``, dynamic int8 re-quantization, GMM2, scale (exact spec in
-    :mod:`deep_ep_npu.mega_moe.ffn`); with float weights the same chain in fp32. Pipelined per local-expert segment
-    so that one segment's communication overlaps another's compute (:mod:`deep_ep_npu.mega_moe.pipeline`).
+    Every rank of ``group`` calls this together (a rank with no tokens passes ``M = 0``); rank r hosts the experts
+    ``[r * E_local, (r + 1) * E_local)``, ``E_local = num_experts / W``. FFN = GMM1 -> SwiGLU ``silu(gate) * up`` ->
+    GMM2, with int8 weights (scales given) on per-token dynamic int8 activations (re-quantized after SwiGLU) with
+    exact int32 accumulation and per-channel weight scales, else in fp32 (exact spec:
+    :mod:`deep_ep_npu.mega_moe.ffn`); pipelined per segment so that one segment's communication overlaps another's
+    compute (:mod:`deep_ep_npu.mega_moe.pipeline`).
 
     Arguments:
         group: the EP ``ProcessGroup`` (or its name), W ranks with W in [1, 16].
@@ -41,16 +41,16 @@ def mega_moe(
         w2_scale: `[E_local, K]` with `torch.float32` per-output-channel scales of w2 (int8 weights), or None.
         num_max_dispatch_tokens_per_rank: the largest M of any rank (same on all ranks), in [1, 512].
         num_experts: routed experts in total, divisible by W.
-        out_dtype: `torch.float16` (the A5 PTO MegaMoE kernel's), `torch.bfloat16` or `torch.float32`; None means x's dtype.
-        max_output_size: the fused op's per-rank routed-row workspace, must be >= M * topK; default
+        out_dtype: `torch.float16` (the A5 PTO MegaMoE kernel's), `torch.bfloat16` or `torch.float32`; None: x's.
+        max_output_size: the fused op's per-rank routed-row workspace, >= M * topK; default
             ``num_max_dispatch_tokens_per_rank * topK * W`` (what any routing can need). Passed to the NPU op;
             validated only on the reference path, whose ops size their own buffers.
         num_segments: pipeline segments, in [1, E_local] (by expert) or [1, num_max_dispatch_tokens_per_rank] (by
             token); default min(that bound, 2). 1 = no overlap.
-        segment_by: ``"expert"`` (the A5 PTO MegaMoE kernel's expert-granular pipeline: segment k = a contiguous group of local
-            experts; partial sums travel in fp32, equal to the unfused path up to fp32 re-association) or ``"token"``
-            (segment k = a chunk of each rank's tokens, all experts; rows travel in ``out_dtype``, bit-equal to one
-            dispatch -> FFN -> combine, half the combine bytes).
+        segment_by: ``"expert"`` (the A5 PTO MegaMoE kernel's expert-granular pipeline: segment k = a contiguous
+            group of local experts; partial sums travel in fp32, equal to the unfused path up to fp32
+            re-association) or ``"token"`` (segment k = a chunk of each rank's tokens, all experts; rows travel in
+            ``out_dtype``, bit-equal to one dispatch -> FFN -> combine, half the combine bytes).
         backend: ``reference`` (any torch.distributed backend), ``ascend`` (the fused NPU op
             ``torch.ops._C_ascend.dispatch_ffn_combine`` when present and the shapes fit it, else the reference
             pipeline) or ``auto``.
@@ -75,8 +75,7 @@ def mega_moe(
 def run_mega_moe(ep: EPGroup, backend: str, *args: Any, **kwargs: Any) -> torch.Tensor:
     """:func:`mega_moe` on ``ep`` (a Buffer's group: its timeout and shrink state)."""
     impl = create_backend(backend)
-    x = args[0]
-    device = x.device if isinstance(x, torch.Tensor) else None
+    device = args[0].device if isinstance(args[0], torch.Tensor) else None
     try:
         valid = validate(ep.group, *args, ep=ep, **kwargs)
     except MoeDistributeError as err:

@@ -1,13 +1,8 @@
-"""MegaMoE backends, a registry keyed by name (``reference``, ``ascend``, ``auto``), and the fused NPU op mapping.
+"""MegaMoE backends by name (``reference``, ``ascend``, ``auto``) and the mapping onto the fused NPU op.
 
-``reference`` runs :mod:`.pipeline` on any torch.distributed backend. ``ascend`` calls the fused NPU op when the
-installed stack provides it and the call fits it, else the reference pipeline; every rank must take the same path,
-so :meth:`MegaMoeBackend.can_fuse` is agreed on across ranks first.
-
-The A5 PTO MegaMoE kernel (``dispatch_mega_combine_kernel``, with its own host executable) has no Python binding.
-The fused dispatch + FFN + combine op Python can call on Ascend is vllm-ascend's custom op
-``torch.ops._C_ascend.dispatch_ffn_combine`` (aclnn ``aclnnDispatchFFNCombine`` for int8 weights,
-``aclnnDispatchFFNCombineBF16`` for bf16 weights), registered when vllm-ascend's custom-op library is loaded:
+The A5 PTO MegaMoE kernel (``dispatch_mega_combine_kernel``) has no Python binding; the fused op Python can call is
+vllm-ascend's ``torch.ops._C_ascend.dispatch_ffn_combine`` (aclnn ``aclnnDispatchFFNCombine`` for int8 weights,
+``aclnnDispatchFFNCombineBF16`` for bf16), registered when vllm-ascend's custom-op library is loaded:
 
 ```
 dispatch_ffn_combine(Tensor x, Tensor[] weight1, Tensor[] weight2, Tensor expert_idx, Tensor[] scale1,
@@ -16,13 +11,10 @@ dispatch_ffn_combine(Tensor x, Tensor[] weight1, Tensor[] weight2, Tensor expert
                      float swiglu_limit=1000000.0) -> (Tensor, Tensor)
 ```
 
-Mapping (keyword arguments, so older schemas without ``bias1/2`` fail loudly rather than shift): ``x`` -> x (bf16);
-``w1`` / ``w2`` -> one-element lists, cast to the NZ format (``npu_format_cast(w, 29)``); ``topk_idx`` ->
-``expert_idx`` int32; ``topk_weights`` -> ``probs`` fp32; ``w1_scale`` / ``w2_scale`` -> one-element lists (empty
-int64 for bf16 weights); ``bias1/2`` -> empty fp32; ``group`` -> the HCCL comm name; ``max_output_size`` as given;
-``out`` `[M, K]` in x's dtype (cast to ``out_dtype`` afterwards); ``expert_token_nums`` `[E_local]` int32.
-Unconfirmed: whether the int8 op wants the fp32 per-channel scales as given or packed Fixpipe (uint64) words, and
-its numerics (GMM1 output rounded to fp16); NPU parity is not tested here.
+:func:`fused_op_kwargs` passes keywords (older schemas without ``bias1/2`` fail loudly rather than shift), weights in
+the NZ format (``npu_format_cast(w, 29)``) and ``out`` in x's dtype (cast to ``out_dtype`` afterwards). Unconfirmed:
+whether the int8 op wants the fp32 per-channel scales as given or packed Fixpipe (uint64) words, and its numerics
+(GMM1 output rounded to fp16); NPU parity is not tested here.
 """
 
 from __future__ import annotations
@@ -43,11 +35,7 @@ HIDDEN_ALIGN, INTERMEDIATE_ALIGN = 128, 64  # the A5 PTO MegaMoE kernel's tiling
 
 
 def find_fused_op() -> Callable[..., object] | None:
-    """The fused op if this process has it registered, else None (then the reference pipeline runs).
-
-    Raises:
-        ImportError: torch_npu is not installed (install the ``npu`` extra).
-    """
+    """The fused op if this process has it registered, else None. Raises ImportError without torch_npu."""
     if importlib.util.find_spec("torch_npu") is None:
         raise ImportError("the ascend MegaMoE backend needs torch_npu: pip install 'deep_ep_npu[npu]'")
     import torch_npu  # noqa: F401  (registers the NPU device and its ops)
@@ -103,7 +91,7 @@ def fused_op_kwargs(
 
 
 class MegaMoeBackend(abc.ABC):
-    """Runs one validated MegaMoE call."""
+    """Runs one validated MegaMoE call; every rank must take the same path, so :meth:`can_fuse` is agreed first."""
 
     name: str
 
@@ -128,11 +116,9 @@ class ReferenceMegaMoe(MegaMoeBackend):
 class AscendMegaMoe(MegaMoeBackend):
     """The fused NPU op ``torch.ops._C_ascend.dispatch_ffn_combine`` when present, else the reference pipeline.
 
-    Arguments:
-        fused_op: the op to call (tests pass a fake); by default looked up after importing ``torch_npu``.
-        group_name: ``(ProcessGroup, rank) -> HCCL comm name`` (default: :func:`hccl_comm_name`).
-        prepare_weight: how a weight is put into the op's layout (default: :func:`to_npu_nz`).
-        device_type: the device x must be on for the fused op (``"npu"``; tests pass ``"cpu"``).
+    Arguments (tests pass fakes): fused_op, the op (default: looked up after importing torch_npu); group_name,
+        ``(ProcessGroup, rank) -> HCCL comm name`` (default :func:`hccl_comm_name`); prepare_weight, a weight into
+        the op's layout (default :func:`to_npu_nz`); device_type, the device x must be on for the fused op ("npu").
     """
 
     name = "ascend"

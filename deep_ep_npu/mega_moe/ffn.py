@@ -35,9 +35,7 @@ FP32_EXACT_INNER = (1 << 24) // (127 * 127)  # inner sizes keeping every int8 pa
 
 def int8_gmm(q: Tensor, w: Tensor) -> Tensor:
     """Exact integer matmul of int8 `[rows, k]` by int8 `[k, m]`: `[rows, m]` `torch.float64` integer sums."""
-    if q.shape[1] <= FP32_EXACT_INNER:
-        return (q.float() @ w.float()).double()
-    return q.double() @ w.double()
+    return (q.float() @ w.float()).double() if q.shape[1] <= FP32_EXACT_INNER else q.double() @ w.double()
 
 
 def dequant(acc: Tensor, token_scale: Tensor, channel_scale: Tensor) -> Tensor:
@@ -57,13 +55,9 @@ def int8_expert_ffn(
 ) -> Tensor:
     """One expert's int8 FFN on already-quantized rows (the formula of the module docstring).
 
-    Arguments:
-        q: `[num_rows, hidden]` with `torch.int8`; q_scale: `[num_rows]` with `torch.float32` (per-token scales).
-        w1: `[hidden, 2N]` with `torch.int8`; w1_scale: `[2N]` with `torch.float32`.
-        w2: `[N, hidden]` with `torch.int8`; w2_scale: `[hidden]` with `torch.float32`.
-
-    Returns:
-        y: `[num_rows, hidden]` with ``out_dtype``.
+    Arguments: q `[num_rows, hidden]` `torch.int8` with per-token scales q_scale `[num_rows]` `torch.float32`;
+        w1 `[hidden, 2N]` / w2 `[N, hidden]` `torch.int8`; w1_scale `[2N]` / w2_scale `[hidden]` `torch.float32`.
+    Returns: y `[num_rows, hidden]` with ``out_dtype``.
     """
     h = dequant(int8_gmm(q, w1), q_scale, w1_scale)
     q2, s2 = per_token_int8(swiglu(h))
@@ -71,15 +65,9 @@ def int8_expert_ffn(
 
 
 def float_expert_ffn(x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """One expert's float FFN: ``out_dtype(swiglu(fp32(x) @ fp32(w1)) @ fp32(w2))``.
-
-    Arguments:
-        x: `[num_rows, hidden]` with `torch.bfloat16` / `torch.float16` / `torch.float32`.
-        w1: `[hidden, 2N]`, w2: `[N, hidden]`, same float dtypes.
-
-    Returns:
-        y: `[num_rows, hidden]` with ``out_dtype``.
-    """
+    """One expert's float FFN: ``out_dtype(swiglu(fp32(x) @ fp32(w1)) @ fp32(w2))``; x `[num_rows, hidden]` with
+    `torch.bfloat16` / `torch.float16` / `torch.float32`, w1 `[hidden, 2N]`, w2 `[N, hidden]` (float dtypes); returns
+    y `[num_rows, hidden]` with ``out_dtype``."""
     return (swiglu(x.float() @ w1.float()) @ w2.float()).to(out_dtype)
 
 
@@ -87,18 +75,13 @@ def grouped_ffn(
     expand_x: Tensor, dynamic_scales: Tensor, expert_token_nums: Tensor, experts: range, w1: Tensor, w2: Tensor,
     w1_scale: Tensor | None, w2_scale: Tensor | None, out_dtype: torch.dtype,
 ) -> Tensor:  # fmt: skip
-    """GMM1 -> SwiGLU -> GMM2 over dispatch's expert-major rows, for the local experts in ``experts``.
+    """GMM1 -> SwiGLU -> GMM2 over dispatch's expert-major rows, for the local experts in ``experts`` (the others
+    must have zero rows); returns y `[num_rows, hidden]` with ``out_dtype``, row-aligned with ``expand_x[:num_rows]``.
 
-    Arguments:
-        expand_x: `[A, hidden]` dispatch output (`torch.int8` for int8 weights), rows expert-major.
-        dynamic_scales: `[A]` with `torch.float32` (used for int8 weights).
-        expert_token_nums: `[num_local_experts]` with `torch.int64`, rows per local expert (counts).
-        experts: the local experts that may have rows (the others must have zero rows).
-        w1: `[num_local_experts, hidden, 2N]`; w2: `[num_local_experts, N, hidden]`.
-        w1_scale: `[num_local_experts, 2N]` / w2_scale: `[num_local_experts, hidden]` `torch.float32`, or None.
-
-    Returns:
-        y: `[num_rows, hidden]` with ``out_dtype``, row-aligned with ``expand_x[:num_rows]``.
+    Arguments: expand_x `[A, hidden]` (`torch.int8` for int8 weights), dynamic_scales `[A]` `torch.float32` (used for
+        int8 weights), expert_token_nums `[num_local_experts]` `torch.int64` (rows per local expert), w1
+        `[num_local_experts, hidden, 2N]`, w2 `[num_local_experts, N, hidden]`, w1_scale `[num_local_experts, 2N]` /
+        w2_scale `[num_local_experts, hidden]` `torch.float32` or None.
     """
     starts = [0, *itertools.accumulate(expert_token_nums.tolist())]
     y = torch.empty((starts[-1], expand_x.shape[1]), dtype=out_dtype, device=expand_x.device)

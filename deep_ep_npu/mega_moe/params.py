@@ -81,7 +81,6 @@ def validate(
     if num_experts % w:
         raise shape("num_experts", f"{num_experts} is not divisible by the world size {w}")
     num_local = num_experts // w
-
     x = checks.tensor(x, "x", FLOAT_DTYPES, 2)
     num_tokens, hidden = x.shape
     if hidden < 1:
@@ -93,12 +92,9 @@ def validate(
     topk = idx.shape[1]
     weights = checks.tensor(topk_weights, "topk_weights", (torch.float32,), 2)
     checks.dims(weights, "topk_weights", (num_tokens, topk), "(M, topK)")
-
     if (w1_scale is None) != (w2_scale is None):
-        raise invalid(
-            "w2_scale" if w2_scale is None else "w1_scale",
-            "w1_scale and w2_scale must be given together (int8 weights) or both be None (float weights)",
-        )
+        both = "w1_scale and w2_scale must be given together (int8 weights) or both be None (float weights)"
+        raise invalid("w2_scale" if w2_scale is None else "w1_scale", both)
     int8 = w1_scale is not None
     wdt = (torch.int8,) if int8 else FLOAT_DTYPES
     why = "int8 because scales are given" if int8 else "bf16/fp16/fp32 (int8 needs w1_scale and w2_scale)"
@@ -118,7 +114,6 @@ def validate(
         checks.dims(w1_scale, "w1_scale", (num_local, 2 * n), "[E_local, 2N]")
         w2_scale = checks.tensor(w2_scale, "w2_scale", (torch.float32,), 2)
         checks.dims(w2_scale, "w2_scale", (num_local, hidden), "[E_local, K]")
-
     out_dtype = x.dtype if out_dtype is None else out_dtype
     checks.one_of(out_dtype, "out_dtype", OUT_DTYPES)
     if max_output_size is None:

@@ -1,17 +1,11 @@
 """The reference MegaMoE pipeline: the A5 PTO MegaMoE kernel's stages over the two-stage ops, per segment.
 
-```
-FrontReorder  per-token int8 quant + expert-major ordering      dispatch setup (quant_mode 2 for int8 weights)
-Dispatch      rows to the ranks that host their experts          dispatch payload all-to-all (async)
-GMM1/SwiGLU/GMM2  the expert FFN (ffn.py)                        compute, per local expert
-Combine       expert outputs back to their source rank           combine payload all-to-all (async)
-Unpermute     top-k weighted sum at the source                   combine teardown (fp32), then one final cast
-```
-
-The local experts are split into S contiguous segments (the same on every rank); segment k's dispatch carries only
-the pairs whose expert is in segment k (a 2D ``x_active_mask``), so segments are independent dispatch -> FFN ->
-combine chains. As the kernel splits AIV (communication) from AIC (GMMs), one comm thread issues every collective,
-in the same order on every rank, while the calling thread only computes:
+Kernel stages here: FrontReorder + Dispatch = dispatch (quant_mode 2 for int8 weights), GMM1/SwiGLU/GMM2 =
+:mod:`.ffn` per local expert, Combine + Unpermute = combine (top-k weighted sum in fp32), then one final cast. The
+local experts are split into S contiguous segments (the same on every rank); segment k's dispatch carries only the
+pairs whose expert is in segment k (a 2D ``x_active_mask``), so segments are independent chains. As the kernel
+splits AIV (communication) from AIC (GMMs), one comm thread issues every collective, in the same order on every
+rank, while the calling thread only computes:
 
 ```
 comm thread : [D0][D1] T0 [D2] T1 [D3] T2 T3 ........ [C0] ........ [C1] ........ [C2] ........ [C3]  R0 R1 R2 R3
@@ -19,13 +13,12 @@ compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3
                            ^ rows of seg 0 (T0)        ^ C0 starts as soon as FFN seg 0 is done
 ```
 
-``Dk`` / ``Ck``: dispatch / combine setup of segment k (validation, one small header all-to-all, the payload
-all-to-all started asynchronously); ``Tk`` / ``Rk``: dispatch / combine teardown. Expert outputs are rounded to
-``out_dtype`` (as the kernel's FP16 CV tiles), sent as fp32 and the S partial outputs summed in fp32; one final cast
-makes the result equal to one unsegmented combine up to fp32 re-association (at most one ulp of ``out_dtype``).
-``segment_by="token"``: segment k = the k-th chunk of each rank's tokens (all local experts), so a token's combined
-row is final, rows travel in ``out_dtype`` (half the bytes) and the result is bit-equal to one dispatch -> FFN ->
-combine, at the price of S smaller GEMMs per expert.
+``Dk`` / ``Ck``: dispatch / combine setup of segment k (validation, a small header all-to-all, the payload started
+asynchronously); ``Tk`` / ``Rk``: their teardowns. Expert outputs are rounded to ``out_dtype`` (as the kernel's FP16
+CV tiles), sent as fp32 and the S partials summed in fp32, so the result equals one unsegmented combine up to fp32
+re-association (at most one ulp of ``out_dtype``). ``segment_by="token"``: segment k = the k-th chunk of each rank's
+tokens (all experts), so rows are final, travel in ``out_dtype`` (half the bytes) and the result is bit-equal to one
+dispatch -> FFN -> combine, at the price of S smaller GEMMs per expert.
 """
 
 from __future__ import annotations
@@ -48,10 +41,8 @@ def pair_segments(args: MegaMoeArgs) -> torch.Tensor:
     if args.segment_by == "token":
         chunk = torch.arange(args.num_tokens, device=idx.device) * args.num_segments // max(args.num_tokens, 1)
         return torch.where(idx >= 0, chunk.unsqueeze(1).expand_as(idx), -1)
-    segment_of_local = torch.empty((args.num_local_experts,), dtype=torch.int64, device=idx.device)
-    for s in range(args.num_segments):
-        r = args.segment_experts(s)
-        segment_of_local[r.start : r.stop] = s
+    n = args.num_segments
+    segment_of_local = torch.tensor([s for s in range(n) for _ in args.segment_experts(s)], device=idx.device)
     return torch.where(idx >= 0, segment_of_local[idx.clamp(min=0) % args.num_local_experts], -1)
 
 
@@ -62,14 +53,13 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
     common = dict(group_ep=args.group, ep_world_size=args.world_size, ep_rank_id=args.rank,
                   moe_expert_num=args.num_experts, global_bs=global_bs, no_expert=True)  # fmt: skip
     masks = [segment == s for s in range(args.num_segments)]
-    quant_mode = 2 if args.int8_weights else 0
     # expert segments return partial sums of a token's pairs, so they travel in fp32 and are rounded once at the
     # end; token segments return final rows, so they travel in out_dtype (bit-equal to one unsegmented combine)
     wire_dtype = torch.float32 if args.segment_by == "expert" else args.out_dtype
     weights = (args.w1, args.w2, args.w1_scale, args.w2_scale)
 
     def start_dispatch(s: int) -> Completion:
-        kw = dict(x_active_mask=masks[s], quant_mode=quant_mode, expert_token_nums_type=1, **common)
+        kw = dict(x_active_mask=masks[s], quant_mode=2 if args.int8_weights else 0, expert_token_nums_type=1, **common)
         return start_dispatch_flat(DispatchParams(args.x, ids, **kw), args.ep)
 
     def start_combine(s: int, y: torch.Tensor, assist: torch.Tensor, counts: torch.Tensor) -> Completion:
@@ -83,8 +73,7 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
         dispatches: list = [comm.submit(start_dispatch, 0)]
         received: list = []
         for s in range(1, args.num_segments + 1):
-            if s < args.num_segments:
-                dispatches.append(comm.submit(start_dispatch, s))
+            dispatches += [comm.submit(start_dispatch, s)] if s < args.num_segments else []
             received.append(comm.submit(_receive, dispatches[s - 1]))
         combines = []
         for s in range(args.num_segments):
