@@ -435,12 +435,6 @@ class Buffer:
             comm_quant_mode=comm_quant_mode, no_expert=True, **handle.op_kwargs,
         )  # fmt: skip
         pending = self._backend.combine_flat(params)
-        if not (async_finish or return_recv_hook):
-            combined = pending.wait()
-            if out is not None:
-                out.copy_(combined)
-                combined = out
-            return combined, EventOverlap(None), None
         combined = out if out is not None else x.new_empty((topk_idx.shape[0], x.shape[1]))
 
         def finish() -> None:

@@ -30,7 +30,7 @@ MAX_BS = 512
 
 @dataclasses.dataclass(frozen=True)
 class EpLayout:
-    """Where experts live (ascend_ops.md §2.3).
+    """Where experts live.
 
     Ranks are addressed by their *logical* rank: the EP rank itself, or with ``elastic_info`` the rank in the
     scaled-down EP (``Table1[ep_rank]``, -1 for ranks that do not take part). Logical ranks ``[0, SR)`` host shared
@@ -120,36 +120,17 @@ def validate_layout(p: DispatchParams | CombineParams) -> EpLayout:
             f"{p.moe_expert_num} is not divisible by the {moe_ranks} MoE ranks "
             "(ep_world_size - shared_expert_rank_num)",
         )
-    for name, value in (
-        ("zero_expert_num", p.zero_expert_num),
-        ("copy_expert_num", p.copy_expert_num),
-        ("const_expert_num", p.const_expert_num),
-    ):
-        checks.in_range(value, name, 0, 1 << 20)
+    for name in ("zero_expert_num", "copy_expert_num", "const_expert_num"):
+        checks.in_range(getattr(p, name), name, 0, 1 << 20)
     checks.one_of(p.comm_alg, "comm_alg", COMM_ALGS, "the reference path implements the A3 fullmesh layout")
     if p.strict and (p.moe_expert_num // moe_ranks) * p.ep_world_size > 2048:
         raise shape("moe_expert_num", "local experts x ep_world_size exceeds 2048 (Atlas A3 limit)")
     tp_group = validate_tp(p.group_tp, p.tp_world_size, p.tp_rank_id, p.moe_expert_num // moe_ranks)
     layout = EpLayout(
-        pg,
-        p.ep_world_size,
-        p.ep_rank_id,
-        p.moe_expert_num,
-        p.shared_expert_rank_num,
-        effective_shared,
-        p.zero_expert_num,
-        p.copy_expert_num,
-        p.const_expert_num,
-        p.tp_world_size,
-        p.tp_rank_id,
-        p.comm_alg,
-        p.strict,
-        p.ep_world_size,
-        p.ep_rank_id,
-        tuple(range(p.ep_world_size)),
-        tp_group,
-        p.moe_expert_num,
-    )
+        pg, p.ep_world_size, p.ep_rank_id, p.moe_expert_num, p.shared_expert_rank_num, effective_shared,
+        p.zero_expert_num, p.copy_expert_num, p.const_expert_num, p.tp_world_size, p.tp_rank_id, p.comm_alg, p.strict,
+        p.ep_world_size, p.ep_rank_id, tuple(range(p.ep_world_size)), tp_group, p.moe_expert_num,
+    )  # fmt: skip
     if p.elastic_info is not None:
         if p.tp_world_size > 1:
             raise invalid(
@@ -225,14 +206,9 @@ def apply_elastic(layout: EpLayout, elastic_info: object, shared_expert_num: int
         raise shape("elastic_info", f"Table2 {table2} must be the inverse of Table1 {table1}")
     shared = _effective_shared(shared_expert_num, new_sr, new_w)
     return dataclasses.replace(
-        layout,
-        num_moe_experts=new_e,
-        shared_expert_rank_num=new_sr,
-        shared_expert_num=shared,
-        logical_world_size=new_w,
-        logical_rank=table1[layout.rank],
-        ep_rank_of=tuple(table2),
-    )
+        layout, num_moe_experts=new_e, shared_expert_rank_num=new_sr, shared_expert_num=shared,
+        logical_world_size=new_w, logical_rank=table1[layout.rank], ep_rank_of=tuple(table2),
+    )  # fmt: skip
 
 
 def check_ccl_buffer(layout: EpLayout, ccl_buffer_size: int | None, max_bs: int, hidden: int, topk: int) -> None:

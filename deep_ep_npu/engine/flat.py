@@ -99,13 +99,7 @@ def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace:
         x.shape[1], x.dtype, "int8_per_token" if v.quant else None, v.topk + layout.shared_expert_num,
         weights is not None, False,
     )  # fmt: skip
-    tp = (layout.tp, layout.tp_rank_id) if layout.tp is not None else None
-    flat = Flat(
-        layout.rank, layout.world_size, layout.num_local_experts_here, layout.recv_capacity(v.global_bs_real, v.topk),
-        x, v.topk, quant=v.quant, scales_width=0 if v.scales is None else v.scales.shape[1],
-        expert_token_nums_type=v.expert_token_nums_type, weights=weights is not None, global_bs=v.global_bs,
-        performance_info=v.performance_info, tp=tp, tp_world_size=layout.tp_world_size,
-    )  # fmt: skip
+    flat = Flat(v, weights is not None)
     fingerprint = (
         layout.num_moe_experts, x.shape[1], v.topk, 2 if v.quant else 0, v.global_bs_real, fmt.row_bytes,
         DTYPE_CODES[x.dtype], layout.shared_expert_num, layout.shared_expert_rank_num,

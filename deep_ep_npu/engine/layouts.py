@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import shape
-from ..group import Agreement, EPGroup
+from ..group import Agreement
+from ..params import ValidDispatch
 from .dispatch import Received
 from .rows import RowFormat
 from .tp import tp_gather_rows
@@ -113,43 +114,20 @@ class Flat:
     :meth:`place_remote` into :attr:`outputs`. With a TP pair (``tp``), the TP peer's rows follow this rank's own."""
 
     names = (
-        "moe_expert_num",
-        "hidden",
-        "topk",
-        "quant_mode",
-        "global_bs",
-        "row_bytes",
-        "x dtype",
-        "shared_expert_num",
-        "shared_expert_rank_num",
-        "elastic_info",
-        "tp_world_size",
-    )
+        "moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "x dtype", "shared_expert_num",
+        "shared_expert_rank_num", "elastic_info", "tp_world_size",
+    )  # fmt: skip
 
-    def __init__(
-        self,
-        rank: int,
-        num_ranks: int,
-        num_local: int,
-        capacity: int,
-        x: torch.Tensor,
-        topk: int,
-        *,
-        quant: bool,
-        scales_width: int,
-        expert_token_nums_type: int,
-        weights: bool,
-        global_bs: int,
-        performance_info: torch.Tensor | None,
-        tp: tuple[EPGroup, int] | None,
-        tp_world_size: int,
-    ) -> None:
-        self.rank, self.num_ranks, self.num_local, self.capacity, self.x, self.topk = (
-            rank, num_ranks, num_local, capacity, x, topk,
+    def __init__(self, v: ValidDispatch, weights: bool) -> None:
+        layout = v.layout
+        self.rank, self.num_ranks, self.num_local, self.x, self.topk = (
+            layout.rank, layout.world_size, layout.num_local_experts_here, v.x, v.topk
         )  # fmt: skip
-        self.quant, self.scales_width, self.expert_token_nums_type = quant, scales_width, expert_token_nums_type
-        self.weights, self.global_bs, self.performance_info, self.tp = weights, global_bs, performance_info, tp
-        self.tp_world_size = tp_world_size
+        self.capacity = layout.recv_capacity(v.global_bs_real, v.topk)
+        self.quant, self.scales_width = v.quant, 0 if v.scales is None else v.scales.shape[1]
+        self.expert_token_nums_type, self.weights, self.global_bs = v.expert_token_nums_type, weights, v.global_bs
+        self.performance_info, self.tp_world_size = v.performance_info, layout.tp_world_size
+        self.tp = (layout.tp, layout.tp_rank_id) if layout.tp is not None else None
         self.outputs: tuple[torch.Tensor, ...] = ()
 
     def check(self, agreement: Agreement) -> None:

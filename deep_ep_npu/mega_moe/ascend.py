@@ -48,14 +48,14 @@ def find_fused_op() -> Callable[..., object] | None:
 
 def hccl_comm_name(group: dist.ProcessGroup, rank: int) -> str:
     """The HCCL communicator name of ``group`` (what the op's ``group`` argument expects)."""
-    return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
+    return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)  # type: ignore[attr-defined]
 
 
 def to_npu_nz(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` on the NPU in the FRACTAL_NZ format the fused op's GMMs read."""
     import torch_npu
 
-    return torch_npu.npu_format_cast(weight.npu(), ACL_FORMAT_FRACTAL_NZ)
+    return torch_npu.npu_format_cast(weight.npu(), ACL_FORMAT_FRACTAL_NZ)  # type: ignore[attr-defined]
 
 
 def fused_op_blocker(args: MegaMoeArgs) -> str | None:

@@ -24,6 +24,7 @@ dispatch -> FFN -> combine, at the price of S smaller GEMMs per expert.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -50,8 +51,8 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
     """Run the pipelined dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine; returns `[M, K]` with ``args.out_dtype``."""
     ids, segment = args.topk_idx, pair_segments(args)
     global_bs = args.num_max_dispatch_tokens_per_rank * args.world_size
-    common = dict(group_ep=args.group, ep_world_size=args.world_size, ep_rank_id=args.rank,
-                  moe_expert_num=args.num_experts, global_bs=global_bs, no_expert=True)  # fmt: skip
+    common: dict[str, Any] = dict(group_ep=args.group, ep_world_size=args.world_size, ep_rank_id=args.rank,
+                                  moe_expert_num=args.num_experts, global_bs=global_bs, no_expert=True)  # fmt: skip
     masks = [segment == s for s in range(args.num_segments)]
     # expert segments return partial sums of a token's pairs, so they travel in fp32 and are rounded once at the
     # end; token segments return final rows, so they travel in out_dtype (bit-equal to one unsegmented combine)
@@ -84,7 +85,7 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
         partials = [comm.submit(_receive, c) for c in combines]
         out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32, device=args.x.device)
         for p in partials:
-            out += p.result().float()  # token segments: each row is nonzero in one segment only (exact)
+            out += p.result().float()  # type: ignore[attr-defined]  # token segments: each row is nonzero in one segment only (exact)
     finally:
         comm.shutdown(wait=True, cancel_futures=True)
     return out.to(args.out_dtype)
