@@ -345,7 +345,7 @@ class Buffer:
             x: `[T, hidden]` `torch.bfloat16` / `torch.float16` (`torch.float32` on the reference backend), T <= N.
             topk_idx: `[T, K]` `torch.int64` / `torch.int32`: routed experts ``[0, num_experts)``, zero experts
                 ``[E, E + Z)``, copy ``[E + Z, E + Z + C)``, const experts after them, or ``-1`` (no expert; mapped
-                onto extra zero experts, see ``backends.base.map_no_expert``).
+                onto extra zero experts, see ``backends.map_no_expert``).
             num_max_dispatch_tokens_per_rank: N, the same on every rank (``global_bs = N * R``).
             num_experts: routed experts (``moe_expert_num``).
             topk_weights: `[T, K]` `torch.float32`, carried to ``handle.expand_scales`` (``expert_scales``).

@@ -1,12 +1,11 @@
 """The communicator of every collective path: bounded collectives, the agreement step, and shrink mode.
 
-The EP group's R ranks keep their numbers for the Buffer's whole life (``recv_x`` stays `[L, R * N, hidden]`,
-the mask stays `[R]`). Collectives run on the *live* ranks: all R at first; after a failure in shrink mode
-(``enable_shrink=True``) the survivors, who agreed on the failed set (:mod:`deep_ep_npu.failure`), build a new
-group of themselves with ``torch.distributed.new_group(ranks=survivors, use_local_synchronization=True)``
-(torch.distributed's own rendezvous, only survivors call it), mark the failed ranks in the mask, and re-run the
-interrupted call there. Per-rank split lists and headers stay R long; the failed ranks' entries are dropped on the
-way in (they are 0: masked ranks send and receive nothing) and filled with a neutral value on the way out.
+The EP group's R ranks keep their numbers for the Buffer's whole life (``recv_x`` stays `[L, R * N, hidden]`, the
+mask `[R]`). Collectives run on the *live* ranks: all R at first; after a failure in shrink mode (``enable_shrink``)
+the survivors, who agreed on the failed set (:mod:`deep_ep_npu.failure`), build a group of themselves with
+``torch.distributed.new_group(ranks=survivors, use_local_synchronization=True)`` (only survivors call it), mark the
+failed ranks in the mask, and re-run the interrupted call there. R-long split lists and headers drop the failed ranks'
+entries on the way in (they are 0: masked ranks send and receive nothing) and read a neutral value on the way out.
 """
 
 from __future__ import annotations
@@ -15,14 +14,14 @@ import dataclasses
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .errors import MoeDistributeError, invalid, null, shape
 from .event import Completion
-from .failure import EPRankFailure, GroupMonitor, Pending, monitor, resolve_timeout
+from .failure import EPRankFailure, GroupMonitor, monitor, resolve_timeout
 
 _R = TypeVar("_R")
 STATUS_OK = 0
@@ -53,6 +52,16 @@ class Agreement:
                 )
 
 
+@dataclasses.dataclass
+class Pending:
+    """An issued collective: its group's monitor, sequence number, issue time (monotonic) and work (None: done)."""
+
+    monitor: GroupMonitor
+    seq: int
+    started: float
+    work: Any = None
+
+
 def resolve_group(group: object, param: str) -> dist.ProcessGroup:
     """The process group ``group`` is or names (``ProcessGroup.group_name``).
 
@@ -67,16 +76,16 @@ def resolve_group(group: object, param: str) -> dist.ProcessGroup:
         raise invalid(param, f"must be a ProcessGroup or its name (str), got {type(group).__name__}")
     if not dist.is_initialized():
         raise invalid(param, f"no process group named {group!r}: torch.distributed is not initialized")
-    for pg, name in dist.distributed_c10d._world.pg_names.items():
+    names = dist.distributed_c10d._world.pg_names
+    for pg, name in names.items():
         if name == group:
             return pg
-    known = sorted(dist.distributed_c10d._world.pg_names.values())
-    raise invalid(param, f"no process group named {group!r} in this process; known names: {known}")
+    raise invalid(param, f"no process group named {group!r} in this process; known names: {sorted(names.values())}")
 
 
 def comm_device(group: dist.ProcessGroup) -> torch.device:
-    """The device a collective of ``group`` takes tensors on when no payload says otherwise (NCCL: the current
-    CUDA device, HCCL: the current NPU, else the CPU)."""
+    """The device ``group``'s collectives take tensors on: NCCL the current CUDA device, HCCL the current NPU, else
+    the CPU."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
@@ -98,74 +107,81 @@ class EPGroup:
     def __init__(
         self, group: dist.ProcessGroup, mask: torch.Tensor, timeout: float | None = None, enable_shrink: bool = False
     ) -> None:
-        self.group = group
-        self.num_ranks = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.mask = mask
+        self.group, self.mask, self.enable_shrink = group, mask, enable_shrink
+        self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.timeout = resolve_timeout(timeout)
-        self.enable_shrink = enable_shrink
         self.live: list[int] = list(range(self.num_ranks))
-        self.comm: dist.ProcessGroup = group
-        self._monitor: GroupMonitor | None = None
+        self.comm: dist.ProcessGroup = group  # the group of the live ranks; comm rank i is EP rank live[i]
 
     @property
     def failed(self) -> list[int]:
         """Ranks removed from the group by shrink mode (they cannot be unmasked)."""
         return [r for r in range(self.num_ranks) if r not in self.live]
 
-    @property
-    def monitor(self) -> GroupMonitor:
-        if self._monitor is None:
-            self._monitor = monitor(self.comm)
-        return self._monitor
-
-    def _translate(self, err: EPRankFailure) -> EPRankFailure:
-        if self.comm is self.group:
-            return err
-        new = EPRankFailure([self.live[r] for r in err.missing_ranks], err.op, err.timeout, err.excluded)
-        new.__cause__ = err.__cause__
-        return new
-
     # ---- bounded collectives over the live ranks -------------------------------------------------------------
     def start(self, launch: Callable[[dist.ProcessGroup], Any], op: str) -> Pending:
-        """Issue ``launch(comm_group)`` (an ``async_op=True`` collective)."""
+        """Mark arrival, then issue ``launch(comm_group)`` (an ``async_op=True`` collective returning its work)."""
+        mon = monitor(self.comm)
+        mon.seq += 1
+        pending = Pending(mon, mon.seq, time.monotonic())
         try:
-            return self.monitor.start(lambda: launch(self.comm), op, self.timeout)
-        except EPRankFailure as err:
-            raise self._translate(err) from err.__cause__
+            mon.arrive(pending.seq)
+            pending.work = launch(self.comm)
+        except RuntimeError as err:  # a peer already gone can fail the issue itself
+            self._fail(pending, op, err)
+        return pending
 
     def wait(self, pending: Pending, op: str) -> None:
+        """Wait at most ``timeout`` seconds; on failure raise :class:`EPRankFailure` with the agreed missing ranks."""
+        work, pending.work = pending.work, None
+        if work is not None:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as err:
+                self._fail(pending, op, err)
+
+    def _fail(self, pending: Pending, op: str, cause: BaseException) -> NoReturn:
+        mon = pending.monitor
         try:
-            self.monitor.wait(pending, op, self.timeout)
-        except EPRankFailure as err:
-            raise self._translate(err) from err.__cause__
+            missing = mon.agree(pending.seq, pending.started, self.timeout)
+        except (RuntimeError, ValueError) as store_err:  # the store itself is gone (its host rank died)
+            what = f"{op} (missing ranks unknown: store unreachable: {store_err})"
+            raise EPRankFailure((), what, self.timeout) from cause
+        raise EPRankFailure([self.live[r] for r in missing], op, self.timeout, mon.rank in missing) from cause
 
     def all_to_all(
         self, recv: torch.Tensor, send: torch.Tensor, recv_splits: Sequence[int], send_splits: Sequence[int], op: str
     ) -> Pending:
         """Start an uneven all-to-all of flat tensors with R-long split lists (failed ranks' entries must be 0)."""
-        live = self.live
-        out_splits, in_splits = [recv_splits[r] for r in live], [send_splits[r] for r in live]
-        assert sum(out_splits) == sum(recv_splits) and sum(in_splits) == sum(send_splits), "failed ranks carry rows"
-
-        def launch(group: dist.ProcessGroup) -> Any:
-            return dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
-
-        return self.start(launch, op)
+        outs, ins = [recv_splits[r] for r in self.live], [send_splits[r] for r in self.live]
+        assert sum(outs) == sum(recv_splits) and sum(ins) == sum(send_splits), "failed ranks carry rows"
+        return self.start(lambda g: dist.all_to_all_single(recv, send, outs, ins, group=g, async_op=True), op)
 
     def transfer(
         self, recv: torch.Tensor, send: torch.Tensor, recv_rows: Sequence[int], send_rows: Sequence[int], op: str
-    ) -> Transfer:
-        """Start moving `[rows, width]` uint8 ``send`` (``send_rows[r]`` rows for rank r, in rank order) into
-        ``recv`` (``recv_rows[r]`` rows from rank r); :meth:`Transfer.wait` waits (bounded) for it."""
-        return Transfer(self, recv, send, recv_rows, send_rows, op)
+    ) -> Completion:
+        """Start moving `[rows, width]` uint8 ``send`` (``send_rows[r]`` rows for rank r, in rank order) into ``recv``
+        (``recv_rows[r]`` rows from rank r); ``wait()`` waits (bounded) and returns the nanoseconds it waited."""
+        pending = None
+        if self.num_ranks > 1:
+            width = send.shape[1] if send.dim() == 2 else recv.shape[1]
+            splits = [r * width for r in recv_rows], [r * width for r in send_rows]
+            pending = self.all_to_all(recv.view(-1), send.reshape(-1), *splits, op)
+
+        def finish(keep: tuple[torch.Tensor, ...] = (recv, send)) -> int:  # keep: the tensors live until the wait
+            if pending is None:
+                return 0
+            t0 = time.perf_counter_ns()
+            self.wait(pending, op)
+            return time.perf_counter_ns() - t0
+
+        return Completion(finish)
 
     def barrier(self, op: str) -> None:
         """A bounded barrier of the live ranks (in shrink mode, of the survivors after a failure)."""
         while True:
             try:
-                self.wait(self.start(lambda group: dist.barrier(group=group, async_op=True), op), op)
-                return
+                return self.wait(self.start(lambda g: dist.barrier(group=g, async_op=True), op), op)
             except EPRankFailure as err:
                 self.shrink(err)
 
@@ -178,36 +194,28 @@ class EPGroup:
         neutral: Sequence[int] | None = None,
         device: torch.device | str | None = None,
     ) -> Callable[[], Agreement]:
-        """Start the agreement step of a collective call: every rank sends every peer one int64 row
-        ``[status, *counts[peer], *shared]`` (``counts``: one row of C ints per rank of the group, e.g. rows and pairs
-        it will send there; ``shared``: the same for every peer, e.g. the fingerprint of the parameters all ranks must
-        agree on). The row has the same width on every rank whatever the input, so a rank whose input was rejected
-        still completes it, and every rank raises instead of waiting. Returns ``finish() -> Agreement`` (local work
-        overlaps the round trip); ranks removed by shrink mode read as status 0, zero counts, ``neutral`` (default
-        ``shared``). The tensor lives on ``device`` (the payload's; default the group's), read back once."""
+        """Start the agreement step: every rank sends every peer one int64 row ``[status, *counts[peer], *shared]``
+        (``counts``: C ints per rank, e.g. the rows it will send there; ``shared``: the same for every peer, e.g. the
+        fingerprint all ranks must agree on). The row's width does not depend on the input, so a rank that rejected
+        its input still completes the step and every rank raises instead of waiting. Returns ``finish() ->
+        Agreement``; ranks removed by shrink mode read as status 0, zero counts and ``neutral`` (default ``shared``).
+        The tensor lives on ``device`` (default the group's) and is read back once."""
         live, width = self.live, len(counts[0]) if counts else 0
         rows = [[status, *counts[r], *shared] for r in live]
-        send = torch.tensor(rows, dtype=torch.int64).to(device or comm_device(self.comm))
+        send = torch.tensor(rows, dtype=torch.int64, device=device or comm_device(self.comm))
         recv, pending, t0 = send, None, time.perf_counter()
         if len(live) > 1:
             recv = torch.empty_like(send)
-            pending = self.start(lambda group: dist.all_to_all_single(recv, send, group=group, async_op=True), op)
+            pending = self.start(lambda g: dist.all_to_all_single(recv, send, group=g, async_op=True), op)
 
         def finish() -> Agreement:
             if pending is not None:
                 self.wait(pending, op)
-            got = recv.tolist()
-            wait_us = int((time.perf_counter() - t0) * 1e6)
+            got, wait_us = dict(zip(live, recv.tolist(), strict=True)), int((time.perf_counter() - t0) * 1e6)
             fill = [0, *([0] * width), *(shared if neutral is None else neutral)]
-            table = [list(fill) for _ in range(self.num_ranks)]
-            for i, rank in enumerate(live):
-                table[rank] = got[i]
+            t = [got.get(r, fill) for r in range(self.num_ranks)]
             return Agreement(
-                [row[0] for row in table],
-                [row[1 : 1 + width] for row in table],
-                [tuple(row[1 + width :]) for row in table],
-                wait_us,
-                op,
+                [x[0] for x in t], [x[1 : 1 + width] for x in t], [tuple(x[1 + width :]) for x in t], wait_us, op
             )
 
         return finish
@@ -223,9 +231,7 @@ class EPGroup:
             raise failure
         survivors = [r for r in self.live if r not in failure.missing_ranks]
         all_ranks = dist.get_process_group_ranks(self.group)
-        global_ranks = [all_ranks[r] for r in survivors]
-        self.comm = _survivor_group(global_ranks, self.timeout)
-        self._monitor = None
+        self.comm = _survivor_group([all_ranks[r] for r in survivors], self.timeout)
         self.live = survivors
         self.mask[list(failure.missing_ranks)] = 1
 
@@ -236,61 +242,21 @@ class EPGroup:
         if not self.enable_shrink:
             return send()
 
-        def sent() -> Any:
+        def retry(step: Callable[[], Any]) -> Any:
             while True:
                 try:
-                    return send()
+                    return step()
                 except EPRankFailure as err:
                     self.shrink(err)
                     rewind()
 
-        result: Any = sent()
-        first = result.completion
+        result: Any = retry(send)
+        first = [result.completion]
 
-        def finish() -> None:
-            current = first
-            while True:
-                try:
-                    current.wait()
-                    return
-                except EPRankFailure as err:
-                    self.shrink(err)
-                    rewind()
-                    current = sent().completion
+        def finish() -> None:  # the first attempt waits for the first send's receive; each later one re-sends
+            retry(lambda: (first.pop() if first else retry(send).completion).wait())
 
         return result._replace(completion=Completion(finish))
-
-
-class Transfer:
-    """An in-flight uneven all-to-all of byte rows (nothing to do when no row crosses ranks)."""
-
-    def __init__(
-        self,
-        ep: EPGroup,
-        recv: torch.Tensor,
-        send: torch.Tensor,
-        recv_rows: Sequence[int],
-        send_rows: Sequence[int],
-        op: str,
-    ) -> None:
-        self.ep, self.op, self.wait_ns = ep, op, 0
-        self._keep: tuple[torch.Tensor, torch.Tensor] | None = (recv, send)
-        self.pending: Pending | None = None
-        if ep.num_ranks > 1:
-            width = send.shape[1] if send.dim() == 2 else recv.shape[1]
-            self.pending = ep.all_to_all(
-                recv.view(-1), send.reshape(-1), [r * width for r in recv_rows], [r * width for r in send_rows], op
-            )
-
-    def wait(self) -> int:
-        """Wait for the rows (bounded by the group's timeout); returns the nanoseconds spent waiting."""
-        if self.pending is not None:
-            t0 = time.perf_counter_ns()
-            pending, self.pending = self.pending, None
-            self.ep.wait(pending, self.op)
-            self.wait_ns = time.perf_counter_ns() - t0
-        self._keep = None
-        return self.wait_ns
 
 
 def _survivor_group(global_ranks: list[int], timeout: float) -> dist.ProcessGroup:
@@ -305,15 +271,12 @@ def _survivor_group(global_ranks: list[int], timeout: float) -> dist.ProcessGrou
     return group
 
 
-_GROUPS: dict[int, tuple[dist.ProcessGroup, EPGroup]] = {}
+_GROUPS: dict[int, EPGroup] = {}
 
 
 def ep_group(group: dist.ProcessGroup) -> EPGroup:
     """The :class:`EPGroup` the ops use for ``group`` when no Buffer owns one (timeout: ``DEEP_EP_NPU_TIMEOUT``,
     else the default; no shrink); one per group per process."""
-    cached = _GROUPS.get(id(group))
-    if cached is None or cached[0] is not group:
-        size = dist.get_world_size(group)
-        cached = (group, EPGroup(group, torch.zeros((size,), dtype=torch.int32), None))
-        _GROUPS[id(group)] = cached
-    return cached[1]
+    if id(group) not in _GROUPS or _GROUPS[id(group)].group is not group:
+        _GROUPS[id(group)] = EPGroup(group, torch.zeros((dist.get_world_size(group),), dtype=torch.int32))
+    return _GROUPS[id(group)]

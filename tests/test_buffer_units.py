@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deep_ep_npu import Buffer, EventOverlap, LowLatencyHandle, topk_idx_t
-from deep_ep_npu.backends.base import map_no_expert
+from deep_ep_npu.backends import map_no_expert
 from deep_ep_npu.event import Completion
 from deep_ep_npu.quant import pack_ue8m0, per_token_cast_to_fp8, unpack_ue8m0
 from tests.deepep_utils import calc_diff, fp8_e4m3_reference, per_token_cast_back

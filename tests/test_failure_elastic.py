@@ -14,7 +14,7 @@ import sys
 import torch
 
 from deep_ep_npu import Buffer
-from deep_ep_npu.backends.elastic import elastic_info_from_mask, remap_expert_ids
+from deep_ep_npu.backends.ascend import elastic_info_from_mask, remap_expert_ids
 from tests.distributed import parallel_launch
 from tests.test_ascend_backend import E, K, N, _inputs, _run, _torch_npu_standin
 

@@ -13,19 +13,10 @@ import pytest
 import torch
 
 from tests.distributed import parallel_launch
-from tests.ops_oracle import (
-    DISPATCH_OUTPUTS,
-    Layout,
-    combine_oracle,
-    dispatch_oracle,
-    expert_fn,
-    from_bytes,
-    random_rank_input,
-    to_bytes,
-)
+from tests.ops_oracle import DISPATCH_OUTPUTS as KEYS
+from tests.ops_oracle import Layout, combine_oracle, dispatch_oracle, expert_fn, from_bytes, random_rank_input, to_bytes
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-KEYS = DISPATCH_OUTPUTS
 
 
 def make_case(seed: int, world_size: int, **force) -> dict:

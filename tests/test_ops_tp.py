@@ -13,16 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import op_error, parallel_launch
-from tests.ops_oracle import (
-    DISPATCH_OUTPUTS,
-    Layout,
-    combine_oracle,
-    dispatch_oracle,
-    expert_fn,
-    from_bytes,
-    random_rank_input,
-    to_bytes,
-)
+from tests.ops_oracle import DISPATCH_OUTPUTS as KEYS
+from tests.ops_oracle import Layout, combine_oracle, dispatch_oracle, expert_fn, from_bytes, random_rank_input, to_bytes
 
 NULL, PARAM, SHAPE = 161001, 161002, 561002
 
@@ -140,9 +132,6 @@ def combine_oracle_dequant(row: torch.Tensor) -> torch.Tensor:
 
     q, sc = quant_int8(row, None)
     return (torch.from_numpy(q).float() * float(sc)).to(row.dtype)
-
-
-KEYS = DISPATCH_OUTPUTS
 
 
 def test_tp_dispatch_combine_match_oracle():

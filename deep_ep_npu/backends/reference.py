@@ -4,12 +4,10 @@ Works on any torch.distributed group and device (gloo on CPU, NCCL on CUDA, HCCL
 lives on the input's device. Dispatch sends each token once per destination rank with the local experts it is for
 and expands it into ``recv_x`` `[L, R * N, hidden]`; inside local expert i, source rank j owns rows
 ``[begin, begin + count)`` (this rank's own block first, then the other sources in rank order; tokens ascending).
-Combine returns the rows in the order the source's ``topk_idx`` predicts and reduces them there in fp32.
-
-Buffers: the wire buffers are owned by the backend, grown on demand and double-buffered like DeepEP's (index
-flipped by every dispatch and combine). Dispatch results (``recv_x``, scales, ``recv_count``, the handle's tensors)
-live in two alternating sets, so they stay valid until the next-but-one dispatch (DeepEP: do not hold more than 2
-low-latency results); combine results are fresh tensors (or ``out``).
+Combine returns the rows in the order the source's ``topk_idx`` predicts and reduces them there in fp32. The wire
+buffers (the backend's, grown on demand) are double-buffered like DeepEP's; dispatch results (``recv_x``, scales,
+``recv_count``, the handle's tensors) live in two alternating sets, valid until the next-but-one dispatch (DeepEP:
+hold at most 2 low-latency results); combine results are fresh tensors (or ``out``).
 """
 
 from __future__ import annotations
@@ -26,13 +24,12 @@ from ..engine.flat import DTYPE_CODES, start_combine_flat, start_dispatch_flat
 from ..engine.layouts import Masked
 from ..engine.plan import make_plan
 from ..engine.rows import QUANTS, ReturnFormat, RowFormat
-from ..engine.workspace import Workspace
 from ..errors import MoeDistributeError
 from ..event import Completion
 from ..handle import make_handle
 from ..ll_params import CombineArgs, DispatchArgs
 from ..params import CombineParams, DispatchParams
-from .base import BufferConfig, CombineResult, DispatchResult, LowLatencyBackend
+from . import BufferConfig, CombineResult, DispatchResult, LowLatencyBackend
 
 COMBINE_NAMES = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype")
 
@@ -45,67 +42,49 @@ class ReferenceBackend(LowLatencyBackend):
 
     def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
         super().__init__(group, config)
-        self._ws = Workspace()
-        self._buffer_idx = 0  # wire buffers: flips on every dispatch and combine
-        self._dispatch_idx = 0  # dispatch results: flips on every dispatch
-
-    def _flip(self) -> int:
-        idx, self._buffer_idx = self._buffer_idx, self._buffer_idx ^ 1
-        return idx
+        self._dispatch_idx = 0  # dispatch results: flips on every dispatch (wire buffers: ``_flip()``)
 
     def _rewind(self, state: tuple[int, int]) -> None:
         self._buffer_idx, self._dispatch_idx = state
 
     def abort(self, op: str, code: int) -> None:
-        r = self.num_ranks
-        counts = [[0, 0] for _ in range(r)] if op == "dispatch" else [[] for _ in range(r)]
-        width = len(Masked.names) if op == "dispatch" else 2 * r + len(COMBINE_NAMES)
-        self.ep.start_agree(f"low_latency_{op}", code, counts, [0] * width)()
+        d, r = op == "dispatch", self.num_ranks
+        width = len(Masked.names) if d else 2 * r + len(COMBINE_NAMES)
+        self.ep.start_agree(f"low_latency_{op}", code, [[0, 0] if d else [] for _ in range(r)], [0] * width)()
 
-    def _pairs(self, topk_idx: torch.Tensor, num_local: int):
-        """(token, slot, dest rank, local expert) `[num_pairs]` int64 of the valid entries of ``topk_idx``."""
+    def _plan(self, topk_idx: torch.Tensor, num_local: int, per_pair_rows: bool):
+        """The engine's plan for the (token, slot, dest rank, local expert) of the valid entries of ``topk_idx``."""
         ids = topk_idx.long()
         valid = ids >= 0
         if bool(self.mask.any()):  # shrink mode: masked ranks' experts are absent; a masked rank sends nothing
-            mask = self.mask.to(ids.device)
-            valid &= mask[ids.clamp(min=0) // num_local] == 0
-            if int(self.mask[self.rank]):
-                valid &= False
+            valid &= (self.mask.to(ids.device)[ids.clamp(min=0) // num_local] == 0) & (not int(self.mask[self.rank]))
         token, slot = valid.nonzero(as_tuple=True)
         e = ids[token, slot]
-        return token, slot, e // num_local, e % num_local
+        return make_plan(
+            token, slot, e // num_local, e % num_local, num_tokens=ids.shape[0], num_ranks=self.num_ranks,
+            rank=self.rank, num_local_experts=num_local, per_pair_rows=per_pair_rows,
+        )  # fmt: skip
 
-    # ---- dispatch ---------------------------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         state = (self._buffer_idx, self._dispatch_idx)  # shrink mode re-runs into the same result set
         return self.ep.run(lambda: self._dispatch(args), lambda: self._rewind(state))
 
     def _dispatch(self, args: DispatchArgs) -> DispatchResult:
-        r, num_local, n, hidden = (
-            self.num_ranks,
-            args.num_local_experts,
-            args.num_max_dispatch_tokens_per_rank,
-            args.hidden,
-        )
+        r, num_local = self.num_ranks, args.num_local_experts
+        n, hidden = args.num_max_dispatch_tokens_per_rank, args.hidden
         x, idx, ws = args.x, self._flip(), self._ws
         ws.device = x.device
         lap = profiling.laps("dispatch")
         fmt = RowFormat(hidden, x.dtype, args.quant, args.topk_idx.shape[1], False, args.round_scale)
-        token, slot, dest, expert = self._pairs(args.topk_idx, num_local)
-        plan = make_plan(
-            token, slot, dest, expert, num_tokens=x.shape[0], num_ranks=r, rank=self.rank,
-            num_local_experts=num_local, per_pair_rows=False,
-        )  # fmt: skip
+        plan = self._plan(args.topk_idx, num_local, False)
         lap("layout")
-        # the results live in two alternating sets (DeepEP: hold at most 2 results); reuse avoids page faults
+        # the two alternating result sets are reused: no page faults
         out = f"dispatch_out{self._dispatch_idx}_"
         self._dispatch_idx ^= 1
         recv_x = ws.get(out + "x", (num_local, r * n, hidden), fmt.data_dtype)
         scales = None
-        if args.quant is not None:
-            groups = hidden // 512 if args.use_ue8m0 else hidden // 128
-            scale_dtype = torch.int32 if args.use_ue8m0 else torch.float32
-            # DeepEP allocates [L, groups, R * N] and transposes: the token dimension has stride 1
+        if args.quant is not None:  # DeepEP allocates [L, groups, R * N] and transposes: tokens have stride 1
+            groups, scale_dtype = (hidden // 512, torch.int32) if args.use_ue8m0 else (hidden // 128, torch.float32)
             scales = ws.get(out + "scales", (num_local, groups, r * n), scale_dtype).transpose(1, 2)
         src_info = ws.get(out + "src_info", (num_local, r * n), torch.int32)
         layout_range = ws.get(out + "layout_range", (num_local, r), torch.int64)
@@ -120,10 +99,8 @@ class ReferenceBackend(LowLatencyBackend):
         )
         completion = start_dispatch(job)
         handle = make_handle(src_info, layout_range, n, hidden, args.num_experts)
-        recv_out = recv_x if scales is None else (recv_x, scales)
-        return DispatchResult(recv_out, recv_count, handle, completion)
+        return DispatchResult(recv_x if scales is None else (recv_x, scales), recv_count, handle, completion)
 
-    # ---- combine ----------------------------------------------------------------------------------------------
     def combine(self, args: CombineArgs) -> CombineResult:
         state, first = (self._buffer_idx, self._dispatch_idx), list[torch.Tensor]()
 
@@ -143,18 +120,9 @@ class ReferenceBackend(LowLatencyBackend):
         except MoeDistributeError as err:
             self.abort("combine", err.code)
             raise
-        token, slot, dest, expert = self._pairs(args.topk_idx, num_local)
-        num_tokens = args.topk_idx.shape[0]
-        plan = make_plan(
-            token, slot, dest, expert, num_tokens=num_tokens, num_ranks=r, rank=self.rank,
-            num_local_experts=num_local, per_pair_rows=True,
-        )  # fmt: skip
+        num_tokens, plan = args.topk_idx.shape[0], self._plan(args.topk_idx, num_local, True)
         source = self._zero_copy_buffer(idx, h) if args.zero_copy else args.x
-        out = (
-            args.out
-            if args.out is not None
-            else torch.empty((num_tokens, hidden), dtype=source.dtype, device=source.device)
-        )
+        out = args.out if args.out is not None else source.new_empty((num_tokens, hidden))
         weights = args.topk_weights[plan.token, plan.slot]
 
         def on_wait(agreement, wait_ns: int) -> None:
@@ -169,15 +137,6 @@ class ReferenceBackend(LowLatencyBackend):
         )  # fmt: skip
         return CombineResult(out, start_combine(job))
 
-    def _zero_copy_buffer(self, idx: int, handle) -> torch.Tensor:
-        num_local, r = handle.layout_range.shape
-        shape_ = (num_local, r * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-        self._ws.device = handle.src_info.device
-        return self._ws.get(f"zero_copy{idx}", shape_, torch.bfloat16)
-
-    def next_combine_buffer(self, handle) -> torch.Tensor:
-        return self._zero_copy_buffer(self._buffer_idx, handle)
-
     def dispatch_flat(self, params: DispatchParams) -> Completion:
         return start_dispatch_flat(params, self.ep)
 
@@ -186,6 +145,3 @@ class ReferenceBackend(LowLatencyBackend):
 
     def clean(self) -> None:
         self._buffer_idx = 0
-
-    def destroy(self) -> None:
-        self._ws.clear()

@@ -13,8 +13,8 @@ compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3
                            ^ rows of seg 0 (T0)        ^ C0 starts as soon as FFN seg 0 is done
 ```
 
-``Dk`` / ``Ck``: dispatch / combine setup of segment k (validation, a small header all-to-all, the payload started
-asynchronously); ``Tk`` / ``Rk``: their teardowns. Expert outputs are rounded to ``out_dtype`` (as the kernel's FP16
+``Dk`` / ``Ck``: the send phase of segment k's dispatch / combine (validation, the agreement step, the payload
+started asynchronously); ``Tk`` / ``Rk``: their receive phases. Expert outputs are rounded to ``out_dtype`` (as the kernel's FP16
 CV tiles), sent as fp32 and the S partials summed in fp32, so the result equals one unsegmented combine up to fp32
 re-association (at most one ulp of ``out_dtype``). ``segment_by="token"``: segment k = the k-th chunk of each rank's
 tokens (all experts), so rows are final, travel in ``out_dtype`` (half the bytes) and the result is bit-equal to one
@@ -70,7 +70,7 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
     # One comm thread issues every collective, in the same order on every rank; this thread only computes.
     comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mega_moe_comm")
     try:
-        # comm order: D0 D1 T0 D2 T1 ..., so segment 0's rows arrive after two setups while later payloads fly
+        # comm order: D0 D1 T0 D2 T1 ..., so segment 0's rows arrive after two send phases while later payloads fly
         dispatches: list = [comm.submit(start_dispatch, 0)]
         received: list = []
         for s in range(1, args.num_segments + 1):
