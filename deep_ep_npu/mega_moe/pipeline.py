@@ -14,8 +14,8 @@ compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3
 ```
 
 ``Dk`` / ``Ck``: the send phase of segment k's dispatch / combine (validation, the agreement step, the payload
-started asynchronously); ``Tk`` / ``Rk``: their receive phases. Expert outputs are rounded to ``out_dtype`` (as the kernel's FP16
-CV tiles), sent as fp32 and the S partials summed in fp32, so the result equals one unsegmented combine up to fp32
+started asynchronously); ``Tk`` / ``Rk``: their receive phases. Expert outputs are rounded to ``out_dtype`` (as the
+kernel's FP16 CV tiles), sent as fp32 and the S partials summed in fp32, so the result equals one unsegmented combine up to fp32
 re-association (at most one ulp of ``out_dtype``). ``segment_by="token"``: segment k = the k-th chunk of each rank's
 tokens (all experts), so rows are final, travel in ``out_dtype`` (half the bytes) and the result is bit-equal to one
 dispatch -> FFN -> combine, at the price of S smaller GEMMs per expert.
