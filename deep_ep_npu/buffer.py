@@ -1,25 +1,24 @@
-"""``deep_ep_npu.Buffer``: DeepEP's low-latency ``Buffer`` API on Ascend NPUs or any torch.distributed group.
+"""``deep_ep_npu.Buffer``: DeepEP's low-latency ``Buffer`` on Ascend NPUs or any torch.distributed group. Code written
+for ``deep_ep.Buffer`` in low-latency mode runs unchanged (same constructor, method signatures, defaults, return
+tuples and layouts); a backend picked by name does the work.
 
-Code written for ``deep_ep.Buffer`` in low-latency mode runs unchanged with ``from deep_ep_npu import Buffer``:
-same constructor, ``low_latency_dispatch`` / ``low_latency_combine`` signatures, defaults, return tuples and
-layouts. The work is done by a backend picked by name (``backend="reference"`` / ``"ascend"`` / ``"auto"``).
+Overlap, as in DeepEP: with ``return_recv_hook=True`` a call runs only the send phase and returns ``hook``, and
+``hook()`` runs the receive; with ``async_finish=True`` the returned :class:`EventOverlap` runs it on
+``current_stream_wait()`` (or at the end of a ``with event:`` block). Compute placed in between overlaps::
 
-Overlap, two ways (both as in DeepEP):
+    recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, N, E, return_recv_hook=True)
+    y_other = attention_of_the_other_micro_batch()    # overlaps the dispatch
+    hook()                                            # recv_x / recv_count / handle are valid from here on
 
-- ``return_recv_hook=True``: the call runs only the send phase and returns ``hook``; ``hook()`` runs the
-  receive. Compute placed between them overlaps the communication::
+Buffer reuse (DeepEP's rule: hold at most 2 low-latency results at a time): the communication buffers flip on every
+dispatch and combine, and dispatch results (``recv_x``, its scales, ``recv_count``, the handle's tensors) alternate
+between two sets, valid until the next-but-one dispatch. Finish a call's receive before the next-but-one call.
 
-      recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, N, E, return_recv_hook=True)
-      y_other = attention_of_the_other_micro_batch()    # overlaps the dispatch
-      hook()                                            # recv_x / recv_count / handle are valid from here on
-
-- ``async_finish=True``: the returned :class:`EventOverlap` completes the receive on ``current_stream_wait()``
-  (or at the end of a ``with event:`` block).
-
-Buffer reuse (DeepEP's rule: do not hold more than 2 low-latency results at a time): the backend's communication
-buffers are double-buffered and flip on every dispatch and combine, and dispatch results (``recv_x``, its scales,
-``recv_count``, the handle's tensors) alternate between two sets, so they stay valid until the next-but-one
-dispatch. Finish a call's receive (``hook()`` / the event) before the next-but-one low-latency call.
+Failures: the calls are collective (every rank calls, also with 0 tokens). Invalid input on any rank raises
+:class:`MoeDistributeError` (a ValueError) on every rank before any payload moves. A rank that exits or stops calling
+makes every other rank raise :class:`deep_ep_npu.EPRankFailure` (a RuntimeError) naming it, from the call or its
+``hook()`` / event, within about ``timeout`` (never a hang); with ``enable_shrink`` (reference backend) the survivors
+instead agree on the failed ranks, continue on a group of themselves, mask them and re-run the interrupted call.
 """
 
 from __future__ import annotations
@@ -42,20 +41,14 @@ from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
 
 
 class FlatDispatchOutput:
-    """The outputs of ``low_latency_dispatch_flat``; readable once the receive ran (at once, or after ``hook()`` /
-    the event's wait).
+    """``low_latency_dispatch_flat``'s outputs, readable once the receive ran (A = rows this rank can receive, L local
+    experts): ``expand_x`` `[A, hidden]` in x's dtype (`torch.int8` with ``quant_mode=2``; rows past the received
+    total are unspecified); ``dynamic_scales`` `[A]` `torch.float32` per-row dequant scales with ``quant_mode=2``;
+    ``expert_token_nums`` `[L]` `torch.int64` rows per local expert (counts, or the inclusive cumsum with
+    ``expert_token_nums_type=0``: ``npu_grouped_matmul``'s ``group_list``, ``group_list_type`` 1 / 0); ``handle``,
+    the :class:`FlatHandle` for ``low_latency_combine_flat``."""
 
-    Attributes (A = rows this rank can receive, L local experts, W ranks):
-        expand_x: `[A, hidden]`, x's dtype (`torch.int8` with ``quant_mode=2``); rows past the received total are
-            unspecified.
-        dynamic_scales: `[A]` `torch.float32` per-row dequant scales with ``quant_mode=2``.
-        expert_token_nums: `[L]` `torch.int64` rows per local expert (counts, or the inclusive cumsum with
-            ``expert_token_nums_type=0``): ``npu_grouped_matmul``'s ``group_list`` (``group_list_type`` 1 / 0).
-        handle: :class:`FlatHandle` for ``low_latency_combine_flat``.
-    """
-
-    def __init__(self) -> None:
-        self._values: dict[str, Any] | None = None
+    _values: dict[str, Any] | None = None  # set by the receive
 
     def _get(self, name: str) -> Any:
         if self._values is None:
@@ -73,45 +66,30 @@ class Buffer:
 
     Arguments:
         group: the EP ``ProcessGroup`` (required).
-        num_nvl_bytes: accepted for compatibility; unused (there is no NVLink buffer).
         num_rdma_bytes: bytes of the low-latency buffer; 0 lets the backend size it on demand. When > 0, a call
             whose ``get_low_latency_rdma_size_hint`` exceeds it raises, naming the size needed.
-        low_latency_mode: accepted; this Buffer implements the low-latency mode only (normal-mode kernels are absent).
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted for compatibility; unused.
-        explicitly_destroy: the caller must call :meth:`destroy`; without it, resources are released with the object.
-        enable_shrink: enables the mask buffer (``low_latency_update/query/clean_mask_buffer``); on the reference
-            backend a rank that exits or stops calling is then masked by the survivors, who continue (``timeout``).
-        backend: ``"auto"`` (``"ascend"`` when torch_npu and an NPU are present, else ``"reference"``),
-            ``"reference"`` (torch.distributed) or ``"ascend"`` (ops-transformer V3 context ops or torch_npu).
-        ccl_buffer_size: MB of HCCL window the Ascend ops may use (``get_low_latency_ccl_buffer_size``). When given,
-            shapes that need more raise, naming the size needed (ascend backend, and the flat methods on both
-            backends). None: the ascend backend checks ``HCCL_BUFFSIZE`` if set (torch_npu ops) or sizes the V3
-            context from the first call's shapes.
-        timeout: seconds each collective wait of this Buffer may take (keyword-only extension). A rank that exits
-            or stops calling makes every other rank raise :class:`deep_ep_npu.EPRankFailure` naming it within about
-            this time (never a hang). None: ``DEEP_EP_NPU_TIMEOUT``, else 30 s (DeepEP's kernels: ~100 s). With
-            ``enable_shrink``, the survivors instead agree on the failed ranks, continue on a group of themselves,
-            mask the failed ranks and re-run the interrupted call (reference backend; see "Failure handling").
+        num_nvl_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted
+            for compatibility, unused (there is no NVLink buffer; only the low-latency mode is implemented).
+        explicitly_destroy: the caller must call :meth:`destroy`; else resources are released with the object.
+        enable_shrink: enables the mask buffer (``low_latency_update/query/clean_mask_buffer``) and, on the
+            reference backend, recovery from failed ranks.
+        backend (keyword-only, as the rest): ``"reference"`` (torch.distributed), ``"ascend"`` (ops-transformer V3
+            context ops or torch_npu) or ``"auto"`` (``"ascend"`` when torch_npu and an NPU are present).
+        ccl_buffer_size: MB of HCCL window the Ascend ops may use (``get_low_latency_ccl_buffer_size``); shapes that
+            need more raise, naming the size (ascend backend; flat methods on both). None: the ascend backend checks
+            ``HCCL_BUFFSIZE`` if set (torch_npu ops) or sizes the V3 context from the first call's shapes.
+        timeout: seconds each collective wait may take (a failed peer is detected within about this). None:
+            ``DEEP_EP_NPU_TIMEOUT``, else 30 s (DeepEP's kernels: ~100 s).
     """
 
     num_sms: int = 20
 
     def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        num_nvl_bytes: int = 0,
-        num_rdma_bytes: int = 0,
-        low_latency_mode: bool = False,
-        num_qps_per_rank: int = 24,
-        allow_nvlink_for_low_latency_mode: bool = True,
-        allow_mnnvl: bool = False,
-        explicitly_destroy: bool = False,
-        enable_shrink: bool = False,
-        *,
-        backend: str = "auto",
-        ccl_buffer_size: int | None = None,
-        timeout: float | None = None,
-    ) -> None:
+        self, group: dist.ProcessGroup | None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False, num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
+        backend: str = "auto", ccl_buffer_size: int | None = None, timeout: float | None = None,
+    ) -> None:  # fmt: skip
         if group is None:
             raise ValueError("group: a torch.distributed ProcessGroup is required (deep_ep_npu has no mpi4py comm)")
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -119,51 +97,41 @@ class Buffer:
                 raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
         if ccl_buffer_size is not None and (not isinstance(ccl_buffer_size, int) or ccl_buffer_size < 1):
             raise ValueError(f"ccl_buffer_size: must be None or a positive int (MB), got {ccl_buffer_size!r}")
-        timeout = resolve_timeout(timeout)
-        self.backend_name = resolve_backend_name(backend)
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.group_size = dist.get_world_size(group)
-        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.low_latency_mode = low_latency_mode
-        self.explicitly_destroy = explicitly_destroy
-        self.enable_shrink = enable_shrink
         self.config = BufferConfig(
-            num_nvl_bytes,
-            num_rdma_bytes,
-            low_latency_mode,
-            num_qps_per_rank,
-            allow_nvlink_for_low_latency_mode,
-            allow_mnnvl,
-            explicitly_destroy,
-            enable_shrink,
-            ccl_buffer_size,
-            timeout,
-        )
+            num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
+            allow_mnnvl, explicitly_destroy, enable_shrink, ccl_buffer_size, resolve_timeout(timeout),
+        )  # fmt: skip
+        self.backend_name = resolve_backend_name(backend)
+        self.group, self.rank, self.group_size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode = num_nvl_bytes, num_rdma_bytes, low_latency_mode
+        self.explicitly_destroy, self.enable_shrink = explicitly_destroy, enable_shrink
         self._backend = create_backend(self.backend_name, group, self.config)
         self._destroyed = False
 
-    # ---- helpers --------------------------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed; create a new one")
 
-    def _validated(self, op: str, validate: Callable[[], Any]) -> Any:
-        """Run local validation; on failure tell the peers (so they raise too) and raise."""
+    def _validated(self, op: str, call: dict[str, Any]) -> Any:
+        """``op``'s arguments (its ``locals()``) validated; on failure, tells the peers (they raise too) and raises."""
+        self._check_alive()
+        lap, call = profiling.laps(op), {k: v for k, v in call.items() if k != "self"}
         try:
-            return validate()
+            if op == "combine":
+                args: Any = ll_params.CombineArgs(**call, num_ranks=self.group_size).validate()
+            else:
+                native = self._backend.native_quant_format
+                args = ll_params.DispatchArgs(**call, num_ranks=self.group_size, native_quant_format=native).validate()
+                n, hidden, num_experts = args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts
+                if self.num_rdma_bytes and (need := rdma_size_hint(n, hidden, num_experts)) > self.num_rdma_bytes:
+                    sizes = f"N={n}, hidden={hidden}, num_experts={num_experts}: {need} bytes needed"
+                    msg = f"{self.num_rdma_bytes} bytes is too small for {sizes}"
+                    raise invalid("num_rdma_bytes", f"{msg} (Buffer.get_low_latency_rdma_size_hint)")
         except MoeDistributeError as err:
             self._backend.abort(op, err.code)
             raise
-
-    def _check_rdma_size(self, num_max: int, hidden: int, num_experts: int) -> None:
-        need = rdma_size_hint(num_max, hidden, num_experts)
-        if self.num_rdma_bytes and need > self.num_rdma_bytes:
-            raise invalid(
-                "num_rdma_bytes",
-                f"{self.num_rdma_bytes} bytes is too small for N={num_max}, hidden={hidden}, num_experts={num_experts}:"
-                f" {need} bytes needed (Buffer.get_low_latency_rdma_size_hint)",
-            )
+        lap("validation")
+        return args
 
     @staticmethod
     def _overlap(completion: Completion, async_finish: bool, return_recv_hook: bool, tensors: tuple):
@@ -174,203 +142,120 @@ class Buffer:
         completion.wait()
         return EventOverlap(None), None
 
-    # ---- low-latency dispatch / combine -----------------------------------------------------------------------
     def low_latency_dispatch(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
+        self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
         cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
-        use_fp8: bool = True,
-        round_scale: bool = False,
-        use_ue8m0: bool = False,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-        *,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True, round_scale: bool = False,
+        use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False, *,
         quant_format: str | None = None,
-    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
-        """Send each token to the ranks hosting its experts (DeepEP low-latency dispatch). Every rank must call it,
-        also with 0 tokens. N = num_max_dispatch_tokens_per_rank, L = num_experts / R local experts, R ranks.
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:  # fmt: skip
+        """Send each token to the ranks hosting its experts (DeepEP low-latency dispatch). N =
+        num_max_dispatch_tokens_per_rank, R ranks, L = num_experts / R local experts.
 
         Arguments:
-            x: `[num_tokens, hidden]` with `torch.bfloat16` (`torch.float16` / `torch.float32` also accepted),
-                ``num_tokens <= N``; with ``use_fp8``, ``hidden % 128 == 0``.
-            topk_idx: `[num_tokens, num_topk]` with `torch.int64` or `torch.int32`, ``num_topk <= 16``; ids in
-                ``[0, num_experts)`` or ``-1`` (no expert); an expert at most once per token.
-            num_max_dispatch_tokens_per_rank: N, the same on every rank.
-            num_experts: total experts, the same on every rank, divisible by R.
+            x: `[num_tokens, hidden]` `torch.bfloat16` (or `torch.float16` / `torch.float32`), ``num_tokens <= N``.
+            topk_idx: `[num_tokens, num_topk]` `torch.int64` / `torch.int32`, ``num_topk <= 16``; ids in
+                ``[0, num_experts)`` or ``-1`` (no expert), an expert at most once per token.
+            num_max_dispatch_tokens_per_rank, num_experts: N and the total experts (divisible by R), equal on all ranks.
             cumulative_local_expert_recv_stats: `[L]` `torch.int32` or None; ``recv_count`` is added to it.
             dispatch_wait_recv_cost_stats: `[R]` `torch.int64` or None; the nanoseconds this rank waited for the
                 receive are added to every entry (a collective completes for all sources at once).
-            use_fp8: quantize to the backend's 8-bit format (``quant_format``), else keep x's dtype.
-            round_scale: round fp8 scales up to powers of two. use_ue8m0: store them as packed UE8M0 (needs
-                round_scale and ``hidden % 512 == 0``).
-            async_finish: return an event whose wait completes the receive. return_recv_hook: return ``hook``
-                (call it to receive); not both.
-            quant_format (keyword-only extension): the 8-bit format of ``use_fp8``: ``"fp8_e4m3"`` (DeepEP's
-                per-128-channel e4m3, the reference default) or ``"int8_per_token"`` (Ascend A2/A3's per-token
-                dynamic int8, ``q = rint(x * 127 / amax)``, scale ``amax / 127``; the Ascend default). None: the
-                backend's default.
+            use_fp8: quantize to ``quant_format`` (needs ``hidden % 128 == 0``), else keep x's dtype.
+            round_scale: round fp8 scales up to powers of two. use_ue8m0: pack them as UE8M0 (needs round_scale and
+                ``hidden % 512 == 0``).
+            async_finish / return_recv_hook: return an event / a ``hook`` that completes the receive; not both.
+            quant_format (keyword-only extension): ``"fp8_e4m3"`` (DeepEP's per-128-channel e4m3, the reference
+                default) or ``"int8_per_token"`` (Ascend A2/A3's per-token dynamic int8, ``q = rint(x * 127 / amax)``,
+                scale ``amax / 127``; the Ascend default). None: the backend's default.
 
         Returns:
-            recv_x: `[L, R * N, hidden]` in x's dtype, or with ``use_fp8`` a tuple ``(data, scales)``: data
-                `[L, R * N, hidden]` `torch.float8_e4m3fn` (`torch.int8` for int8_per_token) and scales
-                `[L, R * N, hidden // 128]` `torch.float32` (token dim stride 1, as DeepEP; int8: the row's single
-                scale repeated per group, so ``data * scales`` per 128 channels dequantizes both formats), or with
+            recv_x: `[L, R * N, hidden]` in x's dtype, or with ``use_fp8`` ``(data, scales)``: data
+                `[L, R * N, hidden]` `torch.float8_e4m3fn` (`torch.int8` for int8_per_token), scales
+                `[L, R * N, hidden // 128]` `torch.float32` (token dim stride 1, as DeepEP; int8: the row's scale
+                repeated per group, so ``data * scales`` per 128 channels dequantizes both formats), or with
                 ``use_ue8m0`` `[L, R * N, hidden // 512]` `torch.int32`. Rows past ``recv_count`` are undefined.
             recv_count: `[L]` `torch.int32` rows received per local expert.
-            handle: :class:`LowLatencyHandle` (``handle[0]`` src_info `[L, R * N]` int32, ``handle[1]`` layout_range
-                `[L, R]` int64 ``(begin << 32) | count``), for ``low_latency_combine``.
-            event: :class:`EventOverlap` (meaningful with ``async_finish``).
-            hook: the receive phase with ``return_recv_hook``, else None.
+            handle: :class:`LowLatencyHandle` for ``low_latency_combine``.
+            event: :class:`EventOverlap` (meaningful with ``async_finish``). hook: the receive, or None.
 
-        Raises:
-            MoeDistributeError (a ValueError): invalid input on any rank, or N / num_experts / hidden / format
-            differing across ranks; raised on every rank, before any payload moves.
-            EPRankFailure (a RuntimeError): a peer exited or stopped calling (without ``enable_shrink``), raised
-            here or by ``hook()`` / the event on every surviving rank, naming the missing ranks.
-        """
-        self._check_alive()
-        backend = self._backend
-
-        call = {k: v for k, v in locals().items() if k not in ("self", "backend")}
-
-        def validate() -> ll_params.DispatchArgs:
-            args = ll_params.DispatchArgs(
-                **call, num_ranks=self.group_size, native_quant_format=backend.native_quant_format
-            ).validate()
-            self._check_rdma_size(args.num_max_dispatch_tokens_per_rank, args.hidden, args.num_experts)
-            return args
-
-        lap = profiling.laps("dispatch")
-        args = self._validated("dispatch", validate)
-        lap("validation")
-        res = backend.dispatch(args)
-        tensors = (res.recv_x, res.recv_count, res.handle)
-        event, hook = self._overlap(res.completion, async_finish, return_recv_hook, tensors)
+        Raises MoeDistributeError / EPRankFailure as the module docstring says; the former also when N / num_experts
+        / hidden / format differ across ranks."""
+        res = self._backend.dispatch(self._validated("dispatch", locals()))
+        event, hook = self._overlap(res.completion, async_finish, return_recv_hook, res[:3])
         return res.recv_x, res.recv_count, res.handle, event, hook
 
     def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle | tuple,
-        use_logfmt: bool = False,
-        zero_copy: bool = False,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-        out: torch.Tensor | None = None,
-        combine_wait_recv_cost_stats: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle | tuple,
+        use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+        out: torch.Tensor | None = None, combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:  # fmt: skip
         """Return expert outputs to their source ranks and reduce them there (DeepEP low-latency combine).
 
         Arguments:
-            x: `[L, R * N, hidden]` with `torch.bfloat16` (`torch.float16` / `torch.float32` accepted): expert
-                outputs, row-aligned with dispatch's ``recv_x``. Ignored with ``zero_copy``.
+            x: `[L, R * N, hidden]` `torch.bfloat16` (or `torch.float16` / `torch.float32`): expert outputs,
+                row-aligned with dispatch's ``recv_x``. Ignored with ``zero_copy``.
             topk_idx: `[num_tokens, num_topk]` `torch.int64` / `torch.int32`, the one given to dispatch.
-            topk_weights: `[num_tokens, num_topk]` `torch.float32`.
-            handle: the dispatch's handle.
-            use_logfmt: not implemented (raises if True).
+            topk_weights: `[num_tokens, num_topk]` `torch.float32`. handle: the dispatch's handle.
+            use_logfmt: not implemented (raises if True). async_finish, return_recv_hook: as in dispatch.
             zero_copy: combine the bfloat16 buffer from ``get_next_low_latency_combine_buffer(handle)`` (filled by
                 the caller) instead of ``x``.
-            async_finish, return_recv_hook: as in dispatch.
             out: `[num_tokens, hidden]` in x's dtype, written in place and returned, or None.
             combine_wait_recv_cost_stats: `[R]` `torch.int64`; the receive wait (ns) is added to every entry.
 
         Returns:
             combined_x: `[num_tokens, hidden]` in x's dtype: ``sum_k topk_weights[t, k] * expert_out[t, k]`` over
                 ``topk_idx[t, k] >= 0`` (and experts of unmasked ranks), accumulated in fp32; all -1 ids give 0.
-            event: :class:`EventOverlap`. hook: the receive phase with ``return_recv_hook``, else None.
+            event, hook: as in dispatch.
 
-        Raises:
-            MoeDistributeError: invalid input on any rank, or a handle / topk_idx that does not match the dispatch.
-            EPRankFailure: a peer exited or stopped calling (as in dispatch).
-        """
-        self._check_alive()
-
-        call = {k: v for k, v in locals().items() if k != "self"}
-
-        def validate() -> ll_params.CombineArgs:
-            return ll_params.CombineArgs(**call, num_ranks=self.group_size).validate()
-
-        lap = profiling.laps("combine")
-        args = self._validated("combine", validate)
-        lap("validation")
-        res = self._backend.combine(args)
+        Raises as dispatch; MoeDistributeError also for a handle / topk_idx that does not match the dispatch."""
+        res = self._backend.combine(self._validated("combine", locals()))
         event, hook = self._overlap(res.completion, async_finish, return_recv_hook, (res.combined_x,))
         return res.combined_x, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle | tuple) -> torch.Tensor:
-        """The `[L, R * N, hidden]` `torch.bfloat16` buffer the next ``zero_copy`` combine reads: write the expert
-        outputs into it, then call ``low_latency_combine(..., zero_copy=True)`` with no other low-latency call in
-        between (the buffers flip on every call)."""
+        """The `[L, R * N, hidden]` `torch.bfloat16` buffer the next ``zero_copy`` combine reads: fill it, then call
+        ``low_latency_combine(..., zero_copy=True)`` with no low-latency call in between (buffers flip per call)."""
         self._check_alive()
         return self._backend.next_combine_buffer(ll_params.validate_handle(handle, self.group_size))
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset the low-latency buffer state between two barriers (collective: every rank must call it; the
-        barriers are bounded by ``timeout`` like dispatch and combine)."""
+        """Reset the low-latency buffer state between two barriers (collective; bounded by ``timeout``)."""
         self._check_alive()
         self._backend.ep.barrier("clean_low_latency_buffer")
         self._backend.clean()
         self._backend.ep.barrier("clean_low_latency_buffer")
 
-    # ---- the flat Ascend layout (the MoE distribute ops' outputs) ------------------------------------------
     def low_latency_dispatch_flat(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        *,
-        topk_weights: torch.Tensor | None = None,
-        quant_mode: int = 0,
-        smooth_scales: torch.Tensor | None = None,
-        x_active_mask: torch.Tensor | None = None,
-        expert_token_nums_type: int = 1,
-        shared_expert_num: int = 1,
-        shared_expert_rank_num: int = 0,
-        zero_expert_num: int = 0,
-        copy_expert_num: int = 0,
-        const_expert_num: int = 0,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-    ) -> tuple[FlatDispatchOutput, EventOverlap, Callable[[], None] | None]:
-        """Dispatch into the flat Ascend layout (``npu_moe_distribute_dispatch_v2`` semantics, A3 fullmesh).
+        self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int, *,
+        topk_weights: torch.Tensor | None = None, quant_mode: int = 0, smooth_scales: torch.Tensor | None = None,
+        x_active_mask: torch.Tensor | None = None, expert_token_nums_type: int = 1, shared_expert_num: int = 1,
+        shared_expert_rank_num: int = 0, zero_expert_num: int = 0, copy_expert_num: int = 0,
+        const_expert_num: int = 0, async_finish: bool = False, return_recv_hook: bool = False,
+    ) -> tuple[FlatDispatchOutput, EventOverlap, Callable[[], None] | None]:  # fmt: skip
+        """Dispatch into the flat Ascend layout (``npu_moe_distribute_dispatch_v2`` semantics, A3 fullmesh). Returns
+        ``(output, event, hook)``: a :class:`FlatDispatchOutput`, an :class:`EventOverlap`, the receive hook or None.
 
         Arguments:
             x: `[T, hidden]` `torch.bfloat16` / `torch.float16` (`torch.float32` on the reference backend), T <= N.
             topk_idx: `[T, K]` `torch.int64` / `torch.int32`: routed experts ``[0, num_experts)``, zero experts
                 ``[E, E + Z)``, copy ``[E + Z, E + Z + C)``, const experts after them, or ``-1`` (no expert; mapped
                 onto extra zero experts, see ``backends.map_no_expert``).
-            num_max_dispatch_tokens_per_rank: N, the same on every rank (``global_bs = N * R``).
-            num_experts: routed experts (``moe_expert_num``).
+            num_max_dispatch_tokens_per_rank: N, the same on every rank (``global_bs = N * R``). num_experts: routed
+                experts (``moe_expert_num``).
             topk_weights: `[T, K]` `torch.float32`, carried to ``handle.expand_scales`` (``expert_scales``).
             quant_mode: 0, or 2 (per-token dynamic int8: ``q = rint(x * 127 / amax)``, scale ``amax / 127``).
             smooth_scales: `[shared_expert_num + num_experts, hidden]` `torch.float32` (the op's ``scales``).
-            x_active_mask: `[T]` bool (True first) or `[T, K]` bool.
-            expert_token_nums_type: 1 counts, 0 inclusive cumsum.
+            x_active_mask: `[T]` bool (True first) or `[T, K]` bool. expert_token_nums_type: 1 counts, 0 cumsum.
             shared_expert_num, shared_expert_rank_num, zero/copy/const_expert_num: as in the Ascend op.
             async_finish, return_recv_hook: as in ``low_latency_dispatch``.
-
-        Returns:
-            (output, event, hook): :class:`FlatDispatchOutput`, an :class:`EventOverlap`, the receive hook or None.
         """
         self._check_alive()
+        n = num_max_dispatch_tokens_per_rank
         layout = dict(
-            x_active_mask=x_active_mask,
-            shared_expert_num=shared_expert_num,
-            shared_expert_rank_num=shared_expert_rank_num,
-            global_bs=num_max_dispatch_tokens_per_rank * self.group_size
-            if isinstance(num_max_dispatch_tokens_per_rank, int)
-            else num_max_dispatch_tokens_per_rank,
-            zero_expert_num=zero_expert_num,
-            copy_expert_num=copy_expert_num,
-            const_expert_num=const_expert_num,
-        )
+            x_active_mask=x_active_mask, shared_expert_num=shared_expert_num,
+            shared_expert_rank_num=shared_expert_rank_num, global_bs=n * self.group_size if isinstance(n, int) else n,
+            zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
+        )  # fmt: skip
         params = DispatchParams(
             x, topk_idx, self.group, self.group_size, self.rank, num_experts, scales=smooth_scales,
             expert_scales=topk_weights, quant_mode=quant_mode, expert_token_nums_type=expert_token_nums_type,
@@ -380,48 +265,30 @@ class Buffer:
         result = FlatDispatchOutput()
 
         def finish() -> None:
-            expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = (
-                pending.wait()
-            )
-            handle = FlatHandle(assist, ep_recv_counts, tp_recv_counts, expand_scales, num_experts, layout)
-            result._values = dict(
-                expand_x=expand_x, dynamic_scales=dynamic_scales, expert_token_nums=expert_token_nums, handle=handle
-            )
+            expand_x, scales, assist, token_nums, ep_recv, tp_recv, expand_scales = pending.wait()
+            handle = FlatHandle(assist, ep_recv, tp_recv, expand_scales, num_experts, layout)
+            result._values = dict(expand_x=expand_x, dynamic_scales=scales, expert_token_nums=token_nums, handle=handle)
 
         event, hook = self._overlap(Completion(finish), async_finish, return_recv_hook, ())
         return result, event, hook
 
     def low_latency_combine_flat(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: FlatHandle,
-        *,
-        shared_expert_x: torch.Tensor | None = None,
-        ori_x: torch.Tensor | None = None,
-        const_expert_alpha_1: torch.Tensor | None = None,
-        const_expert_alpha_2: torch.Tensor | None = None,
-        const_expert_v: torch.Tensor | None = None,
-        comm_quant_mode: int = 0,
-        out: torch.Tensor | None = None,
-        async_finish: bool = False,
-        return_recv_hook: bool = False,
-    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
-        """Combine flat expert outputs (``npu_moe_distribute_combine_v2`` semantics).
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: FlatHandle, *,
+        shared_expert_x: torch.Tensor | None = None, ori_x: torch.Tensor | None = None,
+        const_expert_alpha_1: torch.Tensor | None = None, const_expert_alpha_2: torch.Tensor | None = None,
+        const_expert_v: torch.Tensor | None = None, comm_quant_mode: int = 0, out: torch.Tensor | None = None,
+        async_finish: bool = False, return_recv_hook: bool = False,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:  # fmt: skip
+        """Combine flat expert outputs (``npu_moe_distribute_combine_v2`` semantics). Returns ``(combined_x, event,
+        hook)``, combined_x `[T, hidden]` in x's dtype (filled once the receive ran).
 
         Arguments:
             x: `[A, hidden]` expert outputs row-aligned with ``expand_x`` (`torch.bfloat16` / `torch.float16`).
             topk_idx: `[T, K]`, the one given to ``low_latency_dispatch_flat``. topk_weights: `[T, K]` fp32.
-            handle: the dispatch's :class:`FlatHandle`.
-            shared_expert_x: `[T, hidden]` in x's dtype, added with weight 1.
+            handle: the dispatch's :class:`FlatHandle`. shared_expert_x: `[T, hidden]` in x's dtype, weight 1.
             ori_x: `[T, hidden]` (copy / const experts); const_expert_alpha_1/_2, const_expert_v:
-                `[const_expert_num, hidden]`.
-            comm_quant_mode: 0, or 2 (int8 on the wire).
+                `[const_expert_num, hidden]`. comm_quant_mode: 0, or 2 (int8 on the wire).
             out: `[T, hidden]` in x's dtype, written in place, or None.
-
-        Returns:
-            combined_x: `[T, hidden]` in x's dtype (filled once the receive ran), event, hook.
         """
         self._check_alive()
         if not isinstance(handle, FlatHandle):
@@ -443,45 +310,39 @@ class Buffer:
         event, hook = self._overlap(Completion(finish), async_finish, return_recv_hook, (combined,))
         return combined, event, hook
 
-    # ---- shrink mode ------------------------------------------------------------------------------------------
-    def _check_shrink(self) -> None:
+    def _mask(self) -> torch.Tensor:
         if not self.enable_shrink:
             raise RuntimeError("Shrink mode must be enabled: construct the Buffer with enable_shrink=True")
+        return self._backend.mask
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mark ``rank_to_mask`` as absent (``mask=True``) or present again. Masked ranks' experts are treated as
-        absent by dispatch and combine (no token goes to or comes from them; a masked rank sends nothing). Every
-        rank must hold the same mask; masked ranks still take part in the collectives here."""
-        self._check_shrink()
+        """Mark ``rank_to_mask`` absent (``mask=True``) or present again: no token goes to or comes from a masked
+        rank's experts, and a masked rank sends nothing. Every rank must hold the same mask; masked ranks still take
+        part in the collectives."""
+        mask_buffer = self._mask()
         if not 0 <= rank_to_mask < self.group_size:
             raise ValueError(f"rank_to_mask: {rank_to_mask} is outside [0, {self.group_size})")
         if not mask and rank_to_mask in self._backend.ep.failed:
             raise ValueError(f"rank_to_mask: rank {rank_to_mask} failed and left the group; it cannot be unmasked")
-        self._backend.mask[rank_to_mask] = int(bool(mask))
+        mask_buffer[rank_to_mask] = int(bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Copy the mask into ``mask_status`` `[R]` `torch.int32` (1 = masked)."""
-        self._check_shrink()
+        mask_buffer = self._mask()
         if mask_status.dtype != torch.int32 or tuple(mask_status.shape) != (self.group_size,):
-            raise ValueError(
-                f"mask_status: must be [{self.group_size}] torch.int32, got {mask_status.dtype} "
-                f"{tuple(mask_status.shape)}"
-            )
-        mask_status.copy_(self._backend.mask)
+            got = f"{mask_status.dtype} {tuple(mask_status.shape)}"
+            raise ValueError(f"mask_status: must be [{self.group_size}] torch.int32, got {got}")
+        mask_status.copy_(mask_buffer)
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank, except ranks that failed (they left the group and stay masked)."""
-        self._check_shrink()
-        self._backend.mask.zero_()
-        self._backend.mask[self._backend.ep.failed] = 1
+        self._mask().zero_()[self._backend.ep.failed] = 1
 
-    # ---- sizes and DeepEP's compatibility helpers ---------------------------------------------------------------
     @staticmethod
     def get_low_latency_rdma_size_hint(
         num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
     ) -> int:
         """Bytes of low-latency buffer DeepEP needs for these shapes (its formula; independent of ``num_ranks``)."""
-        del num_ranks
         return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     get_low_latency_ccl_buffer_size = staticmethod(get_low_latency_ccl_buffer_size)
@@ -489,14 +350,14 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Accepted for compatibility (normal kernels only in DeepEP; nothing to set here)."""
+        """Accepted for compatibility (DeepEP's normal kernels only; nothing to set here)."""
         if new_num_sms % 2:
             raise ValueError(f"new_num_sms: must be even, got {new_num_sms}")
         Buffer.num_sms = new_num_sms
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An already-complete event (there is no separate communication stream to capture here)."""
+        """An already-complete event (there is no separate communication stream to capture)."""
         return EventOverlap(None)
 
     @staticmethod
@@ -507,59 +368,37 @@ class Buffer:
         """There is no separate communication stream; returns None."""
         return None
 
-    # ---- fused MegaMoE (deep_ep_npu/mega_moe) --------------------------------------------------------------------
     def mega_moe(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        *,
-        w1_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        out_dtype: torch.dtype | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        """dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call, pipelined per local expert, on this Buffer's
-        group and backend (delegates to :func:`deep_ep_npu.mega_moe.mega_moe`, which documents the math and the
-        extra keywords ``max_output_size`` / ``num_segments``).
-
-        Arguments:
-            x: `[M, K]` with `torch.bfloat16` (`torch.float16` / `torch.float32` on the reference backend).
-            topk_idx: `[M, topK]` with `torch.int32` / `torch.int64` (-1: no expert).
-            topk_weights: `[M, topK]` with `torch.float32`.
-            w1: `[E_local, K, 2N]` (gate then up) with `torch.int8` when scales are given, else a float dtype.
-            w2: `[E_local, N, K]`, w1's dtype.
-            w1_scale: `[E_local, 2N]` / w2_scale: `[E_local, K]` with `torch.float32` per-channel scales, or None.
-
-        Returns:
-            out: `[M, K]` with ``out_dtype`` (default x's dtype): ``sum_k topk_weights[t, k] * FFN_e(x[t])``.
-        """
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+        *, w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+        num_max_dispatch_tokens_per_rank: int, num_experts: int, out_dtype: torch.dtype | None = None, **kwargs: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one pipelined call on this Buffer's group and backend:
+        :func:`deep_ep_npu.mega_moe.mega_moe`, which documents the math and the extra keywords (``max_output_size``,
+        ``num_segments``, ``segment_by``). x: `[M, K]` `torch.bfloat16` (`torch.float16` / `torch.float32` on the
+        reference backend); topk_idx: `[M, topK]` `torch.int32` / `torch.int64` (-1: no expert); topk_weights:
+        `[M, topK]` `torch.float32`; w1: `[E_local, K, 2N]` (gate then up), `torch.int8` when scales are given, else a
+        float dtype; w2: `[E_local, N, K]`, w1's dtype; w1_scale `[E_local, 2N]` / w2_scale `[E_local, K]`:
+        `torch.float32` per-channel scales, or None. Returns `[M, K]` in ``out_dtype`` (default x's dtype):
+        ``sum_k topk_weights[t, k] * FFN_e(x[t])``."""
         from .mega_moe.api import run_mega_moe
 
         self._check_alive()
         return run_mega_moe(
             self._backend.ep, self.backend_name, x, topk_idx, topk_weights, w1, w2, w1_scale=w1_scale,
             w2_scale=w2_scale, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            num_experts=num_experts, out_dtype=out_dtype, **{"max_output_size": None, "num_segments": None, **kwargs},
+            num_experts=num_experts, out_dtype=out_dtype, **kwargs,
         )  # fmt: skip
 
-    # ---- lifetime -------------------------------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Release the buffers and communication context. Requires ``explicitly_destroy=True`` (as DeepEP);
-        calling it again is a no-op; using the Buffer afterwards raises.
-
-        Collective: every live rank calls it. It first waits (bounded) until every peer got here, so no rank tears
-        its process group down while a peer still finishes the last combine (gloo aborts a process whose peer closes
-        the connection mid-collective). A peer that is already gone is not waited for."""
+        """Release the buffers and communication context; needs ``explicitly_destroy=True`` (as DeepEP). A second call
+        is a no-op; using the Buffer afterwards raises. Collective: it first waits (bounded) for every live peer, so no
+        rank tears its group down while a peer still finishes the last combine; a peer that is gone is not awaited."""
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
         if not self._destroyed:
             self._destroyed = True
-            with contextlib.suppress(EPRankFailure):  # a peer that is gone leaves nothing to wait for
+            with contextlib.suppress(EPRankFailure):
                 self._backend.ep.barrier("destroy")
             self._backend.destroy()
 

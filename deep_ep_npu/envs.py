@@ -3,17 +3,14 @@ failure monitor is created; never per call)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
 def hccl_buffsize_mb() -> int | None:
     """``HCCL_BUFFSIZE`` (MB of HCCL window per communicator for the torch_npu ops), or None when it is not set.
-
-    Raises:
-        ValueError: it is set but is not a positive integer.
-    """
-    value = os.environ.get("HCCL_BUFFSIZE")
-    if value is None or value == "":
+    Raises ValueError when it is set but is not a positive integer."""
+    if not (value := os.environ.get("HCCL_BUFFSIZE")):
         return None
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"HCCL_BUFFSIZE: must be a positive integer (MB), got {value!r}")
@@ -23,17 +20,10 @@ def hccl_buffsize_mb() -> int | None:
 def timeout_s() -> float | None:
     """``DEEP_EP_NPU_TIMEOUT``: seconds each collective wait of the ops and the Buffer may take before the peers
     that did not take part are reported (:class:`deep_ep_npu.failure.EPRankFailure`); None when it is not set.
-
-    Raises:
-        ValueError: it is set but is not a positive number.
-    """
-    value = os.environ.get("DEEP_EP_NPU_TIMEOUT")
-    if value is None or value == "":
+    Raises ValueError when it is set but is not a positive (finite) number."""
+    if not (value := os.environ.get("DEEP_EP_NPU_TIMEOUT")):
         return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"DEEP_EP_NPU_TIMEOUT: must be a positive number of seconds, got {value!r}")
-    return seconds
+    with contextlib.suppress(ValueError):  # float() refuses it: not a number
+        if 0 < (seconds := float(value)) < float("inf"):
+            return seconds
+    raise ValueError(f"DEEP_EP_NPU_TIMEOUT: must be a positive number of seconds, got {value!r}")

@@ -1,69 +1,53 @@
-"""The one exception type of the library's argument checks, with the aclnn status code of the matching NPU failure,
-and the checks themselves: each raises :class:`MoeDistributeError` naming the parameter, the value and what is
-allowed."""
+"""The one exception type of the library's argument checks, with the aclnn status code of the matching NPU failure, and
+the checks themselves: each raises :class:`MoeDistributeError` naming the parameter, the value and what is allowed."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
 
-ACLNN_ERR_PARAM_NULLPTR = 161001
-"""A required tensor or argument is missing (``None``)."""
-ACLNN_ERR_PARAM_INVALID = 161002
-"""A dtype or a parameter value is not supported."""
-ACLNN_ERR_INNER_TILING_ERROR = 561002
-"""A shape, or a value derived from shapes, is out of range (also: the CCL buffer is too small)."""
+ACLNN_ERR_PARAM_NULLPTR = 161001  # a required tensor or argument is missing (None)
+ACLNN_ERR_PARAM_INVALID = 161002  # a dtype or a parameter value is not supported
+ACLNN_ERR_INNER_TILING_ERROR = 561002  # a shape, or a value derived from shapes, is out of range (or CCL too small)
+_Ndim = int | tuple[int, ...]
 
 
 class MoeDistributeError(ValueError):
-    """Invalid input to a MoE distribute op, the Buffer or MegaMoE.
-
-    ``code`` is the aclnn status the NPU op returns for the same input (161001 null, 161002 invalid dtype or
-    parameter, 561002 shape or value); ``param`` names the offending parameter.
-    """
+    """Invalid input to a MoE distribute op, the Buffer or MegaMoE. ``code`` is the aclnn status the NPU op returns
+    for the same input (161001 null, 161002 invalid dtype or parameter, 561002 shape or value); ``param`` names the
+    offending parameter."""
 
     def __init__(self, code: int, param: str, message: str) -> None:
         super().__init__(f"[aclnn {code}] {param}: {message}")
-        self.code = code
-        self.param = param
+        self.code, self.param = code, param
+
+
+invalid = functools.partial(MoeDistributeError, ACLNN_ERR_PARAM_INVALID)  # invalid(param, message)
+shape = functools.partial(MoeDistributeError, ACLNN_ERR_INNER_TILING_ERROR)  # shape(param, message)
 
 
 def null(param: str, what: str = "is required") -> MoeDistributeError:
     return MoeDistributeError(ACLNN_ERR_PARAM_NULLPTR, param, f"must not be None ({what})")
 
 
-def invalid(param: str, message: str) -> MoeDistributeError:
-    return MoeDistributeError(ACLNN_ERR_PARAM_INVALID, param, message)
-
-
-def shape(param: str, message: str) -> MoeDistributeError:
-    return MoeDistributeError(ACLNN_ERR_INNER_TILING_ERROR, param, message)
-
-
-def tensor(value: object, param: str, dtypes: Iterable[torch.dtype], ndim: int | tuple[int, ...]) -> torch.Tensor:
+def tensor(value: object, param: str, dtypes: Iterable[torch.dtype], ndim: _Ndim) -> torch.Tensor:
     """A required tensor: not None (161001), one of ``dtypes`` (161002), ``ndim`` dims (561002)."""
     if value is None:
         raise null(param)
-    out = optional_tensor(value, param, dtypes, ndim)
-    assert out is not None
-    return out
-
-
-def optional_tensor(
-    value: object, param: str, dtypes: Iterable[torch.dtype], ndim: int | tuple[int, ...]
-) -> torch.Tensor | None:
-    if value is None:
-        return None
     if not isinstance(value, torch.Tensor):
         raise invalid(param, f"must be a torch.Tensor, got {type(value).__name__}")
-    dtypes = tuple(dtypes)
-    if value.dtype not in dtypes:
+    if value.dtype not in (dtypes := tuple(dtypes)):
         raise invalid(param, f"dtype {value.dtype} not supported, allowed {[str(d) for d in dtypes]}")
-    dims_ = (ndim,) if isinstance(ndim, int) else ndim
-    if value.dim() not in dims_:
+    if value.dim() not in (dims_ := (ndim,) if isinstance(ndim, int) else ndim):
         raise shape(param, f"must have {' or '.join(map(str, dims_))} dims, got shape {tuple(value.shape)}")
     return value
+
+
+def optional_tensor(value: object, param: str, dtypes: Iterable[torch.dtype], ndim: _Ndim) -> torch.Tensor | None:
+    """None, or a tensor as :func:`tensor` requires."""
+    return None if value is None else tensor(value, param, dtypes, ndim)
 
 
 def dims(value: torch.Tensor, param: str, expected: tuple[int, ...], what: str) -> None:
@@ -80,8 +64,7 @@ def in_range(value: object, param: str, lo: int, hi: int, code: str = "shape") -
 
 
 def one_of(value: object, param: str, allowed: Iterable[object], why: str = "") -> object:
-    allowed = tuple(allowed)
-    if value not in allowed:
+    if value not in (allowed := tuple(allowed)):
         raise invalid(param, f"got {value!r}, allowed {list(allowed)}{'; ' + why if why else ''}")
     return value
 
@@ -92,15 +75,14 @@ def flag(value: object, param: str) -> bool:
     return value
 
 
-def expert_ids(
-    ids: object, param: str, num_ids: int, num_tokens: int, max_topk: int, no_expert: bool, what: str = ""
-) -> torch.Tensor:
+def expert_ids(ids: object, param: str, num_ids: int, num_tokens: int, max_topk: int, no_expert: bool,
+               what: str = "") -> torch.Tensor:  # fmt: skip
     """The top-k rule: `[num_tokens, K]` int32 / int64, ``0 < K <= max_topk``, every id in ``[0, num_ids)`` (or -1,
     "no expert", when ``no_expert``), no id twice in a row. Checked on the given dtype, before any cast."""
     t = tensor(ids, param, (torch.int32, torch.int64), 2)
+    k = t.shape[1]
     if t.shape[0] != num_tokens:
         raise shape(param, f"has {t.shape[0]} rows but x has {num_tokens} tokens")
-    k = t.shape[1]
     if not 0 < k <= max_topk:
         raise shape(param, f"top-k (dim 1) is {k}, allowed (0, {max_topk}]")
     if t.numel():

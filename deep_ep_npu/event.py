@@ -1,8 +1,4 @@
-"""``EventOverlap``: DeepEP's completion object for ``async_finish=True``.
-
-On a GPU/NPU it wraps a stream event; on the reference (CPU) backend it wraps the pending receive, so
-``current_stream_wait()`` (or leaving a ``with event:`` block) completes it.
-"""
+"""The in-flight results of the Buffer: :class:`EventOverlap` (DeepEP's) and :class:`Completion`."""
 
 from __future__ import annotations
 
@@ -11,23 +7,13 @@ from typing import Any
 
 
 class EventOverlap:
-    """A communication result that may still be in flight.
-
-    Arguments:
-        event: anything with a ``wait()`` method (a ``torch.cuda.Event`` / ``torch.npu.Event``, whose ``wait()``
-            makes the current stream wait, or a pending CPU receive), or None for an already finished operation.
-        extra_tensors: tensors kept alive until the event is waited on (DeepEP's CUDA-graph-safe ``record_stream``).
-
-    Example (overlap compute with an in-flight dispatch)::
-
-        recv_x, recv_count, handle, event, _ = buffer.low_latency_dispatch(x, topk_idx, N, E, async_finish=True)
-        other = compute_something_else()        # runs while the tokens travel
-        event.current_stream_wait()             # recv_x, recv_count and handle are valid from here on
-    """
+    """DeepEP's completion object for ``async_finish=True``. ``event``: anything with ``wait()`` (a
+    ``torch.cuda.Event`` / ``torch.npu.Event``, whose ``wait()`` makes the current stream wait, or a pending CPU
+    receive), or None for a finished operation; ``extra_tensors``: kept alive until the wait (DeepEP's
+    CUDA-graph-safe ``record_stream``)."""
 
     def __init__(self, event: Any = None, extra_tensors: tuple | None = None) -> None:
-        self.event = event
-        self.extra_tensors = extra_tensors
+        self.event, self.extra_tensors = event, extra_tensors
 
     def current_stream_wait(self) -> None:
         """Block (CPU) or make the current stream wait (device) until the operation is complete. Idempotent."""
@@ -45,8 +31,7 @@ class EventOverlap:
 class Completion:
     """The one in-flight type: the receive half of a split operation (a Buffer hook, an event, a ``*_start`` op).
 
-    ``finish`` runs once, on the first ``wait()`` (or ``__call__``), and its result is kept: later calls return it
-    at once, or re-raise the first call's error."""
+    ``finish`` runs once, on the first ``wait()`` / call; later calls return its result or re-raise its error."""
 
     def __init__(self, finish: Callable[[], Any]) -> None:
         self._finish: Callable[[], Any] | None = finish

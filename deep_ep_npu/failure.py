@@ -16,8 +16,6 @@ The timeout bounds each collective wait: :data:`DEFAULT_TIMEOUT_S`, overridden b
 (:mod:`deep_ep_npu.envs`), overridden per Buffer by ``Buffer(..., timeout=...)``.
 """
 
-from __future__ import annotations
-
 import math
 import time
 from collections.abc import Sequence
@@ -29,19 +27,13 @@ from . import envs
 DEFAULT_TIMEOUT_S = 30.0
 """Default bound on each collective wait (DeepEP's kernels use ~100 s; a decode step is milliseconds)."""
 
-_POLL_S = 0.01
-
 
 class EPRankFailure(RuntimeError):
-    """A peer rank exited or stopped calling: raised on every surviving rank of the group.
-
-    Attributes:
-        missing_ranks: the ranks (in the group's numbering) that did not take part, sorted; empty when every rank
-            answered and the collective failed for another reason (see the chained exception).
-        op: what was running (e.g. ``"low_latency_dispatch"``).
-        timeout: the wait bound in seconds.
-        excluded: True on a rank that the other ranks already declared missing (it arrived too late).
-    """
+    """A peer rank exited or stopped calling: raised on every surviving rank of the group. Attributes:
+    ``missing_ranks``, the ranks (in the group's numbering) that did not take part, sorted (empty when every rank
+    answered and the collective failed for another reason: see the chained exception); ``op``, what was running (e.g.
+    ``"low_latency_dispatch"``); ``timeout``, the wait bound in seconds; ``excluded``, True on a rank that the other
+    ranks already declared missing (it arrived too late)."""
 
     def __init__(self, missing_ranks: Sequence[int], op: str, timeout: float, excluded: bool = False) -> None:
         self.missing_ranks = tuple(sorted(missing_ranks))
@@ -57,11 +49,8 @@ class EPRankFailure(RuntimeError):
 
 
 def resolve_timeout(timeout: float | None, param: str = "timeout") -> float:
-    """``timeout`` if given, else ``DEEP_EP_NPU_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`.
-
-    Raises:
-        ValueError: ``timeout`` is not a positive finite number of seconds.
-    """
+    """``timeout`` if given, else ``DEEP_EP_NPU_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`. Raises ValueError when
+    ``timeout`` is not a positive finite number of seconds."""
     if timeout is None:
         env = envs.timeout_s()
         return DEFAULT_TIMEOUT_S if env is None else env
@@ -101,7 +90,7 @@ class GroupMonitor:
                 missing = ",".join(str(r) for r in range(self.size) if r not in alive) or "-"
                 self.store.compare_set(decision, "", missing)
                 break
-            time.sleep(_POLL_S)
+            time.sleep(0.01)
         text = self.store.get(decision).decode()
         return () if text == "-" else tuple(int(v) for v in text.split(","))
 

@@ -8,8 +8,6 @@ failed ranks in the mask, and re-run the interrupted call there. R-long split li
 entries on the way in (they are 0: masked ranks send and receive nothing) and read a neutral value on the way out.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import datetime
 import time
@@ -47,9 +45,8 @@ class Agreement:
         for i, name in enumerate(names):
             values = [fp[offset + i] for fp in self.shared]
             if any(v != values[own_rank] for v in values):
-                raise shape(
-                    name, f"{self.op}: ranks disagree on {name} (per rank: {values}); it must be the same on all ranks"
-                )
+                msg = f"{self.op}: ranks disagree on {name} (per rank: {values}); it must be the same on all ranks"
+                raise shape(name, msg)
 
 
 @dataclasses.dataclass
@@ -63,11 +60,8 @@ class Pending:
 
 
 def resolve_group(group: object, param: str) -> dist.ProcessGroup:
-    """The process group ``group`` is or names (``ProcessGroup.group_name``).
-
-    Raises:
-        MoeDistributeError: ``group`` is None or empty (161001), or names no group of this process (161002).
-    """
+    """The process group ``group`` is or names (``ProcessGroup.group_name``). Raises :class:`MoeDistributeError`
+    when ``group`` is None or empty (161001), or names no group of this process (161002)."""
     if group is None or group == "":
         raise null(param, "pass the ProcessGroup or its group name")
     if isinstance(group, dist.ProcessGroup):
@@ -104,9 +98,8 @@ class EPGroup:
         enable_shrink: on a rank failure, continue on the survivors instead of raising.
     """
 
-    def __init__(
-        self, group: dist.ProcessGroup, mask: torch.Tensor, timeout: float | None = None, enable_shrink: bool = False
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup, mask: torch.Tensor, timeout: float | None = None,
+                 enable_shrink: bool = False) -> None:  # fmt: skip
         self.group, self.mask, self.enable_shrink = group, mask, enable_shrink
         self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.timeout = resolve_timeout(timeout)
@@ -118,7 +111,6 @@ class EPGroup:
         """Ranks removed from the group by shrink mode (they cannot be unmasked)."""
         return [r for r in range(self.num_ranks) if r not in self.live]
 
-    # ---- bounded collectives over the live ranks -------------------------------------------------------------
     def start(self, launch: Callable[[dist.ProcessGroup], Any], op: str) -> Pending:
         """Mark arrival, then issue ``launch(comm_group)`` (an ``async_op=True`` collective returning its work)."""
         mon = monitor(self.comm)
@@ -149,17 +141,15 @@ class EPGroup:
             raise EPRankFailure((), what, self.timeout) from cause
         raise EPRankFailure([self.live[r] for r in missing], op, self.timeout, mon.rank in missing) from cause
 
-    def all_to_all(
-        self, recv: torch.Tensor, send: torch.Tensor, recv_splits: Sequence[int], send_splits: Sequence[int], op: str
-    ) -> Pending:
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, recv_splits: Sequence[int], send_splits: Sequence[int],
+                   op: str) -> Pending:  # fmt: skip
         """Start an uneven all-to-all of flat tensors with R-long split lists (failed ranks' entries must be 0)."""
         outs, ins = [recv_splits[r] for r in self.live], [send_splits[r] for r in self.live]
         assert sum(outs) == sum(recv_splits) and sum(ins) == sum(send_splits), "failed ranks carry rows"
         return self.start(lambda g: dist.all_to_all_single(recv, send, outs, ins, group=g, async_op=True), op)
 
-    def transfer(
-        self, recv: torch.Tensor, send: torch.Tensor, recv_rows: Sequence[int], send_rows: Sequence[int], op: str
-    ) -> Completion:
+    def transfer(self, recv: torch.Tensor, send: torch.Tensor, recv_rows: Sequence[int], send_rows: Sequence[int],
+                 op: str) -> Completion:  # fmt: skip
         """Start moving `[rows, width]` uint8 ``send`` (``send_rows[r]`` rows for rank r, in rank order) into ``recv``
         (``recv_rows[r]`` rows from rank r); ``wait()`` waits (bounded) and returns the nanoseconds it waited."""
         pending = None
@@ -185,15 +175,9 @@ class EPGroup:
             except EPRankFailure as err:
                 self.shrink(err)
 
-    def start_agree(
-        self,
-        op: str,
-        status: int,
-        counts: Sequence[Sequence[int]],
-        shared: Sequence[int],
-        neutral: Sequence[int] | None = None,
-        device: torch.device | str | None = None,
-    ) -> Callable[[], Agreement]:
+    def start_agree(self, op: str, status: int, counts: Sequence[Sequence[int]], shared: Sequence[int],
+                    neutral: Sequence[int] | None = None,
+                    device: torch.device | str | None = None) -> Callable[[], Agreement]:  # fmt: skip
         """Start the agreement step: every rank sends every peer one int64 row ``[status, *counts[peer], *shared]``
         (``counts``: C ints per rank, e.g. the rows it will send there; ``shared``: the same for every peer, e.g. the
         fingerprint all ranks must agree on). The row's width does not depend on the input, so a rank that rejected
@@ -214,19 +198,14 @@ class EPGroup:
             got, wait_us = dict(zip(live, recv.tolist(), strict=True)), int((time.perf_counter() - t0) * 1e6)
             fill = [0, *([0] * width), *(shared if neutral is None else neutral)]
             t = [got.get(r, fill) for r in range(self.num_ranks)]
-            return Agreement(
-                [x[0] for x in t], [x[1 : 1 + width] for x in t], [tuple(x[1 + width :]) for x in t], wait_us, op
-            )
+            return Agreement([x[0] for x in t], [x[1 : 1 + width] for x in t], [tuple(x[1 + width :]) for x in t],
+                             wait_us, op)  # fmt: skip
 
         return finish
 
-    # ---- shrink mode --------------------------------------------------------------------------------------------
     def shrink(self, failure: EPRankFailure) -> None:
-        """Drop ``failure.missing_ranks`` from the live set and continue on a new group of the survivors.
-
-        Raises:
-            EPRankFailure: shrink mode is off, this rank was itself excluded, or no rank is missing.
-        """
+        """Drop ``failure.missing_ranks`` from the live set and continue on a new group of the survivors. Raises
+        ``failure`` when shrink mode is off, this rank was itself excluded, or no rank is missing."""
         if not self.enable_shrink or failure.excluded or not failure.missing_ranks:
             raise failure
         survivors = [r for r in self.live if r not in failure.missing_ranks]
@@ -264,9 +243,8 @@ def _survivor_group(global_ranks: list[int], timeout: float) -> dist.ProcessGrou
     for pg in dist.distributed_c10d._world.pg_names:
         if dist.get_process_group_ranks(pg) == global_ranks:
             return pg
-    group = dist.new_group(
-        ranks=global_ranks, timeout=datetime.timedelta(seconds=timeout), use_local_synchronization=True
-    )
+    timeout_td = datetime.timedelta(seconds=timeout)
+    group = dist.new_group(ranks=global_ranks, timeout=timeout_td, use_local_synchronization=True)
     assert group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER, "only survivors shrink"
     return group
 

@@ -1,8 +1,5 @@
-"""The DeepEP low-latency calls' parameters, validated by the same rules as the ops (:mod:`deep_ep_npu.errors`).
-
-Validation is local and pure (no communication). The Buffer runs it first; when it fails, the backend's
-``abort`` takes part in the agreement step with the error's code so every rank raises instead of waiting.
-"""
+"""The DeepEP low-latency calls' parameters, validated locally (no communication) by the ops' rules
+(:mod:`deep_ep_npu.errors`); on failure the Buffer passes the error's code to the backend's ``abort``."""
 
 from __future__ import annotations
 
@@ -17,16 +14,14 @@ from .errors import invalid, null, shape
 from .handle import LowLatencyHandle
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-IDX_DTYPES = (torch.int64, torch.int32)
 MAX_TOPK = 16
 QUANT_FORMATS = ("fp8_e4m3", "int8_per_token")
 
 
 @dataclasses.dataclass
 class DispatchArgs:
-    """``low_latency_dispatch``'s arguments by DeepEP's names (plus the group size and the backend's 8-bit format).
-    :meth:`validate` checks them once and returns the validated call: tensors checked, ``quant`` set to None (no
-    quantization) or one of ``QUANT_FORMATS``."""
+    """``low_latency_dispatch``'s arguments (plus the group size and the backend's 8-bit format). :meth:`validate`
+    returns the validated call, with ``quant`` None (no quantization) or one of ``QUANT_FORMATS``."""
 
     x: Any
     topk_idx: Any
@@ -67,18 +62,15 @@ class DispatchArgs:
         if hidden < 1:
             raise shape("x", f"hidden (dim 1) must be >= 1, got shape {tuple(x.shape)}")
         idx = check_topk_idx(self.topk_idx, x.shape[0], num_max, num_experts)
-        quant = None
-        if use_fp8:
-            quant = self.native_quant_format if self.quant_format is None else self.quant_format
-            checks.one_of(quant, "quant_format", QUANT_FORMATS)
-            if hidden % 128:
-                raise shape("x", f"hidden = {hidden} must be a multiple of 128 with use_fp8 (per-128-channel scales)")
-            if self.use_ue8m0 and hidden % 512:
-                raise shape("x", f"hidden = {hidden} must be a multiple of 512 with use_ue8m0 (4 scales per int32)")
-            if quant == "int8_per_token" and round_scale:
-                raise invalid("round_scale", "is not available with the int8_per_token format (scales are amax / 127)")
-        elif self.quant_format is not None:
+        if self.quant_format is not None:
             checks.one_of(self.quant_format, "quant_format", QUANT_FORMATS)
+        quant = (self.quant_format or self.native_quant_format) if use_fp8 else None
+        if quant and hidden % 128:
+            raise shape("x", f"hidden = {hidden} must be a multiple of 128 with use_fp8 (per-128-channel scales)")
+        if quant and self.use_ue8m0 and hidden % 512:
+            raise shape("x", f"hidden = {hidden} must be a multiple of 512 with use_ue8m0 (4 scales per int32)")
+        if quant == "int8_per_token" and round_scale:
+            raise invalid("round_scale", "is not available with the int8_per_token format (scales are amax / 127)")
         stats = self.cumulative_local_expert_recv_stats
         recv_stats = _stats(stats, "cumulative_local_expert_recv_stats", torch.int32, num_experts // r, "L")
         wait_stats = _stats(self.dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64, r, "R")
@@ -90,8 +82,8 @@ class DispatchArgs:
 
 @dataclasses.dataclass
 class CombineArgs:
-    """``low_latency_combine``'s arguments by DeepEP's names (plus the group size); :meth:`validate` returns the
-    validated call (``handle`` a :class:`LowLatencyHandle`)."""
+    """``low_latency_combine``'s arguments (plus the group size); :meth:`validate` returns the validated call
+    (``handle`` a :class:`LowLatencyHandle`)."""
 
     x: Any
     topk_idx: Any
@@ -112,9 +104,9 @@ class CombineArgs:
             raise invalid("use_logfmt", "LogFMT combine is not implemented by deep_ep_npu; pass use_logfmt=False")
         zero_copy = _flag(self.zero_copy, "zero_copy")
         h = validate_handle(self.handle, r)
-        num_local, num_max, hidden = h.src_info.shape[0], h.num_max_dispatch_tokens_per_rank, h.hidden
+        num_max, hidden = h.num_max_dispatch_tokens_per_rank, h.hidden
         x = checks.tensor(self.x, "x", ACT_DTYPES, 3)
-        checks.dims(x, "x", (num_local, r * num_max, hidden), "[L, R * N, hidden] from the handle")
+        checks.dims(x, "x", (h.src_info.shape[0], r * num_max, hidden), "[L, R * N, hidden] from the handle")
         if zero_copy and x.dtype != torch.bfloat16:
             raise invalid("x", f"zero_copy combines the bfloat16 buffer; x must be torch.bfloat16, got {x.dtype}")
         weights = checks.tensor(self.topk_weights, "topk_weights", (torch.float32,), 2)
@@ -145,10 +137,8 @@ def check_topk_idx(topk_idx: object, num_tokens: int, num_max: int, num_experts:
     """`[T, K]` int64/int32 ids in ``[-1, num_experts)``, ``0 < K <= 16``, T rows, no expert twice in a row."""
     idx = checks.expert_ids(topk_idx, "topk_idx", num_experts, num_tokens, MAX_TOPK, no_expert=True)
     if idx.shape[0] > num_max:
-        raise shape(
-            "topk_idx",
-            f"{idx.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {num_max}; raise it (same on all ranks)",
-        )
+        msg = f"{idx.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {num_max}; raise it (same on all ranks)"
+        raise shape("topk_idx", msg)
     return idx
 
 
@@ -159,26 +149,20 @@ def _stats(value: object, param: str, dtype: torch.dtype, size: int, what: str) 
     return t
 
 
-def as_handle(handle: object) -> LowLatencyHandle:
+def validate_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
+    """``handle`` as a :class:`LowLatencyHandle` (a DeepEP 5-tuple is accepted), its fields checked."""
     if handle is None:
         raise null("handle", "pass the handle returned by low_latency_dispatch")
-    if isinstance(handle, LowLatencyHandle):
-        return handle
     if not isinstance(handle, tuple) or len(handle) != 5:
         raise invalid("handle", f"must be the 5-field handle returned by low_latency_dispatch, got {type(handle)}")
-    return LowLatencyHandle(*handle)
-
-
-def validate_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
-    h = as_handle(handle)
+    h = handle if isinstance(handle, LowLatencyHandle) else LowLatencyHandle(*handle)
     num_max = _positive_int(h.num_max_dispatch_tokens_per_rank, "handle.num_max_dispatch_tokens_per_rank")
     num_experts = _positive_int(h.num_experts, "handle.num_experts")
     _positive_int(h.hidden, "handle.hidden")
     if num_experts % num_ranks:
         raise shape("handle.num_experts", f"{num_experts} is not divisible by num_ranks = {num_ranks}")
-    num_local = num_experts // num_ranks
     src_info = checks.tensor(h.src_info, "handle.src_info", (torch.int32,), 2)
-    checks.dims(src_info, "handle.src_info", (num_local, num_ranks * num_max), "[L, R * N]")
+    checks.dims(src_info, "handle.src_info", (num_experts // num_ranks, num_ranks * num_max), "[L, R * N]")
     layout_range = checks.tensor(h.layout_range, "handle.layout_range", (torch.int64,), 2)
-    checks.dims(layout_range, "handle.layout_range", (num_local, num_ranks), "[L, R]")
+    checks.dims(layout_range, "handle.layout_range", (num_experts // num_ranks, num_ranks), "[L, R]")
     return h

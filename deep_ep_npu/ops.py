@@ -2,14 +2,10 @@
 
 ``moe_distribute_dispatch_v2`` / ``moe_distribute_combine_v2`` take exactly the arguments of
 ``torch_npu.npu_moe_distribute_dispatch_v2`` / ``npu_moe_distribute_combine_v2`` (A3 fullmesh semantics), plus
-``ccl_buffer_size`` and ``strict`` of our own. ``moe_distribute_dispatch_start`` / ``moe_distribute_combine_start``
-take the same arguments and return after the send phase: their :class:`~deep_ep_npu.event.Completion`'s ``wait()``
-receives and returns the outputs, so compute placed in between overlaps the transfer.
-
-Every call: the arguments become one :class:`~deep_ep_npu.params.DispatchParams` / ``CombineParams``, validated once
-(a rejected rank still takes part in the agreement step, so every rank raises), then the engine runs the agreement
-step, the payload all-to-all and the flat placement, bounded by the group's timeout (``DEEP_EP_NPU_TIMEOUT``, else
-30 s): a peer that exits or stops calling raises :class:`~deep_ep_npu.failure.EPRankFailure` naming it.
+``ccl_buffer_size`` and ``strict`` of our own; the ``*_start`` variants split them into send and receive phases.
+The arguments are validated once (a rejected rank still takes part in the agreement step, so every rank raises);
+the agreement step, payload all-to-all and flat placement are bounded by the group's timeout (``DEEP_EP_NPU_TIMEOUT``,
+else 30 s): a peer that exits or stops calling raises :class:`~deep_ep_npu.failure.EPRankFailure` naming it.
 """
 
 from __future__ import annotations
@@ -18,61 +14,31 @@ import torch
 import torch.distributed as dist
 
 from .engine.flat import start_combine_flat, start_dispatch_flat
-from .errors import (
-    ACLNN_ERR_INNER_TILING_ERROR,
-    ACLNN_ERR_PARAM_INVALID,
-    ACLNN_ERR_PARAM_NULLPTR,
-    MoeDistributeError,
-)
+from .errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, MoeDistributeError
 from .event import Completion
 from .params import CombineParams, DispatchParams
 from .sizes import get_low_latency_ccl_buffer_size
 
 __all__ = [
-    "ACLNN_ERR_INNER_TILING_ERROR",
-    "ACLNN_ERR_PARAM_INVALID",
-    "ACLNN_ERR_PARAM_NULLPTR",
-    "MoeDistributeError",
-    "get_low_latency_ccl_buffer_size",
-    "moe_distribute_combine_start",
-    "moe_distribute_combine_v2",
-    "moe_distribute_dispatch_start",
-    "moe_distribute_dispatch_v2",
-]
+    "ACLNN_ERR_INNER_TILING_ERROR", "ACLNN_ERR_PARAM_INVALID", "ACLNN_ERR_PARAM_NULLPTR", "MoeDistributeError",
+    "get_low_latency_ccl_buffer_size", "moe_distribute_combine_start", "moe_distribute_combine_v2",
+    "moe_distribute_dispatch_start", "moe_distribute_dispatch_v2",
+]  # fmt: skip
 
 
-def moe_distribute_dispatch_v2(  # fmt: skip
-    x: torch.Tensor,
-    expert_ids: torch.Tensor,
-    group_ep: dist.ProcessGroup | str,
-    ep_world_size: int,
-    ep_rank_id: int,
-    moe_expert_num: int,
-    *,
-    scales: torch.Tensor | None = None,
-    x_active_mask: torch.Tensor | None = None,
-    expert_scales: torch.Tensor | None = None,
-    elastic_info: torch.Tensor | None = None,
-    performance_info: torch.Tensor | None = None,
-    group_tp: dist.ProcessGroup | str = "",
-    tp_world_size: int = 0,
-    tp_rank_id: int = 0,
-    expert_shard_type: int = 0,
-    shared_expert_num: int = 1,
-    shared_expert_rank_num: int = 0,
-    quant_mode: int = 0,
-    global_bs: int = 0,
-    expert_token_nums_type: int = 1,
-    comm_alg: str = "",
-    zero_expert_num: int = 0,
-    copy_expert_num: int = 0,
-    const_expert_num: int = 0,
-    y_dtype: torch.dtype | None = None,
-    x_dtype: torch.dtype | None = None,
-    scales_dtype: torch.dtype | None = None,
-    ccl_buffer_size: int | None = None,
-    strict: bool = False,
+# fmt: off
+def moe_distribute_dispatch_v2(
+    x: torch.Tensor, expert_ids: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
+    ep_rank_id: int, moe_expert_num: int, *, scales: torch.Tensor | None = None,
+    x_active_mask: torch.Tensor | None = None, expert_scales: torch.Tensor | None = None,
+    elastic_info: torch.Tensor | None = None, performance_info: torch.Tensor | None = None,
+    group_tp: dist.ProcessGroup | str = "", tp_world_size: int = 0, tp_rank_id: int = 0, expert_shard_type: int = 0,
+    shared_expert_num: int = 1, shared_expert_rank_num: int = 0, quant_mode: int = 0, global_bs: int = 0,
+    expert_token_nums_type: int = 1, comm_alg: str = "", zero_expert_num: int = 0, copy_expert_num: int = 0,
+    const_expert_num: int = 0, y_dtype: torch.dtype | None = None, x_dtype: torch.dtype | None = None,
+    scales_dtype: torch.dtype | None = None, ccl_buffer_size: int | None = None, strict: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # fmt: on
     """Send every token to the ranks hosting its experts (Ascend MoE distribute dispatch, flat layout).
 
     Notation: W = ep_world_size, SR = shared_expert_rank_num, S = shared experts (0 when SR == 0: the tiling turns
@@ -128,8 +94,7 @@ def moe_distribute_dispatch_v2(  # fmt: skip
         expand_scales: `[A]` `torch.float32` weight of each own row when expert_scales is given, else `[0]`.
 
     Raises:
-        MoeDistributeError: invalid input (on every rank of the EP domain, and of the TP pair; codes
-            161001 / 161002 / 561002).
+        MoeDistributeError: invalid input, on every rank of the EP domain and TP pair (codes 161001 / 161002 / 561002).
     """
     return start_dispatch_flat(DispatchParams(**locals())).wait()
 
@@ -191,12 +156,12 @@ def moe_distribute_combine_v2(
 
 
 def moe_distribute_dispatch_start(*args: object, **kwargs: object) -> Completion:
-    """:func:`moe_distribute_dispatch_v2`'s send phase (same arguments): ``wait()`` on the result receives and
-    returns the 7 outputs."""
+    """:func:`moe_distribute_dispatch_v2`'s send phase (same arguments): ``wait()`` on the returned
+    :class:`~deep_ep_npu.event.Completion` receives and returns the 7 outputs (compute in between overlaps it)."""
     return start_dispatch_flat(DispatchParams(*args, **kwargs))  # type: ignore[arg-type]
 
 
 def moe_distribute_combine_start(*args: object, **kwargs: object) -> Completion:
-    """:func:`moe_distribute_combine_v2`'s send phase (same arguments): ``wait()`` on the result receives, reduces
-    and returns ``x``."""
+    """:func:`moe_distribute_combine_v2`'s send phase (same arguments): ``wait()`` on the returned
+    :class:`~deep_ep_npu.event.Completion` receives, reduces and returns ``x`` (compute in between overlaps it)."""
     return start_combine_flat(CombineParams(*args, **kwargs))  # type: ignore[arg-type]

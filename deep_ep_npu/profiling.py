@@ -1,18 +1,15 @@
-"""Opt-in timing of where dispatch/combine time goes, and the bytes the last calls put on the wire.
-
-Off by default: :func:`laps` then costs one flag check. Benchmarks call :func:`enable`, run, and read
-:func:`report` (mean µs per call of each named section: validation, layout, packing, collectives, unpacking).
-"""
+"""Opt-in timing of where dispatch/combine time goes, and the bytes the last calls put on the wire. Off by default:
+:func:`laps` then costs one flag check. Benchmarks call :func:`enable`, run, and read :func:`report` (mean µs per
+call of each named section: validation, layout, packing, collectives, unpacking)."""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 _enabled = False
-_totals: dict[str, float] = defaultdict(float)
-_counts: dict[str, int] = defaultdict(int)
+_sections: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # name -> [total seconds, occurrences]
 _wire: dict[str, tuple[list[int], int, int]] = {}
 
 
@@ -26,39 +23,30 @@ def disable() -> None:
     _enabled = False
 
 
-class _Laps:
-    """Records the time since the previous lap (or creation) under ``prefix.name`` at each call."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix, self.t = prefix, time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        key = f"{self.prefix}.{name}"
-        _totals[key] += now - self.t
-        _counts[key] += 1
-        self.t = now
+def _no_lap(name: str) -> None:
+    """What :func:`laps` returns while disabled."""
 
 
-class _NoLaps:
-    def __call__(self, name: str) -> None:
-        return None
+def laps(prefix: str) -> Callable[[str], None]:
+    """``lap = laps("dispatch"); ...; lap("layout"); ...; lap("packing")``: each call records the time since the
+    previous one (or since ``laps``) under ``prefix.name``; a no-op while disabled."""
+    if not _enabled:
+        return _no_lap
+    last = time.perf_counter()
 
+    def lap(name: str) -> None:
+        nonlocal last
+        now, section = time.perf_counter(), _sections[f"{prefix}.{name}"]
+        section[0], section[1], last = section[0] + (now - last), section[1] + 1, now
 
-_NO_LAPS = _NoLaps()
-
-
-def laps(prefix: str) -> _Laps | _NoLaps:
-    """``lap = laps("dispatch"); ...; lap("layout"); ...; lap("packing")`` - a no-op while disabled."""
-    return _Laps(prefix) if _enabled else _NO_LAPS
+    return lap
 
 
 def report(reset: bool = False) -> dict[str, float]:
     """Mean µs per occurrence of each section since the last reset."""
-    out = {k: _totals[k] / _counts[k] * 1e6 for k in _totals}
+    out = {k: total / count * 1e6 for k, (total, count) in _sections.items()}
     if reset:
-        _totals.clear()
-        _counts.clear()
+        _sections.clear()
     return out
 
 

@@ -8,31 +8,21 @@ import math
 from .errors import invalid, shape
 
 _MB = 1 << 20
-_COMM_ALGS = ("", "fullmesh_v1", "fullmesh_v2")
+COMM_ALGS = ("", "fullmesh_v1", "fullmesh_v2")
 
 
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def ccl_buffer_bytes(
-    world_size: int,
-    num_max_dispatch_tokens_per_rank: int,
-    hidden: int,
-    num_local_experts: int,
-    topk: int,
-    num_shared_expert: int = 0,
-    comm_alg: str = "",
-) -> int:
-    """Minimum bytes of the two CCL windows (dispatch + combine, x2) for these shapes; no range checks.
-
-    ``2 * (bs * disp_tok * W * L + bs * comb_tok * (topk + S)) + 1 MiB`` with
-    ``disp_tok = align512(align32(2H) + 44)`` (``ceil(.../480)*512`` for fullmesh_v2), ``comb_tok = align512(2H)``.
-    """
+def ccl_buffer_bytes(world_size: int, num_max_dispatch_tokens_per_rank: int, hidden: int, num_local_experts: int,
+                     topk: int, num_shared_expert: int = 0, comm_alg: str = "") -> int:  # fmt: skip
+    """Minimum bytes of the two CCL windows (dispatch + combine, x2) for these shapes, no range checks:
+    ``2 * (bs * disp_tok * W * L + bs * comb_tok * (topk + S)) + 1 MiB`` with ``disp_tok = align512(align32(2H) + 44)``
+    (``ceil(.../480)*512`` for fullmesh_v2), ``comb_tok = align512(2H)``."""
     tok_len = _align(hidden * 2, 32) + 44  # bf16 row + 32 B scale + the int32 (rank, token, slot) triple
     disp_tok = math.ceil(tok_len / 480) * 512 if comm_alg == "fullmesh_v2" else _align(tok_len, 512)
-    comb_tok = _align(hidden * 2, 512)
-    bs = num_max_dispatch_tokens_per_rank
+    bs, comb_tok = num_max_dispatch_tokens_per_rank, _align(hidden * 2, 512)
     return 2 * (bs * disp_tok * world_size * num_local_experts + bs * comb_tok * (topk + num_shared_expert)) + _MB
 
 
@@ -41,58 +31,39 @@ def ccl_buffer_mb(num_bytes: int) -> int:
     return _align(math.ceil(num_bytes / _MB), 2) // 2
 
 
-def get_low_latency_ccl_buffer_size(
-    world_size: int,
-    num_max_dispatch_tokens_per_rank: int,
-    hidden: int,
-    num_moe_expert: int,
-    topk: int,
-    num_shared_expert: int = 0,
-    num_shared_expert_ranks: int = 0,
-    comm_alg: str = "",
-) -> int:
+def get_low_latency_ccl_buffer_size(world_size: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                    num_moe_expert: int, topk: int, num_shared_expert: int = 0,
+                                    num_shared_expert_ranks: int = 0, comm_alg: str = "") -> int:  # fmt: skip
     """The CCL buffer size, in MB, that low-latency dispatch + combine need (``HCCL_BUFFSIZE`` / ``hccl_buffer_size``).
 
     Same checks and formula as ops-transformer's static ``MoeDistributeBuffer.get_low_latency_ccl_buffer_size``
     (CANN 9.1+, the halved value): ``world_size`` in [2, 768], ``hidden`` in [1024, 8192], tokens in [1, 512],
     experts in [1, 1024], ``topk`` in [1, 16], shared experts in [0, 4], ``L * W <= 2048`` with
     ``L = num_moe_expert // (world_size - num_shared_expert_ranks)``, ``comm_alg`` in {"", fullmesh_v1, fullmesh_v2}.
-    Example: ``(W, 128, 7168, 256, 8)`` gives 479.
-
-    Raises:
-        MoeDistributeError: an argument is out of the ranges above (code 561002, or 161002 for ``comm_alg``).
-    """
-    checks = [
-        ("world_size", world_size, 2, 768),
-        ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, 512),
-        ("hidden", hidden, 1024, 8192),
-        ("num_moe_expert", num_moe_expert, 1, 1024),
-        ("topk", topk, 1, 16),
-        ("num_shared_expert", num_shared_expert, 0, 4),
-        ("num_shared_expert_ranks", num_shared_expert_ranks, 0, world_size - 1),
-    ]
-    for name, value, lo, hi in checks:
+    Example: ``(W, 128, 7168, 256, 8)`` gives 479. Raises :class:`~deep_ep_npu.errors.MoeDistributeError` when an
+    argument is out of the ranges above (code 561002, or 161002 for ``comm_alg``)."""
+    tokens, shared_ranks = num_max_dispatch_tokens_per_rank, num_shared_expert_ranks
+    for name, value, lo, hi in (
+        ("world_size", world_size, 2, 768), ("num_max_dispatch_tokens_per_rank", tokens, 1, 512),
+        ("hidden", hidden, 1024, 8192), ("num_moe_expert", num_moe_expert, 1, 1024), ("topk", topk, 1, 16),
+        ("num_shared_expert", num_shared_expert, 0, 4), ("num_shared_expert_ranks", shared_ranks, 0, world_size - 1),
+    ):  # fmt: skip
         if not lo <= value <= hi:
             raise shape(name, f"got {value}, allowed [{lo}, {hi}]")
-    if comm_alg not in _COMM_ALGS:
-        raise invalid("comm_alg", f"got {comm_alg!r}, allowed {_COMM_ALGS}")
-    num_local_experts = num_moe_expert // (world_size - num_shared_expert_ranks)
-    if num_local_experts * world_size > 2048:
-        raise shape("num_moe_expert", f"local experts x world size = {num_local_experts * world_size} exceeds 2048")
-    num_bytes = ccl_buffer_bytes(
-        world_size, num_max_dispatch_tokens_per_rank, hidden, num_local_experts, topk, num_shared_expert, comm_alg
-    )
-    return ccl_buffer_mb(num_bytes)
+    if comm_alg not in COMM_ALGS:
+        raise invalid("comm_alg", f"got {comm_alg!r}, allowed {COMM_ALGS}")
+    num_local = num_moe_expert // (world_size - shared_ranks)
+    if num_local * world_size > 2048:
+        raise shape("num_moe_expert", f"local experts x world size = {num_local * world_size} exceeds 2048")
+    return ccl_buffer_mb(ccl_buffer_bytes(world_size, tokens, hidden, num_local, topk, num_shared_expert, comm_alg))
 
 
 def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
     """DeepEP's ``LowLatencyLayout``: two copies of (send, recv, signal) buffers, plus its alignment step
     ``(total + 128) // 128 * 128`` (which adds 128 bytes to an already aligned total, as DeepEP does)."""
     n, scales = num_max_dispatch_tokens_per_rank, hidden // 128
-    dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
-    combine_msg = scales * 4 + hidden * 2
+    dispatch_msg, combine_msg = 16 + max(hidden * 2, hidden + scales * 4), scales * 4 + hidden * 2
     send = max(n * dispatch_msg, num_experts * n * combine_msg)
     recv = max(num_experts * n * dispatch_msg, num_experts * n * combine_msg)
     signal = (num_experts * 4 + 127) // 128 * 128
-    total = 2 * (send + recv + signal)
-    return (total + 128) // 128 * 128
+    return (2 * (send + recv + signal) + 128) // 128 * 128

@@ -1,17 +1,13 @@
 """Backends of :class:`deep_ep_npu.Buffer`: ``"reference"`` (torch.distributed), ``"ascend"`` (NPU ops); their ABC.
 
-Backends are registered by name with the import path of their class, so importing this package never imports a
-backend's dependencies (``torch_npu`` is imported only when the Ascend backend is created). A backend is
-``cls(group, config)``; its ``dispatch`` / ``combine`` turn validated DeepEP calls (:mod:`deep_ep_npu.ll_params`)
-into a *send phase*, run inside the call, and a *receive phase* returned as a :class:`~deep_ep_npu.event.Completion`
-that the Buffer runs at once, at ``event.current_stream_wait()`` (``async_finish``) or in ``hook()``
-(``return_recv_hook``). ``dispatch_flat`` / ``combine_flat`` start ``npu_moe_distribute_dispatch_v2`` /
-``combine_v2`` (``wait()`` returns the 7 outputs / ``x``). Optional hooks: ``abort(op, code)`` tells the peers that
-this rank rejected its input of ``op`` ("dispatch" / "combine") so they raise too; ``clean`` resets communication
-state between two barriers (``clean_low_latency_buffer``); ``destroy`` releases buffers and communication contexts.
+Backends register the import path of their class (``torch_npu`` is imported only when the Ascend backend is created).
+A backend, ``cls(group, config)``, runs the *send phase* of a validated DeepEP call (:mod:`deep_ep_npu.ll_params`) in
+``dispatch`` / ``combine`` and returns its *receive phase*, a :class:`~deep_ep_npu.event.Completion` the Buffer runs
+at once, at ``event.current_stream_wait()`` (``async_finish``) or in ``hook()`` (``return_recv_hook``);
+``dispatch_flat`` / ``combine_flat`` start ``npu_moe_distribute_dispatch_v2`` / ``combine_v2`` (``wait()`` returns the
+7 outputs / ``x``). Optional hooks: ``abort(op, code)`` (this rank rejected its ``op`` input, "dispatch" / "combine":
+the peers raise too), ``clean`` (reset communication state between two barriers), ``destroy`` (release buffers).
 """
-
-from __future__ import annotations
 
 import abc
 import dataclasses
@@ -69,8 +65,7 @@ class LowLatencyBackend(abc.ABC):
         self.group, self.config = group, config
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.mask = torch.zeros((self.num_ranks,), dtype=torch.int32)  # shrink mode: 1 = rank treated as absent
-        # bounded collectives over the live ranks; in shrink mode, continues on the survivors (deep_ep_npu.group)
-        self.ep = EPGroup(group, self.mask, config.timeout, config.enable_shrink)
+        self.ep = EPGroup(group, self.mask, config.timeout, config.enable_shrink)  # bounded; shrink mode: survivors
         self._ws = Workspace()  # the backend's buffers, grown on demand
         self._buffer_idx = 0  # double-buffered communication buffers: flipped by every dispatch and combine
 
@@ -107,16 +102,14 @@ def map_no_expert(topk_idx: torch.Tensor, num_experts: int, zero_expert_num: int
     row); the caller's copy/const expert ids (``>= num_experts + zero_expert_num``) shift up by K to make room.
     Returns the `[T, K]` int32 ids for the ops and their zero_expert_num (``zero_expert_num + K``)."""
     k, first_extra = topk_idx.shape[1], num_experts + zero_expert_num
-    ids = topk_idx.to(torch.int32)
-    ids = torch.where(ids >= first_extra, ids + k, ids)
+    ids = torch.where(topk_idx >= first_extra, topk_idx + k, topk_idx).to(torch.int32)
     slot = torch.arange(k, dtype=torch.int32, device=ids.device).expand_as(ids)
     return torch.where(ids < 0, first_extra + slot, ids), zero_expert_num + k
 
 
 _REGISTRY: dict[str, str | type[LowLatencyBackend]] = {
-    "reference": "deep_ep_npu.backends.reference:ReferenceBackend",
-    "ascend": "deep_ep_npu.backends.ascend:AscendBackend",
-}
+    "reference": f"{__name__}.reference:ReferenceBackend", "ascend": f"{__name__}.ascend:AscendBackend"
+}  # fmt: skip
 
 
 def register_backend(name: str, target: str | type[LowLatencyBackend]) -> None:
@@ -128,13 +121,17 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def hccl_comm_name(group: dist.ProcessGroup, rank: int) -> str:
+    """The HCCL communicator name of ``group`` (what the NPU ops' group arguments take)."""
+    return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)  # type: ignore[attr-defined]
+
+
 def npu_available() -> bool:
     """True when torch_npu is installed and reports an NPU (imports torch_npu only if it is installed)."""
     if importlib.util.find_spec("torch_npu") is None:
         return False
     importlib.import_module("torch_npu")
-    npu = getattr(torch, "npu", None)
-    return bool(npu is not None and npu.is_available())
+    return bool(hasattr(torch, "npu") and torch.npu.is_available())
 
 
 def resolve_backend_name(name: str) -> str:

@@ -1,31 +1,28 @@
 """The Ascend backend: the real MoE distribute ops, converted between DeepEP's masked layout and the flat one.
 
-Ops, first found wins: the context-based V3 ops ``MoeDistributeBuffer`` of ``cann_ops_transformer.ops`` (CANN 9.1+,
-methods ``low_latency_dispatch/combine``) or ``npu_ops_transformer.ops`` (the same methods prefixed ``npu_``), else
-torch_npu's ``npu_moe_distribute_dispatch_v2`` / ``combine_v2`` on the group's HCCL communicator. ``torch_npu`` is
-imported when this backend is created, never before.
+Ops, first found wins: the V3 context ops ``MoeDistributeBuffer`` of ``cann_ops_transformer.ops`` (CANN 9.1+, methods
+``low_latency_dispatch/combine``) or ``npu_ops_transformer.ops`` (the same, prefixed ``npu_``), else torch_npu's
+``npu_moe_distribute_dispatch_v2`` / ``combine_v2`` on the group's HCCL communicator; ``torch_npu`` is imported when
+this backend is created.
 
 Mapping: ``-1`` in ``topk_idx`` becomes a zero expert (never sent, adds 0); ``global_bs = N * R`` lets ranks hold
 fewer than N tokens (a rank with none sends one row routed nowhere: the ops need Bs >= 1); ``use_fp8=True`` is
-A2/A3's per-token dynamic int8 (``quant_mode=2``). The flat ``expand_x`` (rows expert-major, then source rank, then
-token) is gathered into ``recv_x`` `[L, R * N, hidden]` by index tensors only (no host synchronization); ``src_info``
-is the token of ``assist_info_for_combine``'s (rank, token, slot) triples (the A3 fullmesh layout); combine gathers
-the masked rows back into the flat order. The ops run in stream order at call time, so ``hook()`` and the event's
-wait have nothing left to do; ``dispatch_wait_recv_cost_stats`` is the op's ``performance_info`` (µs per source rank).
+A2/A3's per-token dynamic int8 (``quant_mode=2``). Index tensors alone (no host synchronization) gather the flat
+``expand_x`` (rows expert-major, then source rank, then token) into ``recv_x`` `[L, R * N, hidden]` and, in combine,
+back; ``src_info`` is the token of ``assist_info_for_combine``'s (rank, token, slot) triples (the A3 fullmesh layout).
+The ops run in stream order at call time, so ``hook()`` and the event's wait have nothing left to do;
+``dispatch_wait_recv_cost_stats`` is the op's ``performance_info`` (µs per source rank).
 
-Shrink mode: the caller's mask (``low_latency_update_mask_buffer``, the same on every rank; a failed rank is not
-detected over HCCL) becomes the ops' ``elastic_info`` `[4 + 2R]` int32: ``is_scaled_down, new_rank_count R',
-new_shared_rank_count, new_moe_expert_count E' = R' * L, Table1[R]`` (EP rank -> new rank or -1), ``Table2[R]`` (new
-rank -> EP rank, padded with -1). Live ranks keep their L experts (``e -> Table1[e // L] * L + e % L``), masked ranks'
-experts become -1 (no expert); masked ranks still call the ops and send and receive nothing (``ep_recv_counts`` stays
-per EP source rank, 0 for masked ones).
+Shrink mode: the caller's mask (``low_latency_update_mask_buffer``, the same on every rank; HCCL detects no failed
+rank) becomes the ops' ``elastic_info`` `[4 + 2R]` int32: ``is_scaled_down, new_rank_count R', new_shared_rank_count,
+new_moe_expert_count E' = R' * L, Table1[R]`` (EP rank -> new rank or -1), ``Table2[R]`` (new rank -> EP rank, padded
+with -1). Live ranks keep their L experts (``e -> Table1[e // L] * L + e % L``), masked ranks' experts become -1;
+masked ranks still call the ops, sending and receiving nothing (``ep_recv_counts`` stays per EP source rank).
 
 Limits: validation is local (no extra collective per call): a rank whose input is rejected raises, but peers that
 passed enter the op and wait until the HCCL timeout, so give every rank the same N, num_experts and hidden.
 ``round_scale`` / ``use_ue8m0`` / fp8 e4m3 have no A2/A3 op.
 """
-
-from __future__ import annotations
 
 import contextlib
 import importlib
@@ -41,18 +38,14 @@ from ..handle import make_handle
 from ..ll_params import CombineArgs, DispatchArgs
 from ..params import CombineParams, DispatchParams
 from ..sizes import ccl_buffer_bytes, ccl_buffer_mb
-from . import BufferConfig, CombineResult, DispatchResult, LowLatencyBackend, map_no_expert
+from . import BufferConfig, CombineResult, DispatchResult, LowLatencyBackend, hccl_comm_name, map_no_expert
 
 # the keywords of DispatchParams / CombineParams the flat methods give the op as they are
-DISPATCH_KEYWORDS = (
-    "scales", "x_active_mask", "expert_scales", "quant_mode", "expert_token_nums_type", "shared_expert_num",
-    "shared_expert_rank_num", "global_bs", "copy_expert_num", "const_expert_num",
-)  # fmt: skip
-COMBINE_KEYWORDS = (
-    "x_active_mask", "expand_scales", "shared_expert_x", "ori_x", "const_expert_alpha_1", "const_expert_alpha_2",
-    "const_expert_v", "comm_quant_mode", "shared_expert_num", "shared_expert_rank_num", "global_bs",
-    "copy_expert_num", "const_expert_num",
-)  # fmt: skip
+_SHARED_KEYWORDS = ("shared_expert_num", "shared_expert_rank_num", "global_bs", "copy_expert_num", "const_expert_num")
+DISPATCH_KEYWORDS = ("scales", "x_active_mask", "expert_scales", "quant_mode", "expert_token_nums_type",
+                     *_SHARED_KEYWORDS)  # fmt: skip
+COMBINE_KEYWORDS = ("x_active_mask", "expand_scales", "shared_expert_x", "ori_x", "const_expert_alpha_1",
+                    "const_expert_alpha_2", "const_expert_v", "comm_quant_mode", *_SHARED_KEYWORDS)  # fmt: skip
 
 
 def elastic_info_from_mask(mask: torch.Tensor, num_local_experts: int) -> torch.Tensor | None:
@@ -72,12 +65,10 @@ def elastic_info_from_mask(mask: torch.Tensor, num_local_experts: int) -> torch.
 def remap_expert_ids(topk_idx: torch.Tensor, elastic_info: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     """DeepEP expert ids `[T, K]` (-1: none) -> ids over the live ranks (``elastic_info``'s Table1), with -1 for
     experts on masked ranks. Same dtype and device as ``topk_idx``."""
-    r = (elastic_info.numel() - 4) // 2
-    table1 = elastic_info[4 : 4 + r].to(device=topk_idx.device, dtype=torch.int64)
-    ids = topk_idx.long()
-    owner = table1[ids.clamp(min=0) // num_local_experts]
-    new = owner * num_local_experts + ids.clamp(min=0) % num_local_experts
-    return torch.where((ids < 0) | (owner < 0), -1, new).to(topk_idx.dtype)
+    table1 = elastic_info[4 : 4 + (elastic_info.numel() - 4) // 2].to(device=topk_idx.device, dtype=torch.int64)
+    nl, e = num_local_experts, topk_idx.long().clamp(min=0)
+    owner = table1[e // nl]
+    return torch.where((topk_idx < 0) | (owner < 0), -1, owner * nl + e % nl).to(topk_idx.dtype)
 
 
 def _pad_empty(rows: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,20 +111,16 @@ class _ContextOps:
         return getattr(self.buffer, name, None) or getattr(self.buffer, "npu_" + name)
 
     def dispatch(self, x, expert_ids, moe_expert_num: int, *, ccl_buffer_size: int, **kw: Any) -> tuple:
-        n = kw.pop("global_bs") // self.num_ranks
+        kw["num_max_dispatch_tokens_per_rank"] = kw.pop("global_bs") // self.num_ranks
         kw["x_smooth_scale"], kw["topk_weights"] = kw.pop("scales", None), kw.pop("expert_scales", None)
         kw.pop("performance_info", None)  # not exposed by the context wrapper
-        outs = self._method("low_latency_dispatch", ccl_buffer_size)(
-            x, expert_ids, moe_expert_num, num_max_dispatch_tokens_per_rank=n, **kw
-        )  # the torch_npu op's outputs, without tp_recv_counts: add a `[1]` int32 zero one
+        outs = self._method("low_latency_dispatch", ccl_buffer_size)(x, expert_ids, moe_expert_num, **kw)
+        # the torch_npu op's outputs, without tp_recv_counts: add a `[1]` int32 zero one
         return (*outs[:5], torch.zeros((1,), dtype=torch.int32, device=outs[0].device), outs[5])
 
     def combine(self, expand_x, expert_ids, assist, counts, weights, moe_expert_num: int, **kw: Any) -> torch.Tensor:
-        n = kw.pop("global_bs") // self.num_ranks
-        return self._method("low_latency_combine", 0)(
-            expand_x, expert_ids, weights, assist, counts, num_experts=moe_expert_num,
-            num_max_dispatch_tokens_per_rank=n, **kw,
-        )  # fmt: skip
+        kw.update(num_experts=moe_expert_num, num_max_dispatch_tokens_per_rank=kw.pop("global_bs") // self.num_ranks)
+        return self._method("low_latency_combine", 0)(expand_x, expert_ids, weights, assist, counts, **kw)
 
 
 class AscendBackend(LowLatencyBackend):
@@ -166,24 +153,20 @@ class AscendBackend(LowLatencyBackend):
 
     def _group_name(self) -> str:
         """The HCCL communicator name the torch_npu ops take as ``group_ep``."""
-        return self.group._get_backend(torch.device("npu")).get_hccl_comm_name(self.rank)  # type: ignore[attr-defined]
+        return hccl_comm_name(self.group, self.rank)
 
     def _ccl_size(self, num_max: int, hidden: int, num_local: int, topk: int) -> int:
         """The CCL window (MB) for these shapes; raises, naming the size needed, if the one in use is smaller."""
         need = ccl_buffer_mb(ccl_buffer_bytes(self.num_ranks, num_max, hidden, num_local, topk))
-        created = self.ops.created_ccl_buffer_size
-        for have, source in (
-            (self.config.ccl_buffer_size, "ccl_buffer_size"),
-            (created, "ccl_buffer_size (the context was created on the first call with this size)"),
-            (self._env_ccl if isinstance(self.ops, _TorchNpuOps) else None, "HCCL_BUFFSIZE"),
-        ):
+        cfg, created = self.config.ccl_buffer_size, self.ops.created_ccl_buffer_size
+        env = self._env_ccl if isinstance(self.ops, _TorchNpuOps) else None
+        first = "ccl_buffer_size (the context was created on the first call with this size)"
+        for have, source in ((cfg, "ccl_buffer_size"), (created, first), (env, "HCCL_BUFFSIZE")):
             if have is not None and have < need:
-                raise shape(
-                    "ccl_buffer_size",
-                    f"{source}: {have} MB is too small for R={self.num_ranks}, N={num_max}, hidden={hidden}, "
-                    f"L={num_local}, K={topk}: at least {need} MB is needed (Buffer.get_low_latency_ccl_buffer_size)",
-                )
-        return self.config.ccl_buffer_size if self.config.ccl_buffer_size is not None else max(need, created or 0)
+                shapes = f"R={self.num_ranks}, N={num_max}, hidden={hidden}, L={num_local}, K={topk}"
+                fix = f"at least {need} MB is needed (Buffer.get_low_latency_ccl_buffer_size)"
+                raise shape("ccl_buffer_size", f"{source}: {have} MB is too small for {shapes}: {fix}")
+        return cfg if cfg is not None else max(need, created or 0)
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         if args.quant == "fp8_e4m3":
@@ -193,7 +176,7 @@ class AscendBackend(LowLatencyBackend):
         n, hidden = args.num_max_dispatch_tokens_per_rank, args.hidden
         x, topk_idx = _pad_empty(args.x, args.topk_idx)
         # shrink mode: masked ranks scaled out; moe_expert_num stays E, the zero experts start after the E' live ones
-        op_experts, extra, elastic = args.num_experts, {}, elastic_info_from_mask(self.mask, num_local)
+        op_experts, elastic, extra = args.num_experts, elastic_info_from_mask(self.mask, num_local), dict[str, Any]()
         if elastic is not None:
             topk_idx = remap_expert_ids(topk_idx, elastic, num_local)
             op_experts, extra = int(elastic[3]), {"elastic_info": elastic.to(x.device)}
@@ -201,10 +184,8 @@ class AscendBackend(LowLatencyBackend):
             extra["performance_info"] = args.dispatch_wait_recv_cost_stats
         ids, zero_num = map_no_expert(topk_idx, op_experts)
         ccl = self._ccl_size(n, hidden, num_local, ids.shape[1])
-        expand_x, dynamic_scales, assist, _, ep_recv_counts, _, _ = self.ops.dispatch(
-            x, ids, args.num_experts, quant_mode=2 if args.quant else 0, global_bs=n * r, zero_expert_num=zero_num,
-            ccl_buffer_size=ccl, **extra,
-        )  # fmt: skip
+        extra |= dict(quant_mode=2 if args.quant else 0, global_bs=n * r, zero_expert_num=zero_num, ccl_buffer_size=ccl)
+        expand_x, dynamic_scales, assist, _, ep_recv_counts, _, _ = self.ops.dispatch(x, ids, args.num_experts, **extra)
         cum = ep_recv_counts[: num_local * r].long()
         counts = cum.diff(prepend=cum.new_zeros(1)).view(num_local, r)
         per_expert = counts.sum(dim=1)
@@ -229,11 +210,9 @@ class AscendBackend(LowLatencyBackend):
         recv_count = per_expert.to(torch.int32)
         if args.cumulative_local_expert_recv_stats is not None:
             args.cumulative_local_expert_recv_stats += recv_count
-        state = dict(
-            assist=assist, ep_recv_counts=ep_recv_counts, zero_expert_num=zero_num, op_experts=op_experts,
-            elastic_info=extra.get("elastic_info"),  # the mask as it was at dispatch
-            rows=dest.clamp(max=spare - 1),  # combine gathers the flat order back (spare rows: any valid row)
-        )  # fmt: skip
+        # elastic_info: the mask as it was at dispatch; rows: combine gathers the flat order back (spare: any row)
+        state = dict(assist=assist, ep_recv_counts=ep_recv_counts, zero_expert_num=zero_num, op_experts=op_experts,
+                     elastic_info=extra.get("elastic_info"), rows=dest.clamp(max=spare - 1))  # fmt: skip
         handle = make_handle(src_info, layout_range, n, hidden, args.num_experts, backend_state=state)
         return DispatchResult(recv_x, recv_count, handle, Completion(lambda: None))
 
@@ -246,8 +225,7 @@ class AscendBackend(LowLatencyBackend):
         expand_x = source.reshape(num_local * rn, h.hidden).index_select(0, state["rows"])
         weights, topk_idx = _pad_empty(args.topk_weights, args.topk_idx)
         elastic = state["elastic_info"]
-        if elastic is not None:
-            topk_idx = remap_expert_ids(topk_idx, elastic, num_local)
+        topk_idx = topk_idx if elastic is None else remap_expert_ids(topk_idx, elastic, num_local)
         ids, _ = map_no_expert(topk_idx, state["op_experts"])
         combined = self.ops.combine(
             expand_x, ids, state["assist"], state["ep_recv_counts"], weights, h.num_experts,
@@ -270,8 +248,6 @@ class AscendBackend(LowLatencyBackend):
         v = params.validate()
         ids, zero_num = map_no_expert(v.ids, params.moe_expert_num, params.zero_expert_num)
         kw = {name: getattr(params, name) for name in COMBINE_KEYWORDS} | {"zero_expert_num": zero_num}
-        out = self.ops.combine(
-            v.expand_x, ids, params.assist_info_for_combine, params.ep_send_counts, params.expert_scales,
-            params.moe_expert_num, **kw,
-        )  # fmt: skip
+        out = self.ops.combine(v.expand_x, ids, params.assist_info_for_combine, params.ep_send_counts,
+                               params.expert_scales, params.moe_expert_num, **kw)  # fmt: skip
         return Completion(lambda: out)

@@ -10,12 +10,9 @@ buffers (the backend's, grown on demand) are double-buffered like DeepEP's; disp
 hold at most 2 low-latency results); combine results are fresh tensors (or ``out``).
 """
 
-from __future__ import annotations
-
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from .. import profiling
 from ..engine.combine import CombineJob, start_combine
@@ -29,7 +26,7 @@ from ..event import Completion
 from ..handle import make_handle
 from ..ll_params import CombineArgs, DispatchArgs
 from ..params import CombineParams, DispatchParams
-from . import BufferConfig, CombineResult, DispatchResult, LowLatencyBackend
+from . import CombineResult, DispatchResult, LowLatencyBackend
 
 COMBINE_NAMES = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype")
 
@@ -38,11 +35,7 @@ class ReferenceBackend(LowLatencyBackend):
     """DeepEP low-latency semantics on the engine (see the module docstring)."""
 
     name = "reference"
-    native_quant_format = "fp8_e4m3"
-
-    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
-        super().__init__(group, config)
-        self._dispatch_idx = 0  # dispatch results: flips on every dispatch (wire buffers: ``_flip()``)
+    _dispatch_idx = 0  # dispatch results: flips on every dispatch (wire buffers: ``_flip()``)
 
     def _rewind(self, state: tuple[int, int]) -> None:
         self._buffer_idx, self._dispatch_idx = state
@@ -60,10 +53,8 @@ class ReferenceBackend(LowLatencyBackend):
             valid &= (self.mask.to(ids.device)[ids.clamp(min=0) // num_local] == 0) & (not int(self.mask[self.rank]))
         token, slot = valid.nonzero(as_tuple=True)
         e = ids[token, slot]
-        return make_plan(
-            token, slot, e // num_local, e % num_local, num_tokens=ids.shape[0], num_ranks=self.num_ranks,
-            rank=self.rank, num_local_experts=num_local, per_pair_rows=per_pair_rows,
-        )  # fmt: skip
+        return make_plan(token, slot, e // num_local, e % num_local, num_tokens=len(ids), num_ranks=self.num_ranks,
+                         rank=self.rank, num_local_experts=num_local, per_pair_rows=per_pair_rows)  # fmt: skip
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         state = (self._buffer_idx, self._dispatch_idx)  # shrink mode re-runs into the same result set
@@ -89,15 +80,11 @@ class ReferenceBackend(LowLatencyBackend):
         src_info = ws.get(out + "src_info", (num_local, r * n), torch.int32)
         layout_range = ws.get(out + "layout_range", (num_local, r), torch.int64)
         recv_count = ws.get(out + "recv_count", (num_local,), torch.int32)
-        masked = Masked(
-            self.rank, recv_x, scales, src_info, layout_range, recv_count, args.use_ue8m0,
-            args.cumulative_local_expert_recv_stats, args.dispatch_wait_recv_cost_stats,
-        )  # fmt: skip
+        masked = Masked(self.rank, recv_x, scales, src_info, layout_range, recv_count, args.use_ue8m0,
+                        args.cumulative_local_expert_recv_stats, args.dispatch_wait_recv_cost_stats)  # fmt: skip
         fingerprint = (n, args.num_experts, hidden, DTYPE_CODES[x.dtype], QUANTS.index(args.quant), fmt.row_bytes)
-        job = DispatchJob(
-            self.ep, "low_latency_dispatch", x, plan, fmt, None, None, fingerprint, masked, ws, tag=str(idx)
-        )
-        completion = start_dispatch(job)
+        completion = start_dispatch(DispatchJob(self.ep, "low_latency_dispatch", x, plan, fmt, None, None, fingerprint,
+                                                masked, ws, tag=str(idx)))  # fmt: skip
         handle = make_handle(src_info, layout_range, n, hidden, args.num_experts)
         return DispatchResult(recv_x if scales is None else (recv_x, scales), recv_count, handle, completion)
 
@@ -123,12 +110,8 @@ class ReferenceBackend(LowLatencyBackend):
         num_tokens, plan = args.topk_idx.shape[0], self._plan(args.topk_idx, num_local, True)
         source = self._zero_copy_buffer(idx, h) if args.zero_copy else args.x
         out = args.out if args.out is not None else source.new_empty((num_tokens, hidden))
-        weights = args.topk_weights[plan.token, plan.slot]
-
-        def on_wait(agreement, wait_ns: int) -> None:
-            if args.combine_wait_recv_cost_stats is not None:
-                args.combine_wait_recv_cost_stats += wait_ns
-
+        weights, stats = args.topk_weights[plan.token, plan.slot], args.combine_wait_recv_cost_stats
+        on_wait = None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns))
         job = CombineJob(
             self.ep, "low_latency_combine", source.view(num_local * r * n, hidden), rows, rows_per_src, plan, weights,
             ReturnFormat(hidden, source.dtype, False), num_tokens, out,

@@ -27,13 +27,11 @@ from .workspace import Workspace
 
 @dataclasses.dataclass
 class CombineJob:
-    """One validated combine.
-
-    ``source`` `[rows, hidden]`: the expert outputs; ``return_rows`` `[n]` int64: its rows to send back, grouped
-    by source rank (``rows_per_src``); ``plan``: this rank's pairs; ``weights`` `[P]` fp32 per pair; ``extra``:
-    (token, slot, value `[n, hidden]` fp32) contributions computed locally (copy / const experts); ``addend``
-    `[T, hidden]` added at the end (``shared_expert_x``); ``active`` tokens ``[0, active)`` are written, the rest 0.
-    """
+    """One validated combine. ``source`` `[rows, hidden]`: the expert outputs; ``return_rows`` `[n]` int64: its rows
+    to send back, grouped by source rank (``rows_per_src``); ``plan``: this rank's pairs; ``weights`` `[P]` fp32 per
+    pair; ``extra``: (token, slot, value `[n, hidden]` fp32) contributions computed locally (copy / const experts);
+    ``addend`` `[T, hidden]` added at the end (``shared_expert_x``); ``active``: tokens ``[0, active)`` are written,
+    the rest 0."""
 
     ep: EPGroup
     op: str
@@ -58,34 +56,17 @@ class CombineJob:
     before_send: Callable[[], bool] | None = None  # after the agreement, before the payload; True: re-pack
 
 
-def check_combine(agreement: Agreement, rank: int, names, mismatch: tuple[str, str]) -> None:
-    r = len(agreement.status)
-    agreement.check(rank, ())
-    sends = [fp[:r] for fp in agreement.shared]  # sends[p][q]: rows rank p returns to rank q
-    expects = [fp[r : 2 * r] for fp in agreement.shared]  # expects[q][p]: pairs rank q sent to rank p
-    bad = [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]
-    if bad:
-        p, q = bad[0]
-        raise shape(
-            mismatch[0],
-            f"rank {p} would return {sends[p][q]} rows to rank {q}, which dispatched {expects[q][p]} pairs to it; pass "
-            f"{mismatch[1]} (mismatched rank pairs: {bad[:8]})",
-        )
-    agreement.check(rank, names, offset=2 * r)
-
-
 def start_combine(job: CombineJob) -> Completion:
     """Run the send phase; the returned completion receives and reduces into ``job.out``."""
-    ep, plan, fmt = job.ep, job.plan, job.fmt
+    ep, plan, fmt, ws = job.ep, job.plan, job.fmt, job.workspace
     me, r, dev, lap = ep.rank, ep.num_ranks, job.source.device, profiling.laps("combine")
     shared = (*job.rows_per_src, *plan.pairs_per_dest, *job.fingerprint)
     neutral = (0,) * (2 * r) + tuple(job.fingerprint)
     finish_agree = ep.start_agree(job.op, STATUS_OK, [[] for _ in range(r)], shared, neutral, device=dev)
     profiling.record_wire("combine", [k * fmt.row_bytes for k in job.rows_per_src], me, 8 * len(shared))
-    row_lo = sum(job.rows_per_src[:me])
-    row_hi = row_lo + job.rows_per_src[me]
-    remote = torch.cat([job.return_rows[:row_lo], job.return_rows[row_hi:]])
-    send = job.workspace.get(f"combine_send{job.tag}", (remote.numel(), fmt.row_bytes), torch.uint8)
+    own_src = slice(lo := sum(job.rows_per_src[:me]), lo + job.rows_per_src[me])  # this rank's return rows
+    remote = torch.cat([job.return_rows[: own_src.start], job.return_rows[own_src.stop :]])
+    send = ws.get(f"combine_send{job.tag}", (remote.numel(), fmt.row_bytes), torch.uint8)
 
     def pack() -> None:
         if fmt.quantized:
@@ -96,23 +77,30 @@ def start_combine(job: CombineJob) -> Completion:
     pack()
     lap("packing")  # (while the agreement travels)
     agreement = finish_agree()
-    check_combine(agreement, me, job.names, job.mismatch)
+    agreement.check(me, ())
+    sends = [fp[:r] for fp in agreement.shared]  # sends[p][q]: rows rank p returns to rank q
+    expects = [fp[r : 2 * r] for fp in agreement.shared]  # expects[q][p]: pairs rank q sent to rank p
+    if bad := [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]:
+        (p, q), (param, hint) = bad[0], job.mismatch
+        raise shape(param, f"rank {p} would return {sends[p][q]} rows to rank {q}, which dispatched {expects[q][p]} "
+                    f"pairs to it; pass {hint} (mismatched rank pairs: {bad[:8]})")  # fmt: skip
+    agreement.check(me, job.names, offset=2 * r)
     if job.before_send is not None and job.before_send():
         pack()
     lap("header_wait")
     recv_rows = [0 if s == me else fp[me] for s, fp in enumerate(agreement.shared)]
     send_rows = [0 if s == me else k for s, k in enumerate(job.rows_per_src)]
-    recv = job.workspace.get(f"combine_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
+    recv = ws.get(f"combine_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
     transfer = ep.transfer(recv, send, recv_rows, send_rows, "payload exchange")
     lap("collective_start")
-    own = plan.own_pairs()
+    own = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])  # this rank's own pairs
     token, weights = plan.token, job.weights.unsqueeze(1)
-    own_y = job.source.index_select(0, job.return_rows[row_lo:row_hi])
+    own_y = job.source.index_select(0, job.return_rows[own_src])
     if fmt.quantized:  # own rows take the same int8 round trip as the remote ones
         packed = torch.empty((own_y.shape[0], fmt.row_bytes), dtype=torch.uint8, device=dev)
         fmt.encode(own_y, packed)
         own_y = fmt.decode_float(packed)
-    acc = job.workspace.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32).zero_()
+    acc = ws.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32).zero_()
     if not job.by_slot:
         _accumulate(acc, own_y, token[own], weights[own])
     lap("unpacking_self")
@@ -123,11 +111,15 @@ def start_combine(job: CombineJob) -> Completion:
         wait_ns = transfer.wait()
         lap("collective_wait")
         y = fmt.decode_float(recv)
-        if job.by_slot:
+        if job.by_slot:  # slot after slot, ascending, with the ``extra`` contributions
             values = torch.empty((token.numel(), fmt.hidden), dtype=torch.float32, device=dev)
-            values[own] = own_y.float()
-            values[remote_pairs] = y
-            _accumulate_by_slot(acc, values.mul_(weights), token, plan.slot, job.extra)
+            values[own], values[remote_pairs] = own_y.float(), y
+            tok, slot, values = token, plan.slot, values.mul_(weights)
+            if job.extra is not None:
+                tok, slot, values = (torch.cat([a, b]) for a, b in zip((tok, slot, values), job.extra, strict=True))
+            for k in torch.unique(slot).tolist():
+                sel = (slot == k).nonzero(as_tuple=True)[0]
+                acc.index_add_(0, tok[sel], values[sel])
         else:
             _accumulate(acc, y, token[remote_pairs], weights[remote_pairs])
         if job.addend is not None:
@@ -143,15 +135,7 @@ def start_combine(job: CombineJob) -> Completion:
 
 
 def _accumulate(acc: torch.Tensor, y: torch.Tensor, token: torch.Tensor, weights: torch.Tensor) -> None:
-    """``acc[token[i]] += weights[i] * y[i]`` in fp32 (``y`` `[k, hidden]`, weights `[k, 1]` fp32)."""
+    """``acc[token[i]] += weights[i] * y[i]`` in fp32 (``y`` `[k, hidden]`, weights `[k, 1]` fp32; ``y`` is scratch,
+    converted or scaled in place: a mixed-dtype mul would be slower)."""
     if token.numel():
-        # (``y`` is scratch, converted or scaled in place: a mixed-dtype mul would be slower)
         acc.index_add_(0, token, y.float().mul_(weights))
-
-
-def _accumulate_by_slot(acc, values, token, slot, extra) -> None:
-    if extra is not None:
-        token, slot, values = torch.cat([token, extra[0]]), torch.cat([slot, extra[1]]), torch.cat([values, extra[2]])
-    for k in torch.unique(slot).tolist():
-        sel = (slot == k).nonzero(as_tuple=True)[0]
-        acc.index_add_(0, token[sel], values[sel])

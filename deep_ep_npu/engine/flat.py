@@ -1,64 +1,197 @@
 """The flat (Ascend) path: validated :class:`~deep_ep_npu.params.DispatchParams` / ``CombineParams`` become engine
-jobs with the :class:`~.layouts.Flat` layout, the TP stage and the copy / const experts."""
+jobs with the :class:`Flat` layout, the TP stage and the zero / copy / const experts.
+
+TP domain (``tp_world_size`` 2): ``rsOut = ReduceScatterV(expand_x)``, then ``AllToAllV(rsOut)`` over EP. A TP pair
+holds the same expert on both ranks (one routed expert per rank); each rank receives its own tokens over EP, both
+compute on the union (own rows first, then the peer's), and combine sums the two partial results of every row on
+the rank that received it before returning it over EP. Every TP collective runs on the pair's
+:class:`~deep_ep_npu.group.EPGroup`: bounded, and a peer that is gone is named in an
+:class:`~deep_ep_npu.failure.EPRankFailure`.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..errors import MoeDistributeError
+from ..errors import MoeDistributeError, shape
 from ..event import Completion
-from ..group import EPGroup, ep_group, resolve_group
-from ..params import CombineParams, DispatchParams, EpLayout, ValidDispatch, logical_rank_of, routed_pairs
+from ..group import STATUS_OK, Agreement, EPGroup, ep_group, resolve_group
+from ..params import CombineParams, DispatchParams, EpLayout, ValidCombine, ValidDispatch, logical_rank_of, routed_pairs
 from .combine import CombineJob, start_combine
-from .dispatch import DispatchJob, start_dispatch
-from .layouts import Flat, add_wait_time
+from .dispatch import DispatchJob, Received, start_dispatch
+from .layouts import sort_blocks
 from .plan import Plan, make_plan
 from .rows import ReturnFormat, RowFormat
-from .special import special_contributions
-from .tp import tp_agree, tp_reduce_scatter
 from .workspace import Workspace
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}
 DISPATCH_OP, COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
-COMBINE_NAMES = (
-    "moe_expert_num",
-    "hidden",
-    "expand_x dtype",
-    "comm_quant_mode",
-    "global_bs",
-    "shared_expert_num",
-    "shared_expert_rank_num",
-    "elastic_info",
-    "tp_world_size",
-)
+COMBINE_NAMES = ("moe_expert_num", "hidden", "expand_x dtype", "comm_quant_mode", "global_bs", "shared_expert_num",
+                 "shared_expert_rank_num", "elastic_info", "tp_world_size")  # fmt: skip
 
 
-def _abort(p: DispatchParams | CombineParams, ep: EPGroup | None, err: MoeDistributeError, op: str) -> None:
-    """This rank rejected its input: take part in the agreement step (EP, then TP) with the error's code, so the
-    peers raise too instead of waiting. Without a usable ``group_ep`` there is no one to tell."""
-    try:
-        ep = ep or ep_group(resolve_group(p.group_ep, "group_ep"))
-    except MoeDistributeError:
+class Flat:
+    """Ascend's layout: the 7 outputs of ``npu_moe_distribute_dispatch_v2`` (see :mod:`deep_ep_npu.ops`), filled by
+    :meth:`place_remote` into :attr:`outputs`. With a TP pair, the TP peer's rows follow this rank's own."""
+
+    names = ("moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "x dtype", "shared_expert_num",
+             "shared_expert_rank_num", "elastic_info", "tp_world_size")  # fmt: skip
+
+    def __init__(self, v: ValidDispatch, weights: bool) -> None:
+        self.v, self.weights, self.outputs = v, weights, tuple[torch.Tensor, ...]()
+        self.capacity = v.layout.recv_capacity(v.global_bs_real, v.topk)
+
+    def check(self, agreement: Agreement) -> None:
+        agreement.check(self.v.layout.rank, ())
+        batch = [fp[-1] for fp in agreement.shared]
+        if self.v.global_bs == 0 and len(set(batch)) > 1:
+            why = f"is 0 but x has different batch sizes across ranks (per rank: {batch}); pass global_bs = max(Bs) * W"
+            raise shape("global_bs", why)
+        agreement.check(self.v.layout.rank, self.names)
+
+    def place_own(self, fmt: RowFormat, rows: torch.Tensor, got: Received) -> None:
+        del fmt, rows, got  # placed with the remote rows: their positions depend on every source's counts
+
+    def place_remote(self, fmt, rows, got, own_rows, own, agreement: Agreement, wait_ns: int) -> None:
+        v, layout, cap = self.v, self.v.layout, self.capacity
+        dev, w, num_local = v.x.device, layout.world_size, layout.num_local_experts_here
+        expert, src = torch.cat([got.expert, own.expert]), torch.cat([got.src, own.src])
+        num_recv = int(expert.numel())
+        if num_recv > cap:
+            raise shape("expert_ids", f"this rank received {num_recv} rows but can hold A = {cap}")
+        order, counts = sort_blocks(expert, src, num_local, w)
+        position = torch.empty_like(order)
+        position[order] = torch.arange(num_recv, device=dev)  # final row of each pair (remote pairs first, then own)
+        width = () if v.quant or v.scales is None or not v.scales.shape[1] else (v.scales.shape[1],)
+        tp = 1 if layout.tp is None else 2
+        expand_x = torch.zeros((cap * tp, v.x.shape[1]), dtype=fmt.data_dtype, device=dev)
+        dynamic_scales = torch.zeros((cap * tp, *width), dtype=torch.float32, device=dev)
+        assist = torch.zeros((max(v.x.shape[0] * v.topk, cap * 128),), dtype=torch.int32, device=dev)
+        expand_scales = torch.zeros((cap if self.weights else 0,), dtype=torch.float32, device=dev)
+        n_remote = got.row.numel()
+        for buf, part, at in ((rows, got, position[:n_remote]), (own_rows, own, position[n_remote:])):
+            if not at.numel():
+                continue
+            fmt.scatter_data(buf, part.row, expand_x, at)
+            if v.quant:
+                dynamic_scales[at] = fmt.scales(buf, part.row)[:, 0]
+            triples = torch.stack([part.src, fmt.tokens(buf)[part.row].long(), part.slot], dim=1)
+            assist[: 3 * cap].view(-1, 3)[at] = triples.to(torch.int32)
+            if self.weights:
+                expand_scales[at] = fmt.weights(buf)[part.row, part.slot]
+        all_counts = counts.reshape(-1)
+        tp_recv_counts = torch.full((layout.tp_world_size,), num_recv, dtype=torch.int32, device=dev)
+        if layout.tp is not None:  # append the TP peer's received rows and counts (`[L * W]` on both)
+            peer = 1 - layout.tp_rank_id
+            sizes = layout.tp.start_agree("TP exchange", STATUS_OK, [[num_recv, *all_counts.tolist()]] * 2, ())()
+            num_peer, *peer_counts = sizes.counts[peer]
+            row_scales, peer_rows = dynamic_scales.view(cap * tp, -1), slice(num_recv, num_recv + num_peer)
+            send = torch.cat([_as_bytes(expand_x[:num_recv]), _as_bytes(row_scales[:num_recv])], dim=1)
+            recv = _swap(layout.tp, layout.tp_rank_id, send, num_peer)
+            expand_x[peer_rows] = recv[:, : fmt.data_bytes].contiguous().view(expand_x.dtype)
+            row_scales[peer_rows] = recv[:, fmt.data_bytes :].contiguous().view(torch.float32)
+            tp_recv_counts[peer] = num_peer
+            all_counts = torch.cat([all_counts, all_counts.new_tensor(peer_counts)])
+        per_expert = all_counts.view(tp, num_local, w).sum(dim=(0, 2))
+        expert_token_nums = (per_expert.cumsum(0) if v.expert_token_nums_type == 0 else per_expert).to(torch.int64)
+        extra = 2 * v.global_bs * v.topk * (w // 8) if self.weights else 0
+        ep_recv_counts = torch.zeros((all_counts.numel() + extra,), dtype=torch.int32, device=dev)
+        ep_recv_counts[: all_counts.numel()] = all_counts.cumsum(0).to(torch.int32)
+        add_wait_time(v.performance_info, agreement, wait_ns)
+        self.outputs = (expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, tp_recv_counts,
+                        expand_scales)  # fmt: skip
+
+    @staticmethod
+    def return_rows(assist: torch.Tensor, num_rows: int, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``[0, num_rows)`` of ``expand_x`` grouped by source rank (``assist_info_for_combine``'s triples),
+        expert-major inside each source, and rows per source (none to masked sources)."""
+        w, src = mask.numel(), assist[: 3 * num_rows : 3].long()
+        if num_rows and (int(src.min()) < 0 or int(src.max()) >= w):
+            raise shape(
+                "assist_info_for_combine", "holds a source rank outside [0, W); pass dispatch's output unchanged"
+            )
+        order = torch.argsort(src, stable=True)
+        per_src = torch.bincount(src, minlength=w)
+        if bool(mask.any()):
+            keep = mask.to(src.device)[src[order]] == 0
+            order, per_src = order[keep], per_src.masked_fill(mask.to(src.device).bool(), 0)
+        return order, per_src.tolist()
+
+
+def add_wait_time(performance_info: torch.Tensor | None, agreement: Agreement, wait_ns: int) -> None:
+    """Add this call's wait (µs: the agreement step plus the payload wait) to ``performance_info[src]`` for every
+    source rank that sent this rank data (one collective serves all sources, so they share its wait time)."""
+    if performance_info is None:
         return
-    r = ep.num_ranks
-    width = len(Flat.names) + 1 if op == DISPATCH_OP else 2 * r + len(COMBINE_NAMES)
-    ep.start_agree(op, err.code, [[0, 0] if op == DISPATCH_OP else [] for _ in range(r)], [0] * width)()
-    if p.tp_world_size == 2:
-        try:
-            tp = ep_group(resolve_group(p.group_tp, "group_tp"))
-        except MoeDistributeError:
-            return
-        if tp.num_ranks == 2:
-            tp_agree(tp, err.code, op)
+    sent = torch.tensor([bool(any(c)) for c in agreement.counts], device=performance_info.device)
+    performance_info += sent.to(torch.int64) * (agreement.wait_us + wait_ns // 1000)
 
 
-def _run(start, job, tp: EPGroup | None, op: str, tp_fingerprint: tuple[int, ...], after=None) -> Completion:
+TP_NAMES = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
+
+
+def tp_agree(tp: EPGroup | None, status: int, op: str, fingerprint: tuple[int, ...] = (0,) * len(TP_NAMES)) -> None:
+    """Share status and fingerprint with the TP peer (both ranks always call it, also after their EP domain rejected
+    the call, so the peer raises too instead of waiting); raise if the peer rejected or the pair disagrees."""
+    if tp is None:
+        return
+    agreement = tp.start_agree(op, status, [[], []], fingerprint)()
+    if status != STATUS_OK:
+        return
+    peer = [s for s in agreement.status if s != STATUS_OK]
+    if peer:
+        raise MoeDistributeError(peer[0], "inputs", f"{op} aborted: the TP peer rank rejected its input")
+    for name, a, b in zip(TP_NAMES, *agreement.shared[:2], strict=False):
+        if a != b:
+            raise shape(name, f"{op}: the TP pair disagrees on {name} ({a} vs {b})")
+
+
+def _swap(tp: EPGroup, tp_rank: int, send: torch.Tensor, num_recv: int) -> torch.Tensor:
+    """Send `[n, B]` uint8 rows to the TP peer and receive its `[num_recv, B]`."""
+    recv = torch.empty((num_recv, send.shape[1]), dtype=torch.uint8, device=send.device)
+    recv_rows, send_rows = ([0, n] if tp_rank == 0 else [n, 0] for n in (num_recv, send.shape[0]))
+    tp.transfer(recv, send, recv_rows, send_rows, "TP exchange").wait()
+    return recv
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """`[n, k]` rows as `[n, row_bytes]` uint8."""
+    return rows.contiguous().view(torch.uint8)
+
+
+def _group(group: object, param: str) -> EPGroup | None:
+    try:
+        return ep_group(resolve_group(group, param))
+    except MoeDistributeError:
+        return None
+
+
+def _validate(p: DispatchParams | CombineParams, ep: EPGroup | None, op: str) -> Any:
+    """``p.validate()``. A rank that rejects its input still takes part in the agreement step (EP, then TP) with the
+    error's code, so the peers raise too instead of waiting; without a usable ``group_ep`` there is no one to tell."""
+    try:
+        return p.validate()
+    except MoeDistributeError as err:
+        if (ep := ep or _group(p.group_ep, "group_ep")) is not None:
+            r, d = ep.num_ranks, op == DISPATCH_OP
+            width = len(Flat.names) + 1 if d else 2 * r + len(COMBINE_NAMES)
+            ep.start_agree(op, err.code, [[0, 0] if d else [] for _ in range(r)], [0] * width)()
+            tp = _group(p.group_tp, "group_tp") if p.tp_world_size == 2 else None
+            if tp is not None and tp.num_ranks == 2:
+                tp_agree(tp, err.code, op)
+        raise
+
+
+def _run(start, job, layout: EpLayout, dtype: torch.dtype, quant: bool, after=None) -> Completion:
     """``start(job)`` with the TP pair's agreement (then ``after()``) between the EP agreement and the payload."""
     told: list[bool] = []
+    fingerprint = (job.fmt.hidden, DTYPE_CODES[dtype] * 4 + 2 * quant, job.fmt.row_bytes, layout.num_moe_experts)
 
     def before_send() -> bool:
         told.append(True)
-        tp_agree(tp, 0, op, tp_fingerprint)
+        tp_agree(layout.tp, 0, job.op, fingerprint)
         return after() if after is not None else False
 
     job.before_send = before_send
@@ -66,60 +199,52 @@ def _run(start, job, tp: EPGroup | None, op: str, tp_fingerprint: tuple[int, ...
         return start(job)
     except MoeDistributeError as err:
         if not told:
-            tp_agree(tp, err.code, op)
+            tp_agree(layout.tp, err.code, job.op)
         raise
 
 
-def _plan(layout: EpLayout, token, slot, dest, expert, num_tokens: int, per_pair: bool) -> Plan:
+def _plan(layout: EpLayout, ids: torch.Tensor, mask: torch.Tensor | None, ep: EPGroup, per_pair: bool) -> Plan:
+    token, slot, dest, expert = routed_pairs(layout, ids, mask, ep.mask)
     return make_plan(
-        token, slot, dest, expert, num_tokens=num_tokens, num_ranks=layout.world_size, rank=layout.rank,
+        token, slot, dest, expert, num_tokens=ids.shape[0], num_ranks=layout.world_size, rank=layout.rank,
         num_local_experts=max(layout.num_local_experts, 1), per_pair_rows=per_pair,
     )  # fmt: skip
+
+
+def _pair_weights(plan: Plan, weights: torch.Tensor, topk: int, device: torch.device) -> torch.Tensor:
+    """`[P]` fp32: ``weights[token, slot]`` of each pair, 1 for shared-expert copies (slot >= K)."""
+    routed = plan.slot < topk
+    out = torch.ones(plan.token.numel(), dtype=torch.float32, device=device)
+    out[routed] = weights[plan.token[routed], plan.slot[routed]]
+    return out
 
 
 def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace: Workspace | None = None) -> Completion:
     """Validate ``p`` and run the send phase; ``wait()`` returns the 7 outputs of ``npu_moe_distribute_dispatch_v2``
     (``ep``: the Buffer's group, default the ops' group of ``group_ep``)."""
-    try:
-        v = p.validate()
-    except MoeDistributeError as err:
-        _abort(p, ep, err, DISPATCH_OP)
-        raise
+    v: ValidDispatch = _validate(p, ep, DISPATCH_OP)
     layout, x = v.layout, v.x
     ep = ep or ep_group(layout.group)
     per_pair = v.quant and v.scales is not None
-    token, slot, dest, expert = routed_pairs(layout, v.ids, v.mask, ep.mask)
-    plan = _plan(layout, token, slot, dest, expert, x.shape[0], per_pair)
-    weights = None
-    if v.expert_scales is not None:  # shared-expert copies (slot >= K) carry weight 1
-        routed = plan.slot < v.topk
-        weights = torch.ones(plan.token.numel(), dtype=torch.float32, device=x.device)
-        weights[routed] = v.expert_scales[plan.token[routed], plan.slot[routed]]
-    fmt = RowFormat(
-        x.shape[1], x.dtype, "int8_per_token" if v.quant else None, v.topk + layout.shared_expert_num,
-        weights is not None, False,
-    )  # fmt: skip
+    plan = _plan(layout, v.ids, v.mask, ep, per_pair)
+    weights = None if v.expert_scales is None else _pair_weights(plan, v.expert_scales, v.topk, x.device)
+    fmt = RowFormat(x.shape[1], x.dtype, "int8_per_token" if v.quant else None, v.topk + layout.shared_expert_num,
+                    weights is not None, False)  # fmt: skip
     flat = Flat(v, weights is not None)
     fingerprint = (
-        layout.num_moe_experts, x.shape[1], v.topk, 2 if v.quant else 0, v.global_bs_real, fmt.row_bytes,
-        DTYPE_CODES[x.dtype], layout.shared_expert_num, layout.shared_expert_rank_num,
-        hash(layout.ep_rank_of) & 0x7FFFFFFF, layout.tp_world_size, x.shape[0],
+        layout.num_moe_experts, x.shape[1], v.topk, 2 * v.quant, v.global_bs_real, fmt.row_bytes, DTYPE_CODES[x.dtype],
+        layout.shared_expert_num, layout.shared_expert_rank_num, hash(layout.ep_rank_of) & 0x7FFFFFFF,
+        layout.tp_world_size, x.shape[0],
     )  # fmt: skip
+    smooth = _smooth(v, plan) if per_pair else None
     job = DispatchJob(
-        ep, DISPATCH_OP, x, plan, fmt, weights, _smooth(v, plan) if per_pair else None, fingerprint, flat,
-        workspace or Workspace(x.device),
-    )  # fmt: skip
-    tp_print = (x.shape[1], DTYPE_CODES[x.dtype] * 4 + (2 if v.quant else 0), fmt.row_bytes, layout.num_moe_experts)
-    receive = _run(start_dispatch, job, layout.tp, DISPATCH_OP, tp_print)
-
-    def finish() -> tuple[torch.Tensor, ...]:
-        receive.wait()
-        return flat.outputs
-
-    return Completion(finish)
+        ep, DISPATCH_OP, x, plan, fmt, weights, smooth, fingerprint, flat, workspace or Workspace(x.device)
+    )
+    receive = _run(start_dispatch, job, layout, x.dtype, v.quant)
+    return Completion(lambda: (receive.wait(), flat.outputs)[1])
 
 
-def _smooth(v: ValidDispatch, plan) -> torch.Tensor:
+def _smooth(v: ValidDispatch, plan: Plan) -> torch.Tensor:
     """`[num_rows, H]` fp32 smooth scales of per-pair rows: row ``s`` of ``scales`` for shared expert s, row
     ``S + e`` for routed expert e."""
     layout = v.layout
@@ -135,55 +260,72 @@ def _smooth(v: ValidDispatch, plan) -> torch.Tensor:
 def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: Workspace | None = None) -> Completion:
     """Validate ``p`` and run the send phase; ``wait()`` returns ``x`` `[Bs, H]` of ``npu_moe_distribute_combine_v2``
     (TP: the ReduceScatterV over the pair runs after the agreement step, before the EP return)."""
-    try:
-        v = p.validate()
-    except MoeDistributeError as err:
-        _abort(p, ep, err, COMBINE_OP)
-        raise
+    v: ValidCombine = _validate(p, ep, COMBINE_OP)
     layout, expand_x = v.layout, v.expand_x
     ep = ep or ep_group(layout.group)
     dev, num_tokens, hidden = expand_x.device, v.ids.shape[0], expand_x.shape[1]
-    token, slot, dest, expert = routed_pairs(layout, v.ids, v.mask, ep.mask)
-    plan = _plan(layout, token, slot, dest, expert, num_tokens, True)
-    weights = torch.ones(plan.token.numel(), dtype=torch.float32, device=dev)
-    routed = plan.slot < v.topk
-    weights[routed] = v.weights[plan.token[routed], plan.slot[routed]]
+    plan = _plan(layout, v.ids, v.mask, ep, True)
+    weights = _pair_weights(plan, v.weights, v.topk, dev)
     return_rows, rows_per_src = Flat.return_rows(v.assist, v.num_rows, ep.mask)
     extra, addend, active = None, v.shared_x, None
-    if layout.copy_expert_num or layout.const_expert_num:
-        valid = torch.ones(v.ids.shape, dtype=torch.bool, device=dev)
-        if v.mask is not None:
-            valid &= v.mask.unsqueeze(1) if v.mask.dim() == 1 else v.mask
-        extra = special_contributions(layout, v.ids, valid, v.weights, v.special)
     if v.mask is not None and v.mask.dim() == 1:
         active = int(v.mask.sum())  # only the active prefix is written (zero here; untouched on the NPU)
     if not layout.active:  # scaled out by elastic_info: takes no part, returns zeros
-        extra, addend, active = None, None, 0
+        addend, active = None, 0
+    elif layout.copy_expert_num or layout.const_expert_num:
+        extra = special_contributions(layout, v.ids, v.mask, v.weights, v.special)
     fmt = ReturnFormat(hidden, expand_x.dtype, v.comm_quant)
     fingerprint = (
-        layout.num_moe_experts, hidden, DTYPE_CODES[expand_x.dtype], 2 if v.comm_quant else 0, v.global_bs_real,
+        layout.num_moe_experts, hidden, DTYPE_CODES[expand_x.dtype], 2 * v.comm_quant, v.global_bs_real,
         layout.shared_expert_num, layout.shared_expert_rank_num, hash(layout.ep_rank_of) & 0x7FFFFFFF,
         layout.tp_world_size,
     )  # fmt: skip
-    mismatch = (
-        "assist_info_for_combine",
-        "the expert_ids / x_active_mask used at dispatch and that dispatch's assist_info_for_combine and "
-        "ep_recv_counts",
-    )
+    mismatch = ("assist_info_for_combine", "the expert_ids / x_active_mask used at dispatch and that dispatch's "
+                "assist_info_for_combine and ep_recv_counts")  # fmt: skip
     out = torch.empty((num_tokens, hidden), dtype=expand_x.dtype, device=dev)
     job = CombineJob(
         ep, COMBINE_OP, expand_x, return_rows, rows_per_src, plan, weights, fmt, num_tokens, out, fingerprint,
         COMBINE_NAMES, mismatch, workspace or Workspace(dev), by_slot=True, extra=extra, addend=addend,
         active=active, on_wait=lambda agreement, wait_ns: add_wait_time(v.performance_info, agreement, wait_ns),
     )  # fmt: skip
-    tp_print = (hidden, DTYPE_CODES[expand_x.dtype] * 4 + (2 if v.comm_quant else 0), fmt.row_bytes,
-                layout.num_moe_experts)  # fmt: skip
 
-    def reduce_scatter() -> bool:
+    def reduce_scatter() -> bool:  # ReduceScatterV: own partial + the peer's partial of my rows, fp32, one cast
         if layout.tp is None:
             return False
-        job.source = tp_reduce_scatter(layout.tp, layout.tp_rank_id, expand_x, v.num_rows, v.num_peer)
+        peer_rows = _as_bytes(expand_x[v.num_rows : v.num_rows + v.num_peer])
+        peer = _swap(layout.tp, layout.tp_rank_id, peer_rows, v.num_rows).view(expand_x.dtype).view(v.num_rows, hidden)
+        job.source = (expand_x[: v.num_rows].float() + peer.float()).to(expand_x.dtype)
         return True  # the rows to return changed: pack them again
 
-    receive = _run(start_combine, job, layout.tp, COMBINE_OP, tp_print, reduce_scatter)
+    receive = _run(start_combine, job, layout, expand_x.dtype, v.comm_quant, reduce_scatter)
     return Completion(lambda: (receive.wait(), out)[1])
+
+
+def special_contributions(
+    layout: EpLayout, ids: torch.Tensor, mask: torch.Tensor | None, weights: torch.Tensor, tensors: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token `[n]`, slot `[n]`, value `[n, H]` fp32) of every active copy / const pair (ids ``moe_expert_num +
+    [0, Z + C + Const)``, never sent: combine adds them locally; zero experts add nothing). ``ids`` `[Bs, K]`, ``mask``
+    None / `[Bs]` / `[Bs, K]` bool, ``weights`` `[Bs, K]` fp32. Values follow the kernel (``CalConstExpertAlpha`` /
+    ``ProcessConstantExpert``), as documented on :func:`deep_ep_npu.ops.moe_distribute_combine_v2`: each alpha row
+    is reduced to one scalar per token (dot products over H in fp32), not applied elementwise."""
+    ids, first_copy = ids.long(), layout.num_moe_experts + layout.zero_expert_num
+    valid = ids >= first_copy
+    if mask is not None:
+        valid &= mask.unsqueeze(1) if mask.dim() == 1 else mask
+    token, slot = valid.nonzero(as_tuple=True)
+    keys = ("ori_x", "const_expert_alpha_1", "const_expert_alpha_2", "const_expert_v")
+    ori_x, alpha_1, alpha_2, v = (tensors[k] for k in keys)
+    if token.numel() == 0 or ori_x is None:
+        hidden = 0 if ori_x is None else ori_x.shape[1]
+        return token, slot, torch.zeros((0, hidden), dtype=torch.float32, device=ids.device)
+    ori = ori_x[token].float()
+    value, c = ori.clone(), ids[token, slot] - first_copy - layout.copy_expert_num
+    is_const = c >= 0
+    if bool(is_const.any()) and alpha_1 is not None and alpha_2 is not None and v is not None:
+        cc, o = c[is_const], ori[is_const]
+        d1, d2 = (alpha_1[cc].float() * o).sum(dim=1), (alpha_2[cc].float() * o).sum(dim=1)
+        m = torch.maximum(d1, d2)
+        e1, e2 = torch.exp(d1 - m), torch.exp(d2 - m)
+        value[is_const] = (e1 / (e1 + e2)).unsqueeze(1) * o + (e2 / (e1 + e2)).unsqueeze(1) * v[cc].float()
+    return token, slot, weights[token, slot].unsqueeze(1) * value

@@ -1,5 +1,4 @@
-"""Which rows leave this rank: (token, slot) pairs routed to (destination rank, local expert), and the rows that
-carry them.
+"""Which rows leave this rank: (token, slot) pairs routed to (destination rank, local expert), and their rows.
 
 Pairs are sorted by (destination, local expert, token). Receivers place rows so that inside one (local expert,
 source rank) block tokens ascend, so combine returns rows in exactly this order and the source reduces them
@@ -33,35 +32,25 @@ class Plan:
     def num_remote_rows(self) -> int:
         return int(self.row_token.numel()) - self.rows_per_dest[self.rank]
 
-    def own_pairs(self) -> slice:
-        lo = sum(self.pairs_per_dest[: self.rank])
-        return slice(lo, lo + self.pairs_per_dest[self.rank])
 
-
+# fmt: off
 def make_plan(
-    token: torch.Tensor,
-    slot: torch.Tensor,
-    dest: torch.Tensor,
-    expert: torch.Tensor,
-    *,
-    num_tokens: int,
-    num_ranks: int,
-    rank: int,
-    num_local_experts: int,
-    per_pair_rows: bool,
+    token: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, expert: torch.Tensor, *, num_tokens: int,
+    num_ranks: int, rank: int, num_local_experts: int, per_pair_rows: bool,
 ) -> Plan:
+    # fmt: on
     """Sort the pairs (`[P]` int64 tensors, any order) and derive the rows that carry them."""
     nt, nl = max(num_tokens, 1), max(num_local_experts, 1)
     order = torch.argsort((dest * nl + expert) * nt + token)
     token, slot, dest, expert = token[order], slot[order], dest[order], expert[order]
-    pairs_per_dest = torch.bincount(dest, minlength=num_ranks).tolist()
+    pairs = torch.bincount(dest, minlength=num_ranks).tolist()
     last = torch.where(dest == rank, num_ranks, dest)  # this rank's rows go last
     if per_pair_rows:
         row_order = torch.argsort(last, stable=True)
         row_of_pair = torch.empty_like(row_order)
         row_of_pair[row_order] = torch.arange(row_order.numel(), device=dest.device)
-        return Plan(token, slot, dest, expert, pairs_per_dest, token[row_order], row_of_pair, pairs_per_dest, rank)
+        return Plan(token, slot, dest, expert, pairs, token[row_order], row_of_pair, pairs, rank)
     keys, row_of_pair = torch.unique(last * nt + token, sorted=True, return_inverse=True)
     rows = torch.bincount(keys // nt, minlength=num_ranks + 1).tolist()
     rows[rank] = rows[num_ranks]
-    return Plan(token, slot, dest, expert, pairs_per_dest, keys % nt, row_of_pair, rows[:num_ranks], rank)
+    return Plan(token, slot, dest, expert, pairs, keys % nt, row_of_pair, rows[:num_ranks], rank)

@@ -23,14 +23,6 @@ def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def word_dtype(num_bytes: int) -> torch.dtype:
-    """The widest integer type that tiles ``num_bytes`` (copies move words, not bytes)."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if num_bytes % dtype.itemsize == 0:
-            return dtype
-    return torch.uint8
-
-
 class RowFormat:
     """A dispatch row of ``hidden`` channels for one (dtype, quant, slots, weights) combination."""
 
@@ -46,32 +38,25 @@ class RowFormat:
         self.slot_off = self.token_off + 4
         self.weight_off = self.slot_off + 4 * num_slots
         self.end = self.weight_off + (4 * num_slots if weights else 0)
-        self.has_weights = weights
         self.row_bytes = _align(self.end, 16)
+        words = [w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if self.data_bytes % w.itemsize == 0]
+        self.word = words[0]  # copies move the widest integer words that tile the data, not bytes
 
-    def encode_into(
-        self,
-        out: torch.Tensor,
-        x_rows: torch.Tensor,
-        token: torch.Tensor,
-        slot_expert: torch.Tensor,
-        weights: torch.Tensor | None,
-        smooth: torch.Tensor | None = None,
-    ) -> None:
+    # fmt: off
+    def encode_into(self, out: torch.Tensor, x_rows: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
+                    weights: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:
+        # fmt: on
         """Fill ``out`` `[n, row_bytes]` uint8 from ``x_rows`` `[n, hidden]`, ``token`` `[n]`, ``slot_expert``
         `[n, num_slots]` int32, ``weights`` `[n, num_slots]` fp32 (or None) and int8 ``smooth`` `[n, hidden]`."""
-        data = out[:, : self.data_bytes].view(self.data_dtype)
-        if self.quant is None:
-            data.copy_(x_rows)
-        else:
-            if self.quant == "fp8_e4m3":
-                work = torch.empty(x_rows.shape, dtype=torch.float32, device=x_rows.device)
-                scales = scale_for_fp8_(work, x_rows, self.round_scale)
-                data.copy_(work)  # the cast to e4m3
-            else:
-                q, scale = per_token_int8(x_rows, smooth)
-                scales = scale.unsqueeze(1)
-                data.copy_(q)
+        data, scales = x_rows, None
+        if self.quant == "fp8_e4m3":
+            data = torch.empty(x_rows.shape, dtype=torch.float32, device=x_rows.device)  # cast to e4m3 by the copy
+            scales = scale_for_fp8_(data, x_rows, self.round_scale)
+        elif self.quant is not None:
+            data, scales = per_token_int8(x_rows, smooth)
+            scales = scales.unsqueeze(1)
+        out[:, : self.data_bytes].view(self.data_dtype).copy_(data)
+        if scales is not None:
             out[:, self.scale_off : self.token_off].view(torch.float32).copy_(scales)
         out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
         out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
@@ -88,17 +73,16 @@ class RowFormat:
     def weights(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[:, self.weight_off : self.end].view(torch.float32)
 
+    def _data(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.view(self.word)[:, : self.data_bytes // self.word.itemsize]
+
     def scatter_data(self, rows: torch.Tensor, row: torch.Tensor, out: torch.Tensor, pos: torch.Tensor) -> None:
         """Copy the data of ``rows[row]`` into rows ``pos`` of ``out`` `[num_rows, hidden]` (``data_dtype``)."""
-        word = word_dtype(self.data_bytes)
-        src = rows.view(word)[:, : self.data_bytes // word.itemsize]
-        out.view(torch.uint8).view(word).index_copy_(0, pos, src[row])
+        out.view(torch.uint8).view(self.word).index_copy_(0, pos, self._data(rows)[row])
 
     def gather_data(self, rows: torch.Tensor, row: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the data of ``rows[row]`` into ``out`` `[len(row), hidden]` (contiguous, ``data_dtype``)."""
-        word = word_dtype(self.data_bytes)
-        src = rows.view(word)[:, : self.data_bytes // word.itemsize]
-        torch.index_select(src, 0, row, out=out.view(torch.uint8).view(word))
+        torch.index_select(self._data(rows), 0, row, out=out.view(torch.uint8).view(self.word))
 
     def scales(self, rows: torch.Tensor, row: torch.Tensor, use_ue8m0: bool = False) -> torch.Tensor:
         """Scales of ``rows[row]``: `[P, hidden // 128]` fp32 for fp8 (`[P, hidden // 512]` int32 UE8M0 with
@@ -112,8 +96,7 @@ class ReturnFormat:
 
     def __init__(self, hidden: int, dtype: torch.dtype, quantized: bool) -> None:
         self.hidden, self.dtype, self.quantized = hidden, dtype, quantized
-        self.scale_bytes = hidden // 8 * dtype.itemsize if quantized else 0
-        self.row_bytes = hidden + self.scale_bytes if quantized else hidden * dtype.itemsize
+        self.row_bytes = hidden + hidden // 8 * dtype.itemsize if quantized else hidden * dtype.itemsize
 
     def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """``rows`` `[n, hidden]` into ``out`` `[n, row_bytes]` uint8."""

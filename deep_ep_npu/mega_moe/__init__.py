@@ -1,6 +1,5 @@
-"""Fused MegaMoE: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call (:func:`mega_moe`; ``Buffer.mega_moe``
-delegates to it). :mod:`.ffn`: the exact expert math; :mod:`.pipeline`: the overlapped schedule over the two-stage
-ops; :mod:`.ascend`: the backend registry and the fused NPU op mapping."""
+"""Fused MegaMoE (:func:`mega_moe`; ``Buffer.mega_moe`` delegates to it): dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine
+in one call. :mod:`.ffn`: exact expert math; :mod:`.pipeline`: overlapped schedule; :mod:`.ascend`: backends, NPU op."""
 
 from .api import mega_moe
 from .ascend import AscendMegaMoe, MegaMoeBackend, ReferenceMegaMoe, available_backends, create_backend

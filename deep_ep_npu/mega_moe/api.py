@@ -1,7 +1,5 @@
 """``mega_moe(group, ...)``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call, as the A5 PTO MegaMoE kernel."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch
@@ -22,42 +20,33 @@ def mega_moe(
 
     Every rank of ``group`` calls this together (a rank with no tokens passes ``M = 0``); rank r hosts the experts
     ``[r * E_local, (r + 1) * E_local)``, ``E_local = num_experts / W``. FFN = GMM1 -> SwiGLU ``silu(gate) * up`` ->
-    GMM2, with int8 weights (scales given) on per-token dynamic int8 activations (re-quantized after SwiGLU) with
-    exact int32 accumulation and per-channel weight scales, else in fp32 (exact spec:
-    :mod:`deep_ep_npu.mega_moe.ffn`); pipelined per segment so that one segment's communication overlaps another's
-    compute (:mod:`deep_ep_npu.mega_moe.pipeline`).
+    GMM2, int8 weights on per-token dynamic int8 activations (re-quantized after SwiGLU) with exact int32 accumulation
+    and per-channel weight scales, float weights in fp32 (exact spec: :mod:`.ffn`), pipelined per segment so that one
+    segment's communication overlaps another's compute (:mod:`.pipeline`).
 
     Arguments:
         group: the EP ``ProcessGroup`` (or its name), W ranks with W in [1, 16].
-        x: `[M, K]` with `torch.bfloat16` (`torch.float16` / `torch.float32` on the reference path),
-            M <= num_max_dispatch_tokens_per_rank.
-        topk_idx: `[M, topK]` with `torch.int32` / `torch.int64`, topK in [1, 16]; ids distinct per row, in
-            ``[0, num_experts)`` or -1 (no expert).
-        topk_weights: `[M, topK]` with `torch.float32` (the router probabilities).
-        w1: `[E_local, K, 2N]` with `torch.int8` when scales are given, else `torch.bfloat16` / `torch.float16` /
-            `torch.float32`; the last dim is gate (first N) then up.
-        w2: `[E_local, N, K]`, w1's dtype.
-        w1_scale: `[E_local, 2N]` with `torch.float32` per-output-channel scales of w1 (int8 weights), or None.
-        w2_scale: `[E_local, K]` with `torch.float32` per-output-channel scales of w2 (int8 weights), or None.
+        x: `[M, K]` `torch.bfloat16` (`torch.float16` / `torch.float32` on the reference path), M <=
+            num_max_dispatch_tokens_per_rank.
+        topk_idx: `[M, topK]` `torch.int32` / `torch.int64`, topK in [1, 16]; ids distinct per row, in
+            ``[0, num_experts)`` or -1 (no expert). topk_weights: `[M, topK]` `torch.float32` router probabilities.
+        w1: `[E_local, K, 2N]` (last dim: gate, the first N, then up), w2: `[E_local, N, K]`; both `torch.int8` when
+            scales are given, else both `torch.bfloat16`, `torch.float16` or `torch.float32`.
+        w1_scale / w2_scale: `[E_local, 2N]` / `[E_local, K]` `torch.float32` per-output-channel scales, or None.
         num_max_dispatch_tokens_per_rank: the largest M of any rank (same on all ranks), in [1, 512].
         num_experts: routed experts in total, divisible by W.
         out_dtype: `torch.float16` (the A5 PTO MegaMoE kernel's), `torch.bfloat16` or `torch.float32`; None: x's.
-        max_output_size: the fused op's per-rank routed-row workspace, >= M * topK; default
-            ``num_max_dispatch_tokens_per_rank * topK * W`` (what any routing can need). Passed to the NPU op;
-            validated only on the reference path, whose ops size their own buffers.
+        max_output_size: the fused op's per-rank routed-row workspace, >= M * topK (default
+            ``num_max_dispatch_tokens_per_rank * topK * W``); validated only on the reference path.
         num_segments: pipeline segments, in [1, E_local] (by expert) or [1, num_max_dispatch_tokens_per_rank] (by
-            token); default min(that bound, 2). 1 = no overlap.
-        segment_by: ``"expert"`` (the A5 PTO MegaMoE kernel's expert-granular pipeline: segment k = a contiguous
-            group of local experts; partial sums travel in fp32, equal to the unfused path up to fp32
-            re-association) or ``"token"`` (segment k = a chunk of each rank's tokens, all experts; rows travel in
-            ``out_dtype``, bit-equal to one dispatch -> FFN -> combine, half the combine bytes).
+            token); default min(that bound, 2); 1 = no overlap.
+        segment_by: ``"expert"`` (the kernel's: segment k = a contiguous group of local experts; partial sums travel
+            in fp32, equal to the unfused path up to fp32 re-association) or ``"token"`` (a chunk of each rank's
+            tokens, all experts; rows travel in ``out_dtype``, bit-equal to the unfused path, half the bytes).
         backend: ``reference`` (any torch.distributed backend), ``ascend`` (the fused NPU op
-            ``torch.ops._C_ascend.dispatch_ffn_combine`` when present and the shapes fit it, else the reference
-            pipeline) or ``auto``.
+            ``torch.ops._C_ascend.dispatch_ffn_combine`` when present and the shapes fit, else reference) or ``auto``.
 
-    Returns:
-        out: `[M, K]` with ``out_dtype``. Expert outputs are rounded to ``out_dtype``, weighted and summed in fp32,
-        then rounded once more.
+    Returns `[M, K]` with ``out_dtype``: expert outputs rounded to it, weighted and summed in fp32, rounded again.
 
     Raises:
         MoeDistributeError: (a ``ValueError``) invalid input, naming the parameter, the value and what is allowed;

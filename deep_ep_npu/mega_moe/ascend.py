@@ -2,31 +2,23 @@
 
 The A5 PTO MegaMoE kernel (``dispatch_mega_combine_kernel``) has no Python binding; the fused op Python can call is
 vllm-ascend's ``torch.ops._C_ascend.dispatch_ffn_combine`` (aclnn ``aclnnDispatchFFNCombine`` for int8 weights,
-``aclnnDispatchFFNCombineBF16`` for bf16), registered when vllm-ascend's custom-op library is loaded:
-
-```
-dispatch_ffn_combine(Tensor x, Tensor[] weight1, Tensor[] weight2, Tensor expert_idx, Tensor[] scale1,
-                     Tensor[] scale2, Tensor[] bias1, Tensor[] bias2, Tensor probs, str group, int max_output_size,
-                     Tensor! out, Tensor! expert_token_nums, Tensor? x_active_mask=None,
-                     float swiglu_limit=1000000.0) -> (Tensor, Tensor)
-```
-
-:func:`fused_op_kwargs` passes keywords (older schemas without ``bias1/2`` fail loudly rather than shift), weights in
-the NZ format (``npu_format_cast(w, 29)``) and ``out`` in x's dtype (cast to ``out_dtype`` afterwards). Unconfirmed:
-whether the int8 op wants the fp32 per-channel scales as given or packed Fixpipe (uint64) words, and its numerics
-(GMM1 output rounded to fp16); NPU parity is not tested here.
+``aclnnDispatchFFNCombineBF16`` for bf16), registered by vllm-ascend's custom-op library: ``dispatch_ffn_combine(
+Tensor x, Tensor[] weight1, Tensor[] weight2, Tensor expert_idx, Tensor[] scale1, Tensor[] scale2, Tensor[] bias1,
+Tensor[] bias2, Tensor probs, str group, int max_output_size, Tensor! out, Tensor! expert_token_nums, Tensor?
+x_active_mask=None, float swiglu_limit=1000000.0) -> (Tensor, Tensor)``. :func:`fused_op_kwargs` passes keywords
+(older schemas without ``bias1/2`` fail loudly rather than shift), weights in the NZ format (``npu_format_cast(w,
+29)``) and ``out`` in x's dtype (cast to ``out_dtype`` afterwards). Unconfirmed: whether the int8 op wants the fp32
+per-channel scales as given or packed Fixpipe (uint64) words, and its numerics (GMM1 output rounded to fp16); NPU
+parity is not tested here.
 """
-
-from __future__ import annotations
 
 import abc
 import importlib.util
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-from ..backends import npu_available
+from ..backends import hccl_comm_name, npu_available
 from .params import MegaMoeArgs
 from .pipeline import run_reference
 
@@ -44,11 +36,6 @@ def find_fused_op() -> Callable[..., object] | None:
         return torch.ops._C_ascend.dispatch_ffn_combine
     except (AttributeError, RuntimeError):
         return None
-
-
-def hccl_comm_name(group: dist.ProcessGroup, rank: int) -> str:
-    """The HCCL communicator name of ``group`` (what the op's ``group`` argument expects)."""
-    return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)  # type: ignore[attr-defined]
 
 
 def to_npu_nz(weight: torch.Tensor) -> torch.Tensor:
@@ -73,13 +60,10 @@ def fused_op_blocker(args: MegaMoeArgs) -> str | None:
     return None
 
 
-def fused_op_kwargs(
-    args: MegaMoeArgs, group_name: str, prepare_weight: Callable[[torch.Tensor], torch.Tensor]
-) -> dict[str, object]:
+def fused_op_kwargs(args: MegaMoeArgs, group_name: str, prepare_weight: Callable[[torch.Tensor], torch.Tensor]) -> dict:
     """The keyword arguments of one fused-op call (the mapping of the module docstring)."""
     dev = args.x.device
-    no_scale = [torch.empty((0,), dtype=torch.int64, device=dev)]
-    no_bias = [torch.empty((0,), dtype=torch.float32, device=dev)]
+    no_scale, no_bias = ([torch.empty((0,), dtype=dt, device=dev)] for dt in (torch.int64, torch.float32))
     scale1, scale2 = ([args.w1_scale], [args.w2_scale]) if args.int8_weights else (no_scale, no_scale)
     return dict(
         x=args.x, weight1=[prepare_weight(args.w1)], weight2=[prepare_weight(args.w2)],
@@ -95,8 +79,7 @@ class MegaMoeBackend(abc.ABC):
 
     name: str
 
-    def can_fuse(self, args: MegaMoeArgs) -> bool:
-        """Whether this rank could run the call as one fused device op (every rank must agree to use it)."""
+    def can_fuse(self, args: MegaMoeArgs) -> bool:  # whether this rank could run the call as one fused device op
         return False
 
     @abc.abstractmethod
@@ -115,11 +98,9 @@ class ReferenceMegaMoe(MegaMoeBackend):
 
 class AscendMegaMoe(MegaMoeBackend):
     """The fused NPU op ``torch.ops._C_ascend.dispatch_ffn_combine`` when present, else the reference pipeline.
-
     Arguments (tests pass fakes): fused_op, the op (default: looked up after importing torch_npu); group_name,
-        ``(ProcessGroup, rank) -> HCCL comm name`` (default :func:`hccl_comm_name`); prepare_weight, a weight into
-        the op's layout (default :func:`to_npu_nz`); device_type, the device x must be on for the fused op ("npu").
-    """
+    ``(ProcessGroup, rank) -> HCCL comm name`` (default :func:`hccl_comm_name`); prepare_weight, a weight into the
+    op's layout (default :func:`to_npu_nz`); device_type, the device x must be on for the fused op ("npu")."""
 
     name = "ascend"
 
@@ -127,20 +108,18 @@ class AscendMegaMoe(MegaMoeBackend):
                  prepare_weight: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  device_type: str = "npu") -> None:  # fmt: skip
         self.fused_op = fused_op if fused_op is not None else find_fused_op()
-        self.group_name = group_name or hccl_comm_name
-        self.prepare_weight = prepare_weight or to_npu_nz
+        self.group_name, self.prepare_weight = group_name or hccl_comm_name, prepare_weight or to_npu_nz
         self.device_type = device_type
 
     def can_fuse(self, args: MegaMoeArgs) -> bool:
-        on_device = self.fused_op is not None and args.x.device.type == self.device_type
-        return on_device and fused_op_blocker(args) is None
+        return self.fused_op is not None and args.x.device.type == self.device_type and fused_op_blocker(args) is None
 
     def run(self, args: MegaMoeArgs, fused: bool) -> torch.Tensor:
         if not fused:
             return run_reference(args)
         kwargs = fused_op_kwargs(args, self.group_name(args.group, args.rank), self.prepare_weight)
         self.fused_op(**kwargs)  # type: ignore[misc]
-        return kwargs["out"].to(args.out_dtype)  # type: ignore[attr-defined]
+        return kwargs["out"].to(args.out_dtype)
 
 
 _REGISTRY: dict[str, Callable[[], MegaMoeBackend]] = {"reference": ReferenceMegaMoe, "ascend": AscendMegaMoe}
@@ -151,8 +130,7 @@ def available_backends() -> list[str]:
 
 
 def create_backend(name: str) -> MegaMoeBackend:
-    """The backend registered as ``name``; ``auto`` picks ``ascend`` when torch_npu and an NPU are present (as the
-    Buffer does), else ``reference``."""
+    """The backend registered as ``name``; ``auto``: ``ascend`` with torch_npu and an NPU, else ``reference``."""
     if name == "auto":
         name = "ascend" if npu_available() else "reference"
     if name not in _REGISTRY:

@@ -20,8 +20,6 @@ rounds GMM1's output to fp16 (``gmC``) before SwiGLU where this spec keeps fp32,
 ``SiLU(up) * gate`` where serving models use ``silu(gate) * up`` (kept here).
 """
 
-from __future__ import annotations
-
 import itertools
 
 import torch
@@ -50,39 +48,30 @@ def swiglu(h: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def int8_expert_ffn(
-    q: Tensor, q_scale: Tensor, w1: Tensor, w1_scale: Tensor, w2: Tensor, w2_scale: Tensor, out_dtype: torch.dtype
-) -> Tensor:
-    """One expert's int8 FFN on already-quantized rows (the formula of the module docstring).
-
-    Arguments: q `[num_rows, hidden]` `torch.int8` with per-token scales q_scale `[num_rows]` `torch.float32`;
-        w1 `[hidden, 2N]` / w2 `[N, hidden]` `torch.int8`; w1_scale `[2N]` / w2_scale `[hidden]` `torch.float32`.
-    Returns: y `[num_rows, hidden]` with ``out_dtype``.
-    """
+def int8_expert_ffn(q: Tensor, q_scale: Tensor, w1: Tensor, w1_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+                    out_dtype: torch.dtype) -> Tensor:  # fmt: skip
+    """One expert's int8 FFN on already-quantized rows (the module docstring's formula): q `[num_rows, hidden]`
+    `torch.int8` with per-token scales q_scale `[num_rows]` `torch.float32`; w1 `[hidden, 2N]` / w2 `[N, hidden]`
+    `torch.int8`; w1_scale `[2N]` / w2_scale `[hidden]` `torch.float32`. Returns y `[num_rows, hidden]` out_dtype."""
     h = dequant(int8_gmm(q, w1), q_scale, w1_scale)
     q2, s2 = per_token_int8(swiglu(h))
     return dequant(int8_gmm(q2, w2), s2, w2_scale).to(out_dtype)
 
 
 def float_expert_ffn(x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """One expert's float FFN: ``out_dtype(swiglu(fp32(x) @ fp32(w1)) @ fp32(w2))``; x `[num_rows, hidden]` with
-    `torch.bfloat16` / `torch.float16` / `torch.float32`, w1 `[hidden, 2N]`, w2 `[N, hidden]` (float dtypes); returns
-    y `[num_rows, hidden]` with ``out_dtype``."""
+    """One expert's float FFN, ``out_dtype(swiglu(fp32(x) @ fp32(w1)) @ fp32(w2))``: x `[num_rows, hidden]`, w1
+    `[hidden, 2N]`, w2 `[N, hidden]` (each bf16 / fp16 / fp32); returns y `[num_rows, hidden]` with ``out_dtype``."""
     return (swiglu(x.float() @ w1.float()) @ w2.float()).to(out_dtype)
 
 
-def grouped_ffn(
-    expand_x: Tensor, dynamic_scales: Tensor, expert_token_nums: Tensor, experts: range, w1: Tensor, w2: Tensor,
-    w1_scale: Tensor | None, w2_scale: Tensor | None, out_dtype: torch.dtype,
-) -> Tensor:  # fmt: skip
-    """GMM1 -> SwiGLU -> GMM2 over dispatch's expert-major rows, for the local experts in ``experts`` (the others
-    must have zero rows); returns y `[num_rows, hidden]` with ``out_dtype``, row-aligned with ``expand_x[:num_rows]``.
-
-    Arguments: expand_x `[A, hidden]` (`torch.int8` for int8 weights), dynamic_scales `[A]` `torch.float32` (used for
-        int8 weights), expert_token_nums `[num_local_experts]` `torch.int64` (rows per local expert), w1
-        `[num_local_experts, hidden, 2N]`, w2 `[num_local_experts, N, hidden]`, w1_scale `[num_local_experts, 2N]` /
-        w2_scale `[num_local_experts, hidden]` `torch.float32` or None.
-    """
+def grouped_ffn(expand_x: Tensor, dynamic_scales: Tensor, expert_token_nums: Tensor, experts: range, w1: Tensor,
+                w2: Tensor, w1_scale: Tensor | None, w2_scale: Tensor | None,
+                out_dtype: torch.dtype) -> Tensor:  # fmt: skip
+    """GMM1 -> SwiGLU -> GMM2 over dispatch's expert-major rows for the local experts in ``experts`` (the others must
+    have zero rows); returns y `[num_rows, hidden]` with ``out_dtype``, row-aligned with ``expand_x[:num_rows]``.
+    expand_x `[A, hidden]` (`torch.int8` for int8 weights), dynamic_scales `[A]` `torch.float32` (int8 weights),
+    expert_token_nums `[L]` `torch.int64` rows per local expert, w1 `[L, hidden, 2N]`, w2 `[L, N, hidden]`, w1_scale
+    `[L, 2N]` / w2_scale `[L, hidden]` `torch.float32` or None (L = num_local_experts)."""
     starts = [0, *itertools.accumulate(expert_token_nums.tolist())]
     y = torch.empty((starts[-1], expand_x.shape[1]), dtype=out_dtype, device=expand_x.device)
     for e in experts:

@@ -1,8 +1,5 @@
-"""Validated arguments of :func:`deep_ep_npu.mega_moe.mega_moe`. Validation is pure and runs first on every rank;
-:func:`agree` then exchanges one status/fingerprint row per rank, so that a rejected input or a shape the ranks
-disagree on makes every rank raise the same error instead of leaving its peers waiting in the dispatch."""
-
-from __future__ import annotations
+"""Validated arguments of :func:`deep_ep_npu.mega_moe.mega_moe` (:func:`validate`: pure, first on every rank) and
+the agreement step that makes every rank raise the same error (:func:`agree`)."""
 
 import dataclasses
 
@@ -65,18 +62,15 @@ class MegaMoeArgs:
                 SEGMENT_BY.index(self.segment_by))  # fmt: skip
 
 
-def validate(
-    group: object, x: object, topk_idx: object, topk_weights: object, w1: object, w2: object, *,
-    w1_scale: object = None, w2_scale: object = None, num_max_dispatch_tokens_per_rank: int, num_experts: int,
-    out_dtype: torch.dtype | None = None, max_output_size: int | None = None, num_segments: int | None = None,
-    segment_by: str = "expert", ep: EPGroup | None = None,
-) -> MegaMoeArgs:  # fmt: skip
+def validate(group: object, x: object, topk_idx: object, topk_weights: object, w1: object, w2: object, *,
+             w1_scale: object = None, w2_scale: object = None, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+             out_dtype: torch.dtype | None = None, max_output_size: int | None = None, num_segments: int | None = None,
+             segment_by: str = "expert", ep: EPGroup | None = None) -> MegaMoeArgs:  # fmt: skip
     """Check every argument (no communication); raise :class:`MoeDistributeError` naming the parameter."""
-    pg = resolve_group(group, "group")
-    ep = ep or ep_group(pg)
-    w, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    pg, nmax = resolve_group(group, "group"), num_max_dispatch_tokens_per_rank
+    ep, w, rank = ep or ep_group(pg), dist.get_world_size(pg), dist.get_rank(pg)
     checks.in_range(w, "group world size", 1, MAX_WORLD_SIZE)
-    checks.in_range(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1, MAX_TOKENS_PER_RANK)
+    checks.in_range(nmax, "num_max_dispatch_tokens_per_rank", 1, MAX_TOKENS_PER_RANK)
     checks.in_range(num_experts, "num_experts", 1, 1 << 16)
     if num_experts % w:
         raise shape("num_experts", f"{num_experts} is not divisible by the world size {w}")
@@ -85,9 +79,8 @@ def validate(
     num_tokens, hidden = x.shape
     if hidden < 1:
         raise shape("x", f"hidden size (dim 1) must be >= 1, got shape {tuple(x.shape)}")
-    if num_tokens > num_max_dispatch_tokens_per_rank:
-        limit = f"num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank}"
-        raise shape("x", f"has {num_tokens} tokens, more than {limit}")
+    if num_tokens > nmax:
+        raise shape("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank = {nmax}")
     idx = checks.expert_ids(topk_idx, "topk_idx", num_experts, num_tokens, MAX_TOPK, no_expert=True).long()
     topk = idx.shape[1]
     weights = checks.tensor(topk_weights, "topk_weights", (torch.float32,), 2)
@@ -102,44 +95,39 @@ def validate(
         if isinstance(t, torch.Tensor) and t.dtype not in wdt:
             raise invalid(name, f"dtype {t.dtype} not allowed here; must be {why}")
     w1, w2 = checks.tensor(w1, "w1", wdt, 3), checks.tensor(w2, "w2", wdt, 3)
-    if w1.shape[0] != num_local or w1.shape[1] != hidden or w1.shape[2] % 2 or w1.shape[2] == 0:
+    if tuple(w1.shape[:2]) != (num_local, hidden) or w1.shape[2] % 2 or w1.shape[2] == 0:
         want = f"[E_local = {num_local}, K = {hidden}, 2N] (gate then up, 2N > 0)"
         raise shape("w1", f"shape {tuple(w1.shape)} must be {want}")
     n = w1.shape[2] // 2
     checks.dims(w2, "w2", (num_local, n, hidden), "[E_local, N, K]")
     if w1.dtype != w2.dtype:
         raise invalid("w2", f"dtype {w2.dtype} differs from w1's {w1.dtype}")
-    if int8:
-        w1_scale = checks.tensor(w1_scale, "w1_scale", (torch.float32,), 2)
-        checks.dims(w1_scale, "w1_scale", (num_local, 2 * n), "[E_local, 2N]")
-        w2_scale = checks.tensor(w2_scale, "w2_scale", (torch.float32,), 2)
-        checks.dims(w2_scale, "w2_scale", (num_local, hidden), "[E_local, K]")
+    scales = (("w1_scale", w1_scale, 2 * n, "[E_local, 2N]"), ("w2_scale", w2_scale, hidden, "[E_local, K]"))
+    for name, s, cols, what in scales if int8 else ():
+        checks.dims(checks.tensor(s, name, (torch.float32,), 2), name, (num_local, cols), what)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     checks.one_of(out_dtype, "out_dtype", OUT_DTYPES)
-    if max_output_size is None:
-        max_output_size = num_max_dispatch_tokens_per_rank * topk * w
+    max_output_size = nmax * topk * w if max_output_size is None else max_output_size
     checks.in_range(max_output_size, "max_output_size", 0, 1 << 40)
     if max_output_size < num_tokens * topk:
         why = "the routed-row workspace must hold every (token, expert) pair of this rank"
         raise shape("max_output_size", f"{max_output_size} < M * topK = {num_tokens} * {topk}; {why}")
     checks.one_of(segment_by, "segment_by", SEGMENT_BY)
-    most = num_local if segment_by == "expert" else num_max_dispatch_tokens_per_rank
-    if num_segments is None:
-        num_segments = min(most, 2)  # measured best on the CPU reference path (README)
+    most = num_local if segment_by == "expert" else nmax
+    num_segments = min(most, 2) if num_segments is None else num_segments  # 2: measured best on the CPU reference
     checks.in_range(num_segments, "num_segments", 1, most)
     return MegaMoeArgs(pg, w, rank, x, idx, weights, w1, w2, w1_scale, w2_scale,  # type: ignore[arg-type]
-                       num_max_dispatch_tokens_per_rank, num_experts, out_dtype, max_output_size, num_segments,
-                       segment_by, ep)  # fmt: skip
+                       nmax, num_experts, out_dtype, max_output_size, num_segments, segment_by, ep)  # fmt: skip
 
 
 def agree(ep: EPGroup, error: MoeDistributeError | None, fingerprint: tuple[int, ...] = (), can_fuse: bool = False,
           device: torch.device | str | None = None) -> bool:  # fmt: skip
-    """The agreement step of a MegaMoE call (status, can_fuse, fingerprint; bounded like every collective here):
-    raise the same error on every rank if any rank failed or the ranks disagree (re-raising ``error`` on the rank
-    that produced it). Returns whether every rank can run the fused op."""
+    """The agreement step of a MegaMoE call: every rank sends one bounded status/can_fuse/fingerprint row, so a
+    rejected input or a shape the ranks disagree on raises the same error on every rank (``error`` itself on the rank
+    that produced it) instead of leaving peers waiting in the dispatch. Returns whether every rank can fuse."""
     row = [int(can_fuse), *fingerprint] if error is None else [0] * (1 + len(_FINGERPRINT))
-    status = error.code if error is not None else STATUS_OK
-    agreement = ep.start_agree("mega_moe", status, [[] for _ in range(ep.num_ranks)], row, device=device)()
+    status = STATUS_OK if error is None else error.code
+    agreement = ep.start_agree("mega_moe", status, [[]] * ep.num_ranks, row, device=device)()
     if error is not None:
         raise error
     agreement.check(ep.rank, _FINGERPRINT, offset=1)

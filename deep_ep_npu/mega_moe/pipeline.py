@@ -15,13 +15,9 @@ compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3
 
 ``Dk`` / ``Ck``: the send phase of segment k's dispatch / combine (validation, the agreement step, the payload
 started asynchronously); ``Tk`` / ``Rk``: their receive phases. Expert outputs are rounded to ``out_dtype`` (as the
-kernel's FP16 CV tiles), sent as fp32 and the S partials summed in fp32, so the result equals one unsegmented combine up to fp32
-re-association (at most one ulp of ``out_dtype``). ``segment_by="token"``: segment k = the k-th chunk of each rank's
-tokens (all experts), so rows are final, travel in ``out_dtype`` (half the bytes) and the result is bit-equal to one
-dispatch -> FFN -> combine, at the price of S smaller GEMMs per expert.
+kernel's FP16 CV tiles); expert segments' fp32 partials differ from one unsegmented combine by fp32 re-association
+(at most one ulp of ``out_dtype``); ``segment_by="token"`` (bit-equal) costs S smaller GEMMs per expert.
 """
-
-from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -29,7 +25,6 @@ from typing import Any
 import torch
 
 from ..engine.flat import start_combine_flat, start_dispatch_flat
-from ..event import Completion
 from ..params import CombineParams, DispatchParams
 from .ffn import grouped_ffn
 from .params import MegaMoeArgs
@@ -42,55 +37,46 @@ def pair_segments(args: MegaMoeArgs) -> torch.Tensor:
     if args.segment_by == "token":
         chunk = torch.arange(args.num_tokens, device=idx.device) * args.num_segments // max(args.num_tokens, 1)
         return torch.where(idx >= 0, chunk.unsqueeze(1).expand_as(idx), -1)
-    n = args.num_segments
-    segment_of_local = torch.tensor([s for s in range(n) for _ in args.segment_experts(s)], device=idx.device)
-    return torch.where(idx >= 0, segment_of_local[idx.clamp(min=0) % args.num_local_experts], -1)
+    segment_of_local = torch.tensor([s for s in range(args.num_segments) for _ in args.segment_experts(s)])
+    return torch.where(idx >= 0, segment_of_local.to(idx.device)[idx.clamp(min=0) % args.num_local_experts], -1)
 
 
 def run_reference(args: MegaMoeArgs) -> torch.Tensor:
     """Run the pipelined dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine; returns `[M, K]` with ``args.out_dtype``."""
-    ids, segment = args.topk_idx, pair_segments(args)
+    ids, segment, n, ep = args.topk_idx, pair_segments(args), args.num_segments, args.ep
     global_bs = args.num_max_dispatch_tokens_per_rank * args.world_size
     common: dict[str, Any] = dict(group_ep=args.group, ep_world_size=args.world_size, ep_rank_id=args.rank,
                                   moe_expert_num=args.num_experts, global_bs=global_bs, no_expert=True)  # fmt: skip
-    masks = [segment == s for s in range(args.num_segments)]
-    # expert segments return partial sums of a token's pairs, so they travel in fp32 and are rounded once at the
-    # end; token segments return final rows, so they travel in out_dtype (bit-equal to one unsegmented combine)
+    masks = [segment == s for s in range(n)]
+    dispatch = [DispatchParams(args.x, ids, x_active_mask=m, quant_mode=2 if args.int8_weights else 0,
+                               expert_token_nums_type=1, **common) for m in masks]  # fmt: skip
     wire_dtype = torch.float32 if args.segment_by == "expert" else args.out_dtype
     weights = (args.w1, args.w2, args.w1_scale, args.w2_scale)
 
-    def start_dispatch(s: int) -> Completion:
-        kw = dict(x_active_mask=masks[s], quant_mode=2 if args.int8_weights else 0, expert_token_nums_type=1, **common)
-        return start_dispatch_flat(DispatchParams(args.x, ids, **kw), args.ep)
+    def receive(start: Future) -> Any:  # finishes an op whose send phase ran earlier on the same comm thread
+        return start.result().wait()
 
-    def start_combine(s: int, y: torch.Tensor, assist: torch.Tensor, counts: torch.Tensor) -> Completion:
-        p = CombineParams(y.to(wire_dtype), ids, assist, counts, args.topk_weights, x_active_mask=masks[s], **common)
-        return start_combine_flat(p, args.ep)
-
-    # One comm thread issues every collective, in the same order on every rank; this thread only computes.
     comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mega_moe_comm")
     try:
         # comm order: D0 D1 T0 D2 T1 ..., so segment 0's rows arrive after two send phases while later payloads fly
-        dispatches: list = [comm.submit(start_dispatch, 0)]
+        sent: list = [comm.submit(start_dispatch_flat, dispatch[0], ep)]
         received: list = []
-        for s in range(1, args.num_segments + 1):
-            dispatches += [comm.submit(start_dispatch, s)] if s < args.num_segments else []
-            received.append(comm.submit(_receive, dispatches[s - 1]))
+        for s in range(n):
+            sent += [comm.submit(start_dispatch_flat, dispatch[s + 1], ep)] if s + 1 < n else []
+            received.append(comm.submit(receive, sent[s]))
         combines = []
-        for s in range(args.num_segments):
-            expand_x, scales, assist, token_nums, recv_counts, _, _ = received[s].result()
-            received[s] = dispatches[s] = None  # free the receive buffers early
+        for s in range(n):
+            expand_x, scales, assist, token_nums, counts, _, _ = received[s].result()
+            received[s] = sent[s] = None  # free the receive buffers early
             y = grouped_ffn(expand_x, scales, token_nums, args.segment_experts(s), *weights, args.out_dtype)
-            combines.append(comm.submit(start_combine, s, y, assist, recv_counts))
-        partials = [comm.submit(_receive, c) for c in combines]
+            p = CombineParams(
+                y.to(wire_dtype), ids, assist, counts, args.topk_weights, x_active_mask=masks[s], **common
+            )
+            combines.append(comm.submit(start_combine_flat, p, ep))
+        partials = [comm.submit(receive, c) for c in combines]
         out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32, device=args.x.device)
-        for p in partials:
-            out += p.result().float()  # type: ignore[attr-defined]  # token segments: each row is nonzero in one segment only (exact)
+        for partial in partials:  # token segments: each row is nonzero in one segment only (exact)
+            out += partial.result().float()
     finally:
         comm.shutdown(wait=True, cancel_futures=True)
     return out.to(args.out_dtype)
-
-
-def _receive(start: Future) -> object:
-    """Finish an op whose send phase ran as an earlier task on the same comm thread."""
-    return start.result().wait()
