@@ -1,5 +1,5 @@
 """The only place deep_ep_npu reads environment variables (read once, when a backend, a Buffer or a group's
-failure monitor is created; never per call)."""
+``EPGroup`` is created; never per call)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def _ops_round(info, stop_before: str | None = None):
 
 
 def _ops_failure(info, where: str, how: str, victim: int):
-    os.environ["DEEP_EP_NPU_TIMEOUT"] = "1.5"  # read when the group's monitor is created (first collective)
+    os.environ["DEEP_EP_NPU_TIMEOUT"] = "1.5"  # read when the group's EPGroup is created (first op call)
     store = dist.distributed_c10d._get_default_store()
     _ops_round(info)
     if info.rank == victim:

@@ -96,7 +96,7 @@ _ROUNDS = {"flat": _flat_round, "tp": _tp_round, "mega_moe": _mega_moe_round, "b
 
 def _failure(info, kind: str, where: str | None, how: str, victim: int):
     if kind in ("tp", "mega_moe"):
-        os.environ["DEEP_EP_NPU_TIMEOUT"] = str(TIMEOUT)  # read when the group's monitor is created
+        os.environ["DEEP_EP_NPU_TIMEOUT"] = str(TIMEOUT)  # read when the group's EPGroup is created
     else:
         os.environ.pop("DEEP_EP_NPU_TIMEOUT", None)  # the Buffer's timeout= must be the one that counts
     store = dist.distributed_c10d._get_default_store()
