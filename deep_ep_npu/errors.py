@@ -12,6 +12,8 @@ ACLNN_ERR_PARAM_NULLPTR = 161001  # a required tensor or argument is missing (No
 ACLNN_ERR_PARAM_INVALID = 161002  # a dtype or a parameter value is not supported
 ACLNN_ERR_INNER_TILING_ERROR = 561002  # a shape, or a value derived from shapes, is out of range (or CCL too small)
 _Ndim = int | tuple[int, ...]
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations off the NPU (it takes bf16 / fp16)
+MAX_TOPK = 16  # top-k limit of the ops, DeepEP's low-latency kernels and MegaMoE
 
 
 class MoeDistributeError(ValueError):
@@ -48,6 +50,14 @@ def tensor(value: object, param: str, dtypes: Iterable[torch.dtype], ndim: _Ndim
 def optional_tensor(value: object, param: str, dtypes: Iterable[torch.dtype], ndim: _Ndim) -> torch.Tensor | None:
     """None, or a tensor as :func:`tensor` requires."""
     return None if value is None else tensor(value, param, dtypes, ndim)
+
+
+def shaped(value: object, param: str, dtype: torch.dtype, size: tuple[int, ...], what: str) -> torch.Tensor | None:
+    """None, or a ``dtype`` tensor of shape ``size`` (``what`` names it)."""
+    t = optional_tensor(value, param, (dtype,), len(size))
+    if t is not None:
+        dims(t, param, size, what)
+    return t
 
 
 def dims(value: torch.Tensor, param: str, expected: tuple[int, ...], what: str) -> None:

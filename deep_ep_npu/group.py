@@ -23,6 +23,7 @@ from .failure import EPRankFailure, GroupMonitor, monitor, resolve_timeout
 
 _R = TypeVar("_R")
 STATUS_OK = 0
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}  # dtypes in fingerprints
 
 
 @dataclasses.dataclass

@@ -9,12 +9,10 @@ from typing import Any
 import torch
 
 from . import errors as checks
+from .errors import ACT_DTYPES, MAX_TOPK, invalid, null, shape
 from .errors import flag as _flag
-from .errors import invalid, null, shape
 from .handle import LowLatencyHandle
 
-ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_TOPK = 16
 QUANT_FORMATS = ("fp8_e4m3", "int8_per_token")
 
 
@@ -72,8 +70,9 @@ class DispatchArgs:
         if quant == "int8_per_token" and round_scale:
             raise invalid("round_scale", "is not available with the int8_per_token format (scales are amax / 127)")
         stats = self.cumulative_local_expert_recv_stats
-        recv_stats = _stats(stats, "cumulative_local_expert_recv_stats", torch.int32, num_experts // r, "L")
-        wait_stats = _stats(self.dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64, r, "R")
+        recv_stats = checks.shaped(stats, "cumulative_local_expert_recv_stats", torch.int32, (num_experts // r,), "[L]")
+        wait = self.dispatch_wait_recv_cost_stats
+        wait_stats = checks.shaped(wait, "dispatch_wait_recv_cost_stats", torch.int64, (r,), "[R]")
         return dataclasses.replace(
             self, x=x, topk_idx=idx, num_max_dispatch_tokens_per_rank=num_max, num_experts=num_experts, quant=quant,
             cumulative_local_expert_recv_stats=recv_stats, dispatch_wait_recv_cost_stats=wait_stats,
@@ -115,7 +114,9 @@ class CombineArgs:
         out = checks.optional_tensor(self.out, "out", (x.dtype,), 2)
         if out is not None:
             checks.dims(out, "out", (idx.shape[0], hidden), "[num_tokens, hidden]")
-        stats = _stats(self.combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, r, "R")
+        stats = checks.shaped(
+            self.combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64, (r,), "[R]"
+        )
         return dataclasses.replace(
             self, x=x, topk_idx=idx, topk_weights=weights, handle=h, zero_copy=zero_copy, out=out,
             combine_wait_recv_cost_stats=stats,
@@ -140,13 +141,6 @@ def check_topk_idx(topk_idx: object, num_tokens: int, num_max: int, num_experts:
         msg = f"{idx.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {num_max}; raise it (same on all ranks)"
         raise shape("topk_idx", msg)
     return idx
-
-
-def _stats(value: object, param: str, dtype: torch.dtype, size: int, what: str) -> torch.Tensor | None:
-    t = checks.optional_tensor(value, param, (dtype,), 1)
-    if t is not None and t.shape[0] != size:
-        raise shape(param, f"shape {tuple(t.shape)} must be [{what}] = [{size}]")
-    return t
 
 
 def validate_handle(handle: object, num_ranks: int) -> LowLatencyHandle:

@@ -14,11 +14,10 @@ import torch
 import torch.distributed as dist
 
 from . import errors as checks
-from .errors import invalid, null, shape
+from .errors import ACT_DTYPES, MAX_TOPK, invalid, null, shape
 from .group import EPGroup, ep_group, resolve_group
 from .sizes import COMM_ALGS, ccl_buffer_bytes, ccl_buffer_mb
 
-ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NPU_ACT_DTYPES = (torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int32, torch.int64)
 MAX_BS = 512
@@ -174,7 +173,7 @@ def _tokens(layout: EpLayout, p: DispatchParams | CombineParams, x_param: str, x
         raise shape(x_param, f"hidden size (dim 1) must be >= 1, got {hidden}")
     num_ids = layout.num_moe_experts + layout.zero_expert_num + layout.copy_expert_num + layout.const_expert_num
     what = " (moe + zero + copy + const experts)"
-    ids_ = checks.expert_ids(ids, param, num_ids, num_tokens, 12 if v2 else 16, p.no_expert, what).long()
+    ids_ = checks.expert_ids(ids, param, num_ids, num_tokens, 12 if v2 else MAX_TOPK, p.no_expert, what).long()
     topk = ids_.shape[1]
     mask = checks.optional_tensor(p.x_active_mask, "x_active_mask", (torch.bool,), (1, 2))
     if mask is not None and mask.dim() == 1:
@@ -194,14 +193,6 @@ def _tokens(layout: EpLayout, p: DispatchParams | CombineParams, x_param: str, x
         if strict and mask is not None and num_tokens * w != global_bs and not bool(mask.all()):
             raise shape("x_active_mask", "must be all True when batch sizes differ across ranks (global_bs != Bs*W)")
     return x, ids_, mask, topk, global_bs or num_tokens * w
-
-
-def _optional(value: object, param: str, dtype: torch.dtype, size: tuple[int, ...], what: str) -> torch.Tensor | None:
-    """None, or a ``dtype`` tensor of shape ``size`` (``what`` names it)."""
-    t = checks.optional_tensor(value, param, (dtype,), len(size))
-    if t is not None:
-        checks.dims(t, param, size, what)
-    return t
 
 
 @dataclasses.dataclass
@@ -257,9 +248,9 @@ class DispatchParams(_Common):
         quant = checks.one_of(self.quant_mode, "quant_mode", (0, 2), "A2/A3 support 0 (none) and 2 (per-token int8)")
         checks.one_of(self.expert_token_nums_type, "expert_token_nums_type", (0, 1))
         rows = layout.shared_expert_num + layout.scales_experts
-        scales = _optional(self.scales, "scales", torch.float32, (rows, hidden), "(S + moe_expert_num, H)")
-        expert_scales = _optional(self.expert_scales, "expert_scales", torch.float32, (x.shape[0], topk), "(Bs, K)")
-        perf = _optional(self.performance_info, "performance_info", torch.int64, (w,), "(ep_world_size,)")
+        scales = checks.shaped(self.scales, "scales", torch.float32, (rows, hidden), "(S + moe_expert_num, H)")
+        expert_scales = checks.shaped(self.expert_scales, "expert_scales", torch.float32, (x.shape[0], topk), "(Bs, K)")
+        perf = checks.shaped(self.performance_info, "performance_info", torch.int64, (w,), "(ep_world_size,)")
         for name in ("y_dtype", "x_dtype", "scales_dtype"):
             if (value := getattr(self, name)) is not None:
                 raise invalid(name, f"got {value!r}; not supported on the A2/A3 semantics (leave it None)")
@@ -321,7 +312,7 @@ class CombineParams(_Common):
         expand_x = checks.tensor(self.expand_x, "expand_x", NPU_ACT_DTYPES if self.strict else ACT_DTYPES, 2)
         probe = checks.tensor(self.expert_ids, "expert_ids", ID_DTYPES, 2)  # x's shape from expert_ids, expand_x
         num_tokens, hidden = probe.shape[0], expand_x.shape[1]
-        x_like = expand_x.new_empty((num_tokens, hidden))
+        x_like = expand_x.new_empty((num_tokens, hidden), device="meta")  # shape and dtype only: no memory
         _, ids, mask, topk, global_bs = _tokens(layout, self, "expand_x", x_like, probe)
         assist = checks.tensor(self.assist_info_for_combine, "assist_info_for_combine", (torch.int32,), 1)
         counts = checks.tensor(self.ep_send_counts, "ep_send_counts", (torch.int32,), 1)
@@ -343,15 +334,15 @@ class CombineParams(_Common):
             raise shape("expand_x", f"hidden {hidden} must be a multiple of 8 for comm_quant_mode 2")
         # ori_x: required iff copy or const experts exist; const_expert_*: iff const experts exist. In expand_x's dtype
         dtype, n_const = expand_x.dtype, layout.const_expert_num
-        special = {"ori_x": _optional(self.ori_x, "ori_x", dtype, (num_tokens, hidden), "(Bs, H)")}
+        special = {"ori_x": checks.shaped(self.ori_x, "ori_x", dtype, (num_tokens, hidden), "(Bs, H)")}
         if (layout.copy_expert_num or n_const) and special["ori_x"] is None:
             raise null("ori_x", "copy_expert_num / const_expert_num are nonzero")
         for name in ("const_expert_alpha_1", "const_expert_alpha_2", "const_expert_v"):
-            special[name] = _optional(getattr(self, name), name, dtype, (n_const, hidden), "(const_expert_num, H)")
+            special[name] = checks.shaped(getattr(self, name), name, dtype, (n_const, hidden), "(const_expert_num, H)")
             if n_const and special[name] is None:
                 raise null(name, f"const_expert_num is {n_const}")
         w, num_local, tp = layout.world_size, layout.num_local_experts_here, max(layout.tp_world_size, 1)
-        perf = _optional(self.performance_info, "performance_info", torch.int64, (w,), "(ep_world_size,)")
+        perf = checks.shaped(self.performance_info, "performance_info", torch.int64, (w,), "(ep_world_size,)")
         if counts.numel() < w * num_local * tp:
             need = f"W * L{' * 2' if tp == 2 else ''} = {w * num_local * tp}"
             raise shape("ep_send_counts", f"has {counts.numel()} entries, needs {need}")

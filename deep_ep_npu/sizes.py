@@ -11,7 +11,7 @@ _MB = 1 << 20
 COMM_ALGS = ("", "fullmesh_v1", "fullmesh_v2")
 
 
-def _align(x: int, a: int) -> int:
+def align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
@@ -20,15 +20,15 @@ def ccl_buffer_bytes(world_size: int, num_max_dispatch_tokens_per_rank: int, hid
     """Minimum bytes of the two CCL windows (dispatch + combine, x2) for these shapes, no range checks:
     ``2 * (bs * disp_tok * W * L + bs * comb_tok * (topk + S)) + 1 MiB`` with ``disp_tok = align512(align32(2H) + 44)``
     (``ceil(.../480)*512`` for fullmesh_v2), ``comb_tok = align512(2H)``."""
-    tok_len = _align(hidden * 2, 32) + 44  # bf16 row + 32 B scale + the int32 (rank, token, slot) triple
-    disp_tok = math.ceil(tok_len / 480) * 512 if comm_alg == "fullmesh_v2" else _align(tok_len, 512)
-    bs, comb_tok = num_max_dispatch_tokens_per_rank, _align(hidden * 2, 512)
+    tok_len = align(hidden * 2, 32) + 44  # bf16 row + 32 B scale + the int32 (rank, token, slot) triple
+    disp_tok = math.ceil(tok_len / 480) * 512 if comm_alg == "fullmesh_v2" else align(tok_len, 512)
+    bs, comb_tok = num_max_dispatch_tokens_per_rank, align(hidden * 2, 512)
     return 2 * (bs * disp_tok * world_size * num_local_experts + bs * comb_tok * (topk + num_shared_expert)) + _MB
 
 
 def ccl_buffer_mb(num_bytes: int) -> int:
     """MB value to give HCCL (CANN 9.1+, which allocates twice the size it is given): ``align2(ceil(B/1MiB)) / 2``."""
-    return _align(math.ceil(num_bytes / _MB), 2) // 2
+    return align(math.ceil(num_bytes / _MB), 2) // 2
 
 
 def get_low_latency_ccl_buffer_size(world_size: int, num_max_dispatch_tokens_per_rank: int, hidden: int,

@@ -17,12 +17,13 @@ import torch
 from .. import profiling
 from ..engine.combine import CombineJob, start_combine
 from ..engine.dispatch import DispatchJob, start_dispatch
-from ..engine.flat import DTYPE_CODES, start_combine_flat, start_dispatch_flat
+from ..engine.flat import start_combine_flat, start_dispatch_flat
 from ..engine.layouts import Masked
 from ..engine.plan import make_plan
 from ..engine.rows import QUANTS, ReturnFormat, RowFormat
 from ..errors import MoeDistributeError
 from ..event import Completion
+from ..group import DTYPE_CODES
 from ..handle import make_handle
 from ..ll_params import CombineArgs, DispatchArgs
 from ..params import CombineParams, DispatchParams

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import MoeDistributeError, shape
 from ..event import Completion
-from ..group import STATUS_OK, Agreement, EPGroup, ep_group, resolve_group
+from ..group import DTYPE_CODES, STATUS_OK, Agreement, EPGroup, ep_group, resolve_group
 from ..params import CombineParams, DispatchParams, EpLayout, ValidCombine, ValidDispatch, logical_rank_of, routed_pairs
 from .combine import CombineJob, start_combine
 from .dispatch import DispatchJob, Received, start_dispatch
@@ -26,7 +26,6 @@ from .plan import Plan, make_plan
 from .rows import ReturnFormat, RowFormat
 from .workspace import Workspace
 
-DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}
 DISPATCH_OP, COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
 COMBINE_NAMES = ("moe_expert_num", "hidden", "expand_x dtype", "comm_quant_mode", "global_bs", "shared_expert_num",
                  "shared_expert_rank_num", "elastic_info", "tp_world_size")  # fmt: skip

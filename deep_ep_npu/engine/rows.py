@@ -15,12 +15,9 @@ from __future__ import annotations
 import torch
 
 from ..quant import FP8_DTYPE, GROUP, pack_ue8m0, per_group_int8, per_token_int8, scale_for_fp8_
+from ..sizes import align
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
-
-
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
 
 
 class RowFormat:
@@ -33,12 +30,12 @@ class RowFormat:
         self.data_dtype = {None: dtype, "fp8_e4m3": FP8_DTYPE, "int8_per_token": torch.int8}[quant]
         self.num_scales = {None: 0, "fp8_e4m3": hidden // GROUP, "int8_per_token": 1}[quant]
         self.data_bytes = hidden * self.data_dtype.itemsize
-        self.scale_off = _align(self.data_bytes, 4)
+        self.scale_off = align(self.data_bytes, 4)
         self.token_off = self.scale_off + 4 * self.num_scales
         self.slot_off = self.token_off + 4
         self.weight_off = self.slot_off + 4 * num_slots
         self.end = self.weight_off + (4 * num_slots if weights else 0)
-        self.row_bytes = _align(self.end, 16)
+        self.row_bytes = align(self.end, 16)
         words = [w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if self.data_bytes % w.itemsize == 0]
         self.word = words[0]  # copies move the widest integer words that tile the data, not bytes
 

@@ -7,16 +7,13 @@ import torch
 import torch.distributed as dist
 
 from .. import errors as checks
-from ..errors import MoeDistributeError, invalid, shape
-from ..group import STATUS_OK, EPGroup, ep_group, resolve_group
+from ..errors import ACT_DTYPES, MAX_TOPK, MoeDistributeError, invalid, shape
+from ..group import DTYPE_CODES, STATUS_OK, EPGroup, ep_group, resolve_group
 
 MAX_WORLD_SIZE = 16  # the A5 PTO MegaMoE kernel: worldSize in [1, 16]
 MAX_TOKENS_PER_RANK = 512  # the dispatch op's Bs limit
-MAX_TOPK = 16
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # of x and of float weights
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SEGMENT_BY = ("expert", "token")
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}
 _FINGERPRINT = ("num_experts", "hidden", "N", "topk", "weight dtype", "out_dtype", "num_max_dispatch_tokens_per_rank",
                 "num_segments", "segment_by")  # fmt: skip
 
@@ -57,8 +54,8 @@ class MegaMoeArgs:
         return range(num_local) if self.segment_by == "token" else range(s * num_local // n, (s + 1) * num_local // n)
 
     def fingerprint(self) -> tuple[int, ...]:
-        return (self.num_experts, self.hidden, self.intermediate, self.topk, _DTYPE_CODES[self.w1.dtype],
-                _DTYPE_CODES[self.out_dtype], self.num_max_dispatch_tokens_per_rank, self.num_segments,
+        return (self.num_experts, self.hidden, self.intermediate, self.topk, DTYPE_CODES[self.w1.dtype],
+                DTYPE_CODES[self.out_dtype], self.num_max_dispatch_tokens_per_rank, self.num_segments,
                 SEGMENT_BY.index(self.segment_by))  # fmt: skip
 
 
@@ -75,7 +72,7 @@ def validate(group: object, x: object, topk_idx: object, topk_weights: object, w
     if num_experts % w:
         raise shape("num_experts", f"{num_experts} is not divisible by the world size {w}")
     num_local = num_experts // w
-    x = checks.tensor(x, "x", FLOAT_DTYPES, 2)
+    x = checks.tensor(x, "x", ACT_DTYPES, 2)
     num_tokens, hidden = x.shape
     if hidden < 1:
         raise shape("x", f"hidden size (dim 1) must be >= 1, got shape {tuple(x.shape)}")
@@ -89,7 +86,7 @@ def validate(group: object, x: object, topk_idx: object, topk_weights: object, w
         both = "w1_scale and w2_scale must be given together (int8 weights) or both be None (float weights)"
         raise invalid("w2_scale" if w2_scale is None else "w1_scale", both)
     int8 = w1_scale is not None
-    wdt = (torch.int8,) if int8 else FLOAT_DTYPES
+    wdt = (torch.int8,) if int8 else ACT_DTYPES
     why = "int8 because scales are given" if int8 else "bf16/fp16/fp32 (int8 needs w1_scale and w2_scale)"
     for name, t in (("w1", w1), ("w2", w2)):
         if isinstance(t, torch.Tensor) and t.dtype not in wdt:
