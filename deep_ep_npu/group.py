@@ -79,8 +79,7 @@ def resolve_group(group: object, param: str) -> dist.ProcessGroup:
 
 
 def comm_device(group: dist.ProcessGroup) -> torch.device:
-    """The device ``group``'s collectives take tensors on: NCCL the current CUDA device, HCCL the current NPU, else
-    the CPU."""
+    """The device of ``group``'s collectives: NCCL the current CUDA device, HCCL the current NPU, else the CPU."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
@@ -203,6 +202,10 @@ class EPGroup:
                              wait_us, op)  # fmt: skip
 
         return finish
+
+    def reject(self, op: str, code: int, num_counts: int, num_shared: int) -> None:
+        """This rank rejected its input of ``op``: take part in its agreement step with status ``code``."""
+        self.start_agree(op, code, [[0] * num_counts for _ in range(self.num_ranks)], [0] * num_shared)()
 
     def shrink(self, failure: EPRankFailure) -> None:
         """Drop ``failure.missing_ranks`` from the live set and continue on a new group of the survivors. Raises

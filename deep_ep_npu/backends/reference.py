@@ -42,9 +42,9 @@ class ReferenceBackend(LowLatencyBackend):
         self._buffer_idx, self._dispatch_idx = state
 
     def abort(self, op: str, code: int) -> None:
-        d, r = op == "dispatch", self.num_ranks
-        width = len(Masked.names) if d else 2 * r + len(COMBINE_NAMES)
-        self.ep.start_agree(f"low_latency_{op}", code, [[0, 0] if d else [] for _ in range(r)], [0] * width)()
+        d = op == "dispatch"  # the agreement rows of dispatch and combine
+        width = len(Masked.names) if d else 2 * self.num_ranks + len(COMBINE_NAMES)
+        self.ep.reject(f"low_latency_{op}", code, 2 if d else 0, width)
 
     def _plan(self, topk_idx: torch.Tensor, num_local: int, per_pair_rows: bool):
         """The engine's plan for the (token, slot, dest rank, local expert) of the valid entries of ``topk_idx``."""
@@ -104,7 +104,7 @@ class ReferenceBackend(LowLatencyBackend):
         num_local, n, hidden = h.layout_range.shape[0], h.num_max_dispatch_tokens_per_rank, h.hidden
         self._ws.device = args.x.device
         try:
-            rows, rows_per_src = Masked.return_rows(h.layout_range, n, self.mask)
+            rows, rows_per_src = Masked.return_rows(h, self.mask)
         except MoeDistributeError as err:
             self.abort("combine", err.code)
             raise

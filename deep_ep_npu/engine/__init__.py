@@ -3,5 +3,4 @@
 A dispatch: :mod:`.plan` (which rows go to which rank) -> :mod:`.rows` (their bytes) -> :mod:`.dispatch` (agreement
 step, payload all-to-all over :class:`~deep_ep_npu.group.EPGroup`) -> :mod:`.layouts` (DeepEP's masked placement) or
 :mod:`.flat` (Ascend's flat placement, with the TP stage and copy / const experts). :mod:`.combine` returns and
-reduces rows.
-"""
+reduces rows."""

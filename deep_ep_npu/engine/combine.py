@@ -6,8 +6,7 @@ vectors, so a handle or top-k that does not match the dispatch is reported on ev
 all-to-all. Rows for this rank itself never touch the wire.
 
 Reduction order: with ``by_slot`` (the Ascend ops) ``out[t] = sum_k c[t, k]`` over slots k ascending, then
-``shared_expert_x[t]``; otherwise (DeepEP) this rank's own experts first, then the remote ranks in rank order.
-"""
+``shared_expert_x[t]``; otherwise (DeepEP) this rank's own experts first, then the remote ranks in rank order."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Send phase (:func:`start_dispatch`): the agreement step starts (status, rows per
 rows are encoded while it travels (:mod:`.rows`; each token once per destination rank), then the remote rows go
 out in one uneven all-to-all; this rank's own rows never touch the wire and are placed meanwhile. Receive phase
 (the returned :class:`~deep_ep_npu.event.Completion`): the received rows are expanded into one output row per
-(token, local expert) at the position the layout computes, written once.
-"""
+(token, local expert) at the position the layout computes, written once."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
 """The flat (Ascend) path: validated :class:`~deep_ep_npu.params.DispatchParams` / ``CombineParams`` become engine
-jobs with the :class:`Flat` layout, the TP stage and the zero / copy / const experts.
-
-TP domain (``tp_world_size`` 2): ``rsOut = ReduceScatterV(expand_x)``, then ``AllToAllV(rsOut)`` over EP. A TP pair
-holds the same expert on both ranks (one routed expert per rank); each rank receives its own tokens over EP, both
-compute on the union (own rows first, then the peer's), and combine sums the two partial results of every row on
-the rank that received it before returning it over EP. Every TP collective runs on the pair's
-:class:`~deep_ep_npu.group.EPGroup`: bounded, and a peer that is gone is named in an
-:class:`~deep_ep_npu.failure.EPRankFailure`.
-"""
+jobs with the :class:`Flat` layout (the TP stage: :mod:`.tp`) and the zero / copy / const experts."""
 
 from __future__ import annotations
 
@@ -17,13 +9,14 @@ import torch
 
 from ..errors import MoeDistributeError, shape
 from ..event import Completion
-from ..group import DTYPE_CODES, STATUS_OK, Agreement, EPGroup, ep_group, resolve_group
+from ..group import DTYPE_CODES, Agreement, EPGroup, ep_group, resolve_group
 from ..params import CombineParams, DispatchParams, EpLayout, ValidCombine, ValidDispatch, logical_rank_of, routed_pairs
 from .combine import CombineJob, start_combine
-from .dispatch import DispatchJob, Received, start_dispatch
+from .dispatch import DispatchJob, start_dispatch
 from .layouts import sort_blocks
 from .plan import Plan, make_plan
 from .rows import ReturnFormat, RowFormat
+from .tp import tp_agree, tp_gather_rows, tp_reduce_scatter, with_tp_agreement
 from .workspace import Workspace
 
 DISPATCH_OP, COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
@@ -50,8 +43,8 @@ class Flat:
             raise shape("global_bs", why)
         agreement.check(self.v.layout.rank, self.names)
 
-    def place_own(self, fmt: RowFormat, rows: torch.Tensor, got: Received) -> None:
-        del fmt, rows, got  # placed with the remote rows: their positions depend on every source's counts
+    def place_own(self, *_: Any) -> None:
+        """Nothing yet: own rows are placed with the remote ones (their positions depend on every source's counts)."""
 
     def place_remote(self, fmt, rows, got, own_rows, own, agreement: Agreement, wait_ns: int) -> None:
         v, layout, cap = self.v, self.v.layout, self.capacity
@@ -82,17 +75,10 @@ class Flat:
                 expand_scales[at] = fmt.weights(buf)[part.row, part.slot]
         all_counts = counts.reshape(-1)
         tp_recv_counts = torch.full((layout.tp_world_size,), num_recv, dtype=torch.int32, device=dev)
-        if layout.tp is not None:  # append the TP peer's received rows and counts (`[L * W]` on both)
-            peer = 1 - layout.tp_rank_id
-            sizes = layout.tp.start_agree("TP exchange", STATUS_OK, [[num_recv, *all_counts.tolist()]] * 2, ())()
-            num_peer, *peer_counts = sizes.counts[peer]
-            row_scales, peer_rows = dynamic_scales.view(cap * tp, -1), slice(num_recv, num_recv + num_peer)
-            send = torch.cat([_as_bytes(expand_x[:num_recv]), _as_bytes(row_scales[:num_recv])], dim=1)
-            recv = _swap(layout.tp, layout.tp_rank_id, send, num_peer)
-            expand_x[peer_rows] = recv[:, : fmt.data_bytes].contiguous().view(expand_x.dtype)
-            row_scales[peer_rows] = recv[:, fmt.data_bytes :].contiguous().view(torch.float32)
-            tp_recv_counts[peer] = num_peer
-            all_counts = torch.cat([all_counts, all_counts.new_tensor(peer_counts)])
+        if layout.tp is not None:  # append the TP peer's received rows and counts
+            all_counts, tp_recv_counts[1 - layout.tp_rank_id] = tp_gather_rows(
+                layout.tp, layout.tp_rank_id, expand_x, dynamic_scales, num_recv, all_counts
+            )
         per_expert = all_counts.view(tp, num_local, w).sum(dim=(0, 2))
         expert_token_nums = (per_expert.cumsum(0) if v.expert_token_nums_type == 0 else per_expert).to(torch.int64)
         extra = 2 * v.global_bs * v.topk * (w // 8) if self.weights else 0
@@ -128,38 +114,6 @@ def add_wait_time(performance_info: torch.Tensor | None, agreement: Agreement, w
     performance_info += sent.to(torch.int64) * (agreement.wait_us + wait_ns // 1000)
 
 
-TP_NAMES = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
-
-
-def tp_agree(tp: EPGroup | None, status: int, op: str, fingerprint: tuple[int, ...] = (0,) * len(TP_NAMES)) -> None:
-    """Share status and fingerprint with the TP peer (both ranks always call it, also after their EP domain rejected
-    the call, so the peer raises too instead of waiting); raise if the peer rejected or the pair disagrees."""
-    if tp is None:
-        return
-    agreement = tp.start_agree(op, status, [[], []], fingerprint)()
-    if status != STATUS_OK:
-        return
-    peer = [s for s in agreement.status if s != STATUS_OK]
-    if peer:
-        raise MoeDistributeError(peer[0], "inputs", f"{op} aborted: the TP peer rank rejected its input")
-    for name, a, b in zip(TP_NAMES, *agreement.shared[:2], strict=False):
-        if a != b:
-            raise shape(name, f"{op}: the TP pair disagrees on {name} ({a} vs {b})")
-
-
-def _swap(tp: EPGroup, tp_rank: int, send: torch.Tensor, num_recv: int) -> torch.Tensor:
-    """Send `[n, B]` uint8 rows to the TP peer and receive its `[num_recv, B]`."""
-    recv = torch.empty((num_recv, send.shape[1]), dtype=torch.uint8, device=send.device)
-    recv_rows, send_rows = ([0, n] if tp_rank == 0 else [n, 0] for n in (num_recv, send.shape[0]))
-    tp.transfer(recv, send, recv_rows, send_rows, "TP exchange").wait()
-    return recv
-
-
-def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    """`[n, k]` rows as `[n, row_bytes]` uint8."""
-    return rows.contiguous().view(torch.uint8)
-
-
 def _group(group: object, param: str) -> EPGroup | None:
     try:
         return ep_group(resolve_group(group, param))
@@ -174,31 +128,11 @@ def _validate(p: DispatchParams | CombineParams, ep: EPGroup | None, op: str) ->
         return p.validate()
     except MoeDistributeError as err:
         if (ep := ep or _group(p.group_ep, "group_ep")) is not None:
-            r, d = ep.num_ranks, op == DISPATCH_OP
-            width = len(Flat.names) + 1 if d else 2 * r + len(COMBINE_NAMES)
-            ep.start_agree(op, err.code, [[0, 0] if d else [] for _ in range(r)], [0] * width)()
+            d = op == DISPATCH_OP  # dispatch: (rows, pairs) per rank + fingerprint and Bs; combine: 2R counts + fp
+            ep.reject(op, err.code, 2 if d else 0, len(Flat.names) + 1 if d else 2 * ep.num_ranks + len(COMBINE_NAMES))
             tp = _group(p.group_tp, "group_tp") if p.tp_world_size == 2 else None
             if tp is not None and tp.num_ranks == 2:
                 tp_agree(tp, err.code, op)
-        raise
-
-
-def _run(start, job, layout: EpLayout, dtype: torch.dtype, quant: bool, after=None) -> Completion:
-    """``start(job)`` with the TP pair's agreement (then ``after()``) between the EP agreement and the payload."""
-    told: list[bool] = []
-    fingerprint = (job.fmt.hidden, DTYPE_CODES[dtype] * 4 + 2 * quant, job.fmt.row_bytes, layout.num_moe_experts)
-
-    def before_send() -> bool:
-        told.append(True)
-        tp_agree(layout.tp, 0, job.op, fingerprint)
-        return after() if after is not None else False
-
-    job.before_send = before_send
-    try:
-        return start(job)
-    except MoeDistributeError as err:
-        if not told:
-            tp_agree(layout.tp, err.code, job.op)
         raise
 
 
@@ -239,7 +173,7 @@ def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace:
     job = DispatchJob(
         ep, DISPATCH_OP, x, plan, fmt, weights, smooth, fingerprint, flat, workspace or Workspace(x.device)
     )
-    receive = _run(start_dispatch, job, layout, x.dtype, v.quant)
+    receive = with_tp_agreement(start_dispatch, job, layout, x.dtype, v.quant)
     return Completion(lambda: (receive.wait(), flat.outputs)[1])
 
 
@@ -288,15 +222,13 @@ def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: W
         active=active, on_wait=lambda agreement, wait_ns: add_wait_time(v.performance_info, agreement, wait_ns),
     )  # fmt: skip
 
-    def reduce_scatter() -> bool:  # ReduceScatterV: own partial + the peer's partial of my rows, fp32, one cast
+    def reduce_scatter() -> bool:
         if layout.tp is None:
             return False
-        peer_rows = _as_bytes(expand_x[v.num_rows : v.num_rows + v.num_peer])
-        peer = _swap(layout.tp, layout.tp_rank_id, peer_rows, v.num_rows).view(expand_x.dtype).view(v.num_rows, hidden)
-        job.source = (expand_x[: v.num_rows].float() + peer.float()).to(expand_x.dtype)
+        job.source = tp_reduce_scatter(layout.tp, layout.tp_rank_id, expand_x, v.num_rows, v.num_peer)
         return True  # the rows to return changed: pack them again
 
-    receive = _run(start_combine, job, layout, expand_x.dtype, v.comm_quant, reduce_scatter)
+    receive = with_tp_agreement(start_combine, job, layout, expand_x.dtype, v.comm_quant, reduce_scatter)
     return Completion(lambda: (receive.wait(), out)[1])
 
 

@@ -2,8 +2,7 @@
 
 Both place the same received pairs (:class:`~.dispatch.Received`) by their (local expert, source rank), written
 once. For combine, each layout also says where the rows of each source rank sit (``return_rows``), in the order
-the source's plan expects them back: by source rank, then local expert, then token.
-"""
+the source's plan expects them back: by source rank, then local expert, then token."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import torch
 
 from ..errors import shape
 from ..group import Agreement
+from ..handle import LowLatencyHandle
 from .dispatch import Received
 from .rows import RowFormat
 
@@ -88,11 +88,11 @@ class Masked:
             self.wait_stats += wait_ns
 
     @staticmethod
-    def return_rows(layout_range: torch.Tensor, n: int, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def return_rows(handle: LowLatencyHandle, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Rows of the flattened `[L * R * N]` expert output to send back, by (source, expert, row), and rows per
         source (none to masked sources)."""
-        num_local, r = layout_range.shape
-        count, begin = layout_range & 0xFFFFFFFF, layout_range >> 32
+        (num_local, r), n = handle.layout_range.shape, handle.num_max_dispatch_tokens_per_rank
+        count, begin = handle.recv_count_per_rank, handle.recv_begin
         if bool(((begin < 0) | (begin + count > r * n)).any()):
             raise shape("handle.layout_range", f"holds a block outside [0, R * N = {r * n}); pass dispatch's handle")
         if bool(mask.any()):

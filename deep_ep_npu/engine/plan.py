@@ -4,8 +4,7 @@ Pairs are sorted by (destination, local expert, token). Receivers place rows so 
 source rank) block tokens ascend, so combine returns rows in exactly this order and the source reduces them
 without any metadata. A row is one token copy per destination rank (the receiver expands it into one row per
 local expert it is for) or one per pair when its encoding depends on the expert (smoothed int8 quant).
-Rows are ordered by destination with this rank's own rows last: the remote rows are one contiguous send buffer.
-"""
+Rows are ordered by destination with this rank's own rows last: the remote rows are one contiguous send buffer."""
 
 from __future__ import annotations
 

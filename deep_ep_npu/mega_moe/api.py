@@ -7,7 +7,7 @@ import torch
 from ..errors import MoeDistributeError
 from ..group import EPGroup, ep_group, resolve_group
 from .ascend import create_backend
-from .params import MAX_WORLD_SIZE, agree, validate
+from .params import AGREE_WIDTH, MAX_WORLD_SIZE, agree, validate
 
 
 def mega_moe(
@@ -69,7 +69,7 @@ def run_mega_moe(ep: EPGroup, backend: str, *args: Any, **kwargs: Any) -> torch.
         valid = validate(ep.group, *args, ep=ep, **kwargs)
     except MoeDistributeError as err:
         if 1 <= ep.num_ranks <= MAX_WORLD_SIZE:
-            agree(ep, err, device=device)
+            ep.reject("mega_moe", err.code, 0, AGREE_WIDTH)
         raise
-    fused = agree(ep, None, valid.fingerprint(), impl.can_fuse(valid), device=device)
+    fused = agree(ep, valid.fingerprint(), impl.can_fuse(valid), device)
     return impl.run(valid, fused)

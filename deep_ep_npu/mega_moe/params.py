@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors as checks
-from ..errors import ACT_DTYPES, MAX_TOPK, MoeDistributeError, invalid, shape
+from ..errors import ACT_DTYPES, MAX_TOPK, invalid, shape
 from ..group import DTYPE_CODES, STATUS_OK, EPGroup, ep_group, resolve_group
 
 MAX_WORLD_SIZE = 16  # the A5 PTO MegaMoE kernel: worldSize in [1, 16]
@@ -16,6 +16,7 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SEGMENT_BY = ("expert", "token")
 _FINGERPRINT = ("num_experts", "hidden", "N", "topk", "weight dtype", "out_dtype", "num_max_dispatch_tokens_per_rank",
                 "num_segments", "segment_by")  # fmt: skip
+AGREE_WIDTH = 1 + len(_FINGERPRINT)  # can_fuse, then the fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,15 +118,10 @@ def validate(group: object, x: object, topk_idx: object, topk_weights: object, w
                        nmax, num_experts, out_dtype, max_output_size, num_segments, segment_by, ep)  # fmt: skip
 
 
-def agree(ep: EPGroup, error: MoeDistributeError | None, fingerprint: tuple[int, ...] = (), can_fuse: bool = False,
-          device: torch.device | str | None = None) -> bool:  # fmt: skip
-    """The agreement step of a MegaMoE call: every rank sends one bounded status/can_fuse/fingerprint row, so a
-    rejected input or a shape the ranks disagree on raises the same error on every rank (``error`` itself on the rank
-    that produced it) instead of leaving peers waiting in the dispatch. Returns whether every rank can fuse."""
-    row = [int(can_fuse), *fingerprint] if error is None else [0] * (1 + len(_FINGERPRINT))
-    status = STATUS_OK if error is None else error.code
-    agreement = ep.start_agree("mega_moe", status, [[]] * ep.num_ranks, row, device=device)()
-    if error is not None:
-        raise error
+def agree(ep: EPGroup, fingerprint: tuple[int, ...], can_fuse: bool, device: torch.device | None) -> bool:
+    """The agreement step of a valid call (a rejected one: ``ep.reject("mega_moe", code, 0, AGREE_WIDTH)``): ranks
+    that disagree on a shape raise on every rank. Returns whether every rank can fuse."""
+    row = [int(can_fuse), *fingerprint]
+    agreement = ep.start_agree("mega_moe", STATUS_OK, [[]] * ep.num_ranks, row, device=device)()
     agreement.check(ep.rank, _FINGERPRINT, offset=1)
     return all(fp[0] for fp in agreement.shared)
