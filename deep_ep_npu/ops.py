@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .engine import staged
 from .engine.flat import start_combine_flat, start_dispatch_flat
 from .errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, MoeDistributeError
 from .event import Completion
@@ -21,8 +22,9 @@ from .sizes import get_low_latency_ccl_buffer_size
 
 __all__ = [
     "ACLNN_ERR_INNER_TILING_ERROR", "ACLNN_ERR_PARAM_INVALID", "ACLNN_ERR_PARAM_NULLPTR", "MoeDistributeError",
-    "get_low_latency_ccl_buffer_size", "moe_distribute_combine_start", "moe_distribute_combine_v2",
-    "moe_distribute_dispatch_start", "moe_distribute_dispatch_v2",
+    "get_low_latency_ccl_buffer_size", "moe_distribute_combine_setup", "moe_distribute_combine_start",
+    "moe_distribute_combine_teardown", "moe_distribute_combine_v2", "moe_distribute_dispatch_setup",
+    "moe_distribute_dispatch_start", "moe_distribute_dispatch_teardown", "moe_distribute_dispatch_v2",
 ]  # fmt: skip
 
 
@@ -165,3 +167,125 @@ def moe_distribute_combine_start(*args: object, **kwargs: object) -> Completion:
     """:func:`moe_distribute_combine_v2`'s send phase (same arguments): ``wait()`` on the returned
     :class:`~deep_ep_npu.event.Completion` receives, reduces and returns ``x`` (compute in between overlaps it)."""
     return start_combine_flat(CombineParams(*args, **kwargs))  # type: ignore[arg-type]
+
+
+# fmt: off
+def moe_distribute_dispatch_setup(
+    x: torch.Tensor, expert_ids: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
+    ep_rank_id: int, moe_expert_num: int, *, scales: torch.Tensor | None = None,
+    x_active_mask: torch.Tensor | None = None, expert_shard_type: int = 0, shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0, quant_mode: int = 0, global_bs: int = 0, comm_type: int = 0, comm_alg: str = "",
+    y_dtype: torch.dtype | int | None = None, strict: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # fmt: on
+    """torch_npu's ``npu_moe_distribute_dispatch_setup``: the send phase of a two-stage dispatch (same arguments,
+    plus ``strict``). Validation (on every rank) and the agreement step run here, and the rows leave.
+
+    Notation: W = ep_world_size, E = moe_expert_num, L = E / W, K = top-k, S = shared_expert_num as passed,
+    ``hs`` = the row size torch_npu gives ``y`` for ``quant_mode``: 0 ``Align256(H)``, 1 ``Align512(Align32(H))``,
+    2 ``Align512(Align32(H) + 4)``, 3 ``Align512(Align128(H) + ceil(H / 128) * 4)``, 4 ``Align512(Align256(H) +
+    Align2(ceil(H / 32)))``.
+
+    Arguments: as :func:`moe_distribute_dispatch_v2`, with these rules of the two-stage form on every platform:
+    ``comm_type`` in [0, 2] (0 AICPU-SDMA, 1 CCU, 2 URMA), ``comm_alg`` "", no shared experts
+    (``shared_expert_rank_num`` 0, ``shared_expert_num`` 0 or 1), ``x_active_mask`` `[Bs]` bool only, and a quantizing
+    ``quant_mode`` needs ``y_dtype``. ``strict`` ("a5", or True / "a3"): also the platform's ranges (W [2, 384],
+    E (0, 512], H [1024, 8192], Bs (0, 512], K (0, 16]), URMA only (``comm_type`` 2) and the HCCL window
+    (``HCCL_BUFFSIZE``, default 200 MB) of at least ``f * (L * maxBs * W * Align512(Align32(2H) + 44) + K * maxBs *
+    Align512(2H))`` bytes, f = 4 on Ascend 950, 2 on A3.
+
+    Returns:
+        y: `[Bs * (K + S), hs]` with ``y_dtype`` (x's dtype when None): the rows as sent, pairs sorted by expert id
+            (stable), row i the (quantized) copy of its token; with quant_mode 2 the fp32 scale sits at byte
+            ``Align32(H)`` of the row. Rows of pairs not sent (outside ``x_active_mask``) and the tail are zero.
+        expand_idx: `[Bs * K]` `torch.int32`: for pair (t, k), the number of earlier sent pairs of this rank routed to
+            the same expert (its row in that expert's block); -1 for a pair not sent (ours: undefined on the NPU).
+        comm_cmd_info: `[(Bs * (K + S) + W * L) * 16]` `torch.int32`: the key of this call (pass it to
+            :func:`moe_distribute_dispatch_teardown`; opaque on the NPU).
+    """
+    return staged.dispatch_setup(staged.SetupParams(**locals()))
+
+
+# fmt: off
+def moe_distribute_dispatch_teardown(
+    x: torch.Tensor, y: torch.Tensor, expert_ids: torch.Tensor, comm_cmd_info: torch.Tensor,
+    group_ep: dist.ProcessGroup | str, ep_world_size: int, ep_rank_id: int, moe_expert_num: int, *,
+    expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0, quant_mode: int = 0,
+    global_bs: int = 0, expert_token_nums_type: int = 1, comm_type: int = 0, comm_alg: str = "",
+    strict: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # fmt: on
+    """torch_npu's ``npu_moe_distribute_dispatch_teardown``: wait for the rows of the dispatch_setup call that
+    ``comm_cmd_info`` names (same x, y, expert_ids and keywords, else a clear error) and return them. A = ``global_bs
+    * min(L, K)`` (``global_bs`` or Bs * W). No communication: its errors are local.
+
+    Returns:
+        expand_x: `[A, H]` in y's dtype (quantized rows are not dequantized): rows by local expert, then source rank,
+            then the source's order, as :func:`moe_distribute_dispatch_v2`; rows past the received total are zero.
+        dynamic_scales: `[A]` `torch.float32` (quant_mode 0-2; zeros for 0), `[A, ceil(H / 128)]` (3), `[A,
+            Align2(ceil(H / 32))]` `torch.float8_e8m0fnu` (4): the rows' scales.
+        assist_info_for_combine: `[A * 128]` `torch.int32`: ``[0 : W * L]`` the inclusive prefix sum of the rows per
+            (local expert j, source rank r), j-major (the one-shot op's ``ep_recv_counts``); the rest zero.
+        expert_token_nums: `[L]` `torch.int64`: rows per local expert (expert_token_nums_type 1) or their inclusive
+            cumsum (0; Ascend 950 allows only 1).
+    """
+    return staged.dispatch_teardown(locals())
+
+
+# fmt: off
+def moe_distribute_combine_setup(
+    expand_x: torch.Tensor, expert_ids: torch.Tensor, assist_info_for_combine: torch.Tensor,
+    group_ep: dist.ProcessGroup | str, ep_world_size: int, ep_rank_id: int, moe_expert_num: int, *,
+    expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0, global_bs: int = 0,
+    comm_quant_mode: int = 0, comm_type: int = 0, comm_alg: str = "", strict: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # fmt: on
+    """torch_npu's ``npu_moe_distribute_combine_setup``: send the expert outputs back. Block ``b = j * W + r`` of
+    ``expand_x`` (rows ``[cum[b - 1], cum[b])``, ``cum`` = ``assist_info_for_combine[0 : W * L]``) goes to source
+    rank r. Validation (on every rank) and the agreement step run here. ``comm_quant_mode`` must be 0 (the two-stage
+    combine does not quantize); the other rules as :func:`moe_distribute_dispatch_setup`.
+
+    Arguments:
+        expand_x: `[A', H]` `torch.bfloat16` / `torch.float16` (`torch.float32` here): expert outputs, row-aligned
+            with dispatch_teardown's ``expand_x``.
+        expert_ids: `[Bs, K]` `torch.int32`: this rank's top-k ids (only its shape is used here).
+        assist_info_for_combine: dispatch_teardown's output, unchanged.
+
+    Returns:
+        quant_expand_x: `[A', Align512(Align32(H) + Align8(H) / 8 * 4)]` `torch.int8`, zero (nothing is quantized).
+        comm_cmd_info: `[(A' + W) * 16]` `torch.int32`: the key of this call (pass it to
+            :func:`moe_distribute_combine_teardown`).
+    """
+    kw = {k: v for k, v in locals().items() if k != "comm_type"}
+    return staged.combine_setup(staged.CombineSetupParams(ep_send_counts=None, expert_scales=None, comm_type=comm_type,
+                                                          **kw))  # fmt: skip
+
+
+# fmt: off
+def moe_distribute_combine_teardown(
+    expand_x: torch.Tensor, quant_expand_x: torch.Tensor, expert_ids: torch.Tensor, expand_idx: torch.Tensor,
+    expert_scales: torch.Tensor, comm_cmd_info: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
+    ep_rank_id: int, moe_expert_num: int, *, x_active_mask: torch.Tensor | None = None,
+    shared_expert_x: torch.Tensor | None = None, expert_shard_type: int = 0, shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0, global_bs: int = 0, comm_quant_mode: int = 0, comm_type: int = 0,
+    comm_alg: str = "", strict: bool | str = False,
+) -> torch.Tensor:
+    # fmt: on
+    """torch_npu's ``npu_moe_distribute_combine_teardown``: wait for the rows of the combine_setup call that
+    ``comm_cmd_info`` names (same expand_x, quant_expand_x and keywords) and reduce them. No communication: its
+    errors are local.
+
+    Arguments:
+        expert_ids: `[Bs, K]` `torch.int32` and expand_idx `[Bs * K]` `torch.int32` (dispatch_setup's output): pair
+            (t, k)'s row is row ``expand_idx[t * K + k]`` of expert ``expert_ids[t, k]``'s returned block; pairs with
+            ``expand_idx`` -1 (not sent) add nothing and their ids are not checked.
+        expert_scales: `[Bs, K]` `torch.float32` top-k weights.
+        x_active_mask: `[Bs]` bool prefix mask: tokens outside it are zero (the 950 kernel ignores it).
+        shared_expert_x: `[Bs, H]` (or `[a, b, H]`, a * b = Bs) in expand_x's dtype, added with weight 1 (the
+            documented formula; the 950 kernel ignores it).
+
+    Returns:
+        x: `[Bs, H]` in expand_x's dtype: ``sum_k expert_scales[t, k] * row(t, k)`` over slots ascending in fp32, plus
+        ``shared_expert_x[t]``, one round-to-nearest-even cast; exactly :func:`moe_distribute_combine_v2`'s result.
+    """
+    return staged.combine_teardown(locals())
