@@ -122,7 +122,8 @@ def available_backends() -> list[str]:
 
 
 def hccl_comm_name(group: dist.ProcessGroup, rank: int) -> str:
-    """The HCCL communicator name of ``group`` (what the NPU ops' group arguments take)."""
+    """The HCCL communicator name of ``group`` (what the NPU ops' group arguments take), asked of its ``"npu"``
+    backend (creating the communicator if needed); with :mod:`deep_ep_npu.sim` installed, ``sim.hccl_comm_name``."""
     return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)  # type: ignore[attr-defined]
 
 
