@@ -86,17 +86,20 @@ def flag(value: object, param: str) -> bool:
 
 
 def expert_ids(ids: object, param: str, num_ids: int, num_tokens: int, max_topk: int, no_expert: bool,
-               what: str = "") -> torch.Tensor:  # fmt: skip
+               what: str = "", active: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The top-k rule: `[num_tokens, K]` int32 / int64, ``0 < K <= max_topk``, every id in ``[0, num_ids)`` (or -1,
-    "no expert", when ``no_expert``), no id twice in a row. Checked on the given dtype, before any cast."""
+    "no expert", when ``no_expert``), no id twice in a row. Checked on the given dtype, before any cast, and only
+    where ``active`` (`[num_tokens, K]` bool, None: everywhere) is True: excluded entries may hold anything."""
     t = tensor(ids, param, (torch.int32, torch.int64), 2)
     k = t.shape[1]
     if t.shape[0] != num_tokens:
         raise shape(param, f"has {t.shape[0]} rows but x has {num_tokens} tokens")
     if not 0 < k <= max_topk:
         raise shape(param, f"top-k (dim 1) is {k}, allowed (0, {max_topk}]")
-    if t.numel():
-        lo, hi, floor = int(t.min()), int(t.max()), -1 if no_expert else 0
+    if active is not None:  # excluded entries read -1: neither range-checked nor duplicates
+        t = t.masked_fill(~active, -1)
+    if (vals := t if active is None else t[active]).numel():
+        lo, hi, floor = int(vals.min()), int(vals.max()), -1 if no_expert else 0
         if lo < floor or hi >= num_ids:
             allowed = f"[0, {num_ids}){what}" + (" or -1 (no expert)" if no_expert else "")
             raise shape(param, f"contains {lo if lo < floor else hi}, allowed {allowed}")

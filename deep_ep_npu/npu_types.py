@@ -27,9 +27,11 @@ ACL_CODES: dict[int, torch.dtype | str] = {  # ACL enum + 256: torch_npu's own d
 TORCH_NPU_CONSTANTS = {"int4": 285, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292, "float8_e8m0fnu": 293,
                        "float4_e2m1fn_x2": 296, "float4_e1m2fn_x2": 297}  # fmt: skip
 """The dtype constants ``torch_npu`` exports (as ints), by name."""
+SCALAR_TYPE_CODE = {dtype: code for code, dtype in SCALAR_TYPE_CODES.items()}
+"""A ``torch.dtype``'s ScalarType code (the inverse of :data:`SCALAR_TYPE_CODES`)."""
 
 PLATFORMS = {False: None, True: "a3", "a3": "a3", "a5": "a5"}
-PLATFORM_NAMES = {"a3": "Atlas A3", "a5": "Ascend 950 (A5)"}
+PLATFORM_NAMES = {"a2": "Atlas A2", "a3": "Atlas A3", "a5": "Ascend 950 (A5)"}  # a2: named in errors, not a strict
 
 
 def resolve_dtype(value: object, param: str) -> torch.dtype | None:

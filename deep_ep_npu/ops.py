@@ -1,8 +1,10 @@
 """The Ascend MoE distribute ops with torch_npu's signatures, on the one exchange engine (:mod:`deep_ep_npu.engine`).
 
 ``moe_distribute_dispatch_v2`` / ``moe_distribute_combine_v2`` take exactly the arguments of
-``torch_npu.npu_moe_distribute_dispatch_v2`` / ``npu_moe_distribute_combine_v2`` (A3 fullmesh semantics), plus
-``ccl_buffer_size`` and ``strict`` of our own; the ``*_start`` variants split them into send and receive phases.
+``torch_npu.npu_moe_distribute_dispatch_v2`` / ``npu_moe_distribute_combine_v2`` (the union of the A2 / A3 / Ascend 950
+semantics; ``strict`` enforces one platform's), plus ``ccl_buffer_size`` and ``strict`` of our own; the ``*_start``
+variants split them into send and receive phases (ours). ``moe_distribute_{dispatch,combine}_{setup,teardown}`` are
+torch_npu's real two-stage ops (:mod:`deep_ep_npu.engine.staged`), with the same results as the one-shot ops.
 The arguments are validated once (a rejected rank still takes part in the agreement step, so every rank raises);
 the agreement step, payload all-to-all and flat placement are bounded by the group's timeout (``DEEP_EP_NPU_TIMEOUT``,
 else 30 s): a peer that exits or stops calling raises :class:`~deep_ep_npu.failure.EPRankFailure` naming it.
@@ -37,8 +39,8 @@ def moe_distribute_dispatch_v2(
     group_tp: dist.ProcessGroup | str = "", tp_world_size: int = 0, tp_rank_id: int = 0, expert_shard_type: int = 0,
     shared_expert_num: int = 1, shared_expert_rank_num: int = 0, quant_mode: int = 0, global_bs: int = 0,
     expert_token_nums_type: int = 1, comm_alg: str = "", zero_expert_num: int = 0, copy_expert_num: int = 0,
-    const_expert_num: int = 0, y_dtype: torch.dtype | None = None, x_dtype: torch.dtype | None = None,
-    scales_dtype: torch.dtype | None = None, ccl_buffer_size: int | None = None, strict: bool = False,
+    const_expert_num: int = 0, y_dtype: torch.dtype | int | None = None, x_dtype: torch.dtype | int | None = None,
+    scales_dtype: torch.dtype | int | None = None, ccl_buffer_size: int | None = None, strict: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # fmt: on
     """Send every token to the ranks hosting its experts (Ascend MoE distribute dispatch, flat layout).
@@ -59,8 +61,10 @@ def moe_distribute_dispatch_v2(
         moe_expert_num: routed experts in total, divisible by W - SR.
         scales: `[S + moe_expert_num, H]` `torch.float32` smooth scales for quant_mode 2, shared experts first
             (row ``s``: shared expert s, row ``S + e``: routed expert e).
-        x_active_mask: `[Bs]` bool (True entries first: the active prefix) or `[Bs, K]` bool per pair. A token goes
-            to the shared experts if it is in the prefix (1D) or has any active pair (2D, an assumption: undocumented).
+        x_active_mask: `[Bs]` bool (True entries first: the active prefix) or `[Bs, K]` bool per pair. Excluded
+            rows / pairs are neither validated nor sent: their ids (and weights, and 1D-excluded rows of x) may hold
+            anything, e.g. ``torch.empty`` padding. A token goes to the shared experts if it is in the prefix (1D) or
+            has any active pair (2D, an assumption: undocumented).
         expert_scales: `[Bs, K]` `torch.float32` top-k weights, carried to ``expand_scales`` (shared rows carry 1).
         elastic_info: `[4 + 2W]` `torch.int32` ``[is_scaled_down, new_rank_count W', new_shared_rank_count SR',
             new_moe_expert_count E', Table1[W] (EP rank -> new rank or -1), Table2[W] (new rank -> EP rank)]``:
@@ -71,27 +75,49 @@ def moe_distribute_dispatch_v2(
         group_tp, tp_world_size, tp_rank_id: TP domain. With tp_world_size 2 (group_tp: a 2-rank `ProcessGroup` or
             its name, L must be 1), each rank also receives its TP peer's rows: own rows first, then the peer's.
         expert_shard_type: 0 (shared experts on the first ranks); shared_expert_num in [0, 4].
-        quant_mode: 0 (none) or 2 (per-token dynamic int8: ``q = rint(xf * (127 / amax))``, scale ``amax / 127``).
+        quant_mode: 0 none; 2 per-token dynamic: ``s = maxV / amax``, ``q = rint(xf * s)`` clamped to ``+-maxV``,
+            scale ``amax / maxV`` (maxV 127 int8, 448 float8_e4m3fn, 57344 float8_e5m2; ``xf = x * scales[row]`` when
+            ``scales`` is given); 3 (Ascend 950) per 128 channels, float8: ``scale_g = amax_g / maxV``,
+            ``q = cast(xf / scale_g)``; 4 (Ascend 950) MX per 32 elements, float8, no ``scales``: e8m0 code
+            ``c = max(floor(log2 amax) + 127 - emax, 0)`` (emax 8 e4m3 / 15 e5m2; 0 for a zero block, 0xFF with
+            Inf / NaN), ``q = cast(clamp(x / 2^(c - 127), +-maxV))``. For float8 targets ``rint`` is the cast (nearest,
+            ties to even), saturating at maxV. 1 (static) is refused: its rounding is undocumented.
         global_bs: 0 (every rank has the same Bs) or max(Bs) * W.
         expert_token_nums_type: 1 counts, 0 inclusive cumsum.
-        comm_alg: "", "fullmesh_v1" or "fullmesh_v2" (same layout here; fullmesh_v2 limits Bs <= 256 and K <= 12).
-        y_dtype, x_dtype, scales_dtype: Ascend 950 only; must be None.
-        ccl_buffer_size: MB of CCL window available (None: unchecked); too small raises naming the size needed.
-        strict: also enforce the Atlas A3 hardware limits (H in [1024, 8192], W in [2, 768], bf16/fp16, int32 ids).
+        comm_alg: "", "fullmesh" (Atlas A2), "fullmesh_v1", "fullmesh_v2" (K <= 12; Bs <= 256 on Atlas A3),
+            "hierarchy" (Atlas A3) or "ccu" (in no v2 doc; sgl-kernel-npu passes it): one layout and result here,
+            fullmesh's. "hierarchy" needs ``expert_scales`` and allows no TP (tp_world_size <= 1), shared-expert
+            ranks, zero / copy / const experts, 2D x_active_mask or performance_info; with strict "a3" also Bs <= 256,
+            H <= 7168 and a multiple of 32, W in [16, 256] a multiple of 16, L <= 24, L * W <= 512. Its intra-server
+            pre-sum is the NPU's fp32 transport optimization: combine results are fullmesh's.
+        y_dtype, x_dtype, scales_dtype: (Ascend 950) a `torch.dtype` or a torch_npu dtype code (ScalarType code, or
+            the ACL enum + 256, e.g. ``torch_npu.float8_e4m3fn`` = 292). y_dtype is expand_x's dtype: None (x's dtype;
+            `torch.int8` with quant_mode 2); `torch.int8` / `torch.float8_e4m3fn` / `torch.float8_e5m2` with
+            quant_mode 2; one of the two float8 types (required) with 3 / 4. fp4 and hifloat8 are refused. x_dtype:
+            None or x's own dtype; scales_dtype: None or `torch.float32` (relabelling storage is not implemented).
+        ccl_buffer_size: MB of CCL window available (None: unchecked); too small raises naming the size needed (the
+            ops-transformer formula; for "fullmesh", "hierarchy" and "ccu", which it does not cover, fullmesh_v1's).
+        strict: False (what any platform accepts), True / "a3" (Atlas A3: H in [1024, 8192], W in [2, 768],
+            bf16/fp16, int32 ids, comm_alg "", fullmesh_v1, fullmesh_v2, hierarchy; Ascend 950 features refused) or
+            "a5" (Ascend 950: H in [1024, 8192], W in [2, 1024], Bs <= 512, comm_alg "", fullmesh_v1, fullmesh_v2,
+            tp_world_size <= 1, no elastic_info; Atlas A3 features refused). Errors name the platform a feature
+            belongs to.
 
     Returns:
-        expand_x: `[A * max(tp_world_size, 1), H]`, x's dtype (`torch.int8` with quant_mode 2). Rows expert-major,
-            then source rank, then source token; with TP the peer's rows follow this rank's. Rows past the received
-            total are zero (uninitialized on the NPU).
-        dynamic_scales: `[A * max(tp, 1)]` `torch.float32` per-row dequant scales with quant_mode 2 (zeros
-            otherwise; `[A * max(tp, 1), H]` zeros when quant_mode 0 is given ``scales``).
+        expand_x: `[A * max(tp_world_size, 1), H]`, x's dtype, or the quantized dtype (y_dtype; `torch.int8` by default
+            with quant_mode 2), not dequantized. Rows expert-major, then source rank, then source token; with TP the
+            peer's rows follow this rank's. Rows past the received total are zero (uninitialized on the NPU).
+        dynamic_scales: per-row dequant scales: quant_mode 2 `[A * max(tp, 1)]` `torch.float32`; 3
+            `[A, ceil(H / 128)]` `torch.float32`; 4 `[A, align2(ceil(H / 32))]` `torch.float8_e8m0fnu` (the padding
+            entry is code 0); quant_mode 0 `[A * max(tp, 1)]` zeros (`[A * max(tp, 1), H]` when ``scales`` is given).
         assist_info_for_combine: `[max(Bs * K, A * 128)]` `torch.int32`; own row i holds (src EP rank, src token,
             top-k slot; ``K + s`` for shared expert s) at ``[3i : 3i + 3]``, the rest is zero.
         expert_token_nums: `[L]` `torch.int64` rows per local expert, TP peer's rows included (cumsum when
             expert_token_nums_type = 0). `[1]` on a shared-expert rank.
         ep_recv_counts: `[W * L * max(tp, 1)]` `torch.int32` inclusive cumsum over (local expert, source rank); with TP
             the peer's W * L entries follow and continue the sum, so they index expand_x directly (plus
-            ``2 * global_bs * K * (W // 8)`` zero entries when expert_scales is given, as on the NPU).
+            ``2 * global_bs * K * (W // 8)`` zero entries when expert_scales is given, except with strict "a5", as on
+            the NPU).
         tp_recv_counts: `[tp_world_size]` `torch.int32`: rows from each TP rank (the row count with tp_world_size 1).
         expand_scales: `[A]` `torch.float32` weight of each own row when expert_scales is given, else `[0]`.
 
@@ -113,7 +139,7 @@ def moe_distribute_combine_v2(
     performance_info: torch.Tensor | None = None, group_tp: dist.ProcessGroup | str = "", tp_world_size: int = 0,
     tp_rank_id: int = 0, expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0,
     global_bs: int = 0, comm_quant_mode: int = 0, comm_alg: str = "", zero_expert_num: int = 0,
-    copy_expert_num: int = 0, const_expert_num: int = 0, strict: bool = False,
+    copy_expert_num: int = 0, const_expert_num: int = 0, strict: bool | str = False,
 ) -> torch.Tensor:
     # fmt: on
     """Return expert outputs to their source ranks and reduce them there (Ascend MoE distribute combine).
@@ -124,11 +150,13 @@ def moe_distribute_combine_v2(
     Arguments:
         expand_x: `[A * max(tp, 1), H]` with `torch.bfloat16` / `torch.float16` (`torch.float32` here): expert
             outputs, row-aligned with dispatch's ``expand_x``.
-        expert_ids: `[Bs, K]` `torch.int32`, x_active_mask `[Bs]` / `[Bs, K]` bool, global_bs, the layout keywords
-            (shared experts, zero/copy/const counts, elastic_info, TP): as given to dispatch.
+        expert_ids: `[Bs, K]` `torch.int32`, x_active_mask `[Bs]` / `[Bs, K]` bool (ids and weights of excluded
+            pairs are never read), global_bs, the layout keywords (shared experts, zero/copy/const counts,
+            elastic_info, TP, comm_alg): as given to dispatch.
         assist_info_for_combine: dispatch's `torch.int32` output, unchanged.
         ep_send_counts: dispatch's ``ep_recv_counts`` (`[W * L * max(tp, 1)]` `torch.int32`), unchanged.
-        expert_scales: `[Bs, K]` `torch.float32` top-k weights, applied at the source rank.
+        expert_scales: `[Bs, K]` `torch.float32` top-k weights, applied at the source rank; an empty tensor (Ascend
+            950) means weight 1 (a plain sum).
         tp_send_counts: dispatch's ``tp_recv_counts`` (`[2]` `torch.int32`); required with tp_world_size 2.
         shared_expert_x: `[Bs, H]` (or `[a, b, H]` with a * b = Bs), expand_x's dtype: added with weight 1. Only
             when shared_expert_rank_num is 0.
@@ -136,10 +164,15 @@ def moe_distribute_combine_v2(
         const_expert_alpha_1, const_expert_alpha_2, const_expert_v: `[const_expert_num, H]`, expand_x's dtype;
             required iff const_expert_num > 0.
         performance_info: `[W]` `torch.int64`, accumulated as in dispatch (µs per source rank; never reset).
-        comm_quant_mode: 0, or 2: rows travel as int8 with one scale per 8 elements kept in expand_x's dtype
-            (``scale = to_dtype(amax / 127)``, ``q = rint(y / scale)``, received as ``to_dtype(q * scale)``); H must be
-            a multiple of 8; not with tp_world_size 2. Each returned value is then within half a step
-            (``amax_8 / 254``) of the unquantized one, plus the output dtype's rounding.
+        comm_quant_mode: 0; 2: rows travel as int8 with one scale per 8 elements kept in expand_x's dtype (``scale =
+            to_dtype(amax / 127)``, ``q = rint(y / scale)``, received as ``to_dtype(q * scale)``; H a multiple of 8);
+            each value within half a step (``amax_8 / 254``); 3 / 4 (Ascend 950): MX float8 e5m2 / e4m3 with one e8m0
+            scale per 32 elements (dispatch quant_mode 4's codec), received as ``to_dtype(q * 2^(c - 127))``: each
+            value within ``2^(floor(log2 amax_32) - 2)`` (<= amax_32 / 4, the saturation of scaled values in
+            (maxV, 2^(emax + 1)) to maxV; other elements within half a float8 step). Plus the output dtype's
+            rounding; not with tp_world_size 2.
+        comm_alg: as dispatch (same result); strict "a3" allows "" and "hierarchy", "a5" only "".
+        strict: as dispatch.
         expand_scales: accepted for signature compatibility; unused (A3 fullmesh weights at the source).
 
     Returns:

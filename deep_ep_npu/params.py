@@ -1,8 +1,12 @@
 """Typed parameters of the MoE distribute ops and the one rule set that validates them. :class:`DispatchParams` and
 :class:`CombineParams` have exactly torch_npu's keyword names, are built once from the public call (the ops, the
 Buffer's flat methods, MegaMoE) and validated once by ``validate()``, which returns what the engine needs. Validation
-is pure (no communication) and runs first on every rank. ``strict=True`` adds the Atlas A3 hardware limits so a CPU
-user can check that a shape would run on A3; the engine does not need them."""
+is pure (no communication) and runs first on every rank.
+
+Without ``strict`` the rules accept the union of what the platforms do (the engine computes every feature on any
+device); ``strict="a3"`` (or ``True``) adds the Atlas A3 limits and refuses the Ascend 950 features, ``strict="a5"``
+adds the Ascend 950 (A5) limits and refuses the Atlas A3 ones, each error naming the platform a feature belongs to
+(:func:`platform_feature`). Sources: the aclnn ``MoeDistributeDispatchV4`` / ``CombineV4`` docs' per-product blocks."""
 
 from __future__ import annotations
 
@@ -16,11 +20,32 @@ import torch.distributed as dist
 from . import errors as checks
 from .errors import ACT_DTYPES, MAX_TOPK, invalid, null, shape
 from .group import EPGroup, ep_group, resolve_group
-from .sizes import COMM_ALGS, ccl_buffer_bytes, ccl_buffer_mb
+from .npu_types import PLATFORM_NAMES, platform, resolve_dtype
+from .quant import Quant
+from .sizes import ccl_buffer_bytes, ccl_buffer_mb
 
 NPU_ACT_DTYPES = (torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int32, torch.int64)
 MAX_BS = 512
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+Y_DTYPES = {2: (torch.int8, *FP8), 3: FP8, 4: FP8}  # quant_mode -> expand_x dtypes (y_dtype)
+OP_COMM_ALGS = ("", "fullmesh", "fullmesh_v1", "fullmesh_v2", "hierarchy", "ccu")  # one layout here: fullmesh's
+COMM_ALG_PLATFORMS = {  # (dispatch, combine): the platforms whose docs list each comm_alg
+    "": (("a3", "a5"), ("a3", "a5")), "fullmesh": (("a2",), ("a2",)), "fullmesh_v1": (("a3", "a5"), ()),
+    "fullmesh_v2": (("a3", "a5"), ()), "hierarchy": (("a3",), ("a3",)), "ccu": ((), ()),
+}  # fmt: skip
+MAX_WORLD = {None: 1 << 16, "a3": 768, "a5": 1024}
+
+
+def platform_feature(plat: str | None, param: str, value: object, owners: tuple[str, ...], allowed: str) -> None:
+    """Under a strict platform ``plat`` that is not one of ``owners`` (the platforms whose docs list ``value``),
+    raise :class:`~deep_ep_npu.errors.MoeDistributeError` (161002) naming where ``value`` belongs and what ``plat``
+    allows."""
+    if plat is None or plat in owners:
+        return
+    what = f"an {' / '.join(PLATFORM_NAMES[o] for o in owners)} feature" if owners else "a value no platform documents"
+    why = f"got {value!r}, {what}: not on {PLATFORM_NAMES[plat]} (strict={plat!r}), which allows {allowed}"
+    raise invalid(param, why + ("; accepted without strict" if not owners else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +70,7 @@ class EpLayout:
     ep_rank_of: tuple[int, ...] = ()  # logical rank -> EP rank
     tp: EPGroup | None = None
     scales_experts: int = 0  # moe_expert_num as given (rows of ``scales`` after the shared ones)
+    platform: str | None = None  # strict's platform: None, "a3" or "a5"
 
     @property
     def num_local_experts(self) -> int:  # L: routed experts per MoE rank
@@ -73,14 +99,15 @@ class EpLayout:
 
 def validate_layout(p: DispatchParams | CombineParams) -> EpLayout:
     """The expert layout of ``p``'s group and expert keywords (no communication)."""
+    plat = platform(p.strict)
     pg = resolve_group(p.group_ep, "group_ep")
-    checks.in_range(p.ep_world_size, "ep_world_size", 2 if p.strict else 1, 768 if p.strict else 1 << 16)
+    checks.in_range(p.ep_world_size, "ep_world_size", 2 if plat else 1, MAX_WORLD[plat])
     if p.ep_world_size != dist.get_world_size(pg):
         raise shape("ep_world_size", f"is {p.ep_world_size} but group_ep has {dist.get_world_size(pg)} ranks")
     checks.in_range(p.ep_rank_id, "ep_rank_id", 0, p.ep_world_size - 1)
     if p.ep_rank_id != dist.get_rank(pg):
         raise shape("ep_rank_id", f"is {p.ep_rank_id} but this process is rank {dist.get_rank(pg)} of group_ep")
-    checks.in_range(p.moe_expert_num, "moe_expert_num", 1, 1024 if p.strict else 1 << 20)
+    checks.in_range(p.moe_expert_num, "moe_expert_num", 1, 1024 if plat else 1 << 20)
     checks.in_range(p.expert_shard_type, "expert_shard_type", 0, 0, code="param")
     checks.in_range(p.shared_expert_num, "shared_expert_num", 0, 4, code="param")
     checks.in_range(p.shared_expert_rank_num, "shared_expert_rank_num", 0, p.ep_world_size - 1)
@@ -91,12 +118,22 @@ def validate_layout(p: DispatchParams | CombineParams) -> EpLayout:
                     "(ep_world_size - shared_expert_rank_num)")  # fmt: skip
     for name in ("zero_expert_num", "copy_expert_num", "const_expert_num"):
         checks.in_range(getattr(p, name), name, 0, 1 << 20)
-    checks.one_of(p.comm_alg, "comm_alg", COMM_ALGS, "the reference path implements the A3 fullmesh layout")
-    if p.strict and num_local * p.ep_world_size > 2048:
-        raise shape("moe_expert_num", "local experts x ep_world_size exceeds 2048 (Atlas A3 limit)")
+    checks.one_of(p.comm_alg, "comm_alg", OP_COMM_ALGS, "every one gives the fullmesh layout here")
+    combine = isinstance(p, CombineParams)
+    on_plat = [a for a, o in COMM_ALG_PLATFORMS.items() if plat in o[combine]]
+    where = f"{on_plat} for {'combine' if combine else 'dispatch'}_v2"
+    platform_feature(plat, "comm_alg", p.comm_alg, COMM_ALG_PLATFORMS[p.comm_alg][combine], where)
+    if plat and num_local * p.ep_world_size > 2048:
+        raise shape("moe_expert_num", f"local experts x ep_world_size exceeds 2048 ({PLATFORM_NAMES[plat]} limit)")
     # TP domain: tp_world_size 0/1 (none) or 2 (group_tp of 2 ranks, one routed expert per rank)
     checks.in_range(p.tp_world_size, "tp_world_size", 0, 2, code="param")
     checks.in_range(p.tp_rank_id, "tp_rank_id", 0, max(p.tp_world_size, 1) - 1)
+    if p.tp_world_size == 2:
+        platform_feature(plat, "tp_world_size", 2, ("a3",), "0 or 1 (TP communication is reserved)")
+        if p.comm_alg == "hierarchy":
+            raise invalid("tp_world_size", "got 2; comm_alg 'hierarchy' supports only tp_world_size <= 1")
+    if p.elastic_info is not None:
+        platform_feature(plat, "elastic_info", "a tensor", ("a3",), "None (reserved)")
     tp = resolve_group(p.group_tp, "group_tp") if p.tp_world_size == 2 else None
     if tp is not None and dist.get_world_size(tp) != 2:
         raise shape("group_tp", f"has {dist.get_world_size(tp)} ranks, tp_world_size 2 needs 2")
@@ -111,7 +148,7 @@ def validate_layout(p: DispatchParams | CombineParams) -> EpLayout:
     layout = EpLayout(
         pg, p.ep_world_size, p.ep_rank_id, p.moe_expert_num, p.shared_expert_rank_num, effective_shared,
         p.zero_expert_num, p.copy_expert_num, p.const_expert_num, p.tp_world_size, p.tp_rank_id, p.ep_world_size,
-        p.ep_rank_id, tuple(range(p.ep_world_size)), None if tp is None else ep_group(tp), p.moe_expert_num,
+        p.ep_rank_id, tuple(range(p.ep_world_size)), None if tp is None else ep_group(tp), p.moe_expert_num, plat,
     )  # fmt: skip
     return layout if p.elastic_info is None else apply_elastic(layout, p.elastic_info, p.shared_expert_num)
 
@@ -160,21 +197,20 @@ def apply_elastic(layout: EpLayout, elastic_info: object, shared_expert_num: int
 
 def _tokens(layout: EpLayout, p: DispatchParams | CombineParams, x_param: str, x: object, ids: object):
     """x `[Bs, H]`, expert_ids `[Bs, K]` and ``p``'s x_active_mask and global_bs; returns x, ids (int64), mask, K
-    and global_bs_real."""
-    strict, v2, w, global_bs = p.strict, p.comm_alg == "fullmesh_v2", layout.world_size, p.global_bs
+    and global_bs_real. Only active ids are validated (the 1D mask's prefix, the 2D mask's True pairs); excluded
+    entries (callers pad with ``torch.empty``) read -1 in the returned ids, so no consumer sees them."""
+    plat, alg, w, global_bs = layout.platform, p.comm_alg, layout.world_size, p.global_bs
     param = "topk_idx" if p.no_expert else "expert_ids"  # the callers that allow -1 name it as DeepEP does
-    x = checks.tensor(x, x_param, NPU_ACT_DTYPES if strict else ACT_DTYPES, 2)
-    checks.tensor(ids, param, (torch.int32,) if strict else ID_DTYPES, 2)
+    x = checks.tensor(x, x_param, NPU_ACT_DTYPES if plat else ACT_DTYPES, 2)
+    raw_ids = checks.tensor(ids, param, (torch.int32,) if plat else ID_DTYPES, 2)
     num_tokens, hidden = x.shape
-    checks.in_range(num_tokens, f"{x_param}.shape[0] (Bs)", 1 if strict else 0, 256 if v2 else MAX_BS)
-    if strict:
-        checks.in_range(hidden, f"{x_param}.shape[1] (H)", 1024, 8192)
+    a3_256 = plat == "a3" and alg in ("fullmesh_v2", "hierarchy")  # Atlas A3: Bs <= 256 (950: 512)
+    checks.in_range(num_tokens, f"{x_param}.shape[0] (Bs)", 1 if plat else 0, 256 if a3_256 else MAX_BS)
+    if plat:
+        checks.in_range(hidden, f"{x_param}.shape[1] (H)", 1024, 7168 if plat == "a3" and alg == "hierarchy" else 8192)
     elif hidden < 1:
         raise shape(x_param, f"hidden size (dim 1) must be >= 1, got {hidden}")
-    num_ids = layout.num_moe_experts + layout.zero_expert_num + layout.copy_expert_num + layout.const_expert_num
-    what = " (moe + zero + copy + const experts)"
-    ids_ = checks.expert_ids(ids, param, num_ids, num_tokens, 12 if v2 else MAX_TOPK, p.no_expert, what).long()
-    topk = ids_.shape[1]
+    topk = raw_ids.shape[1]
     mask = checks.optional_tensor(p.x_active_mask, "x_active_mask", (torch.bool,), (1, 2))
     if mask is not None and mask.dim() == 1:
         if mask.shape[0] != num_tokens:
@@ -184,15 +220,85 @@ def _tokens(layout: EpLayout, p: DispatchParams | CombineParams, x_param: str, x
     elif mask is not None and tuple(mask.shape) != (num_tokens, topk):
         why = f"2D mask shape {tuple(mask.shape)} does not match (Bs, K) = ({num_tokens}, {topk})"
         raise shape("x_active_mask", why)
+    active = None if mask is None else mask.unsqueeze(1).expand(num_tokens, topk) if mask.dim() == 1 else mask
+    num_ids = layout.num_moe_experts + layout.zero_expert_num + layout.copy_expert_num + layout.const_expert_num
+    what = " (moe + zero + copy + const experts)"
+    max_k = 12 if alg == "fullmesh_v2" else MAX_TOPK
+    ids_ = checks.expert_ids(raw_ids, param, num_ids, num_tokens, max_k, p.no_expert, what, active).long()
     checks.in_range(global_bs, "global_bs", 0, MAX_BS * w)
     if global_bs:
         if global_bs % w:
             raise shape("global_bs", f"{global_bs} is not a multiple of ep_world_size {w} (pass max Bs x W)")
         if num_tokens > global_bs // w:
             raise shape("global_bs", f"{global_bs} / W = {global_bs // w} is below this rank's Bs {num_tokens}")
-        if strict and mask is not None and num_tokens * w != global_bs and not bool(mask.all()):
+        if plat and mask is not None and num_tokens * w != global_bs and not bool(mask.all()):
             raise shape("x_active_mask", "must be all True when batch sizes differ across ranks (global_bs != Bs*W)")
     return x, ids_, mask, topk, global_bs or num_tokens * w
+
+
+def _hierarchy(p: Any, layout: Any, x_param: str, hidden: int, mask: torch.Tensor | None) -> None:
+    """comm_alg "hierarchy" (Atlas A3): its documented requirements on every platform (no shared-expert ranks, zero /
+    copy / const experts, 2D mask or performance_info; tp_world_size <= 1 is checked with the layout), its size limits
+    under strict "a3" (W in [16, 256] a multiple of 16, H a multiple of 32, L <= 24, L * W <= 512; Bs <= 256 and
+    H <= 7168 are checked with the tokens)."""
+    if p.comm_alg != "hierarchy":
+        return
+    for name, value, ok in (
+        ("shared_expert_rank_num", p.shared_expert_rank_num, not p.shared_expert_rank_num),
+        ("zero_expert_num", p.zero_expert_num, not p.zero_expert_num),
+        ("copy_expert_num", p.copy_expert_num, not p.copy_expert_num),
+        ("const_expert_num", p.const_expert_num, not p.const_expert_num),
+        ("x_active_mask", "a 2D mask", mask is None or mask.dim() == 1),
+        ("performance_info", "a tensor", p.performance_info is None),
+    ):  # fmt: skip
+        if not ok:
+            why = "supports only tp_world_size <= 1, no shared-expert ranks, zero / copy / const experts"
+            raise invalid(name, f"got {value!r}; comm_alg 'hierarchy' {why}, 2D x_active_mask or performance_info")
+    if layout.platform != "a3":
+        return
+    w, num_local = layout.world_size, layout.num_local_experts
+    if not 16 <= w <= 256 or w % 16:
+        raise shape("ep_world_size", f"got {w}; comm_alg 'hierarchy' on Atlas A3 needs [16, 256], a multiple of 16")
+    if hidden % 32:
+        raise shape(f"{x_param}.shape[1] (H)", f"got {hidden}; comm_alg 'hierarchy' on Atlas A3 needs a multiple of 32")
+    if num_local > 24 or num_local * w > 512:
+        raise shape("moe_expert_num", f"gives L = {num_local} local experts (L * W = {num_local * w}); comm_alg "
+                    "'hierarchy' on Atlas A3 needs L <= 24 and L * W <= 512")  # fmt: skip
+
+
+def _dispatch_quant(p: DispatchParams, x_dtype: torch.dtype, plat: str | None) -> Quant | None:
+    """quant_mode with y_dtype / x_dtype / scales_dtype (torch dtypes or torch_npu codes): the :class:`Quant` to run,
+    None for quant_mode 0."""
+    mode = checks.in_range(p.quant_mode, "quant_mode", 0, 4, code="param")  # 0 none, 2 per token, 3 per 128, 4 MX
+    if mode == 1:
+        raise invalid("quant_mode", "got 1 (static quant, Ascend 950): not implemented, its rounding and saturation "
+                      "are undocumented; allowed 0, 2, 3 or 4")  # fmt: skip
+    if mode in (3, 4):
+        platform_feature(plat, "quant_mode", mode, ("a5",), "0 or 2")
+    for name in ("y_dtype", "x_dtype", "scales_dtype"):
+        if getattr(p, name) is not None:
+            platform_feature(plat, name, getattr(p, name), ("a5",), "None")
+    y = resolve_dtype(p.y_dtype, "y_dtype")
+    given = repr(p.y_dtype) if y is p.y_dtype else f"{p.y_dtype!r} ({y})"
+    if resolve_dtype(p.x_dtype, "x_dtype") not in (None, x_dtype):
+        raise invalid("x_dtype", f"got {p.x_dtype!r} for an x of {x_dtype}: relabelling x's storage (pre-quantized "
+                      "fp8 / hifloat8 / fp4 x) is not implemented; pass None or x's dtype")  # fmt: skip
+    if resolve_dtype(p.scales_dtype, "scales_dtype") not in (None, torch.float32):
+        raise invalid("scales_dtype", f"got {p.scales_dtype!r}: scales are float32 here (the e8m0 scales of a "
+                      "pre-quantized x are not implemented); pass None or torch.float32")  # fmt: skip
+    if y in (torch.float4_e2m1fn_x2,):
+        raise invalid("y_dtype", f"got {given}: fp4 output is not implemented (no fp4 compute here);"
+                      " use torch.float8_e4m3fn / torch.float8_e5m2")  # fmt: skip
+    if mode == 0:
+        if y not in (None, x_dtype):
+            raise invalid("y_dtype", f"got {given}; quant_mode 0 keeps x's dtype {x_dtype} (hifloat8 output is "
+                          "not implemented): pass None")  # fmt: skip
+        return None
+    y = torch.int8 if y is None and mode == 2 else y
+    if y not in Y_DTYPES[mode]:
+        raise invalid("y_dtype", f"got {given}; quant_mode {mode} outputs {[str(d) for d in Y_DTYPES[mode]]} "
+                      "(torch_npu codes: int8 1, float8_e5m2 23 / 291, float8_e4m3fn 24 / 292)")  # fmt: skip
+    return Quant(mode, y)
 
 
 @dataclasses.dataclass
@@ -245,28 +351,34 @@ class DispatchParams(_Common):
         layout = validate_layout(self)
         x, ids, mask, topk, global_bs = _tokens(layout, self, "x", self.x, self.expert_ids)
         w, hidden, num_local = layout.world_size, x.shape[1], layout.num_local_experts
-        quant = checks.one_of(self.quant_mode, "quant_mode", (0, 2), "A2/A3 support 0 (none) and 2 (per-token int8)")
+        quant = _dispatch_quant(self, x.dtype, layout.platform)
         checks.one_of(self.expert_token_nums_type, "expert_token_nums_type", (0, 1))
         rows = layout.shared_expert_num + layout.scales_experts
         scales = checks.shaped(self.scales, "scales", torch.float32, (rows, hidden), "(S + moe_expert_num, H)")
+        if scales is not None and quant is not None and quant.mode == 4:
+            raise invalid("scales", "quant_mode 4 (MX) takes no smooth scales: pass None")
+        if layout.tp is not None and quant is not None and quant.dtype != torch.int8:
+            raise invalid("quant_mode", f"{quant.mode} with y_dtype {quant.dtype} (Ascend 950) does not combine with "
+                          "tp_world_size 2 (Atlas A3): no platform has both")  # fmt: skip
         expert_scales = checks.shaped(self.expert_scales, "expert_scales", torch.float32, (x.shape[0], topk), "(Bs, K)")
         perf = checks.shaped(self.performance_info, "performance_info", torch.int64, (w,), "(ep_world_size,)")
-        for name in ("y_dtype", "x_dtype", "scales_dtype"):
-            if (value := getattr(self, name)) is not None:
-                raise invalid(name, f"got {value!r}; not supported on the A2/A3 semantics (leave it None)")
+        _hierarchy(self, layout, "x", hidden, mask)
+        if self.comm_alg == "hierarchy" and expert_scales is None:
+            raise null("expert_scales", "comm_alg 'hierarchy' needs the top-k weights, (Bs, K) float32")
         if (size := self.ccl_buffer_size) is not None:  # refuse shapes that do not fit, naming the size that would
             max_bs = global_bs // w
             num_bytes = ccl_buffer_bytes(w, max_bs, hidden, num_local, topk, layout.shared_expert_num, self.comm_alg)
             if size < (need := ccl_buffer_mb(num_bytes)):
                 raise shape("ccl_buffer_size", f"{size} MB is too small for W={w}, max Bs={max_bs}, H={hidden}, "
                             f"L={num_local}, K={topk}: at least {need} MB is needed")  # fmt: skip
-        return ValidDispatch(layout, x, ids, mask, topk, self.global_bs, global_bs, quant == 2, scales, expert_scales,
-                             perf, self.expert_token_nums_type)  # fmt: skip
+        return ValidDispatch(layout, x, ids, mask, topk, self.global_bs, global_bs, quant, scales, expert_scales, perf,
+                             self.expert_token_nums_type)  # fmt: skip
 
 
 @dataclasses.dataclass
 class ValidDispatch:
-    """A validated dispatch: ``ids`` `[Bs, K]` int64; ``global_bs_real`` = ``global_bs or Bs * W``."""
+    """A validated dispatch: ``ids`` `[Bs, K]` int64 (-1 where x_active_mask excludes a pair); ``global_bs_real`` =
+    ``global_bs or Bs * W``; ``quant``: the quantization to run (None: quant_mode 0)."""
 
     layout: EpLayout
     x: torch.Tensor
@@ -275,7 +387,7 @@ class ValidDispatch:
     topk: int
     global_bs: int
     global_bs_real: int
-    quant: bool
+    quant: Quant | None
     scales: torch.Tensor | None
     expert_scales: torch.Tensor | None
     performance_info: torch.Tensor | None
@@ -309,14 +421,17 @@ class CombineParams(_Common):
     def validate(self) -> ValidCombine:
         """Check every argument (no communication), as :meth:`DispatchParams.validate`."""
         layout = validate_layout(self)
-        expand_x = checks.tensor(self.expand_x, "expand_x", NPU_ACT_DTYPES if self.strict else ACT_DTYPES, 2)
+        expand_x = checks.tensor(self.expand_x, "expand_x", NPU_ACT_DTYPES if layout.platform else ACT_DTYPES, 2)
         probe = checks.tensor(self.expert_ids, "expert_ids", ID_DTYPES, 2)  # x's shape from expert_ids, expand_x
         num_tokens, hidden = probe.shape[0], expand_x.shape[1]
         x_like = expand_x.new_empty((num_tokens, hidden), device="meta")  # shape and dtype only: no memory
         _, ids, mask, topk, global_bs = _tokens(layout, self, "expand_x", x_like, probe)
         assist = checks.tensor(self.assist_info_for_combine, "assist_info_for_combine", (torch.int32,), 1)
         counts = checks.tensor(self.ep_send_counts, "ep_send_counts", (torch.int32,), 1)
-        weights = checks.tensor(self.expert_scales, "expert_scales", (torch.float32,), 2)
+        weights = checks.tensor(self.expert_scales, "expert_scales", (torch.float32,), (1, 2))
+        if not weights.numel() and tuple(weights.shape) != (num_tokens, topk):  # Ascend 950: empty = a plain sum
+            platform_feature(layout.platform, "expert_scales", "an empty tensor", ("a5",), "a (Bs, K) tensor")
+            weights = torch.ones((num_tokens, topk), dtype=torch.float32, device=expand_x.device)
         checks.dims(weights, "expert_scales", (num_tokens, topk), "(Bs, K)")
         shared_x = checks.optional_tensor(self.shared_expert_x, "shared_expert_x", (expand_x.dtype,), (2, 3))
         if shared_x is not None:
@@ -327,9 +442,14 @@ class CombineParams(_Common):
                     raise shape("shared_expert_x", f"3D shape {tuple(shared_x.shape)} must be (a, b, H) with a*b = Bs")
                 shared_x = shared_x.reshape(num_tokens, hidden)
             checks.dims(shared_x, "shared_expert_x", (num_tokens, hidden), "(Bs, H)")
-        quant = checks.one_of(self.comm_quant_mode, "comm_quant_mode", (0, 2), "0 none, 2 int8 with 8-element scales")
-        if quant == 2 and layout.tp_world_size == 2:
-            raise invalid("comm_quant_mode", "2 (int8 comm quant) is not supported with tp_world_size 2")
+        quant = checks.in_range(self.comm_quant_mode, "comm_quant_mode", 0, 4, code="param")
+        if quant == 1:
+            why = "allowed 0 none, 2 int8 per 8 elements, 3 / 4 MX fp8 e5m2 / e4m3 per 32 elements (Ascend 950)"
+            raise invalid("comm_quant_mode", f"got 1; {why}")
+        if quant in (3, 4):
+            platform_feature(layout.platform, "comm_quant_mode", quant, ("a5",), "0 or 2")
+        if quant and layout.tp_world_size == 2:
+            raise invalid("comm_quant_mode", f"{quant} (comm quant) is not supported with tp_world_size 2")
         if quant == 2 and hidden % 8:
             raise shape("expand_x", f"hidden {hidden} must be a multiple of 8 for comm_quant_mode 2")
         # ori_x: required iff copy or const experts exist; const_expert_*: iff const experts exist. In expand_x's dtype
@@ -343,6 +463,7 @@ class CombineParams(_Common):
                 raise null(name, f"const_expert_num is {n_const}")
         w, num_local, tp = layout.world_size, layout.num_local_experts_here, max(layout.tp_world_size, 1)
         perf = checks.shaped(self.performance_info, "performance_info", torch.int64, (w,), "(ep_world_size,)")
+        _hierarchy(self, layout, "expand_x", hidden, mask)
         if counts.numel() < w * num_local * tp:
             need = f"W * L{' * 2' if tp == 2 else ''} = {w * num_local * tp}"
             raise shape("ep_send_counts", f"has {counts.numel()} entries, needs {need}")
@@ -360,13 +481,14 @@ class CombineParams(_Common):
                         f"{expand_x.shape[0]} and A = {capacity}")  # fmt: skip
         if assist.numel() < 3 * num_rows:
             raise shape("assist_info_for_combine", f"has {assist.numel()} entries, needs 3 * {num_rows}")
-        return ValidCombine(layout, expand_x, ids, mask, topk, global_bs, weights, shared_x, quant == 2, special, perf,
+        return ValidCombine(layout, expand_x, ids, mask, topk, global_bs, weights, shared_x, quant, special, perf,
                             assist, num_rows, num_peer)  # fmt: skip
 
 
 @dataclasses.dataclass
 class ValidCombine:
-    """A validated combine: ``num_rows`` own rows of ``expand_x`` (then ``num_peer`` TP peer rows)."""
+    """A validated combine: ``num_rows`` own rows of ``expand_x`` (then ``num_peer`` TP peer rows); ``ids`` as in
+    :class:`ValidDispatch`; ``comm_quant``: comm_quant_mode (0, 2, 3, 4)."""
 
     layout: EpLayout
     expand_x: torch.Tensor
@@ -376,7 +498,7 @@ class ValidCombine:
     global_bs_real: int
     weights: torch.Tensor
     shared_x: torch.Tensor | None
-    comm_quant: bool
+    comm_quant: int
     special: dict[str, torch.Tensor | None]
     performance_info: torch.Tensor | None
     assist: torch.Tensor

@@ -1,6 +1,9 @@
-"""Quantization numerics: Ascend int8 (per token, per 8-element group) and DeepEP fp8 e4m3 (per 128 channels).
+"""Quantization numerics: Ascend's dispatch quant modes 2 / 3 / 4 (:class:`Quant`: per token int8 / fp8, per 128
+channels fp8, MX fp8 per 32 with e8m0 scales), combine's int8 per 8 elements, and DeepEP fp8 e4m3 (per 128 channels).
 
-All functions are pure and vectorized. Rounding is round-half-to-even (``torch.round``), as the NPU's ``rint``. DeepEP's
+All functions are pure and vectorized. Rounding is round-half-to-even (``torch.round``), as the NPU's ``rint``; for a
+float8 target, ``rint`` is the cast itself (round to the nearest float8, ties to even), after clamping to the
+target's largest finite value ``maxV`` (448 e4m3, 57344 e5m2, 127 int8). DeepEP's
 fp8: for every token and every group of 128 channels ``amax = max(max |x|, 1e-4)``, ``scale_inv = amax / 448`` (with
 ``round_scale``: rounded up to a power of two), ``q = e4m3(x / scale_inv)``; dequantize with ``q * scale_inv``. With
 ``use_ue8m0`` the (power-of-two) scales are stored as their 8-bit exponent (the float32 bits >> 23), four groups per
@@ -8,24 +11,111 @@ fp8: for every token and every group of 128 channels ``amax = max(max |x|, 1e-4)
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
+
+MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # maxV of each target
+MX_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}  # exponent of the largest power of two below maxV
+E8M0 = torch.float8_e8m0fnu
 
 
 def per_token_int8(x: torch.Tensor, smooth_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ascend ``quant_mode=2``: per-token dynamic int8 with optional smoothing. ``xf = fp32(x) * smooth``;
-    ``q = int8(rint(xf * (127 / amax)))``; ``scale = amax / 127`` with ``amax = max |xf|`` over the row. A row of zeros
-    gives ``q = 0`` and ``scale = 0`` (the NPU's result for ``amax = 0`` is not documented). ``x``:
-    `[num_tokens, hidden]` `torch.bfloat16` / `torch.float16` / `torch.float32`; ``smooth_scales``:
-    `[num_tokens, hidden]` or `[hidden]` `torch.float32`, or None. Returns ``q`` `[num_tokens, hidden]` `torch.int8` and
-    ``scale`` `[num_tokens]` `torch.float32` (dequantize with ``q * scale[:, None]``)."""
+    """Ascend ``quant_mode=2`` into int8: :func:`per_token` with ``dtype=torch.int8``."""
+    return per_token(x, smooth_scales, torch.int8)
+
+
+def per_token(x: torch.Tensor, smooth_scales: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Ascend ``quant_mode=2``: per-token dynamic quant with optional smoothing. ``xf = fp32(x) * smooth``;
+    ``q = rint(xf * (maxV / amax))`` (clamped to ``+-maxV``; for float8 the rounding is the cast);
+    ``scale = amax / maxV`` with ``amax = max |xf|`` over the row (true divisions). A row of zeros gives ``q = 0`` and
+    ``scale = 0`` (the NPU's result for ``amax = 0`` is not documented). ``x``: `[num_tokens, hidden]`
+    `torch.bfloat16` / `torch.float16` / `torch.float32`; ``smooth_scales``: `[num_tokens, hidden]` or `[hidden]`
+    `torch.float32`, or None; ``dtype``: `torch.int8`, `torch.float8_e4m3fn` or `torch.float8_e5m2`. Returns ``q``
+    `[num_tokens, hidden]` ``dtype`` and ``scale`` `[num_tokens]` `torch.float32` (dequantize with
+    ``q * scale[:, None]``)."""
     xf = x.float() if smooth_scales is None else x.float() * smooth_scales
     amax = xf.abs().amax(dim=-1) if xf.shape[-1] > 0 else xf.new_zeros(xf.shape[:-1])
     # tensor / tensor on purpose: ``127.0 / amax`` is computed as ``reciprocal(amax) * 127`` by torch (and a scalar
     # divisor may become a reciprocal multiply on GPU), which is 1 ulp off the formula and flips rint at .5 ties.
-    c127 = torch.full_like(amax, 127.0)
-    inv = torch.where(amax > 0, c127 / torch.where(amax > 0, amax, c127), torch.zeros_like(amax))
-    q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q, amax / c127
+    vmax = torch.full_like(amax, MAX[dtype])
+    inv = torch.where(amax > 0, vmax / torch.where(amax > 0, amax, vmax), torch.zeros_like(amax))
+    q = xf * inv.unsqueeze(-1)
+    q = torch.round(q) if dtype == torch.int8 else q
+    return q.clamp_(-MAX[dtype], MAX[dtype]).to(dtype), amax / vmax
+
+
+def _blocks(xf: torch.Tensor, size: int) -> torch.Tensor:
+    """`[n, hidden]` fp32 as `[n, ceil(hidden / size), size]`, the last block zero-padded."""
+    n, h = xf.shape
+    return torch.nn.functional.pad(xf, (0, -h % size)).view(n, -(-h // size), size)
+
+
+def per_group_fp8(x: torch.Tensor, smooth_scales: torch.Tensor | None, dtype: torch.dtype,
+                  group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Ascend ``quant_mode=3``: per ``group`` channels (the last group may be shorter) ``amax_g = max |xf_g|``,
+    ``scale_g = amax_g / maxV``, ``q = cast(xf / scale_g)`` (true divisions; a zero group gives scale 0 and q 0), with
+    ``xf = fp32(x) * smooth`` as in :func:`per_token`. Returns ``q`` `[n, hidden]` ``dtype`` (float8) and ``scale``
+    `[n, ceil(hidden / group)]` `torch.float32` (dequantize: ``q * scale`` per group)."""
+    xf = x.float() if smooth_scales is None else x.float() * smooth_scales
+    xg = _blocks(xf, group)
+    amax = xg.abs().amax(dim=-1)
+    scale = amax / torch.full_like(amax, MAX[dtype])
+    sf = scale.unsqueeze(-1)
+    q = torch.where(sf > 0, xg / torch.where(sf > 0, sf, torch.ones_like(sf)), torch.zeros_like(xg))
+    q = q.clamp_(-MAX[dtype], MAX[dtype]).view(xf.shape[0], -1)[:, : xf.shape[1]]
+    return q.to(dtype), scale
+
+
+def mx_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascend ``quant_mode=4`` (MX) into float8: per 32-element block (the last may be shorter) the e8m0 code
+    ``c = max(floor(log2 amax) + 127 - emax, 0)`` (emax 8 e4m3, 15 e5m2; 0 for an all-zero block, 0xFF for a block
+    holding Inf / NaN), elements ``q = cast(clamp(x / 2^(c - 127), +-maxV))`` (exact power-of-two scaling; the cast
+    rounds to nearest even; values in ``(maxV, 2^(emax + 1))`` saturate; an Inf / NaN block is cast unscaled).
+    Returns ``q`` `[n, hidden]` ``dtype`` and the codes `[n, align2(ceil(hidden / 32))]` `torch.float8_e8m0fnu`
+    (the padding entry is code 0); dequantize with :func:`mx_dequant`."""
+    xg = _blocks(x.float(), 32)
+    amax = xg.abs().amax(dim=-1)
+    code = (torch.frexp(amax).exponent - 1 + 127 - MX_EMAX[dtype]).clamp_(min=0)  # frexp: amax = m * 2^e, m in [.5, 1)
+    code = torch.where(amax == 0, 0, torch.where(torch.isfinite(amax), code, 255))
+    unscale = torch.where(code == 255, 127, 254 - code).to(torch.uint8).view(E8M0).float()  # 2^(127 - c)
+    q = (xg * unscale.unsqueeze(-1)).clamp_(-MAX[dtype], MAX[dtype]).view(x.shape[0], -1)[:, : x.shape[1]]
+    codes = torch.nn.functional.pad(code.to(torch.uint8), (0, code.shape[1] % 2))
+    return q.to(dtype), codes.view(E8M0)
+
+
+def mx_dequant(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """`[n, hidden]` fp32 ``q * 2^(c - 127)`` of :func:`mx_fp8`'s output (codes `[n, >= ceil(hidden / 32)]` e8m0)."""
+    n, h = q.shape
+    scale = codes.view(torch.uint8)[:, : -(-h // 32)].view(E8M0).float()
+    return (_blocks(q.float(), 32) * scale.unsqueeze(-1)).view(n, -1)[:, :h]
+
+
+@dataclasses.dataclass(frozen=True)
+class Quant:
+    """One Ascend dispatch quantization: ``mode`` 2 (:func:`per_token`), 3 (:func:`per_group_fp8`) or 4
+    (:func:`mx_fp8`, no smoothing) into ``dtype``; calling it gives ``(q, scales)``."""
+
+    mode: int
+    dtype: torch.dtype
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return E8M0 if self.mode == 4 else torch.float32
+
+    def scale_shape(self, hidden: int) -> tuple[int, ...]:
+        """Scales per row: `()` (mode 2), `[ceil(H / 128)]` (3), `[align2(ceil(H / 32))]` (4)."""
+        return {2: (), 3: (-(-hidden // 128),), 4: (-(-hidden // 64) * 2,)}[self.mode]
+
+    def scale_bytes(self, hidden: int) -> int:
+        return math.prod(self.scale_shape(hidden)) * self.scale_dtype.itemsize
+
+    def __call__(self, x: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode == 2:
+            return per_token(x, smooth, self.dtype)
+        return per_group_fp8(x, smooth, self.dtype) if self.mode == 3 else mx_fp8(x, self.dtype)
 
 
 def per_group_int8(x: torch.Tensor, group: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

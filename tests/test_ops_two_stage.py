@@ -201,3 +201,66 @@ def test_two_stage_errors():
         assert seen["combine_quant"][0] == 161002
         assert seen["idx"][1] == "expand_idx"
         assert torch.equal(seen["result"], seen["want"])
+
+
+def _dequant(q: torch.Tensor, scales: torch.Tensor, mode: int) -> torch.Tensor:
+    """Written from the documented formats: mode 2 one fp32 scale per row, 3 one per 128 channels, 4 e8m0 per 32."""
+    n, h = q.shape
+    if mode == 2:
+        return q.float() * scales.reshape(n, 1)
+    group = 128 if mode == 3 else 32
+    s = scales[:, : h // group].float() if mode == 3 else 2.0 ** (scales.view(torch.uint8)[:, : h // 32].double() - 127)
+    return (q.float().view(n, h // group, group) * s.float().unsqueeze(-1)).view(n, h)
+
+
+FP8_MODES = ((2, torch.float8_e4m3fn), (2, torch.float8_e5m2), (3, torch.float8_e4m3fn), (4, torch.float8_e5m2),
+             (4, torch.float8_e4m3fn))  # fmt: skip
+
+
+def _fp8_flow(info) -> list:
+    """Each fp8 mode through the two-stage ops and the one-shot ops, with garbage ids outside a 1D mask."""
+    w, rank, name, e, k, h = info.world_size, info.rank, info.group.group_name, 2 * info.world_size, 2, 256
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn((5, h), generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(5)]).to(torch.int32)
+    mask = torch.arange(5) < 3 + rank
+    ids[3 + rank :] = torch.tensor([2**31 - 1, -(2**31)], dtype=torch.int32)  # torch.empty-style padding
+    weights = torch.rand((5, k), generator=g)
+    out = []
+    for mode, dtype in FP8_MODES:
+        kw = dict(quant_mode=mode, x_active_mask=mask)
+        y, idx, cmd = ops.moe_distribute_dispatch_setup(x, ids, name, w, rank, e, **kw, y_dtype=dtype)
+        ex, scales, assist, counts = ops.moe_distribute_dispatch_teardown(x, y, ids, cmd, name, w, rank, e,
+                                                                          quant_mode=mode)  # fmt: skip
+        one = ops.moe_distribute_dispatch_v2(x, ids, name, w, rank, e, **kw, y_dtype=dtype)
+        rows = _dequant(ex, scales, mode).to(torch.bfloat16)
+        qx, cmd2 = ops.moe_distribute_combine_setup(rows, ids, assist, name, w, rank, e)
+        combined = ops.moe_distribute_combine_teardown(rows, qx, ids, idx, weights, cmd2, name, w, rank, e,
+                                                       x_active_mask=mask)  # fmt: skip
+        one_combined = ops.moe_distribute_combine_v2(_dequant(one[0], one[1], mode).to(torch.bfloat16), ids, one[2],
+                                                     one[4], weights, name, w, rank, e, x_active_mask=mask)  # fmt: skip
+        n = int(idx.ge(0).sum())
+        at = -(-h // {2: 32, 3: 128, 4: 256}[mode]) * {2: 32, 3: 128, 4: 256}[mode]
+        width = {2: 4, 3: 4 * (h // 128), 4: h // 32}[mode]
+        y_scales = y.view(torch.uint8)[:n, at : at + width]
+        y_scales = y_scales.view(torch.float32) if mode < 4 else y_scales.view(torch.float8_e8m0fnu)
+        y_rows = _dequant(y[:n, :h], y_scales, mode)
+        order = sorted(range(int(mask.sum()) * k), key=lambda f: int(ids.view(-1)[f]))  # stable sort by expert
+        want_rows = x.float()[torch.tensor([f // k for f in order], dtype=torch.long)]
+        out.append(dict(
+            same=torch.equal(ex.view(torch.uint8), one[0].view(torch.uint8)) and torch.equal(counts, one[3])
+            and torch.equal(scales.view(torch.uint8), one[1].view(torch.uint8)) and torch.equal(combined, one_combined),
+            y_err=float(((y_rows - want_rows).abs() / want_rows.abs().amax(dim=1, keepdim=True)).max()),
+            y_dtype=y.dtype, scales_dtype=scales.dtype, scales_shape=tuple(scales.shape), cap=ex.shape[0],
+        ))  # fmt: skip
+    return out
+
+
+def test_two_stage_fp8_modes_with_garbage_padding():
+    for rank, results in enumerate(parallel_launch(2, _fp8_flow)):
+        for (mode, dtype), got in zip(FP8_MODES, results, strict=True):
+            assert got["same"], (rank, mode, dtype)
+            assert got["y_dtype"] == dtype and got["y_err"] <= (2**-3 if dtype == torch.float8_e5m2 else 2**-4)
+            cap = got["cap"]
+            want = {2: ((cap,), torch.float32), 3: ((cap, 2), torch.float32), 4: ((cap, 8), torch.float8_e8m0fnu)}[mode]
+            assert (got["scales_shape"], got["scales_dtype"]) == want

@@ -311,7 +311,7 @@ def bad_dispatch(draw):
         call["expert_ids"] = ids.to(dt)
         return call, (PARAM, "expert_ids", str(dt))
     if kind == "quant":
-        v = draw(st.integers(-3, 10).filter(lambda q: q not in (0, 2)))
+        v = draw(st.integers(-3, 10).filter(lambda q: q not in (0, 2, 3, 4)))
         call["kw"]["quant_mode"] = v
         return call, (PARAM, "quant_mode", str(v))
     v = draw(st.integers(513, 2000) if bs == 1 else st.integers(1, bs - 1) | st.integers(513, 2000))
@@ -451,7 +451,7 @@ def bad_combine(draw):
     """A broken argument for a combine of ``_base()``'s 1-rank dispatch, plus the (code, param, text) it must raise."""
     kind = draw(st.sampled_from(["w_shape", "w_dtype", "x_dtype", "x_dims", "counts", "assist", "shared", "cq"]))
     if kind == "w_shape":
-        rows, cols = draw(st.tuples(st.integers(0, 8), st.integers(0, 8)).filter(lambda s: s != (BS, K)))
+        rows, cols = draw(st.tuples(st.integers(1, 8), st.integers(1, 8)).filter(lambda s: s != (BS, K)))
         return dict(weights=torch.ones(rows, cols)), (SHAPE, "expert_scales", f"({rows}, {cols})")
     if kind == "w_dtype":
         dt = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float64, torch.int32]))
@@ -471,7 +471,7 @@ def bad_combine(draw):
     if kind == "shared":
         h = draw(st.integers(1, 40).filter(lambda v: v != H))
         return dict(kw=dict(shared_expert_x=torch.zeros(BS, h))), (SHAPE, "shared_expert_x", f"({BS}, {h})")
-    v = draw(st.integers(-5, 9).filter(lambda q: q not in (0, 2)))
+    v = draw(st.integers(-5, 9).filter(lambda q: q not in (0, 2, 3, 4)))
     return dict(kw=dict(comm_quant_mode=v)), (PARAM, "comm_quant_mode", str(v))
 
 

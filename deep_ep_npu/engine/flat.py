@@ -3,6 +3,7 @@ jobs with the :class:`Flat` layout (the TP stage: :mod:`.tp`) and the zero / cop
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -10,7 +11,17 @@ import torch
 from ..errors import MoeDistributeError, shape
 from ..event import Completion
 from ..group import DTYPE_CODES, Agreement, EPGroup, ep_group, resolve_group
-from ..params import CombineParams, DispatchParams, EpLayout, ValidCombine, ValidDispatch, logical_rank_of, routed_pairs
+from ..npu_types import SCALAR_TYPE_CODE
+from ..params import (
+    OP_COMM_ALGS,
+    CombineParams,
+    DispatchParams,
+    EpLayout,
+    ValidCombine,
+    ValidDispatch,
+    logical_rank_of,
+    routed_pairs,
+)
 from .combine import CombineJob, start_combine
 from .dispatch import DispatchJob, start_dispatch
 from .layouts import sort_blocks
@@ -21,7 +32,7 @@ from .workspace import Workspace
 
 DISPATCH_OP, COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
 COMBINE_NAMES = ("moe_expert_num", "hidden", "expand_x dtype", "comm_quant_mode", "global_bs", "shared_expert_num",
-                 "shared_expert_rank_num", "elastic_info", "tp_world_size")  # fmt: skip
+                 "shared_expert_rank_num", "elastic_info", "tp_world_size", "comm_alg")  # fmt: skip
 
 
 class Flat:
@@ -29,7 +40,7 @@ class Flat:
     :meth:`place_remote` into :attr:`outputs`. With a TP pair, the TP peer's rows follow this rank's own."""
 
     names = ("moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "x dtype", "shared_expert_num",
-             "shared_expert_rank_num", "elastic_info", "tp_world_size")  # fmt: skip
+             "shared_expert_rank_num", "elastic_info", "tp_world_size", "y_dtype", "comm_alg")  # fmt: skip
 
     def __init__(self, v: ValidDispatch, weights: bool) -> None:
         self.v, self.weights, self.outputs = v, weights, tuple[torch.Tensor, ...]()
@@ -56,10 +67,13 @@ class Flat:
         order, counts = sort_blocks(expert, src, num_local, w)
         position = torch.empty_like(order)
         position[order] = torch.arange(num_recv, device=dev)  # final row of each pair (remote pairs first, then own)
-        width = () if v.quant or v.scales is None or not v.scales.shape[1] else (v.scales.shape[1],)
-        tp = 1 if layout.tp is None else 2
-        expand_x = torch.zeros((cap * tp, v.x.shape[1]), dtype=fmt.data_dtype, device=dev)
-        dynamic_scales = torch.zeros((cap * tp, *width), dtype=torch.float32, device=dev)
+        hidden, tp, q = v.x.shape[1], 1 if layout.tp is None else 2, v.quant
+        width, scale_dtype = ((), torch.float32) if q is None else (q.scale_shape(hidden), q.scale_dtype)
+        if q is None and v.scales is not None and v.scales.shape[1]:  # quant_mode 0 given scales: `[A, H]` zeros
+            width = (v.scales.shape[1],)
+        expand_x = torch.zeros((cap * tp, hidden), dtype=fmt.data_dtype, device=dev)
+        scale_bytes = torch.zeros((cap * tp, math.prod(width) * scale_dtype.itemsize), dtype=torch.uint8, device=dev)
+        dynamic_scales = scale_bytes.view(scale_dtype).view(cap * tp, *width)
         assist = torch.zeros((max(v.x.shape[0] * v.topk, cap * 128),), dtype=torch.int32, device=dev)
         expand_scales = torch.zeros((cap if self.weights else 0,), dtype=torch.float32, device=dev)
         n_remote = got.row.numel()
@@ -67,8 +81,8 @@ class Flat:
             if not at.numel():
                 continue
             fmt.scatter_data(buf, part.row, expand_x, at)
-            if v.quant:
-                dynamic_scales[at] = fmt.scales(buf, part.row)[:, 0]
+            if q is not None:
+                scale_bytes[at] = fmt.scale_bytes(buf, part.row)
             triples = torch.stack([part.src, fmt.tokens(buf)[part.row].long(), part.slot], dim=1)
             assist[: 3 * cap].view(-1, 3)[at] = triples.to(torch.int32)
             if self.weights:
@@ -81,7 +95,7 @@ class Flat:
             )
         per_expert = all_counts.view(tp, num_local, w).sum(dim=(0, 2))
         expert_token_nums = (per_expert.cumsum(0) if v.expert_token_nums_type == 0 else per_expert).to(torch.int64)
-        extra = 2 * v.global_bs * v.topk * (w // 8) if self.weights else 0
+        extra = 2 * v.global_bs * v.topk * (w // 8) if self.weights and layout.platform != "a5" else 0
         ep_recv_counts = torch.zeros((all_counts.numel() + extra,), dtype=torch.int32, device=dev)
         ep_recv_counts[: all_counts.numel()] = all_counts.cumsum(0).to(torch.int32)
         add_wait_time(v.performance_info, agreement, wait_ns)
@@ -158,22 +172,22 @@ def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace:
     v: ValidDispatch = _validate(p, ep, DISPATCH_OP)
     layout, x = v.layout, v.x
     ep = ep or ep_group(layout.group)
-    per_pair = v.quant and v.scales is not None
+    per_pair = v.quant is not None and v.scales is not None
     plan = _plan(layout, v.ids, v.mask, ep, per_pair)
     weights = None if v.expert_scales is None else _pair_weights(plan, v.expert_scales, v.topk, x.device)
-    fmt = RowFormat(x.shape[1], x.dtype, "int8_per_token" if v.quant else None, v.topk + layout.shared_expert_num,
-                    weights is not None, False)  # fmt: skip
+    fmt = RowFormat(x.shape[1], x.dtype, v.quant, v.topk + layout.shared_expert_num, weights is not None, False)
     flat = Flat(v, weights is not None)
     fingerprint = (
-        layout.num_moe_experts, x.shape[1], v.topk, 2 * v.quant, v.global_bs_real, fmt.row_bytes, DTYPE_CODES[x.dtype],
-        layout.shared_expert_num, layout.shared_expert_rank_num, hash(layout.ep_rank_of) & 0x7FFFFFFF,
-        layout.tp_world_size, x.shape[0],
+        layout.num_moe_experts, x.shape[1], v.topk, 0 if v.quant is None else v.quant.mode, v.global_bs_real,
+        fmt.row_bytes, DTYPE_CODES[x.dtype], layout.shared_expert_num, layout.shared_expert_rank_num,
+        hash(layout.ep_rank_of) & 0x7FFFFFFF, layout.tp_world_size, SCALAR_TYPE_CODE[fmt.data_dtype],
+        OP_COMM_ALGS.index(p.comm_alg), x.shape[0],
     )  # fmt: skip
     smooth = _smooth(v, plan) if per_pair else None
     job = DispatchJob(
         ep, DISPATCH_OP, x, plan, fmt, weights, smooth, fingerprint, flat, workspace or Workspace(x.device)
     )
-    receive = with_tp_agreement(start_dispatch, job, layout, x.dtype, v.quant)
+    receive = with_tp_agreement(start_dispatch, job, layout, x.dtype, v.quant is not None)
     return Completion(lambda: (receive.wait(), flat.outputs)[1])
 
 
@@ -209,9 +223,9 @@ def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: W
         extra = special_contributions(layout, v.ids, v.mask, v.weights, v.special)
     fmt = ReturnFormat(hidden, expand_x.dtype, v.comm_quant)
     fingerprint = (
-        layout.num_moe_experts, hidden, DTYPE_CODES[expand_x.dtype], 2 * v.comm_quant, v.global_bs_real,
+        layout.num_moe_experts, hidden, DTYPE_CODES[expand_x.dtype], v.comm_quant, v.global_bs_real,
         layout.shared_expert_num, layout.shared_expert_rank_num, hash(layout.ep_rank_of) & 0x7FFFFFFF,
-        layout.tp_world_size,
+        layout.tp_world_size, OP_COMM_ALGS.index(p.comm_alg),
     )  # fmt: skip
     mismatch = ("assist_info_for_combine", "the expert_ids / x_active_mask used at dispatch and that dispatch's "
                 "assist_info_for_combine and ep_recv_counts")  # fmt: skip
@@ -228,7 +242,7 @@ def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: W
         job.source = tp_reduce_scatter(layout.tp, layout.tp_rank_id, expand_x, v.num_rows, v.num_peer)
         return True  # the rows to return changed: pack them again
 
-    receive = with_tp_agreement(start_combine, job, layout, expand_x.dtype, v.comm_quant, reduce_scatter)
+    receive = with_tp_agreement(start_combine, job, layout, expand_x.dtype, bool(v.comm_quant), reduce_scatter)
     return Completion(lambda: (receive.wait(), out)[1])
 
 

@@ -2,36 +2,42 @@
 
 Dispatch row (``uint8``, ``row_bytes`` a multiple of 16)::
 
-    [data: hidden x itemsize][scales: fp32][src token: int32][local expert per slot: num_slots x int32][weights]
+    [data: hidden x itemsize][scales][src token: int32][local expert per slot: num_slots x int32][weights]
 
-Slot ``j`` holds the destination's local expert that pair (token, j) goes to, or -1; ``weights`` (fp32 per slot,
-only when the caller gives top-k weights) travel with them. The receiver expands a row into one output row per
-slot that is not -1. float8 and int8 data travel as bytes (gloo cannot carry float8).
-Combine rows are the expert outputs in their dtype, or int8 with one scale per 8 elements (``comm_quant_mode=2``).
+Scales: none, fp32 per 128 channels (DeepEP fp8), or a :class:`~deep_ep_npu.quant.Quant`'s per row (mode 2: one
+fp32, 3: fp32 per 128 channels, 4: e8m0 bytes per 32). Slot ``j`` holds the destination's local expert that pair
+(token, j) goes to, or -1; ``weights`` (fp32 per slot, only when the caller gives top-k weights) travel with them.
+The receiver expands a row into one output row per slot that is not -1. float8 / int8 data and e8m0 scales travel
+as bytes (gloo cannot carry float8).
+Combine rows are the expert outputs in their dtype, int8 with one scale per 8 elements (``comm_quant_mode=2``), or
+MX fp8 with one e8m0 scale per 32 (``comm_quant_mode`` 3: e5m2, 4: e4m3).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..quant import FP8_DTYPE, GROUP, pack_ue8m0, per_group_int8, per_token_int8, scale_for_fp8_
+from ..quant import FP8_DTYPE, GROUP, Quant, mx_dequant, pack_ue8m0, per_group_int8, scale_for_fp8_
 from ..sizes import align
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
 
 
 class RowFormat:
-    """A dispatch row of ``hidden`` channels for one (dtype, quant, slots, weights) combination."""
+    """A dispatch row of ``hidden`` channels for one (dtype, quant, slots, weights) combination; ``quant``: None,
+    ``"fp8_e4m3"`` (DeepEP's), ``"int8_per_token"`` (= ``Quant(2, torch.int8)``) or a :class:`Quant`."""
 
-    def __init__(
-        self, hidden: int, dtype: torch.dtype, quant: str | None, num_slots: int, weights: bool, round_scale: bool
-    ) -> None:
+    def __init__(self, hidden: int, dtype: torch.dtype, quant: str | Quant | None, num_slots: int, weights: bool,
+                 round_scale: bool) -> None:  # fmt: skip
         self.hidden, self.quant, self.round_scale, self.num_slots = hidden, quant, round_scale, num_slots
-        self.data_dtype = {None: dtype, "fp8_e4m3": FP8_DTYPE, "int8_per_token": torch.int8}[quant]
-        self.num_scales = {None: 0, "fp8_e4m3": hidden // GROUP, "int8_per_token": 1}[quant]
+        self.codec = Quant(2, torch.int8) if quant == "int8_per_token" else quant if isinstance(quant, Quant) else None
+        self.data_dtype = dtype if quant is None else FP8_DTYPE if self.codec is None else self.codec.dtype
+        self.scale_dtype = torch.float32 if self.codec is None else self.codec.scale_dtype
+        scale_bytes = self.codec.scale_bytes(hidden) if self.codec else 4 * hidden // GROUP if quant else 0
         self.data_bytes = hidden * self.data_dtype.itemsize
         self.scale_off = align(self.data_bytes, 4)
-        self.token_off = self.scale_off + 4 * self.num_scales
+        self.scale_end = self.scale_off + scale_bytes
+        self.token_off = align(self.scale_end, 4)
         self.slot_off = self.token_off + 4
         self.weight_off = self.slot_off + 4 * num_slots
         self.end = self.weight_off + (4 * num_slots if weights else 0)
@@ -49,12 +55,12 @@ class RowFormat:
         if self.quant == "fp8_e4m3":
             data = torch.empty(x_rows.shape, dtype=torch.float32, device=x_rows.device)  # cast to e4m3 by the copy
             scales = scale_for_fp8_(data, x_rows, self.round_scale)
-        elif self.quant is not None:
-            data, scales = per_token_int8(x_rows, smooth)
-            scales = scales.unsqueeze(1)
+        elif self.codec is not None:
+            data, scales = self.codec(x_rows, smooth)
         out[:, : self.data_bytes].view(self.data_dtype).copy_(data)
         if scales is not None:
-            out[:, self.scale_off : self.token_off].view(torch.float32).copy_(scales)
+            raw = scales.contiguous().view(torch.uint8).reshape(len(out), self.scale_end - self.scale_off)
+            out[:, self.scale_off : self.scale_end].copy_(raw)
         out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
         out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
         if weights is not None:
@@ -84,30 +90,41 @@ class RowFormat:
     def scales(self, rows: torch.Tensor, row: torch.Tensor, use_ue8m0: bool = False) -> torch.Tensor:
         """Scales of ``rows[row]``: `[P, hidden // 128]` fp32 for fp8 (`[P, hidden // 512]` int32 UE8M0 with
         ``use_ue8m0``), `[P, 1]` fp32 for int8."""
-        s = rows[row, self.scale_off : self.token_off].view(torch.float32)
+        s = self.scale_bytes(rows, row).view(torch.float32)
         return pack_ue8m0(s) if use_ue8m0 else s
+
+    def scale_bytes(self, rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """The raw scale bytes of ``rows[row]``: `[P, scale bytes]` uint8 (any scale dtype)."""
+        return rows[row, self.scale_off : self.scale_end]
 
 
 class ReturnFormat:
-    """A combine row: the expert output in ``dtype``, or int8 + one ``dtype`` scale per 8 elements (quantized)."""
+    """A combine row for ``comm_quant_mode`` ``mode``: 0 the expert output in ``dtype``; 2 int8 + one ``dtype`` scale
+    per 8 elements; 3 / 4 MX fp8 (e5m2 / e4m3, :func:`~deep_ep_npu.quant.mx_fp8`) + one e8m0 byte per 32."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype, quantized: bool) -> None:
-        self.hidden, self.dtype, self.quantized = hidden, dtype, quantized
-        self.row_bytes = hidden + hidden // 8 * dtype.itemsize if quantized else hidden * dtype.itemsize
+    def __init__(self, hidden: int, dtype: torch.dtype, mode: int) -> None:
+        self.hidden, self.dtype, self.mode, self.quantized = hidden, dtype, int(mode), bool(mode)
+        self.mx = Quant(4, torch.float8_e5m2 if mode == 3 else torch.float8_e4m3fn) if mode in (3, 4) else None
+        scale_bytes = hidden // 8 * dtype.itemsize if self.mx is None else self.mx.scale_bytes(hidden)
+        self.row_bytes = hidden + scale_bytes if mode else hidden * dtype.itemsize
 
     def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """``rows`` `[n, hidden]` into ``out`` `[n, row_bytes]` uint8."""
         if not self.quantized:
             out.view(self.dtype).copy_(rows)
             return
-        q, scale = per_group_int8(rows)
-        out[:, : self.hidden].view(torch.int8).copy_(q)
-        out[:, self.hidden :].view(self.dtype).copy_(scale)
+        q, scale = per_group_int8(rows) if self.mx is None else self.mx(rows)
+        out[:, : self.hidden].view(q.dtype).copy_(q)
+        out[:, self.hidden :].copy_(scale.contiguous().view(torch.uint8))
 
     def decode_float(self, packed: torch.Tensor) -> torch.Tensor:
-        """`[n, row_bytes]` uint8 to `[n, hidden]` fp32 (a fresh tensor: callers scale it in place)."""
+        """`[n, row_bytes]` uint8 to `[n, hidden]` fp32 (a fresh tensor: callers scale it in place); quantized rows
+        are dequantized and rounded to ``dtype`` first, as the NPU receives them."""
         if not self.quantized:
             return packed.view(self.dtype).float()
+        if self.mx is not None:
+            y = mx_dequant(packed[:, : self.hidden].view(self.mx.dtype), packed[:, self.hidden :])
+            return y.to(self.dtype).float()
         q = packed[:, : self.hidden].view(torch.int8).float().view(-1, self.hidden // 8, 8)
         scale = packed[:, self.hidden :].view(self.dtype).float().unsqueeze(-1)
         return (q * scale).view(-1, self.hidden).to(self.dtype).float()

@@ -32,7 +32,7 @@ from ..event import Completion
 from ..group import DTYPE_CODES, STATUS_OK, ep_group, resolve_group
 from ..npu_types import PLATFORM_NAMES, platform, resolve_dtype
 from ..params import NPU_ACT_DTYPES, CombineParams, DispatchParams, ValidDispatch, validate_layout
-from ..quant import per_token_int8
+from ..quant import Quant
 from ..sizes import align
 from .flat import start_dispatch_flat
 
@@ -192,12 +192,14 @@ def dispatch_setup(p: SetupParams) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     rows = x.index_select(0, order[:n] // k)
     if p.quant_mode == 0:
         y[:n, : x.shape[1]] = rows
-    else:
+    else:  # 1-byte data, then the scales at byte Align32(H) (mode 2), Align128(H) (3) or Align256(H) (4)
         smooth = None if p.scales is None else p.scales[flat[order[:n]]]  # row S + e of scales, S = 0 here
-        q, scale = per_token_int8(rows, smooth)
-        y[:n, : x.shape[1]].view(torch.int8).copy_(q)
-        at = align(x.shape[1], 32)
-        y[:n].view(torch.uint8)[:, at : at + 4].view(torch.float32).copy_(scale.unsqueeze(1))
+        q, scale = Quant(p.quant_mode, y_dtype)(rows, smooth)
+        raw = y.view(torch.uint8)
+        raw[:n, : x.shape[1]] = q.view(torch.uint8)
+        at = align(x.shape[1], {2: 32, 3: 128, 4: 256}[p.quant_mode])
+        scale_bytes = scale.reshape(n, scale.numel() // max(n, 1)).contiguous().view(torch.uint8)
+        raw[:n, at : at + scale_bytes.shape[1]] = scale_bytes
     rows_per_dest = torch.bincount(flat[sent.view(-1)] // (e // w), minlength=w).tolist()
     args = {name: getattr(p, name) for name in (*_SHARED[1:], "quant_mode")}
     size = (bs * (k + s) + w * (e // w)) * 16
