@@ -371,23 +371,27 @@ class Buffer:
     def mega_moe(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         *, w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-        num_max_dispatch_tokens_per_rank: int, num_experts: int, out_dtype: torch.dtype | None = None, **kwargs: Any,
+        num_max_dispatch_tokens_per_rank: int, num_experts: int, out_dtype: torch.dtype | None = None,
+        x_active_mask: torch.Tensor | None = None, swiglu_limit: float | None = None, **kwargs: Any,
     ) -> torch.Tensor:  # fmt: skip
         """dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one pipelined call on this Buffer's group and backend:
         :func:`deep_ep_npu.mega_moe.mega_moe`, which documents the math and the extra keywords (``max_output_size``,
-        ``num_segments``, ``segment_by``). x: `[M, K]` `torch.bfloat16` (`torch.float16` / `torch.float32` on the
+        ``num_segments``, ``segment_by``). x: `[M, K]` `torch.bfloat16` / `torch.float16` (`torch.float32` on the
         reference backend); topk_idx: `[M, topK]` `torch.int32` / `torch.int64` (-1: no expert); topk_weights:
         `[M, topK]` `torch.float32`; w1: `[E_local, K, 2N]` (gate then up), `torch.int8` when scales are given, else a
         float dtype; w2: `[E_local, N, K]`, w1's dtype; w1_scale `[E_local, 2N]` / w2_scale `[E_local, K]`:
-        `torch.float32` per-channel scales, or None. Returns `[M, K]` in ``out_dtype`` (default x's dtype):
-        ``sum_k topk_weights[t, k] * FFN_e(x[t])``."""
+        `torch.float32` per-channel scales, or None; x_active_mask: `[M]` `torch.bool` prefix of active tokens (the
+        others are not dispatched, their ids are not checked, their rows are 0), or None; swiglu_limit: the SwiGLU
+        clamp L (> 0: ``gate <= L``, ``|up| <= L``), None or 0.0: none. Returns `[M, K]` in ``out_dtype`` (default x's
+        dtype): ``sum_k topk_weights[t, k] * FFN_e(x[t])``."""
         from .mega_moe.api import run_mega_moe
 
         self._check_alive()
         return run_mega_moe(
             self._backend.ep, self.backend_name, x, topk_idx, topk_weights, w1, w2, w1_scale=w1_scale,
             w2_scale=w2_scale, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            num_experts=num_experts, out_dtype=out_dtype, **kwargs,
+            num_experts=num_experts, out_dtype=out_dtype, x_active_mask=x_active_mask, swiglu_limit=swiglu_limit,
+            **kwargs,
         )  # fmt: skip
 
     def destroy(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -330,6 +330,7 @@ class DispatchParams(_Common):
     ``ccl_buffer_size`` / ``strict`` (ours) and ``no_expert`` (internal, for the Buffer's flat methods and MegaMoE: -1
     in ``expert_ids`` means "no expert", named ``topk_idx`` in errors, as DeepEP)."""
 
+    op: ClassVar[str] = "moe_distribute_dispatch_v2"  # the op named in errors and failures
     x: Any
     expert_ids: Any
     group_ep: Any

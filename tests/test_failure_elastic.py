@@ -1,22 +1,20 @@
 """Shrink-mode masks on the ascend backend become the ops' ``elastic_info`` (contract test, no NPU).
 
-The torch_npu stand-in of ``tests/test_ascend_backend.py`` records the arguments and computes the ops with the
-torch.distributed reimplementation in ``deep_ep_npu.ops`` (which implements ``elastic_info``). With rank 1 masked
-on every rank, the ascend backend must produce what the reference backend produces with the same mask: the same
-rows per (local expert, source rank) and the same combined output, and it must pass the documented
-``elastic_info`` layout with expert ids renumbered over the live ranks.
+``deep_ep_npu.sim`` (installed by ``tests/test_ascend_backend.py``'s ``_install_sim``, which records the
+arguments) computes the ops with the reimplementation in ``deep_ep_npu.ops`` (which implements ``elastic_info``).
+With rank 1 masked on every rank, the ascend backend must produce what the reference backend produces with the
+same mask: the same rows per (local expert, source rank) and the same combined output, and it must pass the
+documented ``elastic_info`` layout with expert ids renumbered over the live ranks.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
 from deep_ep_npu import Buffer
 from deep_ep_npu.backends.ascend import elastic_info_from_mask, remap_expert_ids
 from tests.distributed import parallel_launch
-from tests.test_ascend_backend import E, K, N, _inputs, _run, _torch_npu_standin
+from tests.test_ascend_backend import E, K, N, _inputs, _install_sim, _run
 
 MASKED = 1
 
@@ -35,11 +33,8 @@ def _blocks(recv_count, layout_range, rows, src):
 
 
 def _masked_parity(info):
-    from deep_ep_npu.backends import ascend
-
     calls: list = []
-    sys.modules["torch_npu"] = _torch_npu_standin(calls)
-    ascend.AscendBackend._group_name = lambda self: self.group.group_name
+    _install_sim(calls)
     ref = Buffer(info.group, backend="reference", enable_shrink=True)
     npu = Buffer(info.group, backend="ascend", ccl_buffer_size=64, enable_shrink=True)
     for buf in (ref, npu):

@@ -13,6 +13,8 @@ float-weight path differs only by BLAS summation order: rtol 1.6e-2 (bf16) and a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,16 +26,24 @@ from tests.mega_moe_oracle import Case, assert_matches, dense_reference, make_ca
 
 
 def _run_fused(info, case: Case, kwargs: dict):
-    """``mega_moe(group, ...)``, or ``Buffer.mega_moe(...)`` with ``via_buffer=True``."""
-    from deep_ep_npu import Buffer
+    """``mega_moe(group, ...)``, or ``Buffer.mega_moe(...)`` with ``via_buffer=True`` (on the Buffer backend
+    ``kwargs["backend"]``, default reference); ``sim=True`` installs deep_ep_npu.sim first. The case's active prefix
+    and swiglu_limit are passed when it has them."""
+    from deep_ep_npu import Buffer, sim
     from deep_ep_npu.mega_moe import mega_moe
 
     kwargs = dict(kwargs)
+    if kwargs.pop("sim", False):
+        sim.install()
     x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
     num_experts = case.num_local * info.world_size
     kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max, num_experts=num_experts)
+    if case.active is not None:
+        kw["x_active_mask"] = case.mask(info.rank)
+    if case.swiglu_limit:
+        kw["swiglu_limit"] = case.swiglu_limit
     if kwargs.pop("via_buffer", False):
-        buf = Buffer(info.group, backend="reference", explicitly_destroy=True)
+        buf = Buffer(info.group, backend=kwargs.pop("backend", "reference"), explicitly_destroy=True)
         out = buf.mega_moe(x, idx, p, w1, w2, **kw, **kwargs)
         buf.destroy()
         return out
@@ -201,6 +211,42 @@ def test_fp32_reference_path_equals_unfused_exactly():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16-weights"])
+def test_active_mask_with_garbage_rows_and_swiglu_limit(int8):
+    """x_active_mask: rows after each rank's prefix hold out-of-range / negative / repeated ids, NaN weights and
+    NaN / inf activations, yet are not checked, not dispatched and come back as exact zeros (rank 2: none active);
+    swiglu_limit clamps (it changes the result) and matches the oracle; Buffer.mega_moe forwards both."""
+    limit = 0.5 if int8 else 0.75
+    case = make_case(11, [7, 6, 5], 128, 64, 3, 4, int8=int8, holes=0.1, inactive=[2, 0, 5], swiglu_limit=limit)
+    ref = dense_reference(case, torch.bfloat16)
+    unclamped = dense_reference(dataclasses.replace(case, swiglu_limit=0.0), torch.bfloat16)
+    assert any(not torch.equal(a, b) for a, b in zip(ref, unclamped, strict=True))  # the limit is active
+    outs = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16), timeout=60)
+    via_buffer = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16, via_buffer=True), timeout=60)
+    for r in range(3):
+        assert_matches(outs[r], ref[r], int8)
+        assert torch.equal(outs[r], via_buffer[r])
+        assert bool((outs[r][case.active[r] :] == 0).all())
+
+
+def _limit_off_variants(info, case: Case):
+    """The same call with swiglu_limit omitted, None and 0.0."""
+    from deep_ep_npu.mega_moe import mega_moe
+
+    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
+    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max,
+              num_experts=case.num_local * info.world_size)  # fmt: skip
+    return [mega_moe(info.group, x, idx, p, w1, w2, **kw, **extra) for extra in ({}, {"swiglu_limit": None},
+                                                                                 {"swiglu_limit": 0.0})]  # fmt: skip
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16-weights"])
+def test_swiglu_limit_off_is_bit_identical(int8):
+    case = make_case(12, [6, 9], 128, 64, 2, 4, int8=int8)
+    for got in parallel_launch(2, _limit_off_variants, case, timeout=60):
+        assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
 BAD_INPUTS = [
     ({"max_output_size": 31}, "max_output_size"),
     ({"w1": torch.zeros((16, 128, 255), dtype=torch.int8)}, "w1"),
@@ -208,12 +254,17 @@ BAD_INPUTS = [
     ({"topk_idx": torch.full((16, 2), 32, dtype=torch.int32)}, "topk_idx"),
     ({"num_max_dispatch_tokens_per_rank": 20}, "num_max_dispatch_tokens_per_rank"),
     ({"out_dtype": torch.int8}, "out_dtype"),
+    ({"x_active_mask": torch.tensor([False, True] * 8)}, "x_active_mask"),  # not a prefix
+    ({"x_active_mask": torch.ones((15,), dtype=torch.bool)}, "x_active_mask"),
+    ({"swiglu_limit": -1.0}, "swiglu_limit"),
+    ({"swiglu_limit": 7.0}, "swiglu_limit"),  # valid alone, but the other ranks pass none: they disagree
 ]
 
 
 def test_invalid_input_raises_on_every_rank():
     """max_output_size < M * topK, bad w1 shape, one scale only, expert id out of range, ranks disagreeing on
-    num_max_dispatch_tokens_per_rank, bad out_dtype: rank 1 names the parameter, rank 0 raises too."""
+    num_max_dispatch_tokens_per_rank, bad out_dtype, a non-prefix or mis-sized mask, a negative swiglu_limit, ranks
+    disagreeing on swiglu_limit: rank 1 names the parameter, rank 0 raises too."""
     case = make_case(5, [16, 16], 128, 128, 2, 16)
     per_rank = parallel_launch(2, _expect_errors, case, [bad for bad, _ in BAD_INPUTS], timeout=60)
     for i, (_, param) in enumerate(BAD_INPUTS):

@@ -30,7 +30,7 @@ from .rows import ReturnFormat, RowFormat
 from .tp import tp_agree, tp_gather_rows, tp_reduce_scatter, with_tp_agreement
 from .workspace import Workspace
 
-DISPATCH_OP, COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
+COMBINE_OP = "moe_distribute_combine_v2"
 COMBINE_NAMES = ("moe_expert_num", "hidden", "expand_x dtype", "comm_quant_mode", "global_bs", "shared_expert_num",
                  "shared_expert_rank_num", "elastic_info", "tp_world_size", "comm_alg")  # fmt: skip
 
@@ -142,7 +142,7 @@ def _validate(p: DispatchParams | CombineParams, ep: EPGroup | None, op: str) ->
         return p.validate()
     except MoeDistributeError as err:
         if (ep := ep or _group(p.group_ep, "group_ep")) is not None:
-            d = op == DISPATCH_OP  # dispatch: (rows, pairs) per rank + fingerprint and Bs; combine: 2R counts + fp
+            d = isinstance(p, DispatchParams)  # dispatch: (rows, pairs) per rank + fp and Bs; combine: 2R counts + fp
             ep.reject(op, err.code, 2 if d else 0, len(Flat.names) + 1 if d else 2 * ep.num_ranks + len(COMBINE_NAMES))
             tp = _group(p.group_tp, "group_tp") if p.tp_world_size == 2 else None
             if tp is not None and tp.num_ranks == 2:
@@ -169,7 +169,7 @@ def _pair_weights(plan: Plan, weights: torch.Tensor, topk: int, device: torch.de
 def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace: Workspace | None = None) -> Completion:
     """Validate ``p`` and run the send phase; ``wait()`` returns the 7 outputs of ``npu_moe_distribute_dispatch_v2``
     (``ep``: the Buffer's group, default the ops' group of ``group_ep``)."""
-    v: ValidDispatch = _validate(p, ep, DISPATCH_OP)
+    v: ValidDispatch = _validate(p, ep, p.op)
     layout, x = v.layout, v.x
     ep = ep or ep_group(layout.group)
     per_pair = v.quant is not None and v.scales is not None
@@ -185,7 +185,7 @@ def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace:
     )  # fmt: skip
     smooth = _smooth(v, plan) if per_pair else None
     job = DispatchJob(
-        ep, DISPATCH_OP, x, plan, fmt, weights, smooth, fingerprint, flat, workspace or Workspace(x.device)
+        ep, p.op, x, plan, fmt, weights, smooth, fingerprint, flat, workspace or Workspace(x.device)
     )
     receive = with_tp_agreement(start_dispatch, job, layout, x.dtype, v.quant is not None)
     return Completion(lambda: (receive.wait(), flat.outputs)[1])

@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import itertools
 import secrets
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -95,6 +95,7 @@ def two_stage_rules(p: Any, num_tokens: int, hidden: int, topk: int, op: str) ->
 class SetupParams(DispatchParams):
     """:class:`DispatchParams` of ``dispatch_setup``: the one-shot rules, then the two-stage ones."""
 
+    op: ClassVar[str] = DISPATCH_SETUP
     _: dataclasses.KW_ONLY
     comm_type: Any = 0
 

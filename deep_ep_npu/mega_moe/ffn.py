@@ -4,20 +4,39 @@ int8 weights (``w1_scale`` / ``w2_scale`` given), for the rows ``x`` of one loca
 
 ```
 q1, s1 = per_token_int8(x)                    # dispatch quant_mode 2: rint(x * 127 / amax), s1 = amax / 127
-h      = fp32(int(q1) @ int(w1) * s1[t] * w1_scale[c])   # int32-exact accumulate, dequant in fp64, one fp32 round
-g      = silu(h[:, :N]) * h[:, N:]            # SwiGLU: w1's last dim is gate then up; fp32
+c1     = fp16(fp32(int(q1) @ int(w1) * w1_scale[c]))  # GMM1: int32-exact accumulate, Fixpipe channel dequant -> gmC
+h      = fp32(c1) * s1[t]                     # SwiGLU stage: the per-token scale, in fp32
+gate, up = h[:, :N], h[:, N:]                 # w1's 2N output columns: gate first, then up
+gate, up = min(gate, L), clamp(up, -L, L)     # only when swiglu_limit L > 0
+g      = silu(gate) * up                      # fp32
 q2, s2 = per_token_int8(g)                    # dynamic int8 quant of the SwiGLU output
-y      = out_dtype(fp32(int(q2) @ int(w2) * s2[t] * w2_scale[c]))
+c2     = fp16(fp32(int(q2) @ int(w2) * w2_scale[c]))  # GMM2, Fixpipe channel dequant -> the fp16 CV tile
+y      = out_dtype(fp32(c2) * s2[t])          # Combine: per-token scale in fp32, one rounding to out_dtype
 ```
 
-Float weights (bf16 / fp16 / fp32, no scales): ``h = fp32(x) @ fp32(w1)``; ``g = silu(gate) * up``;
-``y = out_dtype(g @ fp32(w2))``.
+Float weights (bf16 / fp16 / fp32, no scales), ``wd`` = the weights' dtype: ``h = wd(fp32(x) @ fp32(w1))``;
+``g = wd(silu(gate) * up)`` (the same gate/up order and clamp); ``y = out_dtype(fp32(g) @ fp32(w2))``. With fp32
+weights the two ``wd`` roundings are identities, so the fp32 chain is unchanged (the serving tests' golden path).
+
+Why these rounding points: the PTO MegaMoE seed's GMM1 writes ``gmC`` in FP16 after the Fixpipe applies scale1, its
+SwiGLU stage multiplies ``gmC`` by ``perTokenScale1`` in fp32, its GMM2 writes FP16 tiles after Fixpipe scale2, and
+Combine does ``FP16 -> FP32 -> * perTokenScale2 -> FP16``. vllm-ascend's ``dispatch_ffn_combine`` kernel (which
+the seed says its A5 port follows) has the same chain: an fp16 GMM1 output type, the SwiGLU epilogue casting it to
+fp32 and multiplying by the per-token scale, an fp16 GMM2 output dequantized per token into ``out``'s dtype. Its
+BF16 variant writes GMM1's and SwiGLU's outputs in the activation dtype, hence the ``wd`` roundings (the kernel's
+SwiGLU cast rounds ties away from zero; torch's round-to-nearest-even is used here, which differs on exact ties only).
+
+Which half is gated: the seed's prose writes ``SiLU(up) * gate`` without saying which columns it calls "up"; the
+kernel computes ``x / (1 + exp(-x))`` on the first N columns and multiplies by the last N, and vllm-ascend feeds it
+``w13`` = [gate; up] (the serving models' ``silu(gate) * up``), so the first N columns are the gate (kept). The clamp
+is the kernel's ``swiglu_limit`` (``> 0`` enables it): ``ClampMax`` of both halves at L, then ``ClampMin`` of the up
+half at -L, i.e. vllm-ascend's ``SiluAndMulWithClamp`` (gpt-oss / DeepSeek-V4 style); 0 disables it (vllm's default).
 
 The integer products are exact: int8 values summed over ``K`` stay far below 2^53, so an fp64 matmul (BLAS-fast
 on CPU) returns the exact int32 accumulator the NPU's cube unit produces; for inner sizes <= 1040 every partial sum
-stays below 2^24 and the (faster) fp32 matmul is exact as well. Known differences to the A5 PTO MegaMoE kernel: it
-rounds GMM1's output to fp16 (``gmC``) before SwiGLU where this spec keeps fp32, and its doc writes
-``SiLU(up) * gate`` where serving models use ``silu(gate) * up`` (kept here).
+stays below 2^24 and the (faster) fp32 matmul is exact as well. Unconfirmed without an NPU: whether the Fixpipe uses
+every mantissa bit of the fp32 scale, and how it rounds ``acc * scale`` on the way to fp16 (here: fp64 product, then
+fp32, then fp16).
 """
 
 import itertools
@@ -36,49 +55,57 @@ def int8_gmm(q: Tensor, w: Tensor) -> Tensor:
     return (q.float() @ w.float()).double() if q.shape[1] <= FP32_EXACT_INNER else q.double() @ w.double()
 
 
-def dequant(acc: Tensor, token_scale: Tensor, channel_scale: Tensor) -> Tensor:
-    """``fp32(acc * token_scale[t] * channel_scale[c])``, evaluated left to right in fp64: ``acc`` `[rows, m]`
-    `torch.float64`, ``token_scale`` `[rows]` / ``channel_scale`` `[m]` `torch.float32`; returns `[rows, m]` fp32."""
-    return (acc * token_scale.double().unsqueeze(1) * channel_scale.double().unsqueeze(0)).float()
+def fixpipe_dequant(acc: Tensor, channel_scale: Tensor) -> Tensor:
+    """A GMM's Fixpipe output, ``fp16(fp32(acc * channel_scale[c]))`` (product in fp64): ``acc`` `[rows, m]`
+    `torch.float64` integer sums, ``channel_scale`` `[m]` `torch.float32`; returns `[rows, m]` `torch.float16`."""
+    return (acc * channel_scale.double().unsqueeze(0)).float().half()
 
 
-def swiglu(h: Tensor) -> Tensor:
-    """``silu(gate) * up`` of `[num_rows, 2N]` `torch.float32` (gate first); returns `[num_rows, N]` fp32."""
+def swiglu(h: Tensor, limit: float = 0.0) -> Tensor:
+    """``silu(gate) * up`` of `[num_rows, 2N]` `torch.float32` (gate first), with ``gate <= limit`` and
+    ``|up| <= limit`` when ``limit > 0``; returns `[num_rows, N]` fp32."""
     gate, up = h.chunk(2, dim=-1)
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
 
 
 def int8_expert_ffn(q: Tensor, q_scale: Tensor, w1: Tensor, w1_scale: Tensor, w2: Tensor, w2_scale: Tensor,
-                    out_dtype: torch.dtype) -> Tensor:  # fmt: skip
+                    out_dtype: torch.dtype, swiglu_limit: float = 0.0) -> Tensor:  # fmt: skip
     """One expert's int8 FFN on already-quantized rows (the module docstring's formula): q `[num_rows, hidden]`
     `torch.int8` with per-token scales q_scale `[num_rows]` `torch.float32`; w1 `[hidden, 2N]` / w2 `[N, hidden]`
     `torch.int8`; w1_scale `[2N]` / w2_scale `[hidden]` `torch.float32`. Returns y `[num_rows, hidden]` out_dtype."""
-    h = dequant(int8_gmm(q, w1), q_scale, w1_scale)
-    q2, s2 = per_token_int8(swiglu(h))
-    return dequant(int8_gmm(q2, w2), s2, w2_scale).to(out_dtype)
+    h = fixpipe_dequant(int8_gmm(q, w1), w1_scale).float() * q_scale.unsqueeze(1)
+    q2, s2 = per_token_int8(swiglu(h, swiglu_limit))
+    return (fixpipe_dequant(int8_gmm(q2, w2), w2_scale).float() * s2.unsqueeze(1)).to(out_dtype)
 
 
-def float_expert_ffn(x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """One expert's float FFN, ``out_dtype(swiglu(fp32(x) @ fp32(w1)) @ fp32(w2))``: x `[num_rows, hidden]`, w1
-    `[hidden, 2N]`, w2 `[N, hidden]` (each bf16 / fp16 / fp32); returns y `[num_rows, hidden]` with ``out_dtype``."""
-    return (swiglu(x.float() @ w1.float()) @ w2.float()).to(out_dtype)
+def float_expert_ffn(x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype, swiglu_limit: float = 0.0) -> Tensor:
+    """One expert's float FFN (the module docstring's formula, GMM1 and SwiGLU outputs rounded to the weights'
+    dtype): x `[num_rows, hidden]`, w1 `[hidden, 2N]`, w2 `[N, hidden]` (each bf16 / fp16 / fp32); returns y
+    `[num_rows, hidden]` with ``out_dtype``."""
+    wd = w1.dtype
+    h = (x.float() @ w1.float()).to(wd).float()
+    return (swiglu(h, swiglu_limit).to(wd).float() @ w2.float()).to(out_dtype)
 
 
 def grouped_ffn(expand_x: Tensor, dynamic_scales: Tensor, expert_token_nums: Tensor, experts: range, w1: Tensor,
-                w2: Tensor, w1_scale: Tensor | None, w2_scale: Tensor | None,
-                out_dtype: torch.dtype) -> Tensor:  # fmt: skip
+                w2: Tensor, w1_scale: Tensor | None, w2_scale: Tensor | None, out_dtype: torch.dtype,
+                swiglu_limit: float = 0.0) -> Tensor:  # fmt: skip
     """GMM1 -> SwiGLU -> GMM2 over dispatch's expert-major rows for the local experts in ``experts`` (the others must
     have zero rows); returns y `[num_rows, hidden]` with ``out_dtype``, row-aligned with ``expand_x[:num_rows]``.
     expand_x `[A, hidden]` (`torch.int8` for int8 weights), dynamic_scales `[A]` `torch.float32` (int8 weights),
     expert_token_nums `[L]` `torch.int64` rows per local expert, w1 `[L, hidden, 2N]`, w2 `[L, N, hidden]`, w1_scale
-    `[L, 2N]` / w2_scale `[L, hidden]` `torch.float32` or None (L = num_local_experts)."""
+    `[L, 2N]` / w2_scale `[L, hidden]` `torch.float32` or None (L = num_local_experts); swiglu_limit > 0 clamps."""
     starts = [0, *itertools.accumulate(expert_token_nums.tolist())]
     y = torch.empty((starts[-1], expand_x.shape[1]), dtype=out_dtype, device=expand_x.device)
     for e in experts:
         lo, hi = starts[e], starts[e + 1]
         x = expand_x[lo:hi]
         if hi > lo and w1_scale is not None and w2_scale is not None:
-            y[lo:hi] = int8_expert_ffn(x, dynamic_scales[lo:hi], w1[e], w1_scale[e], w2[e], w2_scale[e], out_dtype)
+            y[lo:hi] = int8_expert_ffn(
+                x, dynamic_scales[lo:hi], w1[e], w1_scale[e], w2[e], w2_scale[e], out_dtype, swiglu_limit
+            )
         elif hi > lo:
-            y[lo:hi] = float_expert_ffn(x, w1[e], w2[e], out_dtype)
+            y[lo:hi] = float_expert_ffn(x, w1[e], w2[e], out_dtype, swiglu_limit)
     return y

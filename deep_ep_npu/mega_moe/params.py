@@ -2,6 +2,7 @@
 the agreement step that makes every rank raise the same error (:func:`agree`)."""
 
 import dataclasses
+import struct
 
 import torch
 import torch.distributed as dist
@@ -14,14 +15,17 @@ MAX_WORLD_SIZE = 16  # the A5 PTO MegaMoE kernel: worldSize in [1, 16]
 MAX_TOKENS_PER_RANK = 512  # the dispatch op's Bs limit
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SEGMENT_BY = ("expert", "token")
+FP32_MAX = torch.finfo(torch.float32).max  # swiglu_limit is the fused op's fp32 attribute
 _FINGERPRINT = ("num_experts", "hidden", "N", "topk", "weight dtype", "out_dtype", "num_max_dispatch_tokens_per_rank",
-                "num_segments", "segment_by")  # fmt: skip
+                "num_segments", "segment_by", "swiglu_limit")  # fmt: skip
 AGREE_WIDTH = 1 + len(_FINGERPRINT)  # can_fuse, then the fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
 class MegaMoeArgs:
-    """One rank's validated call. ``topk_idx`` is int64 with ``-1`` kept (no expert); ``ep`` None: the ops' group."""
+    """One rank's validated call. ``topk_idx`` is int64 with ``-1`` kept (no expert), and -1 in every row outside
+    ``x_active_mask`` (whose ``topk_weights`` rows are 0); ``x_active_mask`` `[M]` `torch.bool` (a prefix) or None;
+    ``swiglu_limit`` 0.0: no clamp; ``ep`` None: the ops' group."""
 
     group: dist.ProcessGroup
     world_size: int
@@ -39,6 +43,8 @@ class MegaMoeArgs:
     max_output_size: int
     num_segments: int
     segment_by: str
+    x_active_mask: torch.Tensor | None = None
+    swiglu_limit: float = 0.0
     ep: EPGroup | None = None
 
     num_tokens = property(lambda self: self.x.shape[0])
@@ -47,6 +53,7 @@ class MegaMoeArgs:
     num_local_experts = property(lambda self: self.num_experts // self.world_size)
     intermediate = property(lambda self: self.w2.shape[1], doc="N: the FFN size (w1 has 2N columns, gate then up).")
     int8_weights = property(lambda self: self.w1_scale is not None)
+    num_active = property(lambda self: self.num_tokens if self.x_active_mask is None else int(self.x_active_mask.sum()))
 
     def segment_experts(self, s: int) -> range:
         """Local experts computed in segment ``s``: contiguous groups of sizes differing by at most one with
@@ -57,13 +64,19 @@ class MegaMoeArgs:
     def fingerprint(self) -> tuple[int, ...]:
         return (self.num_experts, self.hidden, self.intermediate, self.topk, DTYPE_CODES[self.w1.dtype],
                 DTYPE_CODES[self.out_dtype], self.num_max_dispatch_tokens_per_rank, self.num_segments,
-                SEGMENT_BY.index(self.segment_by))  # fmt: skip
+                SEGMENT_BY.index(self.segment_by), fp32_bits(self.swiglu_limit))  # fmt: skip
+
+
+def fp32_bits(value: float) -> int:
+    """The IEEE fp32 bit pattern of ``value`` as an int (what the fused op's ``float`` attribute holds)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def validate(group: object, x: object, topk_idx: object, topk_weights: object, w1: object, w2: object, *,
              w1_scale: object = None, w2_scale: object = None, num_max_dispatch_tokens_per_rank: int, num_experts: int,
              out_dtype: torch.dtype | None = None, max_output_size: int | None = None, num_segments: int | None = None,
-             segment_by: str = "expert", ep: EPGroup | None = None) -> MegaMoeArgs:  # fmt: skip
+             segment_by: str = "expert", x_active_mask: object = None, swiglu_limit: float | None = None,
+             ep: EPGroup | None = None) -> MegaMoeArgs:  # fmt: skip
     """Check every argument (no communication); raise :class:`MoeDistributeError` naming the parameter."""
     pg, nmax = resolve_group(group, "group"), num_max_dispatch_tokens_per_rank
     ep, w, rank = ep or ep_group(pg), dist.get_world_size(pg), dist.get_rank(pg)
@@ -79,10 +92,28 @@ def validate(group: object, x: object, topk_idx: object, topk_weights: object, w
         raise shape("x", f"hidden size (dim 1) must be >= 1, got shape {tuple(x.shape)}")
     if num_tokens > nmax:
         raise shape("x", f"has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank = {nmax}")
-    idx = checks.expert_ids(topk_idx, "topk_idx", num_experts, num_tokens, MAX_TOPK, no_expert=True).long()
-    topk = idx.shape[1]
+    mask = checks.optional_tensor(x_active_mask, "x_active_mask", (torch.bool,), 1)
+    active = num_tokens
+    if mask is not None:
+        if mask.shape[0] != num_tokens:
+            raise shape("x_active_mask", f"has {mask.shape[0]} entries; must have M = {num_tokens} (one per token)")
+        mask = mask.to(x.device)
+        if (active := int(mask.sum())) and not bool(mask[:active].all()):
+            raise shape("x_active_mask", "must mark a prefix of active tokens (all True entries first)")
+    ids = checks.tensor(topk_idx, "topk_idx", (torch.int32, torch.int64), 2)
+    if ids.shape[0] != num_tokens:
+        raise shape("topk_idx", f"has {ids.shape[0]} rows but x has {num_tokens} tokens")
+    checks.expert_ids(ids[:active], "topk_idx", num_experts, active, MAX_TOPK, no_expert=True)  # active rows only
+    idx, topk = ids.long(), ids.shape[1]
     weights = checks.tensor(topk_weights, "topk_weights", (torch.float32,), 2)
     checks.dims(weights, "topk_weights", (num_tokens, topk), "(M, topK)")
+    if active < num_tokens:  # rows outside the mask may hold anything: they route nowhere and weigh 0
+        idx, weights = idx.clone(), weights.clone()
+        idx[active:], weights[active:] = -1, 0.0
+    limit = 0.0 if swiglu_limit is None else swiglu_limit
+    if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit <= FP32_MAX:
+        allowed = f"None or a float in [0, {FP32_MAX:.4g}] (0: no clamp)"
+        raise invalid("swiglu_limit", f"got {swiglu_limit!r}, allowed {allowed}")
     if (w1_scale is None) != (w2_scale is None):
         both = "w1_scale and w2_scale must be given together (int8 weights) or both be None (float weights)"
         raise invalid("w2_scale" if w2_scale is None else "w1_scale", both)
@@ -115,7 +146,8 @@ def validate(group: object, x: object, topk_idx: object, topk_weights: object, w
     num_segments = min(most, 2) if num_segments is None else num_segments  # 2: measured best on the CPU reference
     checks.in_range(num_segments, "num_segments", 1, most)
     return MegaMoeArgs(pg, w, rank, x, idx, weights, w1, w2, w1_scale, w2_scale,  # type: ignore[arg-type]
-                       nmax, num_experts, out_dtype, max_output_size, num_segments, segment_by, ep)  # fmt: skip
+                       nmax, num_experts, out_dtype, max_output_size, num_segments, segment_by, mask,
+                       float(limit), ep)  # fmt: skip
 
 
 def agree(ep: EPGroup, fingerprint: tuple[int, ...], can_fuse: bool, device: torch.device | None) -> bool:

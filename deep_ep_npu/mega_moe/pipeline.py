@@ -41,8 +41,10 @@ def pair_segments(args: MegaMoeArgs) -> torch.Tensor:
     return torch.where(idx >= 0, segment_of_local.to(idx.device)[idx.clamp(min=0) % args.num_local_experts], -1)
 
 
-def run_reference(args: MegaMoeArgs) -> torch.Tensor:
-    """Run the pipelined dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine; returns `[M, K]` with ``args.out_dtype``."""
+def run_reference(args: MegaMoeArgs, expert_token_nums: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the pipelined dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine; returns `[M, K]` with ``args.out_dtype``.
+    Tokens outside ``args.x_active_mask`` carry only -1 ids (validation), so they are not dispatched and their rows
+    are 0. ``expert_token_nums`` (`[L]` integer, optional) is set to the rows each local expert received."""
     ids, segment, n, ep = args.topk_idx, pair_segments(args), args.num_segments, args.ep
     global_bs = args.num_max_dispatch_tokens_per_rank * args.world_size
     common: dict[str, Any] = dict(group_ep=args.group, ep_world_size=args.world_size, ep_rank_id=args.rank,
@@ -68,7 +70,10 @@ def run_reference(args: MegaMoeArgs) -> torch.Tensor:
         for s in range(n):
             expand_x, scales, assist, token_nums, counts, _, _ = received[s].result()
             received[s] = sent[s] = None  # free the receive buffers early
-            y = grouped_ffn(expand_x, scales, token_nums, args.segment_experts(s), *weights, args.out_dtype)
+            if expert_token_nums is not None:
+                expert_token_nums.copy_(token_nums if s == 0 else expert_token_nums + token_nums)
+            y = grouped_ffn(expand_x, scales, token_nums, args.segment_experts(s), *weights, args.out_dtype,
+                            args.swiglu_limit)  # fmt: skip
             p = CombineParams(
                 y.to(wire_dtype), ids, assist, counts, args.topk_weights, x_active_mask=masks[s], **common
             )

@@ -1,0 +1,182 @@
+"""The stand-in of vllm-ascend's fused MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine`` (CPU tensors).
+
+:func:`register` defines the op with vllm-ascend's schema (:data:`SCHEMA`: its argument names, order and defaults;
+``out`` and ``expert_token_nums`` carry the alias annotations ``Tensor(a!)`` / ``Tensor(b!)`` torch.library needs
+for mutated arguments that are also returned) and a CPU kernel, :func:`dispatch_ffn_combine`, that computes the op
+with our engine: the reference MegaMoE pipeline (:func:`deep_ep_npu.mega_moe.pipeline.run_reference`, numerics in
+:mod:`deep_ep_npu.mega_moe.ffn`) over the group ``group`` names (:func:`deep_ep_npu.group.resolve_group`: the
+``deep_ep_npu.sim.hccl_comm_name`` of a group, or its c10d group name). :func:`unregister` destroys the library.
+
+What the kernel takes, as the op does:
+
+- ``x`` `[M, K]` `torch.bfloat16` / `torch.float16`, M <= 512; ``expert_idx`` `[M, topK]` `torch.int32`, ids in
+  ``[0, E_local * W)`` (no -1); ``probs`` `[M, topK]` `torch.float32`; ``out`` `[M, K]` in x's dtype;
+  ``expert_token_nums`` `torch.int32` with E_local elements (e.g. `[E_local]` or `[1, E_local]`): set to the rows
+  each local expert received from all ranks (the kernel's last cumsum-over-sources row).
+- weights: one-item lists ``[w1]`` `[E_local, K, 2N]` / ``[w2]`` `[E_local, N, K]`, or E_local-long lists of
+  `[K, 2N]` / `[N, K]` (w1's 2N columns: gate, then up); either `torch.int8`, with ``scale1`` / ``scale2`` the int64
+  Fixpipe words of the fp32 per-channel scales (the fp32 bits as int32, widened; one `[E_local, 2N]` / `[E_local, K]`
+  tensor or E_local per-expert ones; decoded exactly by :func:`deep_ep_npu.mega_moe.ascend.fixpipe_scale_value`),
+  or x's dtype (scales unused). int32 (packed int4, the W4A8 kernel) is not simulated. ``bias1`` / ``bias2`` are
+  ignored: vllm-ascend's adapter passes them to the W4A8 kernel only.
+- ``x_active_mask`` `[M]` `torch.bool` or None: an inactive token is not dispatched (the kernel rewrites its ids to
+  E), its ids and probs are not checked and its output row is 0. ``swiglu_limit``: the SwiGLU clamp when > 0 (gate
+  <= L, |up| <= L); 0 or less: none; the schema default 1e6 clamps at 1e6. With float weights both are ignored, as
+  vllm-ascend's adapter does not pass them to ``aclnnDispatchFFNCombineBF16``.
+- ``max_output_size``: the routed-row workspace, >= M * topK.
+
+Errors raise :class:`deep_ep_npu.errors.MoeDistributeError` on every rank of the group: one agreement step first
+exchanges each rank's status and M (the largest M sizes the dispatch, as ``num_max_dispatch_tokens_per_rank``), then
+the pipeline's own validation and agreement run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MoeDistributeError, invalid, shape
+
+SCHEMA = (
+    "dispatch_ffn_combine(Tensor x, Tensor[] weight1, Tensor[] weight2, Tensor expert_idx, Tensor[] scale1, "
+    "Tensor[] scale2, Tensor[] bias1, Tensor[] bias2, Tensor probs, str group, int max_output_size, Tensor(a!) out, "
+    "Tensor(b!) expert_token_nums, Tensor? x_active_mask=None, float swiglu_limit=1000000.0) "
+    "-> (Tensor(a!) out, Tensor(b!) expert_token_nums)"
+)
+OP = "dispatch_ffn_combine"
+MAX_TOKENS = 512  # the op's per-rank token cap (vllm-ascend's dispatch_ffn_combine capacity)
+_LIBS: list[torch.library.Library] = []
+
+
+def register() -> None:
+    """Define ``torch.ops._C_ascend.dispatch_ffn_combine`` with its CPU kernel (idempotent). Raises RuntimeError
+    when another library (e.g. vllm-ascend's real custom ops) already defines it."""
+    if _LIBS:
+        return
+    lib = torch.library.Library("_C_ascend", "FRAGMENT")
+    try:
+        lib.define(SCHEMA)
+        lib.impl(OP, dispatch_ffn_combine, "CPU")
+    except RuntimeError as err:
+        lib._destroy()
+        raise RuntimeError(f"deep_ep_npu.sim: cannot register _C_ascend::{OP} (already defined?): {err}") from err
+    _LIBS.append(lib)
+
+
+def unregister() -> None:
+    """Remove what :func:`register` registered (idempotent); :func:`register` works again afterwards."""
+    while _LIBS:
+        _LIBS.pop()._destroy()
+
+
+def registered() -> bool:
+    """True while this module's op is registered."""
+    return bool(_LIBS)
+
+
+def _stack(tensors: list[torch.Tensor], param: str, dtype: torch.dtype, inner: int) -> torch.Tensor:
+    """A weight list as one `[E_local, ...]` tensor: one item with ``inner + 1`` dims, or E_local items of ``inner``."""
+    if not tensors:
+        raise shape(param, "is an empty list; pass [w] with w [E_local, ...] or one tensor per local expert")
+    for t in tensors:
+        if t.dtype != dtype:
+            raise invalid(param, f"dtype {t.dtype} differs from {param}[0]'s {dtype}; every item needs the same")
+    want = inner + 1 if len(tensors) == 1 else inner
+    if any(t.dim() != want for t in tensors):
+        dims = [t.dim() for t in tensors]
+        raise shape(param, f"items have {dims} dims; a one-item list needs {inner + 1}, an E_local-long one {inner}")
+    return tensors[0] if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _scales(words: list[torch.Tensor], param: str, num_local: int, cols: int) -> torch.Tensor:
+    """Int64 Fixpipe scale words -> `[E_local, cols]` `torch.float32` per-channel scales."""
+    from ..mega_moe.ascend import fixpipe_scale_value
+
+    if any(w.dtype != torch.int64 for w in words) or not words:
+        raise invalid(param, f"must be int64 Fixpipe scale words (got {[str(w.dtype) for w in words]})")
+    flat = torch.cat([w.reshape(-1) for w in words])
+    if flat.numel() != num_local * cols:
+        raise shape(param, f"holds {flat.numel()} scales, expected E_local * {cols} = {num_local * cols}")
+    return fixpipe_scale_value(flat).reshape(num_local, cols)
+
+
+def _inputs(x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Tensor], expert_idx: torch.Tensor,
+            scale1: list[torch.Tensor], scale2: list[torch.Tensor], probs: torch.Tensor, out: torch.Tensor,
+            expert_token_nums: torch.Tensor, x_active_mask: torch.Tensor | None, swiglu_limit: float,
+            world_size: int) -> tuple:  # fmt: skip
+    """Check the op's own rules; returns the MegaMoE arguments (ids -1 and probs 0 outside the mask)."""
+    from ..errors import tensor as checked
+    from ..mega_moe.params import FP32_MAX
+
+    x = checked(x, "x", (torch.bfloat16, torch.float16), 2)
+    if x.shape[0] > MAX_TOKENS:
+        raise shape("x", f"has {x.shape[0]} tokens; the op takes at most {MAX_TOKENS} per rank")
+    wdt = weight1[0].dtype if weight1 else torch.int8
+    if wdt == torch.int32:
+        raise invalid("weight1", "int32 (packed int4, the W4A8 kernel) is not simulated; use int8 or x's dtype")
+    if wdt not in (torch.int8, x.dtype):
+        raise invalid("weight1", f"dtype {wdt} not supported; allowed int8 or x's dtype {x.dtype}")
+    w1, w2 = _stack(list(weight1), "weight1", wdt, 2), _stack(list(weight2), "weight2", wdt, 2)
+    num_local, hidden, n2 = w1.shape
+    s1 = s2 = None
+    if wdt == torch.int8:
+        s1, s2 = _scales(list(scale1), "scale1", num_local, n2), _scales(list(scale2), "scale2", num_local, hidden)
+    ids = checked(expert_idx, "expert_idx", (torch.int32,), 2)
+    if ids.shape[0] != x.shape[0] or tuple(probs.shape) != tuple(ids.shape):
+        what = f"expert_idx {tuple(ids.shape)}, probs {tuple(probs.shape)}"
+        raise shape("expert_idx", f"{what}; both must be [M = {x.shape[0]}, topK]")
+    if tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype:
+        raise shape("out", f"is {tuple(out.shape)} {out.dtype}; must be x's shape {tuple(x.shape)} and dtype")
+    if expert_token_nums.dtype != torch.int32 or expert_token_nums.numel() != num_local:
+        what = f"{tuple(expert_token_nums.shape)} {expert_token_nums.dtype}"
+        raise shape("expert_token_nums", f"is {what}; must be torch.int32 with E_local = {num_local} elements")
+    active = torch.ones((x.shape[0],), dtype=torch.bool, device=x.device)
+    if x_active_mask is not None and wdt == torch.int8:
+        active = checked(x_active_mask, "x_active_mask", (torch.bool,), 1).to(x.device)
+        if active.shape[0] != x.shape[0]:
+            raise shape("x_active_mask", f"has {active.shape[0]} entries, expected M = {x.shape[0]}")
+    rows = ids[active]
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_local * world_size):
+        bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+        raise shape("expert_idx", f"contains {bad}, allowed [0, {num_local * world_size}) (the op has no -1)")
+    ids, probs = ids.long().masked_fill(~active.unsqueeze(1), -1), probs.masked_fill(~active.unsqueeze(1), 0.0)
+    limit = float(swiglu_limit) if wdt == torch.int8 and 0 < swiglu_limit <= FP32_MAX else 0.0
+    return x, ids, probs, w1, w2, s1, s2, limit
+
+
+def dispatch_ffn_combine(
+    x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Tensor], expert_idx: torch.Tensor,
+    scale1: list[torch.Tensor], scale2: list[torch.Tensor], bias1: list[torch.Tensor], bias2: list[torch.Tensor],
+    probs: torch.Tensor, group: str, max_output_size: int, out: torch.Tensor, expert_token_nums: torch.Tensor,
+    x_active_mask: torch.Tensor | None = None, swiglu_limit: float = 1000000.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The op's CPU kernel (the module docstring's semantics): writes ``out`` `[M, K]` (x's dtype) and
+    ``expert_token_nums`` (`torch.int32`, E_local elements) and returns them. Collective over ``group``."""
+    from ..group import STATUS_OK, ep_group, resolve_group
+    from ..mega_moe.api import agreed_args
+    from ..mega_moe.ascend import ReferenceMegaMoe
+    from ..mega_moe.pipeline import run_reference
+
+    ep = ep_group(resolve_group(group, "group"))
+    failure: MoeDistributeError | None = None
+    try:
+        x, ids, probs, w1, w2, s1, s2, limit = _inputs(
+            x, weight1, weight2, expert_idx, scale1, scale2, probs, out, expert_token_nums, x_active_mask,
+            swiglu_limit, ep.num_ranks,
+        )  # fmt: skip
+    except MoeDistributeError as err:
+        failure = err
+    status = STATUS_OK if failure is None else failure.code
+    agreement = ep.start_agree(OP, status, [[] for _ in range(ep.num_ranks)], [x.shape[0]], device=x.device)()
+    if failure is not None:
+        raise failure
+    agreement.check(ep.rank, ())
+    args, _ = agreed_args(
+        ep, ReferenceMegaMoe(), x, ids, probs, w1, w2, w1_scale=s1, w2_scale=s2,
+        num_max_dispatch_tokens_per_rank=max([1, *(fp[0] for fp in agreement.shared)]),
+        num_experts=w1.shape[0] * ep.num_ranks, out_dtype=x.dtype, max_output_size=max_output_size,
+        swiglu_limit=limit,
+    )  # fmt: skip
+    counts = torch.zeros((args.num_local_experts,), dtype=torch.int64, device=x.device)
+    out.copy_(run_reference(args, counts))
+    expert_token_nums.copy_(counts.view(expert_token_nums.shape))
+    return out, expert_token_nums
