@@ -184,9 +184,7 @@ def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace:
         OP_COMM_ALGS.index(p.comm_alg), x.shape[0],
     )  # fmt: skip
     smooth = _smooth(v, plan) if per_pair else None
-    job = DispatchJob(
-        ep, p.op, x, plan, fmt, weights, smooth, fingerprint, flat, workspace or Workspace(x.device)
-    )
+    job = DispatchJob(ep, p.op, x, plan, fmt, weights, smooth, fingerprint, flat, workspace or Workspace(x.device))
     receive = with_tp_agreement(start_dispatch, job, layout, x.dtype, v.quant is not None)
     return Completion(lambda: (receive.wait(), flat.outputs)[1])
 
