@@ -222,10 +222,10 @@ def moe_distribute_dispatch_setup(
     Arguments: as :func:`moe_distribute_dispatch_v2`, with these rules of the two-stage form on every platform:
     ``comm_type`` in [0, 2] (0 AICPU-SDMA, 1 CCU, 2 URMA), ``comm_alg`` "", no shared experts
     (``shared_expert_rank_num`` 0, ``shared_expert_num`` 0 or 1), ``x_active_mask`` `[Bs]` bool only, and a quantizing
-    ``quant_mode`` needs ``y_dtype``. ``strict`` ("a5", or True / "a3"): also the platform's ranges (W [2, 384],
-    E (0, 512], H [1024, 8192], Bs (0, 512], K (0, 16]), URMA only (``comm_type`` 2) and the HCCL window
-    (``HCCL_BUFFSIZE``, default 200 MB) of at least ``f * (L * maxBs * W * Align512(Align32(2H) + 44) + K * maxBs *
-    Align512(2H))`` bytes, f = 4 on Ascend 950, 2 on A3.
+    ``quant_mode`` needs ``y_dtype``. ``strict="a5"``: also Ascend 950's ranges (W [2, 384], E (0, 512], H [1024,
+    8192], Bs (0, 512], K (0, 16]), URMA only (``comm_type`` 2) and the HCCL window (``HCCL_BUFFSIZE``, default
+    200 MB) of at least ``4 * (L * maxBs * W * Align512(Align32(2H) + 44) + K * maxBs * Align512(2H))`` bytes (the
+    950 doc's rule); ``True`` / "a3" is refused: the op definitions register only Ascend 950.
 
     Returns:
         y: `[Bs * (K + S), hs]` with ``y_dtype`` (x's dtype when None): the rows as sent, pairs sorted by expert id

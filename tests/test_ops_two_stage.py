@@ -154,6 +154,7 @@ def _errors(info) -> dict:
     expect("shared", lambda: setup(x, ids, name, w, rank, e, shared_expert_rank_num=1))
     x_big = torch.zeros((3, 1024), dtype=torch.bfloat16)
     expect("strict_urma", lambda: setup(x_big, ids, name, w, rank, e, strict="a5"))
+    expect("strict_a3", lambda: setup(x_big, ids, name, w, rank, e, strict=True, comm_type=2))
     expect("strict_h", lambda: setup(x, ids, name, w, rank, e, strict="a5", comm_type=2))
     expect("unknown_group", lambda: setup(x, ids, "no_such_group", w, rank, e))
     # two calls in flight; a teardown with the other call's comm_cmd_info, then both in reverse order
@@ -192,6 +193,7 @@ def test_two_stage_errors():
         assert seen["shared"][1] == "shared_expert_num" and "no shared experts" in seen["shared"][2]
         assert seen["strict_urma"][1] == "comm_type" and "URMA" in seen["strict_urma"][2]
         assert "[1024, 8192]" in seen["strict_h"][2]
+        assert seen["strict_a3"][1] == "strict" and "Ascend 950 only" in seen["strict_a3"][2]
         assert seen["unknown_group"][1] == "group_ep" and "known" in seen["unknown_group"][2]
         assert seen["other_call"][1] == "y" and "call #" in seen["other_call"][2]
         assert seen["other_args"][1] == "global_bs"

@@ -60,7 +60,7 @@ class _Call:
 
 def two_stage_rules(p: Any, num_tokens: int, hidden: int, topk: int, op: str) -> None:
     """The rules of the two-stage form beyond the one-shot ops' (always: comm_type in [0, 2], comm_alg "", no shared
-    experts, a 1D mask; ``strict``: the platform's ranges, URMA only, the HCCL window)."""
+    experts, a 1D mask; ``strict="a5"``: Ascend 950's ranges, URMA only, the HCCL window; other platforms refused)."""
     plat = platform(p.strict)
     checks.in_range(p.comm_type, "comm_type", 0, 2, code="param")
     checks.one_of(p.comm_alg, "comm_alg", ("",), "the two-stage ops have no algorithm choice")
@@ -71,6 +71,9 @@ def two_stage_rules(p: Any, num_tokens: int, hidden: int, topk: int, op: str) ->
         raise shape("x_active_mask", f"the two-stage ops take a 1D (Bs,) mask, got {tuple(p.x_active_mask.shape)}")
     if plat is None:
         return
+    if plat != "a5":
+        raise invalid("strict", f"got {p.strict!r}; the two-stage ops run on Ascend 950 only (their op definitions "
+                      "register only ascend950; A2 / A3 are documented as unsupported): use strict='a5'")  # fmt: skip
     name, w = PLATFORM_NAMES[plat], p.ep_world_size
     if p.comm_type != 2:
         raise invalid("comm_type", f"got {p.comm_type}; {name} runs the two-stage ops on URMA only (comm_type 2)")
@@ -81,7 +84,7 @@ def two_stage_rules(p: Any, num_tokens: int, hidden: int, topk: int, op: str) ->
     checks.in_range(topk, "K (top-k)", 1, min(16, p.moe_expert_num))
     if p.global_bs and not num_tokens * w <= p.global_bs <= 512 * w:
         raise shape("global_bs", f"got {p.global_bs}; allowed 0 or [Bs * W, 512 * W] = [{num_tokens * w}, {512 * w}]")
-    max_bs, num_local, factor = (p.global_bs or num_tokens * w) // w, p.moe_expert_num // w, 4 if plat == "a5" else 2
+    max_bs, num_local, factor = (p.global_bs or num_tokens * w) // w, p.moe_expert_num // w, 4  # the 950 doc's factor
     row, comb = align(align(2 * hidden, 32) + 44, 512), align(2 * hidden, 512)
     need = factor * (num_local * max_bs * w * row + topk * max_bs * comb)
     have = envs.hccl_buffsize_mb() or 200  # MB; HCCL's default window
