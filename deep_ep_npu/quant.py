@@ -65,7 +65,7 @@ def per_group_fp8(x: torch.Tensor, smooth_scales: torch.Tensor | None, dtype: to
     scale = amax / torch.full_like(amax, MAX[dtype])
     sf = scale.unsqueeze(-1)
     q = torch.where(sf > 0, xg / torch.where(sf > 0, sf, torch.ones_like(sf)), torch.zeros_like(xg))
-    q = q.clamp_(-MAX[dtype], MAX[dtype]).view(xf.shape[0], -1)[:, : xf.shape[1]]
+    q = q.clamp_(-MAX[dtype], MAX[dtype]).flatten(1)[:, : xf.shape[1]]  # flatten: also for 0 rows
     return q.to(dtype), scale
 
 
@@ -81,7 +81,7 @@ def mx_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     code = (torch.frexp(amax).exponent - 1 + 127 - MX_EMAX[dtype]).clamp_(min=0)  # frexp: amax = m * 2^e, m in [.5, 1)
     code = torch.where(amax == 0, 0, torch.where(torch.isfinite(amax), code, 255))
     unscale = torch.where(code == 255, 127, 254 - code).to(torch.uint8).view(E8M0).float()  # 2^(127 - c)
-    q = (xg * unscale.unsqueeze(-1)).clamp_(-MAX[dtype], MAX[dtype]).view(x.shape[0], -1)[:, : x.shape[1]]
+    q = (xg * unscale.unsqueeze(-1)).clamp_(-MAX[dtype], MAX[dtype]).flatten(1)[:, : x.shape[1]]
     codes = torch.nn.functional.pad(code.to(torch.uint8), (0, code.shape[1] % 2))
     return q.to(dtype), codes.view(E8M0)
 
@@ -90,7 +90,7 @@ def mx_dequant(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """`[n, hidden]` fp32 ``q * 2^(c - 127)`` of :func:`mx_fp8`'s output (codes `[n, >= ceil(hidden / 32)]` e8m0)."""
     n, h = q.shape
     scale = codes.view(torch.uint8)[:, : -(-h // 32)].view(E8M0).float()
-    return (_blocks(q.float(), 32) * scale.unsqueeze(-1)).view(n, -1)[:, :h]
+    return (_blocks(q.float(), 32) * scale.unsqueeze(-1)).flatten(1)[:, :h]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,13 +167,13 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[t
 def pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:
     """Power-of-two fp32 scales `[..., G]` (G % 4 == 0) to their exponent bytes packed as `[..., G // 4]` int32."""
     exponent = (scale_inv.contiguous().flatten().view(torch.int32) >> 23).to(torch.uint8)
-    return exponent.view(torch.int32).view(*scale_inv.shape[:-1], -1)
+    return exponent.view(torch.int32).view(*scale_inv.shape[:-1], scale_inv.shape[-1] // 4)
 
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_ue8m0`: `[..., G // 4]` int32 to `[..., G]` fp32 powers of two."""
     exponent = packed.contiguous().flatten().view(torch.uint8).to(torch.int32)
-    return (exponent << 23).view(torch.float32).view(*packed.shape[:-1], -1)
+    return (exponent << 23).view(torch.float32).view(*packed.shape[:-1], packed.shape[-1] * 4)
 
 
 def per_token_cast_back(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
