@@ -107,7 +107,8 @@ def test_cancel_mid_stream_frees_capacity(served, client):
     async_engine = served.state.engine
     body = {"prompt": PROMPTS[1], "max_tokens": 100, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
-        next(line for line in r.iter_lines() if line.startswith("data: {"))
+        lines = r.iter_lines()  # kept alive: a collected iterator closes the stream, which cancels the request
+        next(line for line in lines if line.startswith("data: {"))
         assert async_engine.num_unfinished == 1
     deadline = time.monotonic() + 10
     while async_engine.num_unfinished or served.engine.has_unfinished_requests():
