@@ -7,7 +7,12 @@ target's largest finite value ``maxV`` (448 e4m3, 57344 e5m2, 127 int8). DeepEP'
 fp8: for every token and every group of 128 channels ``amax = max(max |x|, 1e-4)``, ``scale_inv = amax / 448`` (with
 ``round_scale``: rounded up to a power of two), ``q = e4m3(x / scale_inv)``; dequantize with ``q * scale_inv``. With
 ``use_ue8m0`` the (power-of-two) scales are stored as their 8-bit exponent (the float32 bits >> 23), four groups per
-`torch.int32` (group g in byte ``g % 4`` of int ``g // 4``)."""
+`torch.int32` (group g in byte ``g % 4`` of int ``g // 4``).
+
+Non-finite input propagates through the scales, never through out-of-range data: a row (int8: a group) holding NaN
+or +-Inf gets a NaN / Inf scale and int8 data 0 there (int8 has no NaN: a plain cast would give -128), so it
+dequantizes to NaN; float8 data keeps NaN (a float8 value). Other rows are unaffected. Non-finite top-k weights
+propagate into the combined rows of their tokens (fp32 products), as on the NPU."""
 
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ def per_token(x: torch.Tensor, smooth_scales: torch.Tensor | None = None,
     vmax = torch.full_like(amax, MAX[dtype])
     inv = torch.where(amax > 0, vmax / torch.where(amax > 0, amax, vmax), torch.zeros_like(amax))
     q = xf * inv.unsqueeze(-1)
-    q = torch.round(q) if dtype == torch.int8 else q
+    q = torch.round(q).nan_to_num_(nan=0.0) if dtype == torch.int8 else q  # NaN: a row with NaN / Inf (module doc)
     return q.clamp_(-MAX[dtype], MAX[dtype]).to(dtype), amax / vmax
 
 
@@ -130,7 +135,7 @@ def per_group_int8(x: torch.Tensor, group: int = 8) -> tuple[torch.Tensor, torch
     scale = (amax / torch.full_like(amax, 127.0)).to(x.dtype)
     sf = scale.float().unsqueeze(-1)
     q = torch.where(sf > 0, torch.round(xg / torch.where(sf > 0, sf, torch.ones_like(sf))), torch.zeros_like(xg))
-    return q.clamp_(-127, 127).to(torch.int8).view(n, h), scale
+    return q.nan_to_num_(nan=0.0).clamp_(-127, 127).to(torch.int8).view(n, h), scale  # NaN: see the module doc
 
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -52,6 +52,27 @@ def test_per_group_int8_formula(dtype):
     np.testing.assert_array_equal(q.numpy(), np.clip(want_q, -127, 127).astype(np.int8).reshape(200, 32))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_int8_quant_nonfinite_policy(bad):
+    """A row (group) with NaN / Inf: data stays in [-127, 127] (0 there, never -128), the scale is non-finite, so it
+    dequantizes to NaN; the other rows are exactly what clean input gives."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn((4, 16), generator=g)
+    dirty = x.clone()
+    dirty[2, 5] = bad
+    q, scale = per_token_int8(dirty)
+    q_clean, scale_clean = per_token_int8(x)
+    assert int(q.min()) >= -127 and not q[2].any() and not bool(torch.isfinite(scale[2]))
+    assert (q[2].float() * scale[2]).isnan().all()
+    keep = [0, 1, 3]
+    assert torch.equal(q[keep], q_clean[keep]) and torch.equal(scale[keep], scale_clean[keep])
+    qg, sg = per_group_int8(dirty.to(torch.bfloat16))
+    qg_clean, sg_clean = per_group_int8(x.to(torch.bfloat16))
+    assert int(qg.min()) >= -127 and not qg[2, :8].any() and not bool(torch.isfinite(sg[2, 0]))
+    assert torch.equal(qg[2, 8:], qg_clean[2, 8:]) and torch.equal(qg[keep], qg_clean[keep])
+    assert torch.equal(sg[keep], sg_clean[keep])
+
+
 def test_ccl_buffer_size_worked_examples():
     for w in (2, 8, 16, 32, 64, 128, 256):  # W cancels out (W * L = E)
         assert get_low_latency_ccl_buffer_size(w, 128, 7168, 256, 8) == 479
