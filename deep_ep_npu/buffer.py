@@ -291,8 +291,10 @@ class Buffer:
             out: `[T, hidden]` in x's dtype, written in place, or None.
         """
         self._check_alive()
-        if not isinstance(handle, FlatHandle):
-            raise ValueError(f"handle: must be the FlatHandle from low_latency_dispatch_flat, got {type(handle)}")
+        if not isinstance(handle, FlatHandle):  # the peers are told, as for any rejected input
+            err = invalid("handle", f"must be the FlatHandle from low_latency_dispatch_flat, got {type(handle)}")
+            self._backend.abort("combine_flat", err.code)
+            raise err
         params = CombineParams(
             x, topk_idx, handle.assist_info_for_combine, handle.ep_recv_counts, topk_weights, self.group,
             self.group_size, self.rank, handle.num_experts,

@@ -90,6 +90,13 @@ def _combine_case(buffer: Buffer, rank: int, case: str):
     return buffer.low_latency_combine(recv_x, idx, w, handle, **kwargs)
 
 
+def _flat_case(buffer: Buffer, rank: int, case: str):
+    x, idx, w = _inputs(rank)
+    out, _, _ = buffer.low_latency_dispatch_flat(x, idx, N, E, topk_weights=w)
+    handle = None if case == "flat_handle_none" and rank == 1 else out.handle
+    return buffer.low_latency_combine_flat(out.expand_x, idx, w, handle)
+
+
 _DISPATCH = {
     "too_many_tokens": "exceed num_max_dispatch_tokens_per_rank",
     "n_differs": "ranks disagree on num_max_dispatch_tokens_per_rank",
@@ -117,12 +124,13 @@ _COMBINE = {
     "other_topk": "pass the dispatch's handle and the same topk_idx",
     "bad_layout_range": "handle.layout_range",
 }
+_FLAT = {"flat_handle_none": "handle: must be the FlatHandle"}
 
 
 def _error_cases(info):
     buffer = Buffer(info.group, backend="reference")
     seen = {}
-    for table, run in ((_DISPATCH, _dispatch_case), (_COMBINE, _combine_case)):
+    for table, run in ((_DISPATCH, _dispatch_case), (_COMBINE, _combine_case), (_FLAT, _flat_case)):
         for case, message in table.items():
             with pytest.raises(MoeDistributeError) as err:
                 run(buffer, info.rank, case)
@@ -140,7 +148,7 @@ def _error_cases(info):
 
 def test_errors_reported_on_every_rank():
     results = parallel_launch(2, _error_cases, timeout=90)
-    assert results[0] == results[1] == sorted([*_DISPATCH, *_COMBINE])
+    assert results[0] == results[1] == sorted([*_DISPATCH, *_COMBINE, *_FLAT])
 
 
 def _rdma_too_small(info):

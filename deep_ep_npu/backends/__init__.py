@@ -5,8 +5,9 @@ A backend, ``cls(group, config)``, runs the *send phase* of a validated DeepEP c
 ``dispatch`` / ``combine`` and returns its *receive phase*, a :class:`~deep_ep_npu.event.Completion` the Buffer runs
 at once, at ``event.current_stream_wait()`` (``async_finish``) or in ``hook()`` (``return_recv_hook``);
 ``dispatch_flat`` / ``combine_flat`` start ``npu_moe_distribute_dispatch_v2`` / ``combine_v2`` (``wait()`` returns the
-7 outputs / ``x``). Optional hooks: ``abort(op, code)`` (this rank rejected its ``op`` input, "dispatch" / "combine":
-the peers raise too), ``clean`` (reset communication state between two barriers), ``destroy`` (release buffers).
+7 outputs / ``x``). Optional hooks: ``abort(op, code)`` (this rank rejected its ``op`` input, "dispatch" / "combine" /
+"dispatch_flat" / "combine_flat": the peers raise too), ``clean`` (reset communication state between two barriers),
+``destroy`` (release buffers).
 """
 
 import abc

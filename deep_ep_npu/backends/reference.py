@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from .. import profiling
+from ..engine import flat
 from ..engine.combine import CombineJob, start_combine
 from ..engine.dispatch import DispatchJob, start_dispatch
 from ..engine.flat import start_combine_flat, start_dispatch_flat
@@ -42,6 +43,8 @@ class ReferenceBackend(LowLatencyBackend):
         self._buffer_idx, self._dispatch_idx = state
 
     def abort(self, op: str, code: int) -> None:
+        if op in ("dispatch_flat", "combine_flat"):
+            return flat.reject(self.ep, DispatchParams.op if op == "dispatch_flat" else flat.COMBINE_OP, code)
         d = op == "dispatch"  # the agreement rows of dispatch and combine
         width = len(Masked.names) if d else 2 * self.num_ranks + len(COMBINE_NAMES)
         self.ep.reject(f"low_latency_{op}", code, 2 if d else 0, width)

@@ -142,12 +142,19 @@ def _validate(p: DispatchParams | CombineParams, ep: EPGroup | None, op: str) ->
         return p.validate()
     except MoeDistributeError as err:
         if (ep := ep or _group(p.group_ep, "group_ep")) is not None:
-            d = isinstance(p, DispatchParams)  # dispatch: (rows, pairs) per rank + fp and Bs; combine: 2R counts + fp
-            ep.reject(op, err.code, 2 if d else 0, len(Flat.names) + 1 if d else 2 * ep.num_ranks + len(COMBINE_NAMES))
+            reject(ep, op, err.code)
             tp = _group(p.group_tp, "group_tp") if p.tp_world_size == 2 else None
             if tp is not None and tp.num_ranks == 2:
                 tp_agree(tp, err.code, op)
         raise
+
+
+def reject(ep: EPGroup, op: str, code: int) -> None:
+    """This rank rejected its input of the flat ``op`` (a dispatch op's name, or :data:`COMBINE_OP`): take part in
+    its agreement step with ``code`` (dispatch rows: (rows, pairs) per rank + fingerprint and Bs; combine: 2R counts
+    + fingerprint), so the peers raise too."""
+    d = op != COMBINE_OP
+    ep.reject(op, code, 2 if d else 0, len(Flat.names) + 1 if d else 2 * ep.num_ranks + len(COMBINE_NAMES))
 
 
 def _plan(layout: EpLayout, ids: torch.Tensor, mask: torch.Tensor | None, ep: EPGroup, per_pair: bool) -> Plan:
