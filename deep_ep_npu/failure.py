@@ -33,13 +33,17 @@ class EPRankFailure(RuntimeError):
     ``missing_ranks``, the ranks (in the group's numbering) that did not take part, sorted (empty when every rank
     answered and the collective failed for another reason: see the chained exception); ``op``, what was running (e.g.
     ``"low_latency_dispatch"``); ``timeout``, the wait bound in seconds; ``excluded``, True on a rank that the other
-    ranks already declared missing (it arrived too late)."""
+    ranks already declared missing (it arrived too late); ``unknown``, why the missing ranks could not be found
+    (e.g. the store is unreachable: its host rank is gone), or ""."""
 
-    def __init__(self, missing_ranks: Sequence[int], op: str, timeout: float, excluded: bool = False) -> None:
+    def __init__(self, missing_ranks: Sequence[int], op: str, timeout: float, excluded: bool = False,
+                 unknown: str = "") -> None:  # fmt: skip
         self.missing_ranks = tuple(sorted(missing_ranks))
-        self.op, self.timeout, self.excluded = op, timeout, excluded
+        self.op, self.timeout, self.excluded, self.unknown = op, timeout, excluded, unknown
         ranks = list(self.missing_ranks)
-        if excluded:
+        if unknown:
+            what = f"the collective failed and the missing ranks are unknown ({unknown})"
+        elif excluded:
             what = f"this rank was declared failed by the other ranks (missing: {ranks})"
         elif ranks:
             what = f"ranks {ranks} did not take part within {timeout:g}s (they exited, crashed or stopped calling)"

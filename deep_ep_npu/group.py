@@ -185,8 +185,7 @@ class EPGroup:
         try:
             missing = mon.agree(pending.seq, pending.started, self.timeout)
         except (RuntimeError, ValueError) as store_err:  # the store itself is gone (its host rank died)
-            what = f"{op} (missing ranks unknown: store unreachable: {store_err})"
-            raise EPRankFailure((), what, self.timeout) from cause
+            raise EPRankFailure((), op, self.timeout, unknown=f"store unreachable: {store_err}") from cause
         raise EPRankFailure([self.live[r] for r in missing], op, self.timeout, mon.rank in missing) from cause
 
     def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, recv_splits: Sequence[int], send_splits: Sequence[int],

@@ -184,3 +184,12 @@ def test_shrink_mode_recovers_inside_the_receive_hook():
     for rank, res in survivors.items():
         exp_counts, exp_combined = _oracle(rank, 1, {VICTIM})
         assert torch.equal(res[0], exp_counts) and _close(res[1], exp_combined)
+
+
+def test_failure_messages_say_what_is_known():
+    """A store that cannot be reached leaves the missing ranks unknown: the message says so (not "every rank is
+    alive"); otherwise it names the ranks and the configured timeout."""
+    unknown = EPRankFailure((), "low_latency_dispatch", 3.0, unknown="store unreachable: Connection reset by peer")
+    assert "missing ranks are unknown (store unreachable" in str(unknown) and "alive" not in str(unknown)
+    assert unknown.missing_ranks == () and unknown.unknown.startswith("store unreachable")
+    assert "ranks [1] did not take part within 3s" in str(EPRankFailure((1,), "low_latency_combine", 3.0))
