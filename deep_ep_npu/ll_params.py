@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from . import errors as checks
+from . import sizes
 from .errors import ACT_DTYPES, MAX_TOPK, invalid, null, shape
 from .errors import flag as _flag
 from .handle import LowLatencyHandle
@@ -69,6 +70,11 @@ class DispatchArgs:
             raise shape("x", f"hidden = {hidden} must be a multiple of 512 with use_ue8m0 (4 scales per int32)")
         if quant == "int8_per_token" and round_scale:
             raise invalid("round_scale", "is not available with the int8_per_token format (scales are amax / 127)")
+        # recv_x [L, R * N, hidden] (L * R = num_experts) and its int32 src_info: refuse what the device cannot hold
+        row_bytes = hidden * (1 if quant else x.element_size()) + (4 * hidden // 128 if quant else 0) + 4
+        param = "num_experts" if num_experts > num_max else "num_max_dispatch_tokens_per_rank"  # the larger factor
+        sizes.check_fits(num_experts * num_max * row_bytes, x.device, param,
+                         f"recv_x (num_experts={num_experts} x N={num_max} rows of hidden={hidden})")  # fmt: skip
         stats = self.cumulative_local_expert_recv_stats
         recv_stats = checks.shaped(stats, "cumulative_local_expert_recv_stats", torch.int32, (num_experts // r,), "[L]")
         wait = self.dispatch_wait_recv_cost_stats

@@ -54,6 +54,10 @@ def _dispatch_case(buffer: Buffer, rank: int, case: str):
         idx[0, 1] = idx[0, 0]
     elif case == "experts_not_divisible":
         num_experts = E + 1
+    elif case == "huge_n":  # on every rank: more than any device holds
+        num_max = 2**40
+    elif case == "huge_experts":
+        num_experts = 2**40
     elif case == "hook_and_async" and bad:
         kwargs = {"use_fp8": False, "async_finish": True, "return_recv_hook": True}
     elif case == "ue8m0_without_round" and bad:
@@ -109,6 +113,8 @@ _DISPATCH = {
     "idx_rows": "topk_idx: has 3 rows but x has 4 tokens",
     "idx_duplicate": "lists an expert twice",
     "experts_not_divisible": "not divisible by num_ranks",
+    "huge_n": "num_max_dispatch_tokens_per_rank: recv_x (num_experts=8 x N=1099511627776 rows of hidden=256) needs",
+    "huge_experts": "num_experts: recv_x (num_experts=1099511627776 x N=8 rows of hidden=256) needs",
     "hook_and_async": "cannot both be True",
     "ue8m0_without_round": "requires round_scale=True",
     "fp8_hidden": "must be a multiple of 128",
@@ -136,7 +142,8 @@ def _error_cases(info):
                 run(buffer, info.rank, case)
             text = str(err.value)
             # the offending rank names the problem; the others learn that a peer rejected its input
-            agreed = "ranks disagree" in message or case in ("experts_not_divisible", "other_topk")
+            every = ("experts_not_divisible", "other_topk", "huge_n", "huge_experts")  # bad on every rank
+            agreed = "ranks disagree" in message or case in every
             if info.rank == 1 or agreed:
                 assert message in text, f"{case}: {text}"
             else:
