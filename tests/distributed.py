@@ -1,6 +1,7 @@
 """Multi-process test harness: ``parallel_launch(world_size, fn, *args)``.
 
-Each call starts ``world_size`` processes that join one gloo process group on a free loopback port, runs
+Each call starts ``world_size`` processes that join one gloo process group (its store hosted by the calling process
+on a port the OS picked and that stays bound while the ranks run, so no other job can take it), runs
 ``fn(info, *args)`` on every rank and returns the per-rank results (rank order). Processes are forked from a
 forkserver that has already imported torch and this package, so a launch costs ~0.1 s instead of a fresh
 interpreter per rank. Any rank's exception fails the call with every failing rank's traceback; a rank that
@@ -21,7 +22,6 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -39,12 +39,6 @@ class ProcessGroupInfo:
     world_size: int
     group: Any
     port: int
-
-
-def get_open_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _context() -> Any:
@@ -79,13 +73,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: bytes, re
     torch.set_num_threads(1)
     try:
         args = _loads(args)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             out = fn(ProcessGroupInfo(rank, world_size, dist.group.WORLD, port), *args)
             results.put((rank, True, _dumps(out)))
@@ -118,9 +108,14 @@ def parallel_launch(
     some rank did not finish within ``timeout`` seconds. ``pg_timeout`` is the gloo group's own timeout.
     ``allow_exit``: ranks expected to exit without a result (failure tests); their result is None.
     """
+    import torch.distributed as dist
+
     ctx = _context()
     results = ctx.Queue()
-    port = get_open_port()
+    # the parent hosts the ranks' store on a port the OS picked and that stays bound (no pick-close-rebind race)
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=pg_timeout))  # fmt: skip
+    port = store.port
     payload = _dumps(args)
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, payload, results, pg_timeout), daemon=True)
@@ -147,6 +142,7 @@ def parallel_launch(
                 p.kill()
                 p.join(timeout=5.0)
         results.close()
+        del store
     for r in allow_exit:
         if r in done and not done[r][0] and "without a result" in done[r][1]:
             done[r] = (True, None)
