@@ -71,25 +71,29 @@ class GroupMonitor:
         name = getattr(group, "group_name", "") or "default"
         self.store = dist.PrefixStore(f"deep_ep_npu/failure/{name}/", dist.distributed_c10d._get_default_store())
 
-    def arrive(self, seq: int) -> None:
-        """Mark this rank as arrived at collective ``seq``."""
-        self.store.set(f"arrive/{self.rank}", str(seq))
+    def arrive(self, seq: int, op: str) -> None:
+        """Mark this rank as arrived at collective ``seq`` of ``op`` (a rank at the same number in another call, e.g.
+        a barrier of ``destroy()`` while its peers dispatch, has not arrived at theirs)."""
+        self.store.set(f"arrive/{self.rank}", f"{seq} {op}")
 
-    def _arrived(self, rank: int, seq: int) -> bool:
+    def _arrived(self, rank: int, seq: int, op: str) -> bool:
         key = f"arrive/{rank}"
-        return self.store.check([key]) and int(self.store.get(key)) >= seq
+        if not self.store.check([key]):
+            return False
+        their_seq, their_op = self.store.get(key).decode().split(" ", 1)
+        return int(their_seq) > seq or (int(their_seq) == seq and their_op == op)
 
-    def agree(self, seq: int, started: float, timeout: float) -> tuple[int, ...]:
-        """Post this rank as alive at collective ``seq`` (issued at ``started``, monotonic) and return the agreed
-        missing ranks, sorted."""
-        decision = f"{seq}/decision"
-        self.store.set(f"{seq}/alive/{self.rank}", "1")
+    def agree(self, seq: int, op: str, started: float, timeout: float) -> tuple[int, ...]:
+        """Post this rank as alive at collective ``seq`` of ``op`` (issued at ``started``, monotonic) and return the
+        agreed missing ranks, sorted."""
+        decision = f"{seq}/{op}/decision"
+        self.store.set(f"{seq}/{op}/alive/{self.rank}", "1")
         failed_at, grace = time.monotonic(), min(timeout, max(1.0, timeout / 10))
         while not self.store.check([decision]):
             now = time.monotonic()
-            alive = [r for r in range(self.size) if self.store.check([f"{seq}/alive/{r}"])]
+            alive = [r for r in range(self.size) if self.store.check([f"{seq}/{op}/alive/{r}"])]
             late = now - started >= timeout or now - failed_at >= grace
-            undecided = [r for r in range(self.size) if r not in alive and not (late and not self._arrived(r, seq))]
+            undecided = [r for r in range(self.size) if r not in alive and not (late and not self._arrived(r, seq, op))]
             if not undecided or now - failed_at >= timeout:
                 missing = ",".join(str(r) for r in range(self.size) if r not in alive) or "-"
                 self.store.compare_set(decision, "", missing)

@@ -54,10 +54,11 @@ class Agreement:
 
 @dataclasses.dataclass
 class Pending:
-    """An issued collective: its group's monitor, sequence number, issue time (monotonic) and work (None: done)."""
+    """An issued collective: its group's monitor, sequence number, op, issue time (monotonic), work (None: done)."""
 
     monitor: GroupMonitor
     seq: int
+    op: str
     started: float
     work: Any = None
 
@@ -160,12 +161,13 @@ class EPGroup:
         return [r for r in range(self.num_ranks) if r not in self.live]
 
     def start(self, launch: Callable[[dist.ProcessGroup], Any], op: str) -> Pending:
-        """Mark arrival, then issue ``launch(comm_group)`` (an ``async_op=True`` collective returning its work)."""
+        """Mark arrival at ``op``, then issue ``launch(comm_group)`` (an ``async_op=True`` collective returning its
+        work). Every rank of one call names its collectives alike (the op, "payload exchange", ...)."""
         mon = monitor(self.comm)
         mon.seq += 1
-        pending = Pending(mon, mon.seq, time.monotonic())
+        pending = Pending(mon, mon.seq, op, time.monotonic())
         try:
-            mon.arrive(pending.seq)
+            mon.arrive(pending.seq, op)
             pending.work = launch(self.comm)
         except RuntimeError as err:  # a peer already gone can fail the issue itself
             self._fail(pending, op, err)
@@ -183,7 +185,7 @@ class EPGroup:
     def _fail(self, pending: Pending, op: str, cause: BaseException) -> NoReturn:
         mon = pending.monitor
         try:
-            missing = mon.agree(pending.seq, pending.started, self.timeout)
+            missing = mon.agree(pending.seq, pending.op, pending.started, self.timeout)
         except (RuntimeError, ValueError) as store_err:  # the store itself is gone (its host rank died)
             raise EPRankFailure((), op, self.timeout, unknown=f"store unreachable: {store_err}") from cause
         raise EPRankFailure([self.live[r] for r in missing], op, self.timeout, mon.rank in missing) from cause
