@@ -4,21 +4,25 @@ rank raise :class:`EPRankFailure` naming the missing ranks within the timeout, n
 The missing ranks are named through torch.distributed's own c10d store (:class:`GroupMonitor`, no extra transport):
 
 - Before each collective on a group a rank sets ``arrive/<rank>`` to its collective sequence number on that group
-  (ranks issue a group's collectives in the same order, so the numbers agree).
+  and the op it belongs to (ranks issue a group's collectives in the same order, so the numbers agree; a rank at the
+  same number in another call, e.g. ``destroy()``'s barrier, has not arrived).
 - When ``work.wait(timeout)`` fails (a peer's connection closed, or the timeout passed), the rank sets
-  ``<seq>/alive/<rank>`` and waits until every rank has posted too or counts as missing: a rank that never arrived at
-  ``seq``, once ``timeout`` has passed since the issue or a grace of ``min(timeout, max(1 s, timeout / 10))`` since
-  the failure (a late peer gets that long), or any rank not posted within ``timeout`` of the failure.
+  ``<seq>/<op>/alive/<rank>`` and waits until every rank has posted too or counts as missing: a rank that never
+  arrived at ``seq``, once ``timeout`` has passed since the issue or a grace of ``min(timeout, max(1 s, timeout /
+  10))`` since the failure (a late peer gets that long), or any rank not posted within ``timeout`` of the failure.
 - The first rank to decide writes the missing set with ``compare_set``; every rank raises with that one set (a late
-  rank that finds itself in it raises with ``excluded=True``). When the store is unreachable the set is unknown.
+  rank that finds itself in it raises with ``excluded=True``). When the store is unreachable (its host exited, or is
+  stopped: each store call of the agreement is bounded by the timeout) the set is unknown.
 
 The timeout bounds each collective wait: :data:`DEFAULT_TIMEOUT_S`, overridden by ``DEEP_EP_NPU_TIMEOUT``
 (:mod:`deep_ep_npu.envs`), overridden per Buffer by ``Buffer(..., timeout=...)``.
 """
 
 import math
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -71,6 +75,29 @@ class GroupMonitor:
         name = getattr(group, "group_name", "") or "default"
         self.store = dist.PrefixStore(f"deep_ep_npu/failure/{name}/", dist.distributed_c10d._get_default_store())
 
+    @staticmethod
+    def _bounded(timeout: float, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` on the store, waiting at most ``timeout`` seconds: a TCPStore whose host is stopped never
+        answers (its own timeout covers only key waits). The call runs in a daemon thread (left behind if it never
+        returns; interpreter exit does not wait for it). Raises RuntimeError when it does not answer."""
+        out: list[Any] = []
+
+        def run() -> None:
+            try:
+                out.append((True, call(*args)))
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                out.append((False, err))
+
+        thread = threading.Thread(target=run, name="deep_ep_npu-store", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if not out:
+            raise RuntimeError(f"the c10d store did not answer within {timeout:g}s (its host stopped?)")
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
     def arrive(self, seq: int, op: str) -> None:
         """Mark this rank as arrived at collective ``seq`` of ``op`` (a rank at the same number in another call, e.g.
         a barrier of ``destroy()`` while its peers dispatch, has not arrived at theirs)."""
@@ -86,20 +113,22 @@ class GroupMonitor:
     def agree(self, seq: int, op: str, started: float, timeout: float) -> tuple[int, ...]:
         """Post this rank as alive at collective ``seq`` of ``op`` (issued at ``started``, monotonic) and return the
         agreed missing ranks, sorted."""
-        decision = f"{seq}/{op}/decision"
-        self.store.set(f"{seq}/{op}/alive/{self.rank}", "1")
+        decision, store = f"{seq}/{op}/decision", self.store
+        call = lambda fn, *args: self._bounded(timeout, fn, *args)  # noqa: E731
+        call(store.set, f"{seq}/{op}/alive/{self.rank}", "1")
         failed_at, grace = time.monotonic(), min(timeout, max(1.0, timeout / 10))
-        while not self.store.check([decision]):
+        while not call(store.check, [decision]):
             now = time.monotonic()
-            alive = [r for r in range(self.size) if self.store.check([f"{seq}/{op}/alive/{r}"])]
+            alive = [r for r in range(self.size) if call(store.check, [f"{seq}/{op}/alive/{r}"])]
             late = now - started >= timeout or now - failed_at >= grace
-            undecided = [r for r in range(self.size) if r not in alive and not (late and not self._arrived(r, seq, op))]
+            arrived = lambda r: call(self._arrived, r, seq, op)  # noqa: E731
+            undecided = [r for r in range(self.size) if r not in alive and not (late and not arrived(r))]
             if not undecided or now - failed_at >= timeout:
                 missing = ",".join(str(r) for r in range(self.size) if r not in alive) or "-"
-                self.store.compare_set(decision, "", missing)
+                call(store.compare_set, decision, "", missing)
                 break
             time.sleep(0.01)
-        text = self.store.get(decision).decode()
+        text = call(store.get, decision).decode()
         return () if text == "-" else tuple(int(v) for v in text.split(","))
 
 

@@ -66,7 +66,7 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: bytes, results: Any, pg_timeout: float) -> None:
+def _worker(rank: int, world_size: int, port: Any, fn: Callable, args: bytes, results: Any, pg_timeout: float) -> None:
     import torch
     import torch.distributed as dist
 
@@ -74,7 +74,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: bytes, re
     try:
         args = _loads(args)
         timeout = datetime.timedelta(seconds=pg_timeout)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        if isinstance(port, int):
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        elif rank == 0:  # rank 0 hosts the store (as torchrun-less jobs do) and hands its port to the others
+            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
+            for _ in range(world_size - 1):
+                port.put(store.port)
+        else:
+            store = dist.TCPStore("127.0.0.1", port.get(timeout=pg_timeout), world_size, is_master=False,
+                                  timeout=timeout)  # fmt: skip
+        port = store.port
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             out = fn(ProcessGroupInfo(rank, world_size, dist.group.WORLD, port), *args)
@@ -101,21 +110,24 @@ def parallel_launch(
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
     allow_exit: tuple[int, ...] = (),
+    store_on_rank0: bool = False,
 ) -> list:
     """Run ``fn(ProcessGroupInfo, *args)`` on ``world_size`` gloo ranks; return the results in rank order.
 
     Raises ``RuntimeError`` (with each failing rank's traceback) if any rank raised or died, ``TimeoutError`` if
     some rank did not finish within ``timeout`` seconds. ``pg_timeout`` is the gloo group's own timeout.
     ``allow_exit``: ranks expected to exit without a result (failure tests); their result is None.
+    ``store_on_rank0``: rank 0 hosts the group's store instead of this process (tests of a store host that fails).
     """
     import torch.distributed as dist
 
     ctx = _context()
     results = ctx.Queue()
     # the parent hosts the ranks' store on a port the OS picked and that stays bound (no pick-close-rebind race)
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=pg_timeout))  # fmt: skip
-    port = store.port
+    store = None if store_on_rank0 else dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                                      wait_for_workers=False,
+                                                      timeout=datetime.timedelta(seconds=pg_timeout))  # fmt: skip
+    port: Any = ctx.Queue() if store is None else store.port
     payload = _dumps(args)
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, payload, results, pg_timeout), daemon=True)

@@ -10,6 +10,7 @@ entries contribute nothing, as in DeepEP's test reference).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -224,3 +225,38 @@ def test_shrink_finds_ranks_that_left_for_destroy():
     results = parallel_launch(W, _leave_for_destroy, timeout=90, allow_exit=(1, 3))
     for rank in (0, 2):
         assert results[rank] == [[0, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 1]], results[rank]
+
+
+def _store_host_fails(info, how: str):
+    """Rank 0 hosts the store and stops (SIGSTOP) or exits in the middle of a dispatch round: the survivors raise
+    EPRankFailure within 2 x timeout + the grace (the agreement's store calls are bounded), then kill it."""
+    import signal
+
+    buf = Buffer(info.group, timeout=TIMEOUT)
+    _step(buf, info.rank, 0)
+    pids = [None] * W
+    dist.all_gather_object(pids, os.getpid())
+    if info.rank == 0:
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        _step(buf, info.rank, 1)
+        out = {"error": None}
+    except EPRankFailure as err:
+        out = {"error": str(err), "unknown": err.unknown, "missing": err.missing_ranks}
+    out["elapsed"] = time.monotonic() - t0
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pids[0], signal.SIGKILL)
+    return out
+
+
+@pytest.mark.parametrize("how", ["stop", "exit"])
+def test_store_host_failure_is_bounded(how):
+    results = parallel_launch(W, _store_host_fails, how, timeout=60, allow_exit=(0,), store_on_rank0=True)
+    grace = min(TIMEOUT, max(1.0, TIMEOUT / 10))
+    for rank in range(1, W):
+        res = results[rank]
+        assert res["error"] is not None and res["elapsed"] <= 2 * TIMEOUT + grace + 1.0, res
+        assert "every rank is alive" not in res["error"], res
