@@ -192,11 +192,14 @@ class UvicornThread:
     """Serve an ASGI app with real uvicorn on a free loopback port in a thread; ``with`` stops it."""
 
     def __init__(self, app: object) -> None:
-        self.port = free_port()
+        # uvicorn serves on a socket bound here (port picked by the OS, never closed in between: no port race)
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     def __enter__(self) -> UvicornThread:
         self.thread.start()
@@ -210,3 +213,4 @@ class UvicornThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=20)
+        self.socket.close()
