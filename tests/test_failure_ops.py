@@ -108,3 +108,27 @@ def test_timeout_defaults_and_environment(monkeypatch):
         monkeypatch.setenv("DEEP_EP_NPU_TIMEOUT", bad)
         with pytest.raises(ValueError, match="DEEP_EP_NPU_TIMEOUT: must be a positive number"):
             envs.timeout_s()
+
+
+def _env_timeout(info):
+    """DEEP_EP_NPU_TIMEOUT=1.5 (read when the Buffer is made): a peer that stops calling is reported after ~1.5 s."""
+    os.environ["DEEP_EP_NPU_TIMEOUT"] = "1.5"
+    buf = Buffer(info.group)
+    store = dist.distributed_c10d._get_default_store()
+    if info.rank == 1:
+        stop_victim(store, "hang")
+    x = torch.randn((N, H)).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+    t0 = time.monotonic()
+    with pytest.raises(EPRankFailure) as err:
+        buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+    elapsed = time.monotonic() - t0
+    leave_together(store, info.rank, 1)
+    return elapsed, err.value.timeout, err.value.missing_ranks
+
+
+def test_timeout_from_the_environment_is_honoured():
+    """The default is the README's 30 s; a short one from the environment bounds a hang by it (plus the grace)."""
+    assert DEFAULT_TIMEOUT_S == 30.0
+    elapsed, timeout, missing = parallel_launch(2, _env_timeout, timeout=60, allow_exit=(1,))[0]
+    assert timeout == 1.5 and missing == (1,) and 1.4 <= elapsed <= 1.5 + 1.0 + 1.0, elapsed
