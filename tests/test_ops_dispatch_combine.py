@@ -50,6 +50,9 @@ def make_case(seed: int, world_size: int, **force) -> dict:
         if c["empty_rank"] and r == world_size - 1:
             bs = 0
         x = (torch.randn((bs, c["hidden"]), generator=g) * 2).to(c["dtype"])
+        if bs:  # row 0: amax 127 and halves, so int8 quantization (scale 1) hits .5 ties: rint is half-to-even
+            halves = [rng.choice((-1, 1)) * (rng.randint(0, 60) + 0.5) for _ in range(c["hidden"] - 1)]
+            x[0] = torch.tensor([127.0, *halves]).to(c["dtype"])
         inputs.append(random_rank_input(x, num_experts, topk, c["mask"], c["shared_x"], rng, g))
     smooth = None
     if c["quant"] and c["smooth"]:
