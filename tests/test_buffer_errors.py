@@ -23,8 +23,11 @@ def _good_round(buffer: Buffer, rank: int) -> None:
     """A correct dispatch + combine: proves every rank is still in step after an error."""
     x, idx, w = _inputs(rank)
     recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, N, E, use_fp8=False)
-    out, _, _ = buffer.low_latency_combine(recv_x, idx, w, handle)
-    want = (x.float() * w.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    num_local = recv_x.shape[0]
+    scale = lambda e: 1.0 + e / 4.0  # noqa: E731 - expert e multiplies by its own factor (slots cannot swap unseen)
+    factors = torch.tensor([scale(rank * num_local + j) for j in range(num_local)]).view(-1, 1, 1)
+    out, _, _ = buffer.low_latency_combine((recv_x.float() * factors).to(torch.bfloat16), idx, w, handle)
+    want = (x.float() * (w * scale(idx.float())).sum(dim=1, keepdim=True)).to(torch.bfloat16)
     assert torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
