@@ -117,6 +117,13 @@ def _launch(scenario, *args) -> tuple[object, dict]:
     return results[VICTIM], {rank: res for rank, res in enumerate(results) if rank != VICTIM}
 
 
+def _bound(how: str) -> float:
+    """Detection time (README: ~1.0 s after an exit, the grace; ~2.0 s for a hang, the timeout) plus a margin the
+    2-core machine meets; a grace stretched to the full timeout fails the exit bound."""
+    grace = min(TIMEOUT, max(1.0, TIMEOUT / 10))
+    return grace + 0.6 if how == "exit" else TIMEOUT + 0.8
+
+
 def _each_failure(test):
     """Parametrize ``test`` over every point of failure (``where``) and way to fail (``how``)."""
     test = pytest.mark.parametrize("where", ["dispatch", "combine", "clean"])(test)
@@ -130,7 +137,7 @@ def test_survivors_raise_naming_the_missing_rank(where, how):
     for res in survivors.values():
         assert res.get("error") == (VICTIM,), res
         assert f"ranks [{VICTIM}]" in res["message"]
-        assert res["elapsed"] < 2 * TIMEOUT + 1.5, res  # within the timeout (plus the agreement), never a hang
+        assert res["elapsed"] < _bound(how), res  # the README's figures: the grace (exit) or the timeout (hang)
 
 
 @_each_failure
@@ -139,7 +146,7 @@ def test_shrink_mode_continues_with_the_rank_masked(where, how):
     for rank, res in survivors.items():
         assert "error" not in res, res
         assert res["mask"] == [int(r == VICTIM) for r in range(W)]
-        assert res["elapsed"] < 2 * TIMEOUT + 1.5, res
+        assert res["elapsed"] < _bound(how) + 0.2, res  # + the new group and the re-run
         # the call that was interrupted (step 1) and the next one equal the oracle with the victim masked; a victim
         # that fails after step 1's dispatch (at combine / clean) still had its step-1 tokens dispatched
         for step, (counts, combined) in enumerate(res["steps"], start=1):
