@@ -4,9 +4,12 @@ An expert-heavy random Qwen3-MoE (default: 64 experts, hidden 1024, top-8) is se
 size runs ``--warmup`` + ``--steps`` decode steps after the prefill (requests use ``ignore_eos``). Reported per
 (EP, batch): decode tokens/s, mean/p50 step latency (ms), the share of step time spent in dispatch + combine
 (max over ranks), and per-rank expert memory and peak RSS after loading. Batch b at EP W puts b/W requests on each
-worker (DP attention). Writes JSON with ``--out``.
+worker (DP attention). ``--backend`` lists the ``deep_ep_npu.Buffer`` backends to measure in the same run (EP 1
+has no Buffer: one row, "local"); ``--simulate-npu`` installs the NPU stand-in in every worker, so ``ascend`` runs
+the Ascend backend's code path on CPU. Writes JSON with ``--out``.
 
     .venv/bin/python benchmarks/bench_decode.py --ep 1 2 --batch 1 8 32 64
+    .venv/bin/python benchmarks/bench_decode.py --ep 2 --backend reference ascend --simulate-npu
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--backend", nargs="+", default=["reference"], choices=["reference", "ascend", "auto"])
+    p.add_argument("--simulate-npu", action="store_true", help="install deep_ep_npu.sim in every worker")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -74,10 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         num_key_value_heads=4, head_dim=64, vocab_size=1024,
     )  # fmt: skip
     results = []
-    for ep in args.ep:
+    runs = [(ep, backend) for ep in args.ep for backend in (args.backend if ep > 1 else args.backend[:1])]
+    for ep, backend in runs:
         max_per_rank = max(-(-b // ep) for b in args.batch)
         engine = EPEngine(model=None, ep_size=ep, dtype=args.dtype, random_model=spec, max_num_seqs=max_per_rank,
-                          max_model_len=args.prompt_len + args.warmup + args.steps + 80)  # fmt: skip
+                          max_model_len=args.prompt_len + args.warmup + args.steps + 80, backend=backend,
+                          simulate_npu=args.simulate_npu)  # fmt: skip
+        name = engine.worker_infos[0]["moe_backend"]
+        name += " (sim)" if args.simulate_npu and name == "ascend" else ""
         try:
             infos = engine.worker_infos
             mem = {
@@ -87,16 +96,17 @@ def main(argv: list[str] | None = None) -> int:
                 "load_rss_delta_mib_per_rank": max(i["peak_rss_after_load"] - i["rss_before_load"] for i in infos)
                 / 2**20,
             }
-            print(f"EP {ep}: " + ", ".join(f"{k} {v:.1f}" for k, v in mem.items()), flush=True)
-            print(f"{'EP':>3} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'p50 ms':>8} {'disp+comb':>9}", flush=True)
+            print(f"EP {ep}, backend {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in mem.items()), flush=True)
+            print(f"{'EP':>3} {'backend':>14} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'p50 ms':>8} {'disp+comb':>9}",
+                  flush=True)  # fmt: skip
             for b in args.batch:
-                r = {"ep": ep, **run_one(engine, b, args.warmup, args.steps, args.prompt_len), **mem}
+                r = {"ep": ep, "backend": name, **run_one(engine, b, args.warmup, args.steps, args.prompt_len), **mem}
                 results.append(r)
-                print(f"{ep:>3} {b:>5} {r['tokens_per_s']:>9.1f} {r['step_ms_mean']:>8.2f} {r['step_ms_p50']:>8.2f} "
-                      f"{100 * r['dispatch_combine_share']:>8.1f}%", flush=True)  # fmt: skip
+                print(f"{ep:>3} {name:>14} {b:>5} {r['tokens_per_s']:>9.1f} {r['step_ms_mean']:>8.2f} "
+                      f"{r['step_ms_p50']:>8.2f} {100 * r['dispatch_combine_share']:>8.1f}%", flush=True)  # fmt: skip
         finally:
             engine.shutdown()
-    by = {(r["ep"], r["batch"]): r for r in results}
+    by = {(r["ep"], r["batch"]): r for r in results if r["backend"] in ("local", args.backend[0])}
     for b in args.batch:
         if (1, b) in by and (2, b) in by:
             print(f"batch {b}: EP 2 / EP 1 tokens/s = {by[2, b]['tokens_per_s'] / by[1, b]['tokens_per_s']:.2f}x")

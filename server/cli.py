@@ -1,7 +1,8 @@
 """``python -m server --config configs/<name>.yaml [--option value ...]``: parse, validate, build the engine, serve.
 
 Every :class:`~server.config.ServerConfig` field is a long option (``--max-num-seqs 8``); dict-valued options take
-JSON (``--random-model '{"hidden_size": 128}'``). Precedence: command line > YAML file > defaults.
+JSON (``--random-model '{"hidden_size": 128}'``); a boolean option alone means true (``--simulate-npu``).
+Precedence: command line > YAML file > defaults.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML file keyed by the long option names below")
     for name, field in ServerConfig.model_fields.items():
         default = field.get_default(call_default_factory=True)
+        # a boolean option alone means true (``--simulate-npu``); ``--simulate-npu false`` still parses
+        flag = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
         parser.add_argument(
             f"--{option_name(name)}", default=argparse.SUPPRESS, metavar=name.upper(),
-            help=f"{field.description} (default: {default!r})",
+            help=f"{field.description} (default: {default!r})", **flag,
         )  # fmt: skip
     return parser
 

@@ -28,8 +28,15 @@ class ServerConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port)")
     ep_size: int = Field(2, ge=1, le=1024, description="number of expert-parallel decode workers")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="model dtype")
+    device: Literal["cpu", "cuda", "npu"] = Field(
+        "cpu", description="device of each worker's model, KV cache, sampler and MoE buffers (worker i: device i)"
+    )
     backend: Literal["auto", "reference", "ascend"] = Field("auto", description="deep_ep_npu Buffer backend")
-    dist_backend: Literal["gloo", "nccl", "hccl"] = Field("gloo", description="torch.distributed backend of workers")
+    dist_backend: Literal["gloo", "nccl", "hccl"] = Field(
+        "gloo", description="torch.distributed backend of the workers' EP group (control messages use gloo)"
+    )
+    simulate_npu: bool = Field(False, description="install the NPU stand-in deep_ep_npu.sim in every worker: "
+                               "backend ascend runs on CPU (needs device cpu, dist-backend gloo)")  # fmt: skip
     max_num_seqs: int = Field(16, ge=1, le=4096, description="running requests per DP rank (worker)")
     max_model_len: int = Field(512, ge=2, le=1 << 20, description="prompt + output tokens per request")
     api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>' on /v1/*")
@@ -57,6 +64,11 @@ class ServerConfig(BaseModel):
     def _check_names(self) -> ServerConfig:
         if self.model is not None and not os.path.isdir(self.model):
             raise ValueError(f"model: {self.model!r} is not a directory (give a HF checkpoint dir or omit it)")
+        if self.simulate_npu and (self.device, self.dist_backend) != ("cpu", "gloo"):
+            raise ValueError(
+                f"simulate-npu: the stand-in runs on CPU tensors over gloo; got device {self.device!r}, dist-backend "
+                f"{self.dist_backend!r} (allowed with simulate-npu: device cpu, dist-backend gloo)"
+            )
         return self
 
     @property
@@ -84,7 +96,8 @@ def _format_error(err: ValidationError, sources: Mapping[str, str]) -> str:
         loc = [str(p) for p in e["loc"]]
         key = option_name(loc[0]) if loc else "config"
         where = sources.get(loc[0], "default") if loc else "config"
-        value = f" (got {e['input']!r})" if "input" in e and e["type"] != "extra_forbidden" else ""
+        # a model-level check's input is the whole config (api-key included): its message names the values itself
+        value = f" (got {e['input']!r})" if loc and "input" in e and e["type"] != "extra_forbidden" else ""
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = f"unknown key; allowed keys: {', '.join(option_name(f) for f in ServerConfig.model_fields)}"

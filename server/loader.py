@@ -163,10 +163,15 @@ def _no_init(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    cfg: ModelConfig, comm: ExpertComm, dtype: torch.dtype, tensors: CheckpointTensors | RandomTensors
+    cfg: ModelConfig,
+    comm: ExpertComm,
+    dtype: torch.dtype,
+    tensors: CheckpointTensors | RandomTensors,
+    device: torch.device | str = "cpu",
 ) -> MoECausalLM:
-    """Create the rank's model and fill every parameter and buffer from ``tensors`` (routers stay fp32)."""
-    with _no_init(dtype):
+    """Create the rank's model on ``device`` and fill every parameter and buffer from ``tensors`` (routers stay
+    fp32; each tensor is read on the CPU and copied to ``device``)."""
+    with _no_init(dtype), torch.device(device):
         model = MoECausalLM(cfg, comm)
     for m in model.modules():
         if isinstance(m, Router):
@@ -189,6 +194,9 @@ def build_model(
                 t.data[j, inter:].copy_(get(up, torch.Size((inter, cfg.hidden_size))))
             else:
                 t.data[j].copy_(get(down, torch.Size((cfg.hidden_size, inter))))
+    for moe in model.moe_layers():
+        if moe.fused:
+            moe.prepare_fused()
     model.eval()
     return model
 
@@ -199,8 +207,10 @@ def load_model(
     dtype: str = "float32",
     seed: int = 0,
     random_model: dict[str, Any] | None = None,
+    device: torch.device | str = "cpu",
 ) -> MoECausalLM:
-    """The rank's model from ``model_path`` (HF checkpoint dir) or, if None, the random model ``random_model``."""
+    """The rank's model from ``model_path`` (HF checkpoint dir) or, if None, the random model ``random_model``,
+    on ``device``."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
     if model_path is None:
@@ -209,4 +219,4 @@ def load_model(
     else:
         cfg = read_config(model_path)
         tensors = CheckpointTensors(model_path)
-    return build_model(cfg, comm_factory(cfg), DTYPES[dtype], tensors)
+    return build_model(cfg, comm_factory(cfg), DTYPES[dtype], tensors, device)

@@ -170,13 +170,12 @@ def _children() -> list[int]:
 
 
 def _torchrun_rank(info, path: str) -> list[list[int]] | None:  # noqa: ANN001
-    from server.runtime import run_worker_from_env
-    from server.runtime.worker import WorkerArgs
+    from server.runtime import EngineConfig, run_worker_from_env
 
     if info.rank == 0:
         with LLM(model=path, ep_size=info.world_size, launch="torchrun", **ENGINE) as llm:
             return [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], GREEDY)]
-    run_worker_from_env(WorkerArgs(model=path, max_num_seqs=4, max_model_len=128, num_max_dispatch_tokens_per_rank=16))
+    run_worker_from_env(EngineConfig(model=path, ep_size=info.world_size, launch="torchrun", **ENGINE))
     return None
 
 

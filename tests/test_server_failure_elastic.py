@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from server.engine_api import SamplingParams
-from server.runtime.worker import PlanEntry, StepPlan, Worker, WorkerArgs
+from server.runtime import EngineConfig
+from server.runtime.worker import PlanEntry, StepPlan, Worker
 from tests.server_helpers import stream_completion
 from tests.test_server_failure import TINY_MODEL, real_server
 
@@ -28,7 +29,7 @@ LONG = {"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": 
 def oracle_greedy(prompt: list[int], num_tokens: int, dropped_experts: set[int]) -> list[int]:
     """Greedy tokens of the tiny model on one process (LocalComm: every expert local), with the experts in
     ``dropped_experts`` removed from every token's top-k (their weight is not renormalised: DeepEP's reference)."""
-    worker = Worker(WorkerArgs(random_model=TINY_MODEL, max_num_seqs=4, max_model_len=512), 0, 1)
+    worker = Worker(EngineConfig(random_model=TINY_MODEL, max_num_seqs=4, max_model_len=512), 0, 1)
     comm = worker.model.comm
     plain_dispatch = comm.dispatch
     dropped = torch.tensor(sorted(dropped_experts), dtype=torch.int64)

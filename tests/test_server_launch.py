@@ -125,9 +125,11 @@ def test_python_m_server_default_config():
 
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed")
-def test_torchrun_two_nodes_on_loopback(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--backend", "ascend", "--simulate-npu"]], ids=["reference", "ascend-sim"])
+def test_torchrun_two_nodes_on_loopback(tmp_path, extra: list[str]):
     """Node 0 and node 1 are two torchrun invocations (one rank each) joined through a c10d rendezvous on
-    127.0.0.1; rank 0 serves HTTP and greedy tokens equal transformers' on the checkpoint both nodes read."""
+    127.0.0.1; rank 0 serves HTTP and greedy tokens equal transformers' on the checkpoint both nodes read. Also with
+    ``--backend ascend --simulate-npu`` (every rank installs the NPU stand-in; the MoE runs the Ascend backend)."""
     path = make_checkpoint("qwen3_moe", str(tmp_path / "ckpt"))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     hf = load_hf(path)
@@ -138,7 +140,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
     nodes = [
         _popen([TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(master), "-m", "server", "--model", path,
-                "--ep-size", "2", "--port", str(port), "--max-model-len", "64", "--log-level", "warning"])
+                "--ep-size", "2", "--port", str(port), "--max-model-len", "64", "--log-level", "warning", *extra])
         for node in (0, 1)
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -157,3 +159,30 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
         _stop(nodes)  # no-op unless something above failed
     assert codes == [0, 0], "\n".join(_output(p) for p in nodes)
     _assert_all_exit(pids)
+
+
+A3_SMALL = ('{"architecture": "qwen3_moe", "hidden_size": 128, "moe_intermediate_size": 64, "head_dim": 32, '
+            '"num_experts": 16, "num_experts_per_tok": 8}')  # fmt: skip
+
+
+def test_ascend_a3_config_on_the_stand_in():
+    """README's laptop command: configs/ascend_a3.yaml with --simulate-npu and small-shape overrides serves a
+    completion (the Ascend backend on the NPU stand-in) and stops cleanly on SIGTERM."""
+    port = free_port()
+    proc = _popen([sys.executable, "-m", "server", "--config", "configs/ascend_a3.yaml", "--simulate-npu",
+                   "--device", "cpu", "--dist-backend", "gloo", "--ep-size", "2", "--max-num-seqs", "8",
+                   "--max-model-len", "512", "--port", str(port), "--random-model", A3_SMALL,
+                   "--log-level", "warning"])  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, [proc])
+        workers = _descendants(proc.pid)
+        body = {"model": "a3-moe", "prompt": "Hello, Ascend!", "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}  # fmt: skip
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer change-me"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["token_ids"]) == 8
+    finally:
+        (code,) = _stop([proc])
+    assert code == 0, _output(proc)
+    _assert_all_exit(workers)

@@ -44,7 +44,11 @@ def serve(config: ServerConfig) -> int:
         if rank != 0:
             from server.runtime import run_torchrun_worker
 
-            run_torchrun_worker(config)
+            try:
+                run_torchrun_worker(config)
+            except ValueError as e:  # e.g. the engine config or this machine's devices refuse it (a non-zero exit)
+                print(f"error: rank {rank} cannot start: {e}", file=sys.stderr)
+                return 2
             return 0
     # SIGTERM exits cleanly (code 0, workers shut down) while the model loads, and after uvicorn's graceful
     # shutdown too: uvicorn re-raises the signal it caught with the handler it found, i.e. this one

@@ -45,8 +45,11 @@ class ForwardBatch:
     sample_rows: torch.Tensor
 
     @classmethod
-    def build(cls, chunks: list[tuple[int, int, list[int]]], sample: list[bool]) -> ForwardBatch:
-        """From ``(slot, start, token_ids)`` per sequence; ``sample[i]`` asks for the logits of its last token."""
+    def build(
+        cls, chunks: list[tuple[int, int, list[int]]], sample: list[bool], device: torch.device | str = "cpu"
+    ) -> ForwardBatch:
+        """From ``(slot, start, token_ids)`` per sequence; ``sample[i]`` asks for the logits of its last token. The
+        index tensors are made on ``device`` (the model's)."""
         ids: list[int] = []
         positions: list[int] = []
         seqs, rows = [], []
@@ -56,7 +59,7 @@ class ForwardBatch:
             positions.extend(range(start, start + len(tokens)))
             if want:
                 rows.append(len(ids) - 1)
-        as_long = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        as_long = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
         return cls(as_long(ids), as_long(positions), seqs, as_long(rows))
 
 
@@ -65,7 +68,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale
     n, length = q.shape[0], k.shape[0]
     mask = None
     if n > 1:
-        mask = torch.arange(length)[None, :] <= (start + torch.arange(n))[:, None]
+        mask = torch.arange(length, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.transpose(0, 1),

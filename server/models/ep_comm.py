@@ -29,7 +29,12 @@ class CommStats:
 
 
 class ExpertComm(abc.ABC):
-    """Dispatch/combine for one EP group. ``num_max_dispatch_tokens_per_rank`` is the per-step token capacity N."""
+    """Dispatch/combine for one EP group. ``num_max_dispatch_tokens_per_rank`` is the per-step token capacity N.
+
+    ``fused``: the MoE layers built on this comm call :meth:`fused_moe` instead of dispatch -> experts -> combine
+    (read once, when the model is built)."""
+
+    fused: bool = False
 
     def __init__(self, rank: int, num_ranks: int, num_experts: int, num_max_dispatch_tokens_per_rank: int) -> None:
         if num_experts % num_ranks != 0:
@@ -106,7 +111,7 @@ class LocalComm(ExpertComm):
         slots, experts = slots[order], experts[order]
         counts = torch.bincount(experts, minlength=self.num_experts)
         offsets = torch.cumsum(counts, 0) - counts
-        pos = torch.arange(slots.numel()) - offsets[experts]
+        pos = torch.arange(slots.numel(), device=x.device) - offsets[experts]
         tokens = torch.div(slots, topk_idx.shape[1], rounding_mode="floor")
         recv_x = x.new_empty(self.num_experts, n, h)  # rows past each expert's count stay uninitialised
         recv_x[experts, pos] = x[tokens]
@@ -116,7 +121,7 @@ class LocalComm(ExpertComm):
         slots, experts, pos = handle
         num_tokens, num_topk = topk_idx.shape
         rows = expert_out[experts, pos].float() * topk_weights.reshape(-1)[slots, None]
-        out = torch.zeros(num_tokens, expert_out.shape[2], dtype=torch.float32)
+        out = torch.zeros(num_tokens, expert_out.shape[2], dtype=torch.float32, device=expert_out.device)
         out.index_add_(0, torch.div(slots, num_topk, rounding_mode="floor"), rows)
         return out.to(expert_out.dtype), (overlap() if overlap is not None else None)
 
@@ -126,8 +131,8 @@ class BufferComm(ExpertComm):
 
     ``enable_shrink`` / ``timeout`` go to the Buffer (a lost rank's experts are then dropped, see the Buffer).
     With shared experts, combine is issued with ``return_recv_hook=True``: the send phase runs, the shared experts
-    are computed, then ``hook()`` receives (DeepEP's hook-based overlap). ``fused=True`` asks the MoE layer to use
-    :meth:`fused_moe` (``Buffer.mega_moe``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one pipelined call).
+    are computed, then ``hook()`` receives (DeepEP's hook-based overlap). ``fused=True`` makes the MoE layers built
+    on it use :meth:`fused_moe` (``Buffer.mega_moe``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call).
     """
 
     def __init__(self, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int,

@@ -28,8 +28,9 @@ class Rotary(nn.Module):
     def __init__(self, dim: int, theta: float, interleave: bool = False) -> None:
         super().__init__()
         self.interleave = interleave
-        # A plain attribute, not a buffer: the loader fills every state-dict entry, this one is computed here.
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+        # A non-persistent buffer (not in the state dict, which the loader fills): computed here, on the build device.
+        self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
+                             persistent=False)  # fmt: skip
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int64 ``[T]`` -> cos, sin ``[T, dim]`` in ``dtype`` (angles duplicated, as HF)."""

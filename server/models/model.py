@@ -56,11 +56,13 @@ class KVCache:
     """Per layer, one tensor per cached quantity, each `[max_num_seqs, max_model_len, *shape]` in the model dtype;
     a request owns one slot (row) for its whole life."""
 
-    def __init__(self, model: MoECausalLM, max_num_seqs: int, max_model_len: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: MoECausalLM, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.layers = [
-            [torch.zeros(max_num_seqs, max_model_len, *shape, dtype=dtype) for shape in layer.self_attn.cache_shapes()]
+            [torch.zeros(max_num_seqs, max_model_len, *shape, dtype=dtype, device=device)
+             for shape in layer.self_attn.cache_shapes()]
             for layer in model.model.layers
-        ]
+        ]  # fmt: skip
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
 
     def num_bytes(self) -> int:

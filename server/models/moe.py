@@ -94,6 +94,8 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: ExpertComm) -> None:
         super().__init__()
         self.comm = comm
+        self.fused = comm.fused  # the fused path (comm.fused_moe) or dispatch -> experts -> combine, fixed here
+        self._mega_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gate = Router(cfg)
         self.experts = LocalExperts(comm.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         if cfg.n_shared_experts > 0:
@@ -102,7 +104,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0)."""
         topk_idx, topk_weights = self.gate(x)
-        if getattr(self.comm, "fused", False) and self.experts.int8 is None:
+        if self.fused:
             return self._fused(x, topk_idx, topk_weights)
         recv_x, recv_count, handle = self.comm.timed_dispatch(x, topk_idx)
         expert_out = self.experts(recv_x, recv_count)
@@ -110,13 +112,21 @@ class SparseMoE(nn.Module):
         out, shared_out = self.comm.timed_combine(expert_out, topk_idx, topk_weights, handle, overlap=shared)
         return out if shared_out is None else out + shared_out
 
+    def prepare_fused(self) -> None:
+        """Lay the loaded expert weights out for ``Buffer.mega_moe`` (w1 `[L, hidden, 2I]`, w2 `[L, I, hidden]`) and
+        drop the unfused copies; the loader calls it once on fused layers, after filling the weights."""
+        w13, w2 = self.experts.w13.detach(), self.experts.w2.detach()
+        self._mega_weights = (w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous())
+        self.experts.w13 = nn.Parameter(w13.new_empty(0), requires_grad=False)  # (not kept twice)
+        self.experts.w2 = nn.Parameter(w2.new_empty(0), requires_grad=False)
+
+    def expert_tensors(self) -> list[torch.Tensor]:
+        """This rank's routed-expert weights as held now (the fused layout on fused layers)."""
+        return list(self._mega_weights or ()) + list(self.experts.state_dict().values())
+
     def _fused(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The fused path (``Buffer.mega_moe``); the expert weights are laid out for it once, on first use."""
-        if not hasattr(self, "_mega_weights"):
-            w13, w2 = self.experts.w13.detach(), self.experts.w2.detach()
-            self._mega_weights = (w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous())
-            self.experts.w13 = nn.Parameter(w13.new_empty(0), requires_grad=False)  # (not kept twice)
-            self.experts.w2 = nn.Parameter(w2.new_empty(0), requires_grad=False)
+        """The fused path (``Buffer.mega_moe``) on the weights :meth:`prepare_fused` laid out."""
+        assert self._mega_weights is not None, "prepare_fused() was not called after loading"
         out = self.comm.fused_moe(x, topk_idx, topk_weights, *self._mega_weights)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)

@@ -1,17 +1,17 @@
 """The EP decode runtime: lockstep workers, per-rank scheduling, sampling, the ``EngineCore`` and offline ``LLM``."""
 
 from .engine import EPEngine
+from .engine_config import EngineConfig
 from .from_config import engine_from_config, run_torchrun_worker
 from .llm import LLM, CompletionOutput, RequestOutput
-from .worker import WorkerArgs
 from .workers import WorkerError, run_worker_from_env
 
 __all__ = [
     "LLM",
     "CompletionOutput",
     "EPEngine",
+    "EngineConfig",
     "RequestOutput",
-    "WorkerArgs",
     "WorkerError",
     "engine_from_config",
     "run_torchrun_worker",

@@ -7,100 +7,61 @@ import weakref
 from typing import Any
 
 from ..engine_api import EngineCore, RequestDelta, SamplingParams, StepStats
-from ..loader import DTYPES, random_hf_config, read_config
+from ..loader import random_hf_config, read_config
 from ..models import ModelConfig
 from ..tokenizer import load_tokenizer
+from .engine_config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, default_capacity
 from .scheduler import RankScheduler, Request, apply_token
-from .worker import StepPlan, WorkerArgs
-from .workers import ProcessWorkers, TorchrunWorkers, WorkerError, WorkerGroup, torchrun_env
+from .worker import StepPlan
+from .workers import ProcessWorkers, TorchrunWorkers, WorkerError, WorkerGroup
 
-DEFAULT_STEP_TIMEOUT_S = 30.0
-
-
-def default_capacity(max_num_seqs: int, num_max_dispatch_tokens_per_rank: int | None = None) -> int:
-    """The per-step token capacity N of a worker: the given value, else ``max(max_num_seqs, 64)``."""
-    return num_max_dispatch_tokens_per_rank or max(max_num_seqs, 64)
+__all__ = ["DEFAULT_STEP_TIMEOUT_S", "EPEngine", "EngineConfig", "default_capacity"]
 
 
 class EPEngine(EngineCore):
     """W workers stepping in lockstep; each owns its requests and KV cache (``max_num_seqs`` per worker).
 
-    Arguments (as the server's config options): ``model`` an HF checkpoint dir or None for the random model
-    ``random_model`` (spec for :func:`server.loader.random_hf_config`) from ``seed``; ``ep_size`` workers;
-    ``dtype`` float32/bfloat16/float16; ``backend`` the ``deep_ep_npu.Buffer`` backend; ``max_num_seqs`` and
-    ``max_model_len``; ``num_max_dispatch_tokens_per_rank`` the per-step token capacity N of each worker (default
-    ``max(max_num_seqs, 64)``; longer prefills are chunked); ``int8_experts`` W8A8 routed experts; ``launch``
-    ``"spawn"`` (start local workers), ``"torchrun"`` (this process is rank 0 of a torchrun job) or ``"auto"``;
-    ``step_timeout_s`` how long one lockstep step (or a health ping) may take before the engine declares the
-    workers hung, stops them and fails (spawned workers; a dead worker is noticed at once); ``elastic`` (spawned
-    workers) keeps serving on the survivors when a worker dies or hangs: its requests end with ``"error"``, its
-    experts are dropped (the Buffers' shrink mode: tokens routed to them get nothing from them), the loss is logged
-    and counted in :class:`StepStats`; the Buffers' collective timeout is then ``step_timeout_s / 3``.
+    Takes one :class:`~server.runtime.engine_config.EngineConfig` (``EPEngine(config)``), or its fields as keywords
+    (``EPEngine(model=..., ep_size=2)``), which are validated there. Launch ``spawn`` starts ``ep_size`` local
+    workers; ``torchrun`` makes this process rank 0 of a torchrun job (worker 0, the others run
+    :func:`~server.runtime.workers.run_worker_from_env`). ``step_timeout_s`` is how long one lockstep step (or a
+    health ping) may take before the engine declares the workers hung, stops them and fails (spawned workers; a dead
+    worker is noticed at once); ``elastic`` (spawned workers) keeps serving on the survivors when a worker dies or
+    hangs: its requests end with ``"error"``, its experts are dropped (the Buffers' shrink mode: tokens routed to
+    them get nothing from them), the loss is logged and counted in :class:`StepStats`; the Buffers' collective
+    timeout is then ``step_timeout_s / 3``. The device / backend combination is checked
+    (:meth:`EngineConfig.check_placement`) before any worker starts.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        ep_size: int = 1,
-        dtype: str = "float32",
-        backend: str = "auto",
-        max_num_seqs: int = 16,
-        max_model_len: int = 512,
-        seed: int = 0,
-        random_model: dict[str, Any] | None = None,
-        num_max_dispatch_tokens_per_rank: int | None = None,
-        int8_experts: bool = False,
-        launch: str = "auto",
-        dist_timeout_s: float = 120.0,
-        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
-        elastic: bool = False,
-        moe_impl: str = "unfused",
-    ) -> None:
-        if moe_impl not in ("unfused", "fused"):
-            raise ValueError(
-                f"moe_impl={moe_impl!r} must be 'unfused' (dispatch/experts/combine) or 'fused' (mega_moe)"
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise TypeError(
+                f"EPEngine takes an EngineConfig or its fields as keywords, not both (got {sorted(kwargs)})"
             )
-        if moe_impl == "fused" and int8_experts:
-            raise ValueError("moe_impl='fused' uses the float expert weights; it cannot be combined with int8_experts")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
-        if launch not in ("auto", "spawn", "torchrun"):
-            raise ValueError(f"launch={launch!r} must be 'auto', 'spawn' or 'torchrun'")
-        for name, value in (("ep_size", ep_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        if not step_timeout_s > 0:
-            raise ValueError(f"step_timeout_s={step_timeout_s!r} must be > 0 (seconds)")
-        n = default_capacity(max_num_seqs, num_max_dispatch_tokens_per_rank)
-        if n < max_num_seqs:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank={n} must be >= max_num_seqs={max_num_seqs}")
-        cfg = read_config(model) if model is not None else ModelConfig.from_hf(random_hf_config(random_model))
-        use_torchrun = launch == "torchrun" or (launch == "auto" and torchrun_env())
-        if not use_torchrun and cfg.num_experts % ep_size != 0:
-            raise ValueError(f"ep_size={ep_size} must divide the model's num_experts={cfg.num_experts}")
-        self.model_config = cfg
-        self.tokenizer = load_tokenizer(model, cfg.eos_token_ids)
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        if elastic and use_torchrun:
-            raise ValueError("elastic=True needs spawned workers (launch='spawn'); torchrun jobs are not elastic")
-        args = WorkerArgs(model, dtype, backend, seed, random_model, max_num_seqs, max_model_len, n, int8_experts,
-                          dist_timeout_s=dist_timeout_s, elastic=elastic,
-                          comm_timeout_s=step_timeout_s / 3 if elastic else None, moe_impl=moe_impl)  # fmt: skip
-        self.workers: WorkerGroup = (
-            TorchrunWorkers(args)
-            if use_torchrun
-            else ProcessWorkers(ep_size, args, step_timeout_s=step_timeout_s, elastic=elastic)
+        config = EngineConfig(**kwargs) if config is None else config
+        config.check_placement()
+        cfg = (
+            read_config(config.model)
+            if config.model is not None
+            else ModelConfig.from_hf(random_hf_config(config.random_model))
         )
+        if not config.use_torchrun and cfg.num_experts % config.ep_size != 0:
+            raise ValueError(f"ep_size={config.ep_size} must divide the model's num_experts={cfg.num_experts}")
+        self.config = config
+        self.model_config = cfg
+        self.tokenizer = load_tokenizer(config.model, cfg.eos_token_ids)
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.workers: WorkerGroup = TorchrunWorkers(config) if config.use_torchrun else ProcessWorkers(config)
         self._finalizer = weakref.finalize(self, self.workers.shutdown)
         self.ep_size = len(self.workers.infos)
-        self.schedulers = [RankScheduler(max_num_seqs, n) for _ in range(self.ep_size)]
+        self.schedulers = [RankScheduler(config.max_num_seqs, config.capacity) for _ in range(self.ep_size)]
         self._requests: dict[str, tuple[int, Request]] = {}
         self._aborts: list[str] = []
         self._stats = StepStats()
         self._error: str | None = None
         self._failed_ranks: set[int] = set()  # lost workers whose requests have been failed
-        self.ping_timeout_s = min(step_timeout_s, 5.0)
+        self.ping_timeout_s = min(config.step_timeout_s, 5.0)
 
     @property
     def worker_infos(self) -> list[dict]:

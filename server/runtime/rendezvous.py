@@ -30,12 +30,14 @@ def serve_loopback_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
     return store, port
 
 
-def init_loopback_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
-    """Join the gloo world group of ``world_size`` local workers through the driver's store at ``127.0.0.1:port``."""
+def init_loopback_group(rank: int, world_size: int, port: int, timeout_s: float, backend: str = "gloo") -> None:
+    """Join the world group (torch.distributed ``backend``) of ``world_size`` local workers through the driver's
+    store at ``127.0.0.1:port``."""
     import torch.distributed as dist
 
     # read by gloo when it creates its device; this worker process's own environment, set before any group exists
     os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)  # NCCL's bootstrap sockets (dist-backend nccl)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(LOOPBACK, port, world_size, False, timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -10,9 +10,14 @@ _GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLIN
 
 
 def make_generator(params: SamplingParams, fallback: torch.Generator) -> torch.Generator:
-    """A request's own generator: seeded by ``params.seed``, else from ``fallback`` (the worker's generator)."""
-    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=fallback))
-    return torch.Generator().manual_seed(seed)
+    """A request's own generator, on ``fallback``'s device (the worker's): seeded by ``params.seed``, else from
+    ``fallback`` (the worker's generator)."""
+    seed = (
+        params.seed
+        if params.seed is not None
+        else int(torch.randint(0, 2**62, (1,), generator=fallback, device=fallback.device))
+    )
+    return torch.Generator(fallback.device).manual_seed(seed)
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -2,12 +2,14 @@
 
 A worker owns the requests the driver placed on it (DP attention). Every step it receives a :class:`StepPlan`
 (possibly empty: it still enters every MoE dispatch/combine with zero tokens), runs one forward, samples and
-returns the new token ids. :func:`worker_main` is the process entry for locally spawned workers; the control
-channel is a private ``multiprocessing`` pipe.
+returns the new token ids. Every worker, spawned or a torchrun rank, runs the same loop, :func:`serve_plans`, over
+a :class:`Channel` to the driver: :class:`PipeChannel` (a private ``multiprocessing`` pipe; :func:`worker_main` is
+the process entry of a spawned worker) or :class:`GroupChannel` (a torchrun job's gloo control group).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import os
 import resource
@@ -21,28 +23,10 @@ from ..engine_api import SamplingParams
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, KVCache, LocalComm, ModelConfig
 from ..models.ep_comm import BufferComm, ExpertComm
+from .engine_config import EngineConfig
+from .placement import bind_device
 from .rendezvous import init_loopback_group
 from .sampler import make_generator, sample_one
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerArgs:
-    """How every worker builds its shard (the same on all ranks)."""
-
-    model: str | None = None
-    dtype: str = "float32"
-    backend: str = "auto"  # deep_ep_npu Buffer backend
-    seed: int = 0
-    random_model: dict | None = None
-    max_num_seqs: int = 16
-    max_model_len: int = 512
-    num_max_dispatch_tokens_per_rank: int = 64
-    int8_experts: bool = False
-    use_buffer_at_ep1: bool = False  # EP 1 uses an in-process dispatch unless this is set
-    dist_timeout_s: float = 120.0
-    elastic: bool = False  # Buffer shrink mode: survivors of a lost rank regroup and drop its experts
-    comm_timeout_s: float | None = None  # the Buffer's bound on each collective wait (None: the library default)
-    moe_impl: str = "unfused"  # "fused": Buffer.mega_moe (dispatch -> FFN -> combine in one pipelined call)
 
 
 @dataclasses.dataclass
@@ -80,35 +64,42 @@ def _rss_bytes() -> int:
 class Worker:
     """The model shard of EP rank ``rank`` of ``world_size`` and its per-slot sampling state."""
 
-    def __init__(self, args: WorkerArgs, rank: int, world_size: int, group: Any = None) -> None:
+    def __init__(self, args: EngineConfig, rank: int, world_size: int, group: Any = None, device: Any = None) -> None:
+        """``device``: the ``torch.device`` this worker bound (:func:`~server.runtime.placement.bind_device`);
+        None: the CPU."""
         self.args, self.rank, self.world_size = args, rank, world_size
-        n = args.num_max_dispatch_tokens_per_rank
+        self.device = torch.device("cpu") if device is None else device
+        n = args.capacity
 
         def comm_factory(cfg: ModelConfig) -> ExpertComm:
-            if world_size == 1 and not args.use_buffer_at_ep1 and args.moe_impl != "fused":
+            if not args.needs_group(world_size):
                 return LocalComm(cfg.num_experts, n)
             return BufferComm(group, cfg.num_experts, n, cfg.hidden_size, backend=args.backend,
                               enable_shrink=args.elastic, timeout=args.comm_timeout_s,
                               fused=args.moe_impl == "fused")  # fmt: skip
 
         rss_before = _rss_bytes()
-        self.model = load_model(args.model, comm_factory, args.dtype, args.seed, args.random_model)
+        self.model = load_model(args.model, comm_factory, args.dtype, args.seed, args.random_model, self.device)
         if args.int8_experts:
             for moe in self.model.moe_layers():
                 moe.experts.quantize_int8()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        self.cache = KVCache(self.model, args.max_num_seqs, args.max_model_len, DTYPES[args.dtype])
-        experts = [t for moe in self.model.moe_layers() for t in moe.experts.state_dict().values()]
+        self.cache = KVCache(self.model, args.max_num_seqs, args.max_model_len, DTYPES[args.dtype], self.device)
+        experts = [t for moe in self.model.moe_layers() for t in moe.expert_tensors()]
         self.info = {
             "rank": rank,
             "rss_before_load": rss_before,
             "peak_rss_after_load": peak,
             "expert_bytes": sum(t.numel() * t.element_size() for t in experts),
-            "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
+            "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+            + sum(t.numel() * t.element_size() for moe in self.model.moe_layers() for t in moe._mega_weights or ()),
             "kv_cache_bytes": self.cache.num_bytes(),
             "num_local_experts": self.model.comm.num_local_experts,
+            "device": str(self.device),
+            # the Buffer backend the MoE layers run on ("local": EP 1 without a Buffer, in-process dispatch)
+            "moe_backend": self.model.comm.buffer.backend_name if isinstance(self.model.comm, BufferComm) else "local",
         }
-        self._fallback = torch.Generator().manual_seed(args.seed * 7919 + rank)
+        self._fallback = torch.Generator(self.device).manual_seed(args.seed * 7919 + rank)
         self._slots: dict[int, tuple[SamplingParams, torch.Generator]] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -118,7 +109,7 @@ class Worker:
             if e.params is not None:
                 self._slots[e.slot] = (e.params, make_generator(e.params, self._fallback))
         batch = ForwardBatch.build(
-            [(e.slot, e.start, e.token_ids) for e in plan.entries], [e.sample for e in plan.entries]
+            [(e.slot, e.start, e.token_ids) for e in plan.entries], [e.sample for e in plan.entries], self.device
         )
         logits = self.model(batch, self.cache)
         sampled = [e for e in plan.entries if e.sample]
@@ -132,34 +123,101 @@ class Worker:
             destroy()
 
 
-def worker_main(rank: int, world_size: int, port: int, conn: Any, args: WorkerArgs) -> None:
-    """Process entry of a spawned worker: join the gloo group, build the shard, serve plans until "stop" or until
-    the driver's end of ``conn`` closes. Any exception is sent to the driver with its traceback."""
+class Channel(abc.ABC):
+    """A worker's end of its control channel to the driver. Messages are ``(kind, payload)``: from the driver
+    ``("step", StepPlan)``, ``("ping", None)``, ``("stop", None)``; to it ``("ready", info)``, ``("ok", StepResult)``,
+    ``("pong", None)``, ``("error", traceback text)``."""
+
+    @abc.abstractmethod
+    def recv(self) -> tuple[str, Any]:
+        """The driver's next message (``("stop", None)`` when the driver is gone)."""
+
+    @abc.abstractmethod
+    def send(self, kind: str, payload: Any) -> None: ...
+
+
+class PipeChannel(Channel):
+    """A spawned worker's private ``multiprocessing`` pipe."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def recv(self) -> tuple[str, Any]:
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:  # the driver is gone
+            return "stop", None
+        return kind, payload
+
+    def send(self, kind: str, payload: Any) -> None:
+        self.conn.send((kind, payload))
+
+
+class GroupChannel(Channel):
+    """A torchrun rank > 0: rank 0 broadcasts every rank's plans over the gloo ``group``; replies are gathered to
+    rank 0 (:class:`~server.runtime.workers.TorchrunWorkers` is the other end)."""
+
+    def __init__(self, group: Any, rank: int) -> None:
+        self.group, self.rank = group, rank
+
+    def recv(self) -> tuple[str, Any]:
+        import torch.distributed as dist
+
+        msg: list[Any] = [None]
+        dist.broadcast_object_list(msg, src=0, group=self.group)
+        kind, plans = msg[0]
+        return kind, (plans[self.rank] if kind == "step" else None)
+
+    def send(self, kind: str, payload: Any) -> None:
+        import torch.distributed as dist
+
+        dist.gather_object((kind, payload), None, dst=0, group=self.group)
+
+
+class StepFailed(Exception):
+    """A step raised; its traceback has been sent to the driver."""
+
+
+def serve_plans(worker: Worker, channel: Channel) -> None:
+    """The worker loop: report ready, then run each plan the driver sends until "stop". A failing step sends
+    ``("error", traceback)`` and raises :class:`StepFailed`."""
+    channel.send("ready", worker.info)
+    while True:
+        kind, payload = channel.recv()
+        if kind == "stop":
+            return
+        if kind == "ping":  # the driver's liveness probe
+            channel.send("pong", None)
+            continue
+        try:
+            result = worker.execute(payload)
+        except Exception as e:
+            channel.send("error", f"worker {worker.rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
+            raise StepFailed from e
+        channel.send("ok", result)
+
+
+def worker_main(rank: int, world_size: int, port: int, conn: Any, args: EngineConfig) -> None:
+    """Process entry of a spawned worker: bind device ``rank`` (install the NPU stand-in with ``simulate_npu``),
+    join the EP group (``args.dist_backend``), build the shard, :func:`serve_plans` over the pipe ``conn`` until
+    "stop" or until the driver's end closes. Any exception is sent to the driver with its traceback."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    worker = None
+    channel = PipeChannel(conn)
     try:
-        if world_size > 1 or args.use_buffer_at_ep1 or args.moe_impl == "fused":
-            init_loopback_group(rank, world_size, port, args.dist_timeout_s)
-        worker = Worker(args, rank, world_size, dist.group.WORLD if dist.is_initialized() else None)
-        conn.send(("ready", worker.info))
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:  # the driver is gone
-                break
-            if msg[0] == "stop":
-                break
-            if msg[0] == "ping":  # the driver's liveness probe
-                conn.send(("pong", None))
-                continue
-            conn.send(("ok", worker.execute(msg[1])))
+        device = bind_device(args.device, rank, args.simulate_npu)
+        if args.needs_group(world_size):
+            init_loopback_group(rank, world_size, port, args.dist_timeout_s, args.dist_backend)
+        worker = Worker(args, rank, world_size, dist.group.WORLD if dist.is_initialized() else None, device)
+        serve_plans(worker, channel)
         worker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    except StepFailed:  # reported by serve_plans
+        os._exit(1)  # peers may be blocked in a collective with us: no group teardown
     except BaseException:  # noqa: BLE001 - forwarded to the driver with the traceback, then this process exits
         try:
-            conn.send(("error", f"worker {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"))
+            channel.send("error", f"worker {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
         finally:
             os._exit(1)  # peers may be blocked in a collective with us: no group teardown

@@ -13,8 +13,10 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
+from .engine_config import EngineConfig
+from .placement import bind_device
 from .rendezvous import serve_loopback_store
-from .worker import StepPlan, StepResult, Worker, WorkerArgs, worker_main
+from .worker import GroupChannel, StepFailed, StepPlan, StepResult, Worker, serve_plans, worker_main
 
 logger = logging.getLogger("server.engine")
 
@@ -53,8 +55,9 @@ class ProcessWorkers(WorkerGroup):
     without it and drop its experts.
     """
 
-    def __init__(self, world_size: int, args: WorkerArgs, start_timeout_s: float = 300.0,
-                 step_timeout_s: float = 600.0, elastic: bool = False) -> None:  # fmt: skip
+    def __init__(self, args: EngineConfig, start_timeout_s: float = 300.0) -> None:
+        """``args.ep_size`` workers; ``args.step_timeout_s`` bounds each step and ping, ``args.elastic`` as above."""
+        world_size, step_timeout_s, elastic = args.ep_size, args.step_timeout_s, args.elastic
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "server.runtime.worker"])
         self.step_timeout_s = step_timeout_s
@@ -183,23 +186,21 @@ class ProcessWorkers(WorkerGroup):
         self._store = None
 
 
-def torchrun_env() -> bool:
-    """True when launched by ``torchrun`` (RANK, WORLD_SIZE and MASTER_ADDR are set)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def _init_torchrun(args: WorkerArgs) -> tuple[int, int, Any, Worker, bool]:
-    """Join the torchrun job's default group (unless already joined), make the control group, build the shard."""
+def _init_torchrun(args: EngineConfig) -> tuple[int, int, Any, Worker, bool]:
+    """Bind device ``LOCAL_RANK`` (install the NPU stand-in with ``simulate_npu``), join the torchrun job's default
+    group on ``args.dist_backend`` (unless already joined: then its backend is the caller's), make the gloo control
+    group, build the shard."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    device = bind_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), args.simulate_npu)
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.dist_timeout_s))
+        dist.init_process_group(args.dist_backend, timeout=datetime.timedelta(seconds=args.dist_timeout_s))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     control = dist.new_group(backend="gloo")
-    return rank, world_size, control, Worker(args, rank, world_size, dist.group.WORLD), owns_group
+    return rank, world_size, control, Worker(args, rank, world_size, dist.group.WORLD, device), owns_group
 
 
 class TorchrunWorkers(WorkerGroup):
@@ -209,15 +210,15 @@ class TorchrunWorkers(WorkerGroup):
     peers waiting until the gloo timeout (``dist_timeout_s``), which then fails the step here.
     """
 
-    def __init__(self, args: WorkerArgs) -> None:
+    def __init__(self, args: EngineConfig) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         rank, self.world_size, self.control, self.worker, self._owns_group = _init_torchrun(args)
         assert rank == 0, "TorchrunWorkers runs on rank 0; call run_worker_from_env() on the other ranks"
-        infos: list[Any] = [None] * self.world_size
-        dist.gather_object(self.worker.info, infos, dst=0, group=self.control)
-        self.infos = infos
+        ready: list[Any] = [None] * self.world_size  # ("ready", info) from each rank's serve_plans, ours first
+        dist.gather_object(("ready", self.worker.info), ready, dst=0, group=self.control)
+        self.infos = [info for _, info in ready]
         self.lost = {}
         self._closed = False
 
@@ -250,27 +251,15 @@ class TorchrunWorkers(WorkerGroup):
             self.dist.destroy_process_group()
 
 
-def run_worker_from_env(args: WorkerArgs) -> None:
-    """The loop of a ``torchrun`` rank > 0: receive this rank's plan from rank 0 each step until told to stop."""
-    import traceback
-
+def run_worker_from_env(args: EngineConfig) -> None:
+    """A ``torchrun`` rank > 0: check the placement, build the shard, run :func:`serve_plans` over the gloo control
+    group (this rank's plan from rank 0 each step) until told to stop or until a step fails (reported to rank 0)."""
     import torch.distributed as dist
 
+    args.check_placement()
     rank, _, control, worker, owns_group = _init_torchrun(args)
-    dist.gather_object(worker.info, None, dst=0, group=control)
-    while True:
-        msg: list[Any] = [None]
-        dist.broadcast_object_list(msg, src=0, group=control)
-        kind, plans = msg[0]
-        if kind == "stop":
-            break
-        try:
-            reply: tuple[str, Any] = ("ok", worker.execute(plans[rank]))
-        except Exception:  # noqa: BLE001 - reported to rank 0 with the traceback
-            reply = ("error", f"worker {rank} failed:\n{traceback.format_exc()}")
-        dist.gather_object(reply, None, dst=0, group=control)
-        if reply[0] == "error":
-            break
+    with contextlib.suppress(StepFailed):  # reported to rank 0 by serve_plans; this rank then leaves the job
+        serve_plans(worker, GroupChannel(control, rank))
     worker.close()
     dist.destroy_process_group(control)
     if owns_group:

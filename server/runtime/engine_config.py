@@ -1,0 +1,126 @@
+"""``EngineConfig``: the one description of an EP engine that the driver, spawned workers, torchrun ranks and the
+offline ``LLM`` all take. It is validated once, when it is made; :meth:`EngineConfig.from_server_config` builds it
+from the server's ``ServerConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from ..loader import DTYPES
+
+DEFAULT_STEP_TIMEOUT_S = 30.0
+MOE_IMPLS = ("unfused", "fused")
+LAUNCHES = ("auto", "spawn", "torchrun")
+
+
+def default_capacity(max_num_seqs: int, num_max_dispatch_tokens_per_rank: int | None = None) -> int:
+    """The per-step token capacity N of a worker: the given value, else ``max(max_num_seqs, 64)``."""
+    return num_max_dispatch_tokens_per_rank or max(max_num_seqs, 64)
+
+
+def torchrun_env() -> bool:
+    """True when launched by ``torchrun`` (RANK, WORLD_SIZE and MASTER_ADDR are set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs and how every worker builds its shard (the same on all ranks).
+
+    ``model`` an HF checkpoint dir or None for the random model ``random_model`` (spec for
+    :func:`server.loader.random_hf_config`) from ``seed``; ``ep_size`` workers; ``dtype`` float32/bfloat16/float16;
+    ``backend`` the ``deep_ep_npu.Buffer`` backend; ``device`` / ``dist_backend`` / ``simulate_npu`` where the workers
+    run (:mod:`server.runtime.placement`); ``max_num_seqs`` (per worker) and ``max_model_len``;
+    ``num_max_dispatch_tokens_per_rank`` the per-step token capacity N of each worker (None: ``max(max_num_seqs,
+    64)``, filled in here; longer prefills are chunked); ``int8_experts`` W8A8 routed experts; ``moe_impl``
+    ``unfused`` (dispatch -> experts -> combine) or ``fused`` (``Buffer.mega_moe``); ``launch`` ``spawn``,
+    ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
+    timeout; ``step_timeout_s`` how long one lockstep step (or a health ping) may take; ``elastic`` keep serving on
+    the survivors of a lost worker (spawned workers); ``use_buffer_at_ep1`` EP 1 through a Buffer instead of the
+    in-process dispatch.
+    """
+
+    model: str | None = None
+    ep_size: int = 1
+    dtype: str = "float32"
+    backend: str = "auto"
+    device: str = "cpu"
+    dist_backend: str = "gloo"
+    simulate_npu: bool = False
+    max_num_seqs: int = 16
+    max_model_len: int = 512
+    seed: int = 0
+    random_model: dict | None = None
+    num_max_dispatch_tokens_per_rank: int | None = None
+    int8_experts: bool = False
+    moe_impl: str = "unfused"
+    launch: str = "auto"
+    dist_timeout_s: float = 120.0
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    elastic: bool = False
+    use_buffer_at_ep1: bool = False
+
+    def __post_init__(self) -> None:
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(
+                f"moe_impl={self.moe_impl!r} must be 'unfused' (dispatch/experts/combine) or 'fused' (mega_moe)"
+            )
+        if self.moe_impl == "fused" and self.int8_experts:
+            raise ValueError("moe_impl='fused' uses the float expert weights; it cannot be combined with int8_experts")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if self.launch not in LAUNCHES:
+            raise ValueError(f"launch={self.launch!r} must be 'auto', 'spawn' or 'torchrun'")
+        for name in ("ep_size", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s={self.step_timeout_s!r} must be > 0 (seconds)")
+        n = default_capacity(self.max_num_seqs, self.num_max_dispatch_tokens_per_rank)
+        if n < self.max_num_seqs:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank={n} must be >= max_num_seqs={self.max_num_seqs}")
+        object.__setattr__(self, "num_max_dispatch_tokens_per_rank", n)
+        if self.elastic and self.use_torchrun:
+            raise ValueError("elastic=True needs spawned workers (launch='spawn'); torchrun jobs are not elastic")
+
+    @property
+    def capacity(self) -> int:
+        """The per-step token capacity N of each worker."""
+        assert self.num_max_dispatch_tokens_per_rank is not None  # filled in by __post_init__
+        return self.num_max_dispatch_tokens_per_rank
+
+    @property
+    def use_torchrun(self) -> bool:
+        """This process is a rank of a torchrun job (``launch='torchrun'``, or ``auto`` under torchrun)."""
+        return self.launch == "torchrun" or (self.launch == "auto" and torchrun_env())
+
+    @property
+    def comm_timeout_s(self) -> float | None:
+        """The Buffers' bound on each collective wait: ``step_timeout_s / 3`` when elastic, else the library's."""
+        return self.step_timeout_s / 3 if self.elastic else None
+
+    def needs_group(self, world_size: int) -> bool:
+        """Whether a worker of a ``world_size`` group joins a process group (EP 1 unfused runs without one)."""
+        return world_size > 1 or self.use_buffer_at_ep1 or self.moe_impl == "fused"
+
+    def check_placement(self) -> None:
+        """Refuse a device / backend combination that cannot run on this machine (before any worker starts)."""
+        from .placement import check_placement
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.use_torchrun else self.ep_size
+        check_placement(self.device, self.dist_backend, self.backend, self.simulate_npu, local)
+
+    @classmethod
+    def from_server_config(cls, config: Any, **overrides: Any) -> EngineConfig:
+        """The engine a validated ``ServerConfig`` describes (``overrides``: other fields, e.g. ``launch``)."""
+        values = dict(
+            model=config.model, ep_size=config.ep_size, dtype=config.dtype, backend=config.backend,
+            device=config.device, dist_backend=config.dist_backend, simulate_npu=config.simulate_npu,
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
+            random_model=dict(config.random_model) or None, step_timeout_s=config.step_timeout_s,
+            elastic=config.elastic, moe_impl=config.moe_impl,
+        )  # fmt: skip
+        return cls(**{**values, **overrides})
