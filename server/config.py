@@ -35,8 +35,11 @@ class ServerConfig(BaseModel):
     dist_backend: Literal["gloo", "nccl", "hccl"] = Field(
         "gloo", description="torch.distributed backend of the workers' EP group (control messages use gloo)"
     )
-    simulate_npu: bool = Field(False, description="install the NPU stand-in deep_ep_npu.sim in every worker: "
-                               "backend ascend runs on CPU (needs device cpu, dist-backend gloo)")  # fmt: skip
+    simulate_npu: bool = Field(
+        False,
+        description="install the NPU stand-in deep_ep_npu.sim in every worker: "
+        "backend ascend runs on CPU (device npu / dist-backend hccl run as cpu / gloo)",
+    )
     max_num_seqs: int = Field(16, ge=1, le=4096, description="running requests per DP rank (worker)")
     max_model_len: int = Field(512, ge=2, le=1 << 20, description="prompt + output tokens per request")
     api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>' on /v1/*")
@@ -64,10 +67,11 @@ class ServerConfig(BaseModel):
     def _check_names(self) -> ServerConfig:
         if self.model is not None and not os.path.isdir(self.model):
             raise ValueError(f"model: {self.model!r} is not a directory (give a HF checkpoint dir or omit it)")
-        if self.simulate_npu and (self.device, self.dist_backend) != ("cpu", "gloo"):
+        if self.simulate_npu and (self.device == "cuda" or self.dist_backend == "nccl"):
             raise ValueError(
                 f"simulate-npu: the stand-in runs on CPU tensors over gloo; got device {self.device!r}, dist-backend "
-                f"{self.dist_backend!r} (allowed with simulate-npu: device cpu, dist-backend gloo)"
+                f"{self.dist_backend!r} (allowed with simulate-npu: device cpu or npu, dist-backend gloo or hccl; "
+                "npu and hccl then run as cpu and gloo)"
             )
         return self
 

@@ -24,6 +24,7 @@ from server.api.serve import build_engine
 from server.cli import main as cli_main
 from server.config import ConfigError, build_config
 from server.runtime import placement
+from server.runtime.engine_config import EngineConfig
 from tests.server_helpers import UvicornThread
 from tests.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
@@ -89,7 +90,7 @@ HAS_CUDA = torch.cuda.is_available()
         (["--device", "cuda", "--dist-backend", "nccl"], "dist-backend: 'nccl' needs CUDA"),
         (["--device", "cuda"], "device: 'cuda' needs a visible CUDA GPU"),
         (["--simulate-npu", "--device", "cuda"], "simulate-npu: the stand-in runs on CPU tensors over gloo"),
-        (["--simulate-npu", "--dist-backend", "hccl"], "simulate-npu: the stand-in runs on CPU tensors over gloo"),
+        (["--simulate-npu", "--dist-backend", "nccl"], "simulate-npu: the stand-in runs on CPU tensors over gloo"),
     ],
 )
 def test_impossible_placements_exit_before_any_worker(capsys, argv: list[str], message: str) -> None:
@@ -121,10 +122,14 @@ def test_placement_pairs_and_device_count(monkeypatch) -> None:
 
 
 def test_simulate_npu_config_refusal_names_the_option() -> None:
-    with pytest.raises(ConfigError, match="simulate-npu: .*got device 'npu', dist-backend 'hccl'") as err:
-        build_config({"simulate-npu": True, "device": "npu", "dist-backend": "hccl", "api-key": "s3cret-key"})
+    with pytest.raises(ConfigError, match="simulate-npu: .*got device 'cuda', dist-backend 'nccl'") as err:
+        build_config({"simulate-npu": True, "device": "cuda", "dist-backend": "nccl", "api-key": "s3cret-key"})
     assert "s3cret-key" not in str(err.value)  # the whole-config check does not echo the config
     assert build_config({"simulate-npu": True}).simulate_npu
+    # an NPU config (the Ascend A3 one) runs on the stand-in as is: npu / hccl become cpu / gloo for the workers
+    npu = build_config({"simulate-npu": True, "device": "npu", "dist-backend": "hccl", "backend": "ascend"})
+    engine = EngineConfig.from_server_config(npu)
+    assert (npu.device, npu.dist_backend) == ("npu", "hccl") and (engine.device, engine.dist_backend) == ("cpu", "gloo")
 
 
 @pytest.mark.gpu

@@ -115,10 +115,13 @@ class EngineConfig:
 
     @classmethod
     def from_server_config(cls, config: Any, **overrides: Any) -> EngineConfig:
-        """The engine a validated ``ServerConfig`` describes (``overrides``: other fields, e.g. ``launch``)."""
+        """The engine a validated ``ServerConfig`` describes (``overrides``: other fields, e.g. ``launch``). With
+        ``simulate-npu`` the NPU's ``device`` / ``dist-backend`` (npu / hccl) run as cpu / gloo on the stand-in."""
+        sim = config.simulate_npu
         values = dict(
             model=config.model, ep_size=config.ep_size, dtype=config.dtype, backend=config.backend,
-            device=config.device, dist_backend=config.dist_backend, simulate_npu=config.simulate_npu,
+            device="cpu" if sim else config.device, dist_backend="gloo" if sim else config.dist_backend,
+            simulate_npu=sim,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
             random_model=dict(config.random_model) or None, step_timeout_s=config.step_timeout_s,
             elastic=config.elastic, moe_impl=config.moe_impl,
