@@ -217,7 +217,9 @@ def _leave_for_destroy(info):
                 time.sleep(0.05)
             os._exit(0)
         masked |= {leaver} if leaver is not None else set()
+        t0 = time.monotonic()
         counts, combined = _step(buf, info.rank, step)
+        assert time.monotonic() - t0 < _bound("hang") + 0.5, (step, time.monotonic() - t0)  # found at the timeout
         exp_counts, exp_combined = _oracle(info.rank, step, masked)
         assert torch.equal(counts, exp_counts) and _close(combined, exp_combined), (step, info.rank)
         mask = torch.zeros(W, dtype=torch.int32)

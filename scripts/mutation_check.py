@@ -1,0 +1,65 @@
+"""Apply known mutants of the library one by one and check that the tests meant to catch each one fail.
+
+Run from the repository root: ``.venv/bin/python scripts/mutation_check.py`` (a few minutes on 2 cores). Each mutant
+is a single text replacement; the file is restored afterwards (also on Ctrl-C). Exit status 1 if a mutant survives.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+MUTANTS = [  # (name, file, original text, mutated text, tests that must fail)
+    ("int8 rint rounds half away from zero", "deep_ep_npu/quant.py",
+     "q = torch.round(q).nan_to_num_(nan=0.0) if dtype == torch.int8 else q",
+     "q = (torch.sign(q) * torch.floor(q.abs() + 0.5)).nan_to_num_(nan=0.0) if dtype == torch.int8 else q",
+     ["tests/test_ops_dispatch_combine.py", "tests/test_ops_quant_ccl.py"]),
+    ("failure grace stretched to the full timeout", "deep_ep_npu/failure.py",
+     "grace = time.monotonic(), min(timeout, max(1.0, timeout / 10))",
+     "grace = time.monotonic(), timeout",
+     ["tests/test_failure.py::test_survivors_raise_naming_the_missing_rank"]),
+    ("combine weights swapped between a token's slots", "deep_ep_npu/backends/reference.py",
+     "weights, stats = args.topk_weights[plan.token, plan.slot], args.combine_wait_recv_cost_stats",
+     "weights, stats = args.topk_weights.flip(1)[plan.token, plan.slot], args.combine_wait_recv_cost_stats",
+     ["tests/test_buffer_errors.py"]),
+    ("agreement ignores which op a rank arrived at", "deep_ep_npu/failure.py",
+     "return int(their_seq) > seq or (int(their_seq) == seq and their_op == op)",
+     "return int(their_seq) >= seq",
+     ["tests/test_failure.py::test_shrink_finds_ranks_that_left_for_destroy"]),
+    ("store calls unbounded", "deep_ep_npu/failure.py",
+     "call = lambda fn, *args: self._bounded(timeout, fn, *args)  # noqa: E731",
+     "call = lambda fn, *args: fn(*args)  # noqa: E731",
+     ["tests/test_failure.py::test_store_host_failure_is_bounded"]),
+]  # fmt: skip
+
+
+def killed(path: str, old: str, new: str, tests: list[str]) -> bool:
+    """Whether ``tests`` fail with ``old`` replaced by ``new`` in ``path`` (which is restored)."""
+    file = pathlib.Path(path)
+    text = file.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"{path}: the mutant's original text is not there exactly once: {old!r}")
+    file.write_text(text.replace(old, new))
+    try:
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        return subprocess.run(cmd, capture_output=True, timeout=600).returncode != 0
+    except subprocess.TimeoutExpired:
+        return True  # a hang is caught too (the suite's own timeouts would fail it)
+    finally:
+        file.write_text(text)
+
+
+def main() -> int:
+    survivors = []
+    for name, path, old, new, tests in MUTANTS:
+        ok = killed(path, old, new, tests)
+        print(f"{'killed  ' if ok else 'SURVIVED'} {name}  ({', '.join(tests)})", flush=True)
+        if not ok:
+            survivors.append(name)
+    print(f"{len(MUTANTS) - len(survivors)} of {len(MUTANTS)} mutants killed")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
