@@ -79,6 +79,15 @@ def one_of(value: object, param: str, allowed: Iterable[object], why: str = "") 
     return value
 
 
+def prefix_mask(mask: torch.Tensor, num_tokens: int) -> int:
+    """How many tokens a 1D ``x_active_mask`` `[num_tokens]` bool marks active; it must mark a prefix."""
+    if mask.shape[0] != num_tokens:
+        raise shape("x_active_mask", f"1D mask has {mask.shape[0]} entries, expected Bs = {num_tokens}")
+    if (n := int(mask.sum())) and not bool(mask[:n].all()):
+        raise shape("x_active_mask", "a 1D mask must mark a prefix of active tokens (all True entries first)")
+    return n
+
+
 def flag(value: object, param: str) -> bool:
     if not isinstance(value, bool):
         raise invalid(param, f"must be a bool, got {type(value).__name__} {value!r}")

@@ -6,7 +6,8 @@ is pure (no communication) and runs first on every rank.
 Without ``strict`` the rules accept the union of what the platforms do (the engine computes every feature on any
 device); ``strict="a3"`` (or ``True``) adds the Atlas A3 limits and refuses the Ascend 950 features, ``strict="a5"``
 adds the Ascend 950 (A5) limits and refuses the Atlas A3 ones, each error naming the platform a feature belongs to
-(:func:`platform_feature`). Sources: the aclnn ``MoeDistributeDispatchV4`` / ``CombineV4`` docs' per-product blocks."""
+(:func:`~deep_ep_npu.npu_types.platform_feature`). Sources: the aclnn ``MoeDistributeDispatchV4`` /
+``CombineV4`` docs' per-product blocks."""
 
 from __future__ import annotations
 
@@ -20,32 +21,22 @@ import torch.distributed as dist
 from . import errors as checks
 from .errors import ACT_DTYPES, MAX_TOPK, invalid, null, shape
 from .group import EPGroup, ep_group, resolve_group
-from .npu_types import PLATFORM_NAMES, platform, resolve_dtype
+from .npu_types import (
+    COMM_ALG_PLATFORMS,
+    MAX_WORLD,
+    OP_COMM_ALGS,
+    PLATFORM_NAMES,
+    dispatch_quant,
+    hierarchy_rules,
+    platform,
+    platform_feature,
+)
 from .quant import Quant
 from .sizes import ccl_buffer_bytes, ccl_buffer_mb
 
 NPU_ACT_DTYPES = (torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int32, torch.int64)
 MAX_BS = 512
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-Y_DTYPES = {2: (torch.int8, *FP8), 3: FP8, 4: FP8}  # quant_mode -> expand_x dtypes (y_dtype)
-OP_COMM_ALGS = ("", "fullmesh", "fullmesh_v1", "fullmesh_v2", "hierarchy", "ccu")  # one layout here: fullmesh's
-COMM_ALG_PLATFORMS = {  # (dispatch, combine): the platforms whose docs list each comm_alg
-    "": (("a3", "a5"), ("a3", "a5")), "fullmesh": (("a2",), ("a2",)), "fullmesh_v1": (("a3", "a5"), ()),
-    "fullmesh_v2": (("a3", "a5"), ()), "hierarchy": (("a3",), ("a3",)), "ccu": ((), ()),
-}  # fmt: skip
-MAX_WORLD = {None: 1 << 16, "a3": 768, "a5": 1024}
-
-
-def platform_feature(plat: str | None, param: str, value: object, owners: tuple[str, ...], allowed: str) -> None:
-    """Under a strict platform ``plat`` that is not one of ``owners`` (the platforms whose docs list ``value``),
-    raise :class:`~deep_ep_npu.errors.MoeDistributeError` (161002) naming where ``value`` belongs and what ``plat``
-    allows."""
-    if plat is None or plat in owners:
-        return
-    what = f"an {' / '.join(PLATFORM_NAMES[o] for o in owners)} feature" if owners else "a value no platform documents"
-    why = f"got {value!r}, {what}: not on {PLATFORM_NAMES[plat]} (strict={plat!r}), which allows {allowed}"
-    raise invalid(param, why + ("; accepted without strict" if not owners else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +204,7 @@ def _tokens(layout: EpLayout, p: DispatchParams | CombineParams, x_param: str, x
     topk = raw_ids.shape[1]
     mask = checks.optional_tensor(p.x_active_mask, "x_active_mask", (torch.bool,), (1, 2))
     if mask is not None and mask.dim() == 1:
-        if mask.shape[0] != num_tokens:
-            raise shape("x_active_mask", f"1D mask has {mask.shape[0]} entries, expected Bs = {num_tokens}")
-        if (n := int(mask.sum())) and not bool(mask[:n].all()):
-            raise shape("x_active_mask", "a 1D mask must mark a prefix of active tokens (all True entries first)")
+        checks.prefix_mask(mask, num_tokens)
     elif mask is not None and tuple(mask.shape) != (num_tokens, topk):
         why = f"2D mask shape {tuple(mask.shape)} does not match (Bs, K) = ({num_tokens}, {topk})"
         raise shape("x_active_mask", why)
@@ -234,71 +222,6 @@ def _tokens(layout: EpLayout, p: DispatchParams | CombineParams, x_param: str, x
         if plat and mask is not None and num_tokens * w != global_bs and not bool(mask.all()):
             raise shape("x_active_mask", "must be all True when batch sizes differ across ranks (global_bs != Bs*W)")
     return x, ids_, mask, topk, global_bs or num_tokens * w
-
-
-def _hierarchy(p: Any, layout: Any, x_param: str, hidden: int, mask: torch.Tensor | None) -> None:
-    """comm_alg "hierarchy" (Atlas A3): its documented requirements on every platform (no shared-expert ranks, zero /
-    copy / const experts, 2D mask or performance_info; tp_world_size <= 1 is checked with the layout), its size limits
-    under strict "a3" (W in [16, 256] a multiple of 16, H a multiple of 32, L <= 24, L * W <= 512; Bs <= 256 and
-    H <= 7168 are checked with the tokens)."""
-    if p.comm_alg != "hierarchy":
-        return
-    for name, value, ok in (
-        ("shared_expert_rank_num", p.shared_expert_rank_num, not p.shared_expert_rank_num),
-        ("zero_expert_num", p.zero_expert_num, not p.zero_expert_num),
-        ("copy_expert_num", p.copy_expert_num, not p.copy_expert_num),
-        ("const_expert_num", p.const_expert_num, not p.const_expert_num),
-        ("x_active_mask", "a 2D mask", mask is None or mask.dim() == 1),
-        ("performance_info", "a tensor", p.performance_info is None),
-    ):  # fmt: skip
-        if not ok:
-            why = "supports only tp_world_size <= 1, no shared-expert ranks, zero / copy / const experts"
-            raise invalid(name, f"got {value!r}; comm_alg 'hierarchy' {why}, 2D x_active_mask or performance_info")
-    if layout.platform != "a3":
-        return
-    w, num_local = layout.world_size, layout.num_local_experts
-    if not 16 <= w <= 256 or w % 16:
-        raise shape("ep_world_size", f"got {w}; comm_alg 'hierarchy' on Atlas A3 needs [16, 256], a multiple of 16")
-    if hidden % 32:
-        raise shape(f"{x_param}.shape[1] (H)", f"got {hidden}; comm_alg 'hierarchy' on Atlas A3 needs a multiple of 32")
-    if num_local > 24 or num_local * w > 512:
-        raise shape("moe_expert_num", f"gives L = {num_local} local experts (L * W = {num_local * w}); comm_alg "
-                    "'hierarchy' on Atlas A3 needs L <= 24 and L * W <= 512")  # fmt: skip
-
-
-def _dispatch_quant(p: DispatchParams, x_dtype: torch.dtype, plat: str | None) -> Quant | None:
-    """quant_mode with y_dtype / x_dtype / scales_dtype (torch dtypes or torch_npu codes): the :class:`Quant` to run,
-    None for quant_mode 0."""
-    mode = checks.in_range(p.quant_mode, "quant_mode", 0, 4, code="param")  # 0 none, 2 per token, 3 per 128, 4 MX
-    if mode == 1:
-        raise invalid("quant_mode", "got 1 (static quant, Ascend 950): not implemented, its rounding and saturation "
-                      "are undocumented; allowed 0, 2, 3 or 4")  # fmt: skip
-    if mode in (3, 4):
-        platform_feature(plat, "quant_mode", mode, ("a5",), "0 or 2")
-    for name in ("y_dtype", "x_dtype", "scales_dtype"):
-        if getattr(p, name) is not None:
-            platform_feature(plat, name, getattr(p, name), ("a5",), "None")
-    y = resolve_dtype(p.y_dtype, "y_dtype")
-    given = repr(p.y_dtype) if y is p.y_dtype else f"{p.y_dtype!r} ({y})"
-    if resolve_dtype(p.x_dtype, "x_dtype") not in (None, x_dtype):
-        raise invalid("x_dtype", f"got {p.x_dtype!r} for an x of {x_dtype}: relabelling x's storage (pre-quantized "
-                      "fp8 / hifloat8 / fp4 x) is not implemented; pass None or x's dtype")  # fmt: skip
-    if resolve_dtype(p.scales_dtype, "scales_dtype") not in (None, torch.float32):
-        raise invalid("scales_dtype", f"got {p.scales_dtype!r}: scales are float32 here (the e8m0 scales of a "
-                      "pre-quantized x are not implemented); pass None or torch.float32")  # fmt: skip
-    if y in (torch.float4_e2m1fn_x2,):
-        raise invalid("y_dtype", f"got {given}: fp4 output is not implemented (no fp4 compute here);"
-                      " use torch.float8_e4m3fn / torch.float8_e5m2")  # fmt: skip
-    if mode == 0:
-        if y not in (None, x_dtype):
-            raise invalid("y_dtype", f"got {given}; quant_mode 0 keeps x's dtype {x_dtype} (hifloat8 output is "
-                          "not implemented): pass None")  # fmt: skip
-        return None
-    y = torch.int8 if y is None and mode == 2 else y
-    if y not in Y_DTYPES[mode]:
-        raise invalid("y_dtype", f"got {given}; quant_mode {mode} outputs {[str(d) for d in Y_DTYPES[mode]]} "
-                      "(torch_npu codes: int8 1, float8_e5m2 23 / 291, float8_e4m3fn 24 / 292)")  # fmt: skip
-    return Quant(mode, y)
 
 
 @dataclasses.dataclass
@@ -352,7 +275,7 @@ class DispatchParams(_Common):
         layout = validate_layout(self)
         x, ids, mask, topk, global_bs = _tokens(layout, self, "x", self.x, self.expert_ids)
         w, hidden, num_local = layout.world_size, x.shape[1], layout.num_local_experts
-        quant = _dispatch_quant(self, x.dtype, layout.platform)
+        quant = dispatch_quant(self, x.dtype, layout.platform)
         checks.one_of(self.expert_token_nums_type, "expert_token_nums_type", (0, 1))
         rows = layout.shared_expert_num + layout.scales_experts
         scales = checks.shaped(self.scales, "scales", torch.float32, (rows, hidden), "(S + moe_expert_num, H)")
@@ -363,7 +286,7 @@ class DispatchParams(_Common):
                           "tp_world_size 2 (Atlas A3): no platform has both")  # fmt: skip
         expert_scales = checks.shaped(self.expert_scales, "expert_scales", torch.float32, (x.shape[0], topk), "(Bs, K)")
         perf = checks.shaped(self.performance_info, "performance_info", torch.int64, (w,), "(ep_world_size,)")
-        _hierarchy(self, layout, "x", hidden, mask)
+        hierarchy_rules(self, layout, "x", hidden, mask)
         if self.comm_alg == "hierarchy" and expert_scales is None:
             raise null("expert_scales", "comm_alg 'hierarchy' needs the top-k weights, (Bs, K) float32")
         if (size := self.ccl_buffer_size) is not None:  # refuse shapes that do not fit, naming the size that would
@@ -464,7 +387,7 @@ class CombineParams(_Common):
                 raise null(name, f"const_expert_num is {n_const}")
         w, num_local, tp = layout.world_size, layout.num_local_experts_here, max(layout.tp_world_size, 1)
         perf = checks.shaped(self.performance_info, "performance_info", torch.int64, (w,), "(ep_world_size,)")
-        _hierarchy(self, layout, "expand_x", hidden, mask)
+        hierarchy_rules(self, layout, "expand_x", hidden, mask)
         if counts.numel() < w * num_local * tp:
             need = f"W * L{' * 2' if tp == 2 else ''} = {w * num_local * tp}"
             raise shape("ep_send_counts", f"has {counts.numel()} entries, needs {need}")

@@ -288,8 +288,8 @@ def test_platform_and_feature_errors_on_every_rank():
     [(16, 16 * 25, 1024, "L = 25"), (32, 32 * 17, 1024, "L * W = 544"), (16, 16, 1040, "multiple of 32")],
 )
 def test_hierarchy_a3_size_limits(w, experts, hidden, text):
+    from deep_ep_npu.npu_types import hierarchy_rules as _hierarchy
     from deep_ep_npu.ops import MoeDistributeError
-    from deep_ep_npu.params import _hierarchy
 
     p = types.SimpleNamespace(comm_alg="hierarchy", shared_expert_rank_num=0, zero_expert_num=0, copy_expert_num=0,
                               const_expert_num=0, performance_info=None)  # fmt: skip

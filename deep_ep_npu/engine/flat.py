@@ -128,7 +128,8 @@ def add_wait_time(performance_info: torch.Tensor | None, agreement: Agreement, w
     performance_info += sent.to(torch.int64) * (agreement.wait_us + wait_ns // 1000)
 
 
-def _group(group: object, param: str) -> EPGroup | None:
+def group_or_none(group: object, param: str) -> EPGroup | None:
+    """The ops' EPGroup of ``group`` (a group or its name), or None when it names no group (nobody to tell)."""
     try:
         return ep_group(resolve_group(group, param))
     except MoeDistributeError:
@@ -141,9 +142,9 @@ def _validate(p: DispatchParams | CombineParams, ep: EPGroup | None, op: str) ->
     try:
         return p.validate()
     except MoeDistributeError as err:
-        if (ep := ep or _group(p.group_ep, "group_ep")) is not None:
+        if (ep := ep or group_or_none(p.group_ep, "group_ep")) is not None:
             reject(ep, op, err.code)
-            tp = _group(p.group_tp, "group_tp") if p.tp_world_size == 2 else None
+            tp = group_or_none(p.group_tp, "group_tp") if p.tp_world_size == 2 else None
             if tp is not None and tp.num_ranks == 2:
                 tp_agree(tp, err.code, op)
         raise

@@ -34,7 +34,7 @@ from ..npu_types import PLATFORM_NAMES, platform, resolve_dtype
 from ..params import NPU_ACT_DTYPES, CombineParams, DispatchParams, ValidDispatch, validate_layout
 from ..quant import Quant
 from ..sizes import align
-from .flat import start_dispatch_flat
+from .flat import group_or_none, start_dispatch_flat
 
 DISPATCH_SETUP, COMBINE_SETUP = "moe_distribute_dispatch_setup", "moe_distribute_combine_setup"
 MARKER, KINDS, TAG = 0x75D15C0, {"dispatch": 1, "combine": 2}, secrets.randbits(31)
@@ -187,7 +187,8 @@ def dispatch_setup(p: SetupParams) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     flat = torch.where(sent, ids, e).view(-1)  # pairs not sent sort last
     order = torch.argsort(flat, stable=True)
     n = int(sent.sum())
-    start = torch.cumsum(torch.bincount(flat, minlength=e + 1), 0) - torch.bincount(flat, minlength=e + 1)
+    per_expert = torch.bincount(flat, minlength=e + 1)
+    start = torch.cumsum(per_expert, 0) - per_expert
     expand_idx = torch.empty_like(flat)
     expand_idx[order] = torch.arange(flat.numel(), device=dev) - start[flat[order]]
     expand_idx = expand_idx.masked_fill_(~sent.view(-1), -1).to(torch.int32)
@@ -261,8 +262,8 @@ def combine_setup(p: CombineSetupParams) -> tuple[torch.Tensor, torch.Tensor]:
                         f"teardown's prefix sums (non-decreasing, at most expand_x's {expand_x.shape[0]} rows and "
                         f"A = {capacity}); got a total of {total}")  # fmt: skip
     except MoeDistributeError as err:
-        if (pg := _try_group(p.group_ep)) is not None:
-            ep_group(pg).reject(COMBINE_SETUP, err.code, 1, len(COMBINE_NAMES))
+        if (ep := group_or_none(p.group_ep, "group_ep")) is not None:
+            ep.reject(COMBINE_SETUP, err.code, 1, len(COMBINE_NAMES))
         raise
     ep, dev, me = ep_group(layout.group), expand_x.device, layout.rank
     block = torch.repeat_interleave(torch.arange(w * num_local, device=dev), blocks, output_size=total)
@@ -295,13 +296,6 @@ def combine_setup(p: CombineSetupParams) -> tuple[torch.Tensor, torch.Tensor]:
     return qx, cmd
 
 
-def _try_group(group: object) -> dist.ProcessGroup | None:
-    try:
-        return resolve_group(group, "group_ep")
-    except MoeDistributeError:
-        return None
-
-
 def combine_teardown(p: dict[str, Any]) -> torch.Tensor:
     """``x`` `[Bs, H]` of :func:`deep_ep_npu.ops.moe_distribute_combine_teardown` (``p``: its arguments by name)."""
     args = {name: p[name] for name in (*_SHARED, "comm_quant_mode")}
@@ -316,10 +310,7 @@ def combine_teardown(p: dict[str, Any]) -> torch.Tensor:
     active = bs
     valid = idx.view(bs, k).long() >= 0
     if (mask := checks.optional_tensor(p["x_active_mask"], "x_active_mask", (torch.bool,), 1)) is not None:
-        checks.dims(mask, "x_active_mask", (bs,), "(Bs,)")
-        active = int(mask.sum())
-        if not bool(mask[:active].all()):
-            raise shape("x_active_mask", "a 1D mask must mark a prefix of active tokens (all True entries first)")
+        active = checks.prefix_mask(mask, bs)
         valid &= mask.unsqueeze(1)
     shared_x = checks.optional_tensor(p["shared_expert_x"], "shared_expert_x", (expand_x.dtype,), (2, 3))
     if shared_x is not None:
