@@ -12,37 +12,104 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per position (vLLM's default limit)
+LOGIT_BIAS_LIMIT = 100.0  # a logit bias is clamped to [-100, 100] (OpenAI's range; vLLM clamps likewise)
+
+
+class SamplingParamError(ValueError):
+    """A bad sampling parameter; ``param`` is its name (the HTTP layer answers 400 naming it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
 
 @dataclasses.dataclass
 class SamplingParams:
-    """vLLM's sampling parameter names. ``temperature == 0`` is greedy."""
+    """vLLM's sampling parameter names. ``temperature == 0`` is greedy.
+
+    ``n`` samples per prompt (sample ``i`` runs as :meth:`for_sample` ``(i)``: its own seed stream when ``seed`` is
+    set). Penalties as vLLM: ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] subtract ``penalty`` once per
+    token already generated (presence) or once per occurrence (frequency); ``repetition_penalty`` > 0 divides the
+    positive logits and multiplies the negative ones of every token in the prompt or the output; ``logit_bias``
+    adds a bias (clamped to [-100, 100]) to a token id's logit; ``min_p`` in [0, 1] drops tokens whose probability
+    is under ``min_p`` times the most likely one's. ``logprobs`` asks for the sampled token's log-probability and the
+    ``logprobs`` most likely alternatives per generated token (0..20); ``prompt_logprobs`` the same per prompt token.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.temperature < math.inf:  # also refuses NaN
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [-2**63, 2**64) (a 64-bit integer), got {self.seed}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        def check(ok: bool, param: str, allowed: str) -> None:
+            if not ok:
+                raise SamplingParamError(param, f"must be {allowed}, got {getattr(self, param)!r}")
+
+        check(self.max_tokens >= 1, "max_tokens", ">= 1")
+        check(0 <= self.temperature < math.inf, "temperature", "a finite number >= 0")  # also refuses NaN
+        check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "in [-2**63, 2**64) (a 64-bit integer)")
+        check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
+        check(self.top_k >= -1, "top_k", "-1 (disabled) or >= 0")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        check(self.n >= 1, "n", ">= 1")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
+        check(0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "a finite number > 0")
+        for param in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, param)
+            check(value is None or 0 <= value <= MAX_LOGPROBS, param, f"None or in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or token < 0 or not -math.inf < bias < math.inf:
+                    raise SamplingParamError(
+                        "logit_bias", f"keys must be token ids >= 0 and values finite numbers, got {token!r}: {bias!r}"
+                    )
+            self.logit_bias = {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, b)) for t, b in self.logit_bias.items()}
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+    @property
+    def needs_history(self) -> bool:
+        """The sampler needs the request's token counts (a penalty is set)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample ``index`` of ``n``: ``n`` 1 and, when ``seed`` is set, seed ``seed + index``
+        (wrapped into the 64-bit range), so each sample draws from its own stream."""
+        seed = self.seed
+        if seed is not None:
+            seed += index
+            if seed >= 2**64:
+                seed -= 2**64
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """One position's log-probabilities: the token there (``token_id``, ``logprob``) and the ``top`` most likely
+    tokens as ``(token_id, logprob)``, most likely first. Values are natural logs (float32 precision)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclasses.dataclass
@@ -53,6 +120,8 @@ class RequestDelta:
     ``finish_reason`` is None while running, else ``"stop"`` (EOS, stop token or stop string), ``"length"``
     (max_tokens or max_model_len), ``"abort"`` or ``"error"`` (then ``error`` says why).
     ``text`` is the detokenized text of the whole output so far with any stop string and what follows cut off.
+    ``logprobs`` (when the request asked for them) has one entry per new token; ``prompt_logprobs`` comes once, on
+    the request's first token, one entry per prompt token (the first is None: nothing precedes it).
     """
 
     request_id: str
@@ -62,6 +131,8 @@ class RequestDelta:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass

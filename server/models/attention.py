@@ -36,7 +36,7 @@ class ForwardBatch:
         input_ids: `[num_tokens]` with `torch.int64`.
         positions: `[num_tokens]` with `torch.int64`, the position of each token in its sequence.
         seqs: the sequences, in row order.
-        sample_rows: `[num_samples]` with `torch.int64`, rows whose logits the step returns.
+        sample_rows: `[num_rows]` with `torch.int64`, rows whose logits the step returns.
     """
 
     input_ids: torch.Tensor
@@ -46,18 +46,26 @@ class ForwardBatch:
 
     @classmethod
     def build(
-        cls, chunks: list[tuple[int, int, list[int]]], sample: list[bool], device: torch.device | str = "cpu"
+        cls,
+        chunks: list[tuple[int, int, list[int]]],
+        sample: list[bool],
+        device: torch.device | str = "cpu",
+        all_logits: list[bool] | None = None,
     ) -> ForwardBatch:
-        """From ``(slot, start, token_ids)`` per sequence; ``sample[i]`` asks for the logits of its last token. The
+        """From ``(slot, start, token_ids)`` per sequence; ``sample[i]`` asks for the logits of its last token,
+        ``all_logits[i]`` for those of every token of the chunk (in order; e.g. for prompt log-probabilities). The
         index tensors are made on ``device`` (the model's)."""
         ids: list[int] = []
         positions: list[int] = []
         seqs, rows = [], []
-        for (slot, start, tokens), want in zip(chunks, sample, strict=True):
+        every = all_logits or [False] * len(chunks)
+        for (slot, start, tokens), want, want_all in zip(chunks, sample, every, strict=True):
             seqs.append(SeqChunk(slot, start, len(tokens), len(ids)))
+            if want_all:
+                rows.extend(range(len(ids), len(ids) + len(tokens)))
             ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
-            if want:
+            if want and not want_all:
                 rows.append(len(ids) - 1)
         as_long = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
         return cls(as_long(ids), as_long(positions), seqs, as_long(rows))

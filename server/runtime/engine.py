@@ -6,7 +6,7 @@ import time
 import weakref
 from typing import Any
 
-from ..engine_api import EngineCore, RequestDelta, SamplingParams, StepStats
+from ..engine_api import EngineCore, RequestDelta, SamplingParamError, SamplingParams, StepStats
 from ..loader import random_hf_config, read_config
 from ..models import ModelConfig
 from ..tokenizer import load_tokenizer
@@ -73,7 +73,13 @@ class EPEngine(EngineCore):
             raise ValueError(f"request_id={request_id!r} is already running")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise SamplingParamError("n", f"the engine runs one sample per request, got {params.n}; add one request "
+                                     "per SamplingParams.for_sample(i)")  # fmt: skip
         vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise SamplingParamError("logit_bias", f"token id {bad[0]} is not in [0, {vocab}) (vocab_size)")
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be a non-empty list of ints in [0, {vocab}) (vocab_size)")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -120,8 +126,10 @@ class EPEngine(EngineCore):
         for rank, ((_, sampling), result) in enumerate(zip(scheduled, results, strict=True)):
             if result is None:  # lost this step (elastic mode): its requests were just failed
                 continue
-            for req, token in zip(sampling, result.token_ids, strict=True):
-                delta = apply_token(req, token, self.tokenizer, self.max_model_len)
+            logprobs = result.logprobs or [None] * len(sampling)
+            prompt_logprobs = result.prompt_logprobs or [None] * len(sampling)
+            for req, token, logprob, prompt in zip(sampling, result.token_ids, logprobs, prompt_logprobs, strict=True):
+                delta = apply_token(req, token, self.tokenizer, self.max_model_len, logprob, prompt)
                 if delta.finish_reason is not None:
                     self.schedulers[rank].remove(req)
                     del self._requests[req.request_id]

@@ -7,25 +7,40 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine_api import SamplingParams
+from ..engine_api import SamplingParams, TokenLogprob
 from .engine import EPEngine
 
 
 @dataclasses.dataclass
 class CompletionOutput:
+    """One sample. ``logprobs`` (with ``SamplingParams.logprobs``): per generated token, ``{token_id: logprob}`` of
+    the sampled token and the most likely alternatives (plain floats, where vLLM has ``Logprob`` objects)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclasses.dataclass
 class RequestOutput:
+    """One prompt's result: ``SamplingParams.n`` outputs; ``prompt_logprobs`` (with
+    ``SamplingParams.prompt_logprobs``) per prompt token as in :class:`CompletionOutput` (the first is None)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def logprob_dict(logprob: TokenLogprob | None) -> dict[int, float] | None:
+    """``{token_id: logprob}`` of a position's token and its top alternatives."""
+    if logprob is None:
+        return None
+    return {logprob.token_id: logprob.logprob, **dict(logprob.top)}
 
 
 Prompt = str | Sequence[int] | dict
@@ -48,8 +63,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One :class:`RequestOutput` per prompt, in order. A prompt is a string, a list of token ids, or a dict
-        with ``prompt`` or ``prompt_token_ids``."""
+        """One :class:`RequestOutput` per prompt, in order, each with ``n`` outputs. A prompt is a string, a list
+        of token ids, or a dict with ``prompt`` or ``prompt_token_ids``."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -60,25 +75,33 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        outputs: dict[str, RequestOutput] = {}
-        order = []
+        results: list[RequestOutput] = []
+        samples: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for prompt, p in zip(prompts, params, strict=True):
             text, ids = self._tokenize(prompt)
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, ids, p)
-            outputs[request_id] = RequestOutput(request_id, text, ids, [CompletionOutput(0, "", [], None)])
-            order.append(request_id)
+            result = RequestOutput(str(next(self._ids)), text, ids, [])
+            results.append(result)
+            for i in range(p.n):
+                request_id = f"{result.request_id}-{i}"
+                self.engine.add_request(request_id, ids, p.for_sample(i))
+                out = CompletionOutput(i, "", [], None, None if p.logprobs is None else [])
+                result.outputs.append(out)
+                samples[request_id] = (result, out)
         try:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    out = outputs[delta.request_id].outputs[0]
+                    result, out = samples[delta.request_id]
                     out.token_ids.extend(delta.new_token_ids)
                     out.text, out.finish_reason = delta.text, delta.finish_reason
+                    if out.logprobs is not None and delta.logprobs:
+                        out.logprobs.extend(logprob_dict(lp) for lp in delta.logprobs)  # type: ignore[misc]
+                    if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
+                        result.prompt_logprobs = [logprob_dict(lp) for lp in delta.prompt_logprobs]
         except BaseException:
-            for request_id in order:
+            for request_id in samples:
                 self.engine.abort_request(request_id)
             raise
-        return [outputs[r] for r in order]
+        return results
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

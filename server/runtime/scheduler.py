@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from ..engine_api import RequestDelta, SamplingParams, Tokenizer
+from ..engine_api import RequestDelta, SamplingParams, Tokenizer, TokenLogprob
 from .worker import PlanEntry, StepPlan
 
 
@@ -86,9 +86,12 @@ class RankScheduler:
             self.waiting.remove(req)
 
 
-def apply_token(req: Request, token: int, tokenizer: Tokenizer, max_model_len: int) -> RequestDelta:
+def apply_token(req: Request, token: int, tokenizer: Tokenizer, max_model_len: int,
+                logprob: TokenLogprob | None = None,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestDelta:  # fmt: skip
     """Append a sampled token, update the text and decide whether the request finished (vLLM semantics: EOS and
-    stop token ids are kept in ``token_ids`` but not in the text; a stop string and what follows are cut off)."""
+    stop token ids are kept in ``token_ids`` but not in the text; a stop string and what follows are cut off).
+    ``logprob`` and ``prompt_logprobs`` (the worker's, when asked for) go into the delta."""
     req.output_token_ids.append(token)
     p = req.params
     n_out = len(req.output_token_ids)
@@ -103,4 +106,5 @@ def apply_token(req: Request, token: int, tokenizer: Tokenizer, max_model_len: i
     if reason is None and (n_out >= p.max_tokens or len(req.prompt_token_ids) + n_out >= max_model_len):
         reason = "length"
     req.text, req.finish_reason = text, reason
-    return RequestDelta(req.request_id, [token], text, reason, None, len(req.prompt_token_ids), n_out)
+    return RequestDelta(req.request_id, [token], text, reason, None, len(req.prompt_token_ids), n_out,
+                        None if logprob is None else [logprob], prompt_logprobs)  # fmt: skip

@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from ..engine_api import SamplingParams
+from ..engine_api import SamplingParams, TokenLogprob
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, KVCache, LocalComm, ModelConfig
 from ..models.ep_comm import BufferComm, ExpertComm
 from .engine_config import EngineConfig
 from .placement import bind_device
 from .rendezvous import init_loopback_group
-from .sampler import make_generator, sample_one
+from .request_sampler import RequestSampler
 
 
 @dataclasses.dataclass
@@ -48,12 +48,16 @@ class StepPlan:
 
 @dataclasses.dataclass
 class StepResult:
-    """Sampled ids in the order of the plan's sampling entries, and this rank's timings (seconds)."""
+    """Sampled ids in the order of the plan's sampling entries, and this rank's timings (seconds). Per sampled id:
+    its log-probabilities (None unless asked for) and, on a request's first sample, its prompt's (None unless asked
+    for)."""
 
     token_ids: list[int]
     forward_time: float
     dispatch_time: float
     combine_time: float
+    logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[list[TokenLogprob | None] | None] = dataclasses.field(default_factory=list)
 
 
 def _rss_bytes() -> int:
@@ -100,22 +104,34 @@ class Worker:
             "moe_backend": self.model.comm.buffer.backend_name if isinstance(self.model.comm, BufferComm) else "local",
         }
         self._fallback = torch.Generator(self.device).manual_seed(args.seed * 7919 + rank)
-        self._slots: dict[int, tuple[SamplingParams, torch.Generator]] = {}
+        self._slots: dict[int, RequestSampler] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         self.model.comm.stats.reset()
         for e in plan.entries:
             if e.params is not None:
-                self._slots[e.slot] = (e.params, make_generator(e.params, self._fallback))
-        batch = ForwardBatch.build(
-            [(e.slot, e.start, e.token_ids) for e in plan.entries], [e.sample for e in plan.entries], self.device
-        )
+                self._slots[e.slot] = RequestSampler(e.params, self._fallback, self.model.cfg.vocab_size)
+        samplers = [self._slots[e.slot] for e in plan.entries]
+        all_logits = [s.wants_all_logits for s in samplers]
+        batch = ForwardBatch.build([(e.slot, e.start, e.token_ids) for e in plan.entries],
+                                   [e.sample for e in plan.entries], self.device, all_logits)  # fmt: skip
         logits = self.model(batch, self.cache)
-        sampled = [e for e in plan.entries if e.sample]
-        tokens = [sample_one(logits[i], *self._slots[e.slot]) for i, e in enumerate(sampled)]
+        result = StepResult([], 0.0, 0.0, 0.0)
+        row = 0
+        for e, sampler, want_all in zip(plan.entries, samplers, all_logits, strict=True):
+            num_rows = len(e.token_ids) if want_all else int(e.sample)
+            sampler.feed(e.token_ids, logits[row : row + num_rows] if want_all else None)
+            row += num_rows
+            if e.sample:
+                token, logprob, prompt_logprobs = sampler.sample(logits[row - 1])
+                result.token_ids.append(token)
+                result.logprobs.append(logprob)
+                result.prompt_logprobs.append(prompt_logprobs)
         stats = self.model.comm.stats
-        return StepResult(tokens, time.perf_counter() - t0, stats.dispatch, stats.combine)
+        result.forward_time, result.dispatch_time, result.combine_time = (
+            time.perf_counter() - t0, stats.dispatch, stats.combine)  # fmt: skip
+        return result
 
     def close(self) -> None:
         destroy = getattr(self.model.comm, "destroy", None)
