@@ -61,6 +61,8 @@ class ServerConfig(BaseModel):
     moe_impl: Literal["unfused", "fused"] = Field(
         "unfused", description="MoE layers: dispatch -> experts -> combine, or the fused pipelined Buffer.mega_moe"
     )
+    disable_docs: bool = Field(False, description="turn off /openapi.json and /docs (on by default; behind "
+                               "api-key when one is set)")  # fmt: skip
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="uvicorn log level")
 
     @model_validator(mode="after")

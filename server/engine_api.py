@@ -171,6 +171,7 @@ class EngineCore(abc.ABC):
     tokenizer: Tokenizer
     max_model_len: int
     max_num_seqs: int  # per DP rank
+    vocab_size: int | None = None  # the model's vocabulary size (None: unknown)
 
     @abc.abstractmethod
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -58,6 +58,7 @@ class FakeEngine(EngineCore):
     def __init__(self, num_ranks: int = 2, max_num_seqs: int = 4, max_model_len: int = 128,
                  step_time: float = 0.002, fail_at_step: int | None = None) -> None:  # fmt: skip
         self.tokenizer = ByteTokenizer()
+        self.vocab_size = VOCAB_SIZE
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.num_ranks = num_ranks

@@ -16,6 +16,8 @@ from server.api import create_app
 from server.config import build_config
 from tests.server_helpers import FakeEngine, UvicornThread, expected_token_ids
 
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
 
 def _text(ids: list[int]) -> str:
     return bytes(ids).decode()
@@ -172,20 +174,45 @@ def _assert_error(r: httpx.Response, status: int, param: str | None = None, need
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", "valid number"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
         ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n", "less than or equal to 1"),
-        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "unknown field"),
+        ("/v1/completions", {"prompt": "x", "n": 129}, "n", "less than or equal to 128"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "only best_of == n (1)"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 2}, "min_tokens", "only 0"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "'text'"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed", "64-bit"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", "greater than or equal"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p", "less than or equal to 1"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "token ids"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1": "a"}}, "logit_bias.1", "valid number"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
+        ("/v1/completions", {"prompt": 5}, "prompt", "valid"),
         ("/v1/completions", {"prompt": ""}, "prompt", "must not be empty"),
         ("/v1/completions", {"prompt": []}, "prompt", "must not be empty"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "batches of 2"),
+        ("/v1/completions", {"prompt": ["a", ""]}, "prompt.1", "must not be empty"),
+        ("/v1/completions", {"prompt": [[1], [-1]]}, "prompt.1", ">= 0"),
         ("/v1/completions", {"prompt": [1, -2]}, "prompt", ">= 0"),
         ("/v1/completions", {"prompt": [1, 999]}, None, "token ids must be in"),  # the engine's ValueError
         ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop", "must not be empty"),
         ("/v1/completions", {}, "prompt", "Field required"),
         ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "messages.0.role", "'system'"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+            "valid string",
+        ),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "not supported"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs", "valid boolean"),
     ],
 )
-def test_bad_requests_are_400(client, path, body, param, needle):
+def test_bad_requests_are_400(client, path, body, param, needle):  # param None: the error's param is not checked
     _assert_error(client.post(path, json=body), 400, param, needle)
 
 

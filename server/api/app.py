@@ -55,6 +55,15 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deep_ep_npu")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def create_app(config: ServerConfig, engine: EngineCore, *, capacity: int | None = None) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (a started :class:`EngineCore`).
 
@@ -65,7 +74,8 @@ def create_app(config: ServerConfig, engine: EngineCore, *, capacity: int | None
     capacity = capacity or engine.max_num_seqs * config.ep_size
     async_engine = AsyncEngine(engine, capacity=capacity, max_queue_len=config.max_queue_len, metrics=metrics)
     state = ServingState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
-                         model_name=config.model_name, max_model_len=engine.max_model_len)  # fmt: skip
+                         model_name=config.model_name, max_model_len=engine.max_model_len,
+                         vocab_size=engine.vocab_size)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -75,7 +85,9 @@ def create_app(config: ServerConfig, engine: EngineCore, *, capacity: int | None
         finally:
             await async_engine.shutdown()
 
-    app = FastAPI(title="deep_ep_npu server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs are the router's own routes (behind the API key); FastAPI's are off
+    app = FastAPI(title="deep_ep_npu server", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
     app.state.serving = state
     install_error_handlers(app)
     app.include_router(make_router(state))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.async_engine import EngineDeadError, EngineOverloadedError
 
+logger = logging.getLogger("server.api")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
           503: "service_unavailable_error"}  # fmt: skip
@@ -45,21 +47,36 @@ def engine_error(e: BaseException, retry_after_s: int = 1) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable")
     if isinstance(e, (ValueError, TypeError)):
-        return APIError(400, str(e), code="invalid_value")
+        return APIError(400, str(e), param=getattr(e, "param", None), code="invalid_value")
     raise e
+
+
+def field_path(loc: tuple) -> str | None:
+    """A request field's path (``messages.0.role``) from a pydantic error location: drops ``body`` and the tags
+    pydantic adds for union members and validators (``str``, ``list[int]``, ``function-after[...]``, class names)."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or _is_field_name(p)] if loc[:1] == ("body",) else []
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json", "literal", "any"}
+
+
+def _is_field_name(part: object) -> bool:
+    if not isinstance(part, str):
+        return False
+    return part.isdigit() or (part.isidentifier() and part.islower() and part not in _TYPE_TAGS)  # digits: dict keys
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+        return APIError(400, f"request body is not valid JSON ({first.get('msg', '')})", code="invalid_json")
+    param = field_path(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden":
         message = f"unknown field {param!r}"
-    elif first.get("type") == "json_invalid":
-        message = "request body is not valid JSON"
     else:
-        given = f" (got {first['input']!r})" if "input" in first and loc else ""
+        given = f" (got {first['input']!r})" if "input" in first and param else ""
         message = f"{param or 'body'}: {first['msg']}{given}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
@@ -77,6 +94,11 @@ def install_error_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
         return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unexpected error while handling a request", exc_info=exc)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(Exception, on_unexpected)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

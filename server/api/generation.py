@@ -1,55 +1,65 @@
-"""One completion or chat request end to end: validate against the limits, add it to the engine, then answer in
-full or as an SSE stream. A client disconnect cancels the request in the engine (its slot is freed)."""
+"""One completion or chat request end to end: validate against the limits, add one engine request per choice
+(prompt x sample), then answer in full or as an SSE stream (:mod:`server.api.sse`). A client disconnect cancels the
+request's engine requests (their slots are freed)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from server.api.errors import APIError, engine_error, error_body
-from server.api.protocol import ChatCompletionRequest, CompletionRequest, ResponseBuilder, SamplingFields
+from server.api import sse
+from server.api.errors import APIError, engine_error
+from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.api.responses import ResponseBuilder, Sample, SampleOutput
 from server.api.state import ServingState
-from server.async_engine import EngineDeadError, EngineOverloadedError, RequestHandle
-from server.engine_api import SamplingParams
+from server.async_engine import EngineDeadError, EngineOverloadedError
+from server.engine_api import SamplingParamError, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
-def completion_prompt(req: CompletionRequest, state: ServingState) -> list[int]:
-    """Token ids of ``prompt`` (a string or token ids; a one-element batch is unwrapped)."""
+def completion_prompts(req: CompletionRequest, state: ServingState) -> list[tuple[list[int], str]]:
+    """Per prompt of ``prompt`` (a string, token ids, or a batch of either): its token ids and, with ``echo``, its
+    text."""
     prompt: Any = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"prompt: batches of {len(prompt)} prompts are not supported; send one per request",
-                           param="prompt", code="invalid_value")  # fmt: skip
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
-        return _encode(lambda: state.tokenizer.encode(prompt), "prompt")
-    if not prompt:
-        raise APIError(400, "prompt: the token id list must not be empty", param="prompt", code="invalid_value")
-    bad = [t for t in prompt if t < 0]
-    if bad:
-        raise APIError(400, f"prompt: token ids must be >= 0, got {bad[0]}", param="prompt", code="invalid_value")
-    return list(prompt)
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    out = []
+    for i, one in enumerate(batch):
+        param = "prompt" if len(batch) == 1 and batch[0] is prompt else f"prompt.{i}"
+        if isinstance(one, str):
+            if not one:
+                raise APIError(400, f"{param}: must not be empty", param=param, code="invalid_value")
+            out.append((encode(lambda text=one: state.tokenizer.encode(text), param), one))
+            continue
+        if not one:
+            raise APIError(400, f"{param}: the token id list must not be empty", param=param, code="invalid_value")
+        bad = [t for t in one if t < 0]
+        if bad:
+            raise APIError(400, f"{param}: token ids must be >= 0, got {bad[0]}", param=param, code="invalid_value")
+        out.append((list(one), _decode(one, state, param) if req.echo else ""))
+    return out
 
 
-def chat_prompt(req: ChatCompletionRequest, state: ServingState) -> list[int]:
-    """Token ids of ``messages`` after the tokenizer's chat template."""
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    return _encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
+def _decode(token_ids: list[int], state: ServingState, param: str) -> str:
+    if state.vocab_size is not None and any(t >= state.vocab_size for t in token_ids):
+        bad = next(t for t in token_ids if t >= state.vocab_size)
+        raise APIError(400, f"{param}: token id {bad} is not in [0, {state.vocab_size}) (vocab_size)", param=param,
+                       code="invalid_value")  # fmt: skip
+    return state.tokenizer.decode(token_ids)
 
 
-def _encode(tokenize: Callable[[], list[int]], param: str) -> list[int]:
+def chat_messages(req: ChatCompletionRequest | Any) -> list[dict]:
+    return [{"role": m.role, "content": m.text()} for m in req.messages]
+
+
+def encode(tokenize: Callable[[], list[int]], param: str) -> list[int]:
     """``tokenize()``; text JSON can carry but UTF-8 cannot (a lone surrogate such as ``"\\ud800"``) is a 400."""
     try:
         return tokenize()
@@ -58,10 +68,20 @@ def _encode(tokenize: Callable[[], list[int]], param: str) -> list[int]:
                        param=param, code="invalid_value") from None  # fmt: skip
 
 
+def check_supported(req: SamplingFields) -> None:
+    """A known field set to a value this server does not support is a 400 naming it."""
+    refused = req.unsupported()
+    if refused is not None:
+        field, why = refused
+        raise APIError(400, f"{field}: {why}", param=field, code="unsupported_value")
+
+
 def sampling_params(req: SamplingFields, requested: int | None, num_prompt_tokens: int, default: int | None,
-                    state: ServingState, prompt_param: str) -> SamplingParams:  # fmt: skip
+                    state: ServingState, prompt_param: str, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
     """Check the prompt length and ``max_tokens`` against ``max_model_len`` / ``max_tokens_limit``; build the
-    engine's sampling params. ``default`` None means "the rest of the context"."""
+    engine's sampling params (``n`` of them: the caller adds ``for_sample(i)``). ``default`` None means "the rest
+    of the context"."""
     max_model_len, limit = state.max_model_len, state.config.max_tokens_limit
     max_prompt_tokens = state.config.max_prompt_tokens
     if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
@@ -90,82 +110,100 @@ def sampling_params(req: SamplingFields, requested: int | None, num_prompt_token
     if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
         raise APIError(400, "stop_token_ids: token ids must be >= 0", param="stop_token_ids", code="invalid_value")
     try:
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                              seed=req.seed, stop=stops, stop_token_ids=req.stop_token_ids,
-                              ignore_eos=req.ignore_eos)  # fmt: skip
-    except ValueError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
+        bias = None if req.logit_bias is None else {_token_key(k): float(v) for k, v in req.logit_bias.items()}
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(req.temperature, 1.0),
+            top_p=_or(req.top_p, 1.0),
+            top_k=_or(req.top_k, -1),
+            min_p=_or(req.min_p, 0.0),
+            seed=req.seed,
+            stop=stops,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            n=req.num_samples,
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            logit_bias=bias,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except SamplingParamError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
-async def serve(http: Request, req: SamplingFields, prompt_ids: list[int], params: SamplingParams,
-                state: ServingState, chat: bool, arrival: float) -> Response:  # fmt: skip
-    """Add the request to the engine and answer it (streamed when ``req.stream``)."""
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _token_key(key: str) -> int:
+    """A ``logit_bias`` key: a token id written as a string (JSON keys are strings)."""
+    if not key.isdigit() or not key.isascii():
+        raise SamplingParamError("logit_bias", f'keys must be token ids (e.g. "50256"), got {key!r}')
+    return int(key)
+
+
+def make_samples(prompts: list[tuple[list[int], str]], params: list[SamplingParams], chat: bool,
+                 echo: bool = False) -> tuple[str, list[Sample]]:  # fmt: skip
+    """The request id and one :class:`Sample` per prompt x sample (``index = prompt_index * n + sample_index``).
+    A sample's engine request id is the request id, suffixed by ``-index`` when there are several choices."""
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    single = len(prompts) == 1 and params[0].n == 1
+    samples = []
+    for p, ((ids, text), sp) in enumerate(zip(prompts, params, strict=True)):
+        for i in range(sp.n):
+            index = p * sp.n + i
+            engine_id = request_id if single else f"{request_id}-{index}"
+            samples.append(Sample(index, engine_id, ids, sp.for_sample(i), text if echo else "", i == 0))
+    return request_id, samples
+
+
+async def serve(http: Request, req: SamplingFields, samples: list[Sample], builder: ResponseBuilder,
+                state: ServingState, arrival: float) -> Response:  # fmt: skip
+    """Add every sample to the engine and answer (streamed when ``req.stream``)."""
+    handles = []
     try:
-        handle = await state.engine.add_request(request_id, prompt_ids, params, arrival)
+        for s in samples:
+            handles.append(await state.engine.add_request(s.request_id, s.prompt_ids, s.params, arrival))
     except (EngineOverloadedError, EngineDeadError, ValueError, TypeError) as e:
+        for s in samples[: len(handles)]:
+            state.engine.abort(s.request_id)
         raise engine_error(e) from None
-    builder = ResponseBuilder(request_id, state.model_name, chat, req.return_token_ids)
+    except BaseException:
+        for s in samples[: len(handles)]:
+            state.engine.abort(s.request_id)
+        raise
     if req.stream:
-        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
-        body = _sse(state, handle, builder, prompt_ids, holdback, req.include_usage)
+        body = sse.stream(state, samples, handles, builder, req.include_usage)
+
+        def abort_all() -> None:
+            for s in samples:
+                state.engine.abort(s.request_id)
+
         return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                 background=BackgroundTask(state.engine.abort, request_id))  # fmt: skip
-    return await _until_disconnect(http, _collect(state, handle, builder, prompt_ids))
+                                 background=BackgroundTask(abort_all))  # fmt: skip
+    return await _until_disconnect(http, _collect(state, samples, handles, builder))
 
 
-async def _collect(state: ServingState, handle: RequestHandle, builder: ResponseBuilder,
-                   prompt_ids: list[int]) -> Response:  # fmt: skip
-    token_ids: list[int] = []
-    last = None
-    try:
+async def _collect(state: ServingState, samples: list[Sample], handles: list, builder: ResponseBuilder) -> Response:
+    async def one(handle: Any) -> SampleOutput:
+        out = SampleOutput()
         async for batch in state.engine.stream(handle):
-            for delta in batch:
-                token_ids += delta.new_token_ids
-            last = batch[-1]
+            sse.apply(out, batch)
+        if out.finish_reason == "error":
+            raise APIError(500, f"generation failed: {out.error}", code="generation_error")
+        return out
+
+    tasks = [asyncio.ensure_future(one(h)) for h in handles]
+    try:
+        outputs = await asyncio.gather(*tasks)
     except EngineDeadError as e:
         raise engine_error(e) from None
-    assert last is not None and last.finish_reason is not None
-    if last.finish_reason == "error":
-        raise APIError(500, f"generation failed: {last.error}", code="generation_error")
-    return JSONResponse(builder.full(last.text, last.finish_reason, prompt_ids, token_ids))
-
-
-def _data(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def _stable_len(text: str, holdback: int) -> int:
-    """How much of a running request's text is final: not a possible stop-string prefix, not a partial char."""
-    n = len(text) - holdback
-    while n > 0 and text[n - 1] == "\ufffd":
-        n -= 1
-    return max(n, 0)
-
-
-async def _sse(state: ServingState, handle: RequestHandle, builder: ResponseBuilder, prompt_ids: list[int],
-               holdback: int, include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
-    sent, first, num_output_tokens = 0, True, 0
-    try:
-        async for batch in state.engine.stream(handle):
-            new_ids = [t for delta in batch for t in delta.new_token_ids]
-            num_output_tokens += len(new_ids)
-            last = batch[-1]
-            if last.finish_reason == "error":
-                yield _data(error_body(500, f"generation failed: {last.error}", code="generation_error"))
-                break
-            stable = len(last.text) if last.finish_reason else _stable_len(last.text, holdback)
-            piece = last.text[sent:stable]
-            sent = max(sent, stable)
-            if piece or new_ids or last.finish_reason or first:
-                yield _data(builder.chunk(piece, last.finish_reason, new_ids, prompt_ids, first, include_usage))
-                first = False
-        else:
-            if include_usage:
-                yield _data(builder.usage_chunk(len(prompt_ids), num_output_tokens))
-    except EngineDeadError as e:
-        yield _data(error_body(503, str(e), code="engine_unavailable"))
-    yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+    return JSONResponse(builder.full(samples, list(outputs)))
 
 
 async def _until_disconnect(http: Request, handler: Awaitable[Response]) -> Response:

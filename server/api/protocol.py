@@ -1,65 +1,111 @@
-"""OpenAI request models (``/v1/completions``, ``/v1/chat/completions``) and response builders.
+"""OpenAI request models (``/v1/completions``, ``/v1/chat/completions``, vLLM's ``/tokenize`` and ``/detokenize``).
 
-Requests are validated strictly (no string-to-number coercion; unknown fields are refused by name) so a bad type is
-a 400 naming the field. Responses are plain dicts in OpenAI's shapes; ``return_token_ids`` (vLLM's extension) adds
-``prompt_token_ids`` and ``token_ids`` to each choice.
+Values are validated strictly (no string-to-number coercion), so a bad type is a 400 naming the field. Fields this
+server does not know are accepted and ignored, as vLLM does (:func:`unknown_fields` lists them for a warning).
+Fields it knows but does not support (``tools``, ``response_format`` other than text, ``best_of`` > ``n``, ...)
+are accepted at their defaults and refused otherwise (:meth:`SamplingFields.unsupported`).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.engine_api import MAX_LOGPROBS
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+MAX_N = 128  # the most samples one request may ask for (OpenAI's limit for chat)
 
+
+class Lenient(BaseModel):
+    """Strict types; unknown fields kept in ``model_extra`` (then ignored)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by both endpoints: vLLM's sampling names plus OpenAI's ``n``, ``stream`` and ``user``."""
+class ResponseFormat(Lenient):
+    type: str = "text"
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+
+class SamplingFields(Lenient):
+    """Fields shared by both endpoints: vLLM's sampling names plus OpenAI's ``n``, ``stream`` and ``user``. A null
+    sampling value means its default."""
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None
+    # known, supported only at these values (vLLM's defaults)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_samples(self) -> int:
+        return self.n or 1
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """``(field, why)`` for the first field set to a value this server does not support, else None."""
+        if self.min_tokens:
+            return "min_tokens", "only 0 is supported"
+        if self.include_stop_str_in_output:
+            return "include_stop_str_in_output", "only false is supported"
+        if not self.skip_special_tokens:
+            return "skip_special_tokens", "only true is supported"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", f"only type 'text' is supported, got {self.response_format.type!r}"
+        return None
+
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (a one-element batch is unwrapped)."""
+    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a batch of either (one choice per
+    prompt and sample: ``index = prompt_index * n + sample_index``)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.best_of is not None and self.best_of != self.num_samples:
+            return "best_of", f"only best_of == n ({self.num_samples}) is supported, got {self.best_of}"
+        if self.suffix:
+            return "suffix", "suffixes (insertion) are not supported"
+        return super().unsupported()
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ChatMessage(Lenient):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -77,63 +123,53 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool calling is not supported (allowed: 'none', 'auto')"
+        if self.functions:
+            return "functions", "function calling is not supported"
+        if self.function_call not in (None, "none", "auto"):
+            return "function_call", "function calling is not supported (allowed: 'none', 'auto')"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "needs logprobs: true"
+        return super().unsupported()
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_output_tokens,
-        "total_tokens": num_prompt_tokens + num_output_tokens,
-    }
+class TokenizeRequest(Lenient):
+    """vLLM's ``POST /tokenize``: ``prompt`` (text) or ``messages`` (after the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
-class ResponseBuilder:
-    """Builds the response objects and stream chunks of one request (completion or chat)."""
+class DetokenizeRequest(Lenient):
+    """vLLM's ``POST /detokenize``."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.chat = chat
-        self.return_token_ids = return_token_ids
-        self.created = int(time.time())
+    model: str | None = None
+    tokens: list[int]
 
-    def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}  # fmt: skip
 
-    def full(self, text: str, finish_reason: str, prompt_token_ids: list[int], token_ids: list[int]) -> dict:
-        """The non-streaming response."""
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason)
-        if self.return_token_ids:
-            choice.update(prompt_token_ids=prompt_token_ids, token_ids=token_ids)
-        obj = "chat.completion" if self.chat else "text_completion"
-        return self._envelope(obj, [choice], usage=usage(len(prompt_token_ids), len(token_ids)))
-
-    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int] | None,
-              prompt_token_ids: list[int] | None, first: bool, include_usage: bool) -> dict:  # fmt: skip
-        """One streamed chunk. The chat stream's first chunk carries ``role``; with ``return_token_ids`` the first
-        chunk also carries ``prompt_token_ids`` and each chunk the ``token_ids`` it adds."""
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason)
-        if self.return_token_ids:
-            if first:
-                choice["prompt_token_ids"] = prompt_token_ids
-            choice["token_ids"] = token_ids or []
-        extra = {"usage": None} if include_usage else {}
-        return self._envelope(self._chunk_object, [choice], **extra)
-
-    def usage_chunk(self, num_prompt_tokens: int, num_output_tokens: int) -> dict:
-        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-        return self._envelope(self._chunk_object, [], usage=usage(num_prompt_tokens, num_output_tokens))
-
-    @property
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
+def unknown_fields(req: BaseModel, prefix: str = "") -> list[str]:
+    """Paths of the fields of ``req`` (and of its nested requests) that no model declares, e.g. ``metadata`` or
+    ``messages[].cache_control``."""
+    found = [prefix + name for name in req.model_extra or {}]
+    for name in type(req).model_fields:
+        value = getattr(req, name)
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, BaseModel):
+                found += unknown_fields(item, f"{prefix}{name}{'[]' if isinstance(value, list) else ''}.")
+    return list(dict.fromkeys(found))

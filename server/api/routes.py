@@ -1,5 +1,6 @@
-"""The endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (API key checked when configured),
-``/health``, ``/metrics`` and ``/version`` (open unless ``api-key-health`` / ``api-key-metrics``)."""
+"""The endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models[/{id}]``, vLLM's ``/tokenize`` and
+``/detokenize``, ``/openapi.json`` and ``/docs`` (unless ``disable-docs``), all behind the API key when one is
+configured; ``/health``, ``/metrics`` and ``/version`` (open unless ``api-key-health`` / ``api-key-metrics``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,21 @@ import hmac
 import time
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.api import generation
 from server.api.errors import APIError, error_body
-from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.api.logprobs import LogprobFormatter
+from server.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+from server.api.responses import ResponseBuilder
 from server.api.state import ServingState
 
 
@@ -28,7 +38,7 @@ def make_router(state: ServingState) -> APIRouter:
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 
-    def check_model(req: SamplingFields) -> None:
+    def check_model(req: SamplingFields | TokenizeRequest | DetokenizeRequest) -> None:
         if req.model is not None and req.model != state.model_name:
             raise APIError(404, f"model: {req.model!r} does not exist; this server serves {state.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
@@ -36,32 +46,87 @@ def make_router(state: ServingState) -> APIRouter:
     config = state.config
     router = APIRouter()
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    keyed = APIRouter(dependencies=[Depends(check_api_key)])
+    formatter = LogprobFormatter(state.tokenizer)
     health_auth = [Depends(check_api_key)] if config.api_key_health else []
     metrics_auth = [Depends(check_api_key)] if config.api_key_metrics else []
+
+    def check_request(req: SamplingFields) -> None:
+        check_model(req)
+        state.warn_unknown_fields(req)
+        generation.check_supported(req)
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, http: Request) -> Response:
         arrival = generation.now()
-        check_model(req)
-        prompt_ids = generation.completion_prompt(req, state)
-        params = generation.sampling_params(req, req.max_tokens, len(prompt_ids),
-                                            generation.COMPLETION_DEFAULT_MAX_TOKENS, state, "prompt")  # fmt: skip
-        return await generation.serve(http, req, prompt_ids, params, state, chat=False, arrival=arrival)
+        check_request(req)
+        prompts = generation.completion_prompts(req, state)
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
+        params = [generation.sampling_params(req, req.max_tokens, len(ids), generation.COMPLETION_DEFAULT_MAX_TOKENS,
+                                             state, "prompt", req.logprobs, prompt_logprobs)
+                  for ids, _ in prompts]  # fmt: skip
+        request_id, samples = generation.make_samples(prompts, params, chat=False, echo=req.echo)
+        builder = ResponseBuilder(request_id, state.model_name, False, req.return_token_ids, formatter,
+                                  logprobs=req.logprobs is not None, echo=req.echo,
+                                  prompt_logprobs=req.prompt_logprobs is not None)  # fmt: skip
+        return await generation.serve(http, req, samples, builder, state, arrival)
 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: Request) -> Response:
         arrival = generation.now()
-        check_model(req)
-        prompt_ids = generation.chat_prompt(req, state)
+        check_request(req)
+        messages = generation.chat_messages(req)
+        prompt_ids = generation.encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = generation.sampling_params(req, requested, len(prompt_ids), None, state, "messages")
-        return await generation.serve(http, req, prompt_ids, params, state, chat=True, arrival=arrival)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = generation.sampling_params(req, requested, len(prompt_ids), None, state, "messages", logprobs,
+                                            req.prompt_logprobs)  # fmt: skip
+        request_id, samples = generation.make_samples([(prompt_ids, "")], [params], chat=True)
+        builder = ResponseBuilder(request_id, state.model_name, True, req.return_token_ids, formatter,
+                                  logprobs=bool(req.logprobs),
+                                  prompt_logprobs=req.prompt_logprobs is not None)  # fmt: skip
+        return await generation.serve(http, req, samples, builder, state, arrival)
+
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": created, "owned_by": "deep_ep_npu",
+                "root": state.config.model or state.model_name, "max_model_len": state.max_model_len}  # fmt: skip
 
     @v1.get("/models")
     async def models() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": created, "owned_by": "deep_ep_npu",
-                "root": state.config.model or state.model_name, "max_model_len": state.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != state.model_name:
+            raise APIError(404, f"model: {model_id!r} does not exist; this server serves {state.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return model_card()
+
+    @keyed.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        check_model(req)
+        state.warn_unknown_fields(req)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt or messages", param="prompt",
+                           code="invalid_value")  # fmt: skip
+        if req.messages is not None:
+            messages = generation.chat_messages(req)
+            ids = generation.encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
+        else:
+            text = req.prompt or ""
+            ids = generation.encode(lambda: state.tokenizer.encode(text), "prompt")
+        strs = [formatter.text(t) for t in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @keyed.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        check_model(req)
+        state.warn_unknown_fields(req)
+        bad = [t for t in req.tokens if not 0 <= t < state.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: token id {bad[0]} is not in [0, {state.vocab_size}) (vocab_size)",
+                           param="tokens", code="invalid_value")  # fmt: skip
+        return {"prompt": state.tokenizer.decode(req.tokens)}
 
     @router.get("/health", dependencies=health_auth)
     async def health() -> Response:
@@ -83,5 +148,16 @@ def make_router(state: ServingState) -> APIRouter:
         except PackageNotFoundError:
             return {"version": "unknown"}
 
+    if not config.disable_docs:
+
+        @keyed.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request) -> JSONResponse:
+            return JSONResponse(request.app.openapi())
+
+        @keyed.get("/docs", include_in_schema=False)
+        async def docs() -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="deep_ep_npu server")
+
     router.include_router(v1)
+    router.include_router(keyed)
     return router

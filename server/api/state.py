@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+
+from pydantic import BaseModel
 
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.engine_api import Tokenizer
 from server.metrics import Metrics
+
+logger = logging.getLogger("server.api")
 
 
 @dataclasses.dataclass
@@ -18,3 +23,14 @@ class ServingState:
     metrics: Metrics
     model_name: str
     max_model_len: int
+    vocab_size: int | None = None  # None: unknown (token ids are then checked by the engine only)
+    warned_fields: set[str] = dataclasses.field(default_factory=set)
+
+    def warn_unknown_fields(self, req: BaseModel) -> None:
+        """Log a warning for each request field this server does not know, once per field name (it is ignored)."""
+        from server.api.protocol import unknown_fields
+
+        for name in unknown_fields(req):
+            if name not in self.warned_fields:
+                self.warned_fields.add(name)
+                logger.warning("ignoring the unknown request field %r (this warning is logged once per field)", name)

@@ -51,6 +51,7 @@ class EPEngine(EngineCore):
         self.model_config = cfg
         self.tokenizer = load_tokenizer(config.model, cfg.eos_token_ids)
         self.max_model_len = config.max_model_len
+        self.vocab_size = cfg.vocab_size
         self.max_num_seqs = config.max_num_seqs
         self.workers: WorkerGroup = TorchrunWorkers(config) if config.use_torchrun else ProcessWorkers(config)
         self._finalizer = weakref.finalize(self, self.workers.shutdown)
