@@ -55,3 +55,12 @@ class Completion:
         return self._result
 
     __call__ = wait
+
+
+class EventHandle:
+    """DeepEP's ``EventHandle``: a point in the current stream, what ``capture()`` returns and ``previous_event``
+    takes. This library's work runs in call order on the calling thread (no separate communication stream), so a
+    captured event is already complete: ``current_stream_wait()`` returns at once."""
+
+    def current_stream_wait(self) -> None:
+        """Nothing to wait for (see the class docstring)."""

@@ -17,7 +17,7 @@ import torch
 
 from .. import profiling
 from ..event import Completion
-from ..group import STATUS_OK, EPGroup
+from ..group import STATUS_OK, Agreement, EPGroup
 from .plan import Plan
 from .rows import RowFormat
 from .workspace import Workspace
@@ -54,13 +54,19 @@ class DispatchJob:
     workspace: Workspace
     tag: str = ""  # workspace names of the wire buffers (double-buffering)
     before_send: Callable[[], bool] | None = None  # runs after the agreement, before the payload (the TP pair's)
+    known_counts: list[int] | None = None  # rows each source sends here, already known (a cached layout), see below
 
 
 def start_dispatch(job: DispatchJob) -> Completion:
-    """Run the send phase; the returned completion runs the receive phase and fills ``job.layout``'s outputs."""
+    """Run the send phase; the returned completion runs the receive phase and fills ``job.layout``'s outputs.
+
+    With ``job.known_counts`` (every rank of the call passes them) there is no count exchange: the agreement step
+    carries only the status and the fingerprint, travels alongside the payload instead of before it, and is checked
+    (``job.layout.check``) in the receive phase, before anything is placed."""
     ep, plan, fmt, x, ws = job.ep, job.plan, job.fmt, job.x, job.workspace
     me, r, dev, lap = ep.rank, ep.num_ranks, x.device, profiling.laps("dispatch")
-    counts = [[plan.rows_per_dest[d], plan.pairs_per_dest[d]] for d in range(r)]
+    known = job.known_counts
+    counts = [[plan.rows_per_dest[d], plan.pairs_per_dest[d]] if known is None else [] for d in range(r)]
     finish_agree = ep.start_agree(job.op, STATUS_OK, counts, job.fingerprint, device=dev)
     profiling.record_wire("dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], me, 8 * len(job.fingerprint))
     num_rows = int(plan.row_token.numel())
@@ -73,12 +79,15 @@ def start_dispatch(job: DispatchJob) -> Completion:
         weights[plan.row_of_pair, plan.slot] = job.weights
     fmt.encode_into(send, torch.index_select(x, 0, plan.row_token), plan.row_token, slot_expert, weights, job.smooth)
     lap("packing")  # (while the agreement travels)
-    agreement = finish_agree()
-    job.layout.check(agreement)
+    agreement: Agreement | None = None
+    if known is None:
+        agreement = finish_agree()
+        job.layout.check(agreement)
+        known = [c[0] for c in agreement.counts]
     if job.before_send is not None:
         job.before_send()
     lap("header_wait")
-    recv_rows = [0 if s == me else c[0] for s, c in enumerate(agreement.counts)]
+    recv_rows = [0 if s == me else c for s, c in enumerate(known)]
     send_rows = [0 if d == me else k for d, k in enumerate(plan.rows_per_dest)]
     recv = ws.get(f"dispatch_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
     transfer = ep.transfer(recv, send[: plan.num_remote_rows], recv_rows, send_rows, "payload exchange")
@@ -91,11 +100,14 @@ def start_dispatch(job: DispatchJob) -> Completion:
     def finish() -> None:
         lap = profiling.laps("dispatch")
         wait_ns = transfer.wait()
+        agreed = agreement if agreement is not None else finish_agree()
+        if agreement is None:  # no count exchange: the status and fingerprint are checked now
+            job.layout.check(agreed)
         lap("collective_wait")
         rows_from = torch.tensor(recv_rows, device=dev)
         src_of_row = torch.repeat_interleave(torch.arange(r, device=dev), rows_from, output_size=recv.shape[0])
         masked = ep.mask.to(dev).bool() if bool(ep.mask.any()) else None
-        job.layout.place_remote(fmt, recv, parse(fmt, recv, src_of_row, masked), own_rows, own, agreement, wait_ns)
+        job.layout.place_remote(fmt, recv, parse(fmt, recv, src_of_row, masked), own_rows, own, agreed, wait_ns)
         lap("unpacking")
 
     return Completion(finish)

@@ -1,0 +1,286 @@
+"""``deep_ep_npu.ElasticBuffer``: DeepEP V2's ``ElasticBuffer`` (one ``dispatch`` / ``combine`` pair for prefill and
+decode, cached handles, the expand layout) on this library's engine or the Ascend ops. Code written for
+``deep_ep.ElasticBuffer`` runs unchanged: same constructor, methods, defaults, return tuples and layouts.
+
+What differs, by design:
+
+- Every rank is one scale-up rank: ``get_logical_domain_size()`` is ``(1, R)``, DeepEP's "direct" mode; there is no
+  hybrid forwarding, so ``allow_hybrid_mode``, ``sl_idx``, ``num_allocated_qps``, ``num_sms`` / ``num_qps`` (accepted,
+  checked to be ints >= 0) change nothing.
+- Rows are always in deterministic order (by source rank, then token; expand: by local expert, then source rank, then
+  token), so ``deterministic`` changes nothing either.
+- ``do_cpu_sync=False`` gives DeepEP's worst-case shapes; the rows past the real count (the tail) are unspecified in
+  ``recv_x`` / ``recv_sf`` (as DeepEP), 0 in the weights, -1 in ``recv_topk_idx`` and ``recv_src_metadata``. The
+  real total is ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``.
+- No separate communication stream: work runs in call order. ``async_with_compute_stream=True`` returns the call's
+  receive in the event (``event.current_stream_wait()`` or ``with event:`` completes it) when the output shapes are
+  known at the send (``do_cpu_sync=False`` or a cached handle); with ``do_cpu_sync=True`` the host waits for the
+  counts anyway and the call returns complete. Two calls may be in flight at once.
+- Buffer sizes (``num_bytes``, ``num_cpu_bytes``, ``num_max_tokens_per_rank`` / ``hidden`` / ``num_topk`` /
+  ``use_fp8_dispatch`` sizing) are accepted; the wire buffers grow on demand.
+- Timeouts: a failed peer is detected within ``timeout`` (as the legacy ``Buffer``: ``DEEP_EP_NPU_TIMEOUT``, else
+  30 s); ``num_cpu_timeout_secs`` / ``num_gpu_timeout_secs`` are accepted.
+
+Failures and bad input behave as in the legacy ``Buffer``: invalid input on any rank raises
+:class:`~deep_ep_npu.MoeDistributeError` (a ValueError, naming the parameter) on every rank before any payload moves,
+cached calls included (their status travels with the payload); a rank that exits or stops calling makes the others
+raise :class:`~deep_ep_npu.EPRankFailure` within about ``timeout``. There is no shrink mode (DeepEP V2 has none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .backends import BufferConfig, create_backend, resolve_backend_name
+from .elastic_params import owned_handle, validate_combine, validate_dispatch
+from .engine.elastic import ElasticLayout
+from .ep_handle import EPHandle
+from .errors import MoeDistributeError
+from .event import Completion, EventHandle, EventOverlap
+from .failure import EPRankFailure, resolve_timeout
+from .sizes import align
+
+_MIB2 = 2 << 20
+_ENGINES = {"reference": "deep_ep_npu.backends.elastic_reference:ElasticReference",
+            "ascend": "deep_ep_npu.backends.elastic_ascend:ElasticAscend"}  # fmt: skip
+
+
+class ElasticBuffer:
+    """DeepEP V2's expert-parallel buffer (see the module docstring for what differs).
+
+    Arguments:
+        group: the EP ``ProcessGroup`` (required; the call is collective and ends with a barrier).
+        num_bytes: None, or bytes (a multiple of 2 MiB, ``get_buffer_size_hint``); accepted, sizing only.
+        num_cpu_bytes: a multiple of 2 MiB; accepted, unused (no Engram storage).
+        num_max_tokens_per_rank: N, the ``dispatch`` default (0: pass it to ``dispatch``); hidden, num_topk,
+            use_fp8_dispatch: sizing only.
+        deterministic, allow_hybrid_mode, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
+            num_cpu_timeout_secs, num_gpu_timeout_secs: accepted, no-ops here (``prefer_overlap_with_compute`` only
+            changes ``get_theoretical_num_sms``).
+        allow_multiple_reduction: an expand combine sums a token's rows on the expert rank before sending (True), or
+            sends every row (False; ``topk_weights`` must then be None).
+        explicitly_destroy: the caller must call :meth:`destroy`.
+        backend (keyword-only, as the rest): ``"reference"`` (the engine), ``"ascend"`` (the MoE distribute ops) or
+            ``"auto"``. timeout: seconds per collective wait (None: ``DEEP_EP_NPU_TIMEOUT``, else 30 s).
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup, num_bytes: int | None = None, num_cpu_bytes: int = 0,
+        num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False,
+        deterministic: bool = False, allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+        prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
+        num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False, *,
+        backend: str = "auto", timeout: float | None = None,
+    ) -> None:  # fmt: skip
+        if group is None:
+            raise ValueError("group: a torch.distributed ProcessGroup is required")
+        for name, value in (("num_bytes", num_bytes), ("num_cpu_bytes", num_cpu_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value % _MIB2):
+                raise ValueError(f"{name}: must be an int multiple of 2 MiB ({_MIB2}), got {value!r}")
+        for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden),
+                            ("num_topk", num_topk), ("num_allocated_qps", num_allocated_qps)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
+        self.group, self.rank_idx, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
+        self.num_bytes, self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_bytes, num_max_tokens_per_rank, \
+            hidden, num_topk  # fmt: skip
+        self.deterministic, self.allow_multiple_reduction = deterministic, allow_multiple_reduction
+        self.prefer_overlap_with_compute, self.explicitly_destroy = prefer_overlap_with_compute, explicitly_destroy
+        self.num_allocated_qps = num_allocated_qps or 17
+        self.backend_name = resolve_backend_name(backend)
+        config = BufferConfig(explicitly_destroy=explicitly_destroy, timeout=resolve_timeout(timeout))
+        self._backend = create_backend(self.backend_name, group, config)
+        module, _, cls = _ENGINES[self.backend_name].partition(":")
+        self._engine: Any = getattr(importlib.import_module(module), cls)(self._backend, self, allow_multiple_reduction)
+        self._destroyed = False
+        self._backend.ep.barrier("ElasticBuffer.__init__")
+
+    @property
+    def rank(self) -> int:
+        return self.rank_idx
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this ElasticBuffer was destroyed; create a new one")
+
+    @staticmethod
+    def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:  # fmt: skip
+        """Bytes of buffer these shapes need, by DeepEP's direct-mode model, 2 MiB-aligned: dispatch receives
+        ``R * N`` tokens (bf16 ``2 * hidden`` bytes, or fp8 ``hidden`` + ``ceil(hidden / 32)`` 4-byte scale packs,
+        plus 12 bytes per top-k entry and 8 of metadata), combine ``min(R, K) * N`` bf16 rows (``K * N`` without
+        multiple reduction); ``num_topk=0`` counts as 32. Advisory here (the wire buffers grow on demand)."""
+        r, k = dist.get_world_size(group), num_topk or 32
+        token = (hidden + 4 * math.ceil(hidden / 32) if use_fp8_dispatch else 2 * hidden) + 12 * k + 8
+        combine_rows = (min(r, k) if allow_multiple_reduction else k) * num_max_tokens_per_rank
+        return align(max(r * num_max_tokens_per_rank * token, combine_rows * 2 * hidden), _MIB2)
+
+    def get_theoretical_num_sms(
+        self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0, rdma_gbs: float = 0, nvlink_gbs: float = 0,
+        sm_read_gbs: float = 200, sm_write_gbs: float = 50,
+    ) -> int:  # fmt: skip
+        """A constant here (no SMs to share): 20, or 64 with ``prefer_overlap_with_compute=False`` (DeepEP's floor
+        then); even and >= 4 as DeepEP's. Stored in the handle as ``num_sms``; changes nothing."""
+        return 20 if self.prefer_overlap_with_compute else 64
+
+    @staticmethod
+    def get_theoretical_num_qps(num_sms: int) -> int:
+        """DeepEP's direct-mode rule, ``min(num_sms, 9)`` (no QPs here)."""
+        return min(num_sms, 9)
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """(scale-out, scale-up) ranks: ``(1, R)``, every rank one scale-up peer (DeepEP's direct mode)."""
+        return 1, self.num_ranks
+
+    get_physical_domain_size = get_logical_domain_size
+
+    @staticmethod
+    def capture() -> EventHandle:
+        """An :class:`EventHandle` of the current stream (already complete; for ``previous_event``)."""
+        return EventHandle()
+
+    def get_comm_stream(self) -> None:
+        """There is no separate communication stream (work runs in call order); returns None."""
+        return None
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """A barrier of the group's ranks, bounded by ``timeout`` (the arguments are accepted, no-ops)."""
+        self._check_alive()
+        self._backend.ep.barrier("barrier")
+
+    @staticmethod
+    def _event(completion: Completion, async_finish: bool, tensors: tuple) -> EventOverlap:
+        if async_finish:
+            return EventOverlap(completion, tensors)
+        completion.wait()
+        return EventOverlap(None)
+
+    def dispatch(
+        self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        num_experts: int | None = None, num_max_tokens_per_rank: int | None = None,
+        expert_alignment: int | None = None, num_sms: int = 0, num_qps: int = 0,
+        previous_event: EventHandle | None = None, previous_event_before_epilogue: EventHandle | None = None,
+        async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+        handle: EPHandle | None = None, do_handle_copy: bool = True, do_cpu_sync: bool | None = None,
+        do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:  # fmt: skip
+        """Send each token to the ranks hosting its experts (collective). R ranks, L = num_experts / R, T tokens,
+        N = num_max_tokens_per_rank, K top-k, ``a`` = expert_alignment, num_recv / num_expanded the received rows
+        (exact with CPU sync, else ``R * N`` / ``align(R * N * min(K, L) + (a - 1) * L, a)``).
+
+        Arguments:
+            x: `[T, hidden]` `torch.bfloat16` (`torch.float16` / `torch.float32` also), or the pre-quantized tuple
+                (`[T, hidden]` `torch.float8_e4m3fn`, scale factors `[T, S]` `torch.float32` / `torch.int32`),
+                passed through unchanged (nothing is cast). ``T <= N``.
+            topk_idx: `[T, K]` `torch.int64` (``topk_idx_t``) or `torch.int32`, ``K <= 32``, ids in
+                ``[0, num_experts)`` or -1, distinct per token; None with a cached ``handle``.
+            topk_weights: `[T, K]` `torch.float32` or None, carried to ``recv_topk_weights``.
+            cumulative_local_expert_recv_stats: `[L]` `torch.int32`; the unaligned counts are added (not with a handle).
+            num_experts, num_max_tokens_per_rank (default: the constructor's), expert_alignment (default 1): the same
+                on every rank; with a handle, None or the handle's.
+            handle: a cached :class:`EPHandle` of this buffer: its layout is reused with no count exchange and rows
+                land at the same positions; T, K, ``do_expand`` and the values above must be the handle's.
+            do_handle_copy: the handle keeps a clone of ``topk_idx`` (else ``topk_idx`` itself).
+            do_cpu_sync: exact shapes (True, the default without a handle) or worst-case ones (False).
+            do_expand: the expand layout. do_zero_padding: zero its alignment padding (data, weights, sf).
+            use_tma_aligned_col_major_sf: ``recv_sf`` with strides ``(1, align(rows, 4))``.
+            async_with_compute_stream: return the receive in the event (see the module docstring).
+            num_sms, num_qps, previous_event (an :class:`EventHandle`; needs ``allocate_on_comm_stream``),
+                previous_event_before_epilogue, allocate_on_comm_stream: accepted (no streams here).
+
+        Returns:
+            recv_x: non-expand `[num_recv, hidden]`, one row per (source token, this rank), grouped by source rank
+                (boundaries ``handle.psum_num_recv_tokens_per_scaleup_rank``), tokens ascending; expand
+                `[num_expanded, hidden]`, one row per (token, local expert), expert i's rows from
+                ``align(psum[i - 1], a)``. In x's dtype, or ``(data, sf)`` as x was.
+            recv_topk_idx: non-expand `[num_recv, K]` in topk_idx's dtype, the local expert ids (-1: not here);
+                expand: None.
+            recv_topk_weights: `[num_recv, K]` `torch.float32` (the sender's row) or expand `[num_expanded]` (the
+                row's weight); None without ``topk_weights``.
+            handle: the :class:`EPHandle` (a cached call returns the same object). event: :class:`EventOverlap`.
+        """
+        self._check_alive()
+        try:
+            d = validate_dispatch(locals(), num_ranks=self.num_ranks, default_num_max=self.num_max_tokens_per_rank,
+                                  owner=self)  # fmt: skip
+        except MoeDistributeError as err:
+            with contextlib.suppress(MoeDistributeError):
+                handle = owned_handle(handle, self) if handle is not None else None
+            self._engine.reject_dispatch(err.code, handle if isinstance(handle, EPHandle) else None,
+                                         len(ElasticLayout.names))  # fmt: skip
+            raise
+        layout, early, completion = self._engine.dispatch(d)
+        async_finish = d.async_finish and d.sizes is not None
+        holder: list[EPHandle] = []
+
+        def finish() -> None:
+            holder.append(completion.wait())
+
+        event = self._event(Completion(finish), async_finish, ())
+        out, result_handle = layout.outputs, holder[0] if holder else early
+        assert result_handle is not None
+        recv_x = out["x"] if d.sf is None else (out["x"], out["sf"])
+        recv_topk_idx = out["topk_idx"]
+        if recv_topk_idx is not None and recv_topk_idx.dtype != d.topk_idx.dtype:
+            recv_topk_idx = recv_topk_idx.to(d.topk_idx.dtype)
+        weights = out["weights"] if d.topk_weights is not None else None
+        return recv_x, recv_topk_idx, weights, result_handle, event
+
+    def combine(
+        self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, num_sms: int = 0, num_qps: int = 0,
+        previous_event: EventHandle | None = None, previous_event_before_epilogue: EventHandle | None = None,
+        async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:  # fmt: skip
+        """Return rows to their source ranks and sum them there (collective): no weights are applied.
+
+        Arguments:
+            x: non-expand `[handle.num_recv_tokens, hidden]`, one pre-reduced (pre-weighted) row per received token,
+                row-aligned with ``recv_x``; expand `[handle.num_expanded_tokens, hidden]`, one row per expand row.
+                `torch.bfloat16` (`torch.float16` / `torch.float32` also). Tail and padding rows are ignored.
+            handle: the dispatch's :class:`EPHandle`.
+            topk_weights: non-expand `[num_recv, K]` / expand `[num_expanded]` `torch.float32`, or None: each slot's
+                value travels back from its expert's rank (``combined_topk_weights``).
+            bias: None, or one or two `[T, hidden]` tensors in x's dtype, added first (in fp32).
+            num_sms, num_qps, previous_event, previous_event_before_epilogue, allocate_on_comm_stream: as dispatch.
+            async_with_compute_stream: return the receive in the event.
+
+        Returns:
+            combined_x: `[T, hidden]` in x's dtype: ``bias0 + bias1 + sum`` of the returned rows in fp32 (each rank's
+                row in the order of its last top-k slot), rounded once.
+            combined_topk_weights: `[T, K]` `torch.float32` (0 for ``topk_idx == -1``), or None.
+            event: :class:`EventOverlap`.
+        """
+        self._check_alive()
+        try:
+            c = validate_combine(locals(), owner=self, allow_multiple_reduction=self.allow_multiple_reduction)
+        except MoeDistributeError as err:
+            self._engine.reject_combine(err.code)
+            raise
+        combined, combined_weights, completion = self._engine.combine(c)
+        event = self._event(completion, c.async_finish, (combined,))
+        return combined, combined_weights, event
+
+    def destroy(self) -> None:
+        """Release the buffer; needs ``explicitly_destroy=True``. Collective (a bounded barrier of the live peers);
+        a second call is a no-op; using the buffer afterwards raises."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
+        if not self._destroyed:
+            self._destroyed = True
+            with contextlib.suppress(EPRankFailure):
+                self._backend.ep.barrier("destroy")
+            self._backend.destroy()
+
+    def __del__(self) -> None:
+        if not getattr(self, "explicitly_destroy", True) and not getattr(self, "_destroyed", True):
+            self._destroyed = True
+            self._backend.destroy()

@@ -1,0 +1,223 @@
+"""DeepEP V2's receive layouts (``ElasticBuffer``): one row per (source token, this rank), or one per (token, local
+expert) ("expand").
+
+A V2 row's payload is raw bytes, ``[x row | scale-factor row | top-k weights, fp32 x K]`` (:class:`Payload`): nothing
+is cast, so fp8 data and its 4-byte scale factors arrive bit for bit. The row's slots carry the local expert of each
+top-k entry at this rank (-1: another rank's), i.e. ``recv_topk_idx``.
+
+Non-expand: rows grouped by source rank, ascending; inside a source, its tokens ascending (always; ``deterministic``
+changes nothing). Expand: rows grouped by local expert, ascending, expert ``e``'s segment starting at
+``align(psum[e - 1], expert_alignment)``; inside an expert, by (source rank, token). :class:`Placement` is where every
+row and pair went; a cached handle keeps it, so a cached dispatch places rows at the same positions without
+recomputing (or exchanging) anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..group import Agreement
+from ..sizes import align
+from .dispatch import Received
+from .rows import RowFormat
+
+X_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
+SF_DTYPE_CODES = {None: 0, torch.float32: 1, torch.int32: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+    """How a row's bytes split: ``x`` `[hidden]` in ``x_dtype``, ``sf`` `[sf_cols]` (4-byte ``sf_dtype``, or none),
+    the weights `[num_topk]` fp32 (zeros when the caller gave none)."""
+
+    hidden: int
+    x_dtype: torch.dtype
+    sf_cols: int
+    sf_dtype: torch.dtype | None
+    num_topk: int
+
+    @property
+    def x_bytes(self) -> int:
+        return self.hidden * self.x_dtype.itemsize
+
+    @property
+    def sf_end(self) -> int:
+        return self.x_bytes + 4 * self.sf_cols
+
+    @property
+    def num_bytes(self) -> int:
+        return self.sf_end + 4 * self.num_topk
+
+    @property
+    def fingerprint(self) -> tuple[int, ...]:
+        return self.hidden, X_DTYPE_CODES[self.x_dtype], self.sf_cols, SF_DTYPE_CODES[self.sf_dtype], self.num_topk
+
+    def pack(self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
+        """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None)."""
+        parts = [x.contiguous().view(torch.uint8)]
+        if sf is not None:
+            parts.append(sf.contiguous().view(torch.uint8))
+        w = weights if weights is not None else x.new_zeros((x.shape[0], self.num_topk), dtype=torch.float32)
+        parts.append(w.contiguous().view(torch.uint8))
+        return torch.cat(parts, dim=1)
+
+    def fields(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Views of ``rows`` `[n, >= num_bytes]` uint8: x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
+        sf = rows[:, self.x_bytes : self.sf_end].view(self.sf_dtype) if self.sf_dtype is not None else None
+        return rows[:, : self.x_bytes].view(self.x_dtype), sf, rows[:, self.sf_end : self.num_bytes].view(torch.float32)
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where one dispatch put its rows (kept by the handle; the same topk_idx places the same way). ``rows_from``:
+    rows per source rank (this rank's own included); ``slots`` `[num_recv, K]` int32: each received row's local
+    expert per top-k slot (-1: not here), rows in layout order; ``pair_row`` / ``pair_slot`` / ``pair_pos`` `[P]`
+    int64: each (row, slot) pair for this rank and its expand row; ``counts`` `[L]` int64: pairs per local expert;
+    ``num_rows`` / ``num_expanded``: the allocated rows (exact, or the worst case without CPU sync)."""
+
+    rows_from: list[int]
+    slots: torch.Tensor
+    pair_row: torch.Tensor
+    pair_slot: torch.Tensor
+    pair_pos: torch.Tensor
+    counts: torch.Tensor
+    num_rows: int
+    num_expanded: int
+
+
+def worst_case_rows(num_ranks: int, num_max: int, num_topk: int, num_local: int, alignment: int) -> tuple[int, int]:
+    """DeepEP's no-CPU-sync shapes: ``R * N`` rows, ``align(R * N * min(K, L) + (a - 1) * L, a)`` expanded rows."""
+    rn = num_ranks * num_max
+    return rn, align(rn * min(num_topk, num_local) + (alignment - 1) * num_local, alignment)
+
+
+class ElasticLayout:
+    """Places V2 rows (see the module docstring). ``outputs`` (filled by :meth:`place_remote`): ``x`` `[rows, hidden]`,
+    ``sf`` `[rows, sf_cols]` or None, ``weights`` (`[rows, K]` fp32; expand: `[rows]`), ``topk_idx`` `[rows, K]`
+    int64 (non-expand), ``metadata`` `[num_recv, K + 2]` int32 (source rank * N + token, source rank, expand row
+    per slot or -1), ``psum_per_rank`` `[R]` int32 (inclusive), ``psum_per_expert`` `[L]` int32, ``counts`` `[L]`
+    int32 (unaligned); allocated up front when ``sizes`` is given, else at the receive (exact sizes)."""
+
+    names = ("num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "scale-factor columns",
+             "scale-factor dtype", "num_topk")  # fmt: skip
+
+    # fmt: off
+    def __init__(self, rank: int, num_ranks: int, num_max: int, num_local: int, payload: Payload, alignment: int,
+                 do_expand: bool, zero_padding: bool, tma_sf: bool, device: torch.device,
+                 sizes: tuple[int, int] | None = None, cached: Placement | None = None) -> None:
+        # fmt: on
+        self.rank, self.num_ranks, self.num_max, self.num_local = rank, num_ranks, num_max, num_local
+        self.payload, self.alignment, self.do_expand = payload, alignment, do_expand
+        self.zero_padding, self.tma_sf, self.device, self.placement = zero_padding, tma_sf, device, cached
+        self.sizes = sizes  # (rows, expand rows) to allocate, known up front (no CPU sync, a cached handle)
+        self.outputs: dict[str, torch.Tensor | None] = {}
+        if sizes is not None:
+            self.alloc(*sizes)
+
+    def check(self, agreement: Agreement) -> None:
+        agreement.check(self.rank, self.names)
+
+    def alloc(self, num_rows: int, num_expanded: int) -> None:
+        """Allocate the outputs for ``num_rows`` received tokens and ``num_expanded`` expand rows."""
+        p, dev, k = self.payload, self.device, self.payload.num_topk
+        rows = num_expanded if self.do_expand else num_rows
+        new = torch.zeros if self.zero_padding else torch.empty
+        sf = None
+        if p.sf_dtype is not None:
+            if self.tma_sf:  # DeepEP's TMA-aligned column-major scale factors: strides (1, align(rows, 4))
+                sf = new((p.sf_cols, align(rows, 4)), dtype=p.sf_dtype, device=dev).t()[:rows]
+            else:
+                sf = new((rows, p.sf_cols), dtype=p.sf_dtype, device=dev)
+        self.outputs = dict(
+            x=new((rows, p.hidden), dtype=p.x_dtype, device=dev), sf=sf,
+            weights=torch.zeros((rows,) if self.do_expand else (rows, k), dtype=torch.float32, device=dev),
+            topk_idx=None if self.do_expand else torch.full((rows, k), -1, dtype=torch.int64, device=dev),
+            metadata=torch.full((num_rows, k + 2), -1, dtype=torch.int32, device=dev),
+            psum_per_rank=torch.empty((self.num_ranks,), dtype=torch.int32, device=dev),
+            psum_per_expert=torch.empty((self.num_local,), dtype=torch.int32, device=dev),
+            counts=torch.empty((self.num_local,), dtype=torch.int32, device=dev),
+        )  # fmt: skip
+
+    def place_own(self, fmt: RowFormat, rows: torch.Tensor, got: Received) -> None:
+        """Nothing yet: own rows are placed with the remote ones (the layout puts them between the sources)."""
+
+    def place_remote(self, fmt, rows, got, own_rows, own, agreement: Agreement, wait_ns: int) -> None:
+        me, r = self.rank, self.num_ranks
+        if self.placement is not None:
+            rows_from = self.placement.rows_from
+        else:
+            rows_from = [own_rows.shape[0] if s == me else agreement.counts[s][0] for s in range(r)]
+        split = sum(rows_from[:me])
+        parts = [rows[:split], own_rows, rows[split:]]  # layout order: by source rank, tokens ascending
+        total = sum(rows_from)
+        place = self.placement or self._placement(fmt, parts, rows_from)
+        if not self.outputs:
+            self.alloc(place.num_rows, place.num_expanded)
+        out = self.outputs
+        staged = parts[0] if len(parts[0]) == total else torch.cat(parts)  # [total, row_bytes]
+        x, sf, weights = self.payload.fields(staged)
+        if self.do_expand:
+            src_row, pos = place.pair_row, place.pair_pos
+            _put(out["x"], pos, x.index_select(0, src_row))
+            if sf is not None:
+                _put(out["sf"], pos, sf.index_select(0, src_row))
+            _put(out["weights"], pos, weights[src_row, place.pair_slot])
+        else:
+            _copy_rows(out["x"], x)
+            if sf is not None:
+                _copy_rows(out["sf"], sf)
+            _copy_rows(out["weights"], weights)
+        if self.placement is None:  # a fresh layout: the handle's tensors
+            self._fill_handle(fmt, staged, place, total)
+            self.placement = place
+
+    def _placement(self, fmt: RowFormat, parts: list[torch.Tensor], rows_from: list[int]) -> Placement:
+        slots = torch.cat([fmt.slot_experts(part) for part in parts])  # [total, K] int32, -1: not here
+        pair_row, pair_slot = (slots >= 0).nonzero(as_tuple=True)
+        expert = slots[pair_row, pair_slot].long()
+        total, a = slots.shape[0], self.alignment
+        order = torch.argsort(expert * max(total, 1) + pair_row)  # by (local expert, row): rows are (source, token)
+        pair_row, pair_slot, expert = pair_row[order], pair_slot[order], expert[order]
+        counts = torch.bincount(expert, minlength=self.num_local)
+        aligned = (counts + a - 1) // a * a
+        start = aligned.cumsum(0) - aligned
+        pos = start[expert] + torch.arange(expert.numel(), device=expert.device) - (counts.cumsum(0) - counts)[expert]
+        num_rows, num_expanded = self.sizes or (total, int(aligned.sum()))
+        return Placement(rows_from, slots, pair_row, pair_slot, pos, counts, num_rows, num_expanded)
+
+    def _fill_handle(self, fmt: RowFormat, staged: torch.Tensor, place: Placement, total: int) -> None:
+        out, n, a = self.outputs, self.num_max, self.alignment
+        dev = staged.device
+        rows_from = torch.tensor(place.rows_from, device=dev)
+        src = torch.repeat_interleave(torch.arange(self.num_ranks, device=dev), rows_from, output_size=total)
+        meta = out["metadata"]
+        assert meta is not None
+        meta[:total, 0] = src.to(torch.int32) * n + fmt.tokens(staged)
+        meta[:total, 1] = src.to(torch.int32)
+        if self.do_expand:
+            meta[place.pair_row, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
+        else:
+            topk_idx = out["topk_idx"]
+            assert topk_idx is not None
+            topk_idx[:total] = place.slots
+        counts = place.counts
+        aligned = (counts + a - 1) // a * a
+        psum = aligned.cumsum(0)
+        for name, value in (
+            ("psum_per_rank", torch.tensor(place.rows_from, device=staged.device).cumsum(0)),
+            ("psum_per_expert", psum - aligned + counts if self.do_expand else psum),
+            ("counts", counts),
+        ):
+            out[name].copy_(value)  # type: ignore[union-attr]
+
+
+def _copy_rows(out: torch.Tensor | None, rows: torch.Tensor) -> None:
+    assert out is not None
+    out[: rows.shape[0]] = rows
+
+
+def _put(out: torch.Tensor | None, pos: torch.Tensor, values: torch.Tensor) -> None:
+    assert out is not None
+    out[pos] = values
