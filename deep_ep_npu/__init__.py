@@ -4,7 +4,9 @@ Imports only torch; torch_npu is imported only when the Ascend backend is create
 """
 
 from .buffer import Buffer
-from .event import EventOverlap
+from .elastic import ElasticBuffer
+from .ep_handle import EPHandle
+from .event import EventHandle, EventOverlap
 from .failure import EPRankFailure
 from .handle import FlatHandle, LowLatencyHandle, topk_idx_t
 from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
@@ -13,7 +15,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Buffer",
+    "EPHandle",
     "EPRankFailure",
+    "ElasticBuffer",
+    "EventHandle",
     "EventOverlap",
     "FlatHandle",
     "LowLatencyHandle",

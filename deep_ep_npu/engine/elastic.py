@@ -169,6 +169,7 @@ class ElasticLayout:
             if sf is not None:
                 _copy_rows(out["sf"], sf)
             _copy_rows(out["weights"], weights)
+            _copy_rows(out["topk_idx"], place.slots)
         if self.placement is None:  # a fresh layout: the handle's tensors
             self._fill_handle(fmt, staged, place, total)
             self.placement = place
@@ -198,10 +199,6 @@ class ElasticLayout:
         meta[:total, 1] = src.to(torch.int32)
         if self.do_expand:
             meta[place.pair_row, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
-        else:
-            topk_idx = out["topk_idx"]
-            assert topk_idx is not None
-            topk_idx[:total] = place.slots
         counts = place.counts
         aligned = (counts + a - 1) // a * a
         psum = aligned.cumsum(0)
