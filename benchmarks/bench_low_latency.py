@@ -5,7 +5,9 @@ Every implementation runs in the same process group, on the same data, in the sa
 - ``ours``: ``Buffer.low_latency_dispatch`` / ``low_latency_combine`` (one-shot);
 - ``ours_hook``: the same with ``return_recv_hook=True`` and ``hook()`` called at once (send + receive phases);
 - ``a2a_floor``: one ``all_to_all_single`` moving exactly our payload bytes per destination;
-- ``allgather_rs``: all-gather tokens + top-k, local experts on every rank, reduce-scatter back.
+- ``allgather_rs``: all-gather tokens + top-k, local experts on every rank, reduce-scatter back;
+- ``elastic_fresh`` / ``elastic_cached`` / ``elastic``: ``ElasticBuffer`` (DeepEP V2) decode-style dispatch with a
+  fresh layout / a cached handle (no count exchange), and its combine (:mod:`benchmarks.elastic_cases`).
 
 Latency is barrier-aligned per iteration and taken as the max over ranks; we report median / min / max over the
 timed iterations after warm-up. Bandwidth is counted the DeepEP way: bytes per valid (token, k) selection
@@ -33,6 +35,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.baselines import A2AFloor, AllGatherReduceScatter  # noqa: E402
+from benchmarks.elastic_cases import elastic_cases  # noqa: E402
 from deep_ep_npu import Buffer, profiling  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -135,6 +138,9 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
         ("combine", "a2a_floor", comb_floor, comb_floor.wire_bytes, comb_sel_bytes),
         ("combine", "allgather_rs", lambda: agrs.combine(*gathered), ag_comb_bytes, comb_sel_bytes),
     ]
+    v2_cases, v2_buffer = elastic_cases(group, x, topk_idx, n, e, _selection_bytes(args.hidden, "none", dtype),
+                                        comb_sel_bytes)  # fmt: skip
+    cases += v2_cases
     records = []
     for op, impl, fn, wire, per_sel in cases:
         us = _timeit(fn, group, args.warmup, args.iters)
@@ -170,6 +176,7 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
     if rank == 0:
         with open(results_path, "w") as f:
             json.dump(records, f)
+    v2_buffer.destroy()
     buffer.destroy()  # collective: no rank tears the group down while a peer still finishes a collective
     dist.destroy_process_group()
 

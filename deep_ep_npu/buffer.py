@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from . import ll_params, profiling
 from .backends import BufferConfig, create_backend, resolve_backend_name
+from .engine.transport import resolve_transport_name
 from .errors import MoeDistributeError, invalid
 from .event import Completion, EventOverlap
 from .failure import EPRankFailure, resolve_timeout
@@ -80,6 +81,12 @@ class Buffer:
             ``HCCL_BUFFSIZE`` if set (torch_npu ops) or sizes the V3 context from the first call's shapes.
         timeout: seconds each collective wait may take (a failed peer is detected within about this). None:
             ``DEEP_EP_NPU_TIMEOUT``, else 30 s (DeepEP's kernels: ~100 s).
+        transport: how the reference backend moves rows: ``"shm"`` (a shared-memory window of the ranks of one host:
+            senders write rows into the receivers' windows, signals carry the counts; CPU tensors), ``"collective"``
+            (torch.distributed) or ``"auto"`` (``"shm"`` when the group is gloo and every rank can share memory with
+            every other, else ``"collective"``). None: ``DEEP_EP_NPU_TRANSPORT``, else ``"auto"``. Constructing the
+            Buffer is then collective (the ranks map each other's windows). The window is ``num_rdma_bytes`` (at
+            least 1 GiB of address space, allocated as touched).
     """
 
     num_sms: int = 20
@@ -89,6 +96,7 @@ class Buffer:
         low_latency_mode: bool = False, num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
         backend: str = "auto", ccl_buffer_size: int | None = None, timeout: float | None = None,
+        transport: str | None = None,
     ) -> None:  # fmt: skip
         if group is None:
             raise ValueError("group: a torch.distributed ProcessGroup is required (deep_ep_npu has no mpi4py comm)")
@@ -100,6 +108,7 @@ class Buffer:
         self.config = BufferConfig(
             num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
             allow_mnnvl, explicitly_destroy, enable_shrink, ccl_buffer_size, resolve_timeout(timeout),
+            resolve_transport_name(transport),
         )  # fmt: skip
         self.backend_name = resolve_backend_name(backend)
         self.group, self.rank, self.group_size = group, dist.get_rank(group), dist.get_world_size(group)

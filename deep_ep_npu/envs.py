@@ -27,3 +27,9 @@ def timeout_s() -> float | None:
         if 0 < (seconds := float(value)) < float("inf"):
             return seconds
     raise ValueError(f"DEEP_EP_NPU_TIMEOUT: must be a positive number of seconds, got {value!r}")
+
+
+def transport() -> str | None:
+    """``DEEP_EP_NPU_TRANSPORT``: the default transport of a Buffer (``auto`` / ``shm`` / ``collective``), or None when
+    it is not set (checked where it is used: :func:`deep_ep_npu.engine.transport.resolve_transport_name`)."""
+    return os.environ.get("DEEP_EP_NPU_TRANSPORT") or None

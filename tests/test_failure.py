@@ -158,14 +158,16 @@ def test_shrink_mode_continues_with_the_rank_masked(where, how):
             assert _close(combined, exp_combined), (step, combined, exp_combined)
 
 
-def _payload_scenario(info):
-    """The victim dies between the header and the payload of a dispatch whose receive runs in ``hook()``: the
+def _payload_scenario(info, transport: str):
+    """The victim dies inside the send phase of a dispatch whose receive runs in ``hook()`` (collective: between
+    the header and the payload; shm: after writing its rows into the peers' windows, before any signal): the
     survivors' send phase returns, ``hook()`` hits the failure, shrinks, re-runs the dispatch and fills the tensors
     the first call returned."""
+    from deep_ep_npu.engine.window import ShmWindow
     from deep_ep_npu.group import EPGroup
 
     store = dist.distributed_c10d._get_default_store()
-    buf = Buffer(info.group, enable_shrink=True, timeout=TIMEOUT)
+    buf = Buffer(info.group, enable_shrink=True, timeout=TIMEOUT, transport=transport)
     _step(buf, info.rank, 0)
     if info.rank == VICTIM:
         issue = EPGroup.all_to_all
@@ -175,7 +177,11 @@ def _payload_scenario(info):
                 os._exit(0)
             return issue(self, *args)
 
+        def die_at_signal(self, *args):
+            os._exit(0)
+
         EPGroup.all_to_all = die_at_payload
+        ShmWindow.post = die_at_signal
         _step(buf, info.rank, 1)
     x, idx, w = _inputs(info.rank, 1)
     recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
@@ -187,8 +193,9 @@ def _payload_scenario(info):
     return recv_count.clone(), combined.clone()
 
 
-def test_shrink_mode_recovers_inside_the_receive_hook():
-    _, survivors = _launch(_payload_scenario)
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_shrink_mode_recovers_inside_the_receive_hook(transport):
+    _, survivors = _launch(_payload_scenario, transport)
     for rank, res in survivors.items():
         exp_counts, exp_combined = _oracle(rank, 1, {VICTIM})
         assert torch.equal(res[0], exp_counts) and _close(res[1], exp_combined)

@@ -41,6 +41,7 @@ class BufferConfig:
     enable_shrink: bool = False
     ccl_buffer_size: int | None = None
     timeout: float | None = None  # seconds per collective wait (deep_ep_npu.failure); None: env / default
+    transport: str = "auto"  # the reference backend's: "auto" / "shm" / "collective" (deep_ep_npu.engine.transport)
 
 
 class DispatchResult(NamedTuple):  # the tensors are allocated by the send phase and filled by ``completion``

@@ -16,12 +16,13 @@ import torch
 
 from .. import profiling
 from ..engine import flat
-from ..engine.combine import CombineJob, start_combine
-from ..engine.dispatch import DispatchJob, start_dispatch
+from ..engine.combine import CombineJob
+from ..engine.dispatch import DispatchJob
 from ..engine.flat import start_combine_flat, start_dispatch_flat
 from ..engine.layouts import Masked
 from ..engine.plan import make_plan
 from ..engine.rows import QUANTS, ReturnFormat, RowFormat
+from ..engine.transport import create_transport
 from ..errors import MoeDistributeError
 from ..event import Completion
 from ..group import DTYPE_CODES
@@ -39,6 +40,10 @@ class ReferenceBackend(LowLatencyBackend):
     name = "reference"
     _dispatch_idx = 0  # dispatch results: flips on every dispatch (wire buffers: ``_flip()``)
 
+    def __init__(self, group, config) -> None:
+        super().__init__(group, config)
+        self.transport = create_transport(self.ep, config.transport, config.num_rdma_bytes)  # collective
+
     def _rewind(self, state: tuple[int, int]) -> None:
         self._buffer_idx, self._dispatch_idx = state
 
@@ -47,7 +52,7 @@ class ReferenceBackend(LowLatencyBackend):
             return flat.reject(self.ep, DispatchParams.op if op == "dispatch_flat" else flat.COMBINE_OP, code)
         d = op == "dispatch"  # the agreement rows of dispatch and combine
         width = len(Masked.names) if d else 2 * self.num_ranks + len(COMBINE_NAMES)
-        self.ep.reject(f"low_latency_{op}", code, 2 if d else 0, width)
+        self.transport.reject(f"low_latency_{op}", code, 2 if d else 0, width)
 
     def _plan(self, topk_idx: torch.Tensor, num_local: int, per_pair_rows: bool):
         """The engine's plan for the (token, slot, dest rank, local expert) of the valid entries of ``topk_idx``."""
@@ -87,8 +92,9 @@ class ReferenceBackend(LowLatencyBackend):
         masked = Masked(self.rank, recv_x, scales, src_info, layout_range, recv_count, args.use_ue8m0,
                         args.cumulative_local_expert_recv_stats, args.dispatch_wait_recv_cost_stats)  # fmt: skip
         fingerprint = (n, args.num_experts, hidden, DTYPE_CODES[x.dtype], QUANTS.index(args.quant), fmt.row_bytes)
-        completion = start_dispatch(DispatchJob(self.ep, "low_latency_dispatch", x, plan, fmt, None, None, fingerprint,
-                                                masked, ws, tag=str(idx)))  # fmt: skip
+        job = DispatchJob(self.ep, "low_latency_dispatch", x, plan, fmt, None, None, fingerprint, masked, ws,
+                          tag=str(idx))  # fmt: skip
+        completion = self.transport.dispatch(job)
         handle = make_handle(src_info, layout_range, n, hidden, args.num_experts)
         return DispatchResult(recv_x if scales is None else (recv_x, scales), recv_count, handle, completion)
 
@@ -122,7 +128,7 @@ class ReferenceBackend(LowLatencyBackend):
             (n, h.num_experts, hidden, DTYPE_CODES[args.x.dtype]), COMBINE_NAMES,
             ("handle", "the dispatch's handle and the same topk_idx"), self._ws, tag=str(idx), on_wait=on_wait,
         )  # fmt: skip
-        return CombineResult(out, start_combine(job))
+        return CombineResult(out, self.transport.combine(job))
 
     def dispatch_flat(self, params: DispatchParams) -> Completion:
         return start_dispatch_flat(params, self.ep)
@@ -132,3 +138,7 @@ class ReferenceBackend(LowLatencyBackend):
 
     def clean(self) -> None:
         self._buffer_idx = 0
+
+    def destroy(self) -> None:
+        self.transport.close()
+        super().destroy()

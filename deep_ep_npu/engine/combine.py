@@ -76,14 +76,7 @@ def start_combine(job: CombineJob) -> Completion:
     pack()
     lap("packing")  # (while the agreement travels)
     agreement = finish_agree()
-    agreement.check(me, ())
-    sends = [fp[:r] for fp in agreement.shared]  # sends[p][q]: rows rank p returns to rank q
-    expects = [fp[r : 2 * r] for fp in agreement.shared]  # expects[q][p]: pairs rank q sent to rank p
-    if bad := [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]:
-        (p, q), (param, hint) = bad[0], job.mismatch
-        raise shape(param, f"rank {p} would return {sends[p][q]} rows to rank {q}, which dispatched {expects[q][p]} "
-                    f"pairs to it; pass {hint} (mismatched rank pairs: {bad[:8]})")  # fmt: skip
-    agreement.check(me, job.names, offset=2 * r)
+    check_agreement(job, agreement)
     if job.before_send is not None and job.before_send():
         pack()
     lap("header_wait")
@@ -92,6 +85,48 @@ def start_combine(job: CombineJob) -> Completion:
     recv = ws.get(f"combine_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
     transfer = ep.transfer(recv, send, recv_rows, send_rows, "payload exchange")
     lap("collective_start")
+    local = reduce_own(job)
+    lap("unpacking_self")
+
+    def finish() -> None:
+        lap = profiling.laps("combine")
+        wait_ns = transfer.wait()
+        lap("collective_wait")
+        reduce_remote(job, local, fmt.decode_float(recv), agreement, wait_ns)
+        lap("unpacking")
+
+    return Completion(finish)
+
+
+def check_agreement(job: CombineJob, agreement: Agreement) -> None:
+    """Raise (the same error on every rank) if a rank rejected its input, the ranks' send and expect vectors
+    disagree (a wrong handle or top-k) or a fingerprint value differs."""
+    me, r = job.ep.rank, job.ep.num_ranks
+    agreement.check(me, ())
+    sends = [fp[:r] for fp in agreement.shared]  # sends[p][q]: rows rank p returns to rank q
+    expects = [fp[r : 2 * r] for fp in agreement.shared]  # expects[q][p]: pairs rank q sent to rank p
+    if bad := [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]:
+        (p, q), (param, hint) = bad[0], job.mismatch
+        raise shape(param, f"rank {p} would return {sends[p][q]} rows to rank {q}, which dispatched {expects[q][p]} "
+                    f"pairs to it; pass {hint} (mismatched rank pairs: {bad[:8]})")  # fmt: skip
+    agreement.check(me, job.names, offset=2 * r)
+
+
+@dataclasses.dataclass
+class Local:
+    """The part of a combine this rank computes without waiting: ``acc`` `[T, hidden]` fp32 (own experts' rows
+    added unless ``by_slot``), own rows ``own_y`` `[own pairs, hidden]` fp32, the own pairs and the remote ones."""
+
+    acc: torch.Tensor
+    own_y: torch.Tensor
+    own: slice
+    remote_pairs: torch.Tensor
+
+
+def reduce_own(job: CombineJob) -> Local:
+    """Reduce this rank's own expert rows (they never touch the wire)."""
+    plan, fmt, me, dev = job.plan, job.fmt, job.ep.rank, job.source.device
+    own_src = slice(lo := sum(job.rows_per_src[:me]), lo + job.rows_per_src[me])  # this rank's return rows
     own = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])  # this rank's own pairs
     token, weights = plan.token, job.weights.unsqueeze(1)
     own_y = job.source.index_select(0, job.return_rows[own_src])
@@ -99,38 +134,36 @@ def start_combine(job: CombineJob) -> Completion:
         packed = torch.empty((own_y.shape[0], fmt.row_bytes), dtype=torch.uint8, device=dev)
         fmt.encode(own_y, packed)
         own_y = fmt.decode_float(packed)
-    acc = ws.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32).zero_()
+    acc = job.workspace.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32).zero_()
     if not job.by_slot:
         _accumulate(acc, own_y, token[own], weights[own])
-    lap("unpacking_self")
     remote_pairs = torch.cat([torch.arange(own.start, device=dev), torch.arange(own.stop, token.numel(), device=dev)])
+    return Local(acc, own_y, own, remote_pairs)
 
-    def finish() -> None:
-        lap = profiling.laps("combine")
-        wait_ns = transfer.wait()
-        lap("collective_wait")
-        y = fmt.decode_float(recv)
-        if job.by_slot:  # slot after slot, ascending, with the ``extra`` contributions
-            values = torch.empty((token.numel(), fmt.hidden), dtype=torch.float32, device=dev)
-            values[own], values[remote_pairs] = own_y.float(), y
-            tok, slot, values = token, plan.slot, values.mul_(weights)
-            if job.extra is not None:
-                tok, slot, values = (torch.cat([a, b]) for a, b in zip((tok, slot, values), job.extra, strict=True))
-            for k in torch.unique(slot).tolist():
-                sel = (slot == k).nonzero(as_tuple=True)[0]
-                acc.index_add_(0, tok[sel], values[sel])
-        else:
-            _accumulate(acc, y, token[remote_pairs], weights[remote_pairs])
-        if job.addend is not None:
-            acc.add_(job.addend.float())
-        if job.active is not None:
-            acc[job.active :] = 0.0
-        job.out.copy_(acc)
-        if job.on_wait is not None:
-            job.on_wait(agreement, wait_ns)
-        lap("unpacking")
 
-    return Completion(finish)
+def reduce_remote(job: CombineJob, local: Local, y: torch.Tensor, agreement: Agreement, wait_ns: int) -> None:
+    """Add the remote rows ``y`` `[remote pairs, hidden]` fp32 (by source rank, in this rank's plan order; scaled in
+    place) in the documented order and write ``job.out``."""
+    plan, fmt, acc, dev = job.plan, job.fmt, local.acc, job.source.device
+    token, weights, own, remote_pairs = plan.token, job.weights.unsqueeze(1), local.own, local.remote_pairs
+    if job.by_slot:  # slot after slot, ascending, with the ``extra`` contributions
+        values = torch.empty((token.numel(), fmt.hidden), dtype=torch.float32, device=dev)
+        values[own], values[remote_pairs] = local.own_y.float(), y
+        tok, slot, values = token, plan.slot, values.mul_(weights)
+        if job.extra is not None:
+            tok, slot, values = (torch.cat([a, b]) for a, b in zip((tok, slot, values), job.extra, strict=True))
+        for k in torch.unique(slot).tolist():
+            sel = (slot == k).nonzero(as_tuple=True)[0]
+            acc.index_add_(0, tok[sel], values[sel])
+    else:
+        _accumulate(acc, y, token[remote_pairs], weights[remote_pairs])
+    if job.addend is not None:
+        acc.add_(job.addend.float())
+    if job.active is not None:
+        acc[job.active :] = 0.0
+    job.out.copy_(acc)
+    if job.on_wait is not None:
+        job.on_wait(agreement, wait_ns)
 
 
 def _accumulate(acc: torch.Tensor, y: torch.Tensor, token: torch.Tensor, weights: torch.Tensor) -> None:

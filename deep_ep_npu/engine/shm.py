@@ -1,0 +1,167 @@
+"""Dispatch and combine over a shared-memory window (:mod:`.window`): the same rows, layouts and reduction as the
+collective path (:mod:`.dispatch`, :mod:`.combine`), so results are bit-identical; only the way rows move differs.
+
+Send phase: for each live peer, this rank encodes its rows for that peer straight into the peer's window (its region
+for this rank, in the call's half), then posts the peer a header carrying what the agreement step carries (status,
+counts, fingerprint). No count round trip, nothing waited for: a peer that has not called yet reads it all later.
+Receive phase: wait (bounded) for every live peer's header, run the agreement checks on them (every rank sees the
+same headers, so every rank raises the same error), place / reduce the rows from this rank's own window, then tell
+each peer its region was read.
+
+A rank whose rows for a peer exceed the region (``num_rdma_bytes`` too small) rejects the call: it posts that status
+and raises; its peers raise on reading it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import profiling
+from ..errors import invalid
+from ..event import Completion
+from ..group import STATUS_OK, Agreement
+from .combine import CombineJob, check_agreement, reduce_own, reduce_remote
+from .dispatch import DispatchJob, Received, parse
+from .window import Call, ShmWindow
+
+
+def _too_small(win: ShmWindow, call: Call, rows: list[int], row_bytes: int, words: int) -> None:
+    """Reject the call when a peer's rows do not fit its region (posting the status to every live peer)."""
+    limit = win.rows_per_region(row_bytes)
+    if bad := [(d, k) for d, k in enumerate(rows) if k > limit]:
+        what = f"{call.op} sends {bad[0][1]} rows of {row_bytes} bytes to rank {bad[0][0]}"
+        err = invalid("num_rdma_bytes", f"the shared-memory window holds {limit} per source, {what}; pass more")
+        for d in win.live_peers():
+            win.claim(call, d)
+            win.post(call, d, [err.code, *([0] * words)])
+        win.release(call)
+        raise err
+
+
+def _agreement(win: ShmWindow, call: Call, headers: dict[int, list[int]], own: list[int], width: int,
+               neutral: tuple[int, ...], wait_ns: int) -> Agreement:  # fmt: skip
+    """The agreement step's result from the headers (``[status, *counts (width), *shared]`` per source; this rank's
+    own words ``own``; ranks removed by shrink mode read as status 0, zero counts and ``neutral``)."""
+    fill = [STATUS_OK, *([0] * width), *neutral]
+    rows = [own if s == win.ep.rank else headers.get(s, fill) for s in range(win.ep.num_ranks)]
+    return Agreement([w[0] for w in rows], [list(w[1 : 1 + width]) for w in rows],
+                     [tuple(w[1 + width :]) for w in rows], wait_ns // 1000, call.op)  # fmt: skip
+
+
+def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
+    """:func:`~.dispatch.start_dispatch` over ``win`` (``job.before_send`` must be None)."""
+    assert job.before_send is None, "the TP stage runs on the collective transport"
+    ep, plan, fmt, x, ws = job.ep, job.plan, job.fmt, job.x, job.workspace
+    me, r, dev, lap = ep.rank, ep.num_ranks, x.device, profiling.laps("dispatch")
+    call = win.begin(job.op)
+    words = 2 + len(job.fingerprint)
+    _too_small(win, call, [0 if d == me else k for d, k in enumerate(plan.rows_per_dest)], fmt.row_bytes, words)
+    num_rows = int(plan.row_token.numel())
+    slot_expert = torch.full((num_rows, fmt.num_slots), -1, dtype=torch.int32, device=dev)
+    slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
+    weights = None
+    if job.weights is not None:
+        weights = torch.zeros((num_rows, fmt.num_slots), dtype=torch.float32, device=dev)
+        weights[plan.row_of_pair, plan.slot] = job.weights
+    x_rows = torch.index_select(x, 0, plan.row_token)
+    begin, counts = 0, [[plan.rows_per_dest[d], plan.pairs_per_dest[d]] for d in range(r)]
+    for d in [*(d for d in range(r) if d != me), me]:  # the plan's row order: remote ranks, then this rank
+        k, rows = plan.rows_per_dest[d], slice(begin, begin + plan.rows_per_dest[d])
+        begin += k
+        if d == me:
+            own_rows = ws.get(f"dispatch_send{job.tag}", (k, fmt.row_bytes), torch.uint8)
+            out = own_rows
+        elif d in ep.live:
+            win.claim(call, d)
+            out = win.region(d, call, me, fmt.row_bytes, k)
+        else:
+            continue
+        smooth = None if job.smooth is None else job.smooth[rows]
+        w = None if weights is None else weights[rows]
+        fmt.encode_into(out, x_rows[rows], plan.row_token[rows], slot_expert[rows], w, smooth)
+        if d != me:
+            win.post(call, d, [STATUS_OK, *counts[d], *job.fingerprint])
+    lap("packing")
+    own = parse(fmt, own_rows, torch.full((own_rows.shape[0],), me, device=dev), None)
+    job.layout.place_own(fmt, own_rows, own)
+    lap("unpacking_self")
+
+    def finish() -> None:
+        lap = profiling.laps("dispatch")
+        try:
+            headers, wait_ns = win.wait_headers(call)
+            lap("collective_wait")
+            own_words = [STATUS_OK, *counts[me], *job.fingerprint]
+            agreement = _agreement(win, call, headers, own_words, 2, tuple(job.fingerprint), wait_ns)
+            job.layout.check(agreement)
+            rows, m = win.own_regions(call, fmt.row_bytes)
+            got = _received(fmt, rows, m, [0 if s == me else c[0] for s, c in enumerate(agreement.counts)], ep.mask)
+            job.layout.place_remote(fmt, rows, got, own_rows, own, agreement, wait_ns)
+        finally:
+            win.release(call)
+        lap("unpacking")
+
+    return Completion(finish)
+
+
+def _received(fmt, rows: torch.Tensor, m: int, counts: list[int], mask: torch.Tensor) -> Received:
+    """:func:`~.dispatch.parse` of the first ``counts[s]`` rows of each source's region (``rows[s * m:]``)."""
+    dev = rows.device
+    index = torch.cat([torch.arange(s * m, s * m + c, device=dev) for s, c in enumerate(counts)])
+    src = torch.repeat_interleave(torch.arange(len(counts), device=dev), torch.tensor(counts, device=dev))
+    table = fmt.slot_experts(rows)[index]
+    valid = table >= 0
+    if bool(mask.any()):
+        valid &= ~mask.to(dev).bool()[src].unsqueeze(1)
+    i, slot = valid.nonzero(as_tuple=True)
+    return Received(index[i], slot, table[i, slot].long(), src[i])
+
+
+def start_combine_shm(job: CombineJob, win: ShmWindow) -> Completion:
+    """:func:`~.combine.start_combine` over ``win`` (``job.before_send`` must be None)."""
+    assert job.before_send is None, "the TP stage runs on the collective transport"
+    ep, plan, fmt = job.ep, job.plan, job.fmt
+    me, r, lap = ep.rank, ep.num_ranks, profiling.laps("combine")
+    call = win.begin(job.op)
+    shared = (*job.rows_per_src, *plan.pairs_per_dest, *job.fingerprint)
+    _too_small(win, call, [0 if s == me else k for s, k in enumerate(job.rows_per_src)], fmt.row_bytes, len(shared))
+    begin = 0
+    for q, k in enumerate(job.rows_per_src):
+        rows, begin = job.return_rows[begin : begin + k], begin + k
+        if q == me or q not in ep.live:
+            continue
+        win.claim(call, q)
+        out = win.region(q, call, me, fmt.row_bytes, k)
+        if fmt.quantized:
+            fmt.encode(job.source.index_select(0, rows), out)
+        else:
+            torch.index_select(job.source, 0, rows, out=out.view(fmt.dtype))
+        win.post(call, q, [STATUS_OK, *shared])
+    lap("packing")
+    consistent = job.rows_per_src[me] == plan.pairs_per_dest[me]  # else the checks below raise before any use
+    local = reduce_own(job) if consistent else None
+    lap("unpacking_self")
+
+    def finish() -> None:
+        lap = profiling.laps("combine")
+        try:
+            headers, wait_ns = win.wait_headers(call)
+            lap("collective_wait")
+            neutral = (0,) * (2 * r) + tuple(job.fingerprint)
+            agreement = _agreement(win, call, headers, [STATUS_OK, *shared], 0, neutral, wait_ns)
+            check_agreement(job, agreement)
+            assert local is not None, "own sends and expects agree once checked"
+            counts = [0 if s == me else fp[me] for s, fp in enumerate(agreement.shared)]
+            y = torch.empty((sum(counts), fmt.hidden), dtype=torch.float32, device=job.source.device)
+            begin = 0
+            for s, k in enumerate(counts):
+                if k:
+                    region = win.region(me, call, s, fmt.row_bytes, k)
+                    y[begin : begin + k] = region.view(fmt.dtype) if not fmt.quantized else fmt.decode_float(region)
+                begin += k
+            reduce_remote(job, local, y, agreement, wait_ns)
+        finally:
+            win.release(call)
+        lap("unpacking")
+
+    return Completion(finish)

@@ -1,0 +1,348 @@
+"""A shared-memory communication window for the ranks of one host: the shm transport's memory and signals.
+
+Each rank owns one window, an anonymous shared-memory file (``memfd_create``: it has no name in ``/dev/shm`` or
+anywhere else, so nothing can leak, even after a crash; the kernel frees it when the last process that maps it
+exits). The window holds two halves (call parity: calls alternate between them, so a result a peer still reads is
+never overwritten by the next call), each cut into one region per source rank: source ``s`` writes the rows of a call
+for this rank into region ``s`` of the call's half.
+
+Signals are messages on one pipe per (source, destination) pair. A message is a few int64 words: a header (the call's
+sequence number, op, validation status, counts and fingerprint: everything the agreement step carries, in-band), a
+"done" (the destination has read the source's region of that call, which may now be reused), or "bye" (the source
+destroyed its Buffer). A pipe write and read are system calls that take the pipe's lock in the kernel: the writer's
+earlier stores (the rows) are released before the message is visible, the reader acquires them before it reads the
+rows, on any CPU (aarch64 included). Waiting is ``select`` on the pipes: a blocked rank uses no CPU. A peer that exits
+closes its pipes, so its death is seen at once (end of file); a peer that hangs is found at the timeout. Either way the
+survivors agree on the missing ranks through the c10d store (:class:`~deep_ep_npu.failure.GroupMonitor`, under its own
+key prefix) and raise :class:`~deep_ep_npu.failure.EPRankFailure`.
+
+The window is set up collectively (:meth:`ShmWindow.create`): every rank binds an abstract unix socket (no file),
+exchanges its name through the group, sends each peer its window and the write end of a new pipe (``SCM_RIGHTS``), and
+checks the nonce each peer wrote at the start of its window. Ranks on different hosts (or network namespaces) cannot
+reach each other's sockets: the check fails on some rank and every rank learns it in the closing agreement.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import dataclasses
+import mmap
+import os
+import select
+import socket
+import struct
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..failure import EPRankFailure, GroupMonitor
+from ..group import STATUS_OK, EPGroup
+
+HEADER, DONE, BYE = 1, 2, 3  # message kinds
+DATA_OFFSET = 4096  # the first page holds the owner's nonce
+STALE = 8  # calls after which an unread header is dropped (a receive is due before the next-but-one call)
+DEFAULT_WINDOW_BYTES = 1 << 30
+"""Bytes of each rank's window when the Buffer's ``num_rdma_bytes`` is smaller (pages are allocated when touched)."""
+
+_WORD = struct.Struct("<q")
+
+
+def supported() -> str:
+    """ "" when this platform has what the window needs, else why not."""
+    if not hasattr(os, "memfd_create") or not hasattr(socket, "recv_fds"):
+        return "needs Linux (memfd_create, SCM_RIGHTS)"
+    return ""
+
+
+@dataclasses.dataclass
+class Call:
+    """One call on the window: its sequence number, half (parity), op and issue time (monotonic)."""
+
+    seq: int
+    parity: int
+    op: str
+    started: float
+
+
+class _Peer:
+    """What this rank holds of one peer: its window (a uint8 tensor), the pipe to it and the pipe from it."""
+
+    def __init__(self, rank: int, window: torch.Tensor, mm: mmap.mmap, out_fd: int, in_fd: int) -> None:
+        self.rank, self.window, self.mm, self.out_fd, self.in_fd = rank, window, mm, out_fd, in_fd
+        self.inbox: dict[int, list[int]] = {}  # seq -> header words
+        self.done: set[int] = set()  # seqs of this rank's calls the peer has read
+        self.written: list[int | None] = [None, None]  # per half: the seq of this rank's last write into the peer
+        self.gone = ""  # why the peer is gone ("" while alive)
+        self.pending = b""
+
+
+class ShmWindow:
+    """The window and signals of one Buffer's group (see the module docstring). Build with :meth:`create`."""
+
+    def __init__(self, ep: EPGroup, key: int, window: torch.Tensor, mm: mmap.mmap, peers: dict[int, _Peer]) -> None:
+        self.ep, self.key, self.nbytes, self.window, self._mm, self.peers = ep, key, window.numel(), window, mm, peers
+        self.seq = 0
+        self.closed = False
+
+    # -- setup -------------------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, ep: EPGroup, nbytes: int, required: bool) -> ShmWindow | None:
+        """Set up the window of every rank of ``ep`` (collective, bounded by ``ep.timeout``): ``nbytes`` per rank.
+        Returns None when some rank cannot share memory with the others; raises ValueError then if ``required``."""
+        me, r = ep.rank, ep.num_ranks
+        why = supported()
+        sock, token = None, int.from_bytes(os.urandom(7), "little")
+        if not why:
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                sock.bind(_address(token))
+                sock.setblocking(False)
+            except OSError as err:
+                why = f"cannot bind a unix socket: {err}"
+        agreement = ep.start_agree("shm window", STATUS_OK, [[] for _ in range(r)], [int(not why), token, nbytes])()
+        tokens, sizes = [fp[1] for fp in agreement.shared], [fp[2] for fp in agreement.shared]
+        peers: dict[int, _Peer] = {}
+        window, mm = None, None
+        if all(fp[0] for fp in agreement.shared):
+            try:
+                window, mm, peers = _connect(sock, me, r, tokens, sizes, ep.timeout)
+            except (OSError, ValueError) as err:
+                why = f"rank {me} could not map its peers' windows: {err}"
+        elif not why:
+            why = "a peer cannot use shared memory: " + ", ".join(
+                f"rank {i}" for i, fp in enumerate(agreement.shared) if not fp[0]
+            )
+        if sock is not None:
+            sock.close()
+        final = ep.start_agree("shm window", STATUS_OK, [[] for _ in range(r)], [int(not why)])()
+        if all(fp[0] for fp in final.shared) and window is not None and mm is not None:
+            return cls(ep, tokens[0], window, mm, peers)
+        for peer in peers.values():
+            _close_fds(peer)
+        if required:
+            bad = [i for i, fp in enumerate(final.shared) if not fp[0]]
+            raise ValueError(f"transport: 'shm' needs every rank on one host with shared memory; ranks {bad} cannot "
+                             f"({why or 'see those ranks'}); pass transport='auto' or 'collective'")  # fmt: skip
+        return None
+
+    # -- geometry ----------------------------------------------------------------------------------------------
+    def _region_rows(self, owner_bytes: int, row_bytes: int) -> int:
+        return (owner_bytes - DATA_OFFSET) // 2 // self.ep.num_ranks // row_bytes
+
+    def rows_per_region(self, row_bytes: int) -> int:
+        """Rows of ``row_bytes`` a source may write into a peer's region in one call (the smallest window)."""
+        sizes = [self.nbytes, *(p.window.numel() for p in self.peers.values())]
+        return min(self._region_rows(s, row_bytes) for s in sizes)
+
+    def region(self, owner: int, call: Call, src: int, row_bytes: int, rows: int) -> torch.Tensor:
+        """`[rows, row_bytes]` uint8: rows ``[0, rows)`` of source ``src``'s region in ``owner``'s window (this rank
+        or a peer) in ``call``'s half."""
+        window = self.window if owner == self.ep.rank else self.peers[owner].window
+        m = self._region_rows(window.numel(), row_bytes)
+        assert rows <= m, "rows checked against rows_per_region"
+        half = (window.numel() - DATA_OFFSET) // 2
+        begin = DATA_OFFSET + call.parity * half + src * m * row_bytes
+        return window[begin : begin + rows * row_bytes].view(rows, row_bytes)
+
+    def own_regions(self, call: Call, row_bytes: int) -> tuple[torch.Tensor, int]:
+        """This rank's half of ``call`` as `[R * m, row_bytes]` uint8 (source ``s``'s rows from ``s * m`` on), and m."""
+        m = self._region_rows(self.nbytes, row_bytes)
+        half = (self.nbytes - DATA_OFFSET) // 2
+        begin = DATA_OFFSET + call.parity * half
+        return self.window[begin : begin + self.ep.num_ranks * m * row_bytes].view(-1, row_bytes), m
+
+    # -- calls -------------------------------------------------------------------------------------------------
+    def begin(self, op: str) -> Call:
+        """Start a call (every live rank starts the same calls in the same order)."""
+        self.seq += 1
+        return Call(self.seq, self.seq % 2, op, time.monotonic())
+
+    def live_peers(self) -> list[int]:
+        return [p for p in self.ep.live if p != self.ep.rank]
+
+    def claim(self, call: Call, dest: int) -> None:
+        """Wait (bounded) until ``dest`` has read what this rank wrote into its region of this half two calls ago
+        (immediate unless ``dest`` is two calls behind); then ``dest``'s region is this call's to write."""
+        peer = self.peers[dest]
+        prev, peer.written[call.parity] = peer.written[call.parity], call.seq
+        if prev is not None and prev not in peer.done:
+            self._wait(call, [dest], lambda p: prev in p.done)
+        peer.done = {s for s in peer.done if s > prev} if prev is not None else peer.done
+
+    def post(self, call: Call, dest: int, words: list[int]) -> None:
+        """Send ``dest`` this call's header (after the rows are written: the write releases them)."""
+        self._send(self.peers[dest], [HEADER, call.seq, *words])
+
+    def wait_headers(self, call: Call) -> tuple[dict[int, list[int]], int]:
+        """The headers of ``call`` from every live peer, and the nanoseconds waited. Raises EPRankFailure (missing
+        ranks agreed through the store) when a peer is gone or silent past the timeout."""
+        t0 = time.perf_counter_ns()
+        live = self.live_peers()
+        self._wait(call, live, lambda p: call.seq in p.inbox)
+        got = {s: self.peers[s].inbox.pop(call.seq) for s in live}
+        for s in live:  # headers of calls this rank abandoned (rejected, re-run) are never read: drop old ones
+            peer = self.peers[s]
+            peer.inbox = {q: w for q, w in peer.inbox.items() if q > self.seq - STALE}
+        return got, time.perf_counter_ns() - t0
+
+    def release(self, call: Call) -> None:
+        """Tell every live peer that its region of ``call`` was read (it may reuse it)."""
+        for s in self.live_peers():
+            self._send(self.peers[s], [DONE, call.seq])
+
+    def reject(self, op: str, code: int, words: int) -> None:
+        """This rank rejected its input of ``op``: post headers with status ``code`` (``words`` zero words after it)
+        and release the call at once. The peers raise on reading them; this rank does not wait."""
+        call = self.begin(op)
+        for d in self.live_peers():
+            self.claim(call, d)
+            self.post(call, d, [code, *([0] * words)])
+        self.release(call)
+
+    # -- messages ----------------------------------------------------------------------------------------------
+    def _send(self, peer: _Peer, words: list[int]) -> None:
+        if peer.gone:
+            return
+        data = struct.pack(f"<{len(words) + 1}q", len(words), *words)
+        try:
+            os.write(peer.out_fd, data)  # < PIPE_BUF: atomic; the pipe never holds more than ~2 calls' messages
+        except OSError as err:  # the peer exited (broken pipe): its absence is found by the next wait
+            peer.gone = f"its pipe closed ({err.strerror})"
+
+    def _pump(self, peer: _Peer) -> None:
+        """Read what the peer sent (non-blocking: called when ``select`` says the pipe is readable)."""
+        try:
+            data = os.read(peer.in_fd, 1 << 16)
+        except OSError as err:
+            data, peer.gone = b"", f"its pipe failed ({err.strerror})"
+        if not data:
+            peer.gone = peer.gone or "it exited (its pipe closed)"
+            return
+        buf = peer.pending + data
+        while len(buf) >= 8:
+            (n,) = _WORD.unpack_from(buf)
+            if len(buf) < 8 * (n + 1):
+                break
+            kind, seq, *rest = struct.unpack_from(f"<{n}q", buf, 8)
+            buf = buf[8 * (n + 1) :]
+            if kind == HEADER:
+                peer.inbox[seq] = rest
+            elif kind == DONE:
+                peer.done.add(seq)
+            elif kind == BYE:
+                peer.gone = "it destroyed its Buffer"
+        peer.pending = buf
+
+    def _wait(self, call: Call, ranks: list[int], ready) -> None:
+        """Pump the pipes of ``ranks`` until ``ready(peer)`` holds for each, at most ``timeout`` seconds."""
+        deadline, timeout = time.monotonic() + self.ep.timeout, self.ep.timeout
+        while True:
+            waiting = [self.peers[r] for r in ranks if not ready(self.peers[r])]
+            if not waiting:
+                return
+            if any(p.gone for p in waiting) or (left := deadline - time.monotonic()) <= 0:
+                break
+            readable, _, _ = select.select([p.in_fd for p in waiting], [], [], left)
+            for peer in waiting:
+                if peer.in_fd in readable:
+                    self._pump(peer)
+        self._fail(call, timeout)
+
+    def _fail(self, call: Call, timeout: float) -> None:
+        ep = self.ep
+        heard = {ep.rank} | {s for s, p in self.peers.items() if any(q >= call.seq for q in p.inbox)}
+        mon = _Monitor(ep.comm, {i for i, r in enumerate(ep.live) if r in heard})
+        mon.store = dist.PrefixStore(f"shm/{self.key:x}/", mon.store)  # the window's own agreements
+        try:
+            missing = mon.agree(call.seq, call.op, call.started, timeout)
+        except (RuntimeError, ValueError) as store_err:  # the store itself is gone (its host rank died)
+            raise EPRankFailure((), call.op, timeout, unknown=f"store unreachable: {store_err}") from None
+        raise EPRankFailure([ep.live[r] for r in missing], call.op, timeout, mon.rank in missing)
+
+    # -- teardown ----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Tell the peers this rank left (their waits fail at once) and close the pipes. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for peer in self.peers.values():
+            self._send(peer, [BYE, 0])
+            _close_fds(peer)
+
+
+class _Monitor(GroupMonitor):
+    """The failure agreement of a window call: a rank has arrived at the call when its header reached this rank
+    (the window's calls set no arrival marks in the store); such a rank is waited for until it posts alive."""
+
+    def __init__(self, group: dist.ProcessGroup, arrived: set[int]) -> None:
+        super().__init__(group)
+        self.arrived = arrived
+
+    def _arrived(self, rank: int, seq: int, op: str) -> bool:
+        return rank in self.arrived
+
+
+def _address(token: int) -> bytes:
+    return f"\0deep_ep_npu.window.{token:x}".encode()
+
+
+def _close_fds(peer: _Peer) -> None:
+    for fd in (peer.out_fd, peer.in_fd):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _map(fd: int, nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mm, dtype=torch.uint8), mm
+
+
+def _connect(sock, me: int, r: int, tokens: list[int], sizes: list[int], timeout: float):
+    """Create this rank's window, send it and a pipe's write end to every peer, map theirs (see the module
+    docstring). Returns (window, its mmap, peers)."""
+    fd = os.memfd_create("deep_ep_npu.window", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, sizes[me])
+        window, mm = _map(fd, sizes[me])
+        window[:8].copy_(torch.tensor([tokens[me]], dtype=torch.int64).view(torch.uint8))
+        in_fds, outbox = {}, []
+        for q in range(r):
+            if q != me:
+                rd, wr = os.pipe()
+                in_fds[q] = rd
+                outbox.append((q, wr))
+        peers: dict[int, _Peer] = {}
+        deadline = time.monotonic() + timeout
+        while outbox or len(peers) < r - 1:
+            if time.monotonic() > deadline:
+                raise ValueError(f"the window exchange did not finish within {timeout:g}s")
+            if outbox:
+                q, wr = outbox[0]
+                try:
+                    fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd, wr]))]
+                    sock.sendmsg([struct.pack("<qq", me, tokens[me])], fds, 0, _address(tokens[q]))
+                    os.close(wr)
+                    outbox.pop(0)
+                except BlockingIOError:
+                    pass
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, 64, 2)
+            except BlockingIOError:
+                select.select([sock], [], [], 0.01)
+                continue
+            q, token = struct.unpack("<qq", msg)
+            if len(fds) != 2 or not 0 <= q < r or q == me or token != tokens[q]:
+                raise ValueError(f"unexpected window message from rank {q}")
+            their, their_mm = _map(fds[0], sizes[q])
+            os.close(fds[0])
+            if int(their[:8].view(torch.int64)[0]) != tokens[q]:
+                raise ValueError(f"rank {q}'s window does not hold its nonce: not shared memory")
+            peers[q] = _Peer(q, their, their_mm, fds[1], in_fds[q])
+        for peer in peers.values():
+            os.set_blocking(peer.in_fd, False)
+            os.set_blocking(peer.out_fd, True)
+        return window, mm, peers
+    finally:
+        os.close(fd)
