@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import httpx
 import uvicorn
 
-from server.engine_api import EngineCore, RequestDelta, SamplingParams, StepStats, Tokenizer
+from server.engine_api import EngineCore, RequestDelta, SamplingParams, StepStats, Tokenizer, TokenLogprob
 
 VOCAB_SIZE = 256
 
@@ -37,6 +37,12 @@ def expected_token_ids(prompt_token_ids: Sequence[int], n: int, seed: int | None
     """The fake engine's output: lowercase letters from the prompt's sum, the position and the seed."""
     base = sum(prompt_token_ids) + (seed or 0)
     return [97 + (base + 7 * i) % 26 for i in range(n)]
+
+
+def fake_logprob(token_id: int, position: int, num_top: int) -> TokenLogprob:
+    """The fake engine's log-probabilities: ``-0.1 * (position + 2)`` for output token ``position`` (prompt tokens:
+    position -1), and ``num_top`` alternatives ``97 + j`` with ``-0.5 * (j + 1)``."""
+    return TokenLogprob(token_id, -0.1 * (position + 2), [(97 + j, -0.5 * (j + 1)) for j in range(num_top)])
 
 
 @dataclasses.dataclass
@@ -131,7 +137,13 @@ class FakeEngine(EngineCore):
                 reason = "length"
             if reason is not None:
                 del self.running[rid]
-            deltas.append(RequestDelta(rid, [token], text, reason, None, len(seq.prompt), len(seq.output)))
+            delta = RequestDelta(rid, [token], text, reason, None, len(seq.prompt), len(seq.output))
+            if p.logprobs is not None:
+                delta.logprobs = [fake_logprob(token, len(seq.output) - 1, p.logprobs)]
+            if p.prompt_logprobs is not None and len(seq.output) == 1:
+                top = p.prompt_logprobs
+                delta.prompt_logprobs = [None] + [fake_logprob(t, -1, top) for t in seq.prompt[1:]]
+            deltas.append(delta)
         return deltas
 
     def last_step_stats(self) -> StepStats:

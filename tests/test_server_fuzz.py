@@ -1,7 +1,8 @@
 """Property-based fuzz of the HTTP API (hypothesis, real uvicorn): malformed JSON, wrong types, huge / negative /
-non-finite numbers, huge prompts, invalid UTF-8 and unknown fields get a 4xx in OpenAI's error shape, never a 5xx,
-and the server stays healthy and correct. Hostile sampling values also go to the real EP runtime, where a bad
-value that reached a worker would kill the engine."""
+non-finite numbers, huge prompts and invalid UTF-8 get a 4xx in OpenAI's error shape, never a 5xx; unknown fields
+and any in-range mix of the sampling and log-probability fields are served; the server stays healthy and correct.
+Hostile sampling values also go to the real EP runtime, where a bad value that reached a worker would kill the
+engine."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.api import create_app
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.config import build_config
 from tests.server_helpers import FakeEngine, UvicornThread, error_of, expected_token_ids
 from tests.test_server_failure import real_server
@@ -46,8 +48,16 @@ WRONG = {  # field -> values of a type the field does not accept (no coercion: "
     "model": not_str, "user": not_str,
     "stop": st.integers() | st.lists(st.integers(), min_size=1, max_size=3) | st.dictionaries(st.text(), scalars),
     "stop_token_ids": st.text(max_size=5) | st.lists(st.text(max_size=3) | st.floats(), min_size=1, max_size=3),
-    "stream_options": not_str | st.just({"include_usage": "yes"}) | st.just({"extra": 1}),
+    "stream_options": not_str | st.just({"include_usage": "yes"}),
+    "presence_penalty": not_float, "frequency_penalty": not_float, "repetition_penalty": not_float,
+    "min_p": not_float, "prompt_logprobs": not_int, "min_tokens": not_int,
+    "logit_bias": not_str | st.dictionaries(st.integers(0, 300).map(str), not_float, min_size=1, max_size=3),
 }  # fmt: skip
+WRONG_BY_PATH = {  # fields of one endpoint
+    "/v1/completions": {"logprobs": not_int, "echo": not_bool, "best_of": not_int, "suffix": not_str},
+    "/v1/chat/completions": {"logprobs": not_bool, "top_logprobs": not_int, "max_completion_tokens": not_int},
+}
+REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 BASE = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
         "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}  # fmt: skip
 
@@ -85,8 +95,9 @@ def test_arbitrary_json(server, path: str, body: object) -> None:
 @FUZZ
 @given(path=st.sampled_from(PATHS), data=st.data())
 def test_wrong_types_are_400_naming_the_field(server, path: str, data: st.DataObject) -> None:
-    field = data.draw(st.sampled_from(sorted(WRONG)))
-    value = data.draw(WRONG[field])
+    wrong = {**WRONG, **WRONG_BY_PATH[path]}
+    field = data.draw(st.sampled_from(sorted(wrong)))
+    value = data.draw(wrong[field])
     r = _post_raw(server.client, path, json.dumps({**BASE[path], field: value}).encode())
     err = error_of(r, 400)
     assert err["param"] is not None and err["param"].split(".")[0] == field, (field, value, err)
@@ -95,7 +106,25 @@ def test_wrong_types_are_400_naming_the_field(server, path: str, data: st.DataOb
 @FUZZ
 @given(
     path=st.sampled_from(PATHS),
-    field=st.sampled_from(["max_tokens", "top_k", "seed", "n", "temperature", "top_p", "max_completion_tokens"]),
+    field=st.sampled_from(
+        [
+            "max_tokens",
+            "top_k",
+            "seed",
+            "n",
+            "temperature",
+            "top_p",
+            "max_completion_tokens",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_p",
+            "logprobs",
+            "top_logprobs",
+            "prompt_logprobs",
+            "best_of",
+        ]
+    ),
     value=st.integers(-(2**100), 2**100) | st.floats() | st.sampled_from([0, -1, 2**63, 2**64, -(2**63) - 1]),
 )
 def test_huge_negative_and_non_finite_numbers(server, path: str, field: str, value: float) -> None:
@@ -106,12 +135,61 @@ def test_huge_negative_and_non_finite_numbers(server, path: str, field: str, val
 
 @FUZZ
 @given(path=st.sampled_from(PATHS), name=st.text(min_size=1, max_size=10), value=json_values)
-def test_unknown_fields_are_400(server, path: str, name: str, value: object) -> None:
-    known = {"model", "prompt", "messages", "max_completion_tokens", "stream_options", *WRONG, *BASE[path]}
-    if name in known:
+def test_unknown_fields_are_ignored(server, path: str, name: str, value: object) -> None:
+    """vLLM's behaviour: a field the server does not know is ignored (and logged), the request is served."""
+    if name in REQUESTS[path].model_fields:
         return
-    err = error_of(_post_raw(server.client, path, json.dumps({**BASE[path], name: value}).encode()), 400)
-    assert "unknown field" in err["message"] and err["param"] == name
+    r = _post_raw(server.client, path, json.dumps({**BASE[path], name: value}).encode())
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+sampling = st.fixed_dictionaries({}, optional={
+    "n": st.integers(1, 4), "temperature": st.floats(0, 3) | st.none(), "top_p": st.floats(0.01, 1),
+    "min_p": st.floats(0, 1), "top_k": st.integers(-1, 300), "seed": st.integers(-(2**63), 2**64 - 1) | st.none(),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.01, 10), "stream": st.booleans(),
+    "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-200, 200), max_size=3),
+    "prompt_logprobs": st.integers(0, 20) | st.none(), "return_token_ids": st.booleans(),
+})  # fmt: skip
+per_path = {
+    "/v1/completions": st.fixed_dictionaries({}, optional={
+        "logprobs": st.integers(0, 20) | st.none(), "echo": st.booleans(),
+        "prompt": st.sampled_from(["hi", [1, 2], ["a", "bc"], [[3], [4, 5]]])}),
+    "/v1/chat/completions": st.fixed_dictionaries({}, optional={
+        "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)}),
+}  # fmt: skip
+
+
+@settings(FUZZ, max_examples=60)
+@given(path=st.sampled_from(PATHS), data=st.data())
+def test_valid_sampling_fields_are_served(server, path: str, data: st.DataObject) -> None:
+    """Any in-range combination of the sampling and log-probability fields is served: n choices per prompt, the
+    log-probabilities in the endpoint's shape, one per token."""
+    body = {**BASE[path], **data.draw(sampling), **data.draw(per_path[path])}
+    if path == PATHS[1] and body.get("top_logprobs") and not body.get("logprobs"):
+        body["logprobs"] = True
+    r = _post_raw(server.client, path, json.dumps(body).encode())
+    assert r.status_code == 200, (body, r.text[:300])
+    n = body.get("n", 1)
+    num_prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) and isinstance(
+        body["prompt"][0], (str, list)) else 1  # fmt: skip
+    if body.get("stream"):
+        chunks = [json.loads(e[6:]) for e in r.text.strip().split("\n\n") if e != "data: [DONE]"]
+        assert {c["choices"][0]["index"] for c in chunks} == set(range(n * num_prompts))
+        return
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(n * num_prompts))
+    for c in choices:
+        lp = c["logprobs"]
+        if path == PATHS[0] and body.get("logprobs") is not None:
+            echoed = len(c["text"]) - 2 if body.get("echo") else 0  # byte tokens: one character each (ASCII)
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == echoed + 2
+        elif path == PATHS[1] and body.get("logprobs"):
+            assert len(lp["content"]) == 2
+            assert all(len(t["top_logprobs"]) == body.get("top_logprobs", 0) for t in lp["content"])
+        else:
+            assert lp is None
 
 
 @FUZZ
@@ -177,7 +255,10 @@ def test_huge_prompts(server) -> None:
 
 HOSTILE = [{"seed": 2**64}, {"seed": -(2**63) - 1}, {"seed": 2**64 - 1}, {"seed": -1}, {"temperature": 1e-320},
            {"temperature": 1e308}, {"temperature": "Infinity"}, {"top_k": 2**70}, {"top_k": 0}, {"top_p": 1e-300},
-           {"stop_token_ids": [2**70]}, {"stop": ["\x00", "\udfff"]}, {"max_tokens": 2**63}]  # fmt: skip
+           {"stop_token_ids": [2**70]}, {"stop": ["\x00", "\udfff"]}, {"max_tokens": 2**63},
+           {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e300}, {"logit_bias": {"255": 1e300}},
+           {"logit_bias": {"999999": 5}}, {"presence_penalty": 2, "frequency_penalty": -2, "min_p": 1},
+           {"logprobs": 20, "echo": True}, {"n": 3, "seed": 2**64 - 1}]  # fmt: skip
 
 
 def test_hostile_sampling_values_on_the_real_runtime() -> None:
@@ -189,5 +270,7 @@ def test_hostile_sampling_values_on_the_real_runtime() -> None:
             r = _post_raw(c, "/v1/completions", body.encode())
             _check(r)
             if r.status_code == 200:
-                assert r.json()["usage"]["completion_tokens"] == 3 or r.json()["choices"][0]["finish_reason"] == "stop"
+                choices = r.json()["choices"]
+                full = r.json()["usage"]["completion_tokens"] == 3 * len(choices)
+                assert full or any(c["finish_reason"] == "stop" for c in choices)
             assert c.get("/health").status_code == 200, f"{extra} took the engine down"

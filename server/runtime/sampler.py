@@ -73,7 +73,8 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams, counts: Token
         logits = logits - params.presence_penalty * (counts.output > 0).float()
     if params.temperature >= _GREEDY_BELOW:
         logits = logits / params.temperature
-    return logits
+    # extreme values (a repetition penalty of 1e-300 is 0 in float32) must not make NaN probabilities
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
 
 
 def sample_one(
@@ -101,6 +102,8 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if not bool(torch.isfinite(logits).any()):  # every token masked: fall back to the most likely one
+        return int(torch.argmax(logits))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
