@@ -75,3 +75,16 @@ class AllGatherReduceScatter:
         """(dispatch, combine) bytes one rank sends to others (ring all-gather / reduce-scatter volumes)."""
         per_rank = x.numel() * x.element_size() + topk_idx.numel() * (topk_idx.element_size() + 4)
         return per_rank * (world_size - 1), x.numel() * x.element_size() * (world_size - 1)
+
+
+class MemcpyFloor:
+    """One ``copy_`` of ``nbytes`` between two preallocated CPU buffers: the memory-speed floor of an op that must
+    write that many bytes."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.wire_bytes = nbytes
+
+    def __call__(self) -> None:
+        self.dst.copy_(self.src)

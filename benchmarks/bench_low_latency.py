@@ -4,6 +4,10 @@ Every implementation runs in the same process group, on the same data, in the sa
 
 - ``ours``: ``Buffer.low_latency_dispatch`` / ``low_latency_combine`` (one-shot);
 - ``ours_hook``: the same with ``return_recv_hook=True`` and ``hook()`` called at once (send + receive phases);
+- ``ours_collective``: ``ours`` on the collective transport (``--transport`` picks ``ours``'s; default ``auto``:
+  the shared-memory window on one host);
+- ``memcpy_floor``: every rank at once copies the bytes the op must write (dispatch: the filled rows of
+  ``recv_x``; combine: the rows read + the fp32 reduction output) with one ``copy_``;
 - ``a2a_floor``: one ``all_to_all_single`` moving exactly our payload bytes per destination;
 - ``allgather_rs``: all-gather tokens + top-k, local experts on every rank, reduce-scatter back;
 - ``elastic_fresh`` / ``elastic_cached`` / ``elastic``: ``ElasticBuffer`` (DeepEP V2) decode-style dispatch with a
@@ -34,7 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.baselines import A2AFloor, AllGatherReduceScatter  # noqa: E402
+from benchmarks.baselines import A2AFloor, AllGatherReduceScatter, MemcpyFloor  # noqa: E402
 from benchmarks.elastic_cases import elastic_cases  # noqa: E402
 from deep_ep_npu import Buffer, profiling  # noqa: E402
 
@@ -84,8 +88,10 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
     dtype = DTYPES[args.dtype]
     x, topk_idx, topk_weights = _make_inputs(rank, args, dtype)
     buffer = Buffer(
-        group, low_latency_mode=True, num_qps_per_rank=max(args.num_experts // w, 1), explicitly_destroy=True
-    )
+        group, low_latency_mode=True, num_qps_per_rank=max(args.num_experts // w, 1), explicitly_destroy=True,
+        transport=args.transport,
+    )  # fmt: skip
+    coll = Buffer(group, low_latency_mode=True, explicitly_destroy=True, transport="collective")
     n, e = args.num_tokens, args.num_experts
     quant = args.quant
     kw = {"use_fp8": quant == "fp8"}
@@ -107,6 +113,19 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
 
     def combine():
         return buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+
+    def dispatch_coll():
+        return coll.low_latency_dispatch(x, topk_idx, n, e, **kw)
+
+    _, _, coll_handle, _, _ = coll.low_latency_dispatch(x, topk_idx, n, e, use_fp8=False)
+
+    def combine_coll():
+        return coll.low_latency_combine(expert_out, topk_idx, topk_weights, coll_handle)
+
+    # memcpy floors: one copy of the bytes the op must write, in every rank at once (the same cores as the op)
+    recv_x_bytes = int(recv_count.sum()) * args.hidden * (1 if quant != "none" else dtype.itemsize)
+    comb_bytes = int(recv_count.sum()) * args.hidden * 2 + x.shape[0] * args.hidden * 4
+    disp_memcpy, comb_memcpy = MemcpyFloor(recv_x_bytes), MemcpyFloor(comb_bytes)
 
     def combine_hook():
         out = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle, return_recv_hook=True)
@@ -131,10 +150,14 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
     cases = [
         ("dispatch", "ours", dispatch, stats["dispatch_wire_bytes"], sel_bytes),
         ("dispatch", "ours_hook", dispatch_hook, stats["dispatch_wire_bytes"], sel_bytes),
+        ("dispatch", "ours_collective", dispatch_coll, stats["dispatch_wire_bytes"], sel_bytes),
+        ("dispatch", "memcpy_floor", disp_memcpy, recv_x_bytes, sel_bytes),
         ("dispatch", "a2a_floor", disp_floor, disp_floor.wire_bytes, sel_bytes),
         ("dispatch", "allgather_rs", lambda: agrs.dispatch(x, topk_idx, topk_weights), ag_disp_bytes, sel_bytes),
         ("combine", "ours", combine, stats["combine_wire_bytes"], comb_sel_bytes),
         ("combine", "ours_hook", combine_hook, stats["combine_wire_bytes"], comb_sel_bytes),
+        ("combine", "ours_collective", combine_coll, stats["combine_wire_bytes"], comb_sel_bytes),
+        ("combine", "memcpy_floor", comb_memcpy, comb_bytes, comb_sel_bytes),
         ("combine", "a2a_floor", comb_floor, comb_floor.wire_bytes, comb_sel_bytes),
         ("combine", "allgather_rs", lambda: agrs.combine(*gathered), ag_comb_bytes, comb_sel_bytes),
     ]
@@ -177,6 +200,7 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
         with open(results_path, "w") as f:
             json.dump(records, f)
     v2_buffer.destroy()
+    coll.destroy()
     buffer.destroy()  # collective: no rank tears the group down while a peer still finishes a collective
     dist.destroy_process_group()
 
@@ -235,6 +259,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--breakdown", action="store_true", help="also report where our time goes")
+    p.add_argument("--transport", choices=["auto", "shm", "collective"], default="auto",
+                   help="the transport of 'ours' ('ours_collective' is always the collective one)")  # fmt: skip
     p.add_argument("--sweep", choices=["none", "tokens", "ep"], default="none")
     p.add_argument("--json", help="write all records to this path")
     p.add_argument("--plot", help="write a latency plot (PNG) to this path (needs a sweep)")

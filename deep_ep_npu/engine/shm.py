@@ -55,6 +55,7 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
     me, r, dev, lap = ep.rank, ep.num_ranks, x.device, profiling.laps("dispatch")
     call = win.begin(job.op)
     words = 2 + len(job.fingerprint)
+    profiling.record_wire("dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], me, 8 * (words + 4))
     _too_small(win, call, [0 if d == me else k for d, k in enumerate(plan.rows_per_dest)], fmt.row_bytes, words)
     num_rows = int(plan.row_token.numel())
     slot_expert = torch.full((num_rows, fmt.num_slots), -1, dtype=torch.int32, device=dev)
@@ -124,6 +125,7 @@ def start_combine_shm(job: CombineJob, win: ShmWindow) -> Completion:
     me, r, lap = ep.rank, ep.num_ranks, profiling.laps("combine")
     call = win.begin(job.op)
     shared = (*job.rows_per_src, *plan.pairs_per_dest, *job.fingerprint)
+    profiling.record_wire("combine", [k * fmt.row_bytes for k in job.rows_per_src], me, 8 * (len(shared) + 4))
     _too_small(win, call, [0 if s == me else k for s, k in enumerate(job.rows_per_src)], fmt.row_bytes, len(shared))
     begin = 0
     for q, k in enumerate(job.rows_per_src):
