@@ -1,7 +1,8 @@
 """``python -m server --config configs/<name>.yaml [--option value ...]``: parse, validate, build the engine, serve.
 
 Every :class:`~server.config.ServerConfig` field is a long option (``--max-num-seqs 8``); dict-valued options take
-JSON (``--random-model '{"hidden_size": 128}'``); a boolean option alone means true (``--simulate-npu``).
+``key=value,...`` or JSON (``--random-model hidden_size=128`` or ``--random-model '{"hidden_size": 128}'``); a
+boolean option is a switch (``--elastic`` / ``--no-elastic``).
 Precedence: command line > YAML file > defaults.
 """
 
@@ -23,6 +24,37 @@ def _is_dict_field(name: str) -> bool:
     return annotation is dict or typing.get_origin(annotation) is dict
 
 
+def _shown(default: Any) -> str:
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return json.dumps(default) if isinstance(default, dict) else str(default)
+
+
+def parse_mapping(option: str, text: str) -> dict[str, Any]:
+    """A dict option's value: a JSON object (``{"hidden_size": 64}``) or ``key=value,...`` (``hidden_size=64,
+    num_experts=8``; each value read as JSON when it is a number, bool or null, else kept as a string)."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{option}: expected a JSON object or key=value,..., got {text!r} ({e})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{option}: expected a JSON object, got {text!r}")
+        return value
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{option}: expected key=value,... or a JSON object, got {item!r} in {text!r}")
+        try:
+            out[key.strip()] = json.loads(raw.strip())
+        except json.JSONDecodeError:
+            out[key.strip()] = raw.strip()
+    return out
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m server",
@@ -31,12 +63,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML file keyed by the long option names below")
     for name, field in ServerConfig.model_fields.items():
         default = field.get_default(call_default_factory=True)
-        # a boolean option alone means true (``--simulate-npu``); ``--simulate-npu false`` still parses
-        flag = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
-        parser.add_argument(
-            f"--{option_name(name)}", default=argparse.SUPPRESS, metavar=name.upper(),
-            help=f"{field.description} (default: {default!r})", **flag,
-        )  # fmt: skip
+        help_text = field.description or ""
+        if "(default:" not in help_text:  # a description that names its default says it once itself
+            help_text += f" (default: {_shown(default)})"
+        option = f"--{option_name(name)}"
+        if field.annotation is bool:  # a switch: --elastic / --no-elastic
+            parser.add_argument(option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)  # fmt: skip
+        else:
+            parser.add_argument(option, default=argparse.SUPPRESS, metavar=name.upper(), help=help_text)
     return parser
 
 
@@ -47,12 +82,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     yaml_values = load_yaml(path) if path else {}
     cli_values: dict[str, Any] = {}
     for name, value in args.items():
-        if _is_dict_field(name):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{option_name(name)}: expected a JSON object, got {value!r} ({e})") from None
-        cli_values[name] = value
+        cli_values[name] = parse_mapping(option_name(name), value) if _is_dict_field(name) else value
     return build_config(yaml_values, cli_values, yaml_path=path, env=env_values(os.environ))
 
 

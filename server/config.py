@@ -23,8 +23,10 @@ class ServerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    model: str | None = Field(None, description="HF checkpoint directory (config.json + safetensors); absent = random")
-    host: str = Field("127.0.0.1", description="address to bind the HTTP server to (loopback by default)")
+    model: str | None = Field(
+        None, description="HF checkpoint directory (config.json + safetensors) (default: none, the random model)"
+    )
+    host: str = Field("127.0.0.1", description="address to bind the HTTP server to")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port)")
     ep_size: int = Field(2, ge=1, le=1024, description="number of expert-parallel decode workers")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="model dtype")
@@ -43,16 +45,21 @@ class ServerConfig(BaseModel):
     max_num_seqs: int = Field(16, ge=1, le=4096, description="running requests per DP rank (worker)")
     max_model_len: int = Field(512, ge=2, le=1 << 20, description="prompt + output tokens per request")
     api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>' on /v1/*")
-    served_model_name: str | None = Field(None, min_length=1, description="model id in the API (default: derived)")
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="model id in the API (default: the checkpoint directory's name, or random-qwen3-moe)",
+    )
     seed: int = Field(0, ge=0, description="seed of the random model (when --model is absent)")
     random_model: dict[str, Any] = Field(
-        default_factory=dict, description="overrides of the random model's shape, e.g. {hidden_size: 64}"
+        default_factory=dict,
+        description="overrides of the random model's shape: key=value,... or JSON, e.g. hidden_size=64,num_experts=8",
     )
     max_queue_len: int = Field(256, ge=0, description="requests allowed to wait beyond capacity; more get 503")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="largest accepted HTTP request body (bytes)")
-    max_tokens_limit: int | None = Field(None, ge=1, description="cap on a request's max_tokens (default: none)")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="cap on a request's prompt tokens (default: none)")
-    api_key_health: bool = Field(False, description="with api-key: /health needs the key too (default: open)")
+    max_tokens_limit: int | None = Field(None, ge=1, description="cap on a request's max_tokens")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="cap on a request's prompt tokens")
+    api_key_health: bool = Field(False, description="with api-key: /health needs the key too (off: /health is open)")
     api_key_metrics: bool = Field(False, description="with api-key: /metrics and /version need the key too")
     step_timeout_s: float = Field(30.0, gt=0, le=86400, description="a worker step (or health ping) slower than "
                                   "this marks the engine failed: /health 503, requests 503")  # fmt: skip

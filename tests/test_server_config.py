@@ -47,6 +47,30 @@ def test_dict_option_from_yaml_and_json_cli(tmp_path):
         parse_config(["--random-model", "{oops"])
 
 
+def test_dict_option_as_key_value_pairs():
+    c = parse_config(["--random-model", "hidden_size=64, num_experts=8,architecture=mixtral,norm_topk_prob=true"])
+    assert c.random_model == {"hidden_size": 64, "num_experts": 8, "architecture": "mixtral", "norm_topk_prob": True}
+    with pytest.raises(ConfigError, match="random-model: expected key=value,... or a JSON object, got 'oops'"):
+        parse_config(["--random-model", "hidden_size=64,oops"])
+
+
+def test_boolean_options_are_switches():
+    assert parse_config(["--elastic"]).elastic is True
+    assert parse_config(["--elastic", "--no-elastic"]).elastic is False
+    assert parse_config(["--simulate-npu", "--disable-docs"]).disable_docs is True
+    with pytest.raises(SystemExit):  # a switch takes no value
+        parse_config(["--elastic", "yes"])
+
+
+def test_help_prints_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--elastic, --no-elastic" in text and "hidden_size=64,num_experts=8" in text
+    for option in make_parser()._actions[2:]:  # after --help and --config
+        assert option.help.count("(default:") == 1, option.help
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "argv", "needle"),
     [
