@@ -58,13 +58,14 @@ class Dispatch:
 
 @dataclasses.dataclass
 class Combine:
-    """A validated combine: ``bias`` is the fp32 sum of the biases (or None)."""
+    """A validated combine: ``bias`` is the fp32 sum of ``biases`` (or None)."""
 
     x: torch.Tensor
     handle: EPHandle
     topk_weights: torch.Tensor | None
     bias: torch.Tensor | None
     async_finish: bool
+    biases: tuple[torch.Tensor, ...] = ()
 
 
 def _flag(value: object, param: str) -> bool:
@@ -206,4 +207,4 @@ def validate_combine(c: dict[str, Any], *, owner: object, allow_multiple_reducti
         b = checks.tensor(b, name, (x.dtype,), 2)
         checks.dims(b, name, (h.num_tokens, x.shape[1]), "[num_tokens, hidden]")
         total = b.float() if total is None else total + b.float()
-    return Combine(x, h, weights, total, c["async_with_compute_stream"])
+    return Combine(x, h, weights, total, c["async_with_compute_stream"], tuple(biases))

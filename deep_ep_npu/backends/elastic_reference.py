@@ -83,12 +83,12 @@ class ElasticReference:
     def _handle(self, d: Dispatch, layout: ElasticLayout, plan: Plan, row_bytes: int) -> EPHandle:
         out, place = layout.outputs, layout.placement
         num_rows, num_expanded = d.sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
-        listed = [] if not d.do_cpu_sync or place is None else _aligned(place.counts, d.alignment).tolist()
+        listed = [] if not d.do_cpu_sync or place is None else aligned_counts(place.counts, d.alignment).tolist()
         return EPHandle(
             d.do_expand, d.num_experts, d.alignment, d.num_max, d.num_sms,
             d.topk_idx.clone() if d.handle_copy else d.topk_idx, num_rows, num_expanded if d.do_expand else 0,
             listed, out["psum_per_rank"], out["psum_per_expert"], out["counts"], out["metadata"],  # type: ignore[arg-type]
-            _slot_idx(plan, d.topk_idx, self.rank), dict(owner=self.owner, plan=plan, row_bytes=row_bytes),
+            slot_idx(plan, d.topk_idx, self.rank), dict(owner=self.owner, plan=plan, row_bytes=row_bytes),
         )  # fmt: skip
 
     def reject_dispatch(self, code: int, handle: EPHandle | None, num_shared: int) -> None:
@@ -118,7 +118,7 @@ class ElasticReference:
         per_row = not h.do_expand or self.multiple_reduction  # one returned row per (token, rank)
         if per_row:
             rows, rows_per_src = torch.arange(total, device=x.device), place.rows_from
-            source = _reduce_expanded(x, h.recv_src_metadata[:total, 2:]) if h.do_expand else x
+            source = reduce_expanded(x, h.recv_src_metadata[:total, 2:]) if h.do_expand else x
             plan = _cached(h, "return_plan", lambda: self._return_plan(h, True))
         else:
             rows, rows_per_src = _expand_return_rows(place, self.num_ranks, h.num_experts // self.num_ranks)
@@ -170,11 +170,11 @@ def _cached(h: EPHandle, name: str, build: Any) -> Any:
     return h.state[name]
 
 
-def _aligned(counts: torch.Tensor, alignment: int) -> torch.Tensor:
+def aligned_counts(counts: torch.Tensor, alignment: int) -> torch.Tensor:
     return (counts + alignment - 1) // alignment * alignment
 
 
-def _slot_idx(plan: Plan, topk_idx: torch.Tensor, rank: int) -> torch.Tensor:
+def slot_idx(plan: Plan, topk_idx: torch.Tensor, rank: int) -> torch.Tensor:
     """`[T, K]` int32: slot j's row among the rows this rank sends to that expert's rank (-1: no expert)."""
     r = len(plan.rows_per_dest)
     order = [d for d in range(r) if d != rank] + [rank]  # the send buffer's rank order (own rows last)
@@ -187,7 +187,7 @@ def _slot_idx(plan: Plan, topk_idx: torch.Tensor, rank: int) -> torch.Tensor:
     return out
 
 
-def _reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`[num_recv, hidden]` in x's dtype: each received token's expand rows (``slots`` `[num_recv, K]`, -1: none)
     summed in fp32 in top-k order, rounded once."""
     acc = torch.zeros((slots.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)

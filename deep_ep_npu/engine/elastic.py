@@ -151,13 +151,20 @@ class ElasticLayout:
             rows_from = [own_rows.shape[0] if s == me else agreement.counts[s][0] for s in range(r)]
         split = sum(rows_from[:me])
         parts = [rows[:split], own_rows, rows[split:]]  # layout order: by source rank, tokens ascending
-        total = sum(rows_from)
-        place = self.placement or self._placement(fmt, parts, rows_from)
+        staged = parts[0] if len(parts[0]) == sum(rows_from) else torch.cat(parts)  # [total, row_bytes]
+        place = self.placement
+        if place is None:
+            place = make_placement(fmt.slot_experts(staged), rows_from, self.num_local, self.alignment, self.sizes)
+        self.fill(place, *self.payload.fields(staged), fmt.tokens(staged))
+
+    def fill(self, place: Placement, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor,
+             tokens: torch.Tensor) -> None:  # fmt: skip
+        """Write the received tokens, in layout order (x `[total, hidden]`, sf `[total, sf_cols]` or None, weights
+        `[total, K]` fp32, tokens `[total]` int32: each one's index at its source) where ``place`` says; a fresh
+        layout also fills the handle's tensors."""
         if not self.outputs:
             self.alloc(place.num_rows, place.num_expanded)
         out = self.outputs
-        staged = parts[0] if len(parts[0]) == total else torch.cat(parts)  # [total, row_bytes]
-        x, sf, weights = self.payload.fields(staged)
         if self.do_expand:
             src_row, pos = place.pair_row, place.pair_pos
             _put(out["x"], pos, x.index_select(0, src_row))
@@ -171,31 +178,17 @@ class ElasticLayout:
             _copy_rows(out["weights"], weights)
             _copy_rows(out["topk_idx"], place.slots)
         if self.placement is None:  # a fresh layout: the handle's tensors
-            self._fill_handle(fmt, staged, place, total)
+            self._fill_handle(tokens, place)
             self.placement = place
 
-    def _placement(self, fmt: RowFormat, parts: list[torch.Tensor], rows_from: list[int]) -> Placement:
-        slots = torch.cat([fmt.slot_experts(part) for part in parts])  # [total, K] int32, -1: not here
-        pair_row, pair_slot = (slots >= 0).nonzero(as_tuple=True)
-        expert = slots[pair_row, pair_slot].long()
-        total, a = slots.shape[0], self.alignment
-        order = torch.argsort(expert * max(total, 1) + pair_row)  # by (local expert, row): rows are (source, token)
-        pair_row, pair_slot, expert = pair_row[order], pair_slot[order], expert[order]
-        counts = torch.bincount(expert, minlength=self.num_local)
-        aligned = (counts + a - 1) // a * a
-        start = aligned.cumsum(0) - aligned
-        pos = start[expert] + torch.arange(expert.numel(), device=expert.device) - (counts.cumsum(0) - counts)[expert]
-        num_rows, num_expanded = self.sizes or (total, int(aligned.sum()))
-        return Placement(rows_from, slots, pair_row, pair_slot, pos, counts, num_rows, num_expanded)
-
-    def _fill_handle(self, fmt: RowFormat, staged: torch.Tensor, place: Placement, total: int) -> None:
-        out, n, a = self.outputs, self.num_max, self.alignment
-        dev = staged.device
+    def _fill_handle(self, tokens: torch.Tensor, place: Placement) -> None:
+        out, n, a, total = self.outputs, self.num_max, self.alignment, tokens.shape[0]
+        dev = tokens.device
         rows_from = torch.tensor(place.rows_from, device=dev)
         src = torch.repeat_interleave(torch.arange(self.num_ranks, device=dev), rows_from, output_size=total)
         meta = out["metadata"]
         assert meta is not None
-        meta[:total, 0] = src.to(torch.int32) * n + fmt.tokens(staged)
+        meta[:total, 0] = src.to(torch.int32) * n + tokens.to(torch.int32)
         meta[:total, 1] = src.to(torch.int32)
         if self.do_expand:
             meta[place.pair_row, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
@@ -203,11 +196,28 @@ class ElasticLayout:
         aligned = (counts + a - 1) // a * a
         psum = aligned.cumsum(0)
         for name, value in (
-            ("psum_per_rank", torch.tensor(place.rows_from, device=staged.device).cumsum(0)),
+            ("psum_per_rank", rows_from.cumsum(0)),
             ("psum_per_expert", psum - aligned + counts if self.do_expand else psum),
             ("counts", counts),
         ):
             out[name].copy_(value)  # type: ignore[union-attr]
+
+
+def make_placement(slots: torch.Tensor, rows_from: list[int], num_local: int, alignment: int,
+                   sizes: tuple[int, int] | None) -> Placement:  # fmt: skip
+    """The placement of received tokens in layout order: ``slots`` `[total, K]` int32 (each one's local expert per
+    slot, -1: not here), ``rows_from`` tokens per source rank; ``sizes``: the rows to allocate (None: exact)."""
+    pair_row, pair_slot = (slots >= 0).nonzero(as_tuple=True)
+    expert = slots[pair_row, pair_slot].long()
+    total, a = slots.shape[0], alignment
+    order = torch.argsort(expert * max(total, 1) + pair_row)  # by (local expert, row): rows are (source, token)
+    pair_row, pair_slot, expert = pair_row[order], pair_slot[order], expert[order]
+    counts = torch.bincount(expert, minlength=num_local)
+    aligned = (counts + a - 1) // a * a
+    start = aligned.cumsum(0) - aligned
+    pos = start[expert] + torch.arange(expert.numel(), device=expert.device) - (counts.cumsum(0) - counts)[expert]
+    num_rows, num_expanded = sizes or (total, int(aligned.sum()))
+    return Placement(rows_from, slots, pair_row, pair_slot, pos, counts, num_rows, num_expanded)
 
 
 def _copy_rows(out: torch.Tensor | None, rows: torch.Tensor) -> None:
