@@ -7,11 +7,16 @@ HTTP, the other ranks only run their worker loop. ``ep-size`` must then equal to
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 
+import uvicorn
+
 from server.config import ServerConfig
+
+logger = logging.getLogger("server.serve")
 
 
 def build_engine(config: ServerConfig):  # noqa: ANN201 - an EngineCore; the runtime is imported lazily
@@ -30,10 +35,9 @@ def torchrun_rank() -> tuple[int, int] | None:
 
 def serve(config: ServerConfig) -> int:
     """Serve until SIGINT / SIGTERM; returns the process exit code."""
-    import uvicorn
-
     from server.api.app import create_app
 
+    configure_logging(config.log_level)
     launch = torchrun_rank()
     if launch is not None:
         rank, world_size = launch
@@ -54,6 +58,10 @@ def serve(config: ServerConfig) -> int:
     # shutdown too: uvicorn re-raises the signal it caught with the handler it found, i.e. this one
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
+        logger.info("config resolved: model %s (%s), ep-size %d, device %s, backend %s, dtype %s, max-num-seqs %d "
+                    "per worker, max-model-len %d", config.model_name, config.model or "random weights",
+                    config.ep_size, config.device, config.backend, config.dtype, config.max_num_seqs,
+                    config.max_model_len)  # fmt: skip
         try:
             engine = build_engine(config)
         except (ValueError, FileNotFoundError) as e:  # the config is valid but the model / runtime refuse it
@@ -61,13 +69,52 @@ def serve(config: ServerConfig) -> int:
             return 2
         try:
             app = create_app(config, engine)
-            uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                        timeout_graceful_shutdown=5)  # fmt: skip
+            uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                       timeout_graceful_shutdown=5)  # fmt: skip
+            _AnnouncingServer(uv_config, _serving_line(config, engine)).run()
         finally:
             engine.shutdown()
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _serving_line(config: ServerConfig, engine: object) -> str:
+    """``serving MODEL on URL (EP n, backend, device)``: {url} is filled in once uvicorn has bound its socket."""
+    infos = getattr(engine, "worker_infos", None) or [{}]
+    backend = infos[0].get("moe_backend", config.backend)
+    device = infos[0].get("device", config.device)
+    return f"serving {config.model_name} on {{url}} (EP {config.ep_size}, backend {backend}, device {device})"
+
+
+class _AnnouncingServer(uvicorn.Server):
+    """uvicorn's server, which logs ``line`` (``{url}`` filled in) once it listens, after its own start-up lines."""
+
+    def __init__(self, config: uvicorn.Config, line: str) -> None:
+        super().__init__(config)
+        self.line = line
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        bound = [sock.getsockname() for server in self.servers for sock in server.sockets]
+        if self.started and bound:
+            host, port = bound[0][:2]
+            logger.info(self.line.format(url=f"http://{host}:{port}"))
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname + ':':<10}{super().format(record)}"  # uvicorn's layout: "INFO:     ..."
+
+
+def configure_logging(level: str) -> None:
+    """The ``server`` loggers (start-up phases, warnings about requests) print to stderr as uvicorn's do."""
+    log = logging.getLogger("server")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(_Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level.upper())
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:

@@ -10,6 +10,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -79,7 +80,17 @@ class ProcessWorkers(WorkerGroup):
                 child.close()
                 self.conns.append(parent)
                 self.procs.append(proc)
-            self.infos = list(self._collect(start_timeout_s).values())
+            logger.info("starting %d EP workers (pids %s); each loads the shared weights and its own experts",
+                        world_size, [p.pid for p in self.procs])  # fmt: skip
+            started = time.monotonic()
+
+            def ready(rank: int, info: dict, num_ready: int) -> None:
+                logger.info("EP worker %d ready (%d/%d) after %.1f s: %d local experts, %.1f MiB of weights on %s",
+                            rank, num_ready, world_size, time.monotonic() - started, info["num_local_experts"],
+                            info["weight_bytes"] / 2**20, info["device"])  # fmt: skip
+
+            replies = self._collect(start_timeout_s, on_reply=ready)
+            self.infos = [replies[r] for r in sorted(replies)]
         except BaseException:
             self.shutdown()
             raise
@@ -102,8 +113,9 @@ class ProcessWorkers(WorkerGroup):
             self.conns[rank].close()
             self.lost[rank] = why.splitlines()[0]
 
-    def _collect(self, timeout_s: float) -> dict[int, Any]:
-        """Every live worker's next reply payload, by rank (failed ones are lost or raise, see :meth:`_failed`)."""
+    def _collect(self, timeout_s: float, on_reply: Callable[[int, Any, int], None] | None = None) -> dict[int, Any]:
+        """Every live worker's next reply payload, by rank (failed ones are lost or raise, see :meth:`_failed`);
+        ``on_reply(rank, payload, num_replies)`` is called as each arrives."""
         replies: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         while True:
@@ -136,6 +148,8 @@ class ProcessWorkers(WorkerGroup):
                     self._failed([rank], payload)
                     continue
                 replies[rank] = payload
+                if on_reply is not None:
+                    on_reply(rank, payload, len(replies))
 
     def step(self, plans: list[StepPlan]) -> list[StepResult | None]:
         if self._closed:
