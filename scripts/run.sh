@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-setup_venv serve
+VENV_PROGRESS=1 setup_venv serve
 exec .venv/bin/python -m server --config configs/default.yaml "$@"
