@@ -82,7 +82,7 @@ def _combine_case(buffer: Buffer, rank: int, case: str):
     kwargs = {}
     bad = rank == 1
     if case == "logfmt" and bad:
-        kwargs["use_logfmt"] = True
+        kwargs.update(use_logfmt=True, zero_copy=True)
     elif case == "x_shape" and bad:
         recv_x = recv_x[:, :-1]
     elif case == "weights_dtype" and bad:
@@ -126,7 +126,7 @@ _DISPATCH = {
     "format_differs": "ranks disagree on",
 }
 _COMBINE = {
-    "logfmt": "LogFMT combine is not implemented",
+    "logfmt": "use_logfmt and zero_copy cannot both be True",
     "x_shape": "x: shape",
     "weights_dtype": "topk_weights: dtype torch.float64",
     "out_dtype": "out: dtype torch.float32",

@@ -21,7 +21,7 @@ from ..engine.dispatch import DispatchJob
 from ..engine.flat import start_combine_flat, start_dispatch_flat
 from ..engine.layouts import Masked
 from ..engine.plan import make_plan
-from ..engine.rows import QUANTS, ReturnFormat, RowFormat
+from ..engine.rows import LOGFMT, QUANTS, ReturnFormat, RowFormat
 from ..engine.transport import create_transport
 from ..errors import MoeDistributeError
 from ..event import Completion
@@ -124,7 +124,7 @@ class ReferenceBackend(LowLatencyBackend):
         on_wait = None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns))
         job = CombineJob(
             self.ep, "low_latency_combine", source.view(num_local * r * n, hidden), rows, rows_per_src, plan, weights,
-            ReturnFormat(hidden, source.dtype, False), num_tokens, out,
+            ReturnFormat(hidden, source.dtype, LOGFMT if args.use_logfmt else 0), num_tokens, out,
             (n, h.num_experts, hidden, DTYPE_CODES[args.x.dtype]), COMBINE_NAMES,
             ("handle", "the dispatch's handle and the same topk_idx"), self._ws, tag=str(idx), on_wait=on_wait,
         )  # fmt: skip
