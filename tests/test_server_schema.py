@@ -50,3 +50,19 @@ def test_no_generated_request_gets_a_5xx(server):
                     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
             check()
+
+
+def test_docs_behind_the_api_key_and_disable_docs():
+    config = build_config({"api-key": "sekret"})
+    with UvicornThread(create_app(config, FakeEngine())) as srv, httpx.Client(base_url=srv.url) as c:
+        for method, path in [("GET", "/openapi.json"), ("GET", "/docs"), ("POST", "/tokenize"),
+                             ("POST", "/detokenize"), ("GET", "/v1/models/x")]:  # fmt: skip
+            r = c.request(method, path, json={"prompt": "x", "tokens": [1]})
+            assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        auth = {"Authorization": "Bearer sekret"}
+        assert c.get("/openapi.json", headers=auth).json()["info"]["title"] == "deep_ep_npu server"
+    with UvicornThread(create_app(build_config({"disable-docs": True}), FakeEngine())) as srv:
+        for path in ("/openapi.json", "/docs"):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        assert httpx.post(srv.url + "/tokenize", json={"prompt": "ab"}).json()["tokens"] == [97, 98]
