@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -33,12 +33,19 @@ import torch.distributed as dist
 from . import ll_params, profiling
 from .backends import BufferConfig, create_backend, resolve_backend_name
 from .engine.transport import resolve_transport_name
-from .errors import MoeDistributeError, invalid
+from .errors import MoeDistributeError, invalid, shape
 from .event import Completion, EventOverlap
 from .failure import EPRankFailure, resolve_timeout
 from .handle import FlatHandle, LowLatencyHandle
+from .normal_mode import Config, get_dispatch_layout, normal_mode_error
 from .params import CombineParams, DispatchParams
 from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
+
+# the flat methods' parameter names for the ops' names that errors carry
+_FLAT_DISPATCH_NAMES = {"scales": "smooth_scales", "expert_scales": "topk_weights", "expert_ids": "topk_idx",
+                        "global_bs": "num_max_dispatch_tokens_per_rank", "moe_expert_num": "num_experts"}  # fmt: skip
+_FLAT_COMBINE_NAMES = {"expand_x": "x", "expert_scales": "topk_weights", "expert_ids": "topk_idx",
+                       "assist_info_for_combine": "handle", "ep_send_counts": "handle"}  # fmt: skip
 
 
 class FlatDispatchOutput:
@@ -205,7 +212,8 @@ class Buffer:
                 row-aligned with dispatch's ``recv_x``. Ignored with ``zero_copy``.
             topk_idx: `[num_tokens, num_topk]` `torch.int64` / `torch.int32`, the one given to dispatch.
             topk_weights: `[num_tokens, num_topk]` `torch.float32`. handle: the dispatch's handle.
-            use_logfmt: not implemented (raises if True). async_finish, return_recv_hook: as in dispatch.
+            use_logfmt: DeepEP's LogFMT-10 rows on the wire (:mod:`deep_ep_npu.logfmt`; bf16 x, hidden % 128 == 0,
+                not with zero_copy; the reference backend). async_finish, return_recv_hook: as in dispatch.
             zero_copy: combine the bfloat16 buffer from ``get_next_low_latency_combine_buffer(handle)`` (filled by
                 the caller) instead of ``x``.
             out: `[num_tokens, hidden]` in x's dtype, written in place and returned, or None.
@@ -270,7 +278,12 @@ class Buffer:
             expert_scales=topk_weights, quant_mode=quant_mode, expert_token_nums_type=expert_token_nums_type,
             ccl_buffer_size=self.config.ccl_buffer_size, no_expert=True, **layout,
         )  # fmt: skip
-        pending = self._backend.dispatch_flat(params)
+        if quant_mode not in (0, 2):
+            self._reject_flat("dispatch_flat", invalid("quant_mode", f"got {quant_mode!r}, allowed 0 or 2"))
+        try:
+            pending = self._backend.dispatch_flat(params)
+        except MoeDistributeError as err:
+            raise err.renamed(_FLAT_DISPATCH_NAMES) from None
         result = FlatDispatchOutput()
 
         def finish() -> None:
@@ -300,10 +313,14 @@ class Buffer:
             out: `[T, hidden]` in x's dtype, written in place, or None.
         """
         self._check_alive()
-        if not isinstance(handle, FlatHandle):  # the peers are told, as for any rejected input
-            err = invalid("handle", f"must be the FlatHandle from low_latency_dispatch_flat, got {type(handle)}")
-            self._backend.abort("combine_flat", err.code)
-            raise err
+        if not isinstance(handle, FlatHandle):
+            bad = f"must be the FlatHandle from low_latency_dispatch_flat, got {type(handle)}"
+            self._reject_flat("combine_flat", invalid("handle", bad))
+        if out is not None and isinstance(x, torch.Tensor) and isinstance(topk_idx, torch.Tensor):
+            want = (topk_idx.shape[0], x.shape[-1])
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:
+                got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out)
+                self._reject_flat("combine_flat", shape("out", f"got {got}, expected shape {want} in {x.dtype}"))
         params = CombineParams(
             x, topk_idx, handle.assist_info_for_combine, handle.ep_recv_counts, topk_weights, self.group,
             self.group_size, self.rank, handle.num_experts,
@@ -312,7 +329,10 @@ class Buffer:
             const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
             comm_quant_mode=comm_quant_mode, no_expert=True, **handle.op_kwargs,
         )  # fmt: skip
-        pending = self._backend.combine_flat(params)
+        try:
+            pending = self._backend.combine_flat(params)
+        except MoeDistributeError as err:
+            raise err.renamed(_FLAT_COMBINE_NAMES) from None
         combined = out if out is not None else x.new_empty((topk_idx.shape[0], x.shape[1]))
 
         def finish() -> None:
@@ -320,6 +340,11 @@ class Buffer:
 
         event, hook = self._overlap(Completion(finish), async_finish, return_recv_hook, (combined,))
         return combined, event, hook
+
+    def _reject_flat(self, op: str, err: MoeDistributeError) -> NoReturn:
+        """Tell the peers that this rank rejected its input to ``op`` (they raise too), then raise ``err``."""
+        self._backend.abort(op, err.code)
+        raise err
 
     def _mask(self) -> torch.Tensor:
         if not self.enable_shrink:
@@ -376,8 +401,35 @@ class Buffer:
         return False
 
     def get_comm_stream(self) -> None:
-        """There is no separate communication stream; returns None."""
+        """DeepEP's communication stream: there is none here (work runs in call order on the calling thread; results
+        are ready when the call, its ``hook()`` or its event returns), so this returns None."""
         return None
+
+    def get_dispatch_layout(
+        self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None, async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, EventOverlap]:  # fmt: skip
+        """DeepEP's normal-mode layout helper, computed locally (no communication): ``num_tokens_per_rank`` `[R]`
+        `torch.int32`, ``num_tokens_per_rdma_rank`` None, ``num_tokens_per_expert`` `[num_experts]` `torch.int32`,
+        ``is_token_in_rank`` `[T, R]` `torch.bool`, a complete event (:func:`deep_ep_npu.normal_mode.get_dispatch_layout`).
+        """
+        self._check_alive()
+        return get_dispatch_layout(topk_idx, num_experts, self.group_size)
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """Normal-mode dispatch: not implemented; raises NotImplementedError pointing to :class:`ElasticBuffer`."""
+        raise normal_mode_error("dispatch")
+
+    def combine(self, *args: Any, **kwargs: Any) -> Any:
+        """Normal-mode combine: not implemented; raises NotImplementedError pointing to :class:`ElasticBuffer`."""
+        raise normal_mode_error("combine")
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A default :class:`Config` (accepted by nothing here: normal mode is not implemented)."""
+        return Config()
+
+    get_combine_config = get_dispatch_config
 
     def mega_moe(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

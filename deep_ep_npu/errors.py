@@ -4,7 +4,7 @@ the checks themselves: each raises :class:`MoeDistributeError` naming the parame
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -23,7 +23,11 @@ class MoeDistributeError(ValueError):
 
     def __init__(self, code: int, param: str, message: str) -> None:
         super().__init__(f"[aclnn {code}] {param}: {message}")
-        self.code, self.param = code, param
+        self.code, self.param, self.detail = code, param, message
+
+    def renamed(self, names: Mapping[str, str]) -> MoeDistributeError:
+        """The same error naming the caller's parameter: ``names`` maps the op's parameter names to the caller's."""
+        return MoeDistributeError(self.code, names.get(self.param, self.param), self.detail)
 
 
 invalid = functools.partial(MoeDistributeError, ACLNN_ERR_PARAM_INVALID)  # invalid(param, message)

@@ -190,7 +190,7 @@ def test_two_stage_errors():
         assert seen["expert_ids"][0] == 561002
         own = seen["expert_ids"][1] == "expert_ids"
         assert ("aborted on every rank" in seen["expert_ids"][2]) if rank == 0 else own
-        assert seen["shared"][1] == "shared_expert_num" and "no shared experts" in seen["shared"][2]
+        assert seen["shared"][1] == "shared_expert_rank_num" and "no shared experts" in seen["shared"][2]
         assert seen["strict_urma"][1] == "comm_type" and "URMA" in seen["strict_urma"][2]
         assert "[1024, 8192]" in seen["strict_h"][2]
         assert seen["strict_a3"][1] == "strict" and "Ascend 950 only" in seen["strict_a3"][2]

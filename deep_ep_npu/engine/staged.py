@@ -58,15 +58,22 @@ class _Call:
     receive: Completion
 
 
+def no_algorithm(p: Any) -> None:
+    """``comm_type`` in [0, 2] and ``comm_alg`` "": checked first, so an algorithm's own requirements (hierarchy's
+    ``expert_scales``, which these ops do not take) are never what an error names."""
+    checks.in_range(p.comm_type, "comm_type", 0, 2, code="param")
+    checks.one_of(p.comm_alg, "comm_alg", ("",), "the two-stage ops have no algorithm choice")
+
+
 def two_stage_rules(p: Any, num_tokens: int, hidden: int, topk: int, op: str) -> None:
     """The rules of the two-stage form beyond the one-shot ops' (always: comm_type in [0, 2], comm_alg "", no shared
     experts, a 1D mask; ``strict="a5"``: Ascend 950's ranges, URMA only, the HCCL window; other platforms refused)."""
     plat = platform(p.strict)
-    checks.in_range(p.comm_type, "comm_type", 0, 2, code="param")
-    checks.one_of(p.comm_alg, "comm_alg", ("",), "the two-stage ops have no algorithm choice")
+    no_algorithm(p)
     if p.shared_expert_rank_num or p.shared_expert_num > 1:
         why = f"{p.shared_expert_num} / shared_expert_rank_num {p.shared_expert_rank_num}: the two-stage ops "
-        raise invalid("shared_expert_num", why + "support no shared experts yet on any platform (pass 0 / 0)")
+        name = "shared_expert_rank_num" if p.shared_expert_rank_num else "shared_expert_num"
+        raise invalid(name, why + "support no shared experts yet on any platform (pass 0 / 0)")
     if getattr(p, "x_active_mask", None) is not None and p.x_active_mask.dim() != 1:
         raise shape("x_active_mask", f"the two-stage ops take a 1D (Bs,) mask, got {tuple(p.x_active_mask.shape)}")
     if plat is None:
@@ -103,6 +110,7 @@ class SetupParams(DispatchParams):
     comm_type: Any = 0
 
     def validate(self) -> ValidDispatch:
+        no_algorithm(self)
         v = super().validate()
         two_stage_rules(self, v.x.shape[0], v.x.shape[1], v.topk, DISPATCH_SETUP)
         if self.quant_mode and self.y_dtype is None:
@@ -123,6 +131,7 @@ def _register(kind: str, group: dist.ProcessGroup, args: dict, tensors: dict, re
     head = [MARKER, KINDS[kind], TAG, serial, w, rank] + [0] * 10 + rows_per_dest
     cmd = torch.zeros((max(size, len(head)),), dtype=torch.int32, device=device)
     cmd[: len(head)] = torch.tensor(head, dtype=torch.int32)
+    _IN_FLIGHT[serial].tensors["comm_cmd_info"] = (cmd.data_ptr(), tuple(cmd.shape), cmd.dtype)
     return cmd
 
 
@@ -140,6 +149,7 @@ def _lookup(kind: str, cmd: object, args: dict, tensors: dict) -> tuple[int, _Ca
     if call is None:
         why = f"belongs to {op} call #{head[3]}, which is no longer in flight (torn down already, or one of more than "
         raise invalid("comm_cmd_info", why + f"{MAX_IN_FLIGHT} calls set up without a teardown)")
+    tensors = {"comm_cmd_info": t, **tensors}  # whole, as the setup returned it (a slice is refused)
     for name, value in args.items():
         if name == "group_ep":
             pg = resolve_group(value, "group_ep")
@@ -243,6 +253,7 @@ class CombineSetupParams(CombineParams):
 def combine_setup(p: CombineSetupParams) -> tuple[torch.Tensor, torch.Tensor]:
     """``(quant_expand_x, comm_cmd_info)`` of :func:`deep_ep_npu.ops.moe_distribute_combine_setup`."""
     try:
+        no_algorithm(p)
         layout = validate_layout(p)
         expand_x = checks.tensor(p.expand_x, "expand_x", NPU_ACT_DTYPES if p.strict else ACT_DTYPES, 2)
         ids = checks.tensor(p.expert_ids, "expert_ids", (torch.int32,) if p.strict else (torch.int32, torch.int64), 2)
