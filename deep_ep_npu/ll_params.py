@@ -105,13 +105,16 @@ class CombineArgs:
     def validate(self) -> CombineArgs:
         r = self.num_ranks
         check_overlap_flags(self.async_finish, self.return_recv_hook)
-        if _flag(self.use_logfmt, "use_logfmt"):
-            raise invalid("use_logfmt", "LogFMT combine is not implemented by deep_ep_npu; pass use_logfmt=False")
-        zero_copy = _flag(self.zero_copy, "zero_copy")
+        use_logfmt, zero_copy = _flag(self.use_logfmt, "use_logfmt"), _flag(self.zero_copy, "zero_copy")
+        if use_logfmt and zero_copy:
+            raise invalid("use_logfmt", "use_logfmt and zero_copy cannot both be True (as DeepEP); pick one")
         h = validate_handle(self.handle, r)
         num_max, hidden = h.num_max_dispatch_tokens_per_rank, h.hidden
         x = checks.tensor(self.x, "x", ACT_DTYPES, 3)
         checks.dims(x, "x", (h.src_info.shape[0], r * num_max, hidden), "[L, R * N, hidden] from the handle")
+        if use_logfmt and (x.dtype != torch.bfloat16 or hidden % 128):
+            why = f"LogFMT encodes bfloat16 rows in 128-channel groups; got {x.dtype}, hidden = {hidden}"
+            raise invalid("use_logfmt", why)
         if zero_copy and x.dtype != torch.bfloat16:
             raise invalid("x", f"zero_copy combines the bfloat16 buffer; x must be torch.bfloat16, got {x.dtype}")
         weights = checks.tensor(self.topk_weights, "topk_weights", (torch.float32,), 2)

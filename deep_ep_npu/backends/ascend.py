@@ -217,6 +217,9 @@ class AscendBackend(LowLatencyBackend):
         return DispatchResult(recv_x, recv_count, handle, Completion(lambda: None))
 
     def combine(self, args: CombineArgs) -> CombineResult:
+        if args.use_logfmt:
+            raise invalid("use_logfmt", "no Ascend combine op takes DeepEP's LogFMT-10 rows (its comm_quant_mode 2 is "
+                          "int8 with per-8 scales): pass use_logfmt=False, or use backend='reference'")  # fmt: skip
         idx, h, state = self._flip(), args.handle, args.handle.backend_state
         if not isinstance(state, dict) or "assist" not in state:
             raise invalid("handle", "was not produced by the ascend backend's low_latency_dispatch")

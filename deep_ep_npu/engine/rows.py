@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import logfmt
 from ..quant import FP8_DTYPE, GROUP, Quant, mx_dequant, pack_ue8m0, per_group_int8, scale_for_fp8_
 from ..sizes import align
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
+LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)
 
 
 class RowFormat:
@@ -100,18 +102,24 @@ class RowFormat:
 
 class ReturnFormat:
     """A combine row for ``comm_quant_mode`` ``mode``: 0 the expert output in ``dtype``; 2 int8 + one ``dtype`` scale
-    per 8 elements; 3 / 4 MX fp8 (e5m2 / e4m3, :func:`~deep_ep_npu.quant.mx_fp8`) + one e8m0 byte per 32."""
+    per 8 elements; 3 / 4 MX fp8 (e5m2 / e4m3, :func:`~deep_ep_npu.quant.mx_fp8`) + one e8m0 byte per 32;
+    :data:`LOGFMT` DeepEP's LogFMT-10 of bf16 rows (decoded straight to fp32)."""
 
     def __init__(self, hidden: int, dtype: torch.dtype, mode: int) -> None:
         self.hidden, self.dtype, self.mode, self.quantized = hidden, dtype, int(mode), bool(mode)
         self.mx = Quant(4, torch.float8_e5m2 if mode == 3 else torch.float8_e4m3fn) if mode in (3, 4) else None
         scale_bytes = hidden // 8 * dtype.itemsize if self.mx is None else self.mx.scale_bytes(hidden)
         self.row_bytes = hidden + scale_bytes if mode else hidden * dtype.itemsize
+        if self.mode == LOGFMT:
+            self.row_bytes = logfmt.row_bytes(hidden)
 
     def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """``rows`` `[n, hidden]` into ``out`` `[n, row_bytes]` uint8."""
         if not self.quantized:
             out.view(self.dtype).copy_(rows)
+            return
+        if self.mode == LOGFMT:
+            out.copy_(logfmt.encode(rows))
             return
         q, scale = per_group_int8(rows) if self.mx is None else self.mx(rows)
         out[:, : self.hidden].view(q.dtype).copy_(q)
@@ -122,6 +130,8 @@ class ReturnFormat:
         are dequantized and rounded to ``dtype`` first, as the NPU receives them."""
         if not self.quantized:
             return packed.view(self.dtype).float()
+        if self.mode == LOGFMT:
+            return logfmt.decode(packed, self.hidden)
         if self.mx is not None:
             y = mx_dequant(packed[:, : self.hidden].view(self.mx.dtype), packed[:, self.hidden :])
             return y.to(self.dtype).float()
