@@ -392,7 +392,7 @@ def _fuzz(info):
             seen[case[0]] = seen.get(case[0], 0) + 1
             try:
                 _run_case(info, buf, case)
-            except BaseException as e:
+            except BaseException as e:  # the first failure (the peer's error is then only the desync; pytest -s)
                 print("FAIL", info.rank, case, repr(e)[:400], flush=True)
                 raise
             _good_round(info, buf, case[4])
