@@ -9,12 +9,14 @@ from .ep_handle import EPHandle
 from .event import EventHandle, EventOverlap
 from .failure import EPRankFailure
 from .handle import FlatHandle, LowLatencyHandle, topk_idx_t
+from .normal_mode import Config
 from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Buffer",
+    "Config",
     "EPHandle",
     "EPRankFailure",
     "ElasticBuffer",
