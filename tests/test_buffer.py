@@ -17,6 +17,7 @@ from tests.deepep_utils import calc_diff, fp8_e4m3_reference, hash_tensor, per_t
 from tests.distributed import parallel_launch
 
 RANK_OFFSET = 128
+TRANSPORTS = ("shm", "collective")  # every multi-rank test runs on both, inside one launch
 
 
 def make_inputs(rank: int, num_tokens: int, hidden: int, num_topk: int, num_experts: int, seed: int, marker: bool):
@@ -85,6 +86,13 @@ def _ll_port(
     r, rank = info.world_size, info.rank
     num_local = num_experts // r
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, r, num_experts)
+    return {t: _ll_rounds(info, num_max, tokens_per_rank, hidden, num_topk, num_experts, seed, num_rdma_bytes, t)
+            for t in TRANSPORTS}  # fmt: skip
+
+
+def _ll_rounds(info, num_max, tokens_per_rank, hidden, num_topk, num_experts, seed, num_rdma_bytes, transport):
+    r, rank = info.world_size, info.rank
+    num_local = num_experts // r
     buffer = Buffer(
         info.group,
         num_rdma_bytes=num_rdma_bytes,
@@ -92,7 +100,9 @@ def _ll_port(
         num_qps_per_rank=num_local,
         explicitly_destroy=True,
         backend="reference",
+        transport=transport,
     )
+    assert buffer._backend.transport.name == transport
     checked = 0
     for marker in (True, False):
         inputs = [make_inputs(j, tokens_per_rank[j], hidden, num_topk, num_experts, seed, marker) for j in range(r)]
@@ -181,14 +191,18 @@ def _ll_port(
 )
 def test_low_latency_port(world_size, tokens_per_rank, num_experts, loop):
     results = parallel_launch(world_size, _ll_port, 16, tokens_per_rank, 512, 4, num_experts, 7, loop, timeout=120)
-    assert results == [32] * world_size
+    assert results == [{t: 32 for t in TRANSPORTS}] * world_size
 
 
 def _two_batch_overlap(info, num_max: int, hidden: int, num_topk: int, num_experts: int):
+    return [_two_batches(info, num_max, hidden, num_topk, num_experts, t) for t in TRANSPORTS]
+
+
+def _two_batches(info, num_max: int, hidden: int, num_topk: int, num_experts: int, transport: str):
     """Two micro-batches in flight at once (DeepEP's two-batch overlap): both dispatches are sent before either
     is received, then both combines; the double-buffered communication buffers must keep them apart."""
     r, rank = info.world_size, info.rank
-    buffer = Buffer(info.group, backend="reference")
+    buffer = Buffer(info.group, backend="reference", transport=transport)
     batches = [make_inputs(rank, num_max - b, hidden, num_topk, num_experts, 40 + b, marker=False) for b in (0, 1)]
     pending = [
         buffer.low_latency_dispatch(x, idx, num_max, num_experts, use_fp8=b == 1, return_recv_hook=True)
@@ -227,4 +241,4 @@ def _two_batch_overlap(info, num_max: int, hidden: int, num_topk: int, num_exper
 
 
 def test_two_micro_batches_in_flight():
-    assert parallel_launch(2, _two_batch_overlap, 8, 256, 3, 8, timeout=60) == [2, 2]
+    assert parallel_launch(2, _two_batch_overlap, 8, 256, 3, 8, timeout=60) == [[2, 2]] * 2

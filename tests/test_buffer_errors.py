@@ -137,7 +137,11 @@ _FLAT = {"flat_handle_none": "handle: must be the FlatHandle"}
 
 
 def _error_cases(info):
-    buffer = Buffer(info.group, backend="reference")
+    return [_errors_on(info, t) for t in ("shm", "collective")]
+
+
+def _errors_on(info, transport: str):
+    buffer = Buffer(info.group, backend="reference", transport=transport)
     seen = {}
     for table, run in ((_DISPATCH, _dispatch_case), (_COMBINE, _combine_case), (_FLAT, _flat_case)):
         for case, message in table.items():
@@ -158,7 +162,7 @@ def _error_cases(info):
 
 def test_errors_reported_on_every_rank():
     results = parallel_launch(2, _error_cases, timeout=90)
-    assert results[0] == results[1] == sorted([*_DISPATCH, *_COMBINE, *_FLAT])
+    assert results[0] == results[1] == [sorted([*_DISPATCH, *_COMBINE, *_FLAT])] * 2  # shm, collective
 
 
 def _rdma_too_small(info):

@@ -93,7 +93,7 @@ class ReferenceBackend(LowLatencyBackend):
                         args.cumulative_local_expert_recv_stats, args.dispatch_wait_recv_cost_stats)  # fmt: skip
         fingerprint = (n, args.num_experts, hidden, DTYPE_CODES[x.dtype], QUANTS.index(args.quant), fmt.row_bytes)
         job = DispatchJob(self.ep, "low_latency_dispatch", x, plan, fmt, None, None, fingerprint, masked, ws,
-                          tag=str(idx))  # fmt: skip
+                          tag=str(idx), defer_payload=True)  # fmt: skip
         completion = self.transport.dispatch(job)
         handle = make_handle(src_info, layout_range, n, hidden, args.num_experts)
         return DispatchResult(recv_x if scales is None else (recv_x, scales), recv_count, handle, completion)
@@ -127,6 +127,7 @@ class ReferenceBackend(LowLatencyBackend):
             ReturnFormat(hidden, source.dtype, LOGFMT if args.use_logfmt else 0), num_tokens, out,
             (n, h.num_experts, hidden, DTYPE_CODES[args.x.dtype]), COMBINE_NAMES,
             ("handle", "the dispatch's handle and the same topk_idx"), self._ws, tag=str(idx), on_wait=on_wait,
+            defer_payload=True,
         )  # fmt: skip
         return CombineResult(out, self.transport.combine(job))
 

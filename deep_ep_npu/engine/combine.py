@@ -53,10 +53,13 @@ class CombineJob:
     active: int | None = None
     on_wait: Callable[[Agreement, int], None] | None = None  # the wait statistics
     before_send: Callable[[], bool] | None = None  # after the agreement, before the payload; True: re-pack
+    defer_payload: bool = False  # the send phase does not wait for the agreement: the payload starts in the receive
 
 
 def start_combine(job: CombineJob) -> Completion:
-    """Run the send phase; the returned completion receives and reduces into ``job.out``."""
+    """Run the send phase (start the agreement, pack, reduce this rank's own rows, check the agreement and start the
+    payload; with ``job.defer_payload`` the last two move to the receive phase: the send phase waits for no peer); the
+    returned completion receives and reduces into ``job.out``."""
     ep, plan, fmt, ws = job.ep, job.plan, job.fmt, job.workspace
     me, r, dev, lap = ep.rank, ep.num_ranks, job.source.device, profiling.laps("combine")
     shared = (*job.rows_per_src, *plan.pairs_per_dest, *job.fingerprint)
@@ -75,24 +78,31 @@ def start_combine(job: CombineJob) -> Completion:
 
     pack()
     lap("packing")  # (while the agreement travels)
-    agreement = finish_agree()
-    check_agreement(job, agreement)
-    if job.before_send is not None and job.before_send():
-        pack()
-    lap("header_wait")
-    recv_rows = [0 if s == me else fp[me] for s, fp in enumerate(agreement.shared)]
-    send_rows = [0 if s == me else k for s, k in enumerate(job.rows_per_src)]
-    recv = ws.get(f"combine_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
-    transfer = ep.transfer(recv, send, recv_rows, send_rows, "payload exchange")
-    lap("collective_start")
-    local = reduce_own(job)
+    # own rows now unless the TP stage changes the source first, or the handle is inconsistent (the check raises)
+    early = job.before_send is None and job.rows_per_src[me] == plan.pairs_per_dest[me]
+    local = reduce_own(job) if early else None
     lap("unpacking_self")
+
+    def start_payload() -> tuple[Agreement, torch.Tensor, Completion]:
+        agreement = finish_agree()
+        check_agreement(job, agreement)
+        if job.before_send is not None and job.before_send():
+            pack()
+        lap("header_wait")
+        recv_rows = [0 if s == me else fp[me] for s, fp in enumerate(agreement.shared)]
+        send_rows = [0 if s == me else k for s, k in enumerate(job.rows_per_src)]
+        recv = ws.get(f"combine_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
+        return agreement, recv, ep.transfer(recv, send, recv_rows, send_rows, "payload exchange")
+
+    started = None if job.defer_payload else start_payload()  # (peers' errors raise in the send phase)
 
     def finish() -> None:
         lap = profiling.laps("combine")
+        agreement, recv, transfer = started if started is not None else start_payload()
+        own = local if local is not None else reduce_own(job)
         wait_ns = transfer.wait()
         lap("collective_wait")
-        reduce_remote(job, local, fmt.decode_float(recv), agreement, wait_ns)
+        reduce_remote(job, own, fmt.decode_float(recv), agreement, wait_ns)
         lap("unpacking")
 
     return Completion(finish)

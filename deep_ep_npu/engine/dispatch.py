@@ -1,10 +1,12 @@
 """Dispatch: move each token to the ranks hosting its experts and place it by a layout (:mod:`.layouts`).
 
 Send phase (:func:`start_dispatch`): the agreement step starts (status, rows per destination, fingerprint), the
-rows are encoded while it travels (:mod:`.rows`; each token once per destination rank), then the remote rows go
-out in one uneven all-to-all; this rank's own rows never touch the wire and are placed meanwhile. Receive phase
-(the returned :class:`~deep_ep_npu.event.Completion`): the received rows are expanded into one output row per
-(token, local expert) at the position the layout computes, written once."""
+rows are encoded while it travels (:mod:`.rows`; each token once per destination rank) and this rank's own rows,
+which never touch the wire, are placed; then the agreement is checked and the remote rows go out in one uneven
+all-to-all (with ``defer_payload``, both in the receive phase: the send phase waits for no peer). Receive phase (the
+returned :class:`~deep_ep_npu.event.Completion`): the received rows are expanded into one output row per (token,
+local expert) at the position the layout computes, written once. (:mod:`.shm` moves the same rows through a
+shared-memory window instead.)"""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 
 from .. import profiling
 from ..event import Completion
-from ..group import STATUS_OK, Agreement, EPGroup
+from ..group import STATUS_OK, EPGroup
 from .plan import Plan
 from .rows import RowFormat
 from .workspace import Workspace
@@ -55,10 +57,14 @@ class DispatchJob:
     tag: str = ""  # workspace names of the wire buffers (double-buffering)
     before_send: Callable[[], bool] | None = None  # runs after the agreement, before the payload (the TP pair's)
     known_counts: list[int] | None = None  # rows each source sends here, already known (a cached layout), see below
+    defer_payload: bool = False  # the send phase does not wait for the agreement: the payload starts in the receive
 
 
 def start_dispatch(job: DispatchJob) -> Completion:
-    """Run the send phase; the returned completion runs the receive phase and fills ``job.layout``'s outputs.
+    """Run the send phase; the returned completion runs the receive phase and fills ``job.layout``'s outputs. The send
+    phase starts the agreement step, packs and places this rank's own rows, then waits for the agreement and starts
+    the payload; with ``job.defer_payload`` it waits for nothing: the receive phase waits for the agreement, checks
+    it and only then moves the payload (its size depends on the counts).
 
     With ``job.known_counts`` (every rank of the call passes them) there is no count exchange: the agreement step
     carries only the status and the fingerprint, travels alongside the payload instead of before it, and is checked
@@ -79,35 +85,48 @@ def start_dispatch(job: DispatchJob) -> Completion:
         weights[plan.row_of_pair, plan.slot] = job.weights
     fmt.encode_into(send, torch.index_select(x, 0, plan.row_token), plan.row_token, slot_expert, weights, job.smooth)
     lap("packing")  # (while the agreement travels)
-    agreement: Agreement | None = None
-    if known is None:
-        agreement = finish_agree()
-        job.layout.check(agreement)
-        known = [c[0] for c in agreement.counts]
-    if job.before_send is not None:
-        job.before_send()
-    lap("header_wait")
-    recv_rows = [0 if s == me else c for s, c in enumerate(known)]
-    send_rows = [0 if d == me else k for d, k in enumerate(plan.rows_per_dest)]
-    recv = ws.get(f"dispatch_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
-    transfer = ep.transfer(recv, send[: plan.num_remote_rows], recv_rows, send_rows, "payload exchange")
-    lap("collective_start")
     own_rows = send[plan.num_remote_rows :]
     own = parse(fmt, own_rows, torch.full((own_rows.shape[0],), me, device=dev), None)
     job.layout.place_own(fmt, own_rows, own)
     lap("unpacking_self")
 
+    def start_payload(known: list[int]) -> tuple[list[int], torch.Tensor, Completion]:
+        if job.before_send is not None:
+            job.before_send()
+        recv_rows = [0 if s == me else c for s, c in enumerate(known)]
+        send_rows = [0 if d == me else k for d, k in enumerate(plan.rows_per_dest)]
+        recv = ws.get(f"dispatch_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
+        return recv_rows, recv, ep.transfer(recv, send[: plan.num_remote_rows], recv_rows, send_rows,
+                                            "payload exchange")  # fmt: skip
+
+    agreed = None
+    if known is None and not job.defer_payload:  # wait for the counts now (peers' errors raise in the send phase)
+        agreed = finish_agree()
+        job.layout.check(agreed)
+        known = [c[0] for c in agreed.counts]
+        lap("header_wait")
+    started = None if known is None else start_payload(known)
+
     def finish() -> None:
         lap = profiling.laps("dispatch")
-        wait_ns = transfer.wait()
-        agreed = agreement if agreement is not None else finish_agree()
-        if agreement is None:  # no count exchange: the status and fingerprint are checked now
-            job.layout.check(agreed)
+        if started is None:  # deferred: the counts arrive with the agreement, the payload starts now
+            got = finish_agree()
+            job.layout.check(got)
+            lap("header_wait")
+            recv_rows, recv, transfer = start_payload([c[0] for c in got.counts])
+            wait_ns = transfer.wait()
+        else:
+            recv_rows, recv, transfer = started
+            wait_ns = transfer.wait()
+            got = agreed if agreed is not None else finish_agree()
+            if agreed is None:  # no count exchange: the status and fingerprint are checked now
+                job.layout.check(got)
+        agreed_now = got
         lap("collective_wait")
         rows_from = torch.tensor(recv_rows, device=dev)
         src_of_row = torch.repeat_interleave(torch.arange(r, device=dev), rows_from, output_size=recv.shape[0])
         masked = ep.mask.to(dev).bool() if bool(ep.mask.any()) else None
-        job.layout.place_remote(fmt, recv, parse(fmt, recv, src_of_row, masked), own_rows, own, agreed, wait_ns)
+        job.layout.place_remote(fmt, recv, parse(fmt, recv, src_of_row, masked), own_rows, own, agreed_now, wait_ns)
         lap("unpacking")
 
     return Completion(finish)

@@ -255,8 +255,9 @@ class ShmWindow:
         heard = {ep.rank} | {s for s, p in self.peers.items() if any(q >= call.seq for q in p.inbox)}
         mon = _Monitor(ep.comm, {i for i, r in enumerate(ep.live) if r in heard})
         mon.store = dist.PrefixStore(f"shm/{self.key:x}/", mon.store)  # the window's own agreements
-        try:
-            missing = mon.agree(call.seq, call.op, call.started, timeout)
+        try:  # keyed by the failures so far, not the call: a peer that got the signal of a rank that died while
+            # posting (its call completed) joins at its next call, and every survivor names the same ranks
+            missing = mon.agree(len(ep.failed), "window", call.started, timeout)
         except (RuntimeError, ValueError) as store_err:  # the store itself is gone (its host rank died)
             raise EPRankFailure((), call.op, timeout, unknown=f"store unreachable: {store_err}") from None
         raise EPRankFailure([ep.live[r] for r in missing], call.op, timeout, mon.rank in missing)

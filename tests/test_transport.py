@@ -1,0 +1,152 @@
+"""The Buffer's transports (issue 18): the shared-memory window (``"shm"``) and torch.distributed (``"collective"``).
+
+- The send phase of both never waits for a peer: with ``return_recv_hook=True`` a call returns while a peer is still
+  asleep before its own call (only ``hook()`` waits).
+- Both give bit-identical results (same rows, same fp32 reduction order).
+- A rank killed inside a dispatch leaves no shared-memory file behind once the survivors raised and exited (the
+  window is a memfd: it has no name anywhere), while the window was really mapped during the run.
+- The choice: ``"auto"`` is shm for a gloo group on one host; the option and ``DEEP_EP_NPU_TRANSPORT`` force one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deep_ep_npu import Buffer, EPRankFailure
+from tests.distributed import parallel_launch
+
+N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 12, 1.0
+
+
+def _inputs(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = (torch.randn((N - rank, HIDDEN), generator=g) * 3).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(x.shape[0])])
+    idx[0, 1] = -1
+    return x, idx, torch.rand(idx.shape, generator=g)
+
+
+def _late_peer(info):
+    """Rank 1 sleeps before each of its calls; rank 0's send phases (hook mode) return long before it wakes."""
+    sends = {}
+    for transport in ("shm", "collective"):
+        buf = Buffer(info.group, transport=transport, timeout=20)
+        x, idx, w = _inputs(info.rank, 0)
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False)  # warm-up round
+        buf.low_latency_combine(recv_x, idx, w, handle)
+        dist.barrier(group=info.group)
+        if info.rank == 1:
+            time.sleep(LATE_S)
+        t0 = time.monotonic()
+        recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False, return_recv_hook=True)
+        dispatch_send = time.monotonic() - t0
+        hook()
+        if info.rank == 1:
+            time.sleep(LATE_S)
+        t0 = time.monotonic()
+        out, _, hook = buf.low_latency_combine(recv_x, idx, w, handle, return_recv_hook=True)
+        combine_send = time.monotonic() - t0
+        hook()
+        sends[transport] = (dispatch_send, combine_send)
+    return sends
+
+
+def test_send_phase_returns_while_a_peer_has_not_called():
+    sends = parallel_launch(2, _late_peer, timeout=90)[0]
+    for transport, (dispatch_send, combine_send) in sends.items():
+        assert dispatch_send < LATE_S / 4 and combine_send < LATE_S / 4, (transport, sends)
+
+
+def _parity(info):
+    """The same calls on both transports; every result tensor compared bit for bit."""
+    results = {}
+    for transport in ("shm", "collective"):
+        buf = Buffer(info.group, transport=transport)
+        assert buf._backend.transport.name == transport
+        got = []
+        for step in range(3):
+            x, idx, w = _inputs(info.rank, step)
+            for fp8 in (False, True):
+                recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=fp8)
+                data = recv_x if not fp8 else recv_x[0].float() * recv_x[1].repeat_interleave(128, -1)
+                y = (data.float() * 1.5).to(torch.bfloat16)
+                out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+                data = recv_x if not fp8 else recv_x[0].view(torch.uint8)  # rows past the counts are undefined
+                valid = [t[i, : int(c)].clone() for i, c in enumerate(count) for t in (data, handle.src_info)]
+                got.append((count.clone(), handle.layout_range.clone(), out.clone(), valid))
+        results[transport] = got
+    same = all(
+        all(torch.equal(a, b) for a, b in zip(ra[:3], rb[:3], strict=True))
+        and all(torch.equal(a, b) for a, b in zip(ra[3], rb[3], strict=True))
+        for ra, rb in zip(results["shm"], results["collective"], strict=True)
+    )
+    return same, bool(results["shm"][0][2].abs().sum() > 0)
+
+
+def test_transports_are_bit_identical():
+    assert parallel_launch(3, _parity, timeout=90) == [(True, True)] * 3
+
+
+def _window_files() -> set[str]:
+    """Files in /dev/shm, less multiprocessing's semaphores (the launcher's queues, other processes' on the host)."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {n for n in names if not n.startswith("sem.mp-")}
+
+
+def _crash(info):
+    """Rank 2 dies inside a dispatch, after writing rows into its peers' windows; the survivors raise."""
+    from deep_ep_npu.engine.window import ShmWindow
+
+    buf = Buffer(info.group, transport="shm", timeout=5)
+    x, idx, w = _inputs(info.rank, 0)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False)
+    buf.low_latency_combine(recv_x, idx, w, handle)
+    with open("/proc/self/maps") as f:
+        mapped = sum("memfd:deep_ep_npu.window" in line for line in f)
+    if info.rank == 2:
+        post = ShmWindow.post
+
+        def die_mid_dispatch(self, call, dest, words):
+            post(self, call, dest, words)  # the first peer got its signal, the other did not
+            os._exit(1)
+
+        ShmWindow.post = die_mid_dispatch
+    t0 = time.monotonic()
+    for _ in range(2):  # a peer that got rank 2's signal completes this dispatch and finds it gone at the next
+        try:
+            buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False)
+        except EPRankFailure as err:
+            return mapped, err.missing_ranks, time.monotonic() - t0
+    return mapped, None, time.monotonic() - t0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux")
+def test_a_crash_leaves_no_shared_segment():
+    before = _window_files()
+    results = parallel_launch(3, _crash, timeout=60, allow_exit=(2,))
+    assert _window_files() == before  # nothing named in /dev/shm, during or after the run
+    for rank in (0, 1):
+        mapped, missing, elapsed = results[rank]
+        assert mapped == 3, mapped  # its own window and both peers' were mapped: the window was real
+        assert missing == (2,), results  # the same ranks on every survivor
+        assert elapsed < 4.0, elapsed  # an exit is seen at once (closed pipe) plus the agreement's grace (1 s)
+
+
+def _choice(info):
+    auto = Buffer(info.group)._backend.transport.name
+    os.environ["DEEP_EP_NPU_TRANSPORT"] = "collective"
+    env = Buffer(info.group)._backend.transport.name
+    forced = Buffer(info.group, transport="shm")._backend.transport.name
+    del os.environ["DEEP_EP_NPU_TRANSPORT"]
+    return auto, env, forced
+
+
+def test_auto_picks_shm_on_one_host_and_the_option_or_env_forces():
+    assert parallel_launch(2, _choice, timeout=60) == [("shm", "collective", "shm")] * 2
+    with pytest.raises(ValueError, match=r"transport: must be one of \['auto', 'shm', 'collective'\], got 'nvshmem'"):
+        Buffer(object(), transport="nvshmem")
