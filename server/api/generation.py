@@ -5,6 +5,7 @@ request's engine requests (their slots are freed)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -36,7 +37,7 @@ def completion_prompts(req: CompletionRequest, state: ServingState) -> list[tupl
         if isinstance(one, str):
             if not one:
                 raise APIError(400, f"{param}: must not be empty", param=param, code="invalid_value")
-            out.append((encode(lambda text=one: state.tokenizer.encode(text), param), one))
+            out.append((encode(functools.partial(state.tokenizer.encode, one), param), one))
             continue
         if not one:
             raise APIError(400, f"{param}: the token id list must not be empty", param=param, code="invalid_value")

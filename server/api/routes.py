@@ -122,9 +122,10 @@ def make_router(state: ServingState) -> APIRouter:
     async def detokenize(req: DetokenizeRequest) -> dict:
         check_model(req)
         state.warn_unknown_fields(req)
-        bad = [t for t in req.tokens if not 0 <= t < state.vocab_size]
+        vocab = state.vocab_size
+        bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
-            raise APIError(400, f"tokens: token id {bad[0]} is not in [0, {state.vocab_size}) (vocab_size)",
+            raise APIError(400, f"tokens: token id {bad[0]} is not in [0, {vocab}) (vocab_size)",
                            param="tokens", code="invalid_value")  # fmt: skip
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
