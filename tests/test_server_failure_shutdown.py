@@ -12,21 +12,21 @@ import time
 
 import httpx
 
-from tests.server_helpers import free_port, stream_completion
+from tests.server_helpers import stream_completion
 from tests.test_server_failure import TINY_MODEL
-from tests.test_server_launch import _assert_all_exit, _descendants, _output, _popen, _wait_healthy
+from tests.test_server_launch import _assert_all_exit, _descendants, _output, start_healthy
 
 GRACE_S = 5  # uvicorn's timeout_graceful_shutdown in server/api/serve.py
 
 
 def test_sigterm_finishes_short_requests_and_fails_long_ones_visibly() -> None:
-    port = free_port()
-    proc = _popen([sys.executable, "-m", "server", "--port", str(port), "--ep-size", "2", "--backend", "reference",
-                   "--random-model", json.dumps(TINY_MODEL), "--max-model-len", "4096",
-                   "--log-level", "warning"])  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    def command(port: int, _: int) -> list[list[str]]:
+        return [[sys.executable, "-m", "server", "--port", str(port), "--ep-size", "2", "--backend", "reference",
+                 "--random-model", json.dumps(TINY_MODEL), "--max-model-len", "4096",
+                 "--log-level", "warning"]]  # fmt: skip
+
+    (proc,), url = start_healthy(command)
     try:
-        _wait_healthy(url, [proc])
         workers = _descendants(proc.pid)
         assert len(workers) >= 2
         common = {"prompt": [1, 2, 3], "temperature": 0, "ignore_eos": True, "return_token_ids": True}

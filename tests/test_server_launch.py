@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -77,6 +78,29 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 90.0
     raise TimeoutError("server not healthy in time")
 
 
+PORT_TAKEN = ("address already in use", "eaddrinuse", "failed to listen")  # a port another job bound meanwhile
+
+
+def start_healthy(
+    make_cmds: Callable[[int, int], list[list[str]]], attempts: int = 3
+) -> tuple[list[subprocess.Popen], str]:
+    """Start the processes ``make_cmds(http_port, master_port)`` gives and wait until HTTP is healthy; returns them
+    and the URL. The ports are picked free but closed before the server binds them, so another job may take one in
+    between: a launch that fails because its port is taken is retried on new ports."""
+    for attempt in range(attempts):
+        port, master = free_port(), free_port()
+        procs = [_popen(cmd) for cmd in make_cmds(port, master)]
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, procs)
+            return procs, url
+        except RuntimeError:
+            _stop(procs)
+            if attempt + 1 == attempts or not any(m in _output(p).lower() for p in procs for m in PORT_TAKEN):
+                raise
+    raise AssertionError("unreachable")
+
+
 def _stop(procs: list[subprocess.Popen], timeout: float = 30.0) -> list[int]:
     for p in procs:
         if p.poll() is None:
@@ -106,12 +130,9 @@ def _output(proc: subprocess.Popen) -> str:
 
 
 def test_python_m_server_default_config():
-    port = free_port()
-    proc = _popen([sys.executable, "-m", "server", "--config", "configs/default.yaml", "--port", str(port),
-                   "--log-level", "warning"])  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    (proc,), url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", "--config", "configs/default.yaml",
+                                                   "--port", str(port), "--log-level", "warning"]])  # fmt: skip
     try:
-        _wait_healthy(url, [proc])
         workers = _descendants(proc.pid)
         assert len(workers) >= 2  # the two EP workers
         body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -136,16 +157,13 @@ def test_torchrun_two_nodes_on_loopback(tmp_path, extra: list[str]):
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 8:].tolist()
-    port, master = free_port(), free_port()
-    nodes = [
-        _popen([TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                "--master-addr", "127.0.0.1", "--master-port", str(master), "-m", "server", "--model", path,
-                "--ep-size", "2", "--port", str(port), "--max-model-len", "64", "--log-level", "warning", *extra])
+    nodes, url = start_healthy(lambda port, master: [
+        [TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(master), "-m", "server", "--model", path, "--ep-size", "2", "--port", str(port),
+         "--max-model-len", "64", "--log-level", "warning", *extra]
         for node in (0, 1)
-    ]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    ])  # fmt: skip
     try:
-        _wait_healthy(url, nodes)
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
@@ -169,14 +187,11 @@ def test_ascend_a3_config_on_the_stand_in():
     """README's laptop command: configs/ascend_a3.yaml (device npu, dist-backend hccl) with --simulate-npu and
     small-shape overrides serves a completion (the Ascend backend on the NPU stand-in, on CPU over gloo) and stops
     cleanly on SIGTERM."""
-    port = free_port()
-    proc = _popen([sys.executable, "-m", "server", "--config", "configs/ascend_a3.yaml", "--simulate-npu",
-                   "--ep-size", "2", "--max-num-seqs", "8",
-                   "--max-model-len", "512", "--port", str(port), "--random-model", A3_SMALL,
-                   "--log-level", "warning"])  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    (proc,), url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", "--config", "configs/ascend_a3.yaml",
+                                                   "--simulate-npu", "--ep-size", "2", "--max-num-seqs", "8",
+                                                   "--max-model-len", "512", "--port", str(port), "--random-model",
+                                                   A3_SMALL, "--log-level", "warning"]])  # fmt: skip
     try:
-        _wait_healthy(url, [proc])
         workers = _descendants(proc.pid)
         body = {"model": "a3-moe", "prompt": "Hello, Ascend!", "max_tokens": 8, "temperature": 0,
                 "return_token_ids": True}  # fmt: skip
