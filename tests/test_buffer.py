@@ -83,9 +83,7 @@ def _ll_port(
         from deep_ep_npu.engine import layouts
 
         layouts.LOOP_BYTES = 0
-    r, rank = info.world_size, info.rank
-    num_local = num_experts // r
-    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, r, num_experts)
+    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, info.world_size, num_experts)
     return {t: _ll_rounds(info, num_max, tokens_per_rank, hidden, num_topk, num_experts, seed, num_rdma_bytes, t)
             for t in TRANSPORTS}  # fmt: skip
 

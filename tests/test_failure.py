@@ -88,9 +88,9 @@ def _fail(how: str, store) -> None:
         os._exit(0)
 
 
-def _scenario(info, where: str, how: str, shrink: bool):
+def _scenario(info, where: str, how: str, shrink: bool, transport: str = "shm"):
     store = dist.distributed_c10d._get_default_store()
-    buf = Buffer(info.group, enable_shrink=shrink, timeout=TIMEOUT)
+    buf = Buffer(info.group, enable_shrink=shrink, timeout=TIMEOUT, transport=transport)
     counts, combined = _step(buf, info.rank, 0)
     exp_counts, exp_combined = _oracle(info.rank, 0, set())
     assert torch.equal(counts, exp_counts)
@@ -124,15 +124,17 @@ def _bound(how: str) -> float:
     return grace + 0.6 if how == "exit" else TIMEOUT + 0.8
 
 
-def _each_failure(test):
-    """Parametrize ``test`` over every point of failure (``where``) and way to fail (``how``)."""
-    test = pytest.mark.parametrize("where", ["dispatch", "combine", "clean"])(test)
-    return pytest.mark.parametrize("how", ["exit", "hang"])(test)
+def _each_failure_and_transport(test):
+    """Parametrize ``test`` over every point of failure (``where``) and way to fail (``how``) on the shm transport
+    (the default), and two of them on the collective one."""
+    cases = [("shm", w, h) for w in ("dispatch", "combine", "clean") for h in ("exit", "hang")]
+    cases += [("collective", "dispatch", "exit"), ("collective", "combine", "hang")]
+    return pytest.mark.parametrize("transport, where, how", cases)(test)
 
 
-@_each_failure
-def test_survivors_raise_naming_the_missing_rank(where, how):
-    victim, survivors = _launch(_scenario, where, how, False)
+@_each_failure_and_transport
+def test_survivors_raise_naming_the_missing_rank(transport, where, how):
+    victim, survivors = _launch(_scenario, where, how, False, transport)
     assert victim is None
     for res in survivors.values():
         assert res.get("error") == (VICTIM,), res
@@ -140,9 +142,9 @@ def test_survivors_raise_naming_the_missing_rank(where, how):
         assert res["elapsed"] < _bound(how), res  # the README's figures: the grace (exit) or the timeout (hang)
 
 
-@_each_failure
-def test_shrink_mode_continues_with_the_rank_masked(where, how):
-    _, survivors = _launch(_scenario, where, how, True)
+@_each_failure_and_transport
+def test_shrink_mode_continues_with_the_rank_masked(transport, where, how):
+    _, survivors = _launch(_scenario, where, how, True, transport)
     for rank, res in survivors.items():
         assert "error" not in res, res
         assert res["mask"] == [int(r == VICTIM) for r in range(W)]
