@@ -26,7 +26,7 @@ MUTANTS = [  # (name, file, original text, mutated text, tests that must fail)
     ("agreement ignores which op a rank arrived at", "deep_ep_npu/failure.py",
      "return int(their_seq) > seq or (int(their_seq) == seq and their_op == op)",
      "return int(their_seq) >= seq",
-     ["tests/test_failure.py::test_shrink_finds_ranks_that_left_for_destroy"]),
+     ["tests/test_failure_shrink.py"]),
     ("store calls unbounded", "deep_ep_npu/failure.py",
      "call = lambda fn, *args: self._bounded(timeout, fn, *args)  # noqa: E731",
      "call = lambda fn, *args: fn(*args)  # noqa: E731",

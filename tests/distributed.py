@@ -111,6 +111,7 @@ def parallel_launch(
     pg_timeout: float = 60.0,
     allow_exit: tuple[int, ...] = (),
     store_on_rank0: bool = False,
+    require_clean_exit: bool = False,
 ) -> list:
     """Run ``fn(ProcessGroupInfo, *args)`` on ``world_size`` gloo ranks; return the results in rank order.
 
@@ -118,6 +119,7 @@ def parallel_launch(
     some rank did not finish within ``timeout`` seconds. ``pg_timeout`` is the gloo group's own timeout.
     ``allow_exit``: ranks expected to exit without a result (failure tests); their result is None.
     ``store_on_rank0``: rank 0 hosts the group's store instead of this process (tests of a store host that fails).
+    ``require_clean_exit``: every rank that returned must also exit with code 0 within 5 s (not hang at exit).
     """
     import torch.distributed as dist
 
@@ -148,11 +150,15 @@ def parallel_launch(
                     if r not in done and p.exitcode is not None:
                         done[r] = (False, f"rank {r} exited with code {p.exitcode} without a result")
     finally:
-        for p in procs:
+        unclean = {}
+        for r, p in enumerate(procs):
             p.join(timeout=5.0 if len(done) == world_size else 0.0)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
+                unclean[r] = "still running 5 s after its result (hung at exit)"
+            elif p.exitcode != 0:
+                unclean[r] = f"exit code {p.exitcode}"
         results.close()
         del store
     for r in allow_exit:
@@ -162,6 +168,8 @@ def parallel_launch(
     if failures:
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items())
         raise RuntimeError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
+    if require_clean_exit and (bad := {r: why for r, why in unclean.items() if r not in allow_exit}):
+        raise RuntimeError(f"ranks did not exit cleanly: {bad}")
     if len(done) < world_size:
         stuck = [r for r in range(world_size) if r not in done]
         raise TimeoutError(f"ranks {stuck} did not finish within {timeout:.0f}s (deadlock?)")

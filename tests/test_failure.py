@@ -212,39 +212,6 @@ def test_failure_messages_say_what_is_known():
     assert "ranks [1] did not take part within 3s" in str(EPRankFailure((1,), "low_latency_combine", 3.0))
 
 
-def _leave_for_destroy(info):
-    """DeepEP's shrink test: ranks 1 and then 3 stop calling the ops and go to ``destroy()`` (then wait, alive, until
-    the survivors are done). The survivors must find each of them missing (a barrier at the same collective number
-    is not their dispatch), mask them and keep computing the right results."""
-    store = dist.distributed_c10d._get_default_store()
-    buf = Buffer(info.group, enable_shrink=True, timeout=TIMEOUT, explicitly_destroy=True)
-    masks, masked = [], set()
-    for step, leaver in ((0, None), (1, 1), (2, 3)):
-        if info.rank == leaver:
-            buf.destroy()
-            while not store.check(["test/done"]):
-                time.sleep(0.05)
-            os._exit(0)
-        masked |= {leaver} if leaver is not None else set()
-        t0 = time.monotonic()
-        counts, combined = _step(buf, info.rank, step)
-        assert time.monotonic() - t0 < _bound("hang") + 0.5, (step, time.monotonic() - t0)  # found at the timeout
-        exp_counts, exp_combined = _oracle(info.rank, step, masked)
-        assert torch.equal(counts, exp_counts) and _close(combined, exp_combined), (step, info.rank)
-        mask = torch.zeros(W, dtype=torch.int32)
-        buf.low_latency_query_mask_buffer(mask)
-        masks.append(mask.tolist())
-    leave_together(store, info.rank, W - 2)
-    buf.destroy()
-    return masks
-
-
-def test_shrink_finds_ranks_that_left_for_destroy():
-    results = parallel_launch(W, _leave_for_destroy, timeout=90, allow_exit=(1, 3))
-    for rank in (0, 2):
-        assert results[rank] == [[0, 0, 0, 0], [0, 1, 0, 0], [0, 1, 0, 1]], results[rank]
-
-
 def _store_host_fails(info, how: str):
     """Rank 0 hosts the store and stops (SIGSTOP) or exits in the middle of a dispatch round: the survivors raise
     EPRankFailure within 2 x timeout + the grace (the agreement's store calls are bounded), then kill it."""
