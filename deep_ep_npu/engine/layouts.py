@@ -14,7 +14,7 @@ from ..handle import LowLatencyHandle
 from .dispatch import Received
 from .rows import RowFormat
 
-LOOP_BYTES = 1 << 22
+LOOP_BYTES = 1 << 18
 """Received data above which the masked layout is filled by one gather per expert instead of one scatter."""
 
 

@@ -83,7 +83,7 @@ class RowFormat:
 
     def scatter_data(self, rows: torch.Tensor, row: torch.Tensor, out: torch.Tensor, pos: torch.Tensor) -> None:
         """Copy the data of ``rows[row]`` into rows ``pos`` of ``out`` `[num_rows, hidden]` (``data_dtype``)."""
-        out.view(torch.uint8).view(self.word).index_copy_(0, pos, self._data(rows)[row])
+        out.view(torch.uint8).view(self.word).index_copy_(0, pos, torch.index_select(self._data(rows), 0, row))
 
     def gather_data(self, rows: torch.Tensor, row: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the data of ``rows[row]`` into ``out`` `[len(row), hidden]` (contiguous, ``data_dtype``)."""
