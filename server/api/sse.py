@@ -16,12 +16,13 @@ from server.api.errors import error_body
 from server.api.responses import ResponseBuilder, Sample, SampleOutput
 from server.api.state import ServingState
 from server.async_engine import EngineDeadError, RequestHandle
-from server.engine_api import RequestDelta
+from server.engine_api import RequestDelta, TokenLogprob
 
 
-def apply(out: SampleOutput, batch: list[RequestDelta]) -> tuple[list[int], list]:
+def apply(out: SampleOutput, batch: list[RequestDelta]) -> tuple[list[int], list[TokenLogprob]]:
     """Fold a batch of one sample's deltas into ``out``; returns the new token ids and their log-probabilities."""
-    new_ids, new_logprobs = [], []
+    new_ids: list[int] = []
+    new_logprobs: list[TokenLogprob] = []
     for delta in batch:
         new_ids += delta.new_token_ids
         new_logprobs += delta.logprobs or []

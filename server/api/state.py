@@ -7,6 +7,7 @@ import logging
 
 from pydantic import BaseModel
 
+from server.api.protocol import unknown_fields
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.engine_api import Tokenizer
@@ -28,8 +29,6 @@ class ServingState:
 
     def warn_unknown_fields(self, req: BaseModel) -> None:
         """Log a warning for each request field this server does not know, once per field name (it is ignored)."""
-        from server.api.protocol import unknown_fields
-
         for name in unknown_fields(req):
             if name not in self.warned_fields:
                 self.warned_fields.add(name)
