@@ -31,6 +31,14 @@ MUTANTS = [  # (name, file, original text, mutated text, tests that must fail)
      "call = lambda fn, *args: self._bounded(timeout, fn, *args)  # noqa: E731",
      "call = lambda fn, *args: fn(*args)  # noqa: E731",
      ["tests/test_failure.py::test_store_host_failure_is_bounded"]),
+    ("a non-finite row's int8 scale made finite", "deep_ep_npu/quant.py",
+     "return q.clamp_(-MAX[dtype], MAX[dtype]).to(dtype), amax / vmax",
+     "return q.clamp_(-MAX[dtype], MAX[dtype]).to(dtype), (amax / vmax).nan_to_num(0.0, posinf=0.0)",
+     ["tests/test_fuzz_values.py"]),
+    ("flat dispatch errors name the op's parameters", "deep_ep_npu/buffer.py",
+     "raise err.renamed(_FLAT_DISPATCH_NAMES) from None",
+     "raise err",
+     ["tests/test_fuzz_library.py"]),
 ]  # fmt: skip
 
 
