@@ -411,8 +411,7 @@ class Buffer:
     ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, EventOverlap]:  # fmt: skip
         """DeepEP's normal-mode layout helper, computed locally (no communication): ``num_tokens_per_rank`` `[R]`
         `torch.int32`, ``num_tokens_per_rdma_rank`` None, ``num_tokens_per_expert`` `[num_experts]` `torch.int32`,
-        ``is_token_in_rank`` `[T, R]` `torch.bool`, a complete event (:func:`deep_ep_npu.normal_mode.get_dispatch_layout`).
-        """
+        ``is_token_in_rank`` `[T, R]` `torch.bool`, a complete event (``normal_mode.get_dispatch_layout``)."""
         self._check_alive()
         return get_dispatch_layout(topk_idx, num_experts, self.group_size)
 

@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from .backends import BufferConfig, create_backend, resolve_backend_name
 from .elastic_params import owned_handle, validate_combine, validate_dispatch
-from .engine.elastic import ElasticLayout
 from .ep_handle import EPHandle
 from .errors import MoeDistributeError
 from .event import Completion, EventHandle, EventOverlap
@@ -214,8 +213,7 @@ class ElasticBuffer:
         except MoeDistributeError as err:
             with contextlib.suppress(MoeDistributeError):
                 handle = owned_handle(handle, self) if handle is not None else None
-            self._engine.reject_dispatch(err.code, handle if isinstance(handle, EPHandle) else None,
-                                         len(ElasticLayout.names))  # fmt: skip
+            self._engine.reject_dispatch(err.code, handle if isinstance(handle, EPHandle) else None)
             raise
         layout, early, completion = self._engine.dispatch(d)
         async_finish = d.async_finish and d.sizes is not None

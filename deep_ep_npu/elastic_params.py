@@ -130,7 +130,7 @@ def validate_dispatch(c: dict[str, Any], *, num_ranks: int, default_num_max: int
     handle = c["handle"]
     if handle is not None:
         h = owned_handle(handle, owner)
-        _cached_rules(c, h, x)
+        _cached_rules(c, h, x, sf)
         topk_idx, num_experts, num_max, alignment = h.topk_idx, h.num_experts, h.num_max_tokens_per_rank, \
             h.expert_alignment  # fmt: skip
         sync = False
@@ -164,8 +164,15 @@ def validate_dispatch(c: dict[str, Any], *, num_ranks: int, default_num_max: int
                     num_sms, num_ranks, known)  # fmt: skip
 
 
-def _cached_rules(c: dict[str, Any], h: EPHandle, x: torch.Tensor) -> None:
-    """DeepEP's rules for reusing a handle: the layout is the handle's, only x and topk_weights may change."""
+def _cached_rules(c: dict[str, Any], h: EPHandle, x: torch.Tensor, sf: torch.Tensor | None) -> None:
+    """DeepEP's rules for reusing a handle: the layout is the handle's, only the values of x and topk_weights may
+    change (also x's row format here: the rows' size, which every rank must agree on, is the handle's)."""
+    want = h.state["payload"]
+    have = (x.shape[1], x.dtype, 0 if sf is None else sf.shape[1], None if sf is None else sf.dtype)
+    if have != (want.hidden, want.x_dtype, want.sf_cols, want.sf_dtype):
+        was = f"hidden={want.hidden}, {want.x_dtype}, {want.sf_cols} scale-factor columns ({want.sf_dtype})"
+        now = f"hidden={have[0]}, {have[1]}, {have[2]} scale-factor columns ({have[3]})"
+        raise invalid("x", f"is {now} but the cached handle's dispatch had {was}: pass x in the handle's format")
     if c["topk_idx"] is not None:
         raise invalid("topk_idx", "must be None with a cached handle (the handle's topk_idx is reused)")
     if c["do_cpu_sync"]:

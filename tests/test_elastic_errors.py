@@ -68,6 +68,8 @@ CACHED_CASES = {  # case -> kwargs of rank 1's cached dispatch (DeepEP's reuse r
     "cpu_sync": lambda x, idx, w, h: dict(x=x, handle=h, do_cpu_sync=True),
     "stats": lambda x, idx, w, h: dict(x=x, handle=h, cumulative_local_expert_recv_stats=torch.zeros(4).int()),
     "weights_shape": lambda x, idx, w, h: dict(x=x, handle=h, topk_weights=w[:, :2]),
+    "hidden_differs": lambda x, idx, w, h: dict(x=torch.cat([x, x], 1), handle=h),
+    "x_dtype_differs": lambda x, idx, w, h: dict(x=x.half(), handle=h),
 }  # fmt: skip
 COMBINE_CASES = {  # case -> kwargs of rank 1's combine
     "x_rows": lambda rx, h, w: dict(x=rx[:-1], handle=h),
@@ -97,6 +99,20 @@ def _errors(info):
     foreign = other.dispatch(x, idx, num_experts=E)[3]  # on every rank: a handle of another buffer
     seen["cached/foreign_handle"] = _error(lambda: buf.dispatch(x, handle=foreign))
     _good_round(buf, rank, r)
+    # across ranks: rank 1 alone reuses a handle / passes another buffer's / passes another dispatch's
+    mixed = dict(x=x, handle=handle) if rank == 1 else dict(x=x, topk_idx=idx, num_experts=E)
+    seen["cross/mixed"] = _error(lambda: buf.dispatch(**mixed))
+    _good_round(buf, rank, r)
+    one_foreign = dict(x=x, handle=foreign if rank == 1 else handle)
+    seen["cross/one_foreign"] = _error(lambda: buf.dispatch(**one_foreign))
+    _good_round(buf, rank, r)
+    # another dispatch: rank 1 keeps its tokens (sends rank 0 none), rank 0 routes as before; rank 1 passes its
+    # handle, rank 0 the first one, so rank 0 expects rows rank 1 does not send (found after the payload, on both)
+    own = (torch.arange(K) + rank * (E // r)).expand(x.shape[0], K).contiguous()
+    skewed = buf.dispatch(x, own if rank == 1 else idx, num_experts=E)[3]
+    other_dispatch = dict(x=x, handle=skewed if rank == 1 else handle)
+    seen["cross/other_dispatch"] = _error(lambda: buf.dispatch(**other_dispatch))
+    _good_round(buf, rank, r)
     for name, make in COMBINE_CASES.items():
         kwargs = make(recv_x, handle, recv_w) if rank == 1 else dict(x=recv_x, handle=handle)
         seen[f"combine/{name}"] = _error(lambda kw=kwargs: buf.combine(**kw))
@@ -119,6 +135,7 @@ def test_errors_on_every_rank():
                   "cached/alignment_differs": "expert_alignment", "cached/n_differs": "num_max_tokens_per_rank",
                   "cached/do_expand_differs": "do_expand", "cached/cpu_sync": "do_cpu_sync",
                   "cached/stats": "cumulative_local_expert_recv_stats", "cached/weights_shape": "topk_weights",
+                  "cached/hidden_differs": "x", "cached/x_dtype_differs": "x",
                   "combine/x_rows": "x", "combine/x_dtype": "x", "combine/weights_shape": "topk_weights",
                   "combine/bias_shape": "bias", "combine/three_biases": "bias",
                   "combine/not_a_handle": "handle"}  # fmt: skip
@@ -131,6 +148,11 @@ def test_errors_on_every_rank():
     for case in ("dispatch/n_differs", "dispatch/hidden_differs"):  # valid on each rank, inconsistent across them
         assert all("ranks disagree on" in res[case][1] for res in results), results[0][case]
     assert all("another ElasticBuffer" in res["cached/foreign_handle"][1] for res in results)
+    # a handle on one rank only, or handles of different dispatches: every rank raises, none waits for a timeout
+    assert all("ranks disagree on cached handle" in res["cross/mixed"][1] for res in results)
+    assert results[1]["cross/one_foreign"][0] == "handle" and "rejected on rank 1" in results[0]["cross/one_foreign"][1]
+    assert all(res["cross/other_dispatch"][0] == "handle" and "the handle of the same dispatch" in
+               res["cross/other_dispatch"][1] for res in results)  # fmt: skip
 
 
 def _peer_stops(info, where: str):

@@ -42,7 +42,7 @@ class ElasticAscend:
         self.backend, self.owner, self.multiple_reduction = backend, owner, allow_multiple_reduction
         self.rank, self.num_ranks = backend.rank, backend.num_ranks
 
-    def reject_dispatch(self, code: int, handle: EPHandle | None, num_shared: int) -> None:
+    def reject_dispatch(self, code: int, handle: EPHandle | None) -> None:
         """Validation is local on this backend (see the module docstring): nothing to tell the peers."""
 
     def reject_combine(self, code: int) -> None:
@@ -103,7 +103,7 @@ class ElasticAscend:
             d.do_expand, d.num_experts, d.alignment, d.num_max, d.num_sms,
             d.topk_idx.clone() if d.handle_copy else d.topk_idx, num_rows, num_expanded if d.do_expand else 0,
             listed, out["psum_per_rank"], out["psum_per_expert"], out["counts"], out["metadata"],  # type: ignore[arg-type]
-            slot_idx(plan, d.topk_idx, self.rank), dict(owner=self.owner),
+            slot_idx(plan, d.topk_idx, self.rank), dict(owner=self.owner, payload=d.payload),
         )  # fmt: skip
 
     def combine(self, c: Combine) -> tuple[torch.Tensor, torch.Tensor | None, Completion]:

@@ -19,7 +19,7 @@ import torch
 from ..elastic_params import Combine, Dispatch
 from ..engine.combine import CombineJob, start_combine
 from ..engine.dispatch import DispatchJob, start_dispatch
-from ..engine.elastic import X_DTYPE_CODES, ElasticLayout, Placement
+from ..engine.elastic import X_DTYPE_CODES, ElasticLayout, Placement, fingerprint, release_cached_peers
 from ..engine.plan import Plan, make_plan
 from ..engine.rows import ReturnFormat, RowFormat
 from ..ep_handle import EPHandle
@@ -58,12 +58,13 @@ class ElasticReference:
         plan = self._plan(d.topk_idx, d.num_local, False) if h is None else h.state["plan"]
         cached: Placement | None = None if h is None else h.state["placement"]
         layout = ElasticLayout(self.rank, self.num_ranks, d.num_max, d.num_local, payload, d.alignment, d.do_expand,
-                               d.zero_padding, d.tma_sf, d.x.device, d.sizes, cached)  # fmt: skip
+                               d.zero_padding, d.tma_sf, d.x.device, d.sizes, cached, self.ep)  # fmt: skip
         fmt = RowFormat(payload.num_bytes, torch.uint8, None, payload.num_topk, False, False)
+        known = None if cached is None else cached.rows_from
+        agreed = fingerprint(plan.rows_per_dest, known, (d.num_max, d.num_experts, *payload.fingerprint), fmt.row_bytes)
         job = DispatchJob(
-            self.ep, DISPATCH_OP, payload.pack(d.x, d.sf, d.topk_weights), plan, fmt, None, None,
-            (d.num_max, d.num_experts, *payload.fingerprint), layout, self.ws, tag=self._next_tag(),
-            known_counts=None if cached is None else cached.rows_from,
+            self.ep, DISPATCH_OP, payload.pack(d.x, d.sf, d.topk_weights), plan, fmt, None, None, agreed, layout,
+            self.ws, tag=self._next_tag(), known_counts=known,
         )  # fmt: skip
         completion = start_dispatch(job)
         handle = h if h is not None else self._handle(d, layout, plan, fmt.row_bytes) if d.sizes else None
@@ -88,17 +89,22 @@ class ElasticReference:
             d.do_expand, d.num_experts, d.alignment, d.num_max, d.num_sms,
             d.topk_idx.clone() if d.handle_copy else d.topk_idx, num_rows, num_expanded if d.do_expand else 0,
             listed, out["psum_per_rank"], out["psum_per_expert"], out["counts"], out["metadata"],  # type: ignore[arg-type]
-            slot_idx(plan, d.topk_idx, self.rank), dict(owner=self.owner, plan=plan, row_bytes=row_bytes),
+            slot_idx(plan, d.topk_idx, self.rank),
+            dict(owner=self.owner, plan=plan, row_bytes=row_bytes, payload=d.payload),
         )  # fmt: skip
 
-    def reject_dispatch(self, code: int, handle: EPHandle | None, num_shared: int) -> None:
-        """This rank rejected its dispatch: take part in the peers' exchange (fresh: the agreement step; cached: the
-        status step and the payload, with ``handle``'s counts) with status ``code``, so they raise too."""
+    def reject_dispatch(self, code: int, handle: EPHandle | None) -> None:
+        """This rank rejected its dispatch: take part in the peers' exchange with status ``code``, so they raise too
+        (without a handle: the agreement step, and the payload of peers that reuse a handle; with ``handle``: the
+        agreement step and the payload, with the handle's counts)."""
+        r, me, rest = self.num_ranks, self.rank, (0,) * (len(ElasticLayout.names) - 2)
+        zeros = [[0, 0] for _ in range(r)]
         if handle is None:
-            return self.ep.reject(DISPATCH_OP, code, 2, num_shared)
+            agreed = self.ep.start_agree(DISPATCH_OP, code, zeros, fingerprint([0] * r, None, rest, 0))()
+            return release_cached_peers(self.ep, agreed)
         place, plan, width = handle.state["placement"], handle.state["plan"], handle.state["row_bytes"]
-        me = self.rank
-        finish = self.ep.start_agree(DISPATCH_OP, code, [[] for _ in range(self.num_ranks)], [0] * num_shared)
+        finish = self.ep.start_agree(DISPATCH_OP, code, zeros, fingerprint(plan.rows_per_dest, place.rows_from, rest,
+                                                                          width))  # fmt: skip
         recv_rows = [0 if s == me else k for s, k in enumerate(place.rows_from)]
         send_rows = [0 if s == me else k for s, k in enumerate(plan.rows_per_dest)]
         recv = torch.empty((sum(recv_rows), width), dtype=torch.uint8, device=place.slots.device)

@@ -66,13 +66,13 @@ def start_dispatch(job: DispatchJob) -> Completion:
     the payload; with ``job.defer_payload`` it waits for nothing: the receive phase waits for the agreement, checks
     it and only then moves the payload (its size depends on the counts).
 
-    With ``job.known_counts`` (every rank of the call passes them) there is no count exchange: the agreement step
-    carries only the status and the fingerprint, travels alongside the payload instead of before it, and is checked
-    (``job.layout.check``) in the receive phase, before anything is placed."""
+    With ``job.known_counts`` (the rows each source sends here, already known) nothing waits for the counts: the
+    agreement step (the same row, so a peer without known counts still matches it) travels alongside the payload
+    instead of before it, and is checked (``job.layout.check``) in the receive phase, before anything is placed."""
     ep, plan, fmt, x, ws = job.ep, job.plan, job.fmt, job.x, job.workspace
     me, r, dev, lap = ep.rank, ep.num_ranks, x.device, profiling.laps("dispatch")
     known = job.known_counts
-    counts = [[plan.rows_per_dest[d], plan.pairs_per_dest[d]] if known is None else [] for d in range(r)]
+    counts = [[plan.rows_per_dest[d], plan.pairs_per_dest[d]] for d in range(r)]
     finish_agree = ep.start_agree(job.op, STATUS_OK, counts, job.fingerprint, device=dev)
     profiling.record_wire("dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], me, 8 * len(job.fingerprint))
     num_rows = int(plan.row_token.numel())

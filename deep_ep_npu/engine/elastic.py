@@ -18,7 +18,8 @@ import dataclasses
 
 import torch
 
-from ..group import Agreement
+from ..errors import shape
+from ..group import Agreement, EPGroup, comm_device
 from ..sizes import align
 from .dispatch import Received
 from .rows import RowFormat
@@ -100,24 +101,28 @@ class ElasticLayout:
     per slot or -1), ``psum_per_rank`` `[R]` int32 (inclusive), ``psum_per_expert`` `[L]` int32, ``counts`` `[L]`
     int32 (unaligned); allocated up front when ``sizes`` is given, else at the receive (exact sizes)."""
 
-    names = ("num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "scale-factor columns",
-             "scale-factor dtype", "num_topk")  # fmt: skip
+    names = ("cached handle", "num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "scale-factor columns",
+             "scale-factor dtype", "num_topk", "row bytes")  # fmt: skip
+    """What every rank must agree on (:func:`fingerprint`, after its two count vectors)."""
 
     # fmt: off
     def __init__(self, rank: int, num_ranks: int, num_max: int, num_local: int, payload: Payload, alignment: int,
                  do_expand: bool, zero_padding: bool, tma_sf: bool, device: torch.device,
-                 sizes: tuple[int, int] | None = None, cached: Placement | None = None) -> None:
+                 sizes: tuple[int, int] | None = None, cached: Placement | None = None,
+                 ep: EPGroup | None = None) -> None:
         # fmt: on
         self.rank, self.num_ranks, self.num_max, self.num_local = rank, num_ranks, num_max, num_local
         self.payload, self.alignment, self.do_expand = payload, alignment, do_expand
         self.zero_padding, self.tma_sf, self.device, self.placement = zero_padding, tma_sf, device, cached
         self.sizes = sizes  # (rows, expand rows) to allocate, known up front (no CPU sync, a cached handle)
+        self.ep = ep  # the group (needed by check)
         self.outputs: dict[str, torch.Tensor | None] = {}
         if sizes is not None:
             self.alloc(*sizes)
 
     def check(self, agreement: Agreement) -> None:
-        agreement.check(self.rank, self.names)
+        assert self.ep is not None
+        check_agreement(self.ep, agreement, cached=self.placement is not None)
 
     def alloc(self, num_rows: int, num_expanded: int) -> None:
         """Allocate the outputs for ``num_rows`` received tokens and ``num_expanded`` expand rows."""
@@ -228,3 +233,46 @@ def _copy_rows(out: torch.Tensor | None, rows: torch.Tensor) -> None:
 def _put(out: torch.Tensor | None, pos: torch.Tensor, values: torch.Tensor) -> None:
     assert out is not None
     out[pos] = values
+
+
+def fingerprint(send_rows: list[int], expect_rows: list[int] | None, rest: tuple[int, ...], row_bytes: int) -> tuple:
+    """A V2 dispatch's agreement values: the rows this rank sends to each rank, the rows it expects from each (a
+    cached handle's; -1 each without one), whether it reuses a handle, then ``rest`` (``ElasticLayout.names``
+    between the flag and the row bytes) and the row bytes."""
+    expect = [-1] * len(send_rows) if expect_rows is None else list(expect_rows)
+    return (*send_rows, *expect, int(expect_rows is not None), *rest, row_bytes)
+
+
+def release_cached_peers(ep: EPGroup, agreement: Agreement) -> None:
+    """Peers that reuse a handle have their payload in flight already: a rank that does not (a fresh call, or one
+    that rejected its input) takes part in it with zeros, so that every rank gets to raise instead of waiting."""
+    r, me = ep.num_ranks, ep.rank
+    cached = [fp[2 * r] == 1 and p != me for p, fp in enumerate(agreement.shared)]
+    if not any(cached):
+        return
+    width = [fp[-1] for fp in agreement.shared]
+    recv = [agreement.shared[p][me] * width[p] if cached[p] else 0 for p in range(r)]
+    send = [agreement.shared[p][r + me] * width[p] if cached[p] else 0 for p in range(r)]
+    dev = comm_device(ep.comm)
+    recv_t = torch.empty((sum(recv),), dtype=torch.uint8, device=dev)
+    ep.wait(ep.all_to_all(recv_t, torch.zeros((sum(send),), dtype=torch.uint8, device=dev), recv, send,
+                          "payload exchange"), "payload exchange")  # fmt: skip
+
+
+def check_agreement(ep: EPGroup, agreement: Agreement, cached: bool) -> None:
+    """Raise the same error on every rank when any rank rejected its input, when some ranks reuse a handle and
+    others do not, when the ranks' handles do not describe the same dispatch (the rows one sends another differ from
+    what the other expects), or when they disagree on a value of ``ElasticLayout.names``."""
+    r, me = ep.num_ranks, ep.rank
+    if not cached:
+        release_cached_peers(ep, agreement)
+    agreement.check(me, ())
+    shared = agreement.shared
+    if all(fp[2 * r] == 1 for fp in shared):
+        bad = [(p, q) for p in range(r) for q in range(r) if p != q and shared[p][q] != shared[q][r + p]]
+        if bad:
+            (p, q), n = bad[0], len(bad)
+            raise shape("handle", f"rank {p}'s handle sends {shared[p][q]} rows to rank {q}, whose handle expects "
+                        f"{shared[q][r + p]} from it ({n} rank pairs differ): every rank must pass the handle of the "
+                        "same dispatch")  # fmt: skip
+    agreement.check(me, ElasticLayout.names, offset=2 * r)
