@@ -82,6 +82,24 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm_ep2) -> None:
     )
 
 
+def test_n_samples_logprobs_and_prompt_logprobs_offline(qwen, llm_ep2) -> None:  # noqa: ANN001
+    """vLLM's offline shapes: ``n`` outputs (sample i seeded seed + i), ``logprobs`` per generated token as
+    ``{token_id: logprob}`` with the sampled token and the top alternatives, ``prompt_logprobs`` per prompt token."""
+    prompt = PROMPTS[3]
+    out = llm_ep2.generate(prompt, SamplingParams(max_tokens=6, temperature=1.2, seed=5, n=3, ignore_eos=True))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    for i, o in enumerate(out.outputs):
+        alone = SamplingParams(max_tokens=6, temperature=1.2, seed=5 + i, ignore_eos=True)
+        assert o.token_ids == llm_ep2.generate(prompt, alone)[0].outputs[0].token_ids
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=0)
+    g = llm_ep2.generate(prompt, greedy)[0]
+    assert g.outputs[0].token_ids == qwen[1][3][:4]
+    for token, entry in zip(g.outputs[0].token_ids, g.outputs[0].logprobs, strict=True):
+        assert token in entry and len(entry) == 2 and entry[token] == max(entry.values())  # greedy: the best
+    assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(prompt)
+    assert all(list(d) == [t] for d, t in zip(g.prompt_logprobs[1:], prompt[1:], strict=True))
+
+
 def test_stop_token_ids_stop_strings_and_text(qwen, llm_ep2) -> None:  # noqa: ANN001
     prompt, golden = PROMPTS[1], qwen[1][1]
     full = llm_ep2.generate(prompt, GREEDY)[0].outputs[0]

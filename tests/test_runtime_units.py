@@ -86,3 +86,44 @@ def test_sampler_greedy_top_k_top_p_and_seed() -> None:
     assert full == [sample_one(logits, SamplingParams(temperature=1.0), gen(s)) for s in range(400)]
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_sampler_min_p_bias_penalties_and_logprobs() -> None:
+    from server.runtime.request_sampler import RequestSampler
+
+    logits = torch.tensor([1.0, 3.0, 2.9, -5.0, 0.0])
+    gen = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    # probabilities at T=1: [.063, .467, .423, .0003, .023]; min_p 0.2 keeps tokens with p >= 0.093: 1 and 2
+    assert {sample_one(logits, SamplingParams(temperature=1.0, min_p=0.2), gen(s)) for s in range(200)} == {1, 2}
+    assert sample_one(logits, SamplingParams(temperature=0, logit_bias={3: 9.0}), gen(0)) == 3  # -5 + 9 > 3
+    assert sample_one(logits, SamplingParams(temperature=0, logit_bias={1: 1e9}), gen(0)) == 1  # clamped to 100
+    sampler = RequestSampler(SamplingParams(temperature=0.5, logprobs=2, repetition_penalty=2.0), gen(0), 5)
+    sampler.feed([1, 3], None)  # prompt tokens: 3 -> 1.5 (divided), -5 -> -10 (multiplied)
+    _, logprob, prompt = sampler.sample(logits)
+    want = torch.log_softmax(torch.tensor([1.0, 1.5, 2.9, -10.0, 0.0]) / 0.5, dim=-1)  # penalty, then temperature
+    assert prompt is None and logprob is not None
+    assert logprob.logprob == pytest.approx(float(want[logprob.token_id]), abs=1e-6)
+    assert [t for t, _ in logprob.top] == [2, 1] and [v for _, v in logprob.top] == pytest.approx(
+        [float(want[2]), float(want[1])], abs=1e-6
+    )
+    for param, value in [("presence_penalty", 2.5), ("min_p", -0.1), ("repetition_penalty", 0.0), ("logprobs", 21),
+                         ("n", 0), ("logit_bias", {-1: 1.0})]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{param}: "):
+            SamplingParams(**{param: value})
+
+
+def test_sample_seeds_and_prompt_logprobs_across_chunks() -> None:
+    from server.runtime.request_sampler import RequestSampler
+
+    assert [SamplingParams(seed=2**64 - 2, n=3).for_sample(i).seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
+    assert SamplingParams(n=3).for_sample(2).seed is None and SamplingParams(n=3).for_sample(2).n == 1
+    rows = torch.randn(5, 7)  # the model's logits after tokens 0..4 of the prompt [4, 6, 1, 0, 2]
+    sampler = RequestSampler(SamplingParams(temperature=0, prompt_logprobs=1), torch.Generator(), 7)
+    assert sampler.wants_all_logits
+    sampler.feed([4, 6, 1], rows[:3])  # two prefill chunks: 3 + 2 tokens
+    sampler.feed([0, 2], rows[3:])
+    token, _, prompt = sampler.sample(rows[4])
+    assert token == int(rows[4].argmax()) and not sampler.wants_all_logits
+    want = torch.log_softmax(rows, dim=-1)  # the prompt token after row i is scored by row i
+    assert prompt is not None and prompt[0] is None
+    assert [p.logprob for p in prompt[1:]] == pytest.approx([float(want[i, t]) for i, t in enumerate([6, 1, 0, 2])])

@@ -125,6 +125,18 @@ def test_streamed_logprobs_equal_the_full_response(hf_and_server):
     assert offsets == full.text_offset
 
 
+def test_streamed_chat_logprobs_equal_the_full_response(hf_and_server):
+    _, _, client = hf_and_server
+    body = dict(model="tiny", messages=[{"role": "user", "content": "yo"}], max_tokens=4, temperature=0,
+                logprobs=True, top_logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    full = client.chat.completions.create(**body).choices[0].logprobs.content
+    chunks = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob, len(t.top_logprobs)) for t in streamed] == [
+        (t.token, t.logprob, 1) for t in full
+    ] and len(full) == 4
+
+
 def test_defaults_clients_send_and_unknown_fields_are_accepted(hf_and_server, caplog):
     _, _, client = hf_and_server
     with caplog.at_level(logging.WARNING, logger="server.api"):
