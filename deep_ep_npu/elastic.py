@@ -93,7 +93,9 @@ class ElasticBuffer:
         self.prefer_overlap_with_compute, self.explicitly_destroy = prefer_overlap_with_compute, explicitly_destroy
         self.num_allocated_qps = num_allocated_qps or 17
         self.backend_name = resolve_backend_name(backend)
-        config = BufferConfig(explicitly_destroy=explicitly_destroy, timeout=resolve_timeout(timeout))
+        # rows move by the group's collectives (start_dispatch / start_combine), never by a shared-memory window
+        config = BufferConfig(explicitly_destroy=explicitly_destroy, timeout=resolve_timeout(timeout),
+                              transport="collective")  # fmt: skip
         self._backend = create_backend(self.backend_name, group, config)
         module, _, cls = _ENGINES[self.backend_name].partition(":")
         self._engine: Any = getattr(importlib.import_module(module), cls)(self._backend, self, allow_multiple_reduction)
