@@ -184,7 +184,8 @@ def _cached_rules(c: dict[str, Any], h: EPHandle, x: torch.Tensor, sf: torch.Ten
         if name != "do_expand" and c[name] is None:
             continue
         if c[name] != want or type(c[name]) is not type(want):
-            raise invalid(name, f"is {c[name]!r} but the cached handle's is {want!r}; pass {want!r} (or None)")
+            also = "" if name == "do_expand" else " (or None)"
+            raise invalid(name, f"is {c[name]!r} but the cached handle's is {want!r}; pass {want!r}{also}")
     if x.shape[0] != h.num_tokens:
         raise shape("x", f"has {x.shape[0]} tokens but the cached handle was made for {h.num_tokens}")
 
