@@ -102,7 +102,7 @@ def start_combine(job: CombineJob) -> Completion:
         own = local if local is not None else reduce_own(job)
         wait_ns = transfer.wait()
         lap("collective_wait")
-        reduce_remote(job, own, fmt.decode_float(recv), agreement, wait_ns)
+        reduce_remote(job, own, decode_rows(job, [recv]), agreement, wait_ns)
         lap("unpacking")
 
     return Completion(finish)
@@ -139,11 +139,15 @@ def reduce_own(job: CombineJob) -> Local:
     own_src = slice(lo := sum(job.rows_per_src[:me]), lo + job.rows_per_src[me])  # this rank's return rows
     own = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])  # this rank's own pairs
     token, weights = plan.token, job.weights.unsqueeze(1)
-    own_y = job.source.index_select(0, job.return_rows[own_src])
+    rows, ws = job.return_rows[own_src], job.workspace
+    raw = ws.get(f"combine_own{job.tag}", (rows.numel(), fmt.hidden), job.source.dtype)
+    torch.index_select(job.source, 0, rows, out=raw)
     if fmt.quantized:  # own rows take the same int8 round trip as the remote ones
-        packed = torch.empty((own_y.shape[0], fmt.row_bytes), dtype=torch.uint8, device=dev)
-        fmt.encode(own_y, packed)
+        packed = torch.empty((raw.shape[0], fmt.row_bytes), dtype=torch.uint8, device=dev)
+        fmt.encode(raw, packed)
         own_y = fmt.decode_float(packed)
+    else:  # converted into reused scratch (a fresh tensor of this size costs its page faults every call)
+        own_y = ws.get(f"combine_own_f{job.tag}", tuple(raw.shape), torch.float32).copy_(raw)
     acc = job.workspace.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32).zero_()
     if not job.by_slot:
         _accumulate(acc, own_y, token[own], weights[own])
@@ -174,6 +178,22 @@ def reduce_remote(job: CombineJob, local: Local, y: torch.Tensor, agreement: Agr
     job.out.copy_(acc)
     if job.on_wait is not None:
         job.on_wait(agreement, wait_ns)
+
+
+def decode_rows(job: CombineJob, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The received rows ``parts`` (each `[n_i, row_bytes]` uint8, by source rank) as one `[sum n_i, hidden]` fp32
+    tensor (reused scratch when the rows are not quantized; :meth:`ReturnFormat.decode_float`'s values)."""
+    fmt, total = job.fmt, sum(p.shape[0] for p in parts)
+    y = job.workspace.get(f"combine_y{job.tag}", (total, fmt.hidden), torch.float32)
+    begin = 0
+    for p in parts:
+        n = p.shape[0]
+        if fmt.quantized:
+            y[begin : begin + n] = fmt.decode_float(p)
+        elif n:
+            y[begin : begin + n].copy_(p.view(fmt.dtype))
+        begin += n
+    return y
 
 
 def _accumulate(acc: torch.Tensor, y: torch.Tensor, token: torch.Tensor, weights: torch.Tensor) -> None:

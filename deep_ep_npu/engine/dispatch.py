@@ -83,7 +83,7 @@ def start_dispatch(job: DispatchJob) -> Completion:
     if job.weights is not None:
         weights = torch.zeros((num_rows, fmt.num_slots), dtype=torch.float32, device=dev)
         weights[plan.row_of_pair, plan.slot] = job.weights
-    fmt.encode_into(send, torch.index_select(x, 0, plan.row_token), plan.row_token, slot_expert, weights, job.smooth)
+    fmt.encode_gathered(send, x, plan.row_token, slot_expert, weights, job.smooth)
     lap("packing")  # (while the agreement travels)
     own_rows = send[plan.num_remote_rows :]
     own = parse(fmt, own_rows, torch.full((own_rows.shape[0],), me, device=dev), None)

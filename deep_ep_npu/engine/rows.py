@@ -68,6 +68,19 @@ class RowFormat:
         if weights is not None:
             out[:, self.weight_off : self.end].view(torch.float32).copy_(weights)
 
+    def encode_gathered(self, out: torch.Tensor, x: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
+                        weights: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:  # fmt: skip
+        """:meth:`encode_into` of rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64); unquantized data is
+        gathered straight into ``out`` (one copy instead of a gather and a copy)."""
+        if self.quant is not None:
+            return self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
+        torch.index_select(x, 0, token, out=out[:, : self.data_bytes].view(self.data_dtype))
+        out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
+        out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
+        if weights is not None:
+            out[:, self.weight_off : self.end].view(torch.float32).copy_(weights)
+        return None
+
     def tokens(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[:, self.token_off : self.slot_off].view(torch.int32).view(-1)
 

@@ -20,7 +20,7 @@ from .. import profiling
 from ..errors import invalid
 from ..event import Completion
 from ..group import STATUS_OK, Agreement
-from .combine import CombineJob, check_agreement, reduce_own, reduce_remote
+from .combine import CombineJob, check_agreement, decode_rows, reduce_own, reduce_remote
 from .dispatch import DispatchJob, Received, parse
 from .window import Call, ShmWindow
 
@@ -64,7 +64,6 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
     if job.weights is not None:
         weights = torch.zeros((num_rows, fmt.num_slots), dtype=torch.float32, device=dev)
         weights[plan.row_of_pair, plan.slot] = job.weights
-    x_rows = torch.index_select(x, 0, plan.row_token)
     begin, counts = 0, [[plan.rows_per_dest[d], plan.pairs_per_dest[d]] for d in range(r)]
     for d in [*(d for d in range(r) if d != me), me]:  # the plan's row order: remote ranks, then this rank
         k, rows = plan.rows_per_dest[d], slice(begin, begin + plan.rows_per_dest[d])
@@ -79,7 +78,7 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
             continue
         smooth = None if job.smooth is None else job.smooth[rows]
         w = None if weights is None else weights[rows]
-        fmt.encode_into(out, x_rows[rows], plan.row_token[rows], slot_expert[rows], w, smooth)
+        fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], w, smooth)
         if d != me:
             win.post(call, d, [STATUS_OK, *counts[d], *job.fingerprint])
     lap("packing")
@@ -154,14 +153,8 @@ def start_combine_shm(job: CombineJob, win: ShmWindow) -> Completion:
             check_agreement(job, agreement)
             assert local is not None, "own sends and expects agree once checked"
             counts = [0 if s == me else fp[me] for s, fp in enumerate(agreement.shared)]
-            y = torch.empty((sum(counts), fmt.hidden), dtype=torch.float32, device=job.source.device)
-            begin = 0
-            for s, k in enumerate(counts):
-                if k:
-                    region = win.region(me, call, s, fmt.row_bytes, k)
-                    y[begin : begin + k] = region.view(fmt.dtype) if not fmt.quantized else fmt.decode_float(region)
-                begin += k
-            reduce_remote(job, local, y, agreement, wait_ns)
+            parts = [win.region(me, call, s, fmt.row_bytes, k) for s, k in enumerate(counts) if k]
+            reduce_remote(job, local, decode_rows(job, parts), agreement, wait_ns)
         finally:
             win.release(call)
         lap("unpacking")
