@@ -64,7 +64,7 @@ class ElasticReference:
         agreed = fingerprint(plan.rows_per_dest, known, (d.num_max, d.num_experts, *payload.fingerprint), fmt.row_bytes)
         job = DispatchJob(
             self.ep, DISPATCH_OP, payload.pack(d.x, d.sf, d.topk_weights), plan, fmt, None, None, agreed, layout,
-            self.ws, tag=self._next_tag(), known_counts=known,
+            self.ws, tag=self._next_tag(), known_counts=known, defer_payload=True,
         )  # fmt: skip
         completion = start_dispatch(job)
         handle = h if h is not None else self._handle(d, layout, plan, fmt.row_bytes) if d.sizes else None
@@ -145,7 +145,7 @@ class ElasticReference:
             weight_plan = _cached(h, "return_plan", lambda: self._return_plan(h, True))
             jobs.append((w_rows, torch.arange(total, device=x.device), place.rows_from, weight_plan,
                          ReturnFormat(h.num_topk, torch.float32, 0), combined_weights, None, fingerprint))  # fmt: skip
-        completions = []
+        completions = []  # each job's agreement is awaited in its send phase: a peer's rejection stops the next one
         for src, ret, per_src, pl, fmt, out, add, fp in jobs:
             job = CombineJob(
                 self.ep, COMBINE_OP, src, ret, list(per_src), pl, torch.ones_like(pl.token, dtype=torch.float32), fmt,
