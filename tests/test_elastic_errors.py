@@ -78,6 +78,7 @@ COMBINE_CASES = {  # case -> kwargs of rank 1's combine
     "bias_shape": lambda rx, h, w: dict(x=rx, handle=h, bias=torch.zeros((1, H), dtype=torch.bfloat16)),
     "three_biases": lambda rx, h, w: dict(x=rx, handle=h, bias=(rx[:1], rx[:1], rx[:1])),
     "not_a_handle": lambda rx, h, w: dict(x=rx, handle=(1, 2)),
+    "weights_on_one_rank": lambda rx, h, w: dict(x=rx, handle=h),  # valid, but rank 0 passes weights
 }
 
 
@@ -114,7 +115,8 @@ def _errors(info):
     seen["cross/other_dispatch"] = _error(lambda: buf.dispatch(**other_dispatch))
     _good_round(buf, rank, r)
     for name, make in COMBINE_CASES.items():
-        kwargs = make(recv_x, handle, recv_w) if rank == 1 else dict(x=recv_x, handle=handle)
+        # rank 0 passes weights: its combine runs a second exchange, which a rejection must stop before it starts
+        kwargs = make(recv_x, handle, recv_w) if rank == 1 else dict(x=recv_x, handle=handle, topk_weights=recv_w)
         seen[f"combine/{name}"] = _error(lambda kw=kwargs: buf.combine(**kw))
         _good_round(buf, rank, r)
     other.destroy()
@@ -145,7 +147,8 @@ def test_errors_on_every_rank():
     for case in want_param:  # its peer learns of it through the agreement step, before any payload moves
         param, message = results[0][case]
         assert param == "inputs" and "rejected on rank 1" in message, (case, message)
-    for case in ("dispatch/n_differs", "dispatch/hidden_differs"):  # valid on each rank, inconsistent across them
+    # valid on each rank, inconsistent across them
+    for case in ("dispatch/n_differs", "dispatch/hidden_differs", "combine/weights_on_one_rank"):
         assert all("ranks disagree on" in res[case][1] for res in results), results[0][case]
     assert all("another ElasticBuffer" in res["cached/foreign_handle"][1] for res in results)
     # a handle on one rank only, or handles of different dispatches: every rank raises, none waits for a timeout
