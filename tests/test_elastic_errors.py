@@ -126,6 +126,36 @@ def _errors(info):
     return seen
 
 
+def _constructor(info):
+    r = info.world_size
+    every_keyword = dict(num_bytes=4 << 20, num_cpu_bytes=0, num_max_tokens_per_rank=N, hidden=H, num_topk=K,
+                         use_fp8_dispatch=True, deterministic=True, allow_hybrid_mode=False,
+                         allow_multiple_reduction=True, prefer_overlap_with_compute=False, sl_idx=0,
+                         num_allocated_qps=4,
+                         num_cpu_timeout_secs=10, num_gpu_timeout_secs=10, explicitly_destroy=True)  # fmt: skip
+    buf = ElasticBuffer(info.group, **every_keyword, backend="reference")
+    _good_round(buf, info.rank, r)
+    hint = ElasticBuffer.get_buffer_size_hint(info.group, N, H, K, use_fp8_dispatch=True)
+    sms = (buf.get_theoretical_num_sms(E, K), ElasticBuffer(info.group).get_theoretical_num_sms(E, K))
+    out = dict(hint=hint, sms=sms, qps=buf.get_theoretical_num_qps(sms[0]), domain=buf.get_logical_domain_size(),
+               stream=buf.get_comm_stream())  # fmt: skip
+    buf.barrier()
+    buf.destroy()
+    for bad in (dict(num_bytes=(2 << 20) + 1), dict(hidden=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ElasticBuffer(info.group, **bad)
+    with pytest.raises(RuntimeError, match="explicitly_destroy"):
+        ElasticBuffer(info.group).destroy()
+    return out
+
+
+def test_constructor_and_helpers():
+    for res in parallel_launch(2, _constructor, timeout=60):
+        token_bytes = H + 4 * (H // 32) + 12 * K + 8  # the documented fp8 model
+        assert res["hint"] % (2 << 20) == 0 and res["hint"] >= 2 * N * token_bytes
+        assert res["sms"] == (64, 20) and res["qps"] == 9 and res["domain"] == (1, 2) and res["stream"] is None
+
+
 def test_errors_on_every_rank():
     results = parallel_launch(2, _errors, timeout=120)
     assert results[0].keys() == results[1].keys()
