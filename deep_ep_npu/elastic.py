@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import BufferConfig, create_backend, resolve_backend_name
-from .elastic_params import owned_handle, validate_combine, validate_dispatch
+from .elastic_params import validate_combine, validate_dispatch
 from .ep_handle import EPHandle
 from .errors import MoeDistributeError
 from .event import Completion, EventHandle, EventOverlap
@@ -213,9 +213,7 @@ class ElasticBuffer:
             d = validate_dispatch(locals(), num_ranks=self.num_ranks, default_num_max=self.num_max_tokens_per_rank,
                                   owner=self)  # fmt: skip
         except MoeDistributeError as err:
-            with contextlib.suppress(MoeDistributeError):
-                handle = owned_handle(handle, self) if handle is not None else None
-            self._engine.reject_dispatch(err.code, handle if isinstance(handle, EPHandle) else None)
+            self._engine.reject_dispatch(err.code)
             raise
         layout, early, completion = self._engine.dispatch(d)
         async_finish = d.async_finish and d.sizes is not None

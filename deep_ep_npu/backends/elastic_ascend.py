@@ -42,7 +42,7 @@ class ElasticAscend:
         self.backend, self.owner, self.multiple_reduction = backend, owner, allow_multiple_reduction
         self.rank, self.num_ranks = backend.rank, backend.num_ranks
 
-    def reject_dispatch(self, code: int, handle: EPHandle | None) -> None:
+    def reject_dispatch(self, code: int) -> None:
         """Validation is local on this backend (see the module docstring): nothing to tell the peers."""
 
     def reject_combine(self, code: int) -> None:

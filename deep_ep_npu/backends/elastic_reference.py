@@ -93,25 +93,13 @@ class ElasticReference:
             dict(owner=self.owner, plan=plan, row_bytes=row_bytes, payload=d.payload),
         )  # fmt: skip
 
-    def reject_dispatch(self, code: int, handle: EPHandle | None) -> None:
-        """This rank rejected its dispatch: take part in the peers' exchange with status ``code``, so they raise too
-        (without a handle: the agreement step, and the payload of peers that reuse a handle; with ``handle``: the
-        agreement step and the payload, with the handle's counts)."""
-        r, me, rest = self.num_ranks, self.rank, (0,) * (len(ElasticLayout.names) - 2)
-        zeros = [[0, 0] for _ in range(r)]
-        if handle is None:
-            agreed = self.ep.start_agree(DISPATCH_OP, code, zeros, fingerprint([0] * r, None, rest, 0))()
-            return release_cached_peers(self.ep, agreed)
-        place, plan, width = handle.state["placement"], handle.state["plan"], handle.state["row_bytes"]
-        finish = self.ep.start_agree(DISPATCH_OP, code, zeros, fingerprint(plan.rows_per_dest, place.rows_from, rest,
-                                                                          width))  # fmt: skip
-        recv_rows = [0 if s == me else k for s, k in enumerate(place.rows_from)]
-        send_rows = [0 if s == me else k for s, k in enumerate(plan.rows_per_dest)]
-        recv = torch.empty((sum(recv_rows), width), dtype=torch.uint8, device=place.slots.device)
-        send = torch.zeros((sum(send_rows), width), dtype=torch.uint8, device=place.slots.device)
-        self.ep.transfer(recv, send, recv_rows, send_rows, "payload exchange").wait()
-        finish()
-        return None
+    def reject_dispatch(self, code: int) -> None:
+        """This rank rejected its dispatch: it takes part in the agreement step with status ``code``, and in the
+        payload of the peers that reuse a handle with the rows each announced (whatever this rank's own handle says),
+        so every peer raises too."""
+        r, rest = self.num_ranks, (0,) * (len(ElasticLayout.names) - 2)
+        agreed = self.ep.start_agree(DISPATCH_OP, code, [[0, 0]] * r, fingerprint([0] * r, None, rest, 0))()
+        release_cached_peers(self.ep, agreed)
 
     def reject_combine(self, code: int) -> None:
         self.ep.reject(COMBINE_OP, code, 0, 2 * self.num_ranks + len(COMBINE_NAMES))
