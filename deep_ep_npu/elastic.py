@@ -215,6 +215,7 @@ class ElasticBuffer:
         except MoeDistributeError as err:
             self._engine.reject_dispatch(err.code)
             raise
+        d.num_sms = d.num_sms or self.get_theoretical_num_sms(d.num_experts, d.topk_idx.shape[1])  # as DeepEP
         layout, early, completion = self._engine.dispatch(d)
         async_finish = d.async_finish and d.sizes is not None
         holder: list[EPHandle] = []

@@ -139,6 +139,7 @@ def _constructor(info):
     sms = (buf.get_theoretical_num_sms(E, K), ElasticBuffer(info.group).get_theoretical_num_sms(E, K))
     out = dict(hint=hint, sms=sms, qps=buf.get_theoretical_num_qps(sms[0]), domain=buf.get_logical_domain_size(),
                stream=buf.get_comm_stream())  # fmt: skip
+    out["handle_num_sms"] = buf.dispatch(*_inputs(info.rank)[:2], num_experts=E)[3].num_sms
     buf.barrier()
     buf.destroy()
     for bad in (dict(num_bytes=(2 << 20) + 1), dict(hidden=-1)):
@@ -154,6 +155,7 @@ def test_constructor_and_helpers():
         token_bytes = H + 4 * (H // 32) + 12 * K + 8  # the documented fp8 model
         assert res["hint"] % (2 << 20) == 0 and res["hint"] >= 2 * N * token_bytes
         assert res["sms"] == (64, 20) and res["qps"] == 9 and res["domain"] == (1, 2) and res["stream"] is None
+        assert res["handle_num_sms"] == 64  # num_sms=0: the theoretical count, stored in the handle
 
 
 def test_errors_on_every_rank():
