@@ -271,6 +271,8 @@ class ShmWindow:
         for peer in self.peers.values():
             self._send(peer, [BYE, 0])
             _close_fds(peer)
+            peer.gone = "this rank closed the window"
+        self.peers.clear()  # the peers' windows are unmapped once their tensors are freed
 
 
 class _Monitor(GroupMonitor):
