@@ -324,8 +324,8 @@ def _connect(sock, me: int, r: int, tokens: list[int], sizes: list[int], timeout
             if outbox:
                 q, wr = outbox[0]
                 try:
-                    fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd, wr]))]
-                    sock.sendmsg([struct.pack("<qq", me, tokens[me])], fds, 0, _address(tokens[q]))
+                    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd, wr]))]
+                    sock.sendmsg([struct.pack("<qq", me, tokens[me])], ancillary, 0, _address(tokens[q]))
                     os.close(wr)
                     outbox.pop(0)
                 except BlockingIOError:
