@@ -11,7 +11,7 @@ sequence number, op, validation status, counts and fingerprint: everything the a
 "done" (the destination has read the source's region of that call, which may now be reused), or "bye" (the source
 destroyed its Buffer). A pipe write and read are system calls that take the pipe's lock in the kernel: the writer's
 earlier stores (the rows) are released before the message is visible, the reader acquires them before it reads the
-rows, on any CPU (aarch64 included). Waiting is ``select`` on the pipes: a blocked rank uses no CPU. A peer that exits
+rows, on any CPU (aarch64 included). Waiting is ``poll`` on the pipes: a blocked rank uses no CPU. A peer that exits
 closes its pipes, so its death is seen at once (end of file); a peer that hangs is found at the timeout. Either way the
 survivors agree on the missing ranks through the c10d store (:class:`~deep_ep_npu.failure.GroupMonitor`, under its own
 key prefix) and raise :class:`~deep_ep_npu.failure.EPRankFailure`.
@@ -212,7 +212,7 @@ class ShmWindow:
             peer.gone = f"its pipe closed ({err.strerror})"
 
     def _pump(self, peer: _Peer) -> None:
-        """Read what the peer sent (non-blocking: called when ``select`` says the pipe is readable)."""
+        """Read what the peer sent (non-blocking: called when ``poll`` says the pipe is readable)."""
         try:
             data = os.read(peer.in_fd, 1 << 16)
         except OSError as err:
@@ -244,7 +244,10 @@ class ShmWindow:
                 return
             if any(p.gone for p in waiting) or (left := deadline - time.monotonic()) <= 0:
                 break
-            readable, _, _ = select.select([p.in_fd for p in waiting], [], [], left)
+            poller = select.poll()  # (not select(): file descriptors above 1023 are fine)
+            for p in waiting:
+                poller.register(p.in_fd, select.POLLIN)
+            readable = {fd for fd, _ in poller.poll(max(1, int(left * 1000)))}
             for peer in waiting:
                 if peer.in_fd in readable:
                     self._pump(peer)
@@ -333,7 +336,9 @@ def _connect(sock, me: int, r: int, tokens: list[int], sizes: list[int], timeout
             try:
                 msg, fds, _, _ = socket.recv_fds(sock, 64, 2)
             except BlockingIOError:
-                select.select([sock], [], [], 0.01)
+                poller = select.poll()
+                poller.register(sock.fileno(), select.POLLIN)
+                poller.poll(10)
                 continue
             q, token = struct.unpack("<qq", msg)
             if len(fds) != 2 or not 0 <= q < r or q == me or token != tokens[q]:
