@@ -15,10 +15,12 @@ dispatch and combine, and dispatch results (``recv_x``, its scales, ``recv_count
 between two sets, valid until the next-but-one dispatch. Finish a call's receive before the next-but-one call.
 
 Failures: the calls are collective (every rank calls, also with 0 tokens). Invalid input on any rank raises
-:class:`MoeDistributeError` (a ValueError) on every rank before any payload moves. A rank that exits or stops calling
-makes every other rank raise :class:`deep_ep_npu.EPRankFailure` (a RuntimeError) naming it, from the call or its
-``hook()`` / event, within about ``timeout`` (never a hang); with ``enable_shrink`` (reference backend) the survivors
-instead agree on the failed ranks, continue on a group of themselves, mask them and re-run the interrupted call.
+:class:`MoeDistributeError` (a ValueError) on every rank before any received row is placed (a peer's rejection is
+raised by the receive: ``hook()`` / the event with ``return_recv_hook`` / ``async_finish``). A rank that exits or
+stops calling makes every other rank raise :class:`deep_ep_npu.EPRankFailure` (a RuntimeError) naming it, from the
+call or its ``hook()`` / event, within about ``timeout`` (never a hang); with ``enable_shrink`` (reference backend)
+the survivors instead agree on the failed ranks, continue on a group of themselves, mask them and re-run the
+interrupted call.
 """
 
 from __future__ import annotations
