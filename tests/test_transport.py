@@ -150,3 +150,35 @@ def test_auto_picks_shm_on_one_host_and_the_option_or_env_forces():
     assert parallel_launch(2, _choice, timeout=60) == [("shm", "collective", "shm")] * 2
     with pytest.raises(ValueError, match=r"transport: must be one of \['auto', 'shm', 'collective'\], got 'nvshmem'"):
         Buffer(object(), transport="nvshmem")
+
+
+def _small_window(info):
+    """A window too small for one rank's rows: that rank names ``num_rdma_bytes``, its peer learns of the rejection
+    from the signal (no hang), and the next call that fits works."""
+    from deep_ep_npu import MoeDistributeError
+    from deep_ep_npu.engine import transport
+
+    transport.DEFAULT_WINDOW_BYTES = 4096 + (64 << 10)  # 16 KiB per (half, source): 31 rows of 528 bytes
+    buf = Buffer(info.group, transport="shm", timeout=10)
+    g = torch.Generator().manual_seed(info.rank)
+    n = 64 if info.rank == 1 else 0
+    x, idx = torch.randn((n, HIDDEN), generator=g).to(torch.bfloat16), torch.zeros((n, TOPK), dtype=torch.int64)
+    idx[:, 1:] = -1  # every token to expert 0 on rank 0: 64 rows for rank 0
+    try:
+        buf.low_latency_dispatch(x, idx, 64, EXPERTS, use_fp8=False)
+        text = "no error"
+    except MoeDistributeError as err:
+        text = str(err)
+    x, idx, w = _inputs(info.rank, 1)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False)
+    out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    want = (x.float() * w.masked_fill(idx < 0, 0).sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    return text, torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_window_too_small_is_an_error_on_every_rank():
+    (peer, ok0), (own, ok1) = parallel_launch(2, _small_window, timeout=60)
+    need = 4096 + 2 * 2 * 64 * 528  # two halves x two sources x 64 rows of 528 bytes
+    assert "num_rdma_bytes: low_latency_dispatch sends 64 rows of 528 bytes to rank 0" in own and ok1, own
+    assert f"num_rdma_bytes >= {need}" in own, own
+    assert "rejected on rank 1" in peer and ok0, peer

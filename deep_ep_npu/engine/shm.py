@@ -22,15 +22,17 @@ from ..event import Completion
 from ..group import STATUS_OK, Agreement
 from .combine import CombineJob, check_agreement, decode_rows, reduce_own, reduce_remote
 from .dispatch import DispatchJob, Received, parse
-from .window import Call, ShmWindow
+from .window import DATA_OFFSET, Call, ShmWindow
 
 
 def _too_small(win: ShmWindow, call: Call, rows: list[int], row_bytes: int, words: int) -> None:
     """Reject the call when a peer's rows do not fit its region (posting the status to every live peer)."""
     limit = win.rows_per_region(row_bytes)
     if bad := [(d, k) for d, k in enumerate(rows) if k > limit]:
-        what = f"{call.op} sends {bad[0][1]} rows of {row_bytes} bytes to rank {bad[0][0]}"
-        err = invalid("num_rdma_bytes", f"the shared-memory window holds {limit} per source, {what}; pass more")
+        (dest, rows_needed), r = max(bad, key=lambda b: b[1]), win.ep.num_ranks
+        need = DATA_OFFSET + 2 * r * rows_needed * row_bytes
+        what = f"{call.op} sends {rows_needed} rows of {row_bytes} bytes to rank {dest}, its window holds {limit}"
+        err = invalid("num_rdma_bytes", f"{what} per source; pass num_rdma_bytes >= {need} (shared-memory window)")
         for d in win.live_peers():
             win.claim(call, d)
             win.post(call, d, [err.code, *([0] * words)])
