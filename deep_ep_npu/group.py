@@ -154,6 +154,7 @@ class EPGroup:
         self.timeout = resolve_timeout(timeout)
         self.live: list[int] = list(range(self.num_ranks))
         self.comm: dist.ProcessGroup = group  # the group of the live ranks; comm rank i is EP rank live[i]
+        self._deferred: list[tuple[Callable[[], Any], list[Any]]] = []  # see defer()
 
     @property
     def failed(self) -> list[int]:
@@ -215,6 +216,28 @@ class EPGroup:
             return time.perf_counter_ns() - t0
 
         return Completion(finish)
+
+    def defer(self, start: Callable[[], _R]) -> Callable[[], _R]:
+        """Queue ``start`` (the collectives a send phase left to its receive phase); the returned call runs every
+        queued start up to and including this one, in the order they were queued, and returns this one's result
+        (or raises its error). Ranks thus issue the deferred collectives in call order, whatever order their
+        receives (hooks) run in."""
+        box: list[Any] = []
+        self._deferred.append((start, box))
+
+        def run() -> _R:
+            while not box:
+                first, first_box = self._deferred.pop(0)
+                try:
+                    first_box.append((True, first()))
+                except BaseException as err:  # noqa: BLE001 - kept for its own receive, re-raised there
+                    first_box.append((False, err))
+            ok, value = box[0]
+            if not ok:
+                raise value
+            return value
+
+        return run
 
     def barrier(self, op: str) -> None:
         """A bounded barrier of the live ranks (in shrink mode, of the survivors after a failure)."""

@@ -182,3 +182,34 @@ def test_a_window_too_small_is_an_error_on_every_rank():
     assert "num_rdma_bytes: low_latency_dispatch sends 64 rows of 528 bytes to rank 0" in own and ok1, own
     assert f"num_rdma_bytes >= {need}" in own, own
     assert "rejected on rank 1" in peer and ok0, peer
+
+
+def _crossed_hooks(info):
+    """Two dispatches and two combines in flight; rank 0 receives them in call order, rank 1 in reverse. Every
+    result equals the same call made alone (the collective transport starts deferred payloads in call order)."""
+    same = []
+    for transport in ("shm", "collective"):
+        buf = Buffer(info.group, transport=transport, timeout=10)
+        batches = [_inputs(info.rank, step) for step in (3, 4)]
+        alone = []
+        for x, idx, w in batches:
+            recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False)
+            out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+            alone.append((count.clone(), out.clone()))
+        order = [0, 1] if info.rank == 0 else [1, 0]
+        sent = [buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False, return_recv_hook=True)
+                for x, idx, _ in batches]  # fmt: skip
+        for b in order:
+            sent[b][4]()
+        counts = [s[1].clone() for s in sent]
+        combines = [buf.low_latency_combine(s[0], idx, w, s[2], return_recv_hook=True)
+                    for s, (_, idx, w) in zip(sent, batches, strict=True)]  # fmt: skip
+        for b in order:
+            combines[b][2]()
+        same.append(all(torch.equal(counts[b], alone[b][0]) and torch.equal(combines[b][0], alone[b][1])
+                        for b in (0, 1)))  # fmt: skip
+    return same
+
+
+def test_receives_in_another_order_on_each_rank():
+    assert parallel_launch(2, _crossed_hooks, timeout=60) == [[True, True]] * 2

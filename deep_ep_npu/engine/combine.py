@@ -94,11 +94,17 @@ def start_combine(job: CombineJob) -> Completion:
         recv = ws.get(f"combine_recv{job.tag}", (sum(recv_rows), fmt.row_bytes), torch.uint8)
         return agreement, recv, ep.transfer(recv, send, recv_rows, send_rows, "payload exchange")
 
-    started = None if job.defer_payload else start_payload()  # (peers' errors raise in the send phase)
+    # (peers' errors raise in the send phase; deferred payloads start in call order)
+    started = None if job.defer_payload else start_payload()
+    deferred = ep.defer(start_payload) if started is None else None
 
     def finish() -> None:
         lap = profiling.laps("combine")
-        agreement, recv, transfer = started if started is not None else start_payload()
+        if deferred is not None:
+            agreement, recv, transfer = deferred()
+        else:
+            assert started is not None
+            agreement, recv, transfer = started
         own = local if local is not None else reduce_own(job)
         wait_ns = transfer.wait()
         lap("collective_wait")

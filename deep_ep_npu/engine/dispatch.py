@@ -19,7 +19,7 @@ import torch
 
 from .. import profiling
 from ..event import Completion
-from ..group import STATUS_OK, EPGroup
+from ..group import STATUS_OK, Agreement, EPGroup
 from .plan import Plan
 from .rows import RowFormat
 from .workspace import Workspace
@@ -107,15 +107,21 @@ def start_dispatch(job: DispatchJob) -> Completion:
         lap("header_wait")
     started = None if known is None else start_payload(known)
 
+    def agree_and_start() -> tuple[Agreement, tuple[list[int], torch.Tensor, Completion]]:
+        got = finish_agree()
+        job.layout.check(got)
+        return got, start_payload([c[0] for c in got.counts])
+
+    deferred = ep.defer(agree_and_start) if started is None else None  # payloads start in call order
+
     def finish() -> None:
         lap = profiling.laps("dispatch")
-        if started is None:  # deferred: the counts arrive with the agreement, the payload starts now
-            got = finish_agree()
-            job.layout.check(got)
+        if deferred is not None:  # the counts arrive with the agreement, the payload starts now
+            got, (recv_rows, recv, transfer) = deferred()
             lap("header_wait")
-            recv_rows, recv, transfer = start_payload([c[0] for c in got.counts])
             wait_ns = transfer.wait()
         else:
+            assert started is not None
             recv_rows, recv, transfer = started
             wait_ns = transfer.wait()
             got = agreed if agreed is not None else finish_agree()
