@@ -155,6 +155,7 @@ class EPGroup:
         self.live: list[int] = list(range(self.num_ranks))
         self.comm: dist.ProcessGroup = group  # the group of the live ranks; comm rank i is EP rank live[i]
         self._deferred: list[tuple[Callable[[], Any], list[Any]]] = []  # see defer()
+        self._draining = False
 
     @property
     def failed(self) -> list[int]:
@@ -164,6 +165,7 @@ class EPGroup:
     def start(self, launch: Callable[[dist.ProcessGroup], Any], op: str) -> Pending:
         """Mark arrival at ``op``, then issue ``launch(comm_group)`` (an ``async_op=True`` collective returning its
         work). Every rank of one call names its collectives alike (the op, "payload exchange", ...)."""
+        self._drain()  # collectives deferred by earlier calls go first (call order on every rank)
         mon = monitor(self.comm)
         mon.seq += 1
         pending = Pending(mon, mon.seq, op, time.monotonic())
@@ -218,26 +220,37 @@ class EPGroup:
         return Completion(finish)
 
     def defer(self, start: Callable[[], _R]) -> Callable[[], _R]:
-        """Queue ``start`` (the collectives a send phase left to its receive phase); the returned call runs every
-        queued start up to and including this one, in the order they were queued, and returns this one's result
-        (or raises its error). Ranks thus issue the deferred collectives in call order, whatever order their
-        receives (hooks) run in."""
+        """Queue ``start`` (the collectives a send phase left to its receive phase, e.g. a payload whose size comes
+        with the agreement); the returned call runs every queued start up to and including this one, in the order
+        they were queued, and returns this one's result (or raises its error). Any other collective first runs the
+        whole queue (:meth:`start`). Ranks thus issue their collectives in call order, whatever order their
+        receives (hooks) run in and whatever they call in between."""
         box: list[Any] = []
         self._deferred.append((start, box))
 
         def run() -> _R:
-            while not box:
-                first, first_box = self._deferred.pop(0)
-                try:
-                    first_box.append((True, first()))
-                except BaseException as err:  # noqa: BLE001 - kept for its own receive, re-raised there
-                    first_box.append((False, err))
+            self._drain(box)
             ok, value = box[0]
             if not ok:
                 raise value
             return value
 
         return run
+
+    def _drain(self, until: list[Any] | None = None) -> None:
+        """Run queued starts in order, until ``until`` holds a result (None: all); errors stay with their own."""
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            while self._deferred and (until is None or not until):
+                first, first_box = self._deferred.pop(0)
+                try:
+                    first_box.append((True, first()))
+                except BaseException as err:  # noqa: BLE001 - kept for its own receive, re-raised there
+                    first_box.append((False, err))
+        finally:
+            self._draining = False
 
     def barrier(self, op: str) -> None:
         """A bounded barrier of the live ranks (in shrink mode, of the survivors after a failure)."""
