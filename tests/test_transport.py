@@ -213,3 +213,38 @@ def _crossed_hooks(info):
 
 def test_receives_in_another_order_on_each_rank():
     assert parallel_launch(2, _crossed_hooks, timeout=60) == [[True, True]] * 2
+
+
+def _unreachable(info):
+    """Rank 1 binds its socket under a name its peer does not look for (as a rank on another host): its own sends
+    reach rank 0, rank 0's do not reach it. Every rank falls back to the collective transport at once under "auto"
+    (rank 1 does not wait for a message that cannot come), and "shm" is refused on every rank."""
+    from deep_ep_npu.engine import window
+
+    if info.rank == 1:
+        address, calls = window._address, []
+
+        def bind_elsewhere(token: int) -> bytes:  # the first call names the socket to bind
+            calls.append(token)
+            return f"\0elsewhere.{token:x}".encode() if len(calls) % 2 == 1 else address(token)
+
+        window._address = bind_elsewhere
+    t0 = time.monotonic()
+    auto = Buffer(info.group, timeout=20)
+    name, elapsed = auto._backend.transport.name, time.monotonic() - t0
+    x, idx, w = _inputs(info.rank, 0)
+    recv_x, _, handle, _, _ = auto.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False)
+    out, _, _ = auto.low_latency_combine(recv_x, idx, w, handle)
+    want = (x.float() * w.masked_fill(idx < 0, 0).sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    try:
+        Buffer(info.group, transport="shm", timeout=20)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return name, elapsed, torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2), refused
+
+
+def test_ranks_that_cannot_share_memory_fall_back_at_once():
+    for name, elapsed, ok, refused in parallel_launch(2, _unreachable, timeout=60):
+        assert name == "collective" and ok and elapsed < 5.0, (name, elapsed)
+        assert "transport: 'shm' needs every rank on one host" in refused and "ranks [0, 1] cannot" in refused

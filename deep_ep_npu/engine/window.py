@@ -103,24 +103,40 @@ class ShmWindow:
                 why = f"cannot bind a unix socket: {err}"
         agreement = ep.start_agree("shm window", STATUS_OK, [[] for _ in range(r)], [int(not why), token, nbytes])()
         tokens, sizes = [fp[1] for fp in agreement.shared], [fp[2] for fp in agreement.shared]
-        peers: dict[int, _Peer] = {}
-        window, mm = None, None
+        exchange = None
         if all(fp[0] for fp in agreement.shared):
+            assert sock is not None
             try:
-                window, mm, peers = _connect(sock, me, r, tokens, sizes, ep.timeout)
+                exchange = _Exchange(sock, me, r, tokens, sizes)
+                exchange.send(ep.timeout)
             except (OSError, ValueError) as err:
-                why = f"rank {me} could not map its peers' windows: {err}"
+                why = f"rank {me} could not send its window to its peers: {err}"
         elif not why:
             why = "a peer cannot use shared memory: " + ", ".join(
                 f"rank {i}" for i, fp in enumerate(agreement.shared) if not fp[0]
             )
+        sent = ep.start_agree("shm window", STATUS_OK, [[] for _ in range(r)], [int(not why)])()
+        if not why and all(fp[0] for fp in sent.shared) and exchange is not None:  # every window is on its way
+            try:
+                exchange.receive(ep.timeout)
+            except (OSError, ValueError) as err:
+                why = f"rank {me} could not map its peers' windows: {err}"
+        elif not why:
+            why = "a peer could not send its window"
         if sock is not None:
             sock.close()
+        if exchange is not None:
+            exchange.close()
         final = ep.start_agree("shm window", STATUS_OK, [[] for _ in range(r)], [int(not why)])()
-        if all(fp[0] for fp in final.shared) and window is not None and mm is not None:
-            return cls(ep, tokens[0], window, mm, peers)
-        for peer in peers.values():
-            _close_fds(peer)
+        if all(fp[0] for fp in final.shared) and exchange is not None:
+            return cls(ep, tokens[0], exchange.window, exchange.mm, exchange.peers)
+        if exchange is not None:
+            for peer in exchange.peers.values():
+                _close_fds(peer)
+            unmapped = [fd for q, fd in exchange.in_fds.items() if q not in exchange.peers]
+            for fd in (*unmapped, *(wr for _, wr in exchange.outbox)):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         if required:
             bad = [i for i, fp in enumerate(final.shared) if not fp[0]]
             raise ValueError(f"transport: 'shm' needs every rank on one host with shared memory; ranks {bad} cannot "
@@ -305,52 +321,71 @@ def _map(fd: int, nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
     return torch.frombuffer(mm, dtype=torch.uint8), mm
 
 
-def _connect(sock, me: int, r: int, tokens: list[int], sizes: list[int], timeout: float):
-    """Create this rank's window, send it and a pipe's write end to every peer, map theirs (see the module
-    docstring). Returns (window, its mmap, peers)."""
-    fd = os.memfd_create("deep_ep_npu.window", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, sizes[me])
-        window, mm = _map(fd, sizes[me])
-        window[:8].copy_(torch.tensor([tokens[me]], dtype=torch.int64).view(torch.uint8))
-        in_fds, outbox = {}, []
+class _Exchange:
+    """The window exchange of :meth:`ShmWindow.create`: this rank's window, sent with a pipe's write end to every
+    peer (:meth:`send`), then the peers' windows mapped and checked (:meth:`receive`)."""
+
+    def __init__(self, sock: socket.socket, me: int, r: int, tokens: list[int], sizes: list[int]) -> None:
+        self.sock, self.me, self.r, self.tokens, self.sizes = sock, me, r, tokens, sizes
+        self.fd = os.memfd_create("deep_ep_npu.window", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, sizes[me])
+        self.window, self.mm = _map(self.fd, sizes[me])
+        self.window[:8].copy_(torch.tensor([tokens[me]], dtype=torch.int64).view(torch.uint8))
+        self.in_fds: dict[int, int] = {}
+        self.outbox: list[tuple[int, int]] = []
         for q in range(r):
             if q != me:
                 rd, wr = os.pipe()
-                in_fds[q] = rd
-                outbox.append((q, wr))
-        peers: dict[int, _Peer] = {}
+                self.in_fds[q] = rd
+                self.outbox.append((q, wr))
+        self.peers: dict[int, _Peer] = {}
+
+    def send(self, timeout: float) -> None:
+        """Send to every peer (receiving meanwhile: a socket's queue holds few messages). Raises OSError when a peer
+        cannot be reached (another host), ValueError past ``timeout``."""
         deadline = time.monotonic() + timeout
-        while outbox or len(peers) < r - 1:
-            if time.monotonic() > deadline:
-                raise ValueError(f"the window exchange did not finish within {timeout:g}s")
-            if outbox:
-                q, wr = outbox[0]
-                try:
-                    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd, wr]))]
-                    sock.sendmsg([struct.pack("<qq", me, tokens[me])], ancillary, 0, _address(tokens[q]))
-                    os.close(wr)
-                    outbox.pop(0)
-                except BlockingIOError:
-                    pass
+        while self.outbox:
+            q, wr = self.outbox[0]
             try:
-                msg, fds, _, _ = socket.recv_fds(sock, 64, 2)
+                ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.fd, wr]))]
+                self.sock.sendmsg([struct.pack("<qq", self.me, self.tokens[self.me])], ancillary, 0,
+                                  _address(self.tokens[q]))  # fmt: skip
+                os.close(wr)
+                self.outbox.pop(0)
             except BlockingIOError:
-                poller = select.poll()
-                poller.register(sock.fileno(), select.POLLIN)
-                poller.poll(10)
-                continue
-            q, token = struct.unpack("<qq", msg)
-            if len(fds) != 2 or not 0 <= q < r or q == me or token != tokens[q]:
-                raise ValueError(f"unexpected window message from rank {q}")
-            their, their_mm = _map(fds[0], sizes[q])
-            os.close(fds[0])
-            if int(their[:8].view(torch.int64)[0]) != tokens[q]:
-                raise ValueError(f"rank {q}'s window does not hold its nonce: not shared memory")
-            peers[q] = _Peer(q, their, their_mm, fds[1], in_fds[q])
-        for peer in peers.values():
+                self._receive_one(deadline, 0.01)
+
+    def receive(self, timeout: float) -> dict[int, _Peer]:
+        """Map every peer's window (all peers have sent: their messages are queued). Raises ValueError when one is
+        missing or wrong."""
+        deadline = time.monotonic() + timeout
+        while len(self.peers) < self.r - 1:
+            self._receive_one(deadline, deadline - time.monotonic())
+        for peer in self.peers.values():
             os.set_blocking(peer.in_fd, False)
             os.set_blocking(peer.out_fd, True)
-        return window, mm, peers
-    finally:
-        os.close(fd)
+        return self.peers
+
+    def _receive_one(self, deadline: float, wait: float) -> None:
+        if time.monotonic() > deadline:
+            raise ValueError("the window exchange did not finish in time")
+        try:
+            msg, fds, _, _ = socket.recv_fds(self.sock, 64, 2)
+        except BlockingIOError:
+            poller = select.poll()
+            poller.register(self.sock.fileno(), select.POLLIN)
+            poller.poll(max(1, int(wait * 1000)))
+            return
+        q, token = struct.unpack("<qq", msg)
+        if len(fds) != 2 or not 0 <= q < self.r or q == self.me or token != self.tokens[q]:
+            raise ValueError(f"unexpected window message from rank {q}")
+        their, their_mm = _map(fds[0], self.sizes[q])
+        os.close(fds[0])
+        if int(their[:8].view(torch.int64)[0]) != self.tokens[q]:
+            raise ValueError(f"rank {q}'s window does not hold its nonce: not shared memory")
+        self.peers[q] = _Peer(q, their, their_mm, fds[1], self.in_fds[q])
+
+    def close(self) -> None:
+        """Close what is not needed once the exchange is over (or failed)."""
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
