@@ -374,9 +374,11 @@ def _same_on_all_ranks(info, case) -> None:
 
 
 def _fuzz(info):
-    buf = Buffer(info.group, timeout=10.0)
+    bufs = [Buffer(info.group, timeout=10.0, transport=t) for t in ("shm", "collective")]
     seen: dict[str, int] = {}
-    for name in sorted(CASES):  # every corruption kind, each with hypothesis-drawn ranks, sizes and values
+    current = [bufs[0]]
+    for i, name in enumerate(sorted(CASES)):  # every corruption kind, each with hypothesis-drawn ranks, sizes, values
+        current[0] = bufs[i % 2]  # the kinds alternate between the two transports (the same on every rank)
 
         @settings(
             max_examples=EXAMPLES_PER_CASE,
@@ -391,11 +393,11 @@ def _fuzz(info):
             _same_on_all_ranks(info, case)
             seen[case[0]] = seen.get(case[0], 0) + 1
             try:
-                _run_case(info, buf, case)
+                _run_case(info, current[0], case)
             except BaseException as e:  # the first failure (the peer's error is then only the desync; pytest -s)
                 print("FAIL", info.rank, case, repr(e)[:400], flush=True)
                 raise
-            _good_round(info, buf, case[4])
+            _good_round(info, current[0], case[4])
 
         check()
     return seen
