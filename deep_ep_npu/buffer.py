@@ -25,7 +25,6 @@ interrupted call.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -37,8 +36,9 @@ from .backends import BufferConfig, create_backend, resolve_backend_name
 from .engine.transport import resolve_transport_name
 from .errors import MoeDistributeError, invalid, shape
 from .event import Completion, EventOverlap
-from .failure import EPRankFailure, resolve_timeout
+from .failure import resolve_timeout
 from .handle import FlatHandle, LowLatencyHandle
+from .lifecycle import Destroyable
 from .normal_mode import Config, get_dispatch_layout, normal_mode_error
 from .params import CombineParams, DispatchParams
 from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
@@ -71,7 +71,7 @@ class FlatDispatchOutput:
     handle = property(lambda self: self._get("handle"))
 
 
-class Buffer:
+class Buffer(Destroyable):
     """The low-latency expert-parallel communication buffer (DeepEP-compatible).
 
     Arguments:
@@ -125,10 +125,6 @@ class Buffer:
         self.explicitly_destroy, self.enable_shrink = explicitly_destroy, enable_shrink
         self._backend = create_backend(self.backend_name, group, self.config)
         self._destroyed = False
-
-    def _check_alive(self) -> None:
-        if self._destroyed:
-            raise RuntimeError("this Buffer was destroyed; create a new one")
 
     def _validated(self, op: str, call: dict[str, Any]) -> Any:
         """``op``'s arguments (its ``locals()``) validated; on failure, tells the peers (they raise too) and raises."""
@@ -457,20 +453,3 @@ class Buffer:
             num_experts=num_experts, out_dtype=out_dtype, x_active_mask=x_active_mask, swiglu_limit=swiglu_limit,
             **kwargs,
         )  # fmt: skip
-
-    def destroy(self) -> None:
-        """Release the buffers and communication context; needs ``explicitly_destroy=True`` (as DeepEP). A second call
-        is a no-op; using the Buffer afterwards raises. Collective: it first waits (bounded) for every live peer, so no
-        rank tears its group down while a peer still finishes the last combine; a peer that is gone is not awaited."""
-        if not self.explicitly_destroy:
-            raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
-        if not self._destroyed:
-            self._destroyed = True
-            with contextlib.suppress(EPRankFailure):
-                self._backend.ep.barrier("destroy")
-            self._backend.destroy()
-
-    def __del__(self) -> None:
-        if not getattr(self, "explicitly_destroy", True) and not getattr(self, "_destroyed", True):
-            self._destroyed = True
-            self._backend.destroy()

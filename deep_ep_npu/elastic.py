@@ -29,7 +29,6 @@ raise :class:`~deep_ep_npu.EPRankFailure` within about ``timeout``. There is no 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 from typing import Any
@@ -42,7 +41,8 @@ from .elastic_params import validate_combine, validate_dispatch
 from .ep_handle import EPHandle
 from .errors import MoeDistributeError
 from .event import Completion, EventHandle, EventOverlap
-from .failure import EPRankFailure, resolve_timeout
+from .failure import resolve_timeout
+from .lifecycle import Destroyable
 from .sizes import align
 
 _MIB2 = 2 << 20
@@ -50,7 +50,7 @@ _ENGINES = {"reference": "deep_ep_npu.backends.elastic_reference:ElasticReferenc
             "ascend": "deep_ep_npu.backends.elastic_ascend:ElasticAscend"}  # fmt: skip
 
 
-class ElasticBuffer:
+class ElasticBuffer(Destroyable):
     """DeepEP V2's expert-parallel buffer (see the module docstring for what differs).
 
     Arguments:
@@ -105,10 +105,6 @@ class ElasticBuffer:
     @property
     def rank(self) -> int:
         return self.rank_idx
-
-    def _check_alive(self) -> None:
-        if self._destroyed:
-            raise RuntimeError("this ElasticBuffer was destroyed; create a new one")
 
     @staticmethod
     def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
@@ -267,19 +263,3 @@ class ElasticBuffer:
         combined, combined_weights, completion = self._engine.combine(c)
         event = self._event(completion, c.async_finish, (combined,))
         return combined, combined_weights, event
-
-    def destroy(self) -> None:
-        """Release the buffer; needs ``explicitly_destroy=True``. Collective (a bounded barrier of the live peers);
-        a second call is a no-op; using the buffer afterwards raises."""
-        if not self.explicitly_destroy:
-            raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
-        if not self._destroyed:
-            self._destroyed = True
-            with contextlib.suppress(EPRankFailure):
-                self._backend.ep.barrier("destroy")
-            self._backend.destroy()
-
-    def __del__(self) -> None:
-        if not getattr(self, "explicitly_destroy", True) and not getattr(self, "_destroyed", True):
-            self._destroyed = True
-            self._backend.destroy()

@@ -60,6 +60,19 @@ class DispatchJob:
     defer_payload: bool = False  # the send phase does not wait for the agreement: the payload starts in the receive
 
 
+def slot_tables(job: DispatchJob, num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row and slot: the local expert `[num_rows, num_slots]` int32 (-1: unused slot) and the pair's weight
+    `[num_rows, num_slots]` fp32 (None without ``job.weights``), as the rows carry them."""
+    plan, fmt, dev = job.plan, job.fmt, job.x.device
+    slot_expert = torch.full((num_rows, fmt.num_slots), -1, dtype=torch.int32, device=dev)
+    slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
+    if job.weights is None:
+        return slot_expert, None
+    weights = torch.zeros((num_rows, fmt.num_slots), dtype=torch.float32, device=dev)
+    weights[plan.row_of_pair, plan.slot] = job.weights
+    return slot_expert, weights
+
+
 def start_dispatch(job: DispatchJob) -> Completion:
     """Run the send phase; the returned completion runs the receive phase and fills ``job.layout``'s outputs. The send
     phase starts the agreement step, packs and places this rank's own rows, then waits for the agreement and starts
@@ -77,12 +90,7 @@ def start_dispatch(job: DispatchJob) -> Completion:
     profiling.record_wire("dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], me, 8 * len(job.fingerprint))
     num_rows = int(plan.row_token.numel())
     send = ws.get(f"dispatch_send{job.tag}", (num_rows, fmt.row_bytes), torch.uint8)
-    slot_expert = torch.full((num_rows, fmt.num_slots), -1, dtype=torch.int32, device=dev)
-    slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
-    weights = None
-    if job.weights is not None:
-        weights = torch.zeros((num_rows, fmt.num_slots), dtype=torch.float32, device=dev)
-        weights[plan.row_of_pair, plan.slot] = job.weights
+    slot_expert, weights = slot_tables(job, num_rows)
     fmt.encode_gathered(send, x, plan.row_token, slot_expert, weights, job.smooth)
     lap("packing")  # (while the agreement travels)
     own_rows = send[plan.num_remote_rows :]

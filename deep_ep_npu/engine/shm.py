@@ -21,7 +21,7 @@ from ..errors import invalid
 from ..event import Completion
 from ..group import STATUS_OK, Agreement
 from .combine import CombineJob, check_agreement, decode_rows, reduce_own, reduce_remote
-from .dispatch import DispatchJob, Received, parse
+from .dispatch import DispatchJob, Received, parse, slot_tables
 from .window import DATA_OFFSET, Call, ShmWindow
 
 
@@ -60,12 +60,7 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
     profiling.record_wire("dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], me, 8 * (words + 4))
     _too_small(win, call, [0 if d == me else k for d, k in enumerate(plan.rows_per_dest)], fmt.row_bytes, words)
     num_rows = int(plan.row_token.numel())
-    slot_expert = torch.full((num_rows, fmt.num_slots), -1, dtype=torch.int32, device=dev)
-    slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
-    weights = None
-    if job.weights is not None:
-        weights = torch.zeros((num_rows, fmt.num_slots), dtype=torch.float32, device=dev)
-        weights[plan.row_of_pair, plan.slot] = job.weights
+    slot_expert, weights = slot_tables(job, num_rows)
     begin, counts = 0, [[plan.rows_per_dest[d], plan.pairs_per_dest[d]] for d in range(r)]
     for d in [*(d for d in range(r) if d != me), me]:  # the plan's row order: remote ranks, then this rank
         k, rows = plan.rows_per_dest[d], slice(begin, begin + plan.rows_per_dest[d])
