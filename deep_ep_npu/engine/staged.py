@@ -66,10 +66,9 @@ def no_algorithm(p: Any) -> None:
 
 
 def two_stage_rules(p: Any, num_tokens: int, hidden: int, topk: int, op: str) -> None:
-    """The rules of the two-stage form beyond the one-shot ops' (always: comm_type in [0, 2], comm_alg "", no shared
-    experts, a 1D mask; ``strict="a5"``: Ascend 950's ranges, URMA only, the HCCL window; other platforms refused)."""
+    """The rules of the two-stage form beyond the one-shot ops' and :func:`no_algorithm` (run first): no shared
+    experts, a 1D mask; ``strict="a5"``: Ascend 950's ranges, URMA only, the HCCL window; other platforms refused."""
     plat = platform(p.strict)
-    no_algorithm(p)
     if p.shared_expert_rank_num or p.shared_expert_num > 1:
         why = f"{p.shared_expert_num} / shared_expert_rank_num {p.shared_expert_rank_num}: the two-stage ops "
         name = "shared_expert_rank_num" if p.shared_expert_rank_num else "shared_expert_num"
