@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from . import errors as checks
 from .errors import ACT_DTYPES, MAX_TOPK, invalid, null, shape
-from .group import EPGroup, ep_group, resolve_group
+from .group import EPGroup, ep_group
+from .group_names import resolve_group
 from .npu_types import (
     COMM_ALG_PLATFORMS,
     MAX_WORLD,

@@ -19,7 +19,8 @@ import dataclasses
 import torch
 
 from ..errors import shape
-from ..group import Agreement, EPGroup, comm_device
+from ..group import Agreement, EPGroup
+from ..group_names import comm_device
 from ..sizes import align
 from .dispatch import Received
 from .rows import RowFormat

@@ -10,7 +10,8 @@ import torch
 
 from ..errors import MoeDistributeError, shape
 from ..event import Completion
-from ..group import DTYPE_CODES, Agreement, EPGroup, ep_group, resolve_group
+from ..group import DTYPE_CODES, Agreement, EPGroup, ep_group
+from ..group_names import resolve_group
 from ..npu_types import SCALAR_TYPE_CODE
 from ..params import (
     OP_COMM_ALGS,

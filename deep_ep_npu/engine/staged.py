@@ -29,7 +29,8 @@ from .. import envs
 from .. import errors as checks
 from ..errors import ACT_DTYPES, MoeDistributeError, invalid, null, shape
 from ..event import Completion
-from ..group import DTYPE_CODES, STATUS_OK, ep_group, resolve_group
+from ..group import DTYPE_CODES, STATUS_OK, ep_group
+from ..group_names import resolve_group
 from ..npu_types import PLATFORM_NAMES, platform, resolve_dtype
 from ..params import NPU_ACT_DTYPES, CombineParams, DispatchParams, ValidDispatch, validate_layout
 from ..quant import Quant

@@ -5,7 +5,8 @@ from typing import Any
 import torch
 
 from ..errors import MoeDistributeError
-from ..group import EPGroup, ep_group, resolve_group
+from ..group import EPGroup, ep_group
+from ..group_names import resolve_group
 from .ascend import MegaMoeBackend, create_backend
 from .params import AGREE_WIDTH, MAX_WORLD_SIZE, MegaMoeArgs, agree, validate
 

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from .. import errors as checks
 from ..errors import ACT_DTYPES, MAX_TOPK, invalid, shape
-from ..group import DTYPE_CODES, STATUS_OK, EPGroup, ep_group, resolve_group
+from ..group import DTYPE_CODES, STATUS_OK, EPGroup, ep_group
+from ..group_names import resolve_group
 
 MAX_WORLD_SIZE = 16  # the A5 PTO MegaMoE kernel: worldSize in [1, 16]
 MAX_TOKENS_PER_RANK = 512  # the dispatch op's Bs limit

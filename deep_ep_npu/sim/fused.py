@@ -4,7 +4,7 @@
 ``out`` and ``expert_token_nums`` carry the alias annotations ``Tensor(a!)`` / ``Tensor(b!)`` torch.library needs
 for mutated arguments that are also returned) and a CPU kernel, :func:`dispatch_ffn_combine`, that computes the op
 with our engine: the reference MegaMoE pipeline (:func:`deep_ep_npu.mega_moe.pipeline.run_reference`, numerics in
-:mod:`deep_ep_npu.mega_moe.ffn`) over the group ``group`` names (:func:`deep_ep_npu.group.resolve_group`: the
+:mod:`deep_ep_npu.mega_moe.ffn`) over the group ``group`` names (:func:`deep_ep_npu.group_names.resolve_group`: the
 ``deep_ep_npu.sim.hccl_comm_name`` of a group, or its c10d group name). :func:`unregister` destroys the library.
 
 What the kernel takes, as the op does:
@@ -151,7 +151,8 @@ def dispatch_ffn_combine(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The op's CPU kernel (the module docstring's semantics): writes ``out`` `[M, K]` (x's dtype) and
     ``expert_token_nums`` (`torch.int32`, E_local elements) and returns them. Collective over ``group``."""
-    from ..group import STATUS_OK, ep_group, resolve_group
+    from ..group import STATUS_OK, ep_group
+    from ..group_names import resolve_group
     from ..mega_moe.api import agreed_args
     from ..mega_moe.ascend import ReferenceMegaMoe
     from ..mega_moe.pipeline import run_reference
