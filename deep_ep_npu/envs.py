@@ -33,3 +33,14 @@ def transport() -> str | None:
     """``DEEP_EP_NPU_TRANSPORT``: the default transport of a Buffer (``auto`` / ``shm`` / ``collective``), or None when
     it is not set (checked where it is used: :func:`deep_ep_npu.engine.transport.resolve_transport_name`)."""
     return os.environ.get("DEEP_EP_NPU_TRANSPORT") or None
+
+
+def cpu_kernels() -> bool:
+    """``DEEP_EP_NPU_CPU_KERNELS``: ``0`` turns the compiled CPU loops off (:mod:`deep_ep_npu.engine.cpu_kernels`);
+    anything else, or unset, leaves them on."""
+    return os.environ.get("DEEP_EP_NPU_CPU_KERNELS", "1").strip() != "0"
+
+
+def cache_dir() -> str | None:
+    """``DEEP_EP_NPU_CACHE``: where compiled CPU loops are kept, or None when it is not set."""
+    return os.environ.get("DEEP_EP_NPU_CACHE") or None

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_npu import Buffer, EPRankFailure
+from deep_ep_npu.engine import cpu_kernels
 from tests.distributed import parallel_launch
 
 N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 12, 1.0
@@ -63,33 +65,45 @@ def test_send_phase_returns_while_a_peer_has_not_called():
 
 
 def _parity(info):
-    """The same calls on both transports; every result tensor compared bit for bit."""
+    """The same calls on both transports, and on the shm one with the torch code instead of the CPU kernels; every
+    result tensor compared bit for bit."""
     results = {}
-    for transport in ("shm", "collective"):
-        buf = Buffer(info.group, transport=transport)
-        assert buf._backend.transport.name == transport
+    for transport in ("shm", "collective", "torch"):
+        buf = Buffer(info.group, transport="shm" if transport == "torch" else transport)
+        assert buf._backend.transport.name == ("shm" if transport == "torch" else transport)
+        kernels = cpu_kernels.disabled() if transport == "torch" else contextlib.nullcontext()
         got = []
-        for step in range(3):
-            x, idx, w = _inputs(info.rank, step)
-            for fp8 in (False, True):
-                recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=fp8)
-                data = recv_x if not fp8 else recv_x[0].float() * recv_x[1].repeat_interleave(128, -1)
-                y = (data.float() * 1.5).to(torch.bfloat16)
-                out, _, _ = buf.low_latency_combine(y, idx, w, handle)
-                data = recv_x if not fp8 else recv_x[0].view(torch.uint8)  # rows past the counts are undefined
-                valid = [t[i, : int(c)].clone() for i, c in enumerate(count) for t in (data, handle.src_info)]
-                got.append((count.clone(), handle.layout_range.clone(), out.clone(), valid))
+        with kernels:
+            for step in range(3):
+                x, idx, w = _inputs(info.rank, step)
+                for fp8 in (False, True):
+                    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=fp8)
+                    data = recv_x if not fp8 else recv_x[0].float() * recv_x[1].repeat_interleave(128, -1)
+                    y = (data.float() * 1.5).to(torch.bfloat16)
+                    out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+                    out32, _, _ = buf.low_latency_combine(data.float() / 3, idx, w, handle)  # fp32: every rounding
+                    data = recv_x if not fp8 else recv_x[0].view(torch.uint8)  # rows past the counts are undefined
+                    scales = () if not fp8 else (recv_x[1],)
+                    valid = [
+                        t[i, : int(c)].clone() for i, c in enumerate(count) for t in (data, handle.src_info, *scales)
+                    ]
+                    got.append((count.clone(), handle.layout_range.clone(), out.clone(), [out32.clone(), *valid]))
         results[transport] = got
-    same = all(
-        all(torch.equal(a, b) for a, b in zip(ra[:3], rb[:3], strict=True))
-        and all(torch.equal(a, b) for a, b in zip(ra[3], rb[3], strict=True))
-        for ra, rb in zip(results["shm"], results["collective"], strict=True)
-    )
-    return same, bool(results["shm"][0][2].abs().sum() > 0)
+
+    def same(a: str, b: str) -> bool:
+        return all(
+            all(torch.equal(x, y) for x, y in zip(ra[:3], rb[:3], strict=True))
+            and all(torch.equal(x, y) for x, y in zip(ra[3], rb[3], strict=True))
+            for ra, rb in zip(results[a], results[b], strict=True)
+        )
+
+    return same("shm", "collective"), same("shm", "torch"), bool(results["shm"][0][2].abs().sum() > 0)
 
 
 def test_transports_are_bit_identical():
-    assert parallel_launch(3, _parity, timeout=90) == [(True, True)] * 3
+    """(The CPU kernels are built here: the third run compares them with the torch code.)"""
+    assert cpu_kernels.unavailable() == ""
+    assert parallel_launch(3, _parity, timeout=90) == [(True, True, True)] * 3
 
 
 def _window_files() -> set[str]:

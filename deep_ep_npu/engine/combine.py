@@ -19,6 +19,7 @@ from .. import profiling
 from ..errors import shape
 from ..event import Completion
 from ..group import STATUS_OK, Agreement, EPGroup
+from . import cpu_kernels
 from .plan import Plan
 from .rows import ReturnFormat
 from .workspace import Workspace
@@ -108,7 +109,7 @@ def start_combine(job: CombineJob) -> Completion:
         own = local if local is not None else reduce_own(job)
         wait_ns = transfer.wait()
         lap("collective_wait")
-        reduce_remote(job, own, decode_rows(job, [recv]), agreement, wait_ns)
+        reduce_remote(job, own, [recv], agreement, wait_ns)
         lap("unpacking")
 
     return Completion(finish)
@@ -131,12 +132,18 @@ def check_agreement(job: CombineJob, agreement: Agreement) -> None:
 @dataclasses.dataclass
 class Local:
     """The part of a combine this rank computes without waiting: ``acc`` `[T, hidden]` fp32 (own experts' rows
-    added unless ``by_slot``), own rows ``own_y`` `[own pairs, hidden]` fp32, the own pairs and the remote ones."""
+    added unless ``by_slot``), own rows ``own_y`` `[own pairs, hidden]` fp32 (None when they went straight into
+    ``acc``), the own pairs and the remote ones."""
 
     acc: torch.Tensor
-    own_y: torch.Tensor
+    own_y: torch.Tensor | None
     own: slice
     remote_pairs: torch.Tensor
+
+
+def _fused(job: CombineJob) -> bool:
+    """Whether rows go straight into the fp32 sum (:func:`~.cpu_kernels.accumulate`) instead of through scratch."""
+    return not job.by_slot and not job.fmt.quantized and job.source.device.type == "cpu"
 
 
 def reduce_own(job: CombineJob) -> Local:
@@ -144,8 +151,11 @@ def reduce_own(job: CombineJob) -> Local:
     plan, fmt, me, dev = job.plan, job.fmt, job.ep.rank, job.source.device
     own_src = slice(lo := sum(job.rows_per_src[:me]), lo + job.rows_per_src[me])  # this rank's return rows
     own = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])  # this rank's own pairs
-    token, weights = plan.token, job.weights.unsqueeze(1)
-    rows, ws = job.return_rows[own_src], job.workspace
+    token, rows, ws = plan.token, job.return_rows[own_src], job.workspace
+    remote_pairs = torch.cat([torch.arange(own.start, device=dev), torch.arange(own.stop, token.numel(), device=dev)])
+    acc = ws.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32).zero_()
+    if _fused(job) and cpu_kernels.accumulate(acc, job.source, rows, token[own], job.weights[own]):
+        return Local(acc, None, own, remote_pairs)
     raw = ws.get(f"combine_own{job.tag}", (rows.numel(), fmt.hidden), job.source.dtype)
     torch.index_select(job.source, 0, rows, out=raw)
     if fmt.quantized:  # own rows take the same int8 round trip as the remote ones
@@ -154,21 +164,21 @@ def reduce_own(job: CombineJob) -> Local:
         own_y = fmt.decode_float(packed)
     else:  # converted into reused scratch (a fresh tensor of this size costs its page faults every call)
         own_y = ws.get(f"combine_own_f{job.tag}", tuple(raw.shape), torch.float32).copy_(raw)
-    acc = job.workspace.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32).zero_()
     if not job.by_slot:
-        _accumulate(acc, own_y, token[own], weights[own])
-    remote_pairs = torch.cat([torch.arange(own.start, device=dev), torch.arange(own.stop, token.numel(), device=dev)])
+        _accumulate(acc, own_y, token[own], job.weights[own].unsqueeze(1))
     return Local(acc, own_y, own, remote_pairs)
 
 
-def reduce_remote(job: CombineJob, local: Local, y: torch.Tensor, agreement: Agreement, wait_ns: int) -> None:
-    """Add the remote rows ``y`` `[remote pairs, hidden]` fp32 (by source rank, in this rank's plan order; scaled in
-    place) in the documented order and write ``job.out``."""
+def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agreement: Agreement,
+                  wait_ns: int) -> None:  # fmt: skip
+    """Add the received rows ``parts`` (each `[n_i, row_bytes]` uint8, by source rank, in this rank's plan order) in
+    the documented order and write ``job.out``."""
     plan, fmt, acc, dev = job.plan, job.fmt, local.acc, job.source.device
     token, weights, own, remote_pairs = plan.token, job.weights.unsqueeze(1), local.own, local.remote_pairs
     if job.by_slot:  # slot after slot, ascending, with the ``extra`` contributions
+        assert local.own_y is not None
         values = torch.empty((token.numel(), fmt.hidden), dtype=torch.float32, device=dev)
-        values[own], values[remote_pairs] = local.own_y.float(), y
+        values[own], values[remote_pairs] = local.own_y.float(), decode_rows(job, parts)
         tok, slot, values = token, plan.slot, values.mul_(weights)
         if job.extra is not None:
             tok, slot, values = (torch.cat([a, b]) for a, b in zip((tok, slot, values), job.extra, strict=True))
@@ -176,7 +186,19 @@ def reduce_remote(job: CombineJob, local: Local, y: torch.Tensor, agreement: Agr
             sel = (slot == k).nonzero(as_tuple=True)[0]
             acc.index_add_(0, tok[sel], values[sel])
     else:
-        _accumulate(acc, y, token[remote_pairs], weights[remote_pairs])
+        tok, w, begin = token[remote_pairs], job.weights[remote_pairs], 0
+        fused = _fused(job) and local.own_y is None
+        for p in parts if fused else ():
+            data = p.view(fmt.dtype)
+            if not cpu_kernels.accumulate(
+                acc, data, None, tok[begin : begin + p.shape[0]], w[begin : begin + p.shape[0]]
+            ):
+                fused = False
+                break
+            begin += p.shape[0]
+        if not fused:
+            assert begin == 0, "the kernel applies to all parts or none"
+            _accumulate(acc, decode_rows(job, parts), tok, w.unsqueeze(1))
     if job.addend is not None:
         acc.add_(job.addend.float())
     if job.active is not None:

@@ -28,14 +28,33 @@ Received = collections.namedtuple("Received", "row slot expert src")
 """Pairs parsed from received rows: `[n]` int64 tensors, in receive order."""
 
 
-def parse(fmt: RowFormat, rows: torch.Tensor, src_of_row: torch.Tensor, masked_src: torch.Tensor | None) -> Received:
-    """The (row, slot, local expert, source) of every pair the rows carry (rows from masked sources dropped)."""
-    table = fmt.slot_experts(rows)
-    valid = table >= 0
-    if masked_src is not None:
-        valid &= ~masked_src[src_of_row].unsqueeze(1)
-    row, slot = valid.nonzero(as_tuple=True)
-    return Received(row, slot, table[row, slot].long(), src_of_row[row])
+@dataclasses.dataclass
+class Incoming:
+    """Received dispatch rows: ``rows`` `[n, row_bytes]` uint8 holds source ``src``'s rows at ``rows[begin : begin +
+    count]`` for each ``(src, begin, count)`` of ``blocks`` (by source rank; masked sources left out)."""
+
+    rows: torch.Tensor
+    blocks: list[tuple[int, int, int]]
+
+    @classmethod
+    def from_one(cls, rows: torch.Tensor, src: int) -> Incoming:
+        return cls(rows, [(src, 0, rows.shape[0])])
+
+    def block(self, i: int) -> tuple[int, torch.Tensor]:
+        src, begin, count = self.blocks[i]
+        return src, self.rows[begin : begin + count]
+
+    def parse(self, fmt: RowFormat) -> Received:
+        """The (row of ``rows``, slot, local expert, source) of every pair the rows carry."""
+        dev, blocks = self.rows.device, [b for b in self.blocks if b[2]]
+        if not blocks:
+            empty = torch.empty(0, dtype=torch.int64, device=dev)
+            return Received(empty, empty, empty, empty)
+        index = torch.cat([torch.arange(b, b + c, device=dev) for _, b, c in blocks])
+        src = torch.cat([torch.full((c,), s, dtype=torch.int64, device=dev) for s, _, c in blocks])
+        table = fmt.slot_experts(self.rows)[index]
+        i, slot = (table >= 0).nonzero(as_tuple=True)
+        return Received(index[i], slot, table[i, slot].long(), src[i])
 
 
 @dataclasses.dataclass
@@ -93,9 +112,8 @@ def start_dispatch(job: DispatchJob) -> Completion:
     slot_expert, weights = slot_tables(job, num_rows)
     fmt.encode_gathered(send, x, plan.row_token, slot_expert, weights, job.smooth)
     lap("packing")  # (while the agreement travels)
-    own_rows = send[plan.num_remote_rows :]
-    own = parse(fmt, own_rows, torch.full((own_rows.shape[0],), me, device=dev), None)
-    job.layout.place_own(fmt, own_rows, own)
+    own = Incoming.from_one(send[plan.num_remote_rows :], me)
+    job.layout.place_own(fmt, own)
     lap("unpacking_self")
 
     def start_payload(known: list[int]) -> tuple[list[int], torch.Tensor, Completion]:
@@ -137,10 +155,10 @@ def start_dispatch(job: DispatchJob) -> Completion:
                 job.layout.check(got)
         agreed_now = got
         lap("collective_wait")
-        rows_from = torch.tensor(recv_rows, device=dev)
-        src_of_row = torch.repeat_interleave(torch.arange(r, device=dev), rows_from, output_size=recv.shape[0])
-        masked = ep.mask.to(dev).bool() if bool(ep.mask.any()) else None
-        job.layout.place_remote(fmt, recv, parse(fmt, recv, src_of_row, masked), own_rows, own, agreed_now, wait_ns)
+        begins = [sum(recv_rows[:s]) for s in range(r)]
+        masked = ep.mask.tolist()
+        blocks = [(s, begins[s], recv_rows[s]) for s in range(r) if s != me and not masked[s]]
+        job.layout.place_remote(fmt, Incoming(recv, blocks), own, agreed_now, wait_ns)
         lap("unpacking")
 
     return Completion(finish)

@@ -22,7 +22,7 @@ from ..errors import shape
 from ..group import Agreement, EPGroup
 from ..group_names import comm_device
 from ..sizes import align
-from .dispatch import Received
+from .dispatch import Incoming
 from .rows import RowFormat
 
 X_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
@@ -146,11 +146,12 @@ class ElasticLayout:
             counts=torch.empty((self.num_local,), dtype=torch.int32, device=dev),
         )  # fmt: skip
 
-    def place_own(self, fmt: RowFormat, rows: torch.Tensor, got: Received) -> None:
+    def place_own(self, fmt: RowFormat, incoming: Incoming) -> None:
         """Nothing yet: own rows are placed with the remote ones (the layout puts them between the sources)."""
 
-    def place_remote(self, fmt, rows, got, own_rows, own, agreement: Agreement, wait_ns: int) -> None:
-        me, r = self.rank, self.num_ranks
+    def place_remote(self, fmt: RowFormat, incoming: Incoming, own: Incoming, agreement: Agreement,
+                     wait_ns: int) -> None:  # fmt: skip
+        me, r, rows, own_rows = self.rank, self.num_ranks, incoming.rows, own.rows
         if self.placement is not None:
             rows_from = self.placement.rows_from
         else:

@@ -24,7 +24,7 @@ from ..params import (
     routed_pairs,
 )
 from .combine import CombineJob, start_combine
-from .dispatch import DispatchJob, start_dispatch
+from .dispatch import DispatchJob, Incoming, start_dispatch
 from .layouts import sort_blocks
 from .plan import Plan, make_plan
 from .rows import ReturnFormat, RowFormat
@@ -58,10 +58,12 @@ class Flat:
     def place_own(self, *_: Any) -> None:
         """Nothing yet: own rows are placed with the remote ones (their positions depend on every source's counts)."""
 
-    def place_remote(self, fmt, rows, got, own_rows, own, agreement: Agreement, wait_ns: int) -> None:
+    def place_remote(self, fmt: RowFormat, incoming: Incoming, own: Incoming, agreement: Agreement,
+                     wait_ns: int) -> None:  # fmt: skip
         v, layout, cap = self.v, self.v.layout, self.capacity
+        rows, got, own_rows, own_got = incoming.rows, incoming.parse(fmt), own.rows, own.parse(fmt)
         dev, w, num_local = v.x.device, layout.world_size, layout.num_local_experts_here
-        expert, src = torch.cat([got.expert, own.expert]), torch.cat([got.src, own.src])
+        expert, src = torch.cat([got.expert, own_got.expert]), torch.cat([got.src, own_got.src])
         num_recv = int(expert.numel())
         if num_recv > cap:
             raise shape("expert_ids", f"this rank received {num_recv} rows but can hold A = {cap}")
@@ -78,7 +80,7 @@ class Flat:
         assist = torch.zeros((max(v.x.shape[0] * v.topk, cap * 128),), dtype=torch.int32, device=dev)
         expand_scales = torch.zeros((cap if self.weights else 0,), dtype=torch.float32, device=dev)
         n_remote = got.row.numel()
-        for buf, part, at in ((rows, got, position[:n_remote]), (own_rows, own, position[n_remote:])):
+        for buf, part, at in ((rows, got, position[:n_remote]), (own_rows, own_got, position[n_remote:])):
             if not at.numel():
                 continue
             fmt.scatter_data(buf, part.row, expand_x, at)

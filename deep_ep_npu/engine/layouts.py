@@ -11,7 +11,8 @@ import torch
 from ..errors import shape
 from ..group import Agreement
 from ..handle import LowLatencyHandle
-from .dispatch import Received
+from . import cpu_kernels
+from .dispatch import Incoming
 from .rows import RowFormat
 
 LOOP_BYTES = 1 << 18
@@ -46,13 +47,17 @@ class Masked:
     def check(self, agreement: Agreement) -> None:
         agreement.check(self.rank, self.names)
 
-    def _write(self, fmt: RowFormat, rows: torch.Tensor, got: Received, base: torch.Tensor) -> torch.Tensor:
-        """Place ``got`` inside each expert's rows from ``base[expert]`` on; returns its counts `[L, R]`."""
-        num_local, rn = self.src_info.shape
-        order, counts = sort_blocks(got.expert, got.src, num_local, self.layout_range.shape[1])
+    def _write(self, fmt: RowFormat, incoming: Incoming, base: torch.Tensor) -> torch.Tensor:
+        """Place ``incoming``'s pairs in each expert's rows from ``base[expert]`` on; returns their counts `[L, R]`."""
+        (num_local, rn), r = self.src_info.shape, self.layout_range.shape[1]
+        if (counts := self._write_fused(fmt, incoming, base)) is not None:
+            return counts
+        got = incoming.parse(fmt)
+        order, counts = sort_blocks(got.expert, got.src, num_local, r)
         row, local = got.row[order], got.expert[order]
         pos = torch.arange(order.numel(), device=row.device) - exclusive_cumsum(counts.sum(dim=1))[local] + base[local]
         flat = local * rn + pos
+        rows = incoming.rows
         if row.numel() == 0:
             return counts
         if row.numel() * fmt.data_bytes < LOOP_BYTES:  # small: one scatter beats a call per expert
@@ -63,19 +68,40 @@ class Masked:
                 if count:
                     fmt.gather_data(rows, row[begin : begin + count], self.recv_x[i, b : b + count])
                 begin += count
-        if self.scales is not None:
-            s = fmt.scales(rows, row, self.use_ue8m0)
-            self.scales[local, pos] = s if fmt.quant == "fp8_e4m3" else s.expand(-1, self.scales.shape[2])
+        self._write_scales(fmt, rows, row, flat)
         self.src_info.view(-1)[flat] = fmt.tokens(rows)[row]
         return counts
 
-    def place_own(self, fmt: RowFormat, rows: torch.Tensor, got: Received) -> None:
-        zero = torch.zeros(self.src_info.shape[0], dtype=torch.int64, device=rows.device)
-        self.counts_own = self._write(fmt, rows, got, zero)
+    def _write_fused(self, fmt: RowFormat, incoming: Incoming, base: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`_write` in one pass per source (:func:`~.cpu_kernels.place`); None where the kernel does not apply."""
+        num_local, rn = self.src_info.shape
+        counts = torch.zeros((num_local, self.layout_range.shape[1]), dtype=torch.int64, device=base.device)
+        pos, most = base.clone(), max((c for _, _, c in incoming.blocks), default=0)
+        pairs = torch.empty((2, max(most * fmt.num_slots, 1)), dtype=torch.int64, device=base.device)
+        for i in range(len(incoming.blocks)):
+            src, rows = incoming.block(i)
+            k = cpu_kernels.place(rows, fmt.data_bytes, fmt.token_off, fmt.slot_off, fmt.num_slots, self.recv_x,
+                                  self.src_info, pos, counts, src, pairs)  # fmt: skip
+            if k is None:  # (the same answer for every block: they are views of one tensor)
+                return None
+            self._write_scales(fmt, rows, pairs[0, :k], pairs[1, :k])
+        return counts
 
-    def place_remote(self, fmt, rows, got, own_rows, own, agreement: Agreement, wait_ns: int) -> None:
+    def _write_scales(self, fmt: RowFormat, rows: torch.Tensor, row: torch.Tensor, flat: torch.Tensor) -> None:
+        if self.scales is None:
+            return
+        rn = self.src_info.shape[1]
+        s = fmt.scales(rows, row, self.use_ue8m0)
+        self.scales[flat // rn, flat % rn] = s if fmt.quant == "fp8_e4m3" else s.expand(-1, self.scales.shape[2])
+
+    def place_own(self, fmt: RowFormat, incoming: Incoming) -> None:
+        zero = torch.zeros(self.src_info.shape[0], dtype=torch.int64, device=incoming.rows.device)
+        self.counts_own = self._write(fmt, incoming, zero)
+
+    def place_remote(self, fmt: RowFormat, incoming: Incoming, own: Incoming, agreement: Agreement,
+                     wait_ns: int) -> None:  # fmt: skip
         assert self.counts_own is not None
-        counts = self.counts_own + self._write(fmt, rows, got, self.counts_own.sum(dim=1))
+        counts = self.counts_own + self._write(fmt, incoming, self.counts_own.sum(dim=1))
         r, me = counts.shape[1], self.rank
         order = torch.tensor([me] + [s for s in range(r) if s != me], device=counts.device)
         begin = torch.empty_like(counts)

@@ -20,8 +20,8 @@ from .. import profiling
 from ..errors import invalid
 from ..event import Completion
 from ..group import STATUS_OK, Agreement
-from .combine import CombineJob, check_agreement, decode_rows, reduce_own, reduce_remote
-from .dispatch import DispatchJob, Received, parse, slot_tables
+from .combine import CombineJob, check_agreement, reduce_own, reduce_remote
+from .dispatch import DispatchJob, Incoming, slot_tables
 from .window import DATA_OFFSET, Call, ShmWindow
 
 
@@ -54,7 +54,7 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
     """:func:`~.dispatch.start_dispatch` over ``win`` (``job.before_send`` must be None)."""
     assert job.before_send is None, "the TP stage runs on the collective transport"
     ep, plan, fmt, x, ws = job.ep, job.plan, job.fmt, job.x, job.workspace
-    me, r, dev, lap = ep.rank, ep.num_ranks, x.device, profiling.laps("dispatch")
+    me, r, lap = ep.rank, ep.num_ranks, profiling.laps("dispatch")
     call = win.begin(job.op)
     words = 2 + len(job.fingerprint)
     profiling.record_wire("dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], me, 8 * (words + 4))
@@ -79,8 +79,8 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
         if d != me:
             win.post(call, d, [STATUS_OK, *counts[d], *job.fingerprint])
     lap("packing")
-    own = parse(fmt, own_rows, torch.full((own_rows.shape[0],), me, device=dev), None)
-    job.layout.place_own(fmt, own_rows, own)
+    own = Incoming.from_one(own_rows, me)
+    job.layout.place_own(fmt, own)
     lap("unpacking_self")
 
     def finish() -> None:
@@ -92,26 +92,14 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
             agreement = _agreement(win, call, headers, own_words, 2, tuple(job.fingerprint), wait_ns)
             job.layout.check(agreement)
             rows, m = win.own_regions(call, fmt.row_bytes)
-            got = _received(fmt, rows, m, [0 if s == me else c[0] for s, c in enumerate(agreement.counts)], ep.mask)
-            job.layout.place_remote(fmt, rows, got, own_rows, own, agreement, wait_ns)
+            masked = ep.mask.tolist()
+            blocks = [(s, s * m, c[0]) for s, c in enumerate(agreement.counts) if s != me and not masked[s]]
+            job.layout.place_remote(fmt, Incoming(rows, blocks), own, agreement, wait_ns)
         finally:
             win.release(call)
         lap("unpacking")
 
     return Completion(finish)
-
-
-def _received(fmt, rows: torch.Tensor, m: int, counts: list[int], mask: torch.Tensor) -> Received:
-    """:func:`~.dispatch.parse` of the first ``counts[s]`` rows of each source's region (``rows[s * m:]``)."""
-    dev = rows.device
-    index = torch.cat([torch.arange(s * m, s * m + c, device=dev) for s, c in enumerate(counts)])
-    src = torch.repeat_interleave(torch.arange(len(counts), device=dev), torch.tensor(counts, device=dev))
-    table = fmt.slot_experts(rows)[index]
-    valid = table >= 0
-    if bool(mask.any()):
-        valid &= ~mask.to(dev).bool()[src].unsqueeze(1)
-    i, slot = valid.nonzero(as_tuple=True)
-    return Received(index[i], slot, table[i, slot].long(), src[i])
 
 
 def start_combine_shm(job: CombineJob, win: ShmWindow) -> Completion:
@@ -151,7 +139,7 @@ def start_combine_shm(job: CombineJob, win: ShmWindow) -> Completion:
             assert local is not None, "own sends and expects agree once checked"
             counts = [0 if s == me else fp[me] for s, fp in enumerate(agreement.shared)]
             parts = [win.region(me, call, s, fmt.row_bytes, k) for s, k in enumerate(counts) if k]
-            reduce_remote(job, local, decode_rows(job, parts), agreement, wait_ns)
+            reduce_remote(job, local, parts, agreement, wait_ns)
         finally:
             win.release(call)
         lap("unpacking")

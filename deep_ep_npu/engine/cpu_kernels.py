@@ -1,0 +1,156 @@
+"""Fused CPU loops (``cpu_kernels.c``) for the two passes that move most of a low-latency call's bytes on CPU tensors:
+placing dispatch rows into DeepEP's masked layout and the weighted fp32 reduction of combine. Each is one pass over
+the bytes where the torch code takes several (gather, convert, scale, scatter-add), and the results are
+bit-identical to it (the same fp32 roundings in the same order); the torch code stays the path for every other
+case (other devices, quantized rows, no compiler).
+
+The C file is compiled once per machine with the system C compiler (``cc``, or ``$CC``) into a cache directory
+(``$DEEP_EP_NPU_CACHE``, else ``$XDG_CACHE_HOME/deep_ep_npu``, else ``~/.cache/deep_ep_npu``; named by a hash of
+the source, the flags and the machine, written atomically so that ranks compiling at once do not clash) and loaded
+with :mod:`ctypes`. ``DEEP_EP_NPU_CPU_KERNELS=0`` turns them off; :func:`unavailable` says why they are off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from .. import envs
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
+_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_i64, _p = ctypes.c_int64, ctypes.c_void_p
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the loaded library or None, "why": why not
+_enabled = [True]
+
+
+def _cache_dir() -> str:
+    if path := envs.cache_dir():
+        return path
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "deep_ep_npu")
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    if not envs.cpu_kernels():
+        return None, "DEEP_EP_NPU_CPU_KERNELS=0"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc) found"
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, platform.machine()]).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"cpu_kernels_{key}.so")
+    if not os.path.exists(path):
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+            os.close(fd)
+            run = subprocess.run([cc, *_FLAGS, _SOURCE, "-o", tmp], capture_output=True, text=True, timeout=120)
+            if run.returncode:
+                os.unlink(tmp)
+                return None, f"{cc} failed: {run.stderr.strip()[:500]}"
+            os.replace(tmp, path)  # atomic: a rank that compiles at the same time replaces an identical file
+        except (OSError, subprocess.SubprocessError) as err:
+            return None, f"could not build {path}: {err}"
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as err:
+        return None, f"could not load {path}: {err}"
+    lib.dep_accumulate.restype = ctypes.c_int
+    lib.dep_accumulate.argtypes = [_p, _i64, _i64, _p, _i64, ctypes.c_int, _p, _p, _p, _i64]
+    lib.dep_place.restype = _i64
+    lib.dep_place.argtypes = [_p, *[_i64] * 10, _p, _p, _p, _p, _p, _p]
+    lib.dep_has_dtype.restype = ctypes.c_int
+    lib.dep_has_dtype.argtypes = [ctypes.c_int]
+    return lib, ""
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels (built on first use), or None when they are off or cannot be built."""
+    if not _enabled[0]:
+        return None
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["why"] = _build()
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def unavailable() -> str:
+    """ "" when the kernels are in use, else why not."""
+    return "" if library() is not None else str(_state.get("why", "turned off by cpu_kernels.disabled()"))
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the torch code paths instead of the kernels inside this block (this process)."""
+    before, _enabled[0] = _enabled[0], False
+    try:
+        yield
+    finally:
+        _enabled[0] = before
+
+
+def _cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def accumulate(acc: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None, token: torch.Tensor,
+               weight: torch.Tensor) -> bool:  # fmt: skip
+    """``acc[token[i]] += weight[i] * x[index[i]]`` (``x[i]`` without ``index``) for i in order, in fp32: ``acc``
+    `[T, hidden]` fp32, ``x`` `[rows, hidden]` (fp32 / bf16 / fp16, rows contiguous), ``index`` / ``token`` `[n]`
+    int64, ``weight`` `[n]` fp32. Returns False (nothing done) where the kernels do not apply: the caller runs torch."""
+    lib = library()
+    if lib is None or x.dtype not in DTYPES or not lib.dep_has_dtype(DTYPES[x.dtype]) or x.dim() != 2:
+        return False
+    if x.stride(1) != 1 or not _cpu(acc, token, weight) or x.device.type != "cpu" or acc.shape[1] != x.shape[1]:
+        return False
+    n = token.numel()
+    if index is not None and not _cpu(index):
+        return False
+    if n and int(index.max() if index is not None else n - 1) >= x.shape[0]:
+        raise IndexError(f"accumulate: row index past the {x.shape[0]} rows of x")
+    if token.dtype != torch.int64 or acc.dtype != torch.float32:
+        return False
+    weight = weight.float().contiguous()  # (exact: torch multiplies in fp32 too)
+    rc = lib.dep_accumulate(acc.data_ptr(), acc.shape[0], acc.shape[1], x.data_ptr(), x.stride(0) * x.element_size(),
+                            DTYPES[x.dtype], None if index is None else index.data_ptr(), token.data_ptr(),
+                            weight.data_ptr(), n)  # fmt: skip
+    if rc:
+        raise IndexError(f"accumulate: a token index is outside [0, {acc.shape[0]})")
+    return True
+
+
+def place(rows: torch.Tensor, data_bytes: int, token_off: int, slot_off: int, num_slots: int, recv: torch.Tensor,
+          src_info: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor, src: int,
+          pairs: torch.Tensor) -> int | None:  # fmt: skip
+    """Expand dispatch ``rows`` `[n, row_bytes]` uint8 of source ``src`` into ``recv`` `[L, cap, *]` (``data_bytes``
+    per row) and ``src_info`` `[L, cap]` int32 from row ``pos[e]`` of each expert on (``pos`` `[L]` int64 and
+    ``counts`` `[L, R]` int64 grow), writing each pair's (row, flat position) into ``pairs`` `[2, >= n * num_slots]`
+    int64. Returns the number of pairs, or None where the kernels do not apply (nothing done)."""
+    lib = library()
+    if lib is None or not _cpu(rows, recv, src_info, pos, counts, pairs) or rows.dtype != torch.uint8:
+        return None
+    num_local, cap = src_info.shape
+    assert recv.numel() * recv.element_size() == num_local * cap * data_bytes
+    assert pairs.shape[1] >= rows.shape[0] * num_slots
+    k = lib.dep_place(rows.data_ptr(), rows.shape[0], rows.shape[1], data_bytes, token_off, slot_off, num_slots,
+                      num_local, cap, counts.shape[1], src, recv.data_ptr(), src_info.data_ptr(), pos.data_ptr(),
+                      counts.data_ptr(), pairs[0].data_ptr(), pairs[1].data_ptr())  # fmt: skip
+    if k < 0:
+        raise ValueError("dispatch rows name a local expert outside the layout" if k == -1 else
+                         "dispatch rows exceed an expert's R * N rows")  # fmt: skip
+    return int(k)
