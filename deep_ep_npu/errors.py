@@ -8,6 +8,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from .engine import cpu_kernels
+
 ACLNN_ERR_PARAM_NULLPTR = 161001  # a required tensor or argument is missing (None)
 ACLNN_ERR_PARAM_INVALID = 161002  # a dtype or a parameter value is not supported
 ACLNN_ERR_INNER_TILING_ERROR = 561002  # a shape, or a value derived from shapes, is out of range (or CCL too small)
@@ -109,6 +111,8 @@ def expert_ids(ids: object, param: str, num_ids: int, num_tokens: int, max_topk:
         raise shape(param, f"has {t.shape[0]} rows but x has {num_tokens} tokens")
     if not 0 < k <= max_topk:
         raise shape(param, f"top-k (dim 1) is {k}, allowed (0, {max_topk}]")
+    if active is None and cpu_kernels.ids_ok(t, -1 if no_expert else 0, num_ids):  # (one pass; else as below)
+        return t
     if active is not None:  # excluded entries read -1: neither range-checked nor duplicates
         t = t.masked_fill(~active, -1)
     if (vals := t if active is None else t[active]).numel():

@@ -20,7 +20,7 @@ from ..elastic_params import Combine, Dispatch
 from ..engine.combine import CombineJob, start_combine
 from ..engine.dispatch import DispatchJob, start_dispatch
 from ..engine.elastic import X_DTYPE_CODES, ElasticLayout, Placement, fingerprint, release_cached_peers
-from ..engine.plan import Plan, make_plan
+from ..engine.plan import Plan, make_plan, plan_topk
 from ..engine.rows import ReturnFormat, RowFormat
 from ..ep_handle import EPHandle
 from ..event import Completion
@@ -38,17 +38,15 @@ class ElasticReference:
         self.rank, self.num_ranks = backend.rank, backend.num_ranks
         self.multiple_reduction = allow_multiple_reduction
         self._tag = 0  # the wire buffers alternate: two calls may be in flight
+        self._no_mask = torch.zeros(self.num_ranks, dtype=torch.int32)
 
     def _next_tag(self) -> str:
         self._tag ^= 1
         return f"_v2_{self._tag}"
 
     def _plan(self, topk_idx: torch.Tensor, num_local: int, per_pair_rows: bool) -> Plan:
-        ids = topk_idx.long()
-        token, slot = (ids >= 0).nonzero(as_tuple=True)
-        e = ids[token, slot]
-        return make_plan(token, slot, e // num_local, e % num_local, num_tokens=len(ids), num_ranks=self.num_ranks,
-                         rank=self.rank, num_local_experts=num_local, per_pair_rows=per_pair_rows)  # fmt: skip
+        return plan_topk(topk_idx, num_local_experts=num_local, num_ranks=self.num_ranks, rank=self.rank,
+                         mask=self._no_mask, per_pair_rows=per_pair_rows)  # fmt: skip
 
     def dispatch(self, d: Dispatch) -> tuple[ElasticLayout, EPHandle | None, Completion]:
         """Start ``d``; returns the layout (its ``outputs``), the handle if its tensors exist already (a cached one,

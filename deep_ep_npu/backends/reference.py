@@ -20,7 +20,7 @@ from ..engine.combine import CombineJob
 from ..engine.dispatch import DispatchJob
 from ..engine.flat import start_combine_flat, start_dispatch_flat
 from ..engine.layouts import Masked
-from ..engine.plan import make_plan
+from ..engine.plan import plan_topk
 from ..engine.rows import LOGFMT, QUANTS, ReturnFormat, RowFormat
 from ..engine.transport import create_transport
 from ..errors import MoeDistributeError
@@ -55,15 +55,10 @@ class ReferenceBackend(LowLatencyBackend):
         self.transport.reject(f"low_latency_{op}", code, 2 if d else 0, width)
 
     def _plan(self, topk_idx: torch.Tensor, num_local: int, per_pair_rows: bool):
-        """The engine's plan for the (token, slot, dest rank, local expert) of the valid entries of ``topk_idx``."""
-        ids = topk_idx.long()
-        valid = ids >= 0
-        if bool(self.mask.any()):  # shrink mode: masked ranks' experts are absent; a masked rank sends nothing
-            valid &= (self.mask.to(ids.device)[ids.clamp(min=0) // num_local] == 0) & (not int(self.mask[self.rank]))
-        token, slot = valid.nonzero(as_tuple=True)
-        e = ids[token, slot]
-        return make_plan(token, slot, e // num_local, e % num_local, num_tokens=len(ids), num_ranks=self.num_ranks,
-                         rank=self.rank, num_local_experts=num_local, per_pair_rows=per_pair_rows)  # fmt: skip
+        """The engine's plan of ``topk_idx`` (shrink mode: masked ranks' experts are absent, a masked rank sends
+        nothing)."""
+        return plan_topk(topk_idx, num_local_experts=num_local, num_ranks=self.num_ranks, rank=self.rank,
+                         mask=self.mask, per_pair_rows=per_pair_rows)  # fmt: skip
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         state = (self._buffer_idx, self._dispatch_idx)  # shrink mode re-runs into the same result set

@@ -188,16 +188,11 @@ def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agre
     else:
         tok, w, begin = token[remote_pairs], job.weights[remote_pairs], 0
         fused = _fused(job) and local.own_y is None
-        for p in parts if fused else ():
-            data = p.view(fmt.dtype)
-            if not cpu_kernels.accumulate(
-                acc, data, None, tok[begin : begin + p.shape[0]], w[begin : begin + p.shape[0]]
-            ):
-                fused = False
-                break
-            begin += p.shape[0]
+        for p in parts if fused else ():  # (the kernel applies to all parts or none: views of one tensor)
+            pairs = slice(begin, begin + p.shape[0])
+            fused = cpu_kernels.accumulate(acc, p.view(fmt.dtype), None, tok[pairs], w[pairs])
+            begin = pairs.stop
         if not fused:
-            assert begin == 0, "the kernel applies to all parts or none"
             _accumulate(acc, decode_rows(job, parts), tok, w.unsqueeze(1))
     if job.addend is not None:
         acc.add_(job.addend.float())

@@ -6,6 +6,32 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+/* Copy n bytes with streaming stores where dst and n allow (x86): the rows are read next by another core, or
+ * later, so they need not pass through this core's cache; copies_done() orders them before later stores. */
+static void copy_row(uint8_t *dst, const uint8_t *src, int64_t n) {
+    if (((uintptr_t)dst & 15) || (n & 63)) {
+        memcpy(dst, src, (size_t)n);
+        return;
+    }
+    for (int64_t i = 0; i < n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+}
+static void copies_done(void) { _mm_sfence(); }
+#else
+static void copy_row(uint8_t *dst, const uint8_t *src, int64_t n) { memcpy(dst, src, (size_t)n); }
+static void copies_done(void) {}
+#endif
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define WIDE __attribute__((target_clones("avx2", "default"))) /* 32-byte vectors where the CPU has them */
 #else
@@ -107,12 +133,129 @@ int64_t dep_place(const uint8_t *rows, int64_t n, int64_t row_bytes, int64_t dat
             if (e < 0)
                 continue;
             int64_t flat = e * cap + pos[e]++;
-            memcpy(recv + flat * data_bytes, row, (size_t)data_bytes);
+            copy_row(recv + flat * data_bytes, row, data_bytes);
             src_info[flat] = token;
             counts[e * num_ranks + src]++;
             pair_row[k] = i;
             pair_pos[k++] = flat;
         }
     }
+    copies_done();
     return k;
+}
+
+/* Whether every id of ids ([n][k] int64) is in [lo, hi) and no id >= 0 appears twice in a row: 0 yes, 1 no. */
+int dep_check_ids(const int64_t *ids, int64_t n, int64_t k, int64_t lo, int64_t hi) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t *row = ids + t * k;
+        for (int64_t j = 0; j < k; j++) {
+            if (row[j] < lo || row[j] >= hi)
+                return 1;
+            for (int64_t i = 0; i < j; i++)
+                if (row[i] == row[j] && row[j] >= 0)
+                    return 1;
+        }
+    }
+    return 0;
+}
+
+/* The engine's plan (plan.py's make_plan) of the valid entries of ids ([T][K] int64, checked by dep_check_ids): pair
+ * (t, j) goes to rank e / L, local expert e % L, for e = ids[t][j] >= 0 whose rank is not masked (mask [R] uint8;
+ * none when mask[me]). Pairs sorted by (dest, expert, token) fill token / slot / dest / expert ([T * K] int64) and
+ * pairs_per_dest [R]. Rows (remote ranks in order, this rank's last), into row_token / row_of_pair ([T * K] int64)
+ * and rows_per_dest [R]: one per (dest, token) with per_pair_rows = 0 (tokens ascending), else one per pair (pair
+ * order). With slot_expert ([T * K][K] int32, or NULL; per_pair_rows = 0), row r's slot j holds the local expert of
+ * the pair (row r's token, j), else -1. scratch: 2 * R * T + R * L int64. Returns the number of pairs, or the number
+ * of rows with rows_out (the caller's views use both). */
+int64_t dep_plan(const int64_t *ids, int64_t T, int64_t K, int64_t L, int64_t R, int64_t me, const uint8_t *mask,
+                 int per_pair_rows, int64_t *token, int64_t *slot, int64_t *dest, int64_t *expert,
+                 int64_t *pairs_per_dest, int64_t *row_token, int64_t *row_of_pair, int64_t *rows_per_dest,
+                 int32_t *slot_expert, int64_t *scratch, int64_t *rows_out) {
+    int64_t *cursor = scratch;          /* [R * L]: next pair of each (dest, expert) */
+    int64_t *row_at = scratch + R * L;  /* [R * T]: row of (dest, token), -1 none */
+    memset(cursor, 0, sizeof(int64_t) * (size_t)(R * L));
+    memset(pairs_per_dest, 0, sizeof(int64_t) * (size_t)R);
+    memset(rows_per_dest, 0, sizeof(int64_t) * (size_t)R);
+    int none = mask[me] != 0;
+    int64_t num_pairs = 0;
+    for (int64_t i = 0; i < T * K && !none; i++) {
+        int64_t e = ids[i];
+        if (e >= 0 && !mask[e / L]) {
+            cursor[e]++;
+            num_pairs++;
+        }
+    }
+    for (int64_t b = 0, begin = 0; b < R * L; b++) { /* counts to first positions (e = dest * L + expert) */
+        int64_t c = cursor[b];
+        cursor[b] = begin;
+        begin += c;
+        pairs_per_dest[b / L] += c;
+    }
+    for (int64_t t = 0; t < T && !none; t++)
+        for (int64_t j = 0; j < K; j++) {
+            int64_t e = ids[t * K + j];
+            if (e < 0 || mask[e / L])
+                continue;
+            int64_t p = cursor[e]++;
+            token[p] = t, slot[p] = j, dest[p] = e / L, expert[p] = e % L;
+        }
+    int64_t num_rows = 0;
+    if (per_pair_rows) { /* pair order, this rank's pairs last */
+        for (int64_t pass = 0; pass < 2; pass++)
+            for (int64_t p = 0; p < num_pairs; p++)
+                if ((dest[p] == me) == (pass == 1)) {
+                    row_token[num_rows] = token[p];
+                    row_of_pair[p] = num_rows++;
+                }
+        memcpy(rows_per_dest, pairs_per_dest, sizeof(int64_t) * (size_t)R);
+    } else {
+        for (int64_t i = 0; i < R * T; i++)
+            row_at[i] = -1;
+        for (int64_t p = 0; p < num_pairs; p++)
+            row_at[dest[p] * T + token[p]] = 0;
+        for (int64_t q = 0; q < R; q++) {
+            int64_t d = q < R - 1 ? (q < me ? q : q + 1) : me; /* remote ranks ascending, then this rank */
+            for (int64_t t = 0; t < T; t++)
+                if (row_at[d * T + t] == 0) {
+                    row_at[d * T + t] = num_rows;
+                    row_token[num_rows++] = t;
+                    rows_per_dest[d]++;
+                }
+        }
+        for (int64_t p = 0; p < num_pairs; p++)
+            row_of_pair[p] = row_at[dest[p] * T + token[p]];
+        if (slot_expert) {
+            for (int64_t i = 0; i < num_rows * K; i++)
+                slot_expert[i] = -1;
+            for (int64_t p = 0; p < num_pairs; p++)
+                slot_expert[row_of_pair[p] * K + slot[p]] = (int32_t)expert[p];
+        }
+    }
+    *rows_out = num_rows;
+    return num_pairs;
+}
+
+/* Dispatch rows without quantization or weights: row i of out ([n][row_bytes]) gets the data_bytes of x's row
+ * row_token[i] (x: [*][data_bytes]), the token (int32) at token_off and slot_expert's row i ([n][K] int32) at
+ * slot_off. */
+void dep_pack(const uint8_t *x, int64_t data_bytes, const int64_t *row_token, const int32_t *slot_expert, int64_t n,
+              int64_t k, uint8_t *out, int64_t row_bytes, int64_t token_off, int64_t slot_off, int streaming) {
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *row = out + i * row_bytes;
+        int32_t t = (int32_t)row_token[i];
+        if (streaming)
+            copy_row(row, x + row_token[i] * data_bytes, data_bytes);
+        else
+            memcpy(row, x + row_token[i] * data_bytes, (size_t)data_bytes);
+        memcpy(row + token_off, &t, sizeof t);
+        memcpy(row + slot_off, slot_expert + i * k, sizeof(int32_t) * (size_t)k);
+    }
+    copies_done();
+}
+
+/* Row i of out ([n][row_bytes]) = row index[i] of x ([*][row_bytes]), with streaming stores. */
+void dep_gather(const uint8_t *x, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out) {
+    for (int64_t i = 0; i < n; i++)
+        copy_row(out + i * row_bytes, x + index[i] * row_bytes, row_bytes);
+    copies_done();
 }

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -76,6 +77,14 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dep_place.argtypes = [_p, *[_i64] * 10, _p, _p, _p, _p, _p, _p]
     lib.dep_has_dtype.restype = ctypes.c_int
     lib.dep_has_dtype.argtypes = [ctypes.c_int]
+    lib.dep_check_ids.restype = ctypes.c_int
+    lib.dep_check_ids.argtypes = [_p, _i64, _i64, _i64, _i64]
+    lib.dep_plan.restype = _i64
+    lib.dep_plan.argtypes = [_p, *[_i64] * 5, _p, ctypes.c_int, *[_p] * 11]
+    lib.dep_pack.restype = None
+    lib.dep_pack.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _i64, ctypes.c_int]
+    lib.dep_gather.restype = None
+    lib.dep_gather.argtypes = [_p, _i64, _p, _i64, _p]
     return lib, ""
 
 
@@ -154,3 +163,68 @@ def place(rows: torch.Tensor, data_bytes: int, token_off: int, slot_off: int, nu
         raise ValueError("dispatch rows name a local expert outside the layout" if k == -1 else
                          "dispatch rows exceed an expert's R * N rows")  # fmt: skip
     return int(k)
+
+
+def ids_ok(ids: torch.Tensor, lo: int, hi: int) -> bool | None:
+    """Whether every id of ``ids`` `[n, k]` int64 is in ``[lo, hi)`` with no id >= 0 twice in a row; None where the
+    kernels do not apply (the caller checks with torch)."""
+    lib = library()
+    if lib is None or ids.dtype != torch.int64 or ids.dim() != 2 or not _cpu(ids):
+        return None
+    return not lib.dep_check_ids(ids.data_ptr(), ids.shape[0], ids.shape[1], lo, hi)
+
+
+def plan(ids: torch.Tensor, num_local: int, num_ranks: int, rank: int, mask: torch.Tensor,
+         per_pair_rows: bool) -> tuple[Any, ...] | None:  # fmt: skip
+    """:func:`~.plan.plan_topk`'s tensors from valid ``ids`` `[T, K]` int64 (``mask`` `[R]`): (token, slot, dest,
+    expert, pairs_per_dest, row_token, row_of_pair, rows_per_dest, slot_expert `[rows, K]` int32 or None), or None
+    where the kernels do not apply."""
+    lib = library()
+    if lib is None or ids.dtype != torch.int64 or ids.dim() != 2 or not _cpu(ids) or mask.device.type != "cpu":
+        return None
+    t, k = ids.shape
+    pairs = torch.empty((6, t * k), dtype=torch.int64)
+    counts = torch.empty((2, num_ranks), dtype=torch.int64)
+    slot_expert = None if per_pair_rows else torch.empty((t * k, k), dtype=torch.int32)
+    scratch = torch.empty((num_ranks * (num_local + t),), dtype=torch.int64)
+    m = mask.to(torch.uint8).contiguous()
+    num_rows = ctypes.c_int64()
+    ptr = [pairs[i].data_ptr() for i in range(6)]
+    n = lib.dep_plan(ids.data_ptr(), t, k, num_local, num_ranks, rank, m.data_ptr(), int(per_pair_rows), *ptr[:4],
+                     counts[0].data_ptr(), ptr[4], ptr[5], counts[1].data_ptr(),
+                     None if slot_expert is None else slot_expert.data_ptr(), scratch.data_ptr(),
+                     ctypes.byref(num_rows))  # fmt: skip
+    rows = num_rows.value
+    token, slot, dest, expert = (pairs[i, :n] for i in range(4))
+    table = None if slot_expert is None else slot_expert[:rows]
+    return token, slot, dest, expert, counts[0], pairs[4, :rows], pairs[5, :n], counts[1], table
+
+
+def pack(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor, out: torch.Tensor, token_off: int,
+         slot_off: int, streaming: bool) -> bool:  # fmt: skip
+    """Dispatch rows without quantization or weights: ``out`` `[n, row_bytes]` uint8 gets the data of ``x[row_token]``
+    (``x`` `[T, hidden]`), the token and ``slot_expert`` `[n, K]` int32 (``streaming``: past this core's cache, for
+    rows another process reads). False (nothing done) where the kernels do not apply."""
+    lib = library()
+    if lib is None or not _cpu(x, row_token, slot_expert, out) or row_token.dtype != torch.int64:
+        return False
+    if slot_expert.dtype != torch.int32 or out.dtype != torch.uint8:
+        return False
+    n, k = slot_expert.shape
+    lib.dep_pack(x.data_ptr(), x.shape[1] * x.element_size(), row_token.data_ptr(), slot_expert.data_ptr(), n, k,
+                 out.data_ptr(), out.shape[1], token_off, slot_off, int(streaming))  # fmt: skip
+    return True
+
+
+def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out[i] = x[index[i]]`` (``x`` `[rows, *]`, ``out`` `[n, *]` contiguous, ``index`` `[n]` int64 < rows) with
+    streaming stores (rows another process reads); False (nothing done) where the kernels do not apply."""
+    lib = library()
+    if lib is None or not _cpu(x, index, out) or index.dtype != torch.int64 or x.dtype != out.dtype:
+        return False
+    if x.dim() != 2 or out.shape != (index.numel(), x.shape[1]):
+        return False
+    if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < x.shape[0]:
+        raise IndexError(f"gather: a row index is outside [0, {x.shape[0]})")
+    lib.dep_gather(x.data_ptr(), x.shape[1] * x.element_size(), index.data_ptr(), index.numel(), out.data_ptr())
+    return True

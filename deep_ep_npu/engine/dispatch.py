@@ -83,8 +83,10 @@ def slot_tables(job: DispatchJob, num_rows: int) -> tuple[torch.Tensor, torch.Te
     """Per row and slot: the local expert `[num_rows, num_slots]` int32 (-1: unused slot) and the pair's weight
     `[num_rows, num_slots]` fp32 (None without ``job.weights``), as the rows carry them."""
     plan, fmt, dev = job.plan, job.fmt, job.x.device
-    slot_expert = torch.full((num_rows, fmt.num_slots), -1, dtype=torch.int32, device=dev)
-    slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
+    slot_expert = plan.slot_expert
+    if slot_expert is None or slot_expert.shape != (num_rows, fmt.num_slots):
+        slot_expert = torch.full((num_rows, fmt.num_slots), -1, dtype=torch.int32, device=dev)
+        slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
     if job.weights is None:
         return slot_expert, None
     weights = torch.zeros((num_rows, fmt.num_slots), dtype=torch.float32, device=dev)

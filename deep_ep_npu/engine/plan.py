@@ -12,6 +12,8 @@ import dataclasses
 
 import torch
 
+from . import cpu_kernels
+
 
 @dataclasses.dataclass
 class Plan:
@@ -26,6 +28,7 @@ class Plan:
     row_of_pair: torch.Tensor
     rows_per_dest: list[int]
     rank: int
+    slot_expert: torch.Tensor | None = None  # `[num_rows, K]` int32 per row and slot: local expert or -1 (if known)
 
     @property
     def num_remote_rows(self) -> int:
@@ -53,3 +56,21 @@ def make_plan(
     rows = torch.bincount(keys // nt, minlength=num_ranks + 1).tolist()
     rows[rank] = rows[num_ranks]
     return Plan(token, slot, dest, expert, pairs, keys % nt, row_of_pair, rows[:num_ranks], rank)
+
+
+def plan_topk(topk_idx: torch.Tensor, *, num_local_experts: int, num_ranks: int, rank: int, mask: torch.Tensor,
+              per_pair_rows: bool) -> Plan:  # fmt: skip
+    """The plan of the valid entries of ``topk_idx`` `[T, K]` (validated ids; -1: none): pair (t, k) goes to rank
+    ``e // L``, local expert ``e % L``; ranks masked in ``mask`` `[R]` (shrink mode) receive nothing, and a masked
+    rank sends nothing. Without ``per_pair_rows`` the plan also holds its rows' ``slot_expert`` table."""
+    ids, nl = topk_idx.long(), num_local_experts
+    if (fast := cpu_kernels.plan(ids, nl, num_ranks, rank, mask, per_pair_rows)) is not None:
+        token, slot, dest, expert, pairs, row_token, row_of_pair, rows, table = fast
+        return Plan(token, slot, dest, expert, pairs.tolist(), row_token, row_of_pair, rows.tolist(), rank, table)
+    valid = ids >= 0
+    if bool(mask.any()):
+        valid &= (mask.to(ids.device)[ids.clamp(min=0) // nl] == 0) & (not int(mask[rank]))
+    token, slot = valid.nonzero(as_tuple=True)
+    e = ids[token, slot]
+    return make_plan(token, slot, e // nl, e % nl, num_tokens=len(ids), num_ranks=num_ranks, rank=rank,
+                     num_local_experts=nl, per_pair_rows=per_pair_rows)  # fmt: skip

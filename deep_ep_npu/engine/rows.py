@@ -20,6 +20,7 @@ import torch
 from .. import logfmt
 from ..quant import FP8_DTYPE, GROUP, Quant, mx_dequant, pack_ue8m0, per_group_int8, scale_for_fp8_
 from ..sizes import align
+from . import cpu_kernels
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
 LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)
@@ -69,11 +70,15 @@ class RowFormat:
             out[:, self.weight_off : self.end].view(torch.float32).copy_(weights)
 
     def encode_gathered(self, out: torch.Tensor, x: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                        weights: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:  # fmt: skip
+                        weights: torch.Tensor | None, smooth: torch.Tensor | None = None,
+                        remote: bool = False) -> None:  # fmt: skip
         """:meth:`encode_into` of rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64); unquantized data is
-        gathered straight into ``out`` (one copy instead of a gather and a copy)."""
+        gathered straight into ``out`` (one copy instead of a gather and a copy). ``remote``: another process reads
+        ``out`` (a peer's window)."""
         if self.quant is not None:
             return self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
+        if weights is None and cpu_kernels.pack(x, token, slot_expert, out, self.token_off, self.slot_off, remote):
+            return None
         torch.index_select(x, 0, token, out=out[:, : self.data_bytes].view(self.data_dtype))
         out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
         out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)

@@ -20,6 +20,7 @@ from .. import profiling
 from ..errors import invalid
 from ..event import Completion
 from ..group import STATUS_OK, Agreement
+from . import cpu_kernels
 from .combine import CombineJob, check_agreement, reduce_own, reduce_remote
 from .dispatch import DispatchJob, Incoming, slot_tables
 from .window import DATA_OFFSET, Call, ShmWindow
@@ -75,7 +76,7 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
             continue
         smooth = None if job.smooth is None else job.smooth[rows]
         w = None if weights is None else weights[rows]
-        fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], w, smooth)
+        fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], w, smooth, remote=d != me)
         if d != me:
             win.post(call, d, [STATUS_OK, *counts[d], *job.fingerprint])
     lap("packing")
@@ -120,7 +121,7 @@ def start_combine_shm(job: CombineJob, win: ShmWindow) -> Completion:
         out = win.region(q, call, me, fmt.row_bytes, k)
         if fmt.quantized:
             fmt.encode(job.source.index_select(0, rows), out)
-        else:
+        elif not cpu_kernels.gather(job.source, rows, out.view(fmt.dtype)):
             torch.index_select(job.source, 0, rows, out=out.view(fmt.dtype))
         win.post(call, q, [STATUS_OK, *shared])
     lap("packing")
