@@ -1,0 +1,120 @@
+"""The compiled CPU loops (``deep_ep_npu.engine.cpu_kernels``) against the torch code they replace, bit for bit.
+
+The Buffer-level comparison (dispatch / combine results with and without the kernels, fp8 scales and fp32 combine
+included) is ``tests/test_transport.py::test_transports_are_bit_identical``; here each loop is checked on its own on
+random inputs, edge cases included, and the build's fallbacks are exercised in fresh interpreters.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deep_ep_npu import errors
+from deep_ep_npu.engine import cpu_kernels
+from deep_ep_npu.engine.plan import plan_topk
+
+pytestmark = pytest.mark.skipif(bool(cpu_kernels.unavailable()), reason=f"kernels off: {cpu_kernels.unavailable()}")
+
+
+def _ids(g: torch.Generator, t: int, k: int, e: int) -> torch.Tensor:
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.empty(0, k).long()
+    if t:
+        ids[torch.rand(t, k, generator=g) < 0.2] = -1
+    return ids
+
+
+def test_plan_matches_the_torch_plan():
+    g, fields = torch.Generator().manual_seed(0), ("token", "slot", "dest", "expert", "row_token", "row_of_pair")
+    for trial in range(200):
+        r, nl = (int(torch.randint(1, 5, (1,), generator=g)) for _ in range(2))
+        t, k = int(torch.randint(0, 7, (1,), generator=g)), int(torch.randint(1, min(r * nl, 4) + 1, (1,), generator=g))
+        ids = _ids(g, t, k, r * nl)
+        ids = ids.int() if trial % 3 == 0 else ids
+        me, mask = int(torch.randint(0, r, (1,), generator=g)), (torch.rand(r, generator=g) < 0.3).int()
+        for per_pair in (False, True):
+            kw = dict(num_local_experts=nl, num_ranks=r, rank=me, mask=mask, per_pair_rows=per_pair)
+            fast = plan_topk(ids, **kw)
+            with cpu_kernels.disabled():
+                ref = plan_topk(ids, **kw)
+            case = (trial, per_pair, ids.tolist(), me, mask.tolist())
+            for f in fields:
+                assert torch.equal(getattr(fast, f), getattr(ref, f)), (f, case)
+            assert (fast.pairs_per_dest, fast.rows_per_dest) == (ref.pairs_per_dest, ref.rows_per_dest), case
+            if not per_pair:  # the slot table the torch route builds from the plan
+                table = torch.full((len(ref.row_token), k), -1, dtype=torch.int32)
+                table[ref.row_of_pair, ref.slot] = ref.expert.int()
+                assert torch.equal(fast.slot_expert, table), case
+            else:
+                assert fast.slot_expert is None
+
+
+@pytest.mark.parametrize("no_expert", [True, False])
+def test_id_check_agrees_with_the_torch_check(no_expert):
+    g = torch.Generator().manual_seed(1)
+    verdicts = set()
+    for _ in range(300):
+        t, k, e = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g)), 6
+        ids = torch.randint(-2, e + 1, (t, k), generator=g)
+        fast = cpu_kernels.ids_ok(ids, -1 if no_expert else 0, e)
+        try:
+            with cpu_kernels.disabled():
+                errors.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
+            ok = True
+        except errors.MoeDistributeError:
+            ok = False
+        assert fast == ok, ids.tolist()
+        verdicts.add(ok)
+        if not fast:  # with the kernels on, a bad input still gets the torch check's error
+            with pytest.raises(errors.MoeDistributeError):
+                errors.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
+    assert verdicts == {True, False}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_accumulate_matches_index_add(dtype, indexed):
+    g = torch.Generator().manual_seed(2)
+    tokens, hidden, n = 9, 300, 40
+    x = (torch.randn(64 if indexed else n, hidden, generator=g) * 100).to(dtype)
+    index = torch.randint(0, 64, (n,), generator=g) if indexed else None
+    token = torch.randint(0, tokens, (n,), generator=g)
+    weight = torch.rand(n, generator=g) * 3
+    start = torch.randn(tokens, hidden, generator=g)
+    got = start.clone()
+    assert cpu_kernels.accumulate(got, x, index, token, weight)
+    rows = x if index is None else x[index]
+    want = start.clone().index_add_(0, token, rows.float().mul_(weight.unsqueeze(1)))
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError):
+        cpu_kernels.accumulate(got, x, index, token + tokens, weight)
+
+
+def test_gather_matches_index_select():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 136, generator=g).to(torch.bfloat16)  # 272-byte rows: not a multiple of 64
+    for width in (136, 128):
+        src = x[:, :width].contiguous()
+        index = torch.randint(0, 50, (31,), generator=g)
+        out = torch.empty(31, width, dtype=torch.bfloat16)
+        assert cpu_kernels.gather(src, index, out)
+        assert torch.equal(out, src[index])
+
+
+def _fresh(env: dict[str, str]) -> str:
+    code = "from deep_ep_npu.engine import cpu_kernels as k; print(repr(k.unavailable()))"
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    return run.stdout.strip()
+
+
+def test_build_falls_back_and_says_why(tmp_path):
+    assert _fresh({"DEEP_EP_NPU_CPU_KERNELS": "0"}) == "'DEEP_EP_NPU_CPU_KERNELS=0'"
+    failed = _fresh({"CC": "false", "DEEP_EP_NPU_CACHE": str(tmp_path / "a")})
+    assert failed.startswith("'false failed"), failed
+    assert _fresh({"DEEP_EP_NPU_CACHE": str(tmp_path / "b")}) == "''"  # builds into a new cache
+    assert [p.suffix for p in (tmp_path / "b").iterdir()] == [".so"]
