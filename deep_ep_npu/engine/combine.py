@@ -153,9 +153,10 @@ def reduce_own(job: CombineJob) -> Local:
     own = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])  # this rank's own pairs
     token, rows, ws = plan.token, job.return_rows[own_src], job.workspace
     remote_pairs = torch.cat([torch.arange(own.start, device=dev), torch.arange(own.stop, token.numel(), device=dev)])
-    acc = ws.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32).zero_()
-    if _fused(job) and cpu_kernels.accumulate(acc, job.source, rows, token[own], job.weights[own]):
+    acc = ws.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32)
+    if _fused(job) and cpu_kernels.accumulate(acc, job.source, rows, token[own], job.weights[own], zero_first=True):
         return Local(acc, None, own, remote_pairs)
+    acc.zero_()
     raw = ws.get(f"combine_own{job.tag}", (rows.numel(), fmt.hidden), job.source.dtype)
     torch.index_select(job.source, 0, rows, out=raw)
     if fmt.quantized:  # own rows take the same int8 round trip as the remote ones

@@ -2,6 +2,7 @@
  * Results are bit-identical to the torch code they replace: fp32 products and sums rounded one by one, in the same
  * order (built with -ffp-contract=off: no fused multiply-add). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
@@ -73,29 +74,67 @@ int dep_has_dtype(int dtype) {
 #endif
 }
 
+WIDE static void set_f32(float *restrict acc, const float *restrict x, float w, int64_t n) {
+    for (int64_t h = 0; h < n; h++) {
+        float p = w * x[h];
+        acc[h] = 0.0f + p; /* as adding to zeros: -0.0 becomes +0.0 */
+    }
+}
+
+WIDE static void set_bf16(float *restrict acc, const uint16_t *restrict x, float w, int64_t n) {
+    for (int64_t h = 0; h < n; h++) {
+        uint32_t bits = (uint32_t)x[h] << 16;
+        float v;
+        memcpy(&v, &bits, sizeof v);
+        float p = w * v;
+        acc[h] = 0.0f + p;
+    }
+}
+
+#ifdef __FLT16_MAX__
+WIDE static void set_f16(float *restrict acc, const _Float16 *restrict x, float w, int64_t n) {
+    for (int64_t h = 0; h < n; h++) {
+        float p = w * (float)x[h];
+        acc[h] = 0.0f + p;
+    }
+}
+#endif
+
 /* acc[token[i]] += weight[i] * x_i for i = 0 .. n - 1 in order, in fp32 (each product rounded, then the sum): x_i is
- * `hidden` values of `dtype` at base + (index ? index[i] : i) * stride bytes, acc is [num_tokens][hidden] fp32.
- * Returns 0; -1 when a token is outside [0, num_tokens) (nothing is written from that pair on); -2 for a dtype
- * this build lacks. */
+ * `hidden` values of `dtype` at base + (index ? index[i] : i) * stride bytes, acc is [num_tokens][hidden] fp32. With
+ * zero_first acc starts from zeros (a token's first pair is added to 0 as it is written; rows of tokens without
+ * pairs are zeroed): no separate pass. Returns 0; -1 when a token is outside [0, num_tokens) (nothing written); -2
+ * for a dtype this build lacks; -3 out of memory. */
 int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t *base, int64_t stride, int dtype,
-                   const int64_t *index, const int64_t *token, const float *weight, int64_t n) {
+                   const int64_t *index, const int64_t *token, const float *weight, int64_t n, int zero_first) {
     if (!dep_has_dtype(dtype))
         return -2;
+    for (int64_t i = 0; i < n; i++)
+        if (token[i] < 0 || token[i] >= num_tokens)
+            return -1;
+    uint8_t *seen = zero_first ? calloc((size_t)num_tokens + 1, 1) : NULL;
+    if (zero_first && !seen)
+        return -3;
     for (int64_t i = 0; i < n; i++) {
         int64_t t = token[i];
-        if (t < 0 || t >= num_tokens)
-            return -1;
         const uint8_t *row = base + (index ? index[i] : i) * stride;
         float *a = acc + t * hidden;
+        int set = zero_first && !seen[t];
+        if (set)
+            seen[t] = 1;
         if (dtype == DTYPE_BF16)
-            axpy_bf16(a, (const uint16_t *)row, weight[i], hidden);
+            (set ? set_bf16 : axpy_bf16)(a, (const uint16_t *)row, weight[i], hidden);
         else if (dtype == DTYPE_F32)
-            axpy_f32(a, (const float *)row, weight[i], hidden);
+            (set ? set_f32 : axpy_f32)(a, (const float *)row, weight[i], hidden);
 #ifdef __FLT16_MAX__
         else
-            axpy_f16(a, (const _Float16 *)row, weight[i], hidden);
+            (set ? set_f16 : axpy_f16)(a, (const _Float16 *)row, weight[i], hidden);
 #endif
     }
+    for (int64_t t = 0; zero_first && t < num_tokens; t++)
+        if (!seen[t])
+            memset(acc + t * hidden, 0, sizeof(float) * (size_t)hidden);
+    free(seen);
     return 0;
 }
 

@@ -72,7 +72,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     except OSError as err:
         return None, f"could not load {path}: {err}"
     lib.dep_accumulate.restype = ctypes.c_int
-    lib.dep_accumulate.argtypes = [_p, _i64, _i64, _p, _i64, ctypes.c_int, _p, _p, _p, _i64]
+    lib.dep_accumulate.argtypes = [_p, _i64, _i64, _p, _i64, ctypes.c_int, _p, _p, _p, _i64, ctypes.c_int]
     lib.dep_place.restype = _i64
     lib.dep_place.argtypes = [_p, *[_i64] * 10, _p, _p, _p, _p, _p, _p]
     lib.dep_has_dtype.restype = ctypes.c_int
@@ -118,8 +118,9 @@ def _cpu(*tensors: torch.Tensor) -> bool:
 
 
 def accumulate(acc: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None, token: torch.Tensor,
-               weight: torch.Tensor) -> bool:  # fmt: skip
-    """``acc[token[i]] += weight[i] * x[index[i]]`` (``x[i]`` without ``index``) for i in order, in fp32: ``acc``
+               weight: torch.Tensor, zero_first: bool = False) -> bool:  # fmt: skip
+    """``acc[token[i]] += weight[i] * x[index[i]]`` (``x[i]`` without ``index``) for i in order, in fp32 (with
+    ``zero_first``, ``acc`` is zeroed first): ``acc``
     `[T, hidden]` fp32, ``x`` `[rows, hidden]` (fp32 / bf16 / fp16, rows contiguous), ``index`` / ``token`` `[n]`
     int64, ``weight`` `[n]` fp32. Returns False (nothing done) where the kernels do not apply: the caller runs torch."""
     lib = library()
@@ -137,7 +138,9 @@ def accumulate(acc: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None, t
     weight = weight.float().contiguous()  # (exact: torch multiplies in fp32 too)
     rc = lib.dep_accumulate(acc.data_ptr(), acc.shape[0], acc.shape[1], x.data_ptr(), x.stride(0) * x.element_size(),
                             DTYPES[x.dtype], None if index is None else index.data_ptr(), token.data_ptr(),
-                            weight.data_ptr(), n)  # fmt: skip
+                            weight.data_ptr(), n, int(zero_first))  # fmt: skip
+    if rc == -3:
+        raise MemoryError("accumulate: out of memory")
     if rc:
         raise IndexError(f"accumulate: a token index is outside [0, {acc.shape[0]})")
     return True
