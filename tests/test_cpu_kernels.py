@@ -77,19 +77,22 @@ def test_id_check_agrees_with_the_torch_check(no_expert):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("indexed", [True, False])
-def test_accumulate_matches_index_add(dtype, indexed):
+@pytest.mark.parametrize("zero_first", [False, True])
+def test_accumulate_matches_index_add(dtype, indexed, zero_first):
     g = torch.Generator().manual_seed(2)
-    tokens, hidden, n = 9, 300, 40
+    tokens, hidden, n = 12, 300, 40
     x = (torch.randn(64 if indexed else n, hidden, generator=g) * 100).to(dtype)
+    x[:, :3] = -0.0  # a first product of -0.0 still sums to +0.0 from zeros
     index = torch.randint(0, 64, (n,), generator=g) if indexed else None
-    token = torch.randint(0, tokens, (n,), generator=g)
+    token = torch.randint(0, tokens - 2, (n,), generator=g)  # the last two tokens get no pair
     weight = torch.rand(n, generator=g) * 3
     start = torch.randn(tokens, hidden, generator=g)
     got = start.clone()
-    assert cpu_kernels.accumulate(got, x, index, token, weight)
+    assert cpu_kernels.accumulate(got, x, index, token, weight, zero_first=zero_first)
     rows = x if index is None else x[index]
-    want = start.clone().index_add_(0, token, rows.float().mul_(weight.unsqueeze(1)))
-    assert torch.equal(got, want)
+    want = (start.zero_() if zero_first else start).index_add_(0, token, rows.float().mul_(weight.unsqueeze(1)))
+    assert torch.equal(got, want) and torch.equal(got.sign(), want.sign())
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bit for bit (signed zeros too)
     with pytest.raises(IndexError):
         cpu_kernels.accumulate(got, x, index, token + tokens, weight)
 
