@@ -298,3 +298,45 @@ void dep_gather(const uint8_t *x, int64_t row_bytes, const int64_t *index, int64
         copy_row(out + i * row_bytes, x + index[i] * row_bytes, row_bytes);
     copies_done();
 }
+
+/* The masked layout's block table from the rows placed per (local expert, source) ([L][R] int64 counts): this
+ * rank's block first in each expert, then the other sources by rank. layout_range [L][R] int64 gets
+ * (begin << 32) | count, recv_count [L] int32 the rows per expert. */
+void dep_layout_range(const int64_t *counts, int64_t num_local, int64_t num_ranks, int64_t me, int64_t *layout_range,
+                      int32_t *recv_count) {
+    for (int64_t e = 0; e < num_local; e++) {
+        const int64_t *c = counts + e * num_ranks;
+        int64_t begin = c[me];
+        layout_range[e * num_ranks + me] = c[me];
+        for (int64_t s = 0; s < num_ranks; s++)
+            if (s != me) {
+                layout_range[e * num_ranks + s] = (begin << 32) | c[s];
+                begin += c[s];
+            }
+        recv_count[e] = (int32_t)begin;
+    }
+}
+
+/* The rows of the flattened [L * R * N] expert output that go back to each source, by (source, expert, row) (combine):
+ * source s's rows of expert e are e * R * N + begin .. + count, from layout_range [L][R]; none for masked sources
+ * (mask [R] uint8). rows gets them (room for L * R * N), per_src [R] their counts. Returns the number of rows, or
+ * -1 - e * R - s for the first block outside [0, R * N) (nothing is trustworthy then). */
+int64_t dep_return_rows(const int64_t *layout_range, int64_t num_local, int64_t num_ranks, int64_t n,
+                        const uint8_t *mask, int64_t *rows, int64_t *per_src) {
+    int64_t cap = num_ranks * n, k = 0;
+    for (int64_t i = 0; i < num_local * num_ranks; i++) {
+        int64_t begin = layout_range[i] >> 32, count = layout_range[i] & 0xFFFFFFFF;
+        if (begin < 0 || begin + count > cap)
+            return -1 - i;
+    }
+    for (int64_t s = 0; s < num_ranks; s++) {
+        per_src[s] = 0;
+        for (int64_t e = 0; e < num_local && !mask[s]; e++) {
+            int64_t v = layout_range[e * num_ranks + s], begin = v >> 32, count = v & 0xFFFFFFFF;
+            for (int64_t j = 0; j < count; j++)
+                rows[k++] = e * cap + begin + j;
+            per_src[s] += count;
+        }
+    }
+    return k;
+}

@@ -83,6 +83,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dep_plan.argtypes = [_p, *[_i64] * 5, _p, ctypes.c_int, *[_p] * 11]
     lib.dep_pack.restype = None
     lib.dep_pack.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _i64, ctypes.c_int]
+    lib.dep_layout_range.restype = None
+    lib.dep_layout_range.argtypes = [_p, _i64, _i64, _i64, _p, _p]
+    lib.dep_return_rows.restype = _i64
+    lib.dep_return_rows.argtypes = [_p, _i64, _i64, _i64, _p, _p, _p]
     lib.dep_gather.restype = None
     lib.dep_gather.argtypes = [_p, _i64, _p, _i64, _p]
     return lib, ""
@@ -114,7 +118,7 @@ def disabled() -> Iterator[None]:
 
 
 def _cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    return all(t.is_cpu and t.is_contiguous() for t in tensors)
 
 
 def accumulate(acc: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None, token: torch.Tensor,
@@ -179,28 +183,26 @@ def ids_ok(ids: torch.Tensor, lo: int, hi: int) -> bool | None:
 
 def plan(ids: torch.Tensor, num_local: int, num_ranks: int, rank: int, mask: torch.Tensor,
          per_pair_rows: bool) -> tuple[Any, ...] | None:  # fmt: skip
-    """:func:`~.plan.plan_topk`'s tensors from valid ``ids`` `[T, K]` int64 (``mask`` `[R]`): (token, slot, dest,
-    expert, pairs_per_dest, row_token, row_of_pair, rows_per_dest, slot_expert `[rows, K]` int32 or None), or None
-    where the kernels do not apply."""
+    """:func:`~.plan.plan_topk`'s parts from valid ``ids`` `[T, K]` int64 (``mask`` `[R]`): (token, slot, dest,
+    expert, pairs_per_dest (list), row_token, row_of_pair, rows_per_dest (list), slot_expert `[rows, K]` int32 or
+    None), or None where the kernels do not apply."""
     lib = library()
     if lib is None or ids.dtype != torch.int64 or ids.dim() != 2 or not _cpu(ids) or mask.device.type != "cpu":
         return None
     t, k = ids.shape
-    pairs = torch.empty((6, t * k), dtype=torch.int64)
-    counts = torch.empty((2, num_ranks), dtype=torch.int64)
-    slot_expert = None if per_pair_rows else torch.empty((t * k, k), dtype=torch.int32)
-    scratch = torch.empty((num_ranks * (num_local + t),), dtype=torch.int64)
+    p, r = t * k, num_ranks
+    buf = torch.empty((6 * p + 2 * r + r * (num_local + t),), dtype=torch.int64)  # pairs, counts, scratch
+    slot_expert = None if per_pair_rows else torch.empty((p, k), dtype=torch.int32)
     m = mask.to(torch.uint8).contiguous()
-    num_rows = ctypes.c_int64()
-    ptr = [pairs[i].data_ptr() for i in range(6)]
-    n = lib.dep_plan(ids.data_ptr(), t, k, num_local, num_ranks, rank, m.data_ptr(), int(per_pair_rows), *ptr[:4],
-                     counts[0].data_ptr(), ptr[4], ptr[5], counts[1].data_ptr(),
-                     None if slot_expert is None else slot_expert.data_ptr(), scratch.data_ptr(),
+    num_rows, at = ctypes.c_int64(), buf.data_ptr()
+    n = lib.dep_plan(ids.data_ptr(), t, k, num_local, r, rank, m.data_ptr(), int(per_pair_rows), at, at + 8 * p,
+                     at + 16 * p, at + 24 * p, at + 48 * p, at + 32 * p, at + 40 * p, at + 48 * p + 8 * r,
+                     None if slot_expert is None else slot_expert.data_ptr(), at + 48 * p + 16 * r,
                      ctypes.byref(num_rows))  # fmt: skip
-    rows = num_rows.value
-    token, slot, dest, expert = (pairs[i, :n] for i in range(4))
+    rows, counts = num_rows.value, buf[6 * p : 6 * p + 2 * r].tolist()
+    token, slot, dest, expert, row_token, row_of_pair = (buf[i * p : i * p + (rows if i == 4 else n)] for i in range(6))
     table = None if slot_expert is None else slot_expert[:rows]
-    return token, slot, dest, expert, counts[0], pairs[4, :rows], pairs[5, :n], counts[1], table
+    return token, slot, dest, expert, counts[:r], row_token, row_of_pair, counts[r:], table
 
 
 def pack(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor, out: torch.Tensor, token_off: int,
@@ -231,3 +233,32 @@ def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
         raise IndexError(f"gather: a row index is outside [0, {x.shape[0]})")
     lib.dep_gather(x.data_ptr(), x.shape[1] * x.element_size(), index.data_ptr(), index.numel(), out.data_ptr())
     return True
+
+
+def layout_range(counts: torch.Tensor, rank: int, out: torch.Tensor, recv_count: torch.Tensor) -> bool:
+    """The masked layout's ``layout_range`` `[L, R]` int64 (``out``) and ``recv_count`` `[L]` int32 from the rows
+    placed per (local expert, source) ``counts`` `[L, R]` int64 (this rank's block first, then the other sources by
+    rank). False (nothing done) where the kernels do not apply."""
+    lib = library()
+    if lib is None or not _cpu(counts, out, recv_count) or counts.dtype != torch.int64 or out.dtype != torch.int64:
+        return False
+    if recv_count.dtype != torch.int32:
+        return False
+    lib.dep_layout_range(counts.data_ptr(), counts.shape[0], counts.shape[1], rank, out.data_ptr(),
+                         recv_count.data_ptr())  # fmt: skip
+    return True
+
+
+def return_rows(layout_range: torch.Tensor, n: int, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]] | int | None:
+    """Combine's rows of the flattened `[L * R * N]` expert output per source (by source, expert, row) from
+    ``layout_range`` `[L, R]` int64, none to sources masked in ``mask`` `[R]`, and their counts per source; the flat
+    index of the first block outside ``[0, R * N)`` when there is one; None where the kernels do not apply."""
+    lib = library()
+    if lib is None or not _cpu(layout_range) or layout_range.dtype != torch.int64 or not mask.is_cpu:
+        return None
+    num_local, r = layout_range.shape
+    rows = torch.empty((num_local * r * n,), dtype=torch.int64)
+    per_src = torch.empty((r,), dtype=torch.int64)
+    m = mask.to(torch.uint8).contiguous()
+    k = lib.dep_return_rows(layout_range.data_ptr(), num_local, r, n, m.data_ptr(), rows.data_ptr(), per_src.data_ptr())
+    return -1 - k if k < 0 else (rows[:k], per_src.tolist())

@@ -103,11 +103,12 @@ class Masked:
         assert self.counts_own is not None
         counts = self.counts_own + self._write(fmt, incoming, self.counts_own.sum(dim=1))
         r, me = counts.shape[1], self.rank
-        order = torch.tensor([me] + [s for s in range(r) if s != me], device=counts.device)
-        begin = torch.empty_like(counts)
-        begin[:, order] = exclusive_cumsum(counts[:, order], 1)
-        self.layout_range.copy_((begin << 32) | counts)
-        self.recv_count.copy_(counts.sum(dim=1))
+        if not cpu_kernels.layout_range(counts, me, self.layout_range, self.recv_count):
+            order = torch.tensor([me] + [s for s in range(r) if s != me], device=counts.device)
+            begin = torch.empty_like(counts)
+            begin[:, order] = exclusive_cumsum(counts[:, order], 1)
+            self.layout_range.copy_((begin << 32) | counts)
+            self.recv_count.copy_(counts.sum(dim=1))
         if self.recv_stats is not None:
             self.recv_stats += self.recv_count
         if self.wait_stats is not None:
@@ -118,9 +119,14 @@ class Masked:
         """Rows of the flattened `[L * R * N]` expert output to send back, by (source, expert, row), and rows per
         source (none to masked sources)."""
         (num_local, r), n = handle.layout_range.shape, handle.num_max_dispatch_tokens_per_rank
+        outside = f"holds a block outside [0, R * N = {r * n}); pass dispatch's handle"
+        if isinstance(fast := cpu_kernels.return_rows(handle.layout_range, n, mask), tuple):
+            return fast
+        if fast is not None:
+            raise shape("handle.layout_range", f"{outside} (block {divmod(fast, r)})")
         count, begin = handle.recv_count_per_rank, handle.recv_begin
         if bool(((begin < 0) | (begin + count > r * n)).any()):
-            raise shape("handle.layout_range", f"holds a block outside [0, R * N = {r * n}); pass dispatch's handle")
+            raise shape("handle.layout_range", outside)
         if bool(mask.any()):
             count = count.masked_fill(mask.to(count.device).bool().unsqueeze(0), 0)
         count_t = count.t().reshape(-1)

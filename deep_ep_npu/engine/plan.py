@@ -66,7 +66,7 @@ def plan_topk(topk_idx: torch.Tensor, *, num_local_experts: int, num_ranks: int,
     ids, nl = topk_idx.long(), num_local_experts
     if (fast := cpu_kernels.plan(ids, nl, num_ranks, rank, mask, per_pair_rows)) is not None:
         token, slot, dest, expert, pairs, row_token, row_of_pair, rows, table = fast
-        return Plan(token, slot, dest, expert, pairs.tolist(), row_token, row_of_pair, rows.tolist(), rank, table)
+        return Plan(token, slot, dest, expert, pairs, row_token, row_of_pair, rows, rank, table)
     valid = ids >= 0
     if bool(mask.any()):
         valid &= (mask.to(ids.device)[ids.clamp(min=0) // nl] == 0) & (not int(mask[rank]))
