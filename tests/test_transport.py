@@ -65,8 +65,8 @@ def test_send_phase_returns_while_a_peer_has_not_called():
 
 
 def _parity(info):
-    """The same calls on both transports, and on the shm one with the torch code instead of the CPU kernels; every
-    result tensor compared bit for bit."""
+    """The same calls (masked and flat layouts) on both transports, and on the shm one with the torch code instead of
+    the CPU kernels; every result tensor compared bit for bit."""
     results = {}
     for transport in ("shm", "collective", "torch"):
         buf = Buffer(info.group, transport="shm" if transport == "torch" else transport)
@@ -88,6 +88,19 @@ def _parity(info):
                         t[i, : int(c)].clone() for i, c in enumerate(count) for t in (data, handle.src_info, *scales)
                     ]
                     got.append((count.clone(), handle.layout_range.clone(), out.clone(), [out32.clone(), *valid]))
+                for quant_mode in (0, 2):  # the flat (Ascend) layout: the same rows through the same window
+                    flat, _, _ = buf.low_latency_dispatch_flat(
+                        x, idx, N, EXPERTS, topk_weights=w, quant_mode=quant_mode
+                    )
+                    rows = int(flat.expert_token_nums.sum())
+                    y = (flat.expand_x.float() * 0.5).to(torch.bfloat16)
+                    out, _, _ = buf.low_latency_combine_flat(y, idx, w, flat.handle, shared_expert_x=x)
+                    h = flat.handle
+                    meta = [h.ep_recv_counts.clone(), h.expand_scales[:rows].clone(), h.assist_info_for_combine.clone()]
+                    scales = [flat.dynamic_scales[:rows].clone()] if quant_mode else []
+                    got.append(
+                        (flat.expert_token_nums.clone(), flat.expand_x[:rows].clone(), out.clone(), meta + scales)
+                    )
         results[transport] = got
 
     def same(a: str, b: str) -> bool:

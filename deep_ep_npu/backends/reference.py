@@ -49,7 +49,8 @@ class ReferenceBackend(LowLatencyBackend):
 
     def abort(self, op: str, code: int) -> None:
         if op in ("dispatch_flat", "combine_flat"):
-            return flat.reject(self.ep, DispatchParams.op if op == "dispatch_flat" else flat.COMBINE_OP, code)
+            name = DispatchParams.op if op == "dispatch_flat" else flat.COMBINE_OP
+            return self.transport.reject(name, code, *flat.agreement_widths(name, self.num_ranks))
         d = op == "dispatch"  # the agreement rows of dispatch and combine
         width = len(Masked.names) if d else 2 * self.num_ranks + len(COMBINE_NAMES)
         self.transport.reject(f"low_latency_{op}", code, 2 if d else 0, width)
@@ -127,10 +128,10 @@ class ReferenceBackend(LowLatencyBackend):
         return CombineResult(out, self.transport.combine(job))
 
     def dispatch_flat(self, params: DispatchParams) -> Completion:
-        return start_dispatch_flat(params, self.ep)
+        return start_dispatch_flat(params, self.ep, transport=self.transport)
 
     def combine_flat(self, params: CombineParams) -> Completion:
-        return start_combine_flat(params, self.ep)
+        return start_combine_flat(params, self.ep, transport=self.transport)
 
     def clean(self) -> None:
         self._buffer_idx = 0

@@ -29,6 +29,7 @@ from .layouts import sort_blocks
 from .plan import Plan, make_plan
 from .rows import ReturnFormat, RowFormat
 from .tp import tp_agree, tp_gather_rows, tp_reduce_scatter, with_tp_agreement
+from .transport import Transport
 from .workspace import Workspace
 
 COMBINE_OP = "moe_distribute_combine_v2"
@@ -139,13 +140,16 @@ def group_or_none(group: object, param: str) -> EPGroup | None:
         return None
 
 
-def _validate(p: DispatchParams | CombineParams, ep: EPGroup | None, op: str) -> Any:
-    """``p.validate()``. A rank that rejects its input still takes part in the agreement step (EP, then TP) with the
-    error's code, so the peers raise too instead of waiting; without a usable ``group_ep`` there is no one to tell."""
+def _validate(p: DispatchParams | CombineParams, ep: EPGroup | None, op: str, transport: Transport | None) -> Any:
+    """``p.validate()``. A rank that rejects its input still takes part in the agreement step (EP over ``transport``,
+    then TP) with the error's code, so the peers raise too instead of waiting; without a usable ``group_ep`` there is
+    no one to tell."""
     try:
         return p.validate()
     except MoeDistributeError as err:
-        if (ep := ep or group_or_none(p.group_ep, "group_ep")) is not None:
+        if transport is not None:
+            transport.reject(op, err.code, *agreement_widths(op, transport.ep.num_ranks))
+        elif (ep := ep or group_or_none(p.group_ep, "group_ep")) is not None:
             reject(ep, op, err.code)
             tp = group_or_none(p.group_tp, "group_tp") if p.tp_world_size == 2 else None
             if tp is not None and tp.num_ranks == 2:
@@ -153,12 +157,17 @@ def _validate(p: DispatchParams | CombineParams, ep: EPGroup | None, op: str) ->
         raise
 
 
-def reject(ep: EPGroup, op: str, code: int) -> None:
-    """This rank rejected its input of the flat ``op`` (a dispatch op's name, or :data:`COMBINE_OP`): take part in
-    its agreement step with ``code`` (dispatch rows: (rows, pairs) per rank + fingerprint and Bs; combine: 2R counts
-    + fingerprint), so the peers raise too."""
+def agreement_widths(op: str, num_ranks: int) -> tuple[int, int]:
+    """The (counts per rank, shared values) of the flat ``op``'s agreement row (a dispatch op's name, or
+    :data:`COMBINE_OP`): dispatch (rows, pairs) per rank + fingerprint and Bs; combine 2R counts + fingerprint."""
     d = op != COMBINE_OP
-    ep.reject(op, code, 2 if d else 0, len(Flat.names) + 1 if d else 2 * ep.num_ranks + len(COMBINE_NAMES))
+    return (2, len(Flat.names) + 1) if d else (0, 2 * num_ranks + len(COMBINE_NAMES))
+
+
+def reject(ep: EPGroup, op: str, code: int) -> None:
+    """This rank rejected its input of the flat ``op``: take part in its agreement step with ``code``, so the peers
+    raise too."""
+    ep.reject(op, code, *agreement_widths(op, ep.num_ranks))
 
 
 def _plan(layout: EpLayout, ids: torch.Tensor, mask: torch.Tensor | None, ep: EPGroup, per_pair: bool) -> Plan:
@@ -177,10 +186,12 @@ def _pair_weights(plan: Plan, weights: torch.Tensor, topk: int, device: torch.de
     return out
 
 
-def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace: Workspace | None = None) -> Completion:
+def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace: Workspace | None = None,
+                        transport: Transport | None = None) -> Completion:  # fmt: skip
     """Validate ``p`` and run the send phase; ``wait()`` returns the 7 outputs of ``npu_moe_distribute_dispatch_v2``
-    (``ep``: the Buffer's group, default the ops' group of ``group_ep``)."""
-    v: ValidDispatch = _validate(p, ep, p.op)
+    (``ep``: the Buffer's group, default the ops' group of ``group_ep``; ``transport``: how rows move, a Buffer's,
+    default the collective path)."""
+    v: ValidDispatch = _validate(p, ep, p.op, transport)
     layout, x = v.layout, v.x
     ep = ep or ep_group(layout.group)
     per_pair = v.quant is not None and v.scales is not None
@@ -196,7 +207,8 @@ def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace:
     )  # fmt: skip
     smooth = _smooth(v, plan) if per_pair else None
     job = DispatchJob(ep, p.op, x, plan, fmt, weights, smooth, fingerprint, flat, workspace or Workspace(x.device))
-    receive = with_tp_agreement(start_dispatch, job, layout, x.dtype, v.quant is not None)
+    start = start_dispatch if transport is None else transport.dispatch
+    receive = with_tp_agreement(start, job, layout, x.dtype, v.quant is not None)
     return Completion(lambda: (receive.wait(), flat.outputs)[1])
 
 
@@ -213,10 +225,12 @@ def _smooth(v: ValidDispatch, plan: Plan) -> torch.Tensor:
     return v.scales[row[pair_of_row]]
 
 
-def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: Workspace | None = None) -> Completion:
+def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: Workspace | None = None,
+                       transport: Transport | None = None) -> Completion:  # fmt: skip
     """Validate ``p`` and run the send phase; ``wait()`` returns ``x`` `[Bs, H]` of ``npu_moe_distribute_combine_v2``
-    (TP: the ReduceScatterV over the pair runs after the agreement step, before the EP return)."""
-    v: ValidCombine = _validate(p, ep, COMBINE_OP)
+    (TP: the ReduceScatterV over the pair runs after the agreement step, before the EP return; ``start``: as
+    :func:`start_dispatch_flat`'s)."""
+    v: ValidCombine = _validate(p, ep, COMBINE_OP, transport)
     layout, expand_x = v.layout, v.expand_x
     ep = ep or ep_group(layout.group)
     dev, num_tokens, hidden = expand_x.device, v.ids.shape[0], expand_x.shape[1]
@@ -251,7 +265,8 @@ def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: W
         job.source = tp_reduce_scatter(layout.tp, layout.tp_rank_id, expand_x, v.num_rows, v.num_peer)
         return True  # the rows to return changed: pack them again
 
-    receive = with_tp_agreement(start_combine, job, layout, expand_x.dtype, bool(v.comm_quant), reduce_scatter)
+    start = start_combine if transport is None else transport.combine
+    receive = with_tp_agreement(start, job, layout, expand_x.dtype, bool(v.comm_quant), reduce_scatter)
     return Completion(lambda: (receive.wait(), out)[1])
 
 

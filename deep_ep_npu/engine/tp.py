@@ -66,7 +66,10 @@ def tp_reduce_scatter(tp: EPGroup, tp_rank: int, expand_x: torch.Tensor, num_own
 
 def with_tp_agreement(start: Callable[[Any], Completion], job: Any, layout: EpLayout, dtype: torch.dtype, quant: bool,
                       after: Callable[[], bool] | None = None) -> Completion:  # fmt: skip
-    """``start(job)`` with the TP pair's agreement (then ``after()``) between the EP agreement and the payload."""
+    """``start(job)`` with the TP pair's agreement (then ``after()``) between the EP agreement and the payload (without
+    a TP pair: ``start(job)``)."""
+    if layout.tp is None:
+        return start(job)
     told: list[bool] = []
     fingerprint = (job.fmt.hidden, DTYPE_CODES[dtype] * 4 + 2 * quant, job.fmt.row_bytes, layout.num_moe_experts)
 

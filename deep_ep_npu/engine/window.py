@@ -74,7 +74,8 @@ class _Peer:
         self.inbox: dict[int, list[int]] = {}  # seq -> header words
         self.done: set[int] = set()  # seqs of this rank's calls the peer has read
         self.written: list[int | None] = [None, None]  # per half: the seq of this rank's last write into the peer
-        self.gone = ""  # why the peer is gone ("" while alive)
+        self.gone = ""  # why the peer is gone ("" while alive): known from its pipe to this rank, after its messages
+        self.unreachable = False  # writing to the peer failed (it exited; what it sent before is still read)
         self.pending = b""
 
 
@@ -219,13 +220,13 @@ class ShmWindow:
 
     # -- messages ----------------------------------------------------------------------------------------------
     def _send(self, peer: _Peer, words: list[int]) -> None:
-        if peer.gone:
+        if peer.gone or peer.unreachable:
             return
         data = struct.pack(f"<{len(words) + 1}q", len(words), *words)
         try:
             os.write(peer.out_fd, data)  # < PIPE_BUF: atomic; the pipe never holds more than ~2 calls' messages
-        except OSError as err:  # the peer exited (broken pipe): its absence is found by the next wait
-            peer.gone = f"its pipe closed ({err.strerror})"
+        except OSError:  # the peer exited (broken pipe): its absence is found by the next wait, once the messages
+            peer.unreachable = True  # it posted before it exited are read (a peer that rejected a call and left)
 
     def _pump(self, peer: _Peer) -> None:
         """Read what the peer sent (non-blocking: called when ``poll`` says the pipe is readable)."""
