@@ -88,6 +88,8 @@ def _parity(info):
                         t[i, : int(c)].clone() for i, c in enumerate(count) for t in (data, handle.src_info, *scales)
                     ]
                     got.append((count.clone(), handle.layout_range.clone(), out.clone(), [out32.clone(), *valid]))
+                window = getattr(buf._backend.transport, "window", None)
+                calls = None if window is None else window.seq
                 for quant_mode in (0, 2):  # the flat (Ascend) layout: the same rows through the same window
                     flat, _, _ = buf.low_latency_dispatch_flat(
                         x, idx, N, EXPERTS, topk_weights=w, quant_mode=quant_mode
@@ -101,6 +103,7 @@ def _parity(info):
                     got.append(
                         (flat.expert_token_nums.clone(), flat.expand_x[:rows].clone(), out.clone(), meta + scales)
                     )
+                assert window is None or window.seq == calls + 4, "the flat calls go over the window"
         results[transport] = got
 
     def same(a: str, b: str) -> bool:
