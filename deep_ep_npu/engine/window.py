@@ -8,13 +8,15 @@ for this rank into region ``s`` of the call's half.
 
 Signals are messages on one pipe per (source, destination) pair. A message is a few int64 words: a header (the call's
 sequence number, op, validation status, counts and fingerprint: everything the agreement step carries, in-band), a
-"done" (the destination has read the source's region of that call, which may now be reused), or "bye" (the source
-destroyed its Buffer). A pipe write and read are system calls that take the pipe's lock in the kernel: the writer's
-earlier stores (the rows) are released before the message is visible, the reader acquires them before it reads the
-rows, on any CPU (aarch64 included). Waiting is ``poll`` on the pipes: a blocked rank uses no CPU. A peer that exits
-closes its pipes, so its death is seen at once (end of file); a peer that hangs is found at the timeout. Either way the
-survivors agree on the missing ranks through the c10d store (:class:`~deep_ep_npu.failure.GroupMonitor`, under its own
-key prefix) and raise :class:`~deep_ep_npu.failure.EPRankFailure`.
+"done" (the destination has read the source's region of that call, which may now be reused), "fail" (the source gave
+the call up: it raises EPRankFailure, so a late peer that finds all its data must not complete the call either) or
+"bye" (the source destroyed its Buffer). A pipe write and read are system calls that take the pipe's lock in the
+kernel: the writer's earlier stores (the rows) are released before the message is visible, the reader acquires them
+before it reads the rows, on any CPU (aarch64 included). Waiting is ``poll`` on the pipes: a blocked rank uses no
+CPU. A peer that exits closes its pipes, so its death is seen at once (end of file, after the messages it sent); a
+peer that hangs is found at the timeout. Either way the survivors agree on the missing ranks through the c10d store
+(:class:`~deep_ep_npu.failure.GroupMonitor`, under its own key prefix) and raise
+:class:`~deep_ep_npu.failure.EPRankFailure`.
 
 The window is set up collectively (:meth:`ShmWindow.create`): every rank binds an abstract unix socket (no file),
 exchanges its name through the group, sends each peer its window and the write end of a new pipe (``SCM_RIGHTS``), and
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from ..failure import EPRankFailure, GroupMonitor
 from ..group import STATUS_OK, EPGroup
 
-HEADER, DONE, BYE = 1, 2, 3  # message kinds
+HEADER, DONE, BYE, FAIL = 1, 2, 3, 4  # message kinds
 DATA_OFFSET = 4096  # the first page holds the owner's nonce
 STALE = 8  # calls after which an unread header is dropped (a receive is due before the next-but-one call)
 DEFAULT_WINDOW_BYTES = 1 << 30
@@ -72,6 +74,7 @@ class _Peer:
     def __init__(self, rank: int, window: torch.Tensor, mm: mmap.mmap, out_fd: int, in_fd: int) -> None:
         self.rank, self.window, self.mm, self.out_fd, self.in_fd = rank, window, mm, out_fd, in_fd
         self.inbox: dict[int, list[int]] = {}  # seq -> header words
+        self.abandoned: set[int] = set()  # seqs of calls the peer gave up (it raised EPRankFailure for them)
         self.done: set[int] = set()  # seqs of this rank's calls the peer has read
         self.written: list[int | None] = [None, None]  # per half: the seq of this rank's last write into the peer
         self.gone = ""  # why the peer is gone ("" while alive): known from its pipe to this rank, after its messages
@@ -198,6 +201,8 @@ class ShmWindow:
         t0 = time.perf_counter_ns()
         live = self.live_peers()
         self._wait(call, live, lambda p: call.seq in p.inbox)
+        if any(call.seq in self.peers[s].abandoned for s in live):  # its data came, but a peer gave the call up
+            self._fail(call, self.ep.timeout)  # (it named the missing ranks in the store: learn them there)
         got = {s: self.peers[s].inbox.pop(call.seq) for s in live}
         for s in live:  # headers of calls this rank abandoned (rejected, re-run) are never read: drop old ones
             peer = self.peers[s]
@@ -248,6 +253,8 @@ class ShmWindow:
                 peer.inbox[seq] = rest
             elif kind == DONE:
                 peer.done.add(seq)
+            elif kind == FAIL:
+                peer.abandoned = {q for q in peer.abandoned if q > seq - STALE} | {seq}
             elif kind == BYE:
                 peer.gone = "it destroyed its Buffer"
         peer.pending = buf
@@ -272,6 +279,8 @@ class ShmWindow:
 
     def _fail(self, call: Call, timeout: float) -> None:
         ep = self.ep
+        for peer in self.peers.values():  # a late peer whose data for this call is already here must not succeed
+            self._send(peer, [FAIL, call.seq])
         heard = {ep.rank} | {s for s, p in self.peers.items() if any(q >= call.seq for q in p.inbox)}
         mon = _Monitor(ep.comm, {i for i, r in enumerate(ep.live) if r in heard})
         mon.store = dist.PrefixStore(f"shm/{self.key:x}/", mon.store)  # the window's own agreements
