@@ -39,30 +39,33 @@ static void copies_done(void) {}
 #define WIDE
 #endif
 
-WIDE static void axpy_f32(float *restrict acc, const float *restrict x, float w, int64_t n) {
-    for (int64_t h = 0; h < n; h++) {
-        float p = w * x[h];
-        acc[h] = acc[h] + p;
-    }
+static inline float load_f32(float v) { return v; }
+static inline float load_bf16(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-WIDE static void axpy_bf16(float *restrict acc, const uint16_t *restrict x, float w, int64_t n) {
-    for (int64_t h = 0; h < n; h++) {
-        uint32_t bits = (uint32_t)x[h] << 16;
-        float v;
-        memcpy(&v, &bits, sizeof v);
-        float p = w * v;
-        acc[h] = acc[h] + p;
+/* add_T: acc += w * x; set_T: acc = 0 + w * x (as a sum from zeros: -0.0 becomes +0.0); fp32, each product rounded. */
+#define ROW_LOOPS(name, type, load)                                                                     \
+    WIDE static void add_##name(float *restrict acc, const type *restrict x, float w, int64_t n) {     \
+        for (int64_t h = 0; h < n; h++) {                                                              \
+            float p = w * load(x[h]);                                                                  \
+            acc[h] = acc[h] + p;                                                                       \
+        }                                                                                              \
+    }                                                                                                  \
+    WIDE static void set_##name(float *restrict acc, const type *restrict x, float w, int64_t n) {     \
+        for (int64_t h = 0; h < n; h++) {                                                              \
+            float p = w * load(x[h]);                                                                  \
+            acc[h] = 0.0f + p;                                                                         \
+        }                                                                                              \
     }
-}
-
+ROW_LOOPS(f32, float, load_f32)
+ROW_LOOPS(bf16, uint16_t, load_bf16)
 #ifdef __FLT16_MAX__
-WIDE static void axpy_f16(float *restrict acc, const _Float16 *restrict x, float w, int64_t n) {
-    for (int64_t h = 0; h < n; h++) {
-        float p = w * (float)x[h];
-        acc[h] = acc[h] + p;
-    }
-}
+#define load_f16(v) ((float)(v))
+ROW_LOOPS(f16, _Float16, load_f16)
 #endif
 
 /* Whether dep_accumulate takes rows of `dtype`. */
@@ -73,32 +76,6 @@ int dep_has_dtype(int dtype) {
     return dtype == DTYPE_F32 || dtype == DTYPE_BF16;
 #endif
 }
-
-WIDE static void set_f32(float *restrict acc, const float *restrict x, float w, int64_t n) {
-    for (int64_t h = 0; h < n; h++) {
-        float p = w * x[h];
-        acc[h] = 0.0f + p; /* as adding to zeros: -0.0 becomes +0.0 */
-    }
-}
-
-WIDE static void set_bf16(float *restrict acc, const uint16_t *restrict x, float w, int64_t n) {
-    for (int64_t h = 0; h < n; h++) {
-        uint32_t bits = (uint32_t)x[h] << 16;
-        float v;
-        memcpy(&v, &bits, sizeof v);
-        float p = w * v;
-        acc[h] = 0.0f + p;
-    }
-}
-
-#ifdef __FLT16_MAX__
-WIDE static void set_f16(float *restrict acc, const _Float16 *restrict x, float w, int64_t n) {
-    for (int64_t h = 0; h < n; h++) {
-        float p = w * (float)x[h];
-        acc[h] = 0.0f + p;
-    }
-}
-#endif
 
 /* acc[token[i]] += weight[i] * x_i for i = 0 .. n - 1 in order, in fp32 (each product rounded, then the sum): x_i is
  * `hidden` values of `dtype` at base + (index ? index[i] : i) * stride bytes, acc is [num_tokens][hidden] fp32. With
@@ -123,12 +100,12 @@ int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t
         if (set)
             seen[t] = 1;
         if (dtype == DTYPE_BF16)
-            (set ? set_bf16 : axpy_bf16)(a, (const uint16_t *)row, weight[i], hidden);
+            (set ? set_bf16 : add_bf16)(a, (const uint16_t *)row, weight[i], hidden);
         else if (dtype == DTYPE_F32)
-            (set ? set_f32 : axpy_f32)(a, (const float *)row, weight[i], hidden);
+            (set ? set_f32 : add_f32)(a, (const float *)row, weight[i], hidden);
 #ifdef __FLT16_MAX__
         else
-            (set ? set_f16 : axpy_f16)(a, (const _Float16 *)row, weight[i], hidden);
+            (set ? set_f16 : add_f16)(a, (const _Float16 *)row, weight[i], hidden);
 #endif
     }
     for (int64_t t = 0; zero_first && t < num_tokens; t++)
