@@ -39,6 +39,18 @@ MUTANTS = [  # (name, file, original text, mutated text, tests that must fail)
      "raise err.renamed(_FLAT_DISPATCH_NAMES) from None",
      "raise err",
      ["tests/test_fuzz_library.py"]),
+    ("C reduction rounds differently from the torch code", "deep_ep_npu/engine/cpu_kernels.c",
+     "            acc[h] = acc[h] + p;",
+     "            acc[h] = acc[h] + p * 1.0000001f;",
+     ["tests/test_cpu_kernels.py", "tests/test_transport.py::test_transports_are_bit_identical"]),
+    ("C plan puts this rank's rows in rank order", "deep_ep_npu/engine/cpu_kernels.c",
+     "int64_t d = q < R - 1 ? (q < me ? q : q + 1) : me;",
+     "int64_t d = q;",
+     ["tests/test_cpu_kernels.py"]),
+    ("a late rank completes a call its peers gave up", "deep_ep_npu/engine/window.py",
+     "if any(call.seq in self.peers[s].abandoned for s in live):",
+     "if False:",
+     ["tests/test_failure_ops.py::test_a_late_rank_learns_it_was_excluded"]),
 ]  # fmt: skip
 
 
