@@ -14,7 +14,9 @@ Every implementation runs in the same process group, on the same data, in the sa
   fresh layout / a cached handle (no count exchange), and its combine (:mod:`benchmarks.elastic_cases`).
 
 Latency is barrier-aligned per iteration and taken as the max over ranks; we report median / min / max over the
-timed iterations after warm-up. Bandwidth is counted the DeepEP way: bytes per valid (token, k) selection
+timed iterations after warm-up. The implementations run interleaved (each iteration runs every one of them in turn),
+and ``ours`` also reports the median of its same-iteration ratios to ``memcpy_floor``, ``ours_collective`` and
+``a2a_floor`` (``paired_ratio_to_*``). Bandwidth is counted the DeepEP way: bytes per valid (token, k) selection
 (bf16: 2H; fp8: H + H/128*4 + 16; int8: H + 4 + 16) over the median latency. ``wire_bytes_per_rank`` is what one
 rank actually sends to other ranks (payload + headers for ours).
 
@@ -45,16 +47,18 @@ from deep_ep_npu import Buffer, profiling  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _timeit(fn, group, warmup: int, iters: int) -> list[float]:
-    """Per-iteration latency in µs, max over ranks, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = torch.empty(iters, dtype=torch.float64)
-    for i in range(iters):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        times[i] = (time.perf_counter() - t0) * 1e6
+def _timeit(fns: list, group, warmup: int, iters: int) -> list[list[float]]:
+    """Per function, per iteration, its latency in µs, max over ranks, after ``warmup`` untimed rounds. The
+    functions run interleaved, one after another in every iteration (each barrier-aligned), so background load and
+    cache state hit them alike and same-iteration ratios can be taken."""
+    times = torch.empty((len(fns), iters), dtype=torch.float64)
+    for i in range(warmup + iters):
+        for j, fn in enumerate(fns):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[j, i - warmup] = (time.perf_counter() - t0) * 1e6
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return times.tolist()
 
@@ -165,8 +169,9 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
                                         comb_sel_bytes)  # fmt: skip
     cases += v2_cases
     records = []
-    for op, impl, fn, wire, per_sel in cases:
-        us = _timeit(fn, group, args.warmup, args.iters)
+    all_us = _timeit([case[2] for case in cases], group, args.warmup, args.iters)
+    by_name = {(op, impl): us for (op, impl, *_), us in zip(cases, all_us, strict=True)}
+    for (op, impl, _, wire, per_sel), us in zip(cases, all_us, strict=True):
         lat = _stats(us)
         wire_t = torch.tensor([float(wire)])
         dist.all_reduce(wire_t, op=dist.ReduceOp.MAX, group=group)
@@ -186,6 +191,10 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
                 "wire_bytes_per_rank": int(wire_t.item()),
             }
         )
+        if impl == "ours":  # same-iteration ratios: robust to load that drifts over the run
+            for base in ("memcpy_floor", "ours_collective", "a2a_floor"):
+                pairs = zip(us, by_name[op, base], strict=True)
+                records[-1][f"paired_ratio_to_{base}"] = statistics.median(a / b for a, b in pairs)
     if args.breakdown:
         profiling.enable()
         for _ in range(args.iters):
@@ -240,6 +249,10 @@ def print_table(records: list[dict]) -> None:
             f"{r['op']:9s} {r['impl']:13s} {lat['median']:10.1f} {lat['min']:9.1f} {lat['max']:9.1f} "
             f"{r['algo_bandwidth_gbps']:7.2f} {r['wire_bytes_per_rank']:12d}  ({ratio:.2f}x floor)"
         )
+    for r in records:
+        if r.get("impl") == "ours" and "paired_ratio_to_memcpy_floor" in r:
+            ratios = ", ".join(f"/ {b} {r[f'paired_ratio_to_{b}']:.2f}x" for b in ("memcpy_floor", "ours_collective"))
+            print(f"{r['op']:9s} ours, same-iteration median ratio: {ratios}")
     for r in records:
         if r["op"] == "breakdown":
             parts = ", ".join(f"{k} {v:.0f}" for k, v in r["sections_us"].items())
