@@ -317,3 +317,29 @@ int64_t dep_return_rows(const int64_t *layout_range, int64_t num_local, int64_t 
     }
     return k;
 }
+
+/* The masked placement of this rank's own pairs straight from x ([*][data_bytes]): pair i (in order) of local expert
+ * expert[i] gets x's row token[i] at row pos[e] of expert e of recv ([num_local][cap][data_bytes]) and its token in
+ * src_info; pos[e] and counts[e * num_ranks + src] grow. The same rows dep_place writes from packed rows of the
+ * tokens, in the same order when the pairs are sorted by (expert, token). Returns 0; -1 for an expert outside
+ * [0, num_local), -2 when an expert's rows would pass cap (nothing is written then). */
+int dep_place_pairs(const uint8_t *x, int64_t data_bytes, const int64_t *token, const int64_t *expert, int64_t n,
+                    int64_t num_local, int64_t cap, int64_t num_ranks, int64_t src, uint8_t *recv, int32_t *src_info,
+                    int64_t *pos, int64_t *counts) {
+    int64_t added[num_local > 0 ? num_local : 1];
+    memset(added, 0, sizeof added);
+    for (int64_t i = 0; i < n; i++) {
+        if (expert[i] < 0 || expert[i] >= num_local)
+            return -1;
+        if (pos[expert[i]] + ++added[expert[i]] > cap)
+            return -2;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t e = expert[i], flat = e * cap + pos[e]++;
+        copy_row(recv + flat * data_bytes, x + token[i] * data_bytes, data_bytes);
+        src_info[flat] = (int32_t)token[i];
+        counts[e * num_ranks + src]++;
+    }
+    copies_done();
+    return 0;
+}

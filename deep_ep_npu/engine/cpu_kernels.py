@@ -83,6 +83,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dep_plan.argtypes = [_p, *[_i64] * 5, _p, ctypes.c_int, *[_p] * 11]
     lib.dep_pack.restype = None
     lib.dep_pack.argtypes = [_p, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _i64, ctypes.c_int]
+    lib.dep_place_pairs.restype = ctypes.c_int
+    lib.dep_place_pairs.argtypes = [_p, _i64, _p, _p, *[_i64] * 5, _p, _p, _p, _p]
     lib.dep_layout_range.restype = None
     lib.dep_layout_range.argtypes = [_p, _i64, _i64, _i64, _p, _p]
     lib.dep_return_rows.restype = _i64
@@ -232,6 +234,28 @@ def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
     if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < x.shape[0]:
         raise IndexError(f"gather: a row index is outside [0, {x.shape[0]})")
     lib.dep_gather(x.data_ptr(), x.shape[1] * x.element_size(), index.data_ptr(), index.numel(), out.data_ptr())
+    return True
+
+
+def place_pairs(x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, recv: torch.Tensor, src_info: torch.Tensor,
+                pos: torch.Tensor, counts: torch.Tensor, src: int) -> bool:  # fmt: skip
+    """:func:`place` of this rank's own pairs straight from ``x`` `[T, hidden]` (no packed rows): pair i (``token``
+    / local ``expert`` `[n]` int64, sorted by (expert, token)) into ``recv`` / ``src_info`` from ``pos[e]`` on.
+    False (nothing done) where the kernels do not apply."""
+    lib = library()
+    if lib is None or not _cpu(x, token, expert, recv, src_info, pos, counts):
+        return False
+    if token.dtype != torch.int64 or expert.dtype != torch.int64 or x.dtype != recv.dtype:
+        return False
+    num_local, cap = src_info.shape
+    if token.numel() and not 0 <= int(token.min()) <= int(token.max()) < x.shape[0]:
+        raise IndexError(f"place_pairs: a token is outside [0, {x.shape[0]})")
+    rc = lib.dep_place_pairs(x.data_ptr(), x.shape[1] * x.element_size(), token.data_ptr(), expert.data_ptr(),
+                             token.numel(), num_local, cap, counts.shape[1], src, recv.data_ptr(),
+                             src_info.data_ptr(), pos.data_ptr(), counts.data_ptr())  # fmt: skip
+    if rc:
+        raise ValueError("own pairs name a local expert outside the layout" if rc == -1 else
+                         "own pairs exceed an expert's R * N rows")  # fmt: skip
     return True
 
 

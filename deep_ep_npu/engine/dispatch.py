@@ -112,10 +112,23 @@ def start_dispatch(job: DispatchJob) -> Completion:
     num_rows = int(plan.row_token.numel())
     send = ws.get(f"dispatch_send{job.tag}", (num_rows, fmt.row_bytes), torch.uint8)
     slot_expert, weights = slot_tables(job, num_rows)
-    fmt.encode_gathered(send, x, plan.row_token, slot_expert, weights, job.smooth)
+    remote, mine = slice(0, plan.num_remote_rows), slice(plan.num_remote_rows, num_rows)
+
+    def encode(rows: slice) -> None:
+        w, smooth = (None if t is None else t[rows] for t in (weights, job.smooth))
+        fmt.encode_gathered(send[rows], x, plan.row_token[rows], slot_expert[rows], w, smooth)
+
+    encode(remote)
     lap("packing")  # (while the agreement travels)
-    own = Incoming.from_one(send[plan.num_remote_rows :], me)
-    job.layout.place_own(fmt, own)
+    own = Incoming.from_one(send[mine], me)  # (unfilled when placed directly: the masked layout does not read it)
+    own_pairs = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])
+    if (
+        weights is not None
+        or job.smooth is not None
+        or not job.layout.place_own_direct(fmt, x, plan.token[own_pairs], plan.expert[own_pairs])
+    ):
+        encode(mine)
+        job.layout.place_own(fmt, own)
     lap("unpacking_self")
 
     def start_payload(known: list[int]) -> tuple[list[int], torch.Tensor, Completion]:

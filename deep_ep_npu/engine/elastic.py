@@ -15,6 +15,7 @@ recomputing (or exchanging) anything.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -148,6 +149,10 @@ class ElasticLayout:
 
     def place_own(self, fmt: RowFormat, incoming: Incoming) -> None:
         """Nothing yet: own rows are placed with the remote ones (the layout puts them between the sources)."""
+
+    def place_own_direct(self, *_: Any) -> bool:
+        """No: own rows are packed (and placed with the remote ones)."""
+        return False
 
     def place_remote(self, fmt: RowFormat, incoming: Incoming, own: Incoming, agreement: Agreement,
                      wait_ns: int) -> None:  # fmt: skip

@@ -59,6 +59,10 @@ class Flat:
     def place_own(self, *_: Any) -> None:
         """Nothing yet: own rows are placed with the remote ones (their positions depend on every source's counts)."""
 
+    def place_own_direct(self, *_: Any) -> bool:
+        """No: own rows are packed (and placed with the remote ones)."""
+        return False
+
     def place_remote(self, fmt: RowFormat, incoming: Incoming, own: Incoming, agreement: Agreement,
                      wait_ns: int) -> None:  # fmt: skip
         v, layout, cap = self.v, self.v.layout, self.capacity

@@ -98,6 +98,19 @@ class Masked:
         zero = torch.zeros(self.src_info.shape[0], dtype=torch.int64, device=incoming.rows.device)
         self.counts_own = self._write(fmt, incoming, zero)
 
+    def place_own_direct(self, fmt: RowFormat, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor) -> bool:
+        """Place this rank's own pairs (``token`` / local ``expert`` `[n]` int64, sorted by (expert, token)) straight
+        from ``x`` (:func:`~.cpu_kernels.place_pairs`: the rows :meth:`place_own` would place, with no packing);
+        False (nothing done) unless rows carry ``x`` as is and the kernels apply: then pack and call place_own."""
+        if fmt.quant is not None or self.scales is not None or x.dtype != self.recv_x.dtype:
+            return False
+        counts = torch.zeros(self.layout_range.shape, dtype=torch.int64, device=x.device)
+        pos = torch.zeros(self.src_info.shape[0], dtype=torch.int64, device=x.device)
+        if not cpu_kernels.place_pairs(x, token, expert, self.recv_x, self.src_info, pos, counts, self.rank):
+            return False
+        self.counts_own = counts
+        return True
+
     def place_remote(self, fmt: RowFormat, incoming: Incoming, own: Incoming, agreement: Agreement,
                      wait_ns: int) -> None:  # fmt: skip
         assert self.counts_own is not None

@@ -63,25 +63,30 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
     num_rows = int(plan.row_token.numel())
     slot_expert, weights = slot_tables(job, num_rows)
     begin, counts = 0, [[plan.rows_per_dest[d], plan.pairs_per_dest[d]] for d in range(r)]
-    for d in [*(d for d in range(r) if d != me), me]:  # the plan's row order: remote ranks, then this rank
-        k, rows = plan.rows_per_dest[d], slice(begin, begin + plan.rows_per_dest[d])
-        begin += k
-        if d == me:
-            own_rows = ws.get(f"dispatch_send{job.tag}", (k, fmt.row_bytes), torch.uint8)
-            out = own_rows
-        elif d in ep.live:
-            win.claim(call, d)
-            out = win.region(d, call, me, fmt.row_bytes, k)
-        else:
-            continue
+
+    def encode(out: torch.Tensor, rows: slice, remote: bool) -> None:
         smooth = None if job.smooth is None else job.smooth[rows]
         w = None if weights is None else weights[rows]
-        fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], w, smooth, remote=d != me)
-        if d != me:
+        fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], w, smooth, remote=remote)
+
+    for d in (d for d in range(r) if d != me):  # the plan's row order: remote ranks, then this rank
+        k, rows = plan.rows_per_dest[d], slice(begin, begin + plan.rows_per_dest[d])
+        begin += k
+        if d in ep.live:
+            win.claim(call, d)
+            encode(win.region(d, call, me, fmt.row_bytes, k), rows, True)
             win.post(call, d, [STATUS_OK, *counts[d], *job.fingerprint])
     lap("packing")
-    own = Incoming.from_one(own_rows, me)
-    job.layout.place_own(fmt, own)
+    own_pairs = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])
+    own_rows = ws.get(f"dispatch_send{job.tag}", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
+    if (
+        weights is not None
+        or job.smooth is not None
+        or not job.layout.place_own_direct(fmt, x, plan.token[own_pairs], plan.expert[own_pairs])
+    ):
+        encode(own_rows, slice(begin, begin + plan.rows_per_dest[me]), False)
+        job.layout.place_own(fmt, Incoming.from_one(own_rows, me))
+    own = Incoming.from_one(own_rows, me)  # (unfilled when placed directly: the masked layout does not read it)
     lap("unpacking_self")
 
     def finish() -> None:
