@@ -1,6 +1,7 @@
-/* The two CPU loops that move most of a low-latency call's bytes, each one pass over them (see cpu_kernels.py).
- * Results are bit-identical to the torch code they replace: fp32 products and sums rounded one by one, in the same
- * order (built with -ffp-contract=off: no fused multiply-add). */
+/* The engine's per-call loops on CPU tensors, each one pass (see cpu_kernels.py): the plan, the id check, row packing,
+ * the masked placement and block table, combine's return rows and gather, and the weighted fp32 reduction. Results
+ * are bit-identical to the torch code they replace: fp32 products and sums rounded one by one, in the same order
+ * (built with -ffp-contract=off: no fused multiply-add). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,8 +1,10 @@
-"""Fused CPU loops (``cpu_kernels.c``) for the two passes that move most of a low-latency call's bytes on CPU tensors:
-placing dispatch rows into DeepEP's masked layout and the weighted fp32 reduction of combine. Each is one pass over
-the bytes where the torch code takes several (gather, convert, scale, scatter-add), and the results are
-bit-identical to it (the same fp32 roundings in the same order); the torch code stays the path for every other
-case (other devices, quantized rows, no compiler).
+"""Fused CPU loops (``cpu_kernels.c``) for the engine's per-call work on CPU tensors: the plan of ``topk_idx`` and
+its id check, dispatch row packing, DeepEP's masked placement (this rank's own pairs straight from ``x``) and its
+block table, combine's return rows, the gather of combine rows into a peer's window and the weighted fp32 reduction.
+Each is one pass where the torch code takes several ops (gather, convert, scale, scatter-add, sorts), and the
+results are bit-identical to it (the same fp32 roundings in the same order); the torch code stays the path for every
+other case (other devices, quantized rows, no compiler). Every wrapper returns False / None where it does not apply,
+having done nothing.
 
 The C file is compiled once per machine with the system C compiler (``cc``, or ``$CC``) into a cache directory
 (``$DEEP_EP_NPU_CACHE``, else ``$XDG_CACHE_HOME/deep_ep_npu``, else ``~/.cache/deep_ep_npu``; named by a hash of
@@ -60,11 +62,14 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
             os.close(fd)
-            run = subprocess.run([cc, *_FLAGS, _SOURCE, "-o", tmp], capture_output=True, text=True, timeout=120)
-            if run.returncode:
-                os.unlink(tmp)
-                return None, f"{cc} failed: {run.stderr.strip()[:500]}"
-            os.replace(tmp, path)  # atomic: a rank that compiles at the same time replaces an identical file
+            try:
+                run = subprocess.run([cc, *_FLAGS, _SOURCE, "-o", tmp], capture_output=True, text=True, timeout=120)
+                if run.returncode:
+                    return None, f"{cc} failed: {run.stderr.strip()[:500]}"
+                os.replace(tmp, path)  # atomic: a rank that compiles at the same time replaces an identical file
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # (gone already once replaced)
         except (OSError, subprocess.SubprocessError) as err:
             return None, f"could not build {path}: {err}"
     try:
