@@ -69,7 +69,7 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
         w = None if weights is None else weights[rows]
         fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], w, smooth, remote=remote)
 
-    for d in (d for d in range(r) if d != me):  # the plan's row order: remote ranks, then this rank
+    for d in (d for d in range(r) if d != me):  # remote ranks first (the plan puts this rank's rows last)
         k, rows = plan.rows_per_dest[d], slice(begin, begin + plan.rows_per_dest[d])
         begin += k
         if d in ep.live:
