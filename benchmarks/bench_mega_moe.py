@@ -10,6 +10,7 @@ compute)``, the fraction of the shorter phase that the pipeline hid behind the l
 negative = the pipeline's extra collectives cost more than it hid).
 
     .venv/bin/python benchmarks/bench_mega_moe.py --ep 2 4 --json mega_moe.json
+    .venv/bin/python benchmarks/bench_mega_moe.py --ep 2 4 --api buffer     # on a Buffer: its shm window on one host
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deep_ep_npu import Buffer  # noqa: E402
 from deep_ep_npu.mega_moe import mega_moe  # noqa: E402
 from deep_ep_npu.mega_moe.ffn import grouped_ffn  # noqa: E402
 from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2  # noqa: E402
@@ -77,29 +79,40 @@ def _worker(info, cfg: dict) -> dict:
     quant_mode = 2 if s1 is not None else 0
     op_kw = dict(group_ep=group, ep_world_size=w, ep_rank_id=rank, moe_expert_num=e)
 
-    def dispatch():
-        return moe_distribute_dispatch_v2(x, idx, quant_mode=quant_mode, **op_kw)
+    buf = Buffer(group, transport=cfg["transport"], explicitly_destroy=True) if cfg["api"] == "buffer" else None
+
+    def dispatch():  # (expand_x, dynamic_scales, expert_token_nums, the combine's handle)
+        if buf is None:
+            d = moe_distribute_dispatch_v2(x, idx, quant_mode=quant_mode, **op_kw)
+            return d[0], d[1], d[3], (d[2], d[4])
+        out, _, _ = buf.low_latency_dispatch_flat(x, idx, x.shape[0], e, quant_mode=quant_mode)
+        return out.expand_x, out.dynamic_scales, out.expert_token_nums, out.handle
+
+    def combine(y, handle):
+        if buf is None:
+            return moe_distribute_combine_v2(y, idx, handle[0], handle[1], probs, **op_kw)
+        return buf.low_latency_combine_flat(y, idx, probs, handle)[0]
 
     def ffn(d):
-        return grouped_ffn(d[0], d[1], d[3], range(cfg["num_local_experts"]), w1, w2, s1, s2, out_dtype)
+        return grouped_ffn(d[0], d[1], d[2], range(cfg["num_local_experts"]), w1, w2, s1, s2, out_dtype)
 
     def unfused():
         d = dispatch()
-        return moe_distribute_combine_v2(ffn(d), idx, d[2], d[4], probs, **op_kw)
+        return combine(ffn(d), d[3])
 
     received = dispatch()
-    zeros = torch.zeros((int(received[4][-1]), x.shape[1]), dtype=out_dtype)
+    zeros = torch.zeros((int(received[2].sum()), x.shape[1]), dtype=out_dtype)
 
     def comm():
         d = dispatch()
-        return moe_distribute_combine_v2(zeros, idx, d[2], d[4], probs, **op_kw)
+        return combine(zeros, d[3])
 
     def fused(num_segments: int):
-        return mega_moe(
-            group, x, idx, probs, w1, w2, w1_scale=s1, w2_scale=s2, out_dtype=out_dtype,
-            num_max_dispatch_tokens_per_rank=x.shape[0], num_experts=e, num_segments=num_segments,
-            segment_by=cfg["segment_by"],
-        )  # fmt: skip
+        kw = dict(w1_scale=s1, w2_scale=s2, out_dtype=out_dtype, num_max_dispatch_tokens_per_rank=x.shape[0],
+                  num_experts=e, num_segments=num_segments, segment_by=cfg["segment_by"])  # fmt: skip
+        return (
+            mega_moe(group, x, idx, probs, w1, w2, **kw) if buf is None else buf.mega_moe(x, idx, probs, w1, w2, **kw)
+        )
 
     fns = {"unfused": unfused, "comm": comm, "compute": lambda: ffn(received)}
     for seg in cfg["segments"]:
@@ -112,6 +125,8 @@ def _worker(info, cfg: dict) -> dict:
     ref = unfused().float()
     res["max_abs_diff_fused_vs_unfused"] = max((fused(s).float() - ref).abs().max().item() for s in cfg["segments"])
     res["max_abs_out"] = ref.abs().max().item()
+    if buf is not None:
+        buf.destroy()
     return res
 
 
@@ -129,6 +144,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--api",
+        choices=["ops", "buffer"],
+        default="ops",
+        help="ops: mega_moe() and the ops (collective); buffer: Buffer.mega_moe and its flat methods",
+    )
+    p.add_argument("--transport", choices=["auto", "shm", "collective"], default="auto", help="with --api buffer")
     p.add_argument("--json", type=str, default=None, help="write the results here")
     a = p.parse_args()
     cfg = {k: v for k, v in vars(a).items() if k not in ("ep", "json")}

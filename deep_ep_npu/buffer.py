@@ -448,7 +448,8 @@ class Buffer(Destroyable):
 
         self._check_alive()
         return run_mega_moe(
-            self._backend.ep, self.backend_name, x, topk_idx, topk_weights, w1, w2, w1_scale=w1_scale,
+            self._backend.ep, self.backend_name, x, topk_idx, topk_weights, w1, w2,
+            transport=getattr(self._backend, "transport", None), w1_scale=w1_scale,
             w2_scale=w2_scale, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts, out_dtype=out_dtype, x_active_mask=x_active_mask, swiglu_limit=swiglu_limit,
             **kwargs,

@@ -65,8 +65,8 @@ def test_send_phase_returns_while_a_peer_has_not_called():
 
 
 def _parity(info):
-    """The same calls (masked and flat layouts) on both transports, and on the shm one with the torch code instead of
-    the CPU kernels; every result tensor compared bit for bit."""
+    """The same calls (masked and flat layouts, MegaMoE) on both transports, and on the shm one with the torch code
+    instead of the CPU kernels; every result tensor compared bit for bit."""
     results = {}
     for transport in ("shm", "collective", "torch"):
         buf = Buffer(info.group, transport="shm" if transport == "torch" else transport)
@@ -104,6 +104,13 @@ def _parity(info):
                         (flat.expert_token_nums.clone(), flat.expand_x[:rows].clone(), out.clone(), meta + scales)
                     )
                 assert window is None or window.seq == calls + 4, "the flat calls go over the window"
+                g = torch.Generator().manual_seed(7 + step)  # MegaMoE: 2 segments = 4 calls on the same transport
+                w1 = torch.randn((EXPERTS // info.world_size, HIDDEN, 64), generator=g).to(torch.bfloat16) / 16
+                w2 = torch.randn((EXPERTS // info.world_size, 32, HIDDEN), generator=g).to(torch.bfloat16) / 8
+                mega = buf.mega_moe(x, idx, w, w1, w2, num_max_dispatch_tokens_per_rank=N, num_experts=EXPERTS,
+                                    num_segments=2)  # fmt: skip
+                got.append((mega.clone(), mega.float().abs().sum().reshape(1), mega.clone(), []))
+                assert window is None or window.seq == calls + 8, "MegaMoE goes over the window"
         results[transport] = got
 
     def same(a: str, b: str) -> bool:

@@ -1,5 +1,6 @@
 """``mega_moe(group, ...)``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call, as the A5 PTO MegaMoE kernel."""
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -73,10 +74,12 @@ def mega_moe(
     )  # fmt: skip
 
 
-def run_mega_moe(ep: EPGroup, backend: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """:func:`mega_moe` on ``ep`` (a Buffer's group: its timeout and shrink state)."""
+def run_mega_moe(ep: EPGroup, backend: str, *args: Any, transport: Any = None, **kwargs: Any) -> torch.Tensor:
+    """:func:`mega_moe` on ``ep`` (a Buffer's group: its timeout and shrink state) and ``transport`` (the Buffer's
+    engine transport, which the reference pipeline's dispatches and combines take; None: the collective path)."""
     impl = create_backend(backend)
-    return impl.run(*agreed_args(ep, impl, *args, **kwargs))
+    valid, fused = agreed_args(ep, impl, *args, **kwargs)
+    return impl.run(dataclasses.replace(valid, transport=transport), fused)
 
 
 def agreed_args(ep: EPGroup, impl: MegaMoeBackend, *args: Any, **kwargs: Any) -> tuple[MegaMoeArgs, bool]:

@@ -3,6 +3,7 @@ the agreement step that makes every rank raise the same error (:func:`agree`).""
 
 import dataclasses
 import struct
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,8 @@ AGREE_WIDTH = 1 + len(_FINGERPRINT)  # can_fuse, then the fingerprint
 class MegaMoeArgs:
     """One rank's validated call. ``topk_idx`` is int64 with ``-1`` kept (no expert), and -1 in every row outside
     ``x_active_mask`` (whose ``topk_weights`` rows are 0); ``x_active_mask`` `[M]` `torch.bool` (a prefix) or None;
-    ``swiglu_limit`` 0.0: no clamp; ``ep`` None: the ops' group."""
+    ``swiglu_limit`` 0.0: no clamp; ``ep`` None: the ops' group; ``transport``: a Buffer's (its shared-memory window on
+    one host), None: the collective path."""
 
     group: dist.ProcessGroup
     world_size: int
@@ -47,6 +49,7 @@ class MegaMoeArgs:
     x_active_mask: torch.Tensor | None = None
     swiglu_limit: float = 0.0
     ep: EPGroup | None = None
+    transport: Any = None  # how the pipeline's rows move (a Buffer's engine transport); None: the collective path
 
     num_tokens = property(lambda self: self.x.shape[0])
     hidden = property(lambda self: self.x.shape[1])

@@ -8,7 +8,7 @@ splits AIV (communication) from AIC (GMMs), one comm thread issues every collect
 rank, while the calling thread only computes:
 
 ```
-comm thread : [D0][D1] T0 [D2] T1 [D3] T2 T3 ........ [C0] ........ [C1] ........ [C2] ........ [C3]  R0 R1 R2 R3
+comm thread : [D0][D1] T0 [D2] T1 [D3] T2 T3 ........ [C0] ........ [C1] R0 ..... [C2] R1 ..... [C3] R2 R3
 compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3  |                  sum -> out
                            ^ rows of seg 0 (T0)        ^ C0 starts as soon as FFN seg 0 is done
 ```
@@ -59,14 +59,16 @@ def run_reference(args: MegaMoeArgs, expert_token_nums: torch.Tensor | None = No
         return start.result().wait()
 
     comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mega_moe_comm")
+    tr = args.transport
     try:
         # comm order: D0 D1 T0 D2 T1 ..., so segment 0's rows arrive after two send phases while later payloads fly
-        sent: list = [comm.submit(start_dispatch_flat, dispatch[0], ep)]
+        # (at most two calls in flight: what a shared-memory window's two halves hold)
+        sent: list = [comm.submit(start_dispatch_flat, dispatch[0], ep, None, tr)]
         received: list = []
         for s in range(n):
-            sent += [comm.submit(start_dispatch_flat, dispatch[s + 1], ep)] if s + 1 < n else []
+            sent += [comm.submit(start_dispatch_flat, dispatch[s + 1], ep, None, tr)] if s + 1 < n else []
             received.append(comm.submit(receive, sent[s]))
-        combines = []
+        combines, partials = [], []
         for s in range(n):
             expand_x, scales, assist, token_nums, counts, _, _ = received[s].result()
             received[s] = sent[s] = None  # free the receive buffers early
@@ -77,8 +79,10 @@ def run_reference(args: MegaMoeArgs, expert_token_nums: torch.Tensor | None = No
             p = CombineParams(
                 y.to(wire_dtype), ids, assist, counts, args.topk_weights, x_active_mask=masks[s], **common
             )
-            combines.append(comm.submit(start_combine_flat, p, ep))
-        partials = [comm.submit(receive, c) for c in combines]
+            combines.append(comm.submit(start_combine_flat, p, ep, None, tr))
+            if s:  # C0 C1 R0 C2 R1 ...: again at most two calls in flight
+                partials.append(comm.submit(receive, combines[s - 1]))
+        partials.append(comm.submit(receive, combines[-1]))
         out = torch.zeros((args.num_tokens, args.hidden), dtype=torch.float32, device=args.x.device)
         for partial in partials:  # token segments: each row is nonzero in one segment only (exact)
             out += partial.result().float()
