@@ -94,6 +94,22 @@ def slot_tables(job: DispatchJob, num_rows: int) -> tuple[torch.Tensor, torch.Te
     return slot_expert, weights
 
 
+def place_own(job: DispatchJob, own_rows: torch.Tensor, encode: Callable[[], None]) -> Incoming:
+    """Place this rank's own pairs: straight from ``job.x`` where the layout can (``own_rows`` stay unfilled: that
+    layout does not read them), else ``encode()`` them into ``own_rows`` `[rows, row_bytes]` first. Returns the own
+    rows as the layout's ``place_remote`` takes them."""
+    plan, me, own = job.plan, job.ep.rank, Incoming.from_one(own_rows, job.ep.rank)
+    pairs = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])
+    if (
+        job.weights is not None
+        or job.smooth is not None
+        or not job.layout.place_own_direct(job.fmt, job.x, plan.token[pairs], plan.expert[pairs])
+    ):
+        encode()
+        job.layout.place_own(job.fmt, own)
+    return own
+
+
 def start_dispatch(job: DispatchJob) -> Completion:
     """Run the send phase; the returned completion runs the receive phase and fills ``job.layout``'s outputs. The send
     phase starts the agreement step, packs and places this rank's own rows, then waits for the agreement and starts
@@ -120,15 +136,7 @@ def start_dispatch(job: DispatchJob) -> Completion:
 
     encode(remote)
     lap("packing")  # (while the agreement travels)
-    own = Incoming.from_one(send[mine], me)  # (unfilled when placed directly: the masked layout does not read it)
-    own_pairs = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])
-    if (
-        weights is not None
-        or job.smooth is not None
-        or not job.layout.place_own_direct(fmt, x, plan.token[own_pairs], plan.expert[own_pairs])
-    ):
-        encode(mine)
-        job.layout.place_own(fmt, own)
+    own = place_own(job, send[mine], lambda: encode(mine))
     lap("unpacking_self")
 
     def start_payload(known: list[int]) -> tuple[list[int], torch.Tensor, Completion]:

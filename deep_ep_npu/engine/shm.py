@@ -22,7 +22,7 @@ from ..event import Completion
 from ..group import STATUS_OK, Agreement
 from . import cpu_kernels
 from .combine import CombineJob, check_agreement, reduce_own, reduce_remote
-from .dispatch import DispatchJob, Incoming, slot_tables
+from .dispatch import DispatchJob, Incoming, place_own, slot_tables
 from .window import DATA_OFFSET, Call, ShmWindow
 
 
@@ -77,16 +77,9 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
             encode(win.region(d, call, me, fmt.row_bytes, k), rows, True)
             win.post(call, d, [STATUS_OK, *counts[d], *job.fingerprint])
     lap("packing")
-    own_pairs = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])
     own_rows = ws.get(f"dispatch_send{job.tag}", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
-    if (
-        weights is not None
-        or job.smooth is not None
-        or not job.layout.place_own_direct(fmt, x, plan.token[own_pairs], plan.expert[own_pairs])
-    ):
-        encode(own_rows, slice(begin, begin + plan.rows_per_dest[me]), False)
-        job.layout.place_own(fmt, Incoming.from_one(own_rows, me))
-    own = Incoming.from_one(own_rows, me)  # (unfilled when placed directly: the masked layout does not read it)
+    mine = slice(begin, begin + plan.rows_per_dest[me])
+    own = place_own(job, own_rows, lambda: encode(own_rows, mine, False))
     lap("unpacking_self")
 
     def finish() -> None:
