@@ -23,13 +23,13 @@ from ..params import (
     logical_rank_of,
     routed_pairs,
 )
-from .combine import CombineJob, start_combine
-from .dispatch import DispatchJob, Incoming, start_dispatch
+from .combine import CombineJob
+from .dispatch import DispatchJob, Incoming
 from .layouts import sort_blocks
 from .plan import Plan, make_plan
 from .rows import ReturnFormat, RowFormat
 from .tp import tp_agree, tp_gather_rows, tp_reduce_scatter, with_tp_agreement
-from .transport import Transport
+from .transport import Collective, Transport
 from .workspace import Workspace
 
 COMBINE_OP = "moe_distribute_combine_v2"
@@ -151,10 +151,10 @@ def _validate(p: DispatchParams | CombineParams, ep: EPGroup | None, op: str, tr
     try:
         return p.validate()
     except MoeDistributeError as err:
+        if transport is None and (ep := ep or group_or_none(p.group_ep, "group_ep")) is not None:
+            transport = Collective(ep)
         if transport is not None:
             transport.reject(op, err.code, *agreement_widths(op, transport.ep.num_ranks))
-        elif (ep := ep or group_or_none(p.group_ep, "group_ep")) is not None:
-            reject(ep, op, err.code)
             tp = group_or_none(p.group_tp, "group_tp") if p.tp_world_size == 2 else None
             if tp is not None and tp.num_ranks == 2:
                 tp_agree(tp, err.code, op)
@@ -166,12 +166,6 @@ def agreement_widths(op: str, num_ranks: int) -> tuple[int, int]:
     :data:`COMBINE_OP`): dispatch (rows, pairs) per rank + fingerprint and Bs; combine 2R counts + fingerprint."""
     d = op != COMBINE_OP
     return (2, len(Flat.names) + 1) if d else (0, 2 * num_ranks + len(COMBINE_NAMES))
-
-
-def reject(ep: EPGroup, op: str, code: int) -> None:
-    """This rank rejected its input of the flat ``op``: take part in its agreement step with ``code``, so the peers
-    raise too."""
-    ep.reject(op, code, *agreement_widths(op, ep.num_ranks))
 
 
 def _plan(layout: EpLayout, ids: torch.Tensor, mask: torch.Tensor | None, ep: EPGroup, per_pair: bool) -> Plan:
@@ -211,7 +205,7 @@ def start_dispatch_flat(p: DispatchParams, ep: EPGroup | None = None, workspace:
     )  # fmt: skip
     smooth = _smooth(v, plan) if per_pair else None
     job = DispatchJob(ep, p.op, x, plan, fmt, weights, smooth, fingerprint, flat, workspace or Workspace(x.device))
-    start = start_dispatch if transport is None else transport.dispatch
+    start = (transport or Collective(ep)).dispatch
     receive = with_tp_agreement(start, job, layout, x.dtype, v.quant is not None)
     return Completion(lambda: (receive.wait(), flat.outputs)[1])
 
@@ -269,7 +263,7 @@ def start_combine_flat(p: CombineParams, ep: EPGroup | None = None, workspace: W
         job.source = tp_reduce_scatter(layout.tp, layout.tp_rank_id, expand_x, v.num_rows, v.num_peer)
         return True  # the rows to return changed: pack them again
 
-    start = start_combine if transport is None else transport.combine
+    start = (transport or Collective(ep)).combine
     receive = with_tp_agreement(start, job, layout, expand_x.dtype, bool(v.comm_quant), reduce_scatter)
     return Completion(lambda: (receive.wait(), out)[1])
 
