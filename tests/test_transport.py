@@ -256,16 +256,16 @@ def _unreachable(info):
     """Rank 1 binds its socket under a name its peer does not look for (as a rank on another host): its own sends
     reach rank 0, rank 0's do not reach it. Every rank falls back to the collective transport at once under "auto"
     (rank 1 does not wait for a message that cannot come), and "shm" is refused on every rank."""
-    from deep_ep_npu.engine import window
+    from deep_ep_npu.engine import window_setup
 
     if info.rank == 1:
-        address, calls = window._address, []
+        address, calls = window_setup._address, []
 
         def bind_elsewhere(token: int) -> bytes:  # the first call names the socket to bind
             calls.append(token)
             return f"\0elsewhere.{token:x}".encode() if len(calls) % 2 == 1 else address(token)
 
-        window._address = bind_elsewhere
+        window_setup._address = bind_elsewhere
     t0 = time.monotonic()
     auto = Buffer(info.group, timeout=20)
     name, elapsed = auto._backend.transport.name, time.monotonic() - t0

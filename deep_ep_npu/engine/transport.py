@@ -19,6 +19,7 @@ from .combine import CombineJob, start_combine
 from .dispatch import DispatchJob, start_dispatch
 from .shm import start_combine_shm, start_dispatch_shm
 from .window import DEFAULT_WINDOW_BYTES, ShmWindow
+from .window_setup import create_window
 
 TRANSPORTS = ("auto", "shm", "collective")
 
@@ -106,7 +107,7 @@ def create_transport(ep: EPGroup, name: str, window_bytes: int = 0) -> Transport
         if name == "shm":
             raise ValueError(f"transport: 'shm' needs a gloo (CPU) group, got backend {backend!r}; pass 'auto'")
         return Collective(ep)
-    window = ShmWindow.create(ep, max(window_bytes, DEFAULT_WINDOW_BYTES), required=name == "shm")
+    window = create_window(ep, max(window_bytes, DEFAULT_WINDOW_BYTES), required=name == "shm")
     return Collective(ep) if window is None else Shm(ep, window)
 
 
