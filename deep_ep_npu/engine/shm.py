@@ -14,6 +14,8 @@ and raises; its peers raise on reading it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import profiling
@@ -41,14 +43,27 @@ def _too_small(win: ShmWindow, call: Call, rows: list[int], row_bytes: int, word
         raise err
 
 
-def _agreement(win: ShmWindow, call: Call, headers: dict[int, list[int]], own: list[int], width: int,
-               neutral: tuple[int, ...], wait_ns: int) -> Agreement:  # fmt: skip
-    """The agreement step's result from the headers (``[status, *counts (width), *shared]`` per source; this rank's
-    own words ``own``; ranks removed by shrink mode read as status 0, zero counts and ``neutral``)."""
-    fill = [STATUS_OK, *([0] * width), *neutral]
-    rows = [own if s == win.ep.rank else headers.get(s, fill) for s in range(win.ep.num_ranks)]
-    return Agreement([w[0] for w in rows], [list(w[1 : 1 + width]) for w in rows],
-                     [tuple(w[1 + width :]) for w in rows], wait_ns // 1000, call.op)  # fmt: skip
+def _receive(win: ShmWindow, call: Call, section: str, own: list[int], width: int, neutral: tuple[int, ...],
+             use: Callable[[Agreement, int], None]) -> Completion:  # fmt: skip
+    """The receive phase of ``call``: wait (bounded) for every live peer's header, build the agreement step's result
+    from the headers (``[status, *counts (width), *shared]`` per source; this rank's own words ``own``; ranks removed
+    by shrink mode read as status 0, zero counts and ``neutral``), run ``use(agreement, wait_ns)`` on it, then tell
+    the peers their regions were read."""
+
+    def finish() -> None:
+        lap = profiling.laps(section)
+        try:
+            headers, wait_ns = win.wait_headers(call)
+            lap("collective_wait")
+            fill = [STATUS_OK, *([0] * width), *neutral]
+            rows = [own if s == win.ep.rank else headers.get(s, fill) for s in range(win.ep.num_ranks)]
+            use(Agreement([w[0] for w in rows], [list(w[1 : 1 + width]) for w in rows],
+                          [tuple(w[1 + width :]) for w in rows], wait_ns // 1000, call.op), wait_ns)  # fmt: skip
+        finally:
+            win.release(call)
+        lap("unpacking")
+
+    return Completion(finish)
 
 
 def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
@@ -82,23 +97,15 @@ def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
     own = place_own(job, own_rows, lambda: encode(own_rows, mine, False))
     lap("unpacking_self")
 
-    def finish() -> None:
-        lap = profiling.laps("dispatch")
-        try:
-            headers, wait_ns = win.wait_headers(call)
-            lap("collective_wait")
-            own_words = [STATUS_OK, *counts[me], *job.fingerprint]
-            agreement = _agreement(win, call, headers, own_words, 2, tuple(job.fingerprint), wait_ns)
-            job.layout.check(agreement)
-            rows, m = win.own_regions(call, fmt.row_bytes)
-            masked = ep.mask.tolist()
-            blocks = [(s, s * m, c[0]) for s, c in enumerate(agreement.counts) if s != me and not masked[s]]
-            job.layout.place_remote(fmt, Incoming(rows, blocks), own, agreement, wait_ns)
-        finally:
-            win.release(call)
-        lap("unpacking")
+    def place(agreement: Agreement, wait_ns: int) -> None:
+        job.layout.check(agreement)
+        rows, m = win.own_regions(call, fmt.row_bytes)
+        masked = ep.mask.tolist()
+        blocks = [(s, s * m, c[0]) for s, c in enumerate(agreement.counts) if s != me and not masked[s]]
+        job.layout.place_remote(fmt, Incoming(rows, blocks), own, agreement, wait_ns)
 
-    return Completion(finish)
+    own_words = [STATUS_OK, *counts[me], *job.fingerprint]
+    return _receive(win, call, "dispatch", own_words, 2, tuple(job.fingerprint), place)
 
 
 def start_combine_shm(job: CombineJob, win: ShmWindow) -> Completion:
@@ -127,20 +134,11 @@ def start_combine_shm(job: CombineJob, win: ShmWindow) -> Completion:
     local = reduce_own(job) if consistent else None
     lap("unpacking_self")
 
-    def finish() -> None:
-        lap = profiling.laps("combine")
-        try:
-            headers, wait_ns = win.wait_headers(call)
-            lap("collective_wait")
-            neutral = (0,) * (2 * r) + tuple(job.fingerprint)
-            agreement = _agreement(win, call, headers, [STATUS_OK, *shared], 0, neutral, wait_ns)
-            check_agreement(job, agreement)
-            assert local is not None, "own sends and expects agree once checked"
-            counts = [0 if s == me else fp[me] for s, fp in enumerate(agreement.shared)]
-            parts = [win.region(me, call, s, fmt.row_bytes, k) for s, k in enumerate(counts) if k]
-            reduce_remote(job, local, parts, agreement, wait_ns)
-        finally:
-            win.release(call)
-        lap("unpacking")
+    def reduce(agreement: Agreement, wait_ns: int) -> None:
+        check_agreement(job, agreement)
+        assert local is not None, "own sends and expects agree once checked"
+        counts = [0 if s == me else fp[me] for s, fp in enumerate(agreement.shared)]
+        parts = [win.region(me, call, s, fmt.row_bytes, k) for s, k in enumerate(counts) if k]
+        reduce_remote(job, local, parts, agreement, wait_ns)
 
-    return Completion(finish)
+    return _receive(win, call, "combine", [STATUS_OK, *shared], 0, (0,) * (2 * r) + tuple(job.fingerprint), reduce)
