@@ -187,14 +187,14 @@ def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agre
             sel = (slot == k).nonzero(as_tuple=True)[0]
             acc.index_add_(0, tok[sel], values[sel])
     else:
-        tok, w, begin = token[remote_pairs], job.weights[remote_pairs], 0
-        fused = _fused(job) and local.own_y is None
-        for p in parts if fused else ():  # (the kernel applies to all parts or none: views of one tensor)
-            pairs = slice(begin, begin + p.shape[0])
-            fused = cpu_kernels.accumulate(acc, p.view(fmt.dtype), None, tok[pairs], w[pairs])
-            begin = pairs.stop
-        if not fused:
-            _accumulate(acc, decode_rows(job, parts), tok, w.unsqueeze(1))
+        tok, w, begin, done = token[remote_pairs], job.weights[remote_pairs], 0, 0
+        for p in parts if _fused(job) else ():  # straight into the sum, part by part (in order)
+            pairs = slice(begin, begin + len(p))
+            if not cpu_kernels.accumulate(acc, p.view(fmt.dtype), None, tok[pairs], w[pairs]):
+                break
+            begin, done = pairs.stop, done + 1
+        if rest := parts[done:]:  # the torch code for what the kernel did not take
+            _accumulate(acc, decode_rows(job, rest), tok[begin:], w[begin:].unsqueeze(1))
     if job.addend is not None:
         acc.add_(job.addend.float())
     if job.active is not None:

@@ -103,9 +103,11 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernels (built on first use), or None when they are off or cannot be built."""
     if not _enabled[0]:
         return None
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"], _state["why"] = _build()
+    if "lib" not in _state:  # (built once; later calls take no lock)
+        with _lock:
+            if "lib" not in _state:
+                lib, _state["why"] = _build()
+                _state["lib"] = lib  # last: another thread that sees "lib" sees "why" too
     return _state["lib"]  # type: ignore[return-value]
 
 
