@@ -8,21 +8,13 @@ from typing import Any
 
 import torch
 
+from ..ep_layout import EpLayout, logical_rank_of, routed_pairs
 from ..errors import MoeDistributeError, shape
 from ..event import Completion
 from ..group import DTYPE_CODES, Agreement, EPGroup, ep_group
 from ..group_names import resolve_group
-from ..npu_types import SCALAR_TYPE_CODE
-from ..params import (
-    OP_COMM_ALGS,
-    CombineParams,
-    DispatchParams,
-    EpLayout,
-    ValidCombine,
-    ValidDispatch,
-    logical_rank_of,
-    routed_pairs,
-)
+from ..npu_types import OP_COMM_ALGS, SCALAR_TYPE_CODE
+from ..params import CombineParams, DispatchParams, ValidCombine, ValidDispatch
 from .combine import CombineJob
 from .dispatch import DispatchJob, Incoming
 from .layouts import sort_blocks

@@ -27,12 +27,13 @@ import torch.distributed as dist
 
 from .. import envs
 from .. import errors as checks
+from ..ep_layout import validate_layout
 from ..errors import ACT_DTYPES, MoeDistributeError, invalid, null, shape
 from ..event import Completion
 from ..group import DTYPE_CODES, STATUS_OK, ep_group
 from ..group_names import resolve_group
 from ..npu_types import PLATFORM_NAMES, platform, resolve_dtype
-from ..params import NPU_ACT_DTYPES, CombineParams, DispatchParams, ValidDispatch, validate_layout
+from ..params import NPU_ACT_DTYPES, CombineParams, DispatchParams, ValidDispatch
 from ..quant import Quant
 from ..sizes import align
 from .flat import group_or_none, start_dispatch_flat

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from ..ep_layout import EpLayout
 from ..errors import MoeDistributeError, shape
 from ..event import Completion
 from ..group import DTYPE_CODES, STATUS_OK, EPGroup
-from ..params import EpLayout
 
 TP_NAMES = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
 
