@@ -97,6 +97,86 @@ def test_accumulate_matches_index_add(dtype, indexed, zero_first):
         cpu_kernels.accumulate(got, x, index, token + tokens, weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_rows_matches_the_slot_ordered_index_add(dtype):
+    """The flat combine's sum: rows from several tensors (one indexed), pairs summed slot after slot."""
+    g = torch.Generator().manual_seed(4)
+    for trial in range(20):
+        tokens, hidden, k = 9, 72, 4
+        token, slot = (t.flatten() for t in torch.meshgrid(torch.arange(tokens), torch.arange(k), indexing="ij"))
+        keep = torch.rand(token.numel(), generator=g) < 0.7
+        token, slot = token[keep], slot[keep]
+        perm = torch.randperm(token.numel(), generator=g)  # pairs in any order (the plan's)
+        token, slot, n = token[perm], slot[perm], int(keep.sum())
+        own = (torch.randn(30, hidden, generator=g) * 50).to(dtype)
+        own[:, :2] = -0.0
+        own_index = torch.randint(0, 30, (n // 2,), generator=g)
+        parts = [(torch.randn(m, hidden, generator=g) * 50).to(dtype) for m in (n // 4, n - n // 2 - n // 4)]
+        y = torch.cat([own[own_index], *parts]).float()  # pair p's row: y[at[p]]
+        at, weight = torch.randperm(n, generator=g), torch.rand(n, generator=g) * 2
+        weight[:2] = 0.0
+        got = torch.randn(tokens, hidden, generator=g)  # overwritten: the sum starts from zeros
+        order = torch.argsort(slot, stable=True)
+        rows = [(own, own_index), *((p, None) for p in parts)]
+        assert cpu_kernels.accumulate_rows(got, rows, at[order], token[order], weight[order])
+        want = torch.zeros(tokens, hidden)
+        values = y[at] * weight.unsqueeze(1)
+        for j in range(k):
+            sel = (slot == j).nonzero(as_tuple=True)[0]
+            want.index_add_(0, token[sel], values[sel])
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), trial  # bit for bit, signed zeros too
+    with pytest.raises(IndexError):
+        cpu_kernels.accumulate_rows(got, rows, at[order] + n, token[order], weight[order])
+
+
+@pytest.mark.parametrize("quant", [None, 2])
+@pytest.mark.parametrize("weights", [False, True])
+def test_place_flat_matches_the_torch_placement(quant, weights):
+    """The flat layout's placement of two sources' rows (one of them this rank's) against Flat's torch code."""
+    from types import SimpleNamespace
+
+    from deep_ep_npu.engine.dispatch import Incoming
+    from deep_ep_npu.engine.flat import Flat
+    from deep_ep_npu.engine.rows import RowFormat
+    from deep_ep_npu.quant import Quant
+
+    g = torch.Generator().manual_seed(5)
+    hidden, k, num_local, world, cap = 64, 3, 4, 3, 60
+    fmt = RowFormat(hidden, torch.bfloat16, None if quant is None else Quant(quant, torch.int8), k, weights, False)
+    blocks = []
+    for src, n in ((0, 7), (2, 5), (1, 6)):  # remote sources by rank, then this rank's own (rank 1)
+        rows = torch.zeros((n, fmt.row_bytes), dtype=torch.uint8)
+        table = torch.randint(-1, num_local, (n, k), generator=g, dtype=torch.int32)
+        fmt.encode_into(rows, torch.randn(n, hidden, generator=g).bfloat16(), torch.randperm(9, generator=g)[:n],
+                        table, torch.rand(n, k, generator=g) if weights else None)  # fmt: skip
+        blocks.append((src, rows))
+    remote = Incoming(torch.cat([b[1] for b in blocks[:2]]), [(0, 0, 7), (2, 7, 5)])
+    own = Incoming.from_one(blocks[2][1], 1)
+    scale_width = fmt.scale_end - fmt.scale_off
+    outs = {}
+    for name in ("kernel", "torch"):
+        expand_x = torch.zeros((cap, hidden), dtype=fmt.data_dtype)
+        scales = torch.zeros((cap, scale_width), dtype=torch.uint8)
+        assist, expand_scales = torch.zeros(3 * cap, dtype=torch.int32), torch.zeros(cap)
+        if name == "kernel":
+            counts = torch.zeros((num_local, world), dtype=torch.int64)
+            num = cpu_kernels.place_flat(remote.sources() + own.sources(), fmt, scale_width, weights, counts,
+                                         expand_x, scales, assist, expand_scales)  # fmt: skip
+        else:
+            layout = SimpleNamespace(num_local_experts_here=num_local, world_size=world)
+            flat = SimpleNamespace(v=SimpleNamespace(layout=layout, x=expand_x, quant=quant), capacity=cap,
+                                   weights=weights)  # fmt: skip
+            num, counts = Flat._place(flat, fmt, remote, own, expand_x, scales, assist, expand_scales)
+        outs[name] = (num, counts, expand_x.view(torch.uint8), scales, assist, expand_scales)
+    for a, b in zip(outs["kernel"], outs["torch"], strict=True):
+        assert a == b if isinstance(a, int) else torch.equal(a, b)
+    counts = torch.zeros((num_local, world), dtype=torch.int64)
+    small = torch.zeros((4, hidden), dtype=fmt.data_dtype)
+    assert cpu_kernels.place_flat(own.sources(), fmt, scale_width, weights, counts, small, scales[:4], assist,
+                                  expand_scales) == -1  # more pairs than rows: only the counts  # fmt: skip
+    assert int(counts.sum()) == int((blocks[2][1][:, fmt.slot_off : fmt.weight_off].view(torch.int32) >= 0).sum())
+
+
 def test_gather_matches_index_select():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(50, 136, generator=g).to(torch.bfloat16)  # 272-byte rows: not a multiple of 64

@@ -67,7 +67,7 @@ def start_combine(job: CombineJob) -> Completion:
     neutral = (0,) * (2 * r) + tuple(job.fingerprint)
     finish_agree = ep.start_agree(job.op, STATUS_OK, [[] for _ in range(r)], shared, neutral, device=dev)
     profiling.record_wire("combine", [k * fmt.row_bytes for k in job.rows_per_src], me, 8 * len(shared))
-    own_src = slice(lo := sum(job.rows_per_src[:me]), lo + job.rows_per_src[me])  # this rank's return rows
+    own_src = own_return_rows(job)
     remote = torch.cat([job.return_rows[: own_src.start], job.return_rows[own_src.stop :]])
     send = ws.get(f"combine_send{job.tag}", (remote.numel(), fmt.row_bytes), torch.uint8)
 
@@ -129,6 +129,12 @@ def check_agreement(job: CombineJob, agreement: Agreement) -> None:
     agreement.check(me, job.names, offset=2 * r)
 
 
+def own_return_rows(job: CombineJob) -> slice:
+    """Where this rank's own rows sit in ``job.return_rows`` (sources in rank order)."""
+    me = job.ep.rank
+    return slice(lo := sum(job.rows_per_src[:me]), lo + job.rows_per_src[me])
+
+
 @dataclasses.dataclass
 class Local:
     """The part of a combine this rank computes without waiting: ``acc`` `[T, hidden]` fp32 (own experts' rows
@@ -146,15 +152,25 @@ def _fused(job: CombineJob) -> bool:
     return not job.by_slot and not job.fmt.quantized and job.source.device.type == "cpu"
 
 
+def _fused_by_slot(job: CombineJob) -> bool:
+    """Whether the slot-ordered sum runs in one pass (:func:`~.cpu_kernels.accumulate_rows`) from the rows where
+    they are (no scratch copy): rows in the source's dtype, no copy / const contributions, the kernels there."""
+    fmt, src = job.fmt, job.source
+    return (job.by_slot and not fmt.quantized and job.extra is None and src.device.type == "cpu"
+            and src.dtype == fmt.dtype and cpu_kernels.library() is not None)  # fmt: skip
+
+
 def reduce_own(job: CombineJob) -> Local:
     """Reduce this rank's own expert rows (they never touch the wire)."""
     plan, fmt, me, dev = job.plan, job.fmt, job.ep.rank, job.source.device
-    own_src = slice(lo := sum(job.rows_per_src[:me]), lo + job.rows_per_src[me])  # this rank's return rows
+    own_src = own_return_rows(job)
     own = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])  # this rank's own pairs
     token, rows, ws = plan.token, job.return_rows[own_src], job.workspace
     remote_pairs = torch.cat([torch.arange(own.start, device=dev), torch.arange(own.stop, token.numel(), device=dev)])
     acc = ws.get(f"combine_acc{job.tag}", (job.num_tokens, fmt.hidden), torch.float32)
     if _fused(job) and cpu_kernels.accumulate(acc, job.source, rows, token[own], job.weights[own], zero_first=True):
+        return Local(acc, None, own, remote_pairs)
+    if _fused_by_slot(job):  # summed with the remote rows, in slot order (the receive phase)
         return Local(acc, None, own, remote_pairs)
     acc.zero_()
     raw = ws.get(f"combine_own{job.tag}", (rows.numel(), fmt.hidden), job.source.dtype)
@@ -176,10 +192,14 @@ def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agre
     the documented order and write ``job.out``."""
     plan, fmt, acc, dev = job.plan, job.fmt, local.acc, job.source.device
     token, weights, own, remote_pairs = plan.token, job.weights.unsqueeze(1), local.own, local.remote_pairs
-    if job.by_slot:  # slot after slot, ascending, with the ``extra`` contributions
-        assert local.own_y is not None
+    if job.by_slot and local.own_y is None and _sum_by_slot(job, local, parts):
+        pass
+    elif job.by_slot:  # slot after slot, ascending, with the ``extra`` contributions
+        if local.own_y is None:  # (left to the kernel, which did not apply: rows as fp32, and the zero start)
+            local.own_y = job.source.index_select(0, job.return_rows[own_return_rows(job)]).float()
+            acc.zero_()
         values = torch.empty((token.numel(), fmt.hidden), dtype=torch.float32, device=dev)
-        values[own], values[remote_pairs] = local.own_y.float(), decode_rows(job, parts)
+        values[own], values[remote_pairs] = local.own_y, decode_rows(job, parts)
         tok, slot, values = token, plan.slot, values.mul_(weights)
         if job.extra is not None:
             tok, slot, values = (torch.cat([a, b]) for a, b in zip((tok, slot, values), job.extra, strict=True))
@@ -202,6 +222,19 @@ def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agre
     job.out.copy_(acc)
     if job.on_wait is not None:
         job.on_wait(agreement, wait_ns)
+
+
+def _sum_by_slot(job: CombineJob, local: Local, parts: list[torch.Tensor]) -> bool:
+    """The by-slot sum in one pass, reading the own rows from ``job.source`` and the received ones from ``parts``
+    where they are (:func:`~.cpu_kernels.accumulate_rows`): per token, slots ascending, each product and sum rounded
+    to fp32 as the torch code's. False (nothing done) where the kernel does not apply."""
+    plan, own, remote_pairs, dev = job.plan, local.own, local.remote_pairs, job.source.device
+    y_at = torch.empty_like(plan.token)  # pair -> its row among [own rows, then the received parts' rows]
+    y_at[own] = torch.arange(own.stop - own.start, device=dev)
+    y_at[remote_pairs] = torch.arange(remote_pairs.numel(), device=dev) + (own.stop - own.start)
+    order = torch.argsort(plan.slot, stable=True)
+    rows = [(job.source, job.return_rows[own_return_rows(job)]), *((p.view(job.fmt.dtype), None) for p in parts)]
+    return cpu_kernels.accumulate_rows(local.acc, rows, y_at[order], plan.token[order], job.weights[order])
 
 
 def decode_rows(job: CombineJob, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -79,12 +79,14 @@ int dep_has_dtype(int dtype) {
 }
 
 /* acc[token[i]] += weight[i] * x_i for i = 0 .. n - 1 in order, in fp32 (each product rounded, then the sum): x_i is
- * `hidden` values of `dtype` at base + (index ? index[i] : i) * stride bytes, acc is [num_tokens][hidden] fp32. With
+ * `hidden` values of `dtype` at address addr[i] when addr is given, else at base + (index ? index[i] : i) * stride
+ * bytes; acc is [num_tokens][hidden] fp32. With
  * zero_first acc starts from zeros (a token's first pair is added to 0 as it is written; rows of tokens without
  * pairs are zeroed): no separate pass. Returns 0; -1 when a token is outside [0, num_tokens) (nothing written); -2
  * for a dtype this build lacks; -3 out of memory. */
 int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t *base, int64_t stride, int dtype,
-                   const int64_t *index, const int64_t *token, const float *weight, int64_t n, int zero_first) {
+                   const int64_t *index, const int64_t *addr, const int64_t *token, const float *weight, int64_t n,
+                   int zero_first) {
     if (!dep_has_dtype(dtype))
         return -2;
     for (int64_t i = 0; i < n; i++)
@@ -95,7 +97,7 @@ int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t
         return -3;
     for (int64_t i = 0; i < n; i++) {
         int64_t t = token[i];
-        const uint8_t *row = base + (index ? index[i] : i) * stride;
+        const uint8_t *row = addr ? (const uint8_t *)(uintptr_t)addr[i] : base + (index ? index[i] : i) * stride;
         float *a = acc + t * hidden;
         int set = zero_first && !seen[t];
         if (set)
@@ -343,4 +345,72 @@ int dep_place_pairs(const uint8_t *x, int64_t data_bytes, const int64_t *token, 
     }
     copies_done();
     return 0;
+}
+
+/* The flat (Ascend) layout's placement of dispatch rows: nb blocks, block b holding block_n[b] rows of row_bytes at
+ * address block_addr[b], from source rank block_src[b]. Each pair (row, slot j whose local expert e, int32 at
+ * row + slot_off + 4 j, is >= 0) gets one output row; the rows are ordered by (expert, source), pairs inside one
+ * (expert, source) in block, row and slot order. Output row p gets the row's data_bytes in expand_x
+ * ([cap][data_bytes]), its scale_bytes from scale_off in scales ([cap][scale_bytes]; none when scale_bytes is 0),
+ * (source, token (int32 at token_off), slot) in assist[3 p .. 3 p + 2] and, with weight_off >= 0, the slot's weight
+ * (fp32 at weight_off + 4 j) in expand_scales[p]. counts [num_local][num_ranks] gets the pairs per (expert, source)
+ * (also when the rows do not fit). Returns the number of pairs; -1 when an expert is outside [-1, num_local) or a
+ * source outside [0, num_ranks), -2 when the pairs exceed cap (then nothing but counts is written). */
+int64_t dep_place_flat(const int64_t *block_addr, const int64_t *block_n, const int64_t *block_src, int64_t nb,
+                       int64_t row_bytes, int64_t data_bytes, int64_t scale_off, int64_t scale_bytes, int64_t token_off,
+                       int64_t slot_off, int64_t num_slots, int64_t weight_off, int64_t num_local, int64_t num_ranks,
+                       int64_t cap, uint8_t *expand_x, uint8_t *scales, int32_t *assist, float *expand_scales,
+                       int64_t *counts) {
+    int64_t cells = num_local * num_ranks, total = 0;
+    memset(counts, 0, sizeof(int64_t) * (size_t)cells);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rows = (const uint8_t *)(uintptr_t)block_addr[b];
+        int64_t s = block_src[b];
+        if (s < 0 || s >= num_ranks)
+            return -1;
+        for (int64_t i = 0; i < block_n[b]; i++)
+            for (int64_t j = 0; j < num_slots; j++) {
+                int32_t e;
+                memcpy(&e, rows + i * row_bytes + slot_off + 4 * j, sizeof e);
+                if (e < -1 || e >= num_local)
+                    return -1;
+                if (e >= 0) {
+                    counts[e * num_ranks + s]++;
+                    total++;
+                }
+            }
+    }
+    if (total > cap)
+        return -2;
+    int64_t *cursor = malloc(sizeof(int64_t) * (size_t)(cells > 0 ? cells : 1));
+    if (!cursor)
+        return -3;
+    for (int64_t c = 0, begin = 0; c < cells; c++) {
+        cursor[c] = begin;
+        begin += counts[c];
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rows = (const uint8_t *)(uintptr_t)block_addr[b];
+        int64_t s = block_src[b];
+        for (int64_t i = 0; i < block_n[b]; i++) {
+            const uint8_t *row = rows + i * row_bytes;
+            int32_t token;
+            memcpy(&token, row + token_off, sizeof token);
+            for (int64_t j = 0; j < num_slots; j++) {
+                int32_t e;
+                memcpy(&e, row + slot_off + 4 * j, sizeof e);
+                if (e < 0)
+                    continue;
+                int64_t p = cursor[e * num_ranks + s]++;
+                memcpy(expand_x + p * data_bytes, row, (size_t)data_bytes);
+                if (scale_bytes)
+                    memcpy(scales + p * scale_bytes, row + scale_off, (size_t)scale_bytes);
+                assist[3 * p] = (int32_t)s, assist[3 * p + 1] = token, assist[3 * p + 2] = (int32_t)j;
+                if (weight_off >= 0)
+                    memcpy(expand_scales + p, row + weight_off + 4 * j, sizeof(float));
+            }
+        }
+    }
+    free(cursor);
+    return total;
 }

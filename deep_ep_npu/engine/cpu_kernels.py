@@ -77,7 +77,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     except OSError as err:
         return None, f"could not load {path}: {err}"
     lib.dep_accumulate.restype = ctypes.c_int
-    lib.dep_accumulate.argtypes = [_p, _i64, _i64, _p, _i64, ctypes.c_int, _p, _p, _p, _i64, ctypes.c_int]
+    lib.dep_accumulate.argtypes = [_p, _i64, _i64, _p, _i64, ctypes.c_int, _p, _p, _p, _p, _i64, ctypes.c_int]
     lib.dep_place.restype = _i64
     lib.dep_place.argtypes = [_p, *[_i64] * 10, _p, _p, _p, _p, _p, _p]
     lib.dep_has_dtype.restype = ctypes.c_int
@@ -94,6 +94,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dep_layout_range.argtypes = [_p, _i64, _i64, _i64, _p, _p]
     lib.dep_return_rows.restype = _i64
     lib.dep_return_rows.argtypes = [_p, _i64, _i64, _i64, _p, _p, _p]
+    lib.dep_place_flat.restype = _i64
+    lib.dep_place_flat.argtypes = [_p, _p, _p, *[_i64] * 12, _p, _p, _p, _p, _p]
     lib.dep_gather.restype = None
     lib.dep_gather.argtypes = [_p, _i64, _p, _i64, _p]
     return lib, ""
@@ -150,8 +152,43 @@ def accumulate(acc: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None, t
         return False
     weight = weight.float().contiguous()  # (exact: torch multiplies in fp32 too)
     rc = lib.dep_accumulate(acc.data_ptr(), acc.shape[0], acc.shape[1], x.data_ptr(), x.stride(0) * x.element_size(),
-                            DTYPES[x.dtype], None if index is None else index.data_ptr(), token.data_ptr(),
+                            DTYPES[x.dtype], None if index is None else index.data_ptr(), None, token.data_ptr(),
                             weight.data_ptr(), n, int(zero_first))  # fmt: skip
+    return _accumulated(rc, acc)
+
+
+def accumulate_rows(acc: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tensor | None]], order: torch.Tensor,
+                    token: torch.Tensor, weight: torch.Tensor) -> bool:  # fmt: skip
+    """``acc = 0``, then ``acc[token[i]] += weight[i] * y[order[i]]`` for i in order, in fp32, where ``y`` is the
+    rows of ``rows`` one after another: each ``(x, index)`` gives ``x[index]`` (``x`` `[*, hidden]` fp32 / bf16 /
+    fp16, all of one dtype, rows contiguous; ``index`` `[k]` int64, or None: all of ``x``'s rows). ``acc`` `[T,
+    hidden]` fp32; ``order`` / ``token`` `[n]` int64; ``weight`` `[n]` fp32. Returns False (nothing done) where the
+    kernels do not apply."""
+    lib = library()
+    dtypes = {x.dtype for x, _ in rows}
+    if lib is None or len(dtypes) > 1 or not _cpu(acc, order, token) or acc.dtype != torch.float32:
+        return False
+    dtype = dtypes.pop() if dtypes else torch.float32
+    if dtype not in DTYPES or not lib.dep_has_dtype(DTYPES[dtype]) or token.dtype != torch.int64:
+        return False
+    addr = []
+    for x, index in rows:
+        if x.dim() != 2 or x.shape[1] != acc.shape[1] or x.stride(1) != 1 or not x.is_cpu:
+            return False
+        at = torch.arange(x.shape[0]) if index is None else index
+        if at.numel() and not 0 <= int(at.min()) <= int(at.max()) < x.shape[0]:
+            raise IndexError(f"accumulate_rows: a row index is outside [0, {x.shape[0]})")
+        addr.append(at * (x.stride(0) * x.element_size()) + x.data_ptr())
+    y = torch.cat(addr) if addr else torch.empty(0, dtype=torch.int64)
+    if order.numel() and not 0 <= int(order.min()) <= int(order.max()) < y.numel():
+        raise IndexError(f"accumulate_rows: an order index is outside [0, {y.numel()})")
+    at, weight = y[order], weight.float().contiguous()
+    rc = lib.dep_accumulate(acc.data_ptr(), acc.shape[0], acc.shape[1], None, 0, DTYPES[dtype], None, at.data_ptr(),
+                            token.data_ptr(), weight.data_ptr(), order.numel(), 1)  # fmt: skip
+    return _accumulated(rc, acc)
+
+
+def _accumulated(rc: int, acc: torch.Tensor) -> bool:
     if rc == -3:
         raise MemoryError("accumulate: out of memory")
     if rc:
@@ -293,3 +330,36 @@ def return_rows(layout_range: torch.Tensor, n: int, mask: torch.Tensor) -> tuple
     m = mask.to(torch.uint8).contiguous()
     k = lib.dep_return_rows(layout_range.data_ptr(), num_local, r, n, m.data_ptr(), rows.data_ptr(), per_src.data_ptr())
     return -1 - k if k < 0 else (rows[:k], per_src.tolist())
+
+
+def place_flat(blocks: list[tuple[int, torch.Tensor]], fmt: Any, scale_bytes: int, weights: bool, counts: torch.Tensor,
+               expand_x: torch.Tensor, scales: torch.Tensor, assist: torch.Tensor,
+               expand_scales: torch.Tensor) -> int | None:  # fmt: skip
+    """The flat layout's placement (:meth:`~.flat.Flat.place_remote`) of dispatch rows ``blocks`` (``(source,
+    rows)``: ``rows`` `[n, row_bytes]` uint8 in ``fmt``, a :class:`~.rows.RowFormat`), in one pass: data into
+    ``expand_x`` `[cap, *]`, ``scale_bytes`` of scales per row into ``scales`` `[cap, scale_bytes]` uint8 (none when
+    0), (source, token, slot) into ``assist`` `[>= 3 cap]` int32 and the slot weights (``weights``) into
+    ``expand_scales`` `[cap]` fp32; ``counts`` `[L, R]` int64 gets the pairs per (local expert, source). Returns the
+    number of pairs, -1 when they exceed cap (only counts is written), or None where the kernels do not apply."""
+    lib = library()
+    if lib is None or not _cpu(counts, expand_x, assist) or any(r.dtype != torch.uint8 for _, r in blocks):
+        return None
+    if not all(_cpu(r) for _, r in blocks):
+        return None
+    if counts.dtype != torch.int64 or assist.dtype != torch.int32 or (weights and not _cpu(expand_scales)):
+        return None
+    (num_local, num_ranks), cap = counts.shape, expand_x.shape[0]
+    assert expand_x.numel() * expand_x.element_size() >= cap * fmt.data_bytes and assist.numel() >= 3 * cap
+    assert not scale_bytes or (scales.is_contiguous() and scales.shape == (cap, scale_bytes))
+    table = torch.tensor([[r.data_ptr(), r.shape[0], s] for s, r in blocks], dtype=torch.int64).view(-1, 3).t()
+    table = table.contiguous()
+    k = lib.dep_place_flat(table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), len(blocks), fmt.row_bytes,
+                           fmt.data_bytes, fmt.scale_off, scale_bytes, fmt.token_off, fmt.slot_off, fmt.num_slots,
+                           fmt.weight_off if weights else -1, num_local, num_ranks, cap, expand_x.data_ptr(),
+                           scales.data_ptr() if scale_bytes else None, assist.data_ptr(),
+                           expand_scales.data_ptr() if weights else None, counts.data_ptr())  # fmt: skip
+    if k == -1:
+        raise ValueError("dispatch rows name a local expert or source outside the layout")
+    if k == -3:
+        raise MemoryError("place_flat: out of memory")
+    return -1 if k == -2 else k

@@ -44,6 +44,10 @@ class Incoming:
         src, begin, count = self.blocks[i]
         return src, self.rows[begin : begin + count]
 
+    def sources(self) -> list[tuple[int, torch.Tensor]]:
+        """``(src, rows)`` of every block."""
+        return [self.block(i) for i in range(len(self.blocks))]
+
     def parse(self, fmt: RowFormat) -> Received:
         """The (row of ``rows``, slot, local expert, source) of every pair the rows carry."""
         dev, blocks = self.rows.device, [b for b in self.blocks if b[2]]

@@ -15,6 +15,7 @@ from ..group import DTYPE_CODES, Agreement, EPGroup, ep_group
 from ..group_names import resolve_group
 from ..npu_types import OP_COMM_ALGS, SCALAR_TYPE_CODE
 from ..params import CombineParams, DispatchParams, ValidCombine, ValidDispatch
+from . import cpu_kernels
 from .combine import CombineJob
 from .dispatch import DispatchJob, Incoming
 from .layouts import sort_blocks
@@ -58,35 +59,29 @@ class Flat:
     def place_remote(self, fmt: RowFormat, incoming: Incoming, own: Incoming, agreement: Agreement,
                      wait_ns: int) -> None:  # fmt: skip
         v, layout, cap = self.v, self.v.layout, self.capacity
-        rows, got, own_rows, own_got = incoming.rows, incoming.parse(fmt), own.rows, own.parse(fmt)
         dev, w, num_local = v.x.device, layout.world_size, layout.num_local_experts_here
-        expert, src = torch.cat([got.expert, own_got.expert]), torch.cat([got.src, own_got.src])
-        num_recv = int(expert.numel())
-        if num_recv > cap:
-            raise shape("expert_ids", f"this rank received {num_recv} rows but can hold A = {cap}")
-        order, counts = sort_blocks(expert, src, num_local, w)
-        position = torch.empty_like(order)
-        position[order] = torch.arange(num_recv, device=dev)  # final row of each pair (remote pairs first, then own)
         hidden, tp, q = v.x.shape[1], 1 if layout.tp is None else 2, v.quant
         width, scale_dtype = ((), torch.float32) if q is None else (q.scale_shape(hidden), q.scale_dtype)
         if q is None and v.scales is not None and v.scales.shape[1]:  # quant_mode 0 given scales: `[A, H]` zeros
             width = (v.scales.shape[1],)
-        expand_x = torch.zeros((cap * tp, hidden), dtype=fmt.data_dtype, device=dev)
-        scale_bytes = torch.zeros((cap * tp, math.prod(width) * scale_dtype.itemsize), dtype=torch.uint8, device=dev)
+        expand_x = torch.empty((cap * tp, hidden), dtype=fmt.data_dtype, device=dev)
+        scale_bytes = torch.empty((cap * tp, math.prod(width) * scale_dtype.itemsize), dtype=torch.uint8, device=dev)
         dynamic_scales = scale_bytes.view(scale_dtype).view(cap * tp, *width)
-        assist = torch.zeros((max(v.x.shape[0] * v.topk, cap * 128),), dtype=torch.int32, device=dev)
-        expand_scales = torch.zeros((cap if self.weights else 0,), dtype=torch.float32, device=dev)
-        n_remote = got.row.numel()
-        for buf, part, at in ((rows, got, position[:n_remote]), (own_rows, own_got, position[n_remote:])):
-            if not at.numel():
-                continue
-            fmt.scatter_data(buf, part.row, expand_x, at)
-            if q is not None:
-                scale_bytes[at] = fmt.scale_bytes(buf, part.row)
-            triples = torch.stack([part.src, fmt.tokens(buf)[part.row].long(), part.slot], dim=1)
-            assist[: 3 * cap].view(-1, 3)[at] = triples.to(torch.int32)
-            if self.weights:
-                expand_scales[at] = fmt.weights(buf)[part.row, part.slot]
+        assist = torch.empty((max(v.x.shape[0] * v.topk, cap * 128),), dtype=torch.int32, device=dev)
+        expand_scales = torch.empty((cap if self.weights else 0,), dtype=torch.float32, device=dev)
+        counts = torch.zeros((num_local, w), dtype=torch.int64, device=dev)
+        carried = 0 if q is None else fmt.scale_end - fmt.scale_off  # scale bytes per row that travel
+        num_recv = cpu_kernels.place_flat(incoming.sources() + own.sources(), fmt, carried, self.weights, counts,
+                                          expand_x[:cap], scale_bytes[:cap], assist, expand_scales)  # fmt: skip
+        if num_recv is None:
+            num_recv, counts = self._place(fmt, incoming, own, expand_x, scale_bytes, assist, expand_scales)
+        elif num_recv < 0:
+            num_recv = int(counts.sum())
+        if num_recv > cap:
+            raise shape("expert_ids", f"this rank received {num_recv} rows but can hold A = {cap}")
+        for t, rows_used in ((expand_x, num_recv), (scale_bytes, carried and num_recv), (assist, 3 * num_recv)):
+            t[rows_used:] = 0  # (the rows past the received ones read as zeros; scales that do not travel, all)
+        expand_scales[num_recv:] = 0
         all_counts = counts.reshape(-1)
         tp_recv_counts = torch.full((layout.tp_world_size,), num_recv, dtype=torch.int32, device=dev)
         if layout.tp is not None:  # append the TP peer's received rows and counts
@@ -101,6 +96,33 @@ class Flat:
         add_wait_time(v.performance_info, agreement, wait_ns)
         self.outputs = (expand_x, dynamic_scales, assist, expert_token_nums, ep_recv_counts, tp_recv_counts,
                         expand_scales)  # fmt: skip
+
+    def _place(self, fmt: RowFormat, incoming: Incoming, own: Incoming, expand_x: torch.Tensor,
+               scale_bytes: torch.Tensor, assist: torch.Tensor,
+               expand_scales: torch.Tensor) -> tuple[int, torch.Tensor]:  # fmt: skip
+        """:meth:`place_remote`'s placement in torch (where :func:`~.cpu_kernels.place_flat` does not apply): returns
+        the pairs received and their counts `[L, R]`; writes nothing when they exceed the capacity."""
+        layout, cap, dev = self.v.layout, self.capacity, self.v.x.device
+        rows, got, own_rows, own_got = incoming.rows, incoming.parse(fmt), own.rows, own.parse(fmt)
+        expert, src = torch.cat([got.expert, own_got.expert]), torch.cat([got.src, own_got.src])
+        num_recv = int(expert.numel())
+        order, counts = sort_blocks(expert, src, layout.num_local_experts_here, layout.world_size)
+        if num_recv > cap:
+            return num_recv, counts
+        position = torch.empty_like(order)
+        position[order] = torch.arange(num_recv, device=dev)  # final row of each pair (remote pairs first, then own)
+        n_remote = got.row.numel()
+        for buf, part, at in ((rows, got, position[:n_remote]), (own_rows, own_got, position[n_remote:])):
+            if not at.numel():
+                continue
+            fmt.scatter_data(buf, part.row, expand_x, at)
+            if self.v.quant is not None:
+                scale_bytes[at] = fmt.scale_bytes(buf, part.row)
+            triples = torch.stack([part.src, fmt.tokens(buf)[part.row].long(), part.slot], dim=1)
+            assist[: 3 * cap].view(-1, 3)[at] = triples.to(torch.int32)
+            if self.weights:
+                expand_scales[at] = fmt.weights(buf)[part.row, part.slot]
+        return num_recv, counts
 
     @staticmethod
     def return_rows(assist: torch.Tensor, num_rows: int, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
