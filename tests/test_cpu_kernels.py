@@ -177,6 +177,31 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
     assert int(counts.sum()) == int((blocks[2][1][:, fmt.slot_off : fmt.weight_off].view(torch.int32) >= 0).sum())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weights", [False, True])
+def test_pack_int8_matches_the_torch_quantization(dtype, weights):
+    """Per-token int8 rows (quant_mode 2): .5 ties, zero / NaN / Inf / -0.0 rows, bit for bit against encode_into."""
+    from deep_ep_npu.engine.rows import RowFormat
+
+    g = torch.Generator().manual_seed(6)
+    t, hidden, k = 9, 40, 3
+    x = torch.randn(t, hidden, generator=g) * 3
+    x[0] = torch.tensor([127.0, *[(j % 7 - 3) + 0.5 for j in range(hidden - 1)]])  # scale 1: ties to even
+    x[1], x[2, 5], x[3, 7], x[4] = 0.0, float("nan"), float("inf"), -0.0
+    x = x.to(dtype)
+    fmt = RowFormat(hidden, dtype, "int8_per_token", k, weights, False)
+    token = torch.tensor([0, 1, 2, 3, 4, 5, 8, 0, 6])
+    table = torch.randint(-1, 4, (token.numel(), k), generator=g, dtype=torch.int32)
+    w = torch.rand(token.numel(), k, generator=g) if weights else None
+    got = torch.zeros((token.numel(), fmt.row_bytes), dtype=torch.uint8)
+    want = torch.zeros_like(got)
+    assert cpu_kernels.pack_int8(x, token, table, w, got, fmt)
+    fmt.encode_into(want, x[token], token, table, w)
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError):
+        cpu_kernels.pack_int8(x, token + t, table, w, got, fmt)
+
+
 def test_gather_matches_index_select():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(50, 136, generator=g).to(torch.bfloat16)  # 272-byte rows: not a multiple of 64

@@ -414,3 +414,78 @@ int64_t dep_place_flat(const int64_t *block_addr, const int64_t *block_n, const 
     free(cursor);
     return total;
 }
+
+/* Row values as fp32 (v, `hidden` of them) from `dtype` data. */
+#define TO_F32(name, type, load)                                                                        \
+    WIDE static void to_f32_##name(float *restrict v, const type *restrict x, int64_t n) {             \
+        for (int64_t h = 0; h < n; h++)                                                                \
+            v[h] = load(x[h]);                                                                         \
+    }
+TO_F32(f32, float, load_f32)
+TO_F32(bf16, uint16_t, load_bf16)
+#ifdef __FLT16_MAX__
+TO_F32(f16, _Float16, load_f16)
+#endif
+
+/* max |v| over n values, NaN when one is NaN. */
+WIDE static float abs_max(const float *restrict v, int64_t n) {
+    float amax = 0.0f;
+    int nan = 0;
+    for (int64_t h = 0; h < n; h++) {
+        float a = __builtin_fabsf(v[h]);
+        nan |= a != a;
+        amax = a > amax ? a : amax;
+    }
+    return nan ? __builtin_nanf("") : amax;
+}
+
+/* q = int8(clamp(nan_to_0(rint(v * inv)), -127, 127)), ties to even. */
+WIDE static void to_int8(int8_t *restrict q, const float *restrict v, float inv, int64_t n) {
+    for (int64_t h = 0; h < n; h++) {
+        float r = __builtin_rintf(v[h] * inv);
+        r = r != r ? 0.0f : r;
+        r = r < -127.0f ? -127.0f : r;
+        r = r > 127.0f ? 127.0f : r;
+        q[h] = (int8_t)r;
+    }
+}
+
+/* Dispatch rows with per-token dynamic int8 quantization (Ascend quant_mode 2, no smoothing): row i of out
+ * ([n][row_bytes]) gets q = int8(clamp(nan_to_0(rint(v * (127 / amax))), -127, 127)) of x's row row_token[i] (v: its
+ * `hidden` values of `dtype` as fp32; amax = max |v|, NaN when a value is NaN; the factor is 0 unless amax > 0), the
+ * scale amax / 127 (fp32) at scale_off, the token (int32) at token_off, slot_expert's row i ([n][k] int32) at
+ * slot_off and, when weights ([n][k] fp32) is given, its row i at weight_off. The torch code's roundings: true
+ * fp32 divisions, one fp32 product per value, ties to even. Returns 0; -2 for a dtype this build lacks. */
+int dep_pack_int8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *row_token, const int32_t *slot_expert,
+                  const float *weights, int64_t n, int64_t k, uint8_t *out, int64_t row_bytes, int64_t scale_off,
+                  int64_t token_off, int64_t slot_off, int64_t weight_off) {
+    if (!dep_has_dtype(dtype))
+        return -2;
+    int64_t item = dtype == DTYPE_F32 ? 4 : 2;
+    float *v = malloc(sizeof(float) * (size_t)(hidden > 0 ? hidden : 1));
+    if (!v)
+        return -3;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *src = x + row_token[i] * hidden * item;
+        uint8_t *row = out + i * row_bytes;
+        if (dtype == DTYPE_BF16)
+            to_f32_bf16(v, (const uint16_t *)src, hidden);
+        else if (dtype == DTYPE_F32)
+            to_f32_f32(v, (const float *)src, hidden);
+#ifdef __FLT16_MAX__
+        else
+            to_f32_f16(v, (const _Float16 *)src, hidden);
+#endif
+        float amax = abs_max(v, hidden);
+        to_int8((int8_t *)row, v, amax > 0.0f ? 127.0f / amax : 0.0f, hidden);
+        float scale = amax / 127.0f;
+        int32_t t = (int32_t)row_token[i];
+        memcpy(row + scale_off, &scale, sizeof scale);
+        memcpy(row + token_off, &t, sizeof t);
+        memcpy(row + slot_off, slot_expert + i * k, sizeof(int32_t) * (size_t)k);
+        if (weights)
+            memcpy(row + weight_off, weights + i * k, sizeof(float) * (size_t)k);
+    }
+    free(v);
+    return 0;
+}

@@ -96,6 +96,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dep_return_rows.argtypes = [_p, _i64, _i64, _i64, _p, _p, _p]
     lib.dep_place_flat.restype = _i64
     lib.dep_place_flat.argtypes = [_p, _p, _p, *[_i64] * 12, _p, _p, _p, _p, _p]
+    lib.dep_pack_int8.restype = ctypes.c_int
+    lib.dep_pack_int8.argtypes = [_p, ctypes.c_int, _i64, _p, _p, _p, _i64, _i64, _p, *[_i64] * 5]
     lib.dep_gather.restype = None
     lib.dep_gather.argtypes = [_p, _i64, _p, _i64, _p]
     return lib, ""
@@ -265,6 +267,30 @@ def pack(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor, ou
     lib.dep_pack(x.data_ptr(), x.shape[1] * x.element_size(), row_token.data_ptr(), slot_expert.data_ptr(), n, k,
                  out.data_ptr(), out.shape[1], token_off, slot_off, int(streaming))  # fmt: skip
     return True
+
+
+def pack_int8(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor, weights: torch.Tensor | None,
+              out: torch.Tensor, fmt: Any) -> bool:  # fmt: skip
+    """Dispatch rows of ``fmt`` (a :class:`~.rows.RowFormat` with per-token int8 quantization) with no smoothing:
+    ``out`` `[n, row_bytes]` uint8 gets :func:`~deep_ep_npu.quant.per_token_int8` of ``x[row_token]`` (``x`` `[T,
+    hidden]` fp32 / bf16 / fp16), the scale, the token, ``slot_expert`` `[n, K]` int32 and ``weights`` `[n, K]` fp32
+    (or None), bit for bit. False (nothing done) where the kernels do not apply."""
+    lib = library()
+    if lib is None or x.dtype not in DTYPES or not lib.dep_has_dtype(DTYPES[x.dtype]) or x.dim() != 2:
+        return False
+    if not _cpu(x, row_token, slot_expert, out) or row_token.dtype != torch.int64 or slot_expert.dtype != torch.int32:
+        return False
+    if weights is not None and (not _cpu(weights) or weights.dtype != torch.float32):
+        return False
+    n, k = slot_expert.shape
+    if n and not 0 <= int(row_token.min()) <= int(row_token.max()) < x.shape[0]:
+        raise IndexError(f"pack_int8: a token is outside [0, {x.shape[0]})")
+    rc = lib.dep_pack_int8(x.data_ptr(), DTYPES[x.dtype], x.shape[1], row_token.data_ptr(), slot_expert.data_ptr(),
+                           None if weights is None else weights.data_ptr(), n, k, out.data_ptr(), out.shape[1],
+                           fmt.scale_off, fmt.token_off, fmt.slot_off, fmt.weight_off)  # fmt: skip
+    if rc == -3:
+        raise MemoryError("pack_int8: out of memory")
+    return rc == 0
 
 
 def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:

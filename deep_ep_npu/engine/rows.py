@@ -26,6 +26,9 @@ QUANTS = (None, "fp8_e4m3", "int8_per_token")
 LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)
 
 
+INT8_PER_TOKEN = Quant(2, torch.int8)
+
+
 class RowFormat:
     """A dispatch row of ``hidden`` channels for one (dtype, quant, slots, weights) combination; ``quant``: None,
     ``"fp8_e4m3"`` (DeepEP's), ``"int8_per_token"`` (= ``Quant(2, torch.int8)``) or a :class:`Quant`."""
@@ -33,7 +36,7 @@ class RowFormat:
     def __init__(self, hidden: int, dtype: torch.dtype, quant: str | Quant | None, num_slots: int, weights: bool,
                  round_scale: bool) -> None:  # fmt: skip
         self.hidden, self.quant, self.round_scale, self.num_slots = hidden, quant, round_scale, num_slots
-        self.codec = Quant(2, torch.int8) if quant == "int8_per_token" else quant if isinstance(quant, Quant) else None
+        self.codec = INT8_PER_TOKEN if quant == "int8_per_token" else quant if isinstance(quant, Quant) else None
         self.data_dtype = dtype if quant is None else FP8_DTYPE if self.codec is None else self.codec.dtype
         self.scale_dtype = torch.float32 if self.codec is None else self.codec.scale_dtype
         scale_bytes = self.codec.scale_bytes(hidden) if self.codec else 4 * hidden // GROUP if quant else 0
@@ -76,6 +79,9 @@ class RowFormat:
         gathered straight into ``out`` (one copy instead of a gather and a copy). ``remote``: another process reads
         ``out`` (a peer's window)."""
         if self.quant is not None:
+            fast = self.codec == INT8_PER_TOKEN and smooth is None
+            if fast and cpu_kernels.pack_int8(x, token, slot_expert, weights, out, self):
+                return None
             return self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
         if weights is None and cpu_kernels.pack(x, token, slot_expert, out, self.token_off, self.slot_off, remote):
             return None
