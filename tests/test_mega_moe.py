@@ -180,10 +180,13 @@ def _run_one_combine(info, case: Case, out_dtype: torch.dtype):
     return moe_distribute_combine_v2(y, ids, d[2], d[4], p, info.group, w, info.rank, e, **kw)
 
 
-def test_token_segments_bit_equal_to_one_combine():
-    """segment_by="token": every token's pairs live in one segment, so segmenting changes no bit of the result."""
+@pytest.mark.parametrize("segments", [dict(segment_by="token", num_segments=3), dict(num_segments=1)],
+                         ids=["token-segments", "one-expert-segment"])  # fmt: skip
+def test_segments_bit_equal_to_one_combine(segments):
+    """segment_by="token": every token's pairs live in one segment, so segmenting changes no bit of the result; one
+    expert segment is one combine of ``out_dtype`` rows."""
     case = make_case(7, [11, 0, 6], 128, 64, 3, 4, holes=0.1)
-    seg = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.float16, segment_by="token", num_segments=3))
+    seg = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.float16, **segments))
     one = parallel_launch(3, _run_one_combine, case, torch.float16, timeout=60)
     for got, want in zip(seg, one, strict=True):
         assert got.dtype == want.dtype == torch.float16

@@ -46,8 +46,9 @@ def mega_moe(
         num_segments: pipeline segments, in [1, E_local] (by expert) or [1, num_max_dispatch_tokens_per_rank] (by
             token); default min(that bound, 2); 1 = no overlap.
         segment_by: ``"expert"`` (the kernel's: segment k = a contiguous group of local experts; partial sums travel
-            in fp32, equal to the unfused path up to fp32 re-association) or ``"token"`` (a chunk of each rank's
-            tokens, all experts; rows travel in ``out_dtype``, bit-equal to the unfused path, half the bytes).
+            in fp32, equal to the unfused path up to fp32 re-association; with one segment rows travel in
+            ``out_dtype``, bit-equal) or ``"token"`` (a chunk of each rank's tokens, all experts; rows travel in
+            ``out_dtype``, bit-equal to the unfused path, half the bytes).
         x_active_mask: `[M]` `torch.bool`, True for a prefix of the tokens (vllm-ascend's ``mc2_mask``), or None (all
             active). Tokens after the prefix are not dispatched, their topk_idx / topk_weights rows are not checked
             (padding garbage is fine) and their output rows are 0.

@@ -16,7 +16,8 @@ compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3
 ``Dk`` / ``Ck``: the send phase of segment k's dispatch / combine (validation, the agreement step, the payload
 started asynchronously); ``Tk`` / ``Rk``: their receive phases. Expert outputs are rounded to ``out_dtype`` (as the
 kernel's FP16 CV tiles); expert segments' fp32 partials differ from one unsegmented combine by fp32 re-association
-(at most one ulp of ``out_dtype``); ``segment_by="token"`` (bit-equal) costs S smaller GEMMs per expert.
+(at most one ulp of ``out_dtype``); one segment sends ``out_dtype`` rows and is bit-equal to the unfused path, as is
+``segment_by="token"``, which costs S smaller GEMMs per expert.
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,7 +53,8 @@ def run_reference(args: MegaMoeArgs, expert_token_nums: torch.Tensor | None = No
     masks = [segment == s for s in range(n)]
     dispatch = [DispatchParams(args.x, ids, x_active_mask=m, quant_mode=2 if args.int8_weights else 0,
                                expert_token_nums_type=1, **common) for m in masks]  # fmt: skip
-    wire_dtype = torch.float32 if args.segment_by == "expert" else args.out_dtype
+    # expert segments' partial sums travel in fp32 (one rounding at the end); one segment is the whole sum already
+    wire_dtype = torch.float32 if args.segment_by == "expert" and n > 1 else args.out_dtype
     weights = (args.w1, args.w2, args.w1_scale, args.w2_scale)
 
     def receive(start: Future) -> Any:  # finishes an op whose send phase ran earlier on the same comm thread
