@@ -19,7 +19,7 @@ from . import cpu_kernels
 from .combine import CombineJob
 from .dispatch import DispatchJob, Incoming
 from .layouts import sort_blocks
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, plan_topk
 from .rows import ReturnFormat, RowFormat
 from .tp import tp_agree, tp_gather_rows, tp_reduce_scatter, with_tp_agreement
 from .transport import Collective, Transport
@@ -183,6 +183,15 @@ def agreement_widths(op: str, num_ranks: int) -> tuple[int, int]:
 
 
 def _plan(layout: EpLayout, ids: torch.Tensor, mask: torch.Tensor | None, ep: EPGroup, per_pair: bool) -> Plan:
+    plain = layout.ep_rank_of == tuple(range(layout.world_size)) and not layout.shared_expert_rank_num
+    if layout.active and plain and not layout.shared_expert_num and layout.num_local_experts:
+        # routed experts only, EP rank = id // L: the masked layout's plan of the ids that are sent (the others -1)
+        sent = (ids >= 0) & (ids < layout.num_moe_experts)
+        if mask is not None:
+            sent &= mask.unsqueeze(1) if mask.dim() == 1 else mask
+        return plan_topk(torch.where(sent, ids, -1), num_local_experts=layout.num_local_experts,
+                         num_ranks=layout.world_size, rank=layout.rank, mask=ep.mask,
+                         per_pair_rows=per_pair)  # fmt: skip
     token, slot, dest, expert = routed_pairs(layout, ids, mask, ep.mask)
     return make_plan(
         token, slot, dest, expert, num_tokens=ids.shape[0], num_ranks=layout.world_size, rank=layout.rank,
