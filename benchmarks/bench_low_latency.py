@@ -14,7 +14,8 @@ Every implementation runs in the same process group, on the same data, in the sa
   fresh layout / a cached handle (no count exchange), and its combine (:mod:`benchmarks.elastic_cases`).
 
 Latency is barrier-aligned per iteration and taken as the max over ranks; we report median / min / max over the
-timed iterations after warm-up. The implementations run interleaved (each iteration runs every one of them in turn),
+timed iterations after warm-up. The implementations run interleaved (each iteration runs every one of them in turn,
+starting one further each time),
 and ``ours`` also reports the median of its same-iteration ratios to ``memcpy_floor``, ``ours_collective`` and
 ``a2a_floor`` (``paired_ratio_to_*``). Bandwidth is counted the DeepEP way: bytes per valid (token, k) selection
 (bf16: 2H; fp8: H + H/128*4 + 16; int8: H + 4 + 16) over the median latency. ``wire_bytes_per_rank`` is what one
@@ -49,11 +50,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def _timeit(fns: list, group, warmup: int, iters: int) -> list[list[float]]:
     """Per function, per iteration, its latency in µs, max over ranks, after ``warmup`` untimed rounds. The
-    functions run interleaved, one after another in every iteration (each barrier-aligned), so background load and
-    cache state hit them alike and same-iteration ratios can be taken."""
+    functions run interleaved, one after another in every iteration (each barrier-aligned), so background load hits
+    them alike and same-iteration ratios can be taken; iteration i starts at function i (rotated order), so that
+    each one follows every other about equally often (what ran before decides what is still in the caches)."""
     times = torch.empty((len(fns), iters), dtype=torch.float64)
     for i in range(warmup + iters):
-        for j, fn in enumerate(fns):
+        for j in (*range(i % len(fns), len(fns)), *range(i % len(fns))):
+            fn = fns[j]
             dist.barrier(group=group)
             t0 = time.perf_counter()
             fn()

@@ -56,10 +56,13 @@ def _inputs(rank: int, world_size: int, cfg: dict):
 
 def _time_interleaved(group, fns: dict, iters: int, warmup: int) -> dict:
     """Per function, every iteration's latency of the slowest rank (µs). The functions run interleaved, one after
-    another in every iteration, so that background load on a shared machine hits them alike."""
+    another in every iteration, so that background load on a shared machine hits them alike; iteration i starts at
+    function i (rotated order: each one follows every other about equally often, as cache state depends on that)."""
     samples: dict = {name: [] for name in fns}
+    names = list(fns)
     for i in range(warmup + iters):
-        for name, fn in fns.items():
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            fn = fns[name]
             dist.barrier(group=group)
             t0 = time.perf_counter()
             fn()
