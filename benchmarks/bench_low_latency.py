@@ -14,9 +14,8 @@ Every implementation runs in the same process group, on the same data, in the sa
   fresh layout / a cached handle (no count exchange), and its combine (:mod:`benchmarks.elastic_cases`).
 
 Latency is barrier-aligned per iteration and taken as the max over ranks; we report median / min / max over the
-timed iterations after warm-up. The implementations run interleaved (each iteration runs every one of them in turn,
-starting one further each time),
-and ``ours`` also reports the median of its same-iteration ratios to ``memcpy_floor``, ``ours_collective`` and
+timed iterations after warm-up. The implementations run interleaved (each iteration runs every one of them, in a
+random order), and ``ours`` also reports the median of its same-iteration ratios to ``memcpy_floor``, ``ours_collective`` and
 ``a2a_floor`` (``paired_ratio_to_*``). Bandwidth is counted the DeepEP way: bytes per valid (token, k) selection
 (bf16: 2H; fp8: H + H/128*4 + 16; int8: H + 4 + 16) over the median latency. ``wire_bytes_per_rank`` is what one
 rank actually sends to other ranks (payload + headers for ours).
@@ -30,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import sys
@@ -51,11 +51,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def _timeit(fns: list, group, warmup: int, iters: int) -> list[list[float]]:
     """Per function, per iteration, its latency in µs, max over ranks, after ``warmup`` untimed rounds. The
     functions run interleaved, one after another in every iteration (each barrier-aligned), so background load hits
-    them alike and same-iteration ratios can be taken; iteration i starts at function i (rotated order), so that
-    each one follows every other about equally often (what ran before decides what is still in the caches)."""
+    them alike and same-iteration ratios can be taken; each iteration runs them in a fresh random order (seeded by
+    the iteration: the same on every rank), so that none always follows the same one (what ran before decides
+    what is still in the caches)."""
     times = torch.empty((len(fns), iters), dtype=torch.float64)
     for i in range(warmup + iters):
-        for j in (*range(i % len(fns), len(fns)), *range(i % len(fns))):
+        order = list(range(len(fns)))
+        random.Random(i).shuffle(order)
+        for j in order:
             fn = fns[j]
             dist.barrier(group=group)
             t0 = time.perf_counter()
@@ -114,9 +117,8 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
         return out
 
     recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, n, e, use_fp8=False)
-    expert_out = recv_x.to(dtype) if dtype != torch.bfloat16 else recv_x
-    if expert_out.dtype != torch.bfloat16:
-        expert_out = expert_out.to(torch.bfloat16)
+    # the experts' output: its own tensor, as in DeepEP's test (recv_x itself is rewritten by every other dispatch)
+    expert_out = recv_x.to(torch.bfloat16, copy=True)
 
     def combine():
         return buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)

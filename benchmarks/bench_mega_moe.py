@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -56,12 +57,14 @@ def _inputs(rank: int, world_size: int, cfg: dict):
 
 def _time_interleaved(group, fns: dict, iters: int, warmup: int) -> dict:
     """Per function, every iteration's latency of the slowest rank (µs). The functions run interleaved, one after
-    another in every iteration, so that background load on a shared machine hits them alike; iteration i starts at
-    function i (rotated order: each one follows every other about equally often, as cache state depends on that)."""
+    another in every iteration, so that background load on a shared machine hits them alike; each iteration in a
+    fresh random order, seeded by the iteration (the same on every rank): none always follows the same one, which
+    decides what is still in the caches."""
     samples: dict = {name: [] for name in fns}
-    names = list(fns)
     for i in range(warmup + iters):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+        names = list(fns)
+        random.Random(i).shuffle(names)
+        for name in names:
             fn = fns[name]
             dist.barrier(group=group)
             t0 = time.perf_counter()
