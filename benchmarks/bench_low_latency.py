@@ -15,10 +15,10 @@ Every implementation runs in the same process group, on the same data, in the sa
 
 Latency is barrier-aligned per iteration and taken as the max over ranks; we report median / min / max over the
 timed iterations after warm-up. The implementations run interleaved (each iteration runs every one of them, in a
-random order), and ``ours`` also reports the median of its same-iteration ratios to ``memcpy_floor``, ``ours_collective`` and
-``a2a_floor`` (``paired_ratio_to_*``). Bandwidth is counted the DeepEP way: bytes per valid (token, k) selection
-(bf16: 2H; fp8: H + H/128*4 + 16; int8: H + 4 + 16) over the median latency. ``wire_bytes_per_rank`` is what one
-rank actually sends to other ranks (payload + headers for ours).
+random order), and ``ours`` also reports the median of its same-iteration ratios to ``memcpy_floor``,
+``ours_collective`` and ``a2a_floor`` (``paired_ratio_to_*``). Bandwidth is counted the DeepEP way: bytes per valid
+(token, k) selection (bf16: 2H; fp8: H + H/128*4 + 16; int8: H + 4 + 16) over the median latency.
+``wire_bytes_per_rank`` is what one rank actually sends to other ranks (payload + headers for ours).
 
     python benchmarks/bench_low_latency.py --num-processes 4 --num-tokens 128 --hidden 4096 --num-topk 8 \\
         --num-experts 32 --json out.json

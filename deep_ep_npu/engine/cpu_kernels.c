@@ -427,16 +427,17 @@ TO_F32(bf16, uint16_t, load_bf16)
 TO_F32(f16, _Float16, load_f16)
 #endif
 
-/* max |v| over n values, NaN when one is NaN. */
+/* max |v| over n values, NaN when one is NaN (magnitudes compare as their bits: NaN's are above Inf's). */
 WIDE static float abs_max(const float *restrict v, int64_t n) {
-    float amax = 0.0f;
-    int nan = 0;
+    const uint32_t *bits = (const uint32_t *)v;
+    uint32_t top = 0;
     for (int64_t h = 0; h < n; h++) {
-        float a = __builtin_fabsf(v[h]);
-        nan |= a != a;
-        amax = a > amax ? a : amax;
+        uint32_t m = bits[h] & 0x7FFFFFFFu;
+        top = m > top ? m : top;
     }
-    return nan ? __builtin_nanf("") : amax;
+    float amax;
+    memcpy(&amax, &top, sizeof amax);
+    return top > 0x7F800000u ? __builtin_nanf("") : amax;
 }
 
 /* q = int8(clamp(nan_to_0(rint(v * inv)), -127, 127)), ties to even. */
@@ -455,7 +456,8 @@ WIDE static void to_int8(int8_t *restrict q, const float *restrict v, float inv,
  * `hidden` values of `dtype` as fp32; amax = max |v|, NaN when a value is NaN; the factor is 0 unless amax > 0), the
  * scale amax / 127 (fp32) at scale_off, the token (int32) at token_off, slot_expert's row i ([n][k] int32) at
  * slot_off and, when weights ([n][k] fp32) is given, its row i at weight_off. The torch code's roundings: true
- * fp32 divisions, one fp32 product per value, ties to even. Returns 0; -2 for a dtype this build lacks. */
+ * fp32 divisions, one fp32 product per value, ties to even. Returns 0; -2 for a dtype this build lacks, -3 out of
+ * memory, -4 for a row holding NaN (rows written so far are partial: the caller runs the torch code). */
 int dep_pack_int8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *row_token, const int32_t *slot_expert,
                   const float *weights, int64_t n, int64_t k, uint8_t *out, int64_t row_bytes, int64_t scale_off,
                   int64_t token_off, int64_t slot_off, int64_t weight_off) {
@@ -477,6 +479,10 @@ int dep_pack_int8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *ro
             to_f32_f16(v, (const _Float16 *)src, hidden);
 #endif
         float amax = abs_max(v, hidden);
+        if (amax != amax) { /* a NaN: its bits in the scale are the torch code's to choose */
+            free(v);
+            return -4;
+        }
         to_int8((int8_t *)row, v, amax > 0.0f ? 127.0f / amax : 0.0f, hidden);
         float scale = amax / 127.0f;
         int32_t t = (int32_t)row_token[i];

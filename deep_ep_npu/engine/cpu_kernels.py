@@ -274,7 +274,8 @@ def pack_int8(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tenso
     """Dispatch rows of ``fmt`` (a :class:`~.rows.RowFormat` with per-token int8 quantization) with no smoothing:
     ``out`` `[n, row_bytes]` uint8 gets :func:`~deep_ep_npu.quant.per_token_int8` of ``x[row_token]`` (``x`` `[T,
     hidden]` fp32 / bf16 / fp16), the scale, the token, ``slot_expert`` `[n, K]` int32 and ``weights`` `[n, K]` fp32
-    (or None), bit for bit. False (nothing done) where the kernels do not apply."""
+    (or None), bit for bit. False where the kernels do not apply (a row holding NaN among them: ``out`` is then
+    partly written, the caller's torch code writes all of it)."""
     lib = library()
     if lib is None or x.dtype not in DTYPES or not lib.dep_has_dtype(DTYPES[x.dtype]) or x.dim() != 2:
         return False
