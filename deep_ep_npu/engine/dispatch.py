@@ -98,6 +98,27 @@ def slot_tables(job: DispatchJob, num_rows: int) -> tuple[torch.Tensor, torch.Te
     return slot_expert, weights
 
 
+def row_encoder(job: DispatchJob, slot_expert: torch.Tensor,
+                weights: torch.Tensor | None) -> Callable[[torch.Tensor, slice, bool], None]:  # fmt: skip
+    """``encode(out, rows, remote)``: the plan's rows ``rows`` into ``out`` `[n, row_bytes]` (``remote``: a peer
+    reads ``out``). Quantized rows without smoothing, when some token goes to more than one rank: each token is
+    quantized once per call (not once per rank it goes to) and its bytes are copied into its rows."""
+    fmt, x, plan, encoded = job.fmt, job.x, job.plan, list[torch.Tensor]()
+    once = fmt.quant is not None and job.smooth is None and plan.row_token.numel() > x.shape[0]
+
+    def encode(out: torch.Tensor, rows: slice, remote: bool) -> None:
+        w = None if weights is None else weights[rows]
+        if once:
+            if not encoded:
+                encoded.append(fmt.encode_tokens(x))
+            fmt.encode_copies(out, encoded[0], plan.row_token[rows], slot_expert[rows], w, remote)
+        else:
+            smooth = None if job.smooth is None else job.smooth[rows]
+            fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], w, smooth, remote=remote)
+
+    return encode
+
+
 def place_own(job: DispatchJob, own_rows: torch.Tensor, encode: Callable[[], None]) -> Incoming:
     """Place this rank's own pairs: straight from ``job.x`` where the layout can (``own_rows`` stay unfilled: that
     layout does not read them), else ``encode()`` them into ``own_rows`` `[rows, row_bytes]` first. Returns the own
@@ -134,13 +155,10 @@ def start_dispatch(job: DispatchJob) -> Completion:
     slot_expert, weights = slot_tables(job, num_rows)
     remote, mine = slice(0, plan.num_remote_rows), slice(plan.num_remote_rows, num_rows)
 
-    def encode(rows: slice) -> None:
-        w, smooth = (None if t is None else t[rows] for t in (weights, job.smooth))
-        fmt.encode_gathered(send[rows], x, plan.row_token[rows], slot_expert[rows], w, smooth)
-
-    encode(remote)
+    encode = row_encoder(job, slot_expert, weights)
+    encode(send[remote], remote, False)
     lap("packing")  # (while the agreement travels)
-    own = place_own(job, send[mine], lambda: encode(mine))
+    own = place_own(job, send[mine], lambda: encode(send[mine], mine, False))
     lap("unpacking_self")
 
     def start_payload(known: list[int]) -> tuple[list[int], torch.Tensor, Completion]:

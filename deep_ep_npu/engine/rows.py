@@ -92,6 +92,28 @@ class RowFormat:
             out[:, self.weight_off : self.end].view(torch.float32).copy_(weights)
         return None
 
+    def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Every token of ``x`` `[T, hidden]` encoded once, `[T, row_bytes]` uint8 (data and scales; the token and
+        slot fields are placeholders): :meth:`encode_copies` makes the rows from it."""
+        t = x.shape[0]
+        out = torch.empty((t, self.row_bytes), dtype=torch.uint8, device=x.device)
+        table = torch.full((t, self.num_slots), -1, dtype=torch.int32, device=x.device)
+        self.encode_gathered(out, x, torch.arange(t, device=x.device), table, None)
+        return out
+
+    def encode_copies(self, out: torch.Tensor, encoded: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
+                      weights: torch.Tensor | None, remote: bool = False) -> None:  # fmt: skip
+        """:meth:`encode_gathered`'s rows from :meth:`encode_tokens`'s ``encoded``: the bytes of ``encoded[token]``,
+        then the token, ``slot_expert`` and ``weights`` fields (the same bytes as encoding the rows again)."""
+        fields = (self.token_off, self.slot_off, remote)
+        if weights is None and cpu_kernels.pack(encoded, token, slot_expert, out, *fields):
+            return
+        torch.index_select(encoded, 0, token, out=out)
+        out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
+        out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
+        if weights is not None:
+            out[:, self.weight_off : self.end].view(torch.float32).copy_(weights)
+
     def tokens(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[:, self.token_off : self.slot_off].view(torch.int32).view(-1)
 

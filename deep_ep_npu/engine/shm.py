@@ -24,7 +24,7 @@ from ..event import Completion
 from ..group import STATUS_OK, Agreement
 from . import cpu_kernels
 from .combine import CombineJob, check_agreement, reduce_own, reduce_remote
-from .dispatch import DispatchJob, Incoming, place_own, slot_tables
+from .dispatch import DispatchJob, Incoming, place_own, row_encoder, slot_tables
 from .window import DATA_OFFSET, Call, ShmWindow
 
 
@@ -69,20 +69,15 @@ def _receive(win: ShmWindow, call: Call, section: str, own: list[int], width: in
 def start_dispatch_shm(job: DispatchJob, win: ShmWindow) -> Completion:
     """:func:`~.dispatch.start_dispatch` over ``win`` (``job.before_send`` must be None)."""
     assert job.before_send is None, "the TP stage runs on the collective transport"
-    ep, plan, fmt, x, ws = job.ep, job.plan, job.fmt, job.x, job.workspace
+    ep, plan, fmt, ws = job.ep, job.plan, job.fmt, job.workspace
     me, r, lap = ep.rank, ep.num_ranks, profiling.laps("dispatch")
     call = win.begin(job.op)
     words = 2 + len(job.fingerprint)
     profiling.record_wire("dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], me, 8 * (words + 4))
     _too_small(win, call, [0 if d == me else k for d, k in enumerate(plan.rows_per_dest)], fmt.row_bytes, words)
     num_rows = int(plan.row_token.numel())
-    slot_expert, weights = slot_tables(job, num_rows)
+    encode = row_encoder(job, *slot_tables(job, num_rows))
     begin, counts = 0, [[plan.rows_per_dest[d], plan.pairs_per_dest[d]] for d in range(r)]
-
-    def encode(out: torch.Tensor, rows: slice, remote: bool) -> None:
-        smooth = None if job.smooth is None else job.smooth[rows]
-        w = None if weights is None else weights[rows]
-        fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], w, smooth, remote=remote)
 
     for d in (d for d in range(r) if d != me):  # remote ranks first (the plan puts this rank's rows last)
         k, rows = plan.rows_per_dest[d], slice(begin, begin + plan.rows_per_dest[d])
