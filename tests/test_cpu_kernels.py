@@ -177,6 +177,30 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
     assert int(counts.sum()) == int((blocks[2][1][:, fmt.slot_off : fmt.weight_off].view(torch.int32) >= 0).sum())
 
 
+@pytest.mark.parametrize("quant", ["fp8_e4m3", "int8_per_token"])
+def test_place_scales_matches_the_torch_scatter(quant):
+    """The masked layout's scales (`[L, cap, G]`, token dimension innermost) of placed pairs, as Masked's torch code
+    writes them: fp8 rows carry one scale per 128 channels, int8 rows one, repeated over the groups."""
+    from deep_ep_npu.engine.rows import RowFormat
+
+    g = torch.Generator().manual_seed(8)
+    hidden, num_local, cap, n = 256, 3, 10, 9
+    fmt = RowFormat(hidden, torch.bfloat16, quant, 2, False, False)
+    rows = torch.randint(0, 256, (n, fmt.row_bytes), generator=g, dtype=torch.uint8)
+    groups = hidden // 128
+    k = 14
+    pos = torch.randperm(num_local * cap, generator=g)[:k]
+    row = torch.randint(0, n, (k,), generator=g)
+    got = torch.zeros((num_local, groups, cap)).transpose(1, 2)
+    want = torch.zeros((num_local, groups, cap)).transpose(1, 2)
+    assert cpu_kernels.place_scales(rows, fmt.scale_off, row, pos, got, quant == "int8_per_token")
+    s = fmt.scales(rows, row)
+    want[pos // cap, pos % cap] = s if quant == "fp8_e4m3" else s.expand(-1, groups)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(IndexError):
+        cpu_kernels.place_scales(rows, fmt.scale_off, row, pos + num_local * cap, got, False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("weights", [False, True])
 def test_pack_int8_matches_the_torch_quantization(dtype, weights):

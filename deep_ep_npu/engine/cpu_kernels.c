@@ -495,3 +495,16 @@ int dep_pack_int8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *ro
     free(v);
     return 0;
 }
+
+/* The masked layout's scales of placed pairs: pair i (row pair_row[i] of rows ([*][row_bytes]), flat position
+ * pair_pos[i] = e * cap + p) gets its row's fp32 scales at scale_off in out ([num_local][groups][cap] fp32, token
+ * dimension innermost as DeepEP's): groups of them, or with repeat the row's one scale in every group. */
+void dep_place_scales(const uint8_t *rows, int64_t row_bytes, int64_t scale_off, const int64_t *pair_row,
+                      const int64_t *pair_pos, int64_t k, float *out, int64_t cap, int64_t groups, int repeat) {
+    for (int64_t i = 0; i < k; i++) {
+        const uint8_t *src = rows + pair_row[i] * row_bytes + scale_off;
+        int64_t e = pair_pos[i] / cap, p = pair_pos[i] % cap;
+        for (int64_t g = 0; g < groups; g++)
+            memcpy(out + (e * groups + g) * cap + p, src + (repeat ? 0 : 4 * g), sizeof(float));
+    }
+}

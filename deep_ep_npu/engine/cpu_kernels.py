@@ -98,6 +98,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dep_place_flat.argtypes = [_p, _p, _p, *[_i64] * 12, _p, _p, _p, _p, _p]
     lib.dep_pack_int8.restype = ctypes.c_int
     lib.dep_pack_int8.argtypes = [_p, ctypes.c_int, _i64, _p, _p, _p, _i64, _i64, _p, *[_i64] * 5]
+    lib.dep_place_scales.restype = None
+    lib.dep_place_scales.argtypes = [_p, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, ctypes.c_int]
     lib.dep_gather.restype = None
     lib.dep_gather.argtypes = [_p, _i64, _p, _i64, _p]
     return lib, ""
@@ -305,6 +307,28 @@ def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
     if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < x.shape[0]:
         raise IndexError(f"gather: a row index is outside [0, {x.shape[0]})")
     lib.dep_gather(x.data_ptr(), x.shape[1] * x.element_size(), index.data_ptr(), index.numel(), out.data_ptr())
+    return True
+
+
+def place_scales(rows: torch.Tensor, scale_off: int, pair_row: torch.Tensor, pair_pos: torch.Tensor,
+                 scales: torch.Tensor, repeat: bool) -> bool:  # fmt: skip
+    """The masked layout's fp32 scales of the pairs :func:`place` placed: pair i (row ``pair_row[i]`` of ``rows``
+    `[n, row_bytes]` uint8, flat position ``pair_pos[i]`` = expert * cap + row, `[k]` int64) gets its row's scales
+    (at ``scale_off``: one per group, or with ``repeat`` the row's one scale in every group) in ``scales`` `[L, cap,
+    groups]` fp32, a transposed view of `[L, groups, cap]` storage (DeepEP's). False (nothing done) where the kernels
+    do not apply."""
+    lib = library()
+    if lib is None or not _cpu(rows, pair_row, pair_pos) or scales.dtype != torch.float32 or not scales.is_cpu:
+        return False
+    num_local, cap, groups = scales.shape
+    if scales.stride() != (groups * cap, 1, cap) or rows.dtype != torch.uint8 or pair_pos.dtype != torch.int64:
+        return False
+    k = pair_row.numel()
+    inside = k == 0 or (int(pair_pos.min()) >= 0 and int(pair_pos.max()) < num_local * cap)
+    if not inside or (k and int(pair_row.max()) >= len(rows)):
+        raise IndexError("place_scales: a pair outside the rows or the layout")
+    lib.dep_place_scales(rows.data_ptr(), rows.shape[1], scale_off, pair_row.data_ptr(), pair_pos.data_ptr(), k,
+                         scales.data_ptr(), cap, groups, int(repeat))  # fmt: skip
     return True
 
 

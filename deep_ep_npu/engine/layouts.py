@@ -84,7 +84,14 @@ class Masked:
                                   self.src_info, pos, counts, src, pairs)  # fmt: skip
             if k is None:  # (the same answer for every block: they are views of one tensor)
                 return None
-            self._write_scales(fmt, rows, pairs[0, :k], pairs[1, :k])
+            if (
+                self.scales is None
+                or self.use_ue8m0
+                or not cpu_kernels.place_scales(
+                    rows, fmt.scale_off, pairs[0, :k], pairs[1, :k], self.scales, fmt.quant != "fp8_e4m3"
+                )
+            ):
+                self._write_scales(fmt, rows, pairs[0, :k], pairs[1, :k])
         return counts
 
     def _write_scales(self, fmt: RowFormat, rows: torch.Tensor, row: torch.Tensor, flat: torch.Tensor) -> None:
