@@ -8,6 +8,7 @@ random inputs, edge cases included, and the build's fallbacks are exercised in f
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -228,6 +229,43 @@ def test_pack_int8_matches_the_torch_quantization(dtype, weights):
         cpu_kernels.pack_int8(x, token + t, table, w, got, fmt)
 
 
+def test_e4m3_cast_matches_torch():
+    """Every bf16 and fp16 value as fp32, the e4m3 rounding midpoints and their neighbours, specials."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    finite = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = torch.sort(finite[torch.isfinite(finite)].unique()).values
+    mid = (grid[1:] + grid[:-1]) / 2
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan"), 1e30, 448.0, 464.0, 480.0])
+    near = [torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1), torch.randn(100_000) * 1e-3]
+    x = torch.cat([every.view(torch.bfloat16).float(), every.view(torch.float16).float(), mid, specials, *near])
+    got = cpu_kernels.to_e4m3(x.contiguous())
+    assert got is not None and torch.equal(got, x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pack_fp8_matches_the_torch_quantization(dtype):
+    """DeepEP fp8 rows (per 128 channels): tiny (scale floor), zero and -0.0 groups, against encode_into; NaN / Inf
+    groups are left to the torch code (which NaN bits come out is torch's choice)."""
+    from deep_ep_npu.engine.rows import RowFormat
+
+    g = torch.Generator().manual_seed(7)
+    t, hidden, k = 7, 384, 2
+    x = torch.randn(t, hidden, generator=g) * torch.tensor([1e-6, 1.0, 300.0]).repeat_interleave(128)
+    x[1], x[5, :128] = 0.0, -0.0
+    x[2, 3], x[3, 200], x[4, 300] = float("nan"), float("inf"), -float("inf")
+    x = x.to(dtype)
+    fmt = RowFormat(hidden, dtype, "fp8_e4m3", k, False, False)
+    token = torch.tensor([0, 1, 5, 6, 0])
+    table = torch.randint(-1, 4, (token.numel(), k), generator=g, dtype=torch.int32)
+    got = torch.zeros((token.numel(), fmt.row_bytes), dtype=torch.uint8)
+    want = torch.zeros_like(got)
+    assert cpu_kernels.pack_fp8(x, token, table, got, fmt)
+    fmt.encode_into(want, x[token], token, table, None)
+    assert torch.equal(got, want)
+    for bad in (2, 3, 4):
+        assert not cpu_kernels.pack_fp8(x, torch.tensor([0, bad]), table[:2], got[:2], fmt)
+
+
 def test_gather_matches_index_select():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(50, 136, generator=g).to(torch.bfloat16)  # 272-byte rows: not a multiple of 64
@@ -252,3 +290,9 @@ def test_build_falls_back_and_says_why(tmp_path):
     assert failed.startswith("'false failed"), failed
     assert _fresh({"DEEP_EP_NPU_CACHE": str(tmp_path / "b")}) == "''"  # builds into a new cache
     assert [p.suffix for p in (tmp_path / "b").iterdir()] == [".so"]
+    old_cc = tmp_path / "old_cc"  # a compiler without x86-64-v4: the build without the AVX-512 clones
+    real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    old_cc.write_text(f'#!/bin/sh\ncase "$*" in *DEP_X86_64_V4*) exit 1;; esac\nexec {real} "$@"\n')
+    old_cc.chmod(0o755)
+    assert _fresh({"CC": str(old_cc), "DEEP_EP_NPU_CACHE": str(tmp_path / "c")}) == "''"
+    assert len(list((tmp_path / "c").glob("*.so"))) == 1

@@ -1,7 +1,8 @@
 /* The engine's per-call loops on CPU tensors, each one pass (see cpu_kernels.py): the plan, the id check, row packing,
  * the masked placement and block table, combine's return rows and gather, and the weighted fp32 reduction. Results
  * are bit-identical to the torch code they replace: fp32 products and sums rounded one by one, in the same order
- * (built with -ffp-contract=off: no fused multiply-add). */
+ * (built with -ffp-contract=off: no fused multiply-add; -fno-trapping-math lets branch-free selects vectorize and
+ * changes no value). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +35,11 @@ static void copy_row(uint8_t *dst, const uint8_t *src, int64_t n) { memcpy(dst, 
 static void copies_done(void) {}
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(DEP_X86_64_V4)
+/* 64-byte vectors (AVX-512 with byte ops) or 32-byte ones where the CPU has them; the build falls back to the next
+ * line on a compiler without x86-64-v4 */
+#define WIDE __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define WIDE __attribute__((target_clones("avx2", "default"))) /* 32-byte vectors where the CPU has them */
 #else
 #define WIDE
@@ -507,4 +512,92 @@ void dep_place_scales(const uint8_t *rows, int64_t row_bytes, int64_t scale_off,
         for (int64_t g = 0; g < groups; g++)
             memcpy(out + (e * groups + g) * cap + p, src + (repeat ? 0 : 4 * g), sizeof(float));
     }
+}
+
+/* float to float8 e4m3fn (4 exponent bits, bias 7, 3 mantissa bits, no infinities, 0x7F / 0xFF NaN), rounding to
+ * nearest, ties to even, as torch's cast: NaN stays NaN (its sign kept), magnitudes from 448 (the largest finite)
+ * on, infinities included, saturate to +-448. Branch-free (masks), so that loops over it vectorize. */
+static inline uint8_t to_e4m3(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    uint32_t sign = (b >> 24) & 0x80u, u = b & 0x7FFFFFFFu;
+    /* below 2^-6 (the smallest normal) the values are multiples of 2^-9: adding 2^14 (ulp 2^-9) rounds |f| to one,
+     * ties to even, and its bits minus those of 2^14 count them (8 of them is 2^-6 itself, the next code) */
+    uint32_t capped = u < 0x3C800000u ? u : 0x3C800000u;
+    float small;
+    memcpy(&small, &capped, sizeof small);
+    float grid = small + 16384.0f;
+    uint32_t sub;
+    memcpy(&sub, &grid, sizeof sub);
+    sub -= 0x46800000u;
+    /* normal: round away the low 20 mantissa bits (ties to even), exponent bias 127 -> 7 */
+    uint32_t normal = (u + 0x7FFFFu + ((u >> 20) & 1u) - ((uint32_t)(127 - 7) << 23)) >> 20;
+    uint32_t is_sub = 0u - (uint32_t)(u < 0x3C800000u), is_big = 0u - (uint32_t)(u >= 0x43E00000u);
+    uint32_t is_nan = 0u - (uint32_t)(u > 0x7F800000u);
+    uint32_t q = (sub & is_sub) | (normal & ~is_sub);
+    q = (0x7Eu & is_big) | (q & ~is_big);
+    q = (0x7Fu & is_nan) | (q & ~is_nan);
+    return (uint8_t)(sign | q);
+}
+
+/* q = e4m3(clamp(w / scale, -448, 448)) for n values (no NaN among them). */
+WIDE static void to_e4m3_scaled(uint8_t *restrict q, const float *restrict w, float scale, int64_t n) {
+    for (int64_t h = 0; h < n; h++) {
+        float t = w[h] / scale;
+        t = t < -448.0f ? -448.0f : t;
+        t = t > 448.0f ? 448.0f : t;
+        q[h] = to_e4m3(t);
+    }
+}
+
+/* Dispatch rows in DeepEP's fp8 (per 128 channels, scales not rounded): for each group of x's row row_token[i]
+ * (values v as fp32, from `dtype`), amax = max |v| clamped to >= 1e-4, scale_inv = amax / 448; the data is
+ * e4m3(clamp(v / scale_inv, -448, 448)) and the scale_inv (fp32, one per group) goes to scale_off; then the token
+ * (int32) at token_off and slot_expert's row i ([n][k] int32) at slot_off. The torch code's roundings: true fp32
+ * divisions, one cast. Returns 0; -2 for a dtype this build lacks; -3 out of memory; -4 for a group holding NaN or
+ * Inf (rows written so far are partial: the caller runs the torch code, whose NaN bits are its own). */
+int dep_pack_fp8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *row_token, const int32_t *slot_expert,
+                 int64_t n, int64_t k, uint8_t *out, int64_t row_bytes, int64_t scale_off, int64_t token_off,
+                 int64_t slot_off) {
+    if (!dep_has_dtype(dtype))
+        return -2;
+    int64_t item = dtype == DTYPE_F32 ? 4 : 2;
+    float *v = malloc(sizeof(float) * (size_t)(hidden > 0 ? hidden : 1));
+    if (!v)
+        return -3;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *src = x + row_token[i] * hidden * item;
+        uint8_t *row = out + i * row_bytes;
+        if (dtype == DTYPE_BF16)
+            to_f32_bf16(v, (const uint16_t *)src, hidden);
+        else if (dtype == DTYPE_F32)
+            to_f32_f32(v, (const float *)src, hidden);
+#ifdef __FLT16_MAX__
+        else
+            to_f32_f16(v, (const _Float16 *)src, hidden);
+#endif
+        for (int64_t g = 0; g < hidden / 128; g++) {
+            const float *w = v + 128 * g;
+            float amax = abs_max(w, 128);
+            if (!(amax <= 3.4028235e38f)) { /* NaN or Inf */
+                free(v);
+                return -4;
+            }
+            amax = amax < 1e-4f ? 1e-4f : amax;
+            float scale = amax / 448.0f;
+            to_e4m3_scaled(row + 128 * g, w, scale, 128);
+            memcpy(row + scale_off + 4 * g, &scale, sizeof scale);
+        }
+        int32_t t = (int32_t)row_token[i];
+        memcpy(row + token_off, &t, sizeof t);
+        memcpy(row + slot_off, slot_expert + i * k, sizeof(int32_t) * (size_t)k);
+    }
+    free(v);
+    return 0;
+}
+
+/* e4m3fn bytes of n floats (the cast alone, for tests). */
+void dep_to_e4m3(const float *x, int64_t n, uint8_t *out) {
+    for (int64_t i = 0; i < n; i++)
+        out[i] = to_e4m3(x[i]);
 }

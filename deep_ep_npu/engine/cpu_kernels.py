@@ -31,7 +31,7 @@ import torch
 from .. import envs
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
-_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing"]
+_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -47,6 +47,29 @@ def _cache_dir() -> str:
     return os.path.join(base, "deep_ep_npu")
 
 
+def _compile(cc: str, flags: list[str], source: bytes) -> tuple[str | None, str]:
+    """The library built with ``flags`` (from the cache when it is there): its path, or None and why not."""
+    key = hashlib.sha256(source + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"cpu_kernels_{key}.so")
+    if os.path.exists(path):
+        return path, ""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        try:
+            run = subprocess.run([cc, *flags, _SOURCE, "-o", tmp], capture_output=True, text=True, timeout=120)
+            if run.returncode:
+                return None, f"{cc} failed: {run.stderr.strip()[:500]}"
+            os.replace(tmp, path)  # atomic: a rank that compiles at the same time replaces an identical file
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # (gone already once replaced)
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"could not build {path}: {err}"
+    return path, ""
+
+
 def _build() -> tuple[ctypes.CDLL | None, str]:
     if not envs.cpu_kernels():
         return None, "DEEP_EP_NPU_CPU_KERNELS=0"
@@ -55,23 +78,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         return None, "no C compiler (cc) found"
     with open(_SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, platform.machine()]).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"cpu_kernels_{key}.so")
-    if not os.path.exists(path):
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-            os.close(fd)
-            try:
-                run = subprocess.run([cc, *_FLAGS, _SOURCE, "-o", tmp], capture_output=True, text=True, timeout=120)
-                if run.returncode:
-                    return None, f"{cc} failed: {run.stderr.strip()[:500]}"
-                os.replace(tmp, path)  # atomic: a rank that compiles at the same time replaces an identical file
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)  # (gone already once replaced)
-        except (OSError, subprocess.SubprocessError) as err:
-            return None, f"could not build {path}: {err}"
+    path, why = None, ""
+    if platform.machine() in ("x86_64", "AMD64"):  # AVX-512 clones too, where the compiler knows x86-64-v4
+        path, why = _compile(cc, [*_FLAGS, "-DDEP_X86_64_V4"], source)
+    if path is None:
+        path, why = _compile(cc, _FLAGS, source)
+    if path is None:
+        return None, why
     try:
         lib = ctypes.CDLL(path)
     except OSError as err:
@@ -100,6 +113,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.dep_pack_int8.argtypes = [_p, ctypes.c_int, _i64, _p, _p, _p, _i64, _i64, _p, *[_i64] * 5]
     lib.dep_place_scales.restype = None
     lib.dep_place_scales.argtypes = [_p, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, ctypes.c_int]
+    lib.dep_pack_fp8.restype = ctypes.c_int
+    lib.dep_pack_fp8.argtypes = [_p, ctypes.c_int, _i64, _p, _p, _i64, _i64, _p, *[_i64] * 4]
+    lib.dep_to_e4m3.restype = None
+    lib.dep_to_e4m3.argtypes = [_p, _i64, _p]
     lib.dep_gather.restype = None
     lib.dep_gather.argtypes = [_p, _i64, _p, _i64, _p]
     return lib, ""
@@ -294,6 +311,41 @@ def pack_int8(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tenso
     if rc == -3:
         raise MemoryError("pack_int8: out of memory")
     return rc == 0
+
+
+def pack_fp8(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor, out: torch.Tensor,
+             fmt: Any) -> bool:  # fmt: skip
+    """Dispatch rows of ``fmt`` (a :class:`~.rows.RowFormat` in DeepEP's fp8, scales not rounded, no weights):
+    ``out`` `[n, row_bytes]` uint8 gets the e4m3 data and per-128-channel scales of ``x[row_token]`` (``x`` `[T,
+    hidden]` fp32 / bf16 / fp16, ``hidden % 128 == 0``: :func:`~deep_ep_npu.quant.scale_for_fp8_` and the cast), the
+    token and ``slot_expert`` `[n, K]` int32, bit for bit. False where the kernels do not apply (a group holding NaN /
+    Inf among them: ``out`` is then partly written, the caller's torch code writes all of it)."""
+    lib = library()
+    if lib is None or x.dtype not in DTYPES or not lib.dep_has_dtype(DTYPES[x.dtype]) or x.dim() != 2:
+        return False
+    if not _cpu(x, row_token, slot_expert, out) or row_token.dtype != torch.int64 or slot_expert.dtype != torch.int32:
+        return False
+    n, k = slot_expert.shape
+    if x.shape[1] % 128:
+        return False
+    if n and not 0 <= int(row_token.min()) <= int(row_token.max()) < x.shape[0]:
+        raise IndexError(f"pack_fp8: a token is outside [0, {x.shape[0]})")
+    rc = lib.dep_pack_fp8(x.data_ptr(), DTYPES[x.dtype], x.shape[1], row_token.data_ptr(), slot_expert.data_ptr(), n,
+                          k, out.data_ptr(), out.shape[1], fmt.scale_off, fmt.token_off, fmt.slot_off)  # fmt: skip
+    if rc == -3:
+        raise MemoryError("pack_fp8: out of memory")
+    return rc == 0
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor | None:
+    """The kernels' float -> float8 e4m3fn cast of ``x`` (fp32, contiguous, CPU) as `torch.uint8` bits, or None
+    where the kernels do not apply."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or not _cpu(x):
+        return None
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    lib.dep_to_e4m3(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
 
 
 def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:

@@ -82,6 +82,9 @@ class RowFormat:
             fast = self.codec == INT8_PER_TOKEN and smooth is None
             if fast and cpu_kernels.pack_int8(x, token, slot_expert, weights, out, self):
                 return None
+            fp8 = self.quant == "fp8_e4m3" and not self.round_scale and weights is None and smooth is None
+            if fp8 and cpu_kernels.pack_fp8(x, token, slot_expert, out, self):
+                return None
             return self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
         if weights is None and cpu_kernels.pack(x, token, slot_expert, out, self.token_off, self.slot_off, remote):
             return None
