@@ -1,8 +1,9 @@
-/* The engine's per-call loops on CPU tensors, each one pass (see cpu_kernels.py): the plan, the id check, row packing,
- * the masked placement and block table, combine's return rows and gather, and the weighted fp32 reduction. Results
- * are bit-identical to the torch code they replace: fp32 products and sums rounded one by one, in the same order
- * (built with -ffp-contract=off: no fused multiply-add; -fno-trapping-math lets branch-free selects vectorize and
- * changes no value). */
+/* The engine's per-call loops on CPU tensors, each one pass (see cpu_kernels.py): the plan, the id check, row packing
+ * (with per-token int8 or DeepEP fp8 quantization), the masked placement, scales and block table, the flat placement,
+ * combine's return rows and gather, the weighted fp32 reduction and the slot-ordered one. Results are bit-identical
+ * to the torch code they replace: products, divisions and sums rounded one by one, in the same order (built with
+ * -ffp-contract=off: no fused multiply-add; -fno-trapping-math lets branch-free selects vectorize and changes no
+ * value). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
