@@ -260,6 +260,14 @@ int64_t dep_plan(const int64_t *ids, int64_t T, int64_t K, int64_t L, int64_t R,
     return num_pairs;
 }
 
+/* A dispatch row's token (int32) at token_off and its k slots' local experts (int32) at slot_off. */
+static void write_fields(uint8_t *row, int64_t token, const int32_t *slots, int64_t k, int64_t token_off,
+                         int64_t slot_off) {
+    int32_t t = (int32_t)token;
+    memcpy(row + token_off, &t, sizeof t);
+    memcpy(row + slot_off, slots, sizeof(int32_t) * (size_t)k);
+}
+
 /* Dispatch rows without quantization or weights: row i of out ([n][row_bytes]) gets the data_bytes of x's row
  * row_token[i] (x: [*][data_bytes]), the token (int32) at token_off and slot_expert's row i ([n][K] int32) at
  * slot_off. */
@@ -267,13 +275,11 @@ void dep_pack(const uint8_t *x, int64_t data_bytes, const int64_t *row_token, co
               int64_t k, uint8_t *out, int64_t row_bytes, int64_t token_off, int64_t slot_off, int streaming) {
     for (int64_t i = 0; i < n; i++) {
         uint8_t *row = out + i * row_bytes;
-        int32_t t = (int32_t)row_token[i];
         if (streaming)
             copy_row(row, x + row_token[i] * data_bytes, data_bytes);
         else
             memcpy(row, x + row_token[i] * data_bytes, (size_t)data_bytes);
-        memcpy(row + token_off, &t, sizeof t);
-        memcpy(row + slot_off, slot_expert + i * k, sizeof(int32_t) * (size_t)k);
+        write_fields(row, row_token[i], slot_expert + i * k, k, token_off, slot_off);
     }
     copies_done();
 }
@@ -433,6 +439,18 @@ TO_F32(bf16, uint16_t, load_bf16)
 TO_F32(f16, _Float16, load_f16)
 #endif
 
+/* A row of `hidden` values of `dtype` as fp32 (exact). */
+static void row_to_f32(float *v, const uint8_t *x, int dtype, int64_t hidden) {
+    if (dtype == DTYPE_BF16)
+        to_f32_bf16(v, (const uint16_t *)x, hidden);
+    else if (dtype == DTYPE_F32)
+        to_f32_f32(v, (const float *)x, hidden);
+#ifdef __FLT16_MAX__
+    else
+        to_f32_f16(v, (const _Float16 *)x, hidden);
+#endif
+}
+
 /* max |v| over n values, NaN when one is NaN (magnitudes compare as their bits: NaN's are above Inf's). */
 WIDE static float abs_max(const float *restrict v, int64_t n) {
     const uint32_t *bits = (const uint32_t *)v;
@@ -476,14 +494,7 @@ int dep_pack_int8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *ro
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *src = x + row_token[i] * hidden * item;
         uint8_t *row = out + i * row_bytes;
-        if (dtype == DTYPE_BF16)
-            to_f32_bf16(v, (const uint16_t *)src, hidden);
-        else if (dtype == DTYPE_F32)
-            to_f32_f32(v, (const float *)src, hidden);
-#ifdef __FLT16_MAX__
-        else
-            to_f32_f16(v, (const _Float16 *)src, hidden);
-#endif
+        row_to_f32(v, src, dtype, hidden);
         float amax = abs_max(v, hidden);
         if (amax != amax) { /* a NaN: its bits in the scale are the torch code's to choose */
             free(v);
@@ -491,10 +502,8 @@ int dep_pack_int8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *ro
         }
         to_int8((int8_t *)row, v, amax > 0.0f ? 127.0f / amax : 0.0f, hidden);
         float scale = amax / 127.0f;
-        int32_t t = (int32_t)row_token[i];
         memcpy(row + scale_off, &scale, sizeof scale);
-        memcpy(row + token_off, &t, sizeof t);
-        memcpy(row + slot_off, slot_expert + i * k, sizeof(int32_t) * (size_t)k);
+        write_fields(row, row_token[i], slot_expert + i * k, k, token_off, slot_off);
         if (weights)
             memcpy(row + weight_off, weights + i * k, sizeof(float) * (size_t)k);
     }
@@ -569,14 +578,7 @@ int dep_pack_fp8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *row
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *src = x + row_token[i] * hidden * item;
         uint8_t *row = out + i * row_bytes;
-        if (dtype == DTYPE_BF16)
-            to_f32_bf16(v, (const uint16_t *)src, hidden);
-        else if (dtype == DTYPE_F32)
-            to_f32_f32(v, (const float *)src, hidden);
-#ifdef __FLT16_MAX__
-        else
-            to_f32_f16(v, (const _Float16 *)src, hidden);
-#endif
+        row_to_f32(v, src, dtype, hidden);
         for (int64_t g = 0; g < hidden / 128; g++) {
             const float *w = v + 128 * g;
             float amax = abs_max(w, 128);
@@ -589,9 +591,7 @@ int dep_pack_fp8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *row
             to_e4m3_scaled(row + 128 * g, w, scale, 128);
             memcpy(row + scale_off + 4 * g, &scale, sizeof scale);
         }
-        int32_t t = (int32_t)row_token[i];
-        memcpy(row + token_off, &t, sizeof t);
-        memcpy(row + slot_off, slot_expert + i * k, sizeof(int32_t) * (size_t)k);
+        write_fields(row, row_token[i], slot_expert + i * k, k, token_off, slot_off);
     }
     free(v);
     return 0;
