@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import socket
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -43,30 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.baselines import A2AFloor, AllGatherReduceScatter, MemcpyFloor  # noqa: E402
 from benchmarks.elastic_cases import elastic_cases  # noqa: E402
+from benchmarks.timing import time_interleaved  # noqa: E402
 from deep_ep_npu import Buffer, profiling  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _timeit(fns: list, group, warmup: int, iters: int) -> list[list[float]]:
-    """Per function, per iteration, its latency in µs, max over ranks, after ``warmup`` untimed rounds. The
-    functions run interleaved, one after another in every iteration (each barrier-aligned), so background load hits
-    them alike and same-iteration ratios can be taken; each iteration runs them in a fresh random order (seeded by
-    the iteration: the same on every rank), so that none always follows the same one (what ran before decides
-    what is still in the caches)."""
-    times = torch.empty((len(fns), iters), dtype=torch.float64)
-    for i in range(warmup + iters):
-        order = list(range(len(fns)))
-        random.Random(i).shuffle(order)
-        for j in order:
-            fn = fns[j]
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times[j, i - warmup] = (time.perf_counter() - t0) * 1e6
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return times.tolist()
 
 
 def _stats(us: list[float]) -> dict:
@@ -174,7 +152,7 @@ def _run_rank(rank: int, args, port: int, results_path: str) -> None:
                                         comb_sel_bytes)  # fmt: skip
     cases += v2_cases
     records = []
-    all_us = _timeit([case[2] for case in cases], group, args.warmup, args.iters)
+    all_us = time_interleaved([case[2] for case in cases], group, args.warmup, args.iters)
     by_name = {(op, impl): us for (op, impl, *_), us in zip(cases, all_us, strict=True)}
     for (op, impl, _, wire, per_sel), us in zip(cases, all_us, strict=True):
         lat = _stats(us)

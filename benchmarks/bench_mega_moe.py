@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import time_interleaved  # noqa: E402
 from deep_ep_npu import Buffer  # noqa: E402
 from deep_ep_npu.mega_moe import mega_moe  # noqa: E402
 from deep_ep_npu.mega_moe.ffn import grouped_ffn  # noqa: E402
@@ -53,27 +51,6 @@ def _inputs(rank: int, world_size: int, cfg: dict):
         w2 = (torch.randn((num_local, n, h), generator=g) / n**0.5).to(torch.bfloat16)
         s1 = s2 = None
     return x, idx, probs, w1, w2, s1, s2
-
-
-def _time_interleaved(group, fns: dict, iters: int, warmup: int) -> dict:
-    """Per function, every iteration's latency of the slowest rank (µs). The functions run interleaved, one after
-    another in every iteration, so that background load on a shared machine hits them alike; each iteration in a
-    fresh random order, seeded by the iteration (the same on every rank): none always follows the same one, which
-    decides what is still in the caches."""
-    samples: dict = {name: [] for name in fns}
-    for i in range(warmup + iters):
-        names = list(fns)
-        random.Random(i).shuffle(names)
-        for name in names:
-            fn = fns[name]
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            fn()
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-            if i >= warmup:
-                samples[name].append(dt.item() * 1e6)
-    return samples
 
 
 def _worker(info, cfg: dict) -> dict:
@@ -123,7 +100,7 @@ def _worker(info, cfg: dict) -> dict:
     fns = {"unfused": unfused, "comm": comm, "compute": lambda: ffn(received)}
     for seg in cfg["segments"]:
         fns[f"fused_s{seg}"] = lambda seg=seg: fused(seg)
-    samples = _time_interleaved(group, fns, cfg["iters"], cfg["warmup"])
+    samples = dict(zip(fns, time_interleaved(list(fns.values()), group, cfg["warmup"], cfg["iters"]), strict=True))
     res = {f"{name}_us": statistics.median(v) for name, v in samples.items()}
     for seg in cfg["segments"]:  # fused / unfused of the same iteration: robust to load that varies over the run
         pairs = zip(samples[f"fused_s{seg}"], samples["unfused"], strict=True)

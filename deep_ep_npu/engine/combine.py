@@ -190,24 +190,12 @@ def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agre
                   wait_ns: int) -> None:  # fmt: skip
     """Add the received rows ``parts`` (each `[n_i, row_bytes]` uint8, by source rank, in this rank's plan order) in
     the documented order and write ``job.out``."""
-    plan, fmt, acc, dev = job.plan, job.fmt, local.acc, job.source.device
-    token, weights, own, remote_pairs = plan.token, job.weights.unsqueeze(1), local.own, local.remote_pairs
-    if job.by_slot and local.own_y is None and _sum_by_slot(job, local, parts):
-        pass
-    elif job.by_slot:  # slot after slot, ascending, with the ``extra`` contributions
-        if local.own_y is None:  # (left to the kernel, which did not apply: rows as fp32, and the zero start)
-            local.own_y = job.source.index_select(0, job.return_rows[own_return_rows(job)]).float()
-            acc.zero_()
-        values = torch.empty((token.numel(), fmt.hidden), dtype=torch.float32, device=dev)
-        values[own], values[remote_pairs] = local.own_y, decode_rows(job, parts)
-        tok, slot, values = token, plan.slot, values.mul_(weights)
-        if job.extra is not None:
-            tok, slot, values = (torch.cat([a, b]) for a, b in zip((tok, slot, values), job.extra, strict=True))
-        for k in torch.unique(slot).tolist():
-            sel = (slot == k).nonzero(as_tuple=True)[0]
-            acc.index_add_(0, tok[sel], values[sel])
+    plan, fmt, acc = job.plan, job.fmt, local.acc
+    if job.by_slot:  # slot after slot, ascending
+        if local.own_y is not None or not _sum_by_slot(job, local, parts):
+            _sum_by_slot_torch(job, local, parts)
     else:
-        tok, w, begin, done = token[remote_pairs], job.weights[remote_pairs], 0, 0
+        tok, w, begin, done = plan.token[local.remote_pairs], job.weights[local.remote_pairs], 0, 0
         for p in parts if _fused(job) else ():  # straight into the sum, part by part (in order)
             pairs = slice(begin, begin + len(p))
             if not cpu_kernels.accumulate(acc, p.view(fmt.dtype), None, tok[pairs], w[pairs]):
@@ -235,6 +223,23 @@ def _sum_by_slot(job: CombineJob, local: Local, parts: list[torch.Tensor]) -> bo
     order = torch.argsort(plan.slot, stable=True)
     rows = [(job.source, job.return_rows[own_return_rows(job)]), *((p.view(job.fmt.dtype), None) for p in parts)]
     return cpu_kernels.accumulate_rows(local.acc, rows, y_at[order], plan.token[order], job.weights[order])
+
+
+def _sum_by_slot_torch(job: CombineJob, local: Local, parts: list[torch.Tensor]) -> None:
+    """The by-slot sum in torch, with the ``extra`` contributions (own rows as fp32 when :func:`reduce_own` left them
+    to the kernel, which did not apply: then ``acc`` starts from zeros here)."""
+    plan, fmt, acc, dev = job.plan, job.fmt, local.acc, job.source.device
+    if local.own_y is None:
+        local.own_y = job.source.index_select(0, job.return_rows[own_return_rows(job)]).float()
+        acc.zero_()
+    values = torch.empty((plan.token.numel(), fmt.hidden), dtype=torch.float32, device=dev)
+    values[local.own], values[local.remote_pairs] = local.own_y, decode_rows(job, parts)
+    tok, slot, values = plan.token, plan.slot, values.mul_(job.weights.unsqueeze(1))
+    if job.extra is not None:
+        tok, slot, values = (torch.cat([a, b]) for a, b in zip((tok, slot, values), job.extra, strict=True))
+    for k in torch.unique(slot).tolist():
+        sel = (slot == k).nonzero(as_tuple=True)[0]
+        acc.index_add_(0, tok[sel], values[sel])
 
 
 def decode_rows(job: CombineJob, parts: list[torch.Tensor]) -> torch.Tensor:

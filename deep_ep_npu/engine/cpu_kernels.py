@@ -25,6 +25,11 @@ def _cpu(*tensors: torch.Tensor) -> bool:
     return all(t.is_cpu and t.is_contiguous() for t in tensors)
 
 
+def _inside(index: torch.Tensor, bound: int) -> bool:
+    """Whether every value of ``index`` is in ``[0, bound)`` (true when it is empty)."""
+    return not index.numel() or 0 <= int(index.min()) <= int(index.max()) < bound
+
+
 def accumulate(acc: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None, token: torch.Tensor,
                weight: torch.Tensor, zero_first: bool = False) -> bool:  # fmt: skip
     """``acc[token[i]] += weight[i] * x[index[i]]`` (``x[i]`` without ``index``) for i in order, in fp32 (with
@@ -69,11 +74,11 @@ def accumulate_rows(acc: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tens
         if x.dim() != 2 or x.shape[1] != acc.shape[1] or x.stride(1) != 1 or not x.is_cpu:
             return False
         at = torch.arange(x.shape[0]) if index is None else index
-        if at.numel() and not 0 <= int(at.min()) <= int(at.max()) < x.shape[0]:
+        if not _inside(at, x.shape[0]):
             raise IndexError(f"accumulate_rows: a row index is outside [0, {x.shape[0]})")
         addr.append(at * (x.stride(0) * x.element_size()) + x.data_ptr())
     y = torch.cat(addr) if addr else torch.empty(0, dtype=torch.int64)
-    if order.numel() and not 0 <= int(order.min()) <= int(order.max()) < y.numel():
+    if not _inside(order, y.numel()):
         raise IndexError(f"accumulate_rows: an order index is outside [0, {y.numel()})")
     at, weight = y[order], weight.float().contiguous()
     rc = lib.dep_accumulate(acc.data_ptr(), acc.shape[0], acc.shape[1], None, 0, DTYPES[dtype], None, at.data_ptr(),
@@ -160,6 +165,25 @@ def pack(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor, ou
     return True
 
 
+def _quantized_rows(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor, out: torch.Tensor,
+                    name: str) -> ctypes.CDLL | None:  # fmt: skip
+    """The library when a quantizing packer applies to these tensors (checked; a token outside ``x`` raises)."""
+    lib = library()
+    if lib is None or x.dtype not in DTYPES or not lib.dep_has_dtype(DTYPES[x.dtype]) or x.dim() != 2:
+        return None
+    if not _cpu(x, row_token, slot_expert, out) or row_token.dtype != torch.int64 or slot_expert.dtype != torch.int32:
+        return None
+    if not _inside(row_token, x.shape[0]):
+        raise IndexError(f"{name}: a token is outside [0, {x.shape[0]})")
+    return lib
+
+
+def _packed(rc: int, name: str) -> bool:
+    if rc == -3:
+        raise MemoryError(f"{name}: out of memory")
+    return rc == 0
+
+
 def pack_int8(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor, weights: torch.Tensor | None,
               out: torch.Tensor, fmt: Any) -> bool:  # fmt: skip
     """Dispatch rows of ``fmt`` (a :class:`~.rows.RowFormat` with per-token int8 quantization) with no smoothing:
@@ -167,22 +191,15 @@ def pack_int8(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tenso
     hidden]` fp32 / bf16 / fp16), the scale, the token, ``slot_expert`` `[n, K]` int32 and ``weights`` `[n, K]` fp32
     (or None), bit for bit. False where the kernels do not apply (a row holding NaN among them: ``out`` is then
     partly written, the caller's torch code writes all of it)."""
-    lib = library()
-    if lib is None or x.dtype not in DTYPES or not lib.dep_has_dtype(DTYPES[x.dtype]) or x.dim() != 2:
-        return False
-    if not _cpu(x, row_token, slot_expert, out) or row_token.dtype != torch.int64 or slot_expert.dtype != torch.int32:
-        return False
     if weights is not None and (not _cpu(weights) or weights.dtype != torch.float32):
         return False
+    if (lib := _quantized_rows(x, row_token, slot_expert, out, "pack_int8")) is None:
+        return False
     n, k = slot_expert.shape
-    if n and not 0 <= int(row_token.min()) <= int(row_token.max()) < x.shape[0]:
-        raise IndexError(f"pack_int8: a token is outside [0, {x.shape[0]})")
     rc = lib.dep_pack_int8(x.data_ptr(), DTYPES[x.dtype], x.shape[1], row_token.data_ptr(), slot_expert.data_ptr(),
                            None if weights is None else weights.data_ptr(), n, k, out.data_ptr(), out.shape[1],
                            fmt.scale_off, fmt.token_off, fmt.slot_off, fmt.weight_off)  # fmt: skip
-    if rc == -3:
-        raise MemoryError("pack_int8: out of memory")
-    return rc == 0
+    return _packed(rc, "pack_int8")
 
 
 def pack_fp8(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor, out: torch.Tensor,
@@ -192,21 +209,12 @@ def pack_fp8(x: torch.Tensor, row_token: torch.Tensor, slot_expert: torch.Tensor
     hidden]` fp32 / bf16 / fp16, ``hidden % 128 == 0``: :func:`~deep_ep_npu.quant.scale_for_fp8_` and the cast), the
     token and ``slot_expert`` `[n, K]` int32, bit for bit. False where the kernels do not apply (a group holding NaN /
     Inf among them: ``out`` is then partly written, the caller's torch code writes all of it)."""
-    lib = library()
-    if lib is None or x.dtype not in DTYPES or not lib.dep_has_dtype(DTYPES[x.dtype]) or x.dim() != 2:
-        return False
-    if not _cpu(x, row_token, slot_expert, out) or row_token.dtype != torch.int64 or slot_expert.dtype != torch.int32:
+    if x.dim() != 2 or x.shape[1] % 128 or (lib := _quantized_rows(x, row_token, slot_expert, out, "pack_fp8")) is None:
         return False
     n, k = slot_expert.shape
-    if x.shape[1] % 128:
-        return False
-    if n and not 0 <= int(row_token.min()) <= int(row_token.max()) < x.shape[0]:
-        raise IndexError(f"pack_fp8: a token is outside [0, {x.shape[0]})")
     rc = lib.dep_pack_fp8(x.data_ptr(), DTYPES[x.dtype], x.shape[1], row_token.data_ptr(), slot_expert.data_ptr(), n,
                           k, out.data_ptr(), out.shape[1], fmt.scale_off, fmt.token_off, fmt.slot_off)  # fmt: skip
-    if rc == -3:
-        raise MemoryError("pack_fp8: out of memory")
-    return rc == 0
+    return _packed(rc, "pack_fp8")
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor | None:
@@ -228,7 +236,7 @@ def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
         return False
     if x.dim() != 2 or out.shape != (index.numel(), x.shape[1]):
         return False
-    if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < x.shape[0]:
+    if not _inside(index, x.shape[0]):
         raise IndexError(f"gather: a row index is outside [0, {x.shape[0]})")
     lib.dep_gather(x.data_ptr(), x.shape[1] * x.element_size(), index.data_ptr(), index.numel(), out.data_ptr())
     return True
@@ -248,8 +256,7 @@ def place_scales(rows: torch.Tensor, scale_off: int, pair_row: torch.Tensor, pai
     if scales.stride() != (groups * cap, 1, cap) or rows.dtype != torch.uint8 or pair_pos.dtype != torch.int64:
         return False
     k = pair_row.numel()
-    inside = k == 0 or (int(pair_pos.min()) >= 0 and int(pair_pos.max()) < num_local * cap)
-    if not inside or (k and int(pair_row.max()) >= len(rows)):
+    if not _inside(pair_pos, num_local * cap) or not _inside(pair_row, len(rows)):
         raise IndexError("place_scales: a pair outside the rows or the layout")
     lib.dep_place_scales(rows.data_ptr(), rows.shape[1], scale_off, pair_row.data_ptr(), pair_pos.data_ptr(), k,
                          scales.data_ptr(), cap, groups, int(repeat))  # fmt: skip
@@ -267,7 +274,7 @@ def place_pairs(x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, recv
     if token.dtype != torch.int64 or expert.dtype != torch.int64 or x.dtype != recv.dtype:
         return False
     num_local, cap = src_info.shape
-    if token.numel() and not 0 <= int(token.min()) <= int(token.max()) < x.shape[0]:
+    if not _inside(token, x.shape[0]):
         raise IndexError(f"place_pairs: a token is outside [0, {x.shape[0]})")
     rc = lib.dep_place_pairs(x.data_ptr(), x.shape[1] * x.element_size(), token.data_ptr(), expert.data_ptr(),
                              token.numel(), num_local, cap, counts.shape[1], src, recv.data_ptr(),

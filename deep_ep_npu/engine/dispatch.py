@@ -40,13 +40,9 @@ class Incoming:
     def from_one(cls, rows: torch.Tensor, src: int) -> Incoming:
         return cls(rows, [(src, 0, rows.shape[0])])
 
-    def block(self, i: int) -> tuple[int, torch.Tensor]:
-        src, begin, count = self.blocks[i]
-        return src, self.rows[begin : begin + count]
-
     def sources(self) -> list[tuple[int, torch.Tensor]]:
         """``(src, rows)`` of every block."""
-        return [self.block(i) for i in range(len(self.blocks))]
+        return [(src, self.rows[begin : begin + count]) for src, begin, count in self.blocks]
 
     def parse(self, fmt: RowFormat) -> Received:
         """The (row of ``rows``, slot, local expert, source) of every pair the rows carry."""

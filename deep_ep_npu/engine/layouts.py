@@ -78,8 +78,7 @@ class Masked:
         counts = torch.zeros((num_local, self.layout_range.shape[1]), dtype=torch.int64, device=base.device)
         pos, most = base.clone(), max((c for _, _, c in incoming.blocks), default=0)
         pairs = torch.empty((2, max(most * fmt.num_slots, 1)), dtype=torch.int64, device=base.device)
-        for i in range(len(incoming.blocks)):
-            src, rows = incoming.block(i)
+        for src, rows in incoming.sources():
             k = cpu_kernels.place(rows, fmt.data_bytes, fmt.token_off, fmt.slot_off, fmt.num_slots, self.recv_x,
                                   self.src_info, pos, counts, src, pairs)  # fmt: skip
             if k is None:  # (the same answer for every block: they are views of one tensor)

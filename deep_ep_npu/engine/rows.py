@@ -67,6 +67,11 @@ class RowFormat:
         if scales is not None:
             raw = scales.contiguous().view(torch.uint8).reshape(len(out), self.scale_end - self.scale_off)
             out[:, self.scale_off : self.scale_end].copy_(raw)
+        self._write_fields(out, token, slot_expert, weights)
+
+    def _write_fields(self, out: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
+                      weights: torch.Tensor | None) -> None:  # fmt: skip
+        """The rows' token, slot and (given) weight fields."""
         out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
         out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
         if weights is not None:
@@ -89,10 +94,7 @@ class RowFormat:
         if weights is None and cpu_kernels.pack(x, token, slot_expert, out, self.token_off, self.slot_off, remote):
             return None
         torch.index_select(x, 0, token, out=out[:, : self.data_bytes].view(self.data_dtype))
-        out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
-        out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
-        if weights is not None:
-            out[:, self.weight_off : self.end].view(torch.float32).copy_(weights)
+        self._write_fields(out, token, slot_expert, weights)
         return None
 
     def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,10 +114,7 @@ class RowFormat:
         if weights is None and cpu_kernels.pack(encoded, token, slot_expert, out, *fields):
             return
         torch.index_select(encoded, 0, token, out=out)
-        out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
-        out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
-        if weights is not None:
-            out[:, self.weight_off : self.end].view(torch.float32).copy_(weights)
+        self._write_fields(out, token, slot_expert, weights)
 
     def tokens(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[:, self.token_off : self.slot_off].view(torch.int32).view(-1)
