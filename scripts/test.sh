@@ -8,7 +8,7 @@ setup_venv serve,dev
 status=0
 .venv/bin/ruff check . || status=1
 .venv/bin/ruff format --check . || status=1
-.venv/bin/mypy deep_ep_npu || status=1
+.venv/bin/mypy deep_ep_npu server || status=1
 # pytest last, so that its summary is the closing line (CI reads it); its exit status wins if it fails.
 .venv/bin/python -m pytest -q "$@" || status=$?
 exit "$status"

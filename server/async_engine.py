@@ -188,11 +188,16 @@ class AsyncEngine:
                 return
         self._reject(command)
 
+    def _call_soon(self, callback: Any, *args: Any) -> None:
+        """Run ``callback(*args)`` on the event loop's thread (from the engine thread)."""
+        assert self._loop is not None, "start() sets the loop before the engine thread runs"
+        self._loop.call_soon_threadsafe(callback, *args)
+
     def _reject(self, command: tuple) -> None:
         """Answer a command the engine thread will never apply (it has exited): an add fails with 503."""
         if command[0] == "add":
             why = _first_line(self._error) if self._error is not None else "the engine was shut down"
-            self._loop.call_soon_threadsafe(_resolve, command[4], EngineDeadError(f"the engine is not running ({why})"))
+            self._call_soon(_resolve, command[4], EngineDeadError(f"the engine is not running ({why})"))
 
     def _run(self) -> None:
         try:
@@ -232,9 +237,9 @@ class AsyncEngine:
             except BaseException as e:  # noqa: BLE001 - the engine is dead; every stream gets the error
                 self._error = e
                 logger.error("the engine failed; serving 503 from now on", exc_info=e)
-                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine failed: {_first_line(e)}"))
+                self._call_soon(self._fail_all, EngineDeadError(f"engine failed: {_first_line(e)}"))
                 return
-            self._loop.call_soon_threadsafe(self._deliver, deltas, start, end, stats)
+            self._call_soon(self._deliver, deltas, start, end, stats)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
@@ -244,9 +249,9 @@ class AsyncEngine:
         try:
             self.engine.add_request(request_id, prompt_token_ids, params)
         except (ValueError, TypeError) as e:
-            self._loop.call_soon_threadsafe(_resolve, accepted, e)
+            self._call_soon(_resolve, accepted, e)
         else:
-            self._loop.call_soon_threadsafe(_resolve, accepted, None)
+            self._call_soon(_resolve, accepted, None)
 
     # ---- asyncio side: results ----
     def _deliver(self, deltas: list[RequestDelta], start: float, end: float, stats: Any) -> None:

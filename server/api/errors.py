@@ -92,13 +92,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=headers))
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.error("unexpected error while handling a request", exc_info=exc)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
 
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(Exception, on_unexpected)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
+    handlers: dict[type[Exception], Any] = {
+        APIError: on_api_error,
+        Exception: on_unexpected,
+        RequestValidationError: on_validation,
+        StarletteHTTPException: on_http,
+    }
+    for exc_type, handler in handlers.items():
+        app.add_exception_handler(exc_type, handler)

@@ -64,7 +64,7 @@ def encode(tokenize: Callable[[], list[int]], param: str) -> list[int]:
     """``tokenize()``; text JSON can carry but UTF-8 cannot (a lone surrogate such as ``"\\ud800"``) is a 400."""
     try:
         return tokenize()
-    except UnicodeError as e:
+    except UnicodeEncodeError as e:
         raise APIError(400, f"{param}: not encodable as UTF-8 ({e.reason}, e.g. a lone surrogate escape)",
                        param=param, code="invalid_value") from None  # fmt: skip
 

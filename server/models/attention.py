@@ -57,7 +57,8 @@ class ForwardBatch:
         index tensors are made on ``device`` (the model's)."""
         ids: list[int] = []
         positions: list[int] = []
-        seqs, rows = [], []
+        seqs: list[SeqChunk] = []
+        rows: list[int] = []
         every = all_logits or [False] * len(chunks)
         for (slot, start, tokens), want, want_all in zip(chunks, sample, every, strict=True):
             seqs.append(SeqChunk(slot, start, len(tokens), len(ids)))

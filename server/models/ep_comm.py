@@ -192,6 +192,7 @@ class BufferComm(ExpertComm):
             expert_out, topk_idx, topk_weights, handle, return_recv_hook=True
         )
         shared = overlap()
+        assert hook is not None, "return_recv_hook=True returns the hook"
         hook()
         return combined, shared
 

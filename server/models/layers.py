@@ -29,6 +29,7 @@ class Rotary(nn.Module):
         super().__init__()
         self.interleave = interleave
         # A non-persistent buffer (not in the state dict, which the loader fills): computed here, on the build device.
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
                              persistent=False)  # fmt: skip
 
@@ -38,7 +39,7 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``x`` ``[T, heads, dim]``, cos/sin ``[T, dim]`` -> rotated ``x``, same shape and dtype."""
         cos, sin = cos[:, None, :], sin[:, None, :]
         if self.interleave:

@@ -60,7 +60,7 @@ class KVCache:
                  device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.layers = [
             [torch.zeros(max_num_seqs, max_model_len, *shape, dtype=dtype, device=device)
-             for shape in layer.self_attn.cache_shapes()]
+             for shape in layer.self_attn.cache_shapes()]  # type: ignore[union-attr,operator]
             for layer in model.model.layers
         ]  # fmt: skip
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -95,7 +95,7 @@ class MoECausalLM(nn.Module):
         return self.lm_head(x).float()
 
     def moe_layers(self) -> list[SparseMoE]:
-        return [getattr(layer, layer.mlp_name) for layer in self.model.layers if layer.is_moe]
+        return [getattr(layer, str(layer.mlp_name)) for layer in self.model.layers if layer.is_moe]
 
     def expert_checkpoint_keys(self, layer_idx: int, expert: int) -> tuple[str, str, str]:
         """The checkpoint names of global expert ``expert``'s (gate, up, down) weights in layer ``layer_idx``."""

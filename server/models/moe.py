@@ -27,6 +27,7 @@ class Router(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         if cfg.scoring == "sigmoid":
+            self.e_score_correction_bias: torch.Tensor
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +128,7 @@ class SparseMoE(nn.Module):
     def _fused(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The fused path (``Buffer.mega_moe``) on the weights :meth:`prepare_fused` laid out."""
         assert self._mega_weights is not None, "prepare_fused() was not called after loading"
-        out = self.comm.fused_moe(x, topk_idx, topk_weights, *self._mega_weights)
+        out = self.comm.fused_moe(x, topk_idx, topk_weights, *self._mega_weights)  # type: ignore[attr-defined]
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out

@@ -65,19 +65,18 @@ class LLM:
     ) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order, each with ``n`` outputs. A prompt is a string, a list
         of token ids, or a dict with ``prompt`` or ``prompt_token_ids``."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        items: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        params = [sampling_params] * len(items) if isinstance(sampling_params, SamplingParams) else sampling_params
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} sampling_params for {len(items)} prompts")
         results: list[RequestOutput] = []
         samples: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p in zip(items, params, strict=True):
             text, ids = self._tokenize(prompt)
             result = RequestOutput(str(next(self._ids)), text, ids, [])
             results.append(result)

@@ -58,6 +58,7 @@ class RankScheduler:
             nonlocal budget
             sample = n == req.num_pending
             params = None if req.started else req.params
+            assert req.slot is not None, "running requests own a slot"
             entries.append(PlanEntry(req.slot, req.num_computed, req.pending_tokens(n), sample, params))
             req.started = True
             req.num_computed += n
@@ -81,6 +82,7 @@ class RankScheduler:
     def remove(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+            assert req.slot is not None, "running requests own a slot"
             self.free_slots.append(req.slot)
         elif req in self.waiting:
             self.waiting.remove(req)

@@ -236,7 +236,7 @@ class TorchrunWorkers(WorkerGroup):
         self.lost = {}
         self._closed = False
 
-    def step(self, plans: list[StepPlan]) -> list[StepResult]:
+    def step(self, plans: list[StepPlan]) -> list[StepResult | None]:
         self.dist.broadcast_object_list([("step", plans)], src=0, group=self.control)
         local = self.worker.execute(plans[0])
         results: list[Any] = [None] * self.world_size

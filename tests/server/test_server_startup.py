@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,num_key_value_heads=1,head_dim=16,num_experts=4"
 
 

@@ -12,9 +12,9 @@ import time
 
 import httpx
 
-from tests.server_helpers import stream_completion
-from tests.test_server_failure import TINY_MODEL
-from tests.test_server_launch import _assert_all_exit, _descendants, _output, start_healthy
+from tests.server.helpers import stream_completion
+from tests.server.test_server_failure import TINY_MODEL
+from tests.server.test_server_launch import _assert_all_exit, _descendants, _output, start_healthy
 
 GRACE_S = 5  # uvicorn's timeout_graceful_shutdown in server/api/serve.py
 

@@ -22,7 +22,7 @@ import pytest
 from server.api import create_app
 from server.api.serve import build_engine
 from server.config import build_config
-from tests.server_helpers import UvicornThread, error_of, wait_until
+from tests.server.helpers import UvicornThread, error_of, wait_until
 
 TINY_MODEL = {"architecture": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
               "num_key_value_heads": 1, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4,

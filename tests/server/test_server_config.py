@@ -10,7 +10,7 @@ import pytest
 from server.cli import make_parser, parse_config
 from server.config import ConfigError, ServerConfig, build_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _write(tmp_path, text: str) -> str:

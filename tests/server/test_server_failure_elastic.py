@@ -18,8 +18,8 @@ import torch
 from server.engine_api import SamplingParams
 from server.runtime import EngineConfig
 from server.runtime.worker import PlanEntry, StepPlan, Worker
-from tests.server_helpers import stream_completion
-from tests.test_server_failure import TINY_MODEL, real_server
+from tests.server.helpers import stream_completion
+from tests.server.test_server_failure import TINY_MODEL, real_server
 
 STEP_TIMEOUT_S = 6.0  # the Buffers' collective timeout is a third of it
 PROMPT = [7, 3, 9, 1]

@@ -10,7 +10,7 @@ import torch
 
 from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config
 from server.models import ExpertComm, ForwardBatch, KVCache, LocalComm, ModelConfig
-from tests.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
 ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral"]
 PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42]]

@@ -25,8 +25,8 @@ from server.cli import main as cli_main
 from server.config import ConfigError, build_config
 from server.runtime import placement
 from server.runtime.engine_config import EngineConfig
-from tests.server_helpers import UvicornThread
-from tests.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.server.helpers import UvicornThread
+from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
 STEPS = 6
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [(11 * j) % 250 + 1 for j in range(17)]]
