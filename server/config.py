@@ -8,14 +8,35 @@ The option names of ``DESIGN.md`` §4 are a public contract; keep them.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
     """A bad configuration value or key; the message names the key."""
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?B)?\s*$")
+
+
+def parse_bytes(value: Any) -> Any:
+    """A byte count: an int, or a number with a unit as vLLM reads them (``1k`` = 1000, ``1K`` = 1024; ``4G`` =
+    4 GiB, ``4g`` = 4e9; ``4GiB`` = 4 GiB, ``4GB`` = 4e9). None and other types pass through (for validation)."""
+    if not isinstance(value, str):
+        return value
+    match = _BYTES.match(value)
+    if match is None:
+        raise ValueError(f"expected a byte count such as 4294967296, '4G' or '4GiB', got {value!r}")
+    number, unit, suffix = match.groups()
+    unit = unit.upper() if suffix == "iB" else unit.lower() if suffix == "B" else unit
+    return int(float(number) * _UNITS[unit])
+
+
+ByteCount = Annotated[int, BeforeValidator(parse_bytes)]
 
 
 class ServerConfig(BaseModel):
@@ -44,6 +65,26 @@ class ServerConfig(BaseModel):
     )
     max_num_seqs: int = Field(16, ge=1, le=4096, description="running requests per DP rank (worker)")
     max_model_len: int = Field(512, ge=2, le=1 << 20, description="prompt + output tokens per request")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="tokens per worker per step (decodes + prefill chunks; the MoE Buffers' "
+        "num_max_dispatch_tokens_per_rank) (default: max(max-num-seqs, 64))"
+    )  # fmt: skip
+    block_size: int = Field(16, ge=1, le=4096, description="tokens per KV-cache block")
+    kv_cache_memory: ByteCount | None = Field(
+        None, ge=1, description="bytes of KV cache per worker, e.g. 4G (= 4 GiB) or 4294967296; overrides "
+        "gpu-memory-utilization (default: none)"
+    )  # fmt: skip
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="with no kv-cache-memory: the fraction of a worker's device memory its weights, "
+        "activations and KV cache may use (cpu: of the host memory available, split over the workers and capped at "
+        "max-num-seqs full-length requests)"
+    )  # fmt: skip
+    enable_prefix_caching: bool = Field(True, description="reuse the KV cache of full blocks of a previous "
+                                        "request's prefix")  # fmt: skip
+    async_scheduling: bool = Field(True, description="plan step k+1 while the workers run step k (spawned workers)")
+    worker_threads: int | None = Field(
+        None, ge=1, description="torch threads per worker (default: the CPUs available split over the local workers)"
+    )
     api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>' on /v1/*")
     served_model_name: str | None = Field(
         None,

@@ -137,8 +137,10 @@ class RequestDelta:
 
 @dataclasses.dataclass
 class StepStats:
-    """Timings of the last :meth:`EngineCore.step` (seconds) for metrics: the whole step and, summed over MoE
-    layers and ranks' max, the time spent in dispatch and combine."""
+    """What the last :meth:`EngineCore.step` did, for metrics: timings (seconds) of the whole step and, summed over
+    MoE layers, each rank's time in dispatch and combine; queue sizes; the KV cache's use (the fraction of blocks
+    held by requests, averaged over ranks) and, during this step, the preemptions and the prefix-cache queries and
+    hits (in prompt tokens)."""
 
     step_time: float = 0.0
     dispatch_times: Sequence[float] = ()
@@ -146,6 +148,10 @@ class StepStats:
     num_running: int = 0
     num_waiting: int = 0
     num_lost_ranks: int = 0  # EP workers lost so far (elastic mode; their experts are dropped)
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Tokenizer(abc.ABC):

@@ -72,6 +72,11 @@ class Metrics:
             "moe_combine_latency_seconds", "MoE combine time of one worker in one step (all MoE layers).", _COMM_BUCKETS
         )
         self.ep_ranks_lost = gauge("ep_ranks_lost", "EP workers lost in elastic mode (their experts are dropped).")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache blocks held by requests (1 = full), averaged "
+                                    "over the workers.")  # fmt: skip
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (blocks released, recomputed later).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         for reason in FINISH_REASONS:  # export every label value from the start, at 0
             self._success.labels(model_name, reason)
 
@@ -95,6 +100,14 @@ class Metrics:
             self.dispatch_latency.observe(t)
         for t in combine_times:
             self.combine_latency.observe(t)
+
+    def on_cache_stats(self, kv_cache_usage: float, num_preemptions: int, prefix_cache_queries: int,
+                       prefix_cache_hits: int) -> None:  # fmt: skip
+        """The KV cache after an engine step, and its preemptions and prefix-cache lookups during it."""
+        self.kv_cache_usage.set(kv_cache_usage)
+        self.num_preemptions.inc(num_preemptions)
+        self.prefix_cache_queries.inc(prefix_cache_queries)
+        self.prefix_cache_hits.inc(prefix_cache_hits)
 
     def set_queue_sizes(self, num_running: int, num_waiting: int) -> None:
         self.num_requests_running.set(num_running)

@@ -1,8 +1,9 @@
 """MoE model code (plain torch): Qwen3-MoE, DeepSeek-V3 and Mixtral over one decoder stack, EP-aware MoE layer."""
 
-from .attention import ForwardBatch
 from .config import ModelConfig
 from .ep_comm import ExpertComm, LocalComm
-from .model import KVCache, MoECausalLM
+from .forward_batch import ForwardBatch, SeqInput
+from .kv_cache import PagedKVCache
+from .model import MoECausalLM
 
-__all__ = ["ExpertComm", "ForwardBatch", "KVCache", "LocalComm", "ModelConfig", "MoECausalLM"]
+__all__ = ["ExpertComm", "ForwardBatch", "LocalComm", "ModelConfig", "MoECausalLM", "PagedKVCache", "SeqInput"]

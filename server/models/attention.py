@@ -1,97 +1,31 @@
-"""Attention with a per-slot KV cache: GQA (Qwen3-MoE with q/k norm, Mixtral) and MLA (DeepSeek-V3).
+"""Attention layers over the paged KV cache: GQA (Qwen3-MoE with q/k norm, Mixtral) and MLA (DeepSeek-V3).
 
-A forward step runs a flat batch of tokens from several sequences (decode tokens and prefill chunks mixed).
-Projections run over the whole batch; the attention itself runs per sequence against its cache slot, so a
-sequence's result does not depend on which other sequences share the step (batch invariance).
+A forward step runs a flat batch of tokens from several sequences (decode tokens and prefill chunks mixed). The
+projections run over the whole batch; each layer writes the step's keys/values into the cache blocks
+(:func:`~server.models.paged_attention.write_kv`) and attends batched over every sequence
+(:func:`~server.models.paged_attention.paged_attention`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .forward_batch import ForwardBatch
 from .layers import RMSNorm, Rotary
+from .paged_attention import paged_attention, write_kv
 
 
-@dataclasses.dataclass
-class SeqChunk:
-    """One sequence's tokens in a step: rows ``[row, row + num_tokens)`` of the flat batch, written to cache
-    ``slot`` at positions ``[start, start + num_tokens)``."""
-
-    slot: int
-    start: int
-    num_tokens: int
-    row: int
-
-
-@dataclasses.dataclass
-class ForwardBatch:
-    """A flat batch for one step.
-
-    Arguments:
-        input_ids: `[num_tokens]` with `torch.int64`.
-        positions: `[num_tokens]` with `torch.int64`, the position of each token in its sequence.
-        seqs: the sequences, in row order.
-        sample_rows: `[num_rows]` with `torch.int64`, rows whose logits the step returns.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    seqs: list[SeqChunk]
-    sample_rows: torch.Tensor
-
-    @classmethod
-    def build(
-        cls,
-        chunks: list[tuple[int, int, list[int]]],
-        sample: list[bool],
-        device: torch.device | str = "cpu",
-        all_logits: list[bool] | None = None,
-    ) -> ForwardBatch:
-        """From ``(slot, start, token_ids)`` per sequence; ``sample[i]`` asks for the logits of its last token,
-        ``all_logits[i]`` for those of every token of the chunk (in order; e.g. for prompt log-probabilities). The
-        index tensors are made on ``device`` (the model's)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        seqs: list[SeqChunk] = []
-        rows: list[int] = []
-        every = all_logits or [False] * len(chunks)
-        for (slot, start, tokens), want, want_all in zip(chunks, sample, every, strict=True):
-            seqs.append(SeqChunk(slot, start, len(tokens), len(ids)))
-            if want_all:
-                rows.extend(range(len(ids), len(ids) + len(tokens)))
-            ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            if want and not want_all:
-                rows.append(len(ids) - 1)
-        as_long = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(as_long(ids), as_long(positions), seqs, as_long(rows))
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """q `[n, heads, d]`, k/v `[start + n, kv_heads, d]` -> `[n, heads, d_v]` (causal, GQA by head groups)."""
-    n, length = q.shape[0], k.shape[0]
-    mask = None
-    if n > 1:
-        mask = torch.arange(length, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.transpose(0, 1)
+def attention_class(cfg: ModelConfig) -> type[GQAttention] | type[MLAttention]:
+    """The attention layer of ``cfg``'s architecture."""
+    return MLAttention if cfg.use_mla else GQAttention
 
 
 class GQAttention(nn.Module):
     """Grouped-query attention with HF's parameter names (``q_proj``/``k_proj``/``v_proj``/``o_proj``,
-    optional ``q_norm``/``k_norm``). Cache per layer: k and v, each ``[slots, max_len, kv_heads, head_dim]``."""
+    optional ``q_norm``/``k_norm``). Cache per layer: keys and values, each `[num_blocks, block_size, num_kv_heads,
+    head_dim]`."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -106,8 +40,10 @@ class GQAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.rotary = Rotary(d, cfg.rope_theta)
 
-    def cache_shapes(self) -> list[tuple[int, ...]]:
-        return [(self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)]
+    @staticmethod
+    def cache_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+        """Per token: keys, values."""
+        return [(cfg.num_key_value_heads, cfg.head_dim), (cfg.num_key_value_heads, cfg.head_dim)]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
@@ -119,19 +55,19 @@ class GQAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         k_cache, v_cache = cache
-        out = torch.empty_like(q)
-        for s in batch.seqs:
-            rows, end = slice(s.row, s.row + s.num_tokens), s.start + s.num_tokens
-            k_cache[s.slot, s.start : end] = k[rows]
-            v_cache[s.slot, s.start : end] = v[rows]
-            out[rows] = _attend(q[rows], k_cache[s.slot, :end], v_cache[s.slot, :end], s.start, self.head_dim**-0.5)
+        write_kv(k_cache, batch.slot_mapping, k)
+        write_kv(v_cache, batch.slot_mapping, v)
+        out = paged_attention(q, k_cache, v_cache, batch, self.head_dim**-0.5)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLAttention(nn.Module):
-    """DeepSeek-V3 multi-head latent attention with HF's parameter names. The cache holds the compressed latent
-    (after ``kv_a_layernorm``) ``[slots, max_len, kv_lora_rank]`` and the rotated shared key
-    ``[slots, max_len, qk_rope_head_dim]``; keys and values are expanded through ``kv_b_proj`` when attending."""
+    """DeepSeek-V3 multi-head latent attention with HF's parameter names. The cache holds, per token, the
+    compressed latent (after ``kv_a_layernorm``) and the rotated shared key side by side: `[num_blocks, block_size,
+    1, kv_lora_rank + qk_rope_head_dim]`. Attention runs in the latent space (``kv_b_proj`` absorbed): each head's
+    query is mapped into it through the key half of ``kv_b_proj``, attends the cached latents as one shared
+    key/value head, and the result leaves it through the value half; the same scores as expanding every cached
+    latent into per-head keys and values, without doing so."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -153,27 +89,26 @@ class MLAttention(nn.Module):
         self.rotary = Rotary(self.rope, cfg.rope_theta, interleave=cfg.rope_interleave)
         self.scale = qk**-0.5
 
-    def cache_shapes(self) -> list[tuple[int, ...]]:
-        return [(self.kv_lora_rank,), (self.rope,)]
+    @staticmethod
+    def cache_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+        """Per token: the latent and the rotated shared key, concatenated."""
+        return [(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, self.num_heads, self.nope + self.rope)
+        q_nope, q_rot = q.view(t, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        q_rot = self.rotary.apply(q[..., self.nope :], cos, sin)
-        q = torch.cat((q[..., : self.nope], q_rot), dim=-1)
+        q_rot = self.rotary.apply(q_rot, cos, sin)
         k_rot = self.rotary.apply(k_rot[:, None, :], cos, sin)[:, 0]
-        lat_cache, rot_cache = cache
-        out = x.new_empty(t, self.num_heads, self.v_dim)
-        for s in batch.seqs:
-            rows, end = slice(s.row, s.row + s.num_tokens), s.start + s.num_tokens
-            lat_cache[s.slot, s.start : end] = latent[rows]
-            rot_cache[s.slot, s.start : end] = k_rot[rows]
-            kv = self.kv_b_proj(lat_cache[s.slot, :end]).view(end, self.num_heads, self.nope + self.v_dim)
-            k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
-            k = torch.cat((k_nope, rot_cache[s.slot, :end, None, :].expand(end, self.num_heads, self.rope)), dim=-1)
-            out[rows] = _attend(q[rows], k, v, s.start, self.scale)
+        (kv_cache,) = cache
+        write_kv(kv_cache, batch.slot_mapping, torch.cat((latent, k_rot), dim=-1)[:, None])
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_k, w_v = w_kv[:, : self.nope], w_kv[:, self.nope :]  # [heads, nope, rank], [heads, v_dim, rank]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [t, heads, rank]
+        q = torch.cat((q_latent, q_rot), dim=-1)
+        out = paged_attention(q, kv_cache, kv_cache[..., : self.kv_lora_rank], batch, self.scale)
+        out = torch.bmm(out.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)  # [t, heads, v_dim]
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))

@@ -1,10 +1,11 @@
 """How an MoE layer moves tokens to its experts and back: one small ABC, two implementations.
 
-- :class:`LocalComm`: one rank holds every expert; builds DeepEP's masked layout in process (no communication).
-- :class:`BufferComm`: ``deep_ep_npu.Buffer`` low-latency dispatch/combine over a process group.
+- :class:`LocalComm`: one rank holds every expert; sorts the (token, expert) pairs by expert in process.
+- :class:`BufferComm`: ``deep_ep_npu.Buffer`` low-latency dispatch/combine over a process group; DeepEP's masked
+  layout is packed into the grouped one on the device (no count is read back on the host).
 
-Both return DeepEP's low-latency layout, so the expert code is the same: ``recv_x`` ``[num_local_experts,
-num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` whose first ``recv_count[e]`` rows of expert ``e`` are valid.
+Both hand the experts the grouped-GEMM layout (``torch._grouped_mm``'s): the received rows `[num_rows, hidden]`,
+expert ``e``'s in ``[offsets[e - 1], offsets[e])``, so the expert code is one grouped matmul per projection.
 """
 
 from __future__ import annotations
@@ -49,16 +50,19 @@ class ExpertComm(abc.ABC):
         return range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
 
     @abc.abstractmethod
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
         """Send each token to its experts.
 
         Arguments:
             x: `[num_tokens, hidden]`, `num_tokens <= num_max_dispatch_tokens_per_rank` (0 allowed).
             topk_idx: `[num_tokens, num_topk]` with `torch.int64`, global expert ids (-1: none).
+            num_tokens_all_ranks: this step's tokens summed over the EP ranks (bounds ``num_rows``), or None.
 
         Returns:
-            recv_x: `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`, dtype of `x`.
-            recv_count: `[num_local_experts]` with `torch.int32`.
+            recv_rows: `[num_rows, hidden]`, dtype of `x`: local expert ``e``'s rows are ``[offsets[e - 1],
+                offsets[e])``; rows from ``offsets[-1]`` on are padding with undefined values.
+            offsets: `[num_local_experts]` with `torch.int32`, the cumulative row counts.
             handle: opaque, for :meth:`combine`.
         """
 
@@ -75,7 +79,7 @@ class ExpertComm(abc.ABC):
         receive is pending where the backend allows it).
 
         Arguments:
-            expert_out: `[num_local_experts, num_ranks * N, hidden]`, the expert outputs in `recv_x`'s layout.
+            expert_out: `[num_rows, hidden]`, the expert outputs in `recv_rows`' layout (padding rows ignored).
             topk_idx: `[num_tokens, num_topk]` with `torch.int64`, as given to :meth:`dispatch`.
             topk_weights: `[num_tokens, num_topk]` with `torch.float32`.
 
@@ -83,9 +87,10 @@ class ExpertComm(abc.ABC):
             combined_x: `[num_tokens, hidden]`, dtype of `expert_out`; the overlap result or None.
         """
 
-    def timed_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def timed_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                       num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
         t0 = time.perf_counter()
-        out = self.dispatch(x, topk_idx)
+        out = self.dispatch(x, topk_idx, num_tokens_all_ranks)
         self.stats.dispatch += time.perf_counter() - t0
         return out
 
@@ -97,32 +102,29 @@ class ExpertComm(abc.ABC):
 
 
 class LocalComm(ExpertComm):
-    """Single rank, every expert local: the masked layout is built by a stable sort on expert id."""
+    """Single rank, every expert local: the (token, expert) pairs sorted by expert (pairs without an expert last,
+    past ``offsets[-1]``)."""
 
     def __init__(self, num_experts: int, num_max_dispatch_tokens_per_rank: int) -> None:
         super().__init__(0, 1, num_experts, num_max_dispatch_tokens_per_rank)
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        n, h = self.num_max_dispatch_tokens_per_rank, x.shape[1]
-        flat = topk_idx.reshape(-1)
-        slots = torch.nonzero(flat >= 0).flatten()
-        experts = flat[slots]
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+        experts = topk_idx.reshape(-1)
+        experts = torch.where(experts >= 0, experts, self.num_experts)
         order = torch.argsort(experts, stable=True)
-        slots, experts = slots[order], experts[order]
-        counts = torch.bincount(experts, minlength=self.num_experts)
-        offsets = torch.cumsum(counts, 0) - counts
-        pos = torch.arange(slots.numel(), device=x.device) - offsets[experts]
-        tokens = torch.div(slots, topk_idx.shape[1], rounding_mode="floor")
-        recv_x = x.new_empty(self.num_experts, n, h)  # rows past each expert's count stay uninitialised
-        recv_x[experts, pos] = x[tokens]
-        return recv_x, counts.to(torch.int32), (slots, experts, pos)
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, experts, torch.ones_like(experts, dtype=torch.int32))
+        offsets = torch.cumsum(counts[:-1], 0, dtype=torch.int32)
+        tokens = torch.div(order, topk_idx.shape[1], rounding_mode="floor")
+        return x[tokens], offsets, (order, tokens, experts[order] < self.num_experts)
 
     def combine(self, expert_out, topk_idx, topk_weights, handle, overlap=None):  # noqa: ANN001
-        slots, experts, pos = handle
-        num_tokens, num_topk = topk_idx.shape
-        rows = expert_out[experts, pos].float() * topk_weights.reshape(-1)[slots, None]
-        out = torch.zeros(num_tokens, expert_out.shape[2], dtype=torch.float32, device=expert_out.device)
-        out.index_add_(0, torch.div(slots, num_topk, rounding_mode="floor"), rows)
+        order, tokens, valid = handle
+        weights = topk_weights.reshape(-1)[order, None]
+        rows = torch.where(valid[:, None], expert_out.float() * weights, 0.0)  # padding rows may hold NaN
+        out = torch.zeros(topk_idx.shape[0], expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
+        out.index_add_(0, tokens, rows)
         return out.to(expert_out.dtype), (overlap() if overlap is not None else None)
 
 
@@ -178,13 +180,28 @@ class BufferComm(ExpertComm):
         self.stats.dispatch += time.perf_counter() - t0
         return out
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
         recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
             x, topk_idx, self.num_max_dispatch_tokens_per_rank, self.num_experts, use_fp8=False
         )
-        return recv_x, recv_count, handle
+        num_local, capacity, hidden = recv_x.shape
+        senders = self.num_ranks * self.num_max_dispatch_tokens_per_rank
+        senders = senders if num_tokens_all_ranks is None else num_tokens_all_ranks
+        num_rows = min(num_local * capacity, senders * min(topk_idx.shape[1], num_local))
+        offsets = torch.cumsum(recv_count, 0, dtype=torch.int32)
+        row = torch.arange(num_rows, device=x.device)
+        expert = torch.searchsorted(offsets, row, right=True).clamp_(max=num_local - 1)
+        src = expert * capacity + row - (offsets - recv_count)[expert]
+        valid = row < offsets[-1]
+        rows = recv_x.reshape(-1, hidden).index_select(0, torch.where(valid, src, 0))
+        dst = torch.where(valid, src, num_local * capacity)  # padding rows go to a scratch row past the layout
+        return rows, offsets, (handle, dst, recv_x.shape)
 
     def combine(self, expert_out, topk_idx, topk_weights, handle, overlap=None):  # noqa: ANN001
+        handle, dst, shape = handle
+        masked = expert_out.new_empty(shape[0] * shape[1] + 1, shape[2]).index_copy_(0, dst, expert_out)
+        expert_out = masked[:-1].view(shape)  # DeepEP's masked layout; rows past each count are never read
         if overlap is None:
             combined, _, _ = self.buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
             return combined, None

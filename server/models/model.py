@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import ForwardBatch, GQAttention, MLAttention
+from .attention import attention_class
 from .config import ModelConfig
 from .ep_comm import ExpertComm
+from .forward_batch import ForwardBatch
+from .kv_cache import PagedKVCache
 from .layers import DenseMLP, RMSNorm
 from .moe import SparseMoE
 
@@ -31,7 +33,7 @@ def moe_block_name(cfg: ModelConfig) -> str:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, comm: ExpertComm) -> None:
         super().__init__()
-        self.self_attn = MLAttention(cfg) if cfg.use_mla else GQAttention(cfg)
+        self.self_attn = attention_class(cfg)(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = layer_idx in cfg.moe_layers
@@ -41,7 +43,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache)
-        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        mlp = getattr(self, self.mlp_name)
+        return x + (mlp(h, batch.num_tokens_all_ranks) if self.is_moe else mlp(h))
 
 
 class Backbone(nn.Module):
@@ -50,23 +54,6 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, comm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class KVCache:
-    """Per layer, one tensor per cached quantity, each `[max_num_seqs, max_model_len, *shape]` in the model dtype;
-    a request owns one slot (row) for its whole life."""
-
-    def __init__(self, model: MoECausalLM, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:  # fmt: skip
-        self.layers = [
-            [torch.zeros(max_num_seqs, max_model_len, *shape, dtype=dtype, device=device)
-             for shape in layer.self_attn.cache_shapes()]  # type: ignore[union-attr,operator]
-            for layer in model.model.layers
-        ]  # fmt: skip
-        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
 
 
 class MoECausalLM(nn.Module):
@@ -82,7 +69,7 @@ class MoECausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Run one step and write the new tokens' keys/values into ``cache``.
 
         Returns:

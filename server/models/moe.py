@@ -1,7 +1,14 @@
-"""The routed MoE block: router -> ``dispatch`` -> this rank's experts on the masked layout -> ``combine``
-(+ shared experts, computed while the combine is in flight)."""
+"""The routed MoE block: router -> ``dispatch`` -> this rank's experts on the grouped layout -> ``combine``
+(+ shared experts, computed while the combine is in flight).
+
+The experts run as one grouped matmul per projection (``torch._grouped_mm`` where the device has it for the dtype):
+no loop over experts and no count read back on the host. Elsewhere, and for int8 experts, they loop over the
+experts with rows, after one read of the offsets.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +61,29 @@ class Router(nn.Module):
         return idx, weights * cfg.routed_scaling_factor
 
 
+def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs on ``device`` for ``dtype`` (CPU: any float dtype; CUDA: bfloat16)."""
+    return device.type == "cpu" or (device.type == "cuda" and dtype == torch.bfloat16)
+
+
+def per_expert(x: torch.Tensor, offsets: torch.Tensor, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn(e, rows of expert e)`` for each expert with rows, in the grouped layout (one host read of ``offsets``).
+
+    Arguments:
+        x: `[num_rows, hidden]`; offsets: `[num_experts]` with `torch.int32` (see :class:`ExpertComm`).
+
+    Returns:
+        `[num_rows, hidden]`, dtype of `x` (padding rows undefined).
+    """
+    out = torch.empty_like(x)
+    begin = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > begin:
+            out[begin:end] = fn(e, x[begin:end])
+        begin = end
+    return out
+
+
 class LocalExperts(nn.Module):
     """This rank's routed experts, stacked: ``w13`` `[num_local_experts, 2 * I, hidden]` (gate rows first, then up)
     and ``w2`` `[num_local_experts, hidden, I]`. :meth:`quantize_int8` swaps them for int8 weights."""
@@ -71,22 +101,23 @@ class LocalExperts(nn.Module):
         self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
-    def forward(self, recv_x: torch.Tensor, recv_count: torch.Tensor) -> torch.Tensor:
-        """``recv_x`` `[L, R*N, hidden]`, ``recv_count`` `[L]` int32 -> `[L, R*N, hidden]` (rows past the count are
-        uninitialised, as in DeepEP's layout; combine reads only the counted rows)."""
-        out = torch.empty_like(recv_x)
-        for e, n in enumerate(recv_count.tolist()):
-            if n == 0:
-                continue
-            x = recv_x[e, :n]
-            if self.int8 is None:
-                gate, up = F.linear(x, self.w13[e]).split(self.intermediate, dim=-1)
-                out[e, :n] = F.linear(F.silu(gate) * up, self.w2[e])
-            else:
-                w13, w2 = self.int8[e]
-                gate, up = w13(x).split(self.intermediate, dim=-1)
-                out[e, :n] = w2(F.silu(gate) * up)
-        return out
+    def forward(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``recv_rows`` `[num_rows, hidden]` grouped by ``offsets`` `[num_local_experts]` `torch.int32` ->
+        `[num_rows, hidden]` (padding rows undefined)."""
+        if self.int8 is not None or not has_grouped_mm(recv_rows.device, recv_rows.dtype):
+            return per_expert(recv_rows, offsets, self._expert)
+        h = torch._grouped_mm(recv_rows, self.w13.transpose(1, 2), offs=offsets)
+        gate, up = h.split(self.intermediate, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` on its rows ``x`` `[n, hidden]`."""
+        if self.int8 is not None:
+            w13, w2 = self.int8[e]
+            gate, up = w13(x).split(self.intermediate, dim=-1)
+            return w2(F.silu(gate) * up)
+        gate, up = F.linear(x, self.w13[e]).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2[e])
 
 
 class SparseMoE(nn.Module):
@@ -102,13 +133,14 @@ class SparseMoE(nn.Module):
         if cfg.n_shared_experts > 0:
             self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0)."""
+    def forward(self, x: torch.Tensor, num_tokens_all_ranks: int | None = None) -> torch.Tensor:
+        """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0);
+        ``num_tokens_all_ranks``: the step's tokens over every EP rank, if known (see :meth:`ExpertComm.dispatch`)."""
         topk_idx, topk_weights = self.gate(x)
         if self.fused:
             return self._fused(x, topk_idx, topk_weights)
-        recv_x, recv_count, handle = self.comm.timed_dispatch(x, topk_idx)
-        expert_out = self.experts(recv_x, recv_count)
+        recv_rows, offsets, handle = self.comm.timed_dispatch(x, topk_idx, num_tokens_all_ranks)
+        expert_out = self.experts(recv_rows, offsets)
         shared = (lambda: self.shared_experts(x)) if hasattr(self, "shared_experts") else None
         out, shared_out = self.comm.timed_combine(expert_out, topk_idx, topk_weights, handle, overlap=shared)
         return out if shared_out is None else out + shared_out

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..engine_api import EngineCore, RequestDelta, SamplingParamError, SamplingParams, StepStats
-from ..loader import random_hf_config, read_config
+from ..loader import DTYPES, random_hf_config, read_config
 from ..models import ModelConfig
+from ..models.kv_cache import bytes_per_block
 from ..tokenizer import load_tokenizer
+from .block_manager import KVCacheManager
+from .detokenizer import IncrementalDetokenizer, apply_token
 from .engine_config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, default_capacity
-from .scheduler import RankScheduler, Request, apply_token
-from .worker import StepPlan
+from .kv_budget import check_fits, mib
+from .plan import StepResult
+from .scheduler import RankScheduler, Request
 from .workers import ProcessWorkers, TorchrunWorkers, WorkerError, WorkerGroup
+
+_T = TypeVar("_T")
 
 __all__ = ["DEFAULT_STEP_TIMEOUT_S", "EPEngine", "EngineConfig", "default_capacity"]
 
@@ -30,7 +39,11 @@ class EPEngine(EngineCore):
     hangs: its requests end with ``"error"``, its experts are dropped (the Buffers' shrink mode: tokens routed to
     them get nothing from them), the loss is logged and counted in :class:`StepStats`; the Buffers' collective
     timeout is then ``step_timeout_s / 3``. The device / backend combination is checked
-    (:meth:`EngineConfig.check_placement`) before any worker starts.
+    (:meth:`EngineConfig.check_placement`) before any worker starts, and the KV cache's size once they have loaded
+    their weights (:mod:`server.runtime.kv_budget`; a ``ValueError`` says what fits and what was asked).
+
+    With ``async_scheduling`` (spawned workers) :meth:`step` plans and submits step k+1, then collects step k: the
+    workers run k+1 while the driver turns k's tokens into text and plans k+2.
     """
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
@@ -49,6 +62,10 @@ class EPEngine(EngineCore):
             raise ValueError(f"ep_size={config.ep_size} must divide the model's num_experts={cfg.num_experts}")
         self.config = config
         self.model_config = cfg
+        block_bytes = bytes_per_block(cfg, config.block_size, DTYPES[config.dtype])
+        if config.kv_cache_memory is not None:  # refuse before starting any worker
+            check_fits(config.kv_cache_memory // block_bytes, config.block_size, block_bytes, config.max_model_len,
+                       f"kv-cache-memory {mib(config.kv_cache_memory)}")  # fmt: skip
         self.tokenizer = load_tokenizer(config.model, cfg.eos_token_ids)
         self.max_model_len = config.max_model_len
         self.vocab_size = cfg.vocab_size
@@ -56,17 +73,33 @@ class EPEngine(EngineCore):
         self.workers: WorkerGroup = TorchrunWorkers(config) if config.use_torchrun else ProcessWorkers(config)
         self._finalizer = weakref.finalize(self, self.workers.shutdown)
         self.ep_size = len(self.workers.infos)
-        self.schedulers = [RankScheduler(config.max_num_seqs, config.capacity) for _ in range(self.ep_size)]
+        smallest = min(self.workers.infos, key=lambda info: info["num_kv_blocks"])
+        try:
+            check_fits(smallest["num_kv_blocks"], config.block_size, block_bytes, config.max_model_len,
+                       f"worker {smallest['rank']}'s budget ({smallest['kv_budget_source']})")  # fmt: skip
+        except ValueError:
+            self.shutdown()
+            raise
+        self.schedulers = [
+            RankScheduler(KVCacheManager(info["num_kv_blocks"], config.block_size, config.enable_prefix_caching),
+                          config.max_num_seqs, config.capacity, config.max_model_len)
+            for info in self.workers.infos
+        ]  # fmt: skip
         self._requests: dict[str, tuple[int, Request]] = {}
+        self._seq_ids = itertools.count()
         self._aborts: list[str] = []
+        # per submitted step not collected yet: the sampling requests of each rank, in plan order
+        self._inflight: collections.deque[list[list[Request]]] = collections.deque()
+        self._pipeline_depth = int(config.async_scheduling and self.workers.overlaps)
         self._stats = StepStats()
+        self._counted = (0, 0, 0)  # preemptions, prefix-cache queries and hits reported so far
         self._error: str | None = None
         self._failed_ranks: set[int] = set()  # lost workers whose requests have been failed
         self.ping_timeout_s = min(config.step_timeout_s, 5.0)
 
     @property
     def worker_infos(self) -> list[dict]:
-        """Per worker: peak RSS after loading, expert/weight/KV-cache bytes, number of local experts."""
+        """Per worker: peak RSS after loading, expert/weight/KV-cache bytes, KV blocks, number of local experts."""
         return self.workers.infos
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -88,11 +121,17 @@ class EPEngine(EngineCore):
                 f"prompt has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} leaves room for "
                 f"at most {self.max_model_len - 1}"
             )
-        live = [r for r in range(self.ep_size) if r not in self.workers.lost]
-        rank = min(live, key=lambda r: self.schedulers[r].num_requests)
-        req = Request(request_id, list(prompt_token_ids), params)
+        rank = self._pick_rank(prompt_token_ids)
+        req = Request(request_id, next(self._seq_ids), len(prompt_token_ids), list(prompt_token_ids), params,
+                      IncrementalDetokenizer(self.tokenizer))  # fmt: skip
         self.schedulers[rank].waiting.append(req)
         self._requests[request_id] = (rank, req)
+
+    def _pick_rank(self, prompt_token_ids: list[int]) -> int:
+        """The live rank with the fewest requests; among those, the one with the longest cached prefix."""
+        live = [r for r in range(self.ep_size) if r not in self.workers.lost]
+        scheds = self.schedulers
+        return min(live, key=lambda r: (scheds[r].num_requests, -len(scheds[r].kv.match_prefix(prompt_token_ids)[0])))
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self._requests:
@@ -106,44 +145,77 @@ class EPEngine(EngineCore):
         for request_id in self._aborts:
             if request_id in self._requests:
                 rank, req = self._requests.pop(request_id)
+                req.finish_reason = "abort"
                 self.schedulers[rank].remove(req)
-                deltas.append(
-                    RequestDelta(
-                        request_id, [], req.text, "abort", None, len(req.prompt_token_ids), len(req.output_token_ids)
-                    )
-                )
+                deltas.append(RequestDelta(request_id, [], req.detokenizer.text, "abort", None, req.prompt_len,
+                                           req.num_output))  # fmt: skip
         self._aborts.clear()
         scheduled = [s.schedule() for s in self.schedulers]
-        plans: list[StepPlan] = [plan for plan, _ in scheduled]
-        if not any(plan.entries for plan in plans):
-            return deltas
+        plans = [plan for plan, _ in scheduled]
+        submitted = any(plan.entries for plan in plans)
+        if submitted:
+            total = sum(plan.num_tokens for plan in plans)
+            for plan, sched in zip(plans, self.schedulers, strict=True):
+                plan.num_tokens_all_ranks = total
+                plan.finished_seq_ids, sched.finished_seq_ids = sched.finished_seq_ids, []
+            self._guard(lambda: self.workers.submit(plans))
+            self._inflight.append([sampling for _, sampling in scheduled])
+        results: list[StepResult | None] = []
+        if self._inflight and (len(self._inflight) > self._pipeline_depth or not submitted):
+            results = self._guard(self.workers.collect)
+            deltas += self._fail_lost_ranks()
+            deltas += self._apply_results(self._inflight.popleft(), results)
+        self._stats = self._step_stats(time.perf_counter() - t0, results)
+        return deltas
+
+    def _guard(self, call: Callable[[], _T]) -> _T:
+        """``call()``; a worker failure fails the engine for good (the workers are stopped)."""
         try:
-            results = self.workers.step(plans)
+            return call()
         except WorkerError as e:
             self._error = str(e).splitlines()[0]
             self.workers.shutdown()
             raise
-        deltas += self._fail_lost_ranks()
-        for rank, ((_, sampling), result) in enumerate(zip(scheduled, results, strict=True)):
+
+    def _apply_results(self, sampling: list[list[Request]], results: list[StepResult | None]) -> list[RequestDelta]:
+        deltas = []
+        for rank, (reqs, result) in enumerate(zip(sampling, results, strict=True)):
             if result is None:  # lost this step (elastic mode): its requests were just failed
                 continue
-            logprobs = result.logprobs or [None] * len(sampling)
-            prompt_logprobs = result.prompt_logprobs or [None] * len(sampling)
-            for req, token, logprob, prompt in zip(sampling, result.token_ids, logprobs, prompt_logprobs, strict=True):
-                delta = apply_token(req, token, self.tokenizer, self.max_model_len, logprob, prompt)
+            logprobs = result.logprobs or [None] * len(reqs)
+            prompt_logprobs = result.prompt_logprobs or [None] * len(reqs)
+            for req, token, logprob, prompt in zip(reqs, result.token_ids, logprobs, prompt_logprobs, strict=True):
+                req.num_inflight -= 1
+                if req.finish_reason is not None:  # finished or aborted while this token was in flight
+                    continue
+                delta = apply_token(req, token, self.max_model_len, logprob, prompt)
                 if delta.finish_reason is not None:
                     self.schedulers[rank].remove(req)
                     del self._requests[req.request_id]
                 deltas.append(delta)
-        self._stats = StepStats(
-            step_time=time.perf_counter() - t0,
+        return deltas
+
+    def _step_stats(self, step_time: float, results: list[StepResult | None]) -> StepStats:
+        live = [s for r, s in enumerate(self.schedulers) if r not in self.workers.lost] or self.schedulers
+        counted = (
+            sum(s.num_preemptions for s in self.schedulers),
+            sum(s.kv.num_queries for s in self.schedulers),
+            sum(s.kv.num_hits for s in self.schedulers),
+        )
+        new = [now - before for now, before in zip(counted, self._counted, strict=True)]
+        self._counted = counted
+        return StepStats(
+            step_time=step_time,
             dispatch_times=[r.dispatch_time for r in results if r is not None],
             combine_times=[r.combine_time for r in results if r is not None],
             num_running=sum(len(s.running) for s in self.schedulers),
             num_waiting=sum(len(s.waiting) for s in self.schedulers),
             num_lost_ranks=len(self.workers.lost),
+            kv_cache_usage=sum(s.kv.usage for s in live) / len(live),
+            num_preemptions=new[0],
+            prefix_cache_queries=new[1],
+            prefix_cache_hits=new[2],
         )
-        return deltas
 
     def _fail_lost_ranks(self) -> list[RequestDelta]:
         """Elastic mode: end the requests of newly lost workers with an error (their KV cache is gone)."""
@@ -156,13 +228,14 @@ class EPEngine(EngineCore):
             for request_id, (r, req) in list(self._requests.items()):
                 if r == rank:
                     del self._requests[request_id]
+                    req.finish_reason = "error"
                     self.schedulers[rank].remove(req)
-                    deltas.append(RequestDelta(request_id, [], req.text, "error", error, len(req.prompt_token_ids),
-                                               len(req.output_token_ids)))  # fmt: skip
+                    deltas.append(RequestDelta(request_id, [], req.detokenizer.text, "error", error, req.prompt_len,
+                                               req.num_output))  # fmt: skip
         return deltas
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._inflight)
 
     def is_healthy(self) -> bool:
         """Every worker process is alive and answers a ping within ``min(step_timeout_s, 5)`` seconds (call it

@@ -8,6 +8,7 @@ import dataclasses
 import os
 from typing import Any
 
+from ..config import parse_bytes
 from ..loader import DTYPES
 
 DEFAULT_STEP_TIMEOUT_S = 30.0
@@ -15,9 +16,9 @@ MOE_IMPLS = ("unfused", "fused")
 LAUNCHES = ("auto", "spawn", "torchrun")
 
 
-def default_capacity(max_num_seqs: int, num_max_dispatch_tokens_per_rank: int | None = None) -> int:
+def default_capacity(max_num_seqs: int, max_num_batched_tokens: int | None = None) -> int:
     """The per-step token capacity N of a worker: the given value, else ``max(max_num_seqs, 64)``."""
-    return num_max_dispatch_tokens_per_rank or max(max_num_seqs, 64)
+    return max_num_batched_tokens or max(max_num_seqs, 64)
 
 
 def torchrun_env() -> bool:
@@ -33,8 +34,14 @@ class EngineConfig:
     :func:`server.loader.random_hf_config`) from ``seed``; ``ep_size`` workers; ``dtype`` float32/bfloat16/float16;
     ``backend`` the ``deep_ep_npu.Buffer`` backend; ``device`` / ``dist_backend`` / ``simulate_npu`` where the workers
     run (:mod:`server.runtime.placement`); ``max_num_seqs`` (per worker) and ``max_model_len``;
-    ``num_max_dispatch_tokens_per_rank`` the per-step token capacity N of each worker (None: ``max(max_num_seqs,
-    64)``, filled in here; longer prefills are chunked); ``int8_experts`` W8A8 routed experts; ``moe_impl``
+    ``max_num_batched_tokens`` the per-step token capacity N of each worker, also the MoE Buffers'
+    ``num_max_dispatch_tokens_per_rank`` (None: ``max(max_num_seqs, 64)``, filled in here; longer prefills are
+    chunked); the paged KV cache: ``block_size`` tokens per block, ``kv_cache_memory`` bytes per worker (an int,
+    or ``"4G"``: :func:`server.config.parse_bytes`) or else ``gpu_memory_utilization``
+    (:mod:`server.runtime.kv_budget`), ``enable_prefix_caching``;
+    ``async_scheduling`` plan step k+1 while the workers run step k (spawned workers); ``worker_threads`` torch
+    threads per worker (None: the CPUs this process may use, split over the local workers); ``int8_experts`` W8A8
+    routed experts; ``moe_impl``
     ``unfused`` (dispatch -> experts -> combine) or ``fused`` (``Buffer.mega_moe``); ``launch`` ``spawn``,
     ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
     timeout; ``step_timeout_s`` how long one lockstep step (or a health ping) may take; ``elastic`` keep serving on
@@ -53,7 +60,13 @@ class EngineConfig:
     max_model_len: int = 512
     seed: int = 0
     random_model: dict | None = None
-    num_max_dispatch_tokens_per_rank: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = True
+    worker_threads: int | None = None
     int8_experts: bool = False
     moe_impl: str = "unfused"
     launch: str = "auto"
@@ -73,24 +86,40 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if self.launch not in LAUNCHES:
             raise ValueError(f"launch={self.launch!r} must be 'auto', 'spawn' or 'torchrun'")
-        for name in ("ep_size", "max_num_seqs", "max_model_len"):
+        for name in ("ep_size", "max_num_seqs", "max_model_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        for name in ("kv_cache_memory", "worker_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be None or an integer >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s={self.step_timeout_s!r} must be > 0 (seconds)")
-        n = default_capacity(self.max_num_seqs, self.num_max_dispatch_tokens_per_rank)
+        n = default_capacity(self.max_num_seqs, self.max_num_batched_tokens)
         if n < self.max_num_seqs:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank={n} must be >= max_num_seqs={self.max_num_seqs}")
-        object.__setattr__(self, "num_max_dispatch_tokens_per_rank", n)
+            raise ValueError(f"max_num_batched_tokens={n} must be >= max_num_seqs={self.max_num_seqs}")
+        object.__setattr__(self, "max_num_batched_tokens", n)
         if self.elastic and self.use_torchrun:
             raise ValueError("elastic=True needs spawned workers (launch='spawn'); torchrun jobs are not elastic")
 
     @property
     def capacity(self) -> int:
         """The per-step token capacity N of each worker."""
-        assert self.num_max_dispatch_tokens_per_rank is not None  # filled in by __post_init__
-        return self.num_max_dispatch_tokens_per_rank
+        assert self.max_num_batched_tokens is not None  # filled in by __post_init__
+        return self.max_num_batched_tokens
+
+    @property
+    def local_workers(self) -> int:
+        """Workers on this machine: ``ep_size`` when spawned, torchrun's ``LOCAL_WORLD_SIZE`` under torchrun."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.use_torchrun else self.ep_size
+
+    def threads_per_worker(self) -> int:
+        """``worker_threads``, else this process's CPUs split over the local workers (at least 1)."""
+        return self.worker_threads or max(1, len(os.sched_getaffinity(0)) // self.local_workers)
 
     @property
     def use_torchrun(self) -> bool:
@@ -110,8 +139,7 @@ class EngineConfig:
         """Refuse a device / backend combination that cannot run on this machine (before any worker starts)."""
         from .placement import check_placement
 
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.use_torchrun else self.ep_size
-        check_placement(self.device, self.dist_backend, self.backend, self.simulate_npu, local)
+        check_placement(self.device, self.dist_backend, self.backend, self.simulate_npu, self.local_workers)
 
     @classmethod
     def from_server_config(cls, config: Any, **overrides: Any) -> EngineConfig:
@@ -124,6 +152,9 @@ class EngineConfig:
             simulate_npu=sim,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
             random_model=dict(config.random_model) or None, step_timeout_s=config.step_timeout_s,
-            elastic=config.elastic, moe_impl=config.moe_impl,
+            elastic=config.elastic, moe_impl=config.moe_impl, max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
+            async_scheduling=config.async_scheduling, worker_threads=config.worker_threads,
         )  # fmt: skip
         return cls(**{**values, **overrides})

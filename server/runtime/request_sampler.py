@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..engine_api import SamplingParams, TokenLogprob
-from .sampler import TokenCounts, choose, make_generator, processed_logits, token_logprob
+from .sampler import GREEDY_BELOW, TokenCounts, choose, make_generator, processed_logits, token_logprob
 
 
 class RequestSampler:
@@ -26,6 +26,20 @@ class RequestSampler:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else []
         self._previous_row: torch.Tensor | None = None  # log-softmax of the last prompt row so far
         self.sampled = False
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Its next token is the argmax of the raw logits and nothing else is asked for (no bias, no penalty, no
+        log-probabilities): the worker takes it in one batched argmax with the step's other such requests."""
+        p = self.params
+        return (
+            p.temperature < GREEDY_BELOW and not p.logit_bias and self.counts is None and p.logprobs is None
+            and not self.wants_all_logits and self.prompt_logprobs is None
+        )  # fmt: skip
+
+    def mark_sampled(self) -> None:
+        """Its token was taken by the batched argmax (:attr:`plain_greedy`): what follows is output."""
+        self.sampled = True
 
     @property
     def wants_all_logits(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from ..engine_api import SamplingParams, TokenLogprob
 
-_GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING_EPS)
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING_EPS)
 
 
 def make_generator(params: SamplingParams, fallback: torch.Generator) -> torch.Generator:
@@ -71,7 +71,7 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams, counts: Token
             logits = torch.where(seen, scaled, logits)
         logits = logits - params.frequency_penalty * counts.output.float()
         logits = logits - params.presence_penalty * (counts.output > 0).float()
-    if params.temperature >= _GREEDY_BELOW:
+    if params.temperature >= GREEDY_BELOW:
         logits = logits / params.temperature
     # extreme values (a repetition penalty of 1e-300 is 0 in float32) must not make NaN probabilities
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
@@ -88,7 +88,7 @@ def sample_one(
 def choose(processed: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """The token id for ``processed`` `[vocab]` with `torch.float32` (:func:`processed_logits`): the argmax when
     greedy, else a draw."""
-    if params.temperature < _GREEDY_BELOW:  # logits / a tiny temperature overflow to inf (then NaN probabilities)
+    if params.temperature < GREEDY_BELOW:  # logits / a tiny temperature overflow to inf (then NaN probabilities)
         return int(torch.argmax(processed))
     return _draw(processed, params, generator)
 

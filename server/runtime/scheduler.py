@@ -1,8 +1,16 @@
-"""Per-DP-rank request scheduling and stop handling (pure Python; runs in the driver).
+"""Per-DP-rank request scheduling over a paged KV cache (pure Python; runs in the driver).
 
-Each worker owns its requests and KV-cache slots. A step gives every running request in decode one token, then
-fills the rest of the rank's per-step capacity N (``num_max_dispatch_tokens_per_rank``) with prefill chunks
-(chunked prefill), admitting waiting requests while a slot is free.
+Each worker owns its requests and its KV-cache blocks (:class:`~server.runtime.block_manager.KVCacheManager`).
+A step first gives every running request in decode one token, then fills the rest of the rank's per-step token
+capacity N (``max_num_batched_tokens``) with prefill chunks (chunked prefill), then admits waiting requests while
+``max_num_seqs`` allows and their blocks are there (after their cached prefix, if prefix caching found one). When
+a running request needs a block and none is free, the most recently admitted request not yet planned this step is
+preempted: its blocks are released and it waits at the head of the queue to be recomputed (prompt and output so
+far as one prefill), which gives the same tokens as running uninterrupted.
+
+With async scheduling the driver plans step k+1 while the workers run step k: a request whose token of step k is
+still in flight (``num_inflight``) gets a placeholder for it (the worker fills in what it sampled), and is not
+planned past ``max_tokens`` or ``max_model_len`` counting that token.
 """
 
 from __future__ import annotations
@@ -10,39 +18,63 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from ..engine_api import RequestDelta, SamplingParams, Tokenizer, TokenLogprob
-from .worker import PlanEntry, StepPlan
+from ..engine_api import SamplingParams
+from .block_manager import BlockTable, KVCacheManager
+from .detokenizer import IncrementalDetokenizer
+from .plan import PlanEntry, StepPlan
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
+    """One request on its rank. ``token_ids`` is the prompt followed by the output so far; ``num_computed`` tokens
+    of it have their keys/values in the cache (or planned); ``num_inflight`` tokens are being sampled by steps whose
+    results have not arrived."""
+
     request_id: str
-    prompt_token_ids: list[int]
+    seq_id: int
+    prompt_len: int
+    token_ids: list[int]
     params: SamplingParams
-    output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose keys/values are in the cache
-    slot: int | None = None
+    detokenizer: IncrementalDetokenizer
+    num_computed: int = 0
+    num_inflight: int = 0
     started: bool = False  # the worker has this request's sampling params
-    text: str = ""
     finish_reason: str | None = None
+    table: BlockTable = dataclasses.field(default_factory=BlockTable)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def num_pending(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed
+        """Tokens (in flight included) whose keys/values are not computed yet."""
+        return len(self.token_ids) + self.num_inflight - self.num_computed
 
-    def pending_tokens(self, n: int) -> list[int]:
-        tokens = self.prompt_token_ids + self.output_token_ids
-        return tokens[self.num_computed : self.num_computed + n]
+    def num_schedulable(self, max_model_len: int) -> int:
+        """Tokens it can run now: 1 in decode, else its known uncomputed tokens; 0 once its last token is planned
+        (``max_tokens`` or ``max_model_len`` reached, counting in-flight tokens)."""
+        total = len(self.token_ids) + self.num_inflight
+        if self.num_pending == 1:
+            return int(total - self.prompt_len < self.params.max_tokens and total < max_model_len)
+        return len(self.token_ids) - self.num_computed
 
 
 class RankScheduler:
-    """Requests of one DP rank: ``waiting`` (no slot yet) and ``running`` (own a cache slot)."""
+    """Requests of one DP rank: ``waiting`` (no blocks, FIFO; preempted ones go back to the head) and ``running``
+    (hold blocks, in admission order)."""
 
-    def __init__(self, max_num_seqs: int, num_max_tokens: int) -> None:
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.num_max_tokens = num_max_tokens
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, num_max_tokens: int, max_model_len: int) -> None:
+        self.kv = kv
+        self.max_num_seqs, self.num_max_tokens, self.max_model_len = max_num_seqs, num_max_tokens, max_model_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.finished_seq_ids: list[int] = []  # removed since the last plan sent (the worker can forget them)
 
     @property
     def num_requests(self) -> int:
@@ -50,63 +82,70 @@ class RankScheduler:
 
     def schedule(self) -> tuple[StepPlan, list[Request]]:
         """This step's plan and, in plan order, the request of each entry that samples a token."""
-        budget = self.num_max_tokens
-        entries: list[PlanEntry] = []
+        plan = StepPlan([])
         sampling: list[Request] = []
-
-        def take(req: Request, n: int) -> None:
-            nonlocal budget
-            sample = n == req.num_pending
-            params = None if req.started else req.params
-            assert req.slot is not None, "running requests own a slot"
-            entries.append(PlanEntry(req.slot, req.num_computed, req.pending_tokens(n), sample, params))
-            req.started = True
-            req.num_computed += n
-            budget -= n
-            if sample:
-                sampling.append(req)
-
-        for req in self.running:  # decodes first: one token each (max_num_seqs <= N, so they always fit)
-            if req.num_pending == 1 and budget > 0:
-                take(req, 1)
-        for req in self.running:  # then prefill chunks
-            if req.num_pending > 1 and budget > 0:
-                take(req, min(req.num_pending, budget))
-        while self.waiting and self.free_slots and budget > 0:
-            req = self.waiting.popleft()
-            req.slot = self.free_slots.pop()
+        planned: set[int] = set()
+        budget = self.num_max_tokens
+        for decodes in (True, False):  # decodes first: one token each (max_num_seqs <= N, so they always fit)
+            for req in list(self.running):
+                n = min(req.num_schedulable(self.max_model_len), budget)
+                if n == 0 or req.seq_id in planned or (req.num_pending == 1) != decodes or req not in self.running:
+                    continue
+                if self._reserve(req, req.num_computed + n, planned):
+                    budget -= self._plan(plan, sampling, req, n)
+                    planned.add(req.seq_id)
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            admitted = self.kv.admit(req.table, req.token_ids, budget)
+            if admitted is None:
+                break
+            self.waiting.popleft()
             self.running.append(req)
-            take(req, min(req.num_pending, budget))
-        return StepPlan(entries), sampling
+            req.num_computed = admitted
+            budget -= self._plan(plan, sampling, req, min(len(req.token_ids) - admitted, budget))
+        return plan, sampling
 
     def remove(self, req: Request) -> None:
+        """Drop a finished or aborted request and release its blocks."""
         if req in self.running:
+            self.kv.cache_full_blocks(req.table, req.token_ids, req.num_computed)
+            self.kv.free(req.table)
             self.running.remove(req)
-            assert req.slot is not None, "running requests own a slot"
-            self.free_slots.append(req.slot)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.started:
+            self.finished_seq_ids.append(req.seq_id)
 
+    def _reserve(self, req: Request, num_tokens: int, planned: set[int]) -> bool:
+        """Blocks for ``num_tokens`` of ``req``, preempting the latest admitted unplanned requests as needed;
+        False when ``req`` itself had to be preempted."""
+        while not self.kv.grow(req.table, num_tokens):
+            victim = next((r for r in reversed(self.running) if r is not req and r.seq_id not in planned), req)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
 
-def apply_token(req: Request, token: int, tokenizer: Tokenizer, max_model_len: int,
-                logprob: TokenLogprob | None = None,
-                prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestDelta:  # fmt: skip
-    """Append a sampled token, update the text and decide whether the request finished (vLLM semantics: EOS and
-    stop token ids are kept in ``token_ids`` but not in the text; a stop string and what follows are cut off).
-    ``logprob`` and ``prompt_logprobs`` (the worker's, when asked for) go into the delta."""
-    req.output_token_ids.append(token)
-    p = req.params
-    n_out = len(req.output_token_ids)
-    reason = None
-    text_ids = req.output_token_ids
-    if token in (p.stop_token_ids or []) or (not p.ignore_eos and token in tokenizer.eos_token_ids):
-        reason, text_ids = "stop", req.output_token_ids[:-1]
-    text = tokenizer.decode(text_ids)
-    hits = [i for i in (text.find(s) for s in p.stop_strings if s) if i >= 0]
-    if hits:
-        text, reason = text[: min(hits)], "stop"
-    if reason is None and (n_out >= p.max_tokens or len(req.prompt_token_ids) + n_out >= max_model_len):
-        reason = "length"
-    req.text, req.finish_reason = text, reason
-    return RequestDelta(req.request_id, [token], text, reason, None, len(req.prompt_token_ids), n_out,
-                        None if logprob is None else [logprob], prompt_logprobs)  # fmt: skip
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.table)
+        req.num_computed = 0
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _plan(self, plan: StepPlan, sampling: list[Request], req: Request, n: int) -> int:
+        """Add ``n`` tokens of ``req`` (blocks reserved) to ``plan``; returns ``n``."""
+        start = req.num_computed
+        in_flight = req.num_pending == 1 and req.num_inflight > 0  # its input is in flight: the worker has it
+        tokens = None if in_flight else req.token_ids[start : start + n]
+        sample = start + n == len(req.token_ids) + req.num_inflight
+        new_blocks, reset = req.table.take_new()
+        plan.entries.append(PlanEntry(req.seq_id, start, tokens, sample, None if req.started else req.params,
+                                      new_blocks, reset))  # fmt: skip
+        req.started = True
+        req.num_computed += n
+        self.kv.cache_full_blocks(req.table, req.token_ids, req.num_computed)
+        if sample:
+            req.num_inflight += 1
+            sampling.append(req)
+        return n

@@ -16,8 +16,10 @@ from typing import Any
 
 from .engine_config import EngineConfig
 from .placement import bind_device
+from .plan import StepPlan, StepResult
 from .rendezvous import serve_loopback_store
-from .worker import GroupChannel, StepFailed, StepPlan, StepResult, Worker, serve_plans, worker_main
+from .worker import Worker
+from .worker_loop import GroupChannel, StepFailed, serve_plans, worker_main
 
 logger = logging.getLogger("server.engine")
 
@@ -30,10 +32,21 @@ class WorkerGroup(abc.ABC):
     infos: list[dict]
     lost: dict[int, str]  # elastic mode: lost worker rank -> why
 
+    overlaps: bool  # submit() returns while the workers run (the driver can plan the next step meanwhile)
+
     @abc.abstractmethod
+    def submit(self, plans: list[StepPlan]) -> None:
+        """Start one step: one plan per worker (all step together). Steps run in the order submitted."""
+
+    @abc.abstractmethod
+    def collect(self) -> list[StepResult | None]:
+        """The results of the oldest submitted step not collected yet; raise :class:`WorkerError` if a worker
+        fails. A None result: that worker is lost (elastic mode)."""
+
     def step(self, plans: list[StepPlan]) -> list[StepResult | None]:
-        """Run one plan per worker (all step together); raise :class:`WorkerError` if any fails. A None result: that
-        worker is lost (elastic mode)."""
+        """Submit one step and wait for its results (nothing else in flight)."""
+        self.submit(plans)
+        return self.collect()
 
     @abc.abstractmethod
     def is_alive(self) -> bool: ...
@@ -60,10 +73,12 @@ class ProcessWorkers(WorkerGroup):
         """``args.ep_size`` workers; ``args.step_timeout_s`` bounds each step and ping, ``args.elastic`` as above."""
         world_size, step_timeout_s, elastic = args.ep_size, args.step_timeout_s, args.elastic
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "server.runtime.worker"])
+        ctx.set_forkserver_preload(["torch", "server.runtime.worker_loop"])
         self.step_timeout_s = step_timeout_s
         self.conns, self.procs = [], []
         self.lost: dict[int, str] = {}
+        self.overlaps = True
+        self._num_inflight = 0
         self.elastic = False  # a failure while starting fails the group
         self._closed = False
         try:
@@ -151,10 +166,15 @@ class ProcessWorkers(WorkerGroup):
                 if on_reply is not None:
                     on_reply(rank, payload, len(replies))
 
-    def step(self, plans: list[StepPlan]) -> list[StepResult | None]:
+    def submit(self, plans: list[StepPlan]) -> None:
         if self._closed:
             raise WorkerError("the workers were shut down")
         self._send_all({r: ("step", plans[r]) for r in self._live()})
+        self._num_inflight += 1
+
+    def collect(self) -> list[StepResult | None]:
+        assert self._num_inflight > 0, "collect() without a submitted step"
+        self._num_inflight -= 1
         replies = self._collect(self.step_timeout_s)
         return [replies.get(r) for r in range(len(self.conns))]
 
@@ -162,8 +182,14 @@ class ProcessWorkers(WorkerGroup):
         return not self._closed and all(self.procs[r].is_alive() for r in self._live())
 
     def ping(self, timeout_s: float) -> None:
+        """Between steps only: with a step in flight, only checks that every live worker process is alive."""
         if self._closed:
             raise WorkerError("the workers were shut down")
+        if self._num_inflight:
+            dead = [r for r in self._live() if not self.procs[r].is_alive()]
+            if dead:
+                self._failed(dead, f"worker {dead[0]} exited with code {self.procs[dead[0]].exitcode}")
+            return
         self._send_all({r: ("ping", None) for r in self._live()})
         self._collect(timeout_s)
 
@@ -207,7 +233,7 @@ def _init_torchrun(args: EngineConfig) -> tuple[int, int, Any, Worker, bool]:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads_per_worker())
     device = bind_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), args.simulate_npu)
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -234,9 +260,11 @@ class TorchrunWorkers(WorkerGroup):
         dist.gather_object(("ready", self.worker.info), ready, dst=0, group=self.control)
         self.infos = [info for _, info in ready]
         self.lost = {}
+        self.overlaps = False  # rank 0 is worker 0: a step runs inside submit()
+        self._done: list[list[StepResult | None]] = []
         self._closed = False
 
-    def step(self, plans: list[StepPlan]) -> list[StepResult | None]:
+    def submit(self, plans: list[StepPlan]) -> None:
         self.dist.broadcast_object_list([("step", plans)], src=0, group=self.control)
         local = self.worker.execute(plans[0])
         results: list[Any] = [None] * self.world_size
@@ -244,7 +272,10 @@ class TorchrunWorkers(WorkerGroup):
         for kind, payload in results:
             if kind == "error":
                 raise WorkerError(payload)
-        return [payload for _, payload in results]
+        self._done.append([payload for _, payload in results])
+
+    def collect(self) -> list[StepResult | None]:
+        return self._done.pop(0)
 
     def is_alive(self) -> bool:
         return not self._closed

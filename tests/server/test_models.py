@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config
-from server.models import ExpertComm, ForwardBatch, KVCache, LocalComm, ModelConfig
+from server.models import ExpertComm, LocalComm, ModelConfig
+from tests.server.paged import SlotCache
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
 ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral"]
@@ -31,17 +32,17 @@ def test_logits_and_greedy_match_transformers(ckpt) -> None:  # noqa: ANN001
     _, path = ckpt
     hf = load_hf(path)
     model = load_model(path, _local)
-    cache = KVCache(model, len(PROMPTS), 64, torch.float32)
+    cache = SlotCache(model, len(PROMPTS), 64)
     steps = 8
     golden = [hf_greedy(hf, p, steps) for p in PROMPTS]
-    logits = model(ForwardBatch.build([(i, 0, p) for i, p in enumerate(PROMPTS)], [True] * len(PROMPTS)), cache)
+    logits = cache.run(model, [(i, 0, p) for i, p in enumerate(PROMPTS)], [True] * len(PROMPTS))
     lengths = [len(p) for p in PROMPTS]
     for step in range(steps):
         for i, (tokens, ref) in enumerate(golden):
             torch.testing.assert_close(logits[i], ref[step], atol=ATOL, rtol=0)
             assert int(logits[i].argmax()) == tokens[step]
         chunks = [(i, lengths[i] + step, [golden[i][0][step]]) for i in range(len(PROMPTS))]
-        logits = model(ForwardBatch.build(chunks, [True] * len(PROMPTS)), cache)
+        logits = cache.run(model, chunks, [True] * len(PROMPTS))
 
 
 def test_chunked_prefill_equals_whole(ckpt) -> None:  # noqa: ANN001
@@ -49,11 +50,11 @@ def test_chunked_prefill_equals_whole(ckpt) -> None:  # noqa: ANN001
     _, path = ckpt
     model = load_model(path, _local)
     prompt = PROMPTS[2]
-    cache = KVCache(model, 2, 64, torch.float32)
-    whole = model(ForwardBatch.build([(0, 0, prompt)], [True]), cache)
-    model(ForwardBatch.build([(1, 0, prompt[:4])], [False]), cache)
-    model(ForwardBatch.build([(1, 4, prompt[4:7])], [False]), cache)
-    chunked = model(ForwardBatch.build([(1, 7, prompt[7:])], [True]), cache)
+    cache = SlotCache(model, 2, 64)
+    whole = cache.run(model, [(0, 0, prompt)], [True])
+    cache.run(model, [(1, 0, prompt[:4])], [False])
+    cache.run(model, [(1, 4, prompt[4:7])], [False])
+    chunked = cache.run(model, [(1, 7, prompt[7:])], [True])
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
     _, ref = hf_greedy(load_hf(path), prompt, 1)
     torch.testing.assert_close(chunked[0], ref[0], atol=ATOL, rtol=0)
@@ -128,20 +129,20 @@ def test_bfloat16_model_runs_close_to_fp32() -> None:
     m16 = load_model(None, _local, dtype="bfloat16")
     assert m16.model.embed_tokens.weight.dtype == torch.bfloat16
     assert m16.moe_layers()[0].gate.weight.dtype == torch.float32
-    batch = ForwardBatch.build([(0, 0, list(b"hello world"))], [True])
-    l32 = m32(batch, KVCache(m32, 1, 32, torch.float32))
-    l16 = m16(batch, KVCache(m16, 1, 32, torch.bfloat16))
+    chunks = [(0, 0, list(b"hello world"))]
+    l32 = SlotCache(m32, 1, 32).run(m32, chunks, [True])
+    l16 = SlotCache(m16, 1, 32, torch.bfloat16).run(m16, chunks, [True])
     assert (l16 - l32).abs().max() < 0.1 * l32.abs().max()
 
 
 def test_int8_experts_close_to_float() -> None:
     """W8A8 experts (per-channel weight scales, per-token activation quant) stay within ~2% of fp32 logits."""
     model = load_model(None, _local)
-    batch = ForwardBatch.build([(0, 0, list(b"the quick brown fox")), (1, 0, list(b"hi"))], [True, True])
-    ref = model(batch, KVCache(model, 2, 32, torch.float32))
+    chunks = [(0, 0, list(b"the quick brown fox")), (1, 0, list(b"hi"))]
+    ref = SlotCache(model, 2, 32).run(model, chunks, [True, True])
     for moe in model.moe_layers():
         moe.experts.quantize_int8()
-    out = model(batch, KVCache(model, 2, 32, torch.float32))
+    out = SlotCache(model, 2, 32).run(model, chunks, [True, True])
     assert not torch.equal(out, ref)
     assert (out - ref).abs().max() < 0.02 * ref.abs().max()
 
@@ -160,6 +161,6 @@ def test_zero_token_step(arch: str) -> None:
     calls = []
     for moe in model.moe_layers():
         moe.register_forward_hook(lambda mod, inp, out: calls.append(out.shape))
-    out = model(ForwardBatch.build([], []), KVCache(model, 1, 8, torch.float32))
+    out = SlotCache(model, 1, 8).run(model, [], [])
     assert out.shape == (0, model.cfg.vocab_size)
     assert calls == [(0, model.cfg.hidden_size)] * len(model.moe_layers())

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from server.loader import load_model
-from server.models import ForwardBatch, KVCache
 from server.models.ep_comm import BufferComm
 from tests.distributed import parallel_launch
+from tests.server.paged import SlotCache
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
 PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
@@ -20,11 +20,11 @@ def _rank(info, path: str) -> list[tuple[int, list[list[float]], list[int]]]:  #
     """Rank r prefills prompts r, r+W, ... then decodes greedily; returns (prompt index, logits, tokens)."""
     model = load_model(path, lambda cfg: BufferComm(info.group, cfg.num_experts, 16, cfg.hidden_size, "reference"))
     mine = list(range(info.rank, len(PROMPTS), info.world_size))
-    cache = KVCache(model, max(1, len(mine)), 32, torch.float32)
+    cache = SlotCache(model, max(1, len(mine)), 32)
     chunks = [(slot, 0, PROMPTS[i]) for slot, i in enumerate(mine)]
     logits_per, tokens_per = [[] for _ in mine], [[] for _ in mine]
     for _ in range(STEPS):
-        logits = model(ForwardBatch.build(chunks, [True] * len(chunks)), cache)
+        logits = cache.run(model, chunks, [True] * len(chunks))
         for j in range(len(mine)):
             logits_per[j].append(logits[j].tolist())  # plain lists: tensors do not survive the result queue
             tokens_per[j].append(int(logits[j].argmax()))

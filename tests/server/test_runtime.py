@@ -21,7 +21,7 @@ from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 STEPS = 16
 PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([1, 5, 40, 9, 23, 2, 17, 33])]
 GREEDY = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
-ENGINE = dict(max_num_seqs=4, num_max_dispatch_tokens_per_rank=16, max_model_len=128)
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def qwen(tmp_path_factory) -> tuple[str, list[list[int]]]:  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def llm_ep2(qwen):  # noqa: ANN001, ANN201
-    llm = LLM(model=qwen[0], ep_size=2, max_num_seqs=8, num_max_dispatch_tokens_per_rank=16, max_model_len=128)
+    llm = LLM(model=qwen[0], ep_size=2, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
     yield llm
     llm.shutdown()
 
@@ -142,8 +142,8 @@ def test_worker_exception_mid_step_surfaces_and_tears_down(qwen) -> None:  # noq
     every worker is gone within seconds."""
     llm = LLM(model=qwen[0], ep_size=2, **ENGINE)
     procs = llm.engine.workers.procs
-    good = StepPlan([PlanEntry(0, 0, [1, 2, 3], True, GREEDY)])
-    bad = StepPlan([PlanEntry(99, 0, [1, 2, 3], True, GREEDY)])  # slot 99 does not exist on the worker
+    good = StepPlan([PlanEntry(0, 0, [1, 2, 3], True, GREEDY, [0], True)])
+    bad = StepPlan([PlanEntry(0, 0, [1, 2, 3], True, GREEDY, [10**6], True)])  # no such block in the worker's cache
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"(?s)worker 1 .*Traceback.*IndexError"):
         llm.engine.workers.step([good, bad])
@@ -210,8 +210,8 @@ def test_bad_engine_arguments() -> None:
         LLM(ep_size=3)
     with pytest.raises(ValueError, match="dtype='int4'"):
         LLM(dtype="int4")
-    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank=4 must be >= max_num_seqs=8"):
-        LLM(max_num_seqs=8, num_max_dispatch_tokens_per_rank=4)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=4 must be >= max_num_seqs=8"):
+        LLM(max_num_seqs=8, max_num_batched_tokens=4)
     assert torch.get_num_threads() >= 1
 
 

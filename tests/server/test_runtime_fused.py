@@ -18,7 +18,7 @@ def test_fused_moe_serving_matches_transformers(tmp_path, arch: str) -> None:
     hf = load_hf(path)
     golden = [hf_greedy(hf, p, STEPS)[0] for p in PROMPTS]
     params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
-    with LLM(model=path, ep_size=2, moe_impl="fused", max_num_seqs=4, num_max_dispatch_tokens_per_rank=16,
+    with LLM(model=path, ep_size=2, moe_impl="fused", max_num_seqs=4, max_num_batched_tokens=16,
              max_model_len=64) as llm:  # fmt: skip
         outs = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == golden

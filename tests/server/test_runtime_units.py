@@ -1,4 +1,5 @@
-"""Driver-side pieces without workers: per-rank scheduling (chunked prefill, slots), stop handling, sampling."""
+"""Driver-side pieces without workers: per-rank scheduling (chunked prefill, blocks, preemption), the prefix cache,
+stop handling, sampling."""
 
 from __future__ import annotations
 
@@ -7,69 +8,113 @@ import torch
 
 from server.engine_api import SamplingParams
 from server.runtime.sampler import sample_one
-from server.runtime.scheduler import RankScheduler, Request, apply_token
+from server.runtime.block_manager import BlockTable, KVCacheManager
+from server.runtime.detokenizer import IncrementalDetokenizer, apply_token
+from server.runtime.scheduler import RankScheduler, Request
 from server.tokenizer import ByteTokenizer
 
 
-def test_chunked_prefill_decode_first_and_slots() -> None:
-    s = RankScheduler(max_num_seqs=2, num_max_tokens=8)
-    a, b, c = (
-        Request(n, list(range(1, k + 1)), SamplingParams())
-        for n, k in (
-            (
-                "a",
-                11,
-            ),
-            ("b", 3),
-            ("c", 2),
-        )
-    )
+def _request(name: str, tokens: list[int], seq_id: int = 0, **params) -> Request:  # noqa: ANN003
+    tok = ByteTokenizer(eos_token_ids=[256])
+    return Request(name, seq_id, len(tokens), list(tokens), SamplingParams(**params), IncrementalDetokenizer(tok))
+
+
+def test_chunked_prefill_decode_first_and_blocks() -> None:
+    """Decodes first, then prefill chunks within the per-step capacity, admission by slots; each entry carries the
+    blocks its sequence gained (the whole table on a fresh start)."""
+    s = RankScheduler(KVCacheManager(num_blocks=16, block_size=4), max_num_seqs=2, num_max_tokens=8, max_model_len=64)
+    a, b, c = (_request(n, list(range(1, k + 1)), i) for i, (n, k) in enumerate((("a", 11), ("b", 3), ("c", 2))))
     s.waiting.extend([a, b, c])
     plan, sampling = s.schedule()  # a takes the whole budget (first chunk), b waits for budget, c for a slot
-    assert [(e.slot, e.start, len(e.token_ids), e.sample) for e in plan.entries] == [(0, 0, 8, False)]
+    assert [(e.seq_id, e.start, len(e.token_ids or []), e.sample) for e in plan.entries] == [(0, 0, 8, False)]
     assert plan.entries[0].params is a.params and sampling == []
-    plan, sampling = s.schedule()  # a's last 3 prompt tokens, then b's prompt
-    assert [(e.slot, e.start, e.token_ids, e.sample) for e in plan.entries] == [
+    assert (len(plan.entries[0].new_block_ids), plan.entries[0].reset_blocks) == (2, True)
+    plan, sampling = s.schedule()  # a's last 3 prompt tokens (one more block), then b's prompt
+    assert [(e.seq_id, e.start, e.token_ids, e.sample) for e in plan.entries] == [
         (0, 8, [9, 10, 11], True),
         (1, 0, [1, 2, 3], True),
     ]
+    assert [(len(e.new_block_ids), e.reset_blocks) for e in plan.entries] == [(1, False), (1, True)]
     assert plan.entries[0].params is None and sampling == [a, b]
-    a.output_token_ids.append(50)
-    b.output_token_ids.append(60)
-    plan, _ = s.schedule()  # both decode one token each; c still has no slot
-    assert [(e.slot, e.start, e.token_ids) for e in plan.entries] == [(0, 11, [50]), (1, 3, [60])]
+    assert plan.entries[1].new_block_ids[0] not in a.table.blocks  # blocks are not shared between requests
+    plan, _ = s.schedule()  # async: a and b decode the tokens still in flight (placeholders)
+    assert [(e.seq_id, e.start, e.token_ids) for e in plan.entries] == [(0, 11, None), (1, 3, None)]
+    for req in (a, b):
+        req.num_inflight -= 2  # both steps' tokens arrive
+        req.token_ids += [50, 51]
     s.remove(a)
-    b.output_token_ids.append(61)
     plan, _ = s.schedule()
-    assert [(e.slot, e.token_ids) for e in plan.entries] == [(1, [61]), (0, [1, 2])]  # c reuses a's slot
+    assert [(e.seq_id, e.token_ids) for e in plan.entries] == [(1, [51]), (2, [1, 2])]  # c takes a's slot
     assert plan.entries[1].params is c.params
 
 
-def _req(**kw) -> Request:  # noqa: ANN003
-    return Request("r", [1, 2, 3], SamplingParams(**kw))
+def test_preemption_when_blocks_run_out() -> None:
+    """Two requests, blocks for 5 tokens: the later one is preempted (blocks released, back to the head of the
+    queue) and recomputed from its prompt and output when the first one finishes."""
+    s = RankScheduler(KVCacheManager(num_blocks=5, block_size=1, enable_prefix_caching=False), max_num_seqs=2,
+                      num_max_tokens=8, max_model_len=5)  # fmt: skip
+    a, b = _request("a", [1, 2], 0), _request("b", [3], 1)
+    s.waiting.extend([a, b])
+    plan, _ = s.schedule()
+    assert [e.seq_id for e in plan.entries] == [0, 1] and s.kv.pool.num_free == 2
+    a.token_ids.append(7)
+    b.token_ids.append(8)
+    a.num_inflight = b.num_inflight = 0
+    s.schedule()  # a and b decode: 5 blocks in use
+    a.token_ids.append(9)
+    b.token_ids.append(10)
+    a.num_inflight = b.num_inflight = 0
+    plan, _ = s.schedule()  # a needs a 6th block: b (admitted last) is preempted
+    assert [(e.seq_id, e.token_ids) for e in plan.entries] == [(0, [9])]
+    assert list(s.waiting) == [b] and b.num_computed == 0 and b.table.blocks == [] and s.num_preemptions == 1
+    s.remove(a)
+    plan, _ = s.schedule()  # b starts over: prompt and output as one prefill, on a fresh block table
+    assert [(e.seq_id, e.start, e.token_ids, e.sample, e.reset_blocks) for e in plan.entries] == [
+        (1, 0, [3, 8, 10], True, True)
+    ]
+
+
+def test_prefix_cache_hits_share_full_blocks_and_evict_lru() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    first, second = BlockTable(), BlockTable()
+    prompt = [1, 2, 3, 4, 5, 6]
+    assert kv.admit(first, prompt, 8) == 0
+    kv.cache_full_blocks(first, prompt, 6)
+    assert kv.admit(second, prompt + [7], 8) == 6  # three full blocks shared; the last token is never a hit
+    assert second.blocks[:3] == first.blocks and kv.pool.ref_count[first.blocks[0]] == 2
+    assert (kv.num_queries, kv.num_hits) == (6 + 7, 6)
+    third = BlockTable()
+    assert kv.admit(third, prompt, 8) == 4  # a whole-prompt hit keeps its last block to recompute
+    assert kv.match_prefix([1, 2, 9, 9, 9]) == ([first.blocks[0]], [first.key_ids[0]])  # chained: same head only
+    assert kv.match_prefix([9, 9, 3, 4, 5]) == ([], [])  # a block matches only after the same prefix
+    cached = first.blocks
+    for table in (first, second, third):
+        kv.free(table)
+    assert kv.usage == 0.0 and kv.match_prefix(prompt + [0])[0] == cached  # still cached while unused
+    kv.grow(BlockTable(), 2 * 5)  # five blocks taken: least recently freed first, a prefix's tail before its head
+    assert kv.match_prefix(prompt + [0])[0] == cached[:1]
 
 
 def test_apply_token_stop_semantics() -> None:
-    tok = ByteTokenizer(eos_token_ids=[256])
-    r = _req(max_tokens=10)
-    assert apply_token(r, ord("h"), tok, 100).finish_reason is None
-    d = apply_token(r, 256, tok, 100)
+    r = _request("r", [1, 2, 3], max_tokens=10)
+    assert apply_token(r, ord("h"), 100).finish_reason is None
+    d = apply_token(r, 256, 100)
     assert (d.finish_reason, d.text, r.output_token_ids) == ("stop", "h", [ord("h"), 256])
-    r = _req(max_tokens=10, ignore_eos=True)
-    assert apply_token(r, 256, tok, 100).finish_reason is None
-    r = _req(max_tokens=10, stop_token_ids=[ord("x")])
-    d = apply_token(r, ord("x"), tok, 100)
+    r = _request("r", [1, 2, 3], max_tokens=10, ignore_eos=True)
+    assert apply_token(r, 256, 100).finish_reason is None
+    r = _request("r", [1, 2, 3], max_tokens=10, stop_token_ids=[ord("x")])
+    d = apply_token(r, ord("x"), 100)
     assert (d.finish_reason, d.text) == ("stop", "")
-    r = _req(max_tokens=10, stop=["lo", "el"])
+    r = _request("r", [1, 2, 3], max_tokens=10, stop=["lo", "el"])
     for ch in "hel":
-        d = apply_token(r, ord(ch), tok, 100)
+        d = apply_token(r, ord(ch), 100)
     assert (d.finish_reason, d.text) == ("stop", "h")  # earliest stop string wins, cut with what follows
-    r = _req(max_tokens=2)
-    apply_token(r, 65, tok, 100)
-    assert apply_token(r, 66, tok, 100).finish_reason == "length"
-    r = _req(max_tokens=50)
-    assert apply_token(r, 65, tok, 5).finish_reason is None
-    assert apply_token(r, 65, tok, 5).finish_reason == "length"  # 3 prompt + 2 output = max_model_len
+    r = _request("r", [1, 2, 3], max_tokens=2)
+    apply_token(r, 65, 100)
+    assert apply_token(r, 66, 100).finish_reason == "length"
+    r = _request("r", [1, 2, 3], max_tokens=50)
+    assert apply_token(r, 65, 5).finish_reason is None
+    assert apply_token(r, 65, 5).finish_reason == "length"  # 3 prompt + 2 output = max_model_len
 
 
 def test_sampler_greedy_top_k_top_p_and_seed() -> None:

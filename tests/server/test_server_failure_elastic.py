@@ -34,12 +34,13 @@ def oracle_greedy(prompt: list[int], num_tokens: int, dropped_experts: set[int])
     plain_dispatch = comm.dispatch
     dropped = torch.tensor(sorted(dropped_experts), dtype=torch.int64)
 
-    def dispatch(x: torch.Tensor, topk_idx: torch.Tensor):  # noqa: ANN202
-        return plain_dispatch(x, topk_idx.masked_fill(torch.isin(topk_idx, dropped), -1))
+    def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_tokens_all_ranks: int | None = None):  # noqa: ANN202
+        return plain_dispatch(x, topk_idx.masked_fill(torch.isin(topk_idx, dropped), -1), num_tokens_all_ranks)
 
     comm.dispatch = dispatch
     params = SamplingParams(max_tokens=num_tokens, temperature=0)
-    out = worker.execute(StepPlan([PlanEntry(0, 0, list(prompt), True, params)])).token_ids
+    blocks = list(range(-(-512 // worker.cache.block_size)))  # one full-length request's blocks
+    out = worker.execute(StepPlan([PlanEntry(0, 0, list(prompt), True, params, blocks, True)])).token_ids
     while len(out) < num_tokens:
         out += worker.execute(StepPlan([PlanEntry(0, len(prompt) + len(out) - 1, [out[-1]], True)])).token_ids
     return out

@@ -1,0 +1,131 @@
+"""The loop every worker runs, spawned or a torchrun rank: :func:`serve_plans` over a :class:`Channel` to the
+driver: :class:`PipeChannel` (a private ``multiprocessing`` pipe; :func:`worker_main` is the process entry of a
+spawned worker) or :class:`GroupChannel` (a torchrun job's gloo control group).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import queue
+import threading
+import traceback
+from typing import Any
+
+import torch
+
+from .engine_config import EngineConfig
+from .placement import bind_device
+from .rendezvous import init_loopback_group
+from .worker import Worker
+
+
+class Channel(abc.ABC):
+    """A worker's end of its control channel to the driver. Messages are ``(kind, payload)``: from the driver
+    ``("step", StepPlan)``, ``("ping", None)``, ``("stop", None)``; to it ``("ready", info)``, ``("ok", StepResult)``,
+    ``("pong", None)``, ``("error", traceback text)``."""
+
+    @abc.abstractmethod
+    def recv(self) -> tuple[str, Any]:
+        """The driver's next message (``("stop", None)`` when the driver is gone)."""
+
+    @abc.abstractmethod
+    def send(self, kind: str, payload: Any) -> None: ...
+
+
+class PipeChannel(Channel):
+    """A spawned worker's private ``multiprocessing`` pipe. A reader thread takes the driver's messages off the
+    pipe as they come, so a driver that sends step k+1 while this worker runs step k never blocks on a full pipe
+    (nor, blocked there, leaves this worker's reply unread)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, name="plan-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, payload = self.conn.recv()
+            except (EOFError, OSError):  # the driver is gone
+                self._inbox.put(("stop", None))
+                return
+            self._inbox.put((kind, payload))
+            if kind == "stop":
+                return
+
+    def recv(self) -> tuple[str, Any]:
+        return self._inbox.get()
+
+    def send(self, kind: str, payload: Any) -> None:
+        self.conn.send((kind, payload))
+
+
+class GroupChannel(Channel):
+    """A torchrun rank > 0: rank 0 broadcasts every rank's plans over the gloo ``group``; replies are gathered to
+    rank 0 (:class:`~server.runtime.workers.TorchrunWorkers` is the other end)."""
+
+    def __init__(self, group: Any, rank: int) -> None:
+        self.group, self.rank = group, rank
+
+    def recv(self) -> tuple[str, Any]:
+        import torch.distributed as dist
+
+        msg: list[Any] = [None]
+        dist.broadcast_object_list(msg, src=0, group=self.group)
+        kind, plans = msg[0]
+        return kind, (plans[self.rank] if kind == "step" else None)
+
+    def send(self, kind: str, payload: Any) -> None:
+        import torch.distributed as dist
+
+        dist.gather_object((kind, payload), None, dst=0, group=self.group)
+
+
+class StepFailed(Exception):
+    """A step raised; its traceback has been sent to the driver."""
+
+
+def serve_plans(worker: Worker, channel: Channel) -> None:
+    """The worker loop: report ready, then run each plan the driver sends until "stop". A failing step sends
+    ``("error", traceback)`` and raises :class:`StepFailed`."""
+    channel.send("ready", worker.info)
+    while True:
+        kind, payload = channel.recv()
+        if kind == "stop":
+            return
+        if kind == "ping":  # the driver's liveness probe
+            channel.send("pong", None)
+            continue
+        try:
+            result = worker.execute(payload)
+        except Exception as e:
+            channel.send("error", f"worker {worker.rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
+            raise StepFailed from e
+        channel.send("ok", result)
+
+
+def worker_main(rank: int, world_size: int, port: int, conn: Any, args: EngineConfig) -> None:
+    """Process entry of a spawned worker: bind device ``rank`` (install the NPU stand-in with ``simulate_npu``),
+    join the EP group (``args.dist_backend``), build the shard, :func:`serve_plans` over the pipe ``conn`` until
+    "stop" or until the driver's end closes. Any exception is sent to the driver with its traceback."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads_per_worker())
+    channel = PipeChannel(conn)
+    try:
+        device = bind_device(args.device, rank, args.simulate_npu)
+        if args.needs_group(world_size):
+            init_loopback_group(rank, world_size, port, args.dist_timeout_s, args.dist_backend)
+        worker = Worker(args, rank, world_size, dist.group.WORLD if dist.is_initialized() else None, device)
+        serve_plans(worker, channel)
+        worker.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except StepFailed:  # reported by serve_plans
+        os._exit(1)  # peers may be blocked in a collective with us: no group teardown
+    except BaseException:  # noqa: BLE001 - forwarded to the driver with the traceback, then this process exits
+        try:
+            channel.send("error", f"worker {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
+        finally:
+            os._exit(1)  # peers may be blocked in a collective with us: no group teardown
