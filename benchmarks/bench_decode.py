@@ -1,119 +1,153 @@
-"""Decode throughput of the EP runtime: tokens/s and per-step latency at batch 1..64 for EP 1 and EP 2.
+"""Decode throughput of the EP runtime against transformers on the same checkpoint, and against the weights-read
+floor, all measured in the same run.
 
-An expert-heavy random Qwen3-MoE (default: 64 experts, hidden 1024, top-8) is served by ``EPEngine``; each batch
-size runs ``--warmup`` + ``--steps`` decode steps after the prefill (requests use ``ignore_eos``). Reported per
-(EP, batch): decode tokens/s, mean/p50 step latency (ms), the share of step time spent in dispatch + combine
-(max over ranks), and per-rank expert memory and peak RSS after loading. Batch b at EP W puts b/W requests on each
-worker (DP attention). ``--backend`` lists the ``deep_ep_npu.Buffer`` backends to measure in the same run (EP 1
-has no Buffer: one row, "local"); ``--simulate-npu`` installs the NPU stand-in in every worker, so ``ascend`` runs
-the Ascend backend's code path on CPU. Writes JSON with ``--out``.
+A random Qwen3-MoE (default: hidden 1024, 4 layers, 64 experts, top-8, expert intermediate 512, bf16) is built with
+transformers and saved; our engine (``EPEngine``, one per EP size, all alive at once) and transformers' ``generate``
+load that directory. Per batch size, each run decodes ``--short`` and then ``--long`` new tokens greedily after
+``batch`` fresh random prompts of ``--prompt-len`` tokens (``ignore_eos``); decode tokens/s = ``batch * (long -
+short) / (t_long - t_short)``, so prefill and fixed costs cancel. Ours is timed through ``add_request`` / ``step``
+(scheduling, detokenization and the driver included). The engines run interleaved, ``--repeats`` times, in a
+fresh order each round. The floor is the time to read one decode step's weights once (``hf_decode.HFDecode.
+floor_ms``). Batch b at EP W puts b/W requests on each worker (DP attention).
 
-    .venv/bin/python benchmarks/bench_decode.py --ep 1 2 --batch 1 8 32 64
-    .venv/bin/python benchmarks/bench_decode.py --ep 2 --backend reference ascend --simulate-npu
+    .venv/bin/python benchmarks/bench_decode.py                       # EP 1 and 2, batch 1 and 16, transformers
+    .venv/bin/python benchmarks/bench_decode.py --ep 2 --backend reference ascend --simulate-npu --no-transformers
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import statistics
 import sys
+import tempfile
 import time
 
+import torch
 
-def run_one(engine, batch: int, warmup: int, steps: int, prompt_len: int) -> dict:  # noqa: ANN001
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.hf_decode import HFDecode, make_checkpoint, prompts  # noqa: E402
+
+
+def ours_s(engine, token_ids: list[list[int]], num_new: int, tag: str) -> tuple[float, float]:  # noqa: ANN001
+    """Seconds to generate ``num_new`` tokens greedily after each prompt, and the share of the steps' time the
+    slowest worker spent in MoE dispatch + combine."""
     from server.engine_api import SamplingParams
 
-    params = SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True)  # aborted after the timed steps
-    for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", [(13 * i + j) % 250 + 1 for j in range(prompt_len)], params)
-    started: set[str] = set()
-    while len(started) < batch:  # prefill (chunked) until every request has its first token
-        started.update(d.request_id for d in engine.step())
-    times, comm = [], []
-    for k in range(warmup + steps):
-        t0 = time.perf_counter()
-        deltas = engine.step()
-        dt = time.perf_counter() - t0
-        if k >= warmup:
-            assert len(deltas) == batch, (len(deltas), batch)
-            times.append(dt)
-            s = engine.last_step_stats()
-            comm.append(max(d + c for d, c in zip(s.dispatch_times, s.combine_times, strict=True)))
-    for i in range(batch):
-        engine.abort_request(f"b{batch}-{i}")
-    engine.step()
-    mean = statistics.fmean(times)
-    return {
-        "batch": batch,
-        "tokens_per_s": batch / mean,
-        "step_ms_mean": mean * 1e3,
-        "step_ms_p50": statistics.median(times) * 1e3,
-        "dispatch_combine_share": statistics.fmean(comm) / mean,
-    }
+    params = SamplingParams(max_tokens=num_new, temperature=0, ignore_eos=True)
+    for i, ids in enumerate(token_ids):
+        engine.add_request(f"{tag}-{i}", ids, params)
+    comm = 0.0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        s = engine.last_step_stats()
+        comm += max((d + c for d, c in zip(s.dispatch_times, s.combine_times, strict=True)), default=0.0)
+    took = time.perf_counter() - t0
+    return took, comm / took
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--num-experts", type=int, default=64)
     p.add_argument("--hidden-size", type=int, default=1024)
     p.add_argument("--moe-intermediate-size", type=int, default=512)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--prompt-len", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--short", type=int, default=8, help="new tokens of the short run")
+    p.add_argument("--long", type=int, default=72, help="new tokens of the long run")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", nargs="+", default=["reference"], choices=["reference", "ascend", "auto"])
     p.add_argument("--simulate-npu", action="store_true", help="install deep_ep_npu.sim in every worker")
+    p.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the baseline rows")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
     from server.runtime import EPEngine
 
-    spec = dict(
-        num_experts=args.num_experts, hidden_size=args.hidden_size, moe_intermediate_size=args.moe_intermediate_size,
-        num_experts_per_tok=args.top_k, num_hidden_layers=args.num_layers, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=64, vocab_size=1024,
-    )  # fmt: skip
+    dtype = getattr(torch, args.dtype)
+    sizes = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                 num_attention_heads=16, num_key_value_heads=4, head_dim=64, intermediate_size=2048,
+                 moe_intermediate_size=args.moe_intermediate_size, num_experts=args.num_experts,
+                 num_experts_per_tok=args.top_k)  # fmt: skip
+    ckpt = tempfile.TemporaryDirectory(prefix="bench_decode_")
+    make_checkpoint(ckpt.name, dtype, seed=0, **sizes)
+    names = [(ep, b) for ep in args.ep for b in (args.backend if ep > 1 else args.backend[:1])]
+    engines = {}
+    hf = HFDecode(ckpt.name, dtype) if args.transformers else None
     results = []
-    runs = [(ep, backend) for ep in args.ep for backend in (args.backend if ep > 1 else args.backend[:1])]
-    for ep, backend in runs:
-        max_per_rank = max(-(-b // ep) for b in args.batch)
-        engine = EPEngine(model=None, ep_size=ep, dtype=args.dtype, random_model=spec, max_num_seqs=max_per_rank,
-                          max_model_len=args.prompt_len + args.warmup + args.steps + 80, backend=backend,
-                          simulate_npu=args.simulate_npu)  # fmt: skip
-        name = engine.worker_infos[0]["moe_backend"]
-        name += " (sim)" if args.simulate_npu and name == "ascend" else ""
-        try:
-            infos = engine.worker_infos
-            mem = {
-                "expert_mib_per_rank": max(i["expert_bytes"] for i in infos) / 2**20,
-                "weight_mib_per_rank": max(i["weight_bytes"] for i in infos) / 2**20,
-                "peak_rss_mib_per_rank": max(i["peak_rss_after_load"] for i in infos) / 2**20,
-                "load_rss_delta_mib_per_rank": max(i["peak_rss_after_load"] - i["rss_before_load"] for i in infos)
-                / 2**20,
-            }
-            print(f"EP {ep}, backend {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in mem.items()), flush=True)
-            print(f"{'EP':>3} {'backend':>14} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'p50 ms':>8} {'disp+comb':>9}",
-                  flush=True)  # fmt: skip
-            for b in args.batch:
-                r = {"ep": ep, "backend": name, **run_one(engine, b, args.warmup, args.steps, args.prompt_len), **mem}
-                results.append(r)
-                print(f"{ep:>3} {name:>14} {b:>5} {r['tokens_per_s']:>9.1f} {r['step_ms_mean']:>8.2f} "
-                      f"{r['step_ms_p50']:>8.2f} {100 * r['dispatch_combine_share']:>8.1f}%", flush=True)  # fmt: skip
-        finally:
+    try:
+        for ep, backend in names:
+            engines[ep, backend] = EPEngine(model=ckpt.name, ep_size=ep, dtype=args.dtype, backend=backend,
+                                            max_num_seqs=max(args.batch), simulate_npu=args.simulate_npu,
+                                            max_model_len=args.prompt_len + args.long + 8,
+                                            async_scheduling=args.async_scheduling)  # fmt: skip
+        runs: dict[str, tuple] = {f"EP {ep} {backend}": ("ours", engines[ep, backend]) for ep, backend in names}
+        if hf is not None:
+            runs["transformers"] = ("hf", hf)
+        for batch in args.batch:
+            tps: dict[str, list[float]] = {name: [] for name in runs}
+            shares: dict[str, list[float]] = {name: [] for name in runs}
+            for r in range(args.repeats):
+                order = list(runs)
+                random.Random(r).shuffle(order)
+                for name in order:
+                    kind, impl = runs[name]
+                    seconds = []
+                    for n in (args.short, args.long):
+                        seed = 10**6 * list(runs).index(name) + 1000 * batch + 10 * r + (n == args.long)
+                        ids = prompts(batch, args.prompt_len, args.vocab_size, seed)
+                        if kind == "hf":
+                            seconds.append(impl.generate_s(ids, n))
+                        else:
+                            took, share = ours_s(impl, ids, n, f"b{batch}-r{r}-n{n}")
+                            seconds.append(took)
+                            shares[name].append(share)
+                    tps[name].append(batch * (args.long - args.short) / (seconds[1] - seconds[0]))
+            floor_ms, floor_bytes = (
+                hf.floor_ms(prompts(batch, args.prompt_len, args.vocab_size, seed=batch), 16) if hf else (None, None)
+            )
+            for name in runs:
+                med = statistics.median(tps[name])
+                row = {"engine": name, "batch": batch, "tokens_per_s": med, "tokens_per_s_runs": tps[name],
+                       "step_ms": batch / med * 1e3, "dispatch_combine_share": statistics.fmean(shares[name] or [0]),
+                       "floor_ms": floor_ms, "floor_bytes": floor_bytes}  # fmt: skip
+                if "transformers" in tps:
+                    row["vs_transformers"] = med / statistics.median(tps["transformers"])
+                if floor_ms:
+                    row["step_over_floor"] = row["step_ms"] / floor_ms
+                results.append(row)
+                print(_line(row), flush=True)
+    finally:
+        for engine in engines.values():
             engine.shutdown()
-    by = {(r["ep"], r["batch"]): r for r in results if r["backend"] in ("local", args.backend[0])}
-    for b in args.batch:
-        if (1, b) in by and (2, b) in by:
-            print(f"batch {b}: EP 2 / EP 1 tokens/s = {by[2, b]['tokens_per_s'] / by[1, b]['tokens_per_s']:.2f}x")
+        ckpt.cleanup()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": vars(args), "results": results}, f, indent=2)
     return 0
+
+
+def _line(row: dict) -> str:
+    runs = " / ".join(f"{v:.1f}" for v in row["tokens_per_s_runs"])
+    text = f"batch {row['batch']:>3}  {row['engine']:<16} {row['tokens_per_s']:8.1f} tok/s ({runs})"
+    text += f"  step {row['step_ms']:7.2f} ms"
+    if "vs_transformers" in row:
+        text += f"  {row['vs_transformers']:5.2f}x transformers"
+    if row.get("floor_ms"):
+        text += f"  floor {row['floor_ms']:.2f} ms ({row['floor_bytes'] / 1e6:.0f} MB), step/floor"
+        text += f" {row['step_over_floor']:.2f}"
+    if row["dispatch_combine_share"]:
+        text += f"  disp+comb {100 * row['dispatch_combine_share']:.0f}%"
+    return text
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from server.engine_api import SamplingParams
-from server.runtime.sampler import sample_one
 from server.runtime.block_manager import BlockTable, KVCacheManager
 from server.runtime.detokenizer import IncrementalDetokenizer, apply_token
+from server.runtime.sampler import sample_one
 from server.runtime.scheduler import RankScheduler, Request
 from server.tokenizer import ByteTokenizer
 
