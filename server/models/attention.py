@@ -14,6 +14,7 @@ from torch import nn
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .layers import RMSNorm, Rotary
+from .linear import Linear
 from .paged_attention import paged_attention, write_kv
 
 
@@ -31,10 +32,10 @@ class GQAttention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -77,15 +78,15 @@ class MLAttention(nn.Module):
         self.kv_lora_rank = cfg.kv_lora_rank
         qk = self.nope + self.rope
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, self.num_heads * qk, bias=False)
+            self.q_proj = Linear(h, self.num_heads * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=cfg.attention_bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.rope, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
         self.rotary = Rotary(self.rope, cfg.rope_theta, interleave=cfg.rope_interleave)
         self.scale = qk**-0.5
 

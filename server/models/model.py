@@ -16,6 +16,7 @@ from .ep_comm import ExpertComm
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
 from .layers import DenseMLP, RMSNorm
+from .linear import Linear
 from .moe import SparseMoE
 
 # On-disk names of one routed expert's (gate, up, down) weights, per architecture.
@@ -66,7 +67,7 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.cfg, self.comm = cfg, comm
         self.model = Backbone(cfg, comm)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.models import ForwardBatch, LocalComm, SeqInput
-from server.models.moe import LocalExperts, per_expert
+from server.models.moe import LocalExperts, per_expert, use_grouped_mm
 from server.models.paged_attention import paged_attention, write_kv
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
@@ -69,7 +69,7 @@ def test_paged_attention_matches_per_sequence_attention(window: int | None, with
 
 def test_grouped_experts_match_each_experts_matmuls() -> None:
     """Router output -> LocalComm's grouped layout -> grouped matmuls -> combine equals, token by token, the sum over
-    its experts of each expert's own FFN; the per-expert loop (other devices, int8) gives the same rows."""
+    its experts of each expert's own FFN; the per-expert loop (and its matrix-vector products) gives the same rows."""
     torch.manual_seed(0)
     num_experts, hidden, inter, num_topk, num_tokens = 6, 16, 8, 3, 10
     experts = LocalExperts(num_experts, hidden, inter)
@@ -82,10 +82,13 @@ def test_grouped_experts_match_each_experts_matmuls() -> None:
     weights = torch.rand(num_tokens, num_topk)
     comm = LocalComm(num_experts, num_tokens)
     rows, offsets, handle = comm.dispatch(x, topk_idx)
+    assert use_grouped_mm(rows, num_experts) and not use_grouped_mm(rows[:num_experts], num_experts)
     grouped = experts(rows, offsets)
     valid = int(offsets[-1])
-    looped = per_expert(rows, offsets, experts._expert)  # the loop other devices and int8 experts take
+    looped = per_expert(rows, offsets, experts._expert)  # the loop of sparse steps, other devices and int8 experts
     torch.testing.assert_close(looped[:valid], grouped[:valid], atol=1e-5, rtol=1e-5)
+    one_row = experts(rows[:1], torch.ones_like(offsets))  # one row of expert 0: a matrix-vector product
+    torch.testing.assert_close(one_row[0], grouped[0], atol=1e-5, rtol=1e-5)
     out, _ = comm.combine(grouped, topk_idx, weights, handle)
     for t in range(num_tokens):
         want = torch.zeros(hidden)
