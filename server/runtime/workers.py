@@ -100,9 +100,10 @@ class ProcessWorkers(WorkerGroup):
             started = time.monotonic()
 
             def ready(rank: int, info: dict, num_ready: int) -> None:
-                logger.info("EP worker %d ready (%d/%d) after %.1f s: %d local experts, %.1f MiB of weights on %s",
-                            rank, num_ready, world_size, time.monotonic() - started, info["num_local_experts"],
-                            info["weight_bytes"] / 2**20, info["device"])  # fmt: skip
+                logger.info("EP worker %d ready (%d/%d) after %.1f s: %d local experts, %.1f MiB of weights, KV cache "
+                            "%d blocks (%.1f MiB) on %s", rank, num_ready, world_size, time.monotonic() - started,
+                            info["num_local_experts"], info["weight_bytes"] / 2**20, info["num_kv_blocks"],
+                            info["kv_cache_bytes"] / 2**20, info["device"])  # fmt: skip
 
             replies = self._collect(start_timeout_s, on_reply=ready)
             self.infos = [replies[r] for r in sorted(replies)]
