@@ -3,12 +3,14 @@ floor, all measured in the same run.
 
 A random Qwen3-MoE (default: hidden 1024, 4 layers, 64 experts, top-8, expert intermediate 512, bf16) is built with
 transformers and saved; our engine (``EPEngine``, one per EP size, all alive at once) and transformers' ``generate``
-load that directory. Per batch size, each run decodes ``--short`` and then ``--long`` new tokens greedily after
-``batch`` fresh random prompts of ``--prompt-len`` tokens (``ignore_eos``); decode tokens/s = ``batch * (long -
-short) / (t_long - t_short)``, so prefill and fixed costs cancel. Ours is timed through ``add_request`` / ``step``
-(scheduling, detokenization and the driver included). The engines run interleaved, ``--repeats`` times, in a
-fresh order each round. The floor is the time to read one decode step's weights once (``hf_decode.HFDecode.
-floor_ms``). Batch b at EP W puts b/W requests on each worker (DP attention).
+load that directory. Per batch size and round, each engine decodes ``--tokens`` new tokens greedily after ``batch``
+fresh random prompts of ``--prompt-len`` tokens (``ignore_eos``), and the time between consecutive steps' tokens is
+recorded where the caller receives them (ours: each ``EPEngine.step()`` that returns tokens, so scheduling,
+detokenization and the driver count; transformers: a streamer's ``put()``); the prefill and the first ``--skip``
+decode steps are left out. Decode tokens/s = batch / the median step; the median resists the bursts of other load on
+a shared machine. The engines run interleaved, ``--repeats`` rounds, in a fresh order each round; "x transformers" is
+the median over rounds of the round's ratio. The floor is the time to read one decode step's weights once
+(``hf_decode.HFDecode.floor_ms``). Batch b at EP W puts b/W requests on each worker (DP attention).
 
     .venv/bin/python benchmarks/bench_decode.py                       # EP 1 and 2, batch 1 and 16, transformers
     .venv/bin/python benchmarks/bench_decode.py --ep 2 --backend reference ascend --simulate-npu --no-transformers
@@ -31,22 +33,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.hf_decode import HFDecode, make_checkpoint, prompts  # noqa: E402
 
 
-def ours_s(engine, token_ids: list[list[int]], num_new: int, tag: str) -> tuple[float, float]:  # noqa: ANN001
-    """Seconds to generate ``num_new`` tokens greedily after each prompt, and the share of the steps' time the
-    slowest worker spent in MoE dispatch + combine."""
+def ours_step_times(engine, token_ids: list[list[int]], num_new: int, tag: str) -> tuple[list[float], float]:  # noqa: ANN001
+    """Generate ``num_new`` tokens greedily after each prompt; returns when each step's tokens came out of
+    ``engine.step()`` (``time.perf_counter``) and the share of the time the slowest worker spent in MoE dispatch +
+    combine."""
     from server.engine_api import SamplingParams
 
     params = SamplingParams(max_tokens=num_new, temperature=0, ignore_eos=True)
     for i, ids in enumerate(token_ids):
         engine.add_request(f"{tag}-{i}", ids, params)
-    comm = 0.0
+    times, comm = [], 0.0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
+        if any(d.new_token_ids for d in engine.step()):
+            times.append(time.perf_counter())
         s = engine.last_step_stats()
         comm += max((d + c for d, c in zip(s.dispatch_times, s.combine_times, strict=True)), default=0.0)
-    took = time.perf_counter() - t0
-    return took, comm / took
+    return times, comm / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--short", type=int, default=8, help="new tokens of the short run")
-    p.add_argument("--long", type=int, default=72, help="new tokens of the long run")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--skip", type=int, default=2, help="decode steps left out after the prefill")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", nargs="+", default=["reference"], choices=["reference", "ascend", "auto"])
     p.add_argument("--simulate-npu", action="store_true", help="install deep_ep_npu.sim in every worker")
@@ -88,40 +91,42 @@ def main(argv: list[str] | None = None) -> int:
         for ep, backend in names:
             engines[ep, backend] = EPEngine(model=ckpt.name, ep_size=ep, dtype=args.dtype, backend=backend,
                                             max_num_seqs=max(args.batch), simulate_npu=args.simulate_npu,
-                                            max_model_len=args.prompt_len + args.long + 8,
+                                            max_model_len=args.prompt_len + args.tokens + 8,
                                             async_scheduling=args.async_scheduling)  # fmt: skip
         runs: dict[str, tuple] = {f"EP {ep} {backend}": ("ours", engines[ep, backend]) for ep, backend in names}
         if hf is not None:
             runs["transformers"] = ("hf", hf)
         for batch in args.batch:
-            tps: dict[str, list[float]] = {name: [] for name in runs}
+            steps: dict[str, list[float]] = {name: [] for name in runs}  # every round's decode steps (seconds)
+            tps: dict[str, list[float]] = {name: [] for name in runs}  # per round
             shares: dict[str, list[float]] = {name: [] for name in runs}
+            floors: list[tuple[float, float]] = []  # per round: the floor (ms) and its bytes
             for r in range(args.repeats):
+                if hf is not None:
+                    floors.append(hf.floor_ms(prompts(batch, args.prompt_len, args.vocab_size, seed=7 + r), 16))
                 order = list(runs)
                 random.Random(r).shuffle(order)
                 for name in order:
                     kind, impl = runs[name]
-                    seconds = []
-                    for n in (args.short, args.long):
-                        seed = 10**6 * list(runs).index(name) + 1000 * batch + 10 * r + (n == args.long)
-                        ids = prompts(batch, args.prompt_len, args.vocab_size, seed)
-                        if kind == "hf":
-                            seconds.append(impl.generate_s(ids, n))
-                        else:
-                            took, share = ours_s(impl, ids, n, f"b{batch}-r{r}-n{n}")
-                            seconds.append(took)
-                            shares[name].append(share)
-                    tps[name].append(batch * (args.long - args.short) / (seconds[1] - seconds[0]))
-            floor_ms, floor_bytes = (
-                hf.floor_ms(prompts(batch, args.prompt_len, args.vocab_size, seed=batch), 16) if hf else (None, None)
-            )
+                    ids = prompts(batch, args.prompt_len, args.vocab_size, 10**6 * list(runs).index(name) + 100 * r)
+                    if kind == "hf":
+                        times = impl.step_times(ids, args.tokens)
+                    else:
+                        times, share = ours_step_times(impl, ids, args.tokens, f"b{batch}-r{r}")
+                        shares[name].append(share)
+                    decode = [b - a for a, b in zip(times, times[1:], strict=False)][args.skip :]
+                    steps[name] += decode
+                    tps[name].append(batch / statistics.median(decode))
+            floor_ms = statistics.median(f for f, _ in floors) if floors else None
+            floor_bytes = statistics.median(b for _, b in floors) if floors else None
             for name in runs:
-                med = statistics.median(tps[name])
+                med = batch / statistics.median(steps[name])
                 row = {"engine": name, "batch": batch, "tokens_per_s": med, "tokens_per_s_runs": tps[name],
                        "step_ms": batch / med * 1e3, "dispatch_combine_share": statistics.fmean(shares[name] or [0]),
                        "floor_ms": floor_ms, "floor_bytes": floor_bytes}  # fmt: skip
-                if "transformers" in tps:
-                    row["vs_transformers"] = med / statistics.median(tps["transformers"])
+                if "transformers" in tps:  # the median of the rounds' ratios: a round's runs share its load
+                    ratios = [ours / base for ours, base in zip(tps[name], tps["transformers"], strict=True)]
+                    row["vs_transformers"] = statistics.median(ratios)
                 if floor_ms:
                     row["step_over_floor"] = row["step_ms"] / floor_ms
                 results.append(row)

@@ -4,7 +4,7 @@ baseline, and the weights-read floor of a decode step.
 - :func:`make_checkpoint`: a random Qwen3-MoE built with transformers (its own init, seeded) and saved with
   ``save_pretrained`` in the benchmark's dtype; our engine serves the same directory.
 - :class:`HFDecode`: greedy ``generate`` of a batch of prompts for a given number of new tokens (``min_new_tokens``
-  = ``max_new_tokens``, so every run decodes exactly that many).
+  = ``max_new_tokens``, so every run decodes exactly that many), timed per step through a streamer.
 - :meth:`HFDecode.floor_ms`: the time to read, once, every weight a decode step of ``batch`` tokens reads: the
   dense weights (attention, norms, routers, LM head; the embedding rows are negligible) and, per MoE layer, the
   experts its tokens were routed to. The routing is recorded from transformers' own routers during a greedy decode
@@ -45,13 +45,14 @@ class HFDecode:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
     @torch.inference_mode()
-    def generate_s(self, token_ids: list[list[int]], num_new: int) -> float:
-        """Seconds for a greedy ``generate`` of ``num_new`` tokens after each prompt of ``token_ids``."""
+    def step_times(self, token_ids: list[list[int]], num_new: int) -> list[float]:
+        """Greedy ``generate`` of ``num_new`` tokens after each prompt of ``token_ids``; returns the times (seconds,
+        ``time.perf_counter``) at which each step's new tokens came out (the first: after the prefill)."""
         ids = torch.tensor(token_ids)
-        t0 = time.perf_counter()
+        clock = _Clock()
         self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, min_new_tokens=num_new,
-                            do_sample=False, pad_token_id=0)  # fmt: skip
-        return time.perf_counter() - t0
+                            do_sample=False, pad_token_id=0, streamer=clock)  # fmt: skip
+        return clock.times[1:]  # the first put() is the prompt
 
     @torch.inference_mode()
     def floor_ms(self, token_ids: list[list[int]], num_steps: int) -> tuple[float, float]:
@@ -66,7 +67,7 @@ class HFDecode:
 
         hooks = [layer.mlp.gate.register_forward_hook(record) for layer in layers]
         try:
-            self.generate_s(token_ids, num_steps + 1)
+            self.step_times(token_ids, num_steps + 1)
         finally:
             for h in hooks:
                 h.remove()
@@ -84,3 +85,16 @@ class HFDecode:
             times.append(time.perf_counter() - t0)
             sizes.append(sum(t.numel() * t.element_size() for t in tensors))
         return statistics.median(times) * 1e3, statistics.median(sizes)
+
+
+class _Clock:
+    """A transformers streamer that records when each ``put()`` (the prompt, then each step's tokens) happens."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass

@@ -6,7 +6,8 @@ capacity N (``max_num_batched_tokens``) with prefill chunks (chunked prefill), t
 ``max_num_seqs`` allows and their blocks are there (after their cached prefix, if prefix caching found one). When
 a running request needs a block and none is free, the most recently admitted request not yet planned this step is
 preempted: its blocks are released and it waits at the head of the queue to be recomputed (prompt and output so
-far as one prefill), which gives the same tokens as running uninterrupted.
+far as one prefill), which gives the same tokens as running uninterrupted. A step that preempted admits nothing
+(as vLLM: the blocks just freed would be handed straight back).
 
 With async scheduling the driver plans step k+1 while the workers run step k: a request whose token of step k is
 still in flight (``num_inflight``) gets a placeholder for it (the worker fills in what it sampled), and is not
@@ -85,16 +86,17 @@ class RankScheduler:
         plan = StepPlan([])
         sampling: list[Request] = []
         planned: set[int] = set()
+        preempted: set[int] = set()
         budget = self.num_max_tokens
         for decodes in (True, False):  # decodes first: one token each (max_num_seqs <= N, so they always fit)
             for req in list(self.running):
                 n = min(req.num_schedulable(self.max_model_len), budget)
-                if n == 0 or req.seq_id in planned or (req.num_pending == 1) != decodes or req not in self.running:
+                if n == 0 or req.seq_id in planned or req.seq_id in preempted or (req.num_pending == 1) != decodes:
                     continue
-                if self._reserve(req, req.num_computed + n, planned):
+                if self._reserve(req, req.num_computed + n, planned, preempted):
                     budget -= self._plan(plan, sampling, req, n)
                     planned.add(req.seq_id)
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0 and not preempted:
             req = self.waiting[0]
             admitted = self.kv.admit(req.table, req.token_ids, budget)
             if admitted is None:
@@ -116,17 +118,19 @@ class RankScheduler:
         if req.started:
             self.finished_seq_ids.append(req.seq_id)
 
-    def _reserve(self, req: Request, num_tokens: int, planned: set[int]) -> bool:
-        """Blocks for ``num_tokens`` of ``req``, preempting the latest admitted unplanned requests as needed;
-        False when ``req`` itself had to be preempted."""
+    def _reserve(self, req: Request, num_tokens: int, planned: set[int], preempted: set[int]) -> bool:
+        """Blocks for ``num_tokens`` of ``req``, preempting the latest admitted unplanned requests as needed (their
+        ids go to ``preempted``); False when ``req`` itself had to be preempted."""
         while not self.kv.grow(req.table, num_tokens):
             victim = next((r for r in reversed(self.running) if r is not req and r.seq_id not in planned), req)
             self._preempt(victim)
+            preempted.add(victim.seq_id)
             if victim is req:
                 return False
         return True
 
     def _preempt(self, req: Request) -> None:
+        """Release ``req``'s blocks and queue it first, to be recomputed from its prompt and output so far."""
         self.kv.free(req.table)
         req.num_computed = 0
         self.running.remove(req)
