@@ -44,6 +44,7 @@ class AttentionGroup:
     query_pos: torch.Tensor
     block_table: torch.Tensor
     block_size: int
+    padded: bool  # some sequence has fewer queries than the longest (rows point at the scratch row)
     _masks: dict[int | None, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def mask(self, window: int | None = None) -> torch.Tensor:
@@ -131,7 +132,8 @@ def _group(members: list[tuple[SeqInput, int]], num_tokens: int, block_size: int
         query_pos.append(list(range(seq.start, seq.start + n)) + [0] * pad)
         used = -(-(seq.start + n) // block_size)
         tables.append(list(seq.block_table[:used]) + [0] * (max_blocks - used))
-    return AttentionGroup(_long(rows, device), _long(query_pos, device), _long(tables, device), block_size)
+    padded = any(len(seq.token_ids) < max_q for seq, _ in members)
+    return AttentionGroup(_long(rows, device), _long(query_pos, device), _long(tables, device), block_size, padded)
 
 
 def _long(values: list, device: torch.device | str) -> torch.Tensor:

@@ -20,7 +20,6 @@ from torch import nn
 from .config import ModelConfig
 from .ep_comm import ExpertComm
 from .layers import DenseMLP
-from .linear import linear
 from .quant import Int8Linear
 
 
@@ -73,8 +72,10 @@ def use_grouped_mm(recv_rows: torch.Tensor, num_experts: int) -> bool:
     return recv_rows.device.type == "cpu" and recv_rows.shape[0] > num_experts
 
 
-def per_expert(x: torch.Tensor, offsets: torch.Tensor, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``fn(e, rows of expert e)`` for each expert with rows, in the grouped layout (one host read of ``offsets``).
+def per_expert(x: torch.Tensor, offsets: torch.Tensor,
+               fn: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:  # fmt: skip
+    """``fn(e, rows of expert e, their output rows)`` for each expert with rows, in the grouped layout (one host
+    read of ``offsets``); ``fn`` writes the output rows.
 
     Arguments:
         x: `[num_rows, hidden]`; offsets: `[num_experts]` with `torch.int32` (see :class:`ExpertComm`).
@@ -86,7 +87,7 @@ def per_expert(x: torch.Tensor, offsets: torch.Tensor, fn: Callable[[int, torch.
     begin = 0
     for e, end in enumerate(offsets.tolist()):
         if end > begin:
-            out[begin:end] = fn(e, x[begin:end])
+            fn(e, x[begin:end], out[begin:end])
         begin = end
     return out
 
@@ -121,14 +122,20 @@ class LocalExperts(nn.Module):
         gate, up = h.split(self.intermediate, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert ``e`` on its rows ``x`` `[n, hidden]`."""
+    def _expert(self, e: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Local expert ``e`` on its rows ``x`` `[n, hidden]`, written to ``out`` `[n, hidden]` (one row: as
+        matrix-vector products, see :mod:`server.models.linear`)."""
+        i = self.intermediate
         if self.int8 is not None:
             w13, w2 = self.int8[e]
-            gate, up = w13(x).split(self.intermediate, dim=-1)
-            return w2(F.silu(gate) * up)
-        gate, up = linear(x, self.w13[e]).split(self.intermediate, dim=-1)
-        return linear(F.silu(gate) * up, self.w2[e])
+            h = w13(x)
+            out.copy_(w2(F.silu(h[:, :i]) * h[:, i:]))
+        elif x.shape[0] == 1 and x.device.type == "cpu":
+            h = torch.mv(self.w13[e], x[0])
+            torch.mv(self.w2[e], F.silu(h[:i]) * h[i:], out=out[0])
+        else:
+            h = F.linear(x, self.w13[e])
+            out.copy_(F.linear(F.silu(h[:, :i]) * h[:, i:], self.w2[e]))
 
 
 class SparseMoE(nn.Module):

@@ -46,8 +46,9 @@ def paged_attention(
         out: `[num_tokens, num_heads, v_dim]`, dtype of `q`.
     """
     num_tokens, num_heads, qk_dim = q.shape
-    out = q.new_empty(num_tokens + 1, num_heads, v_cache.shape[-1])  # + the padding queries' scratch row
-    q = torch.cat((q, q.new_zeros(1, num_heads, qk_dim)))
+    if any(group.padded for group in batch.groups):  # the padding queries' scratch row
+        q = torch.cat((q, q.new_zeros(1, num_heads, qk_dim)))
+    out = q.new_empty(q.shape[0], num_heads, v_cache.shape[-1])
     for group in batch.groups:
         keys = k_cache[group.block_table].flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, max_keys, qk_dim]
         values = v_cache[group.block_table].flatten(1, 2).transpose(1, 2)

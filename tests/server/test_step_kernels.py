@@ -67,6 +67,7 @@ def test_paged_attention_matches_per_sequence_attention(window: int | None, with
         row += n
 
 
+@torch.inference_mode()  # as the model's forward
 def test_grouped_experts_match_each_experts_matmuls() -> None:
     """Router output -> LocalComm's grouped layout -> grouped matmuls -> combine equals, token by token, the sum over
     its experts of each expert's own FFN; the per-expert loop (and its matrix-vector products) gives the same rows."""
@@ -96,4 +97,4 @@ def test_grouped_experts_match_each_experts_matmuls() -> None:
             if e >= 0:
                 gate, up = (experts.w13[e] @ x[t]).split(inter)
                 want += weights[t, j] * (experts.w2[e] @ (torch.nn.functional.silu(gate) * up))
-        torch.testing.assert_close(out[t], want.detach(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[t], want, atol=1e-4, rtol=1e-4)
