@@ -172,3 +172,27 @@ def test_sample_seeds_and_prompt_logprobs_across_chunks() -> None:
     want = torch.log_softmax(rows, dim=-1)  # the prompt token after row i is scored by row i
     assert prompt is not None and prompt[0] is None
     assert [p.logprob for p in prompt[1:]] == pytest.approx([float(want[i, t]) for i, t in enumerate([6, 1, 0, 2])])
+
+
+def test_kv_cache_memory_spellings_and_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.cli import parse_config
+    from server.config import parse_bytes
+    from server.runtime import kv_budget
+
+    assert [parse_bytes(v) for v in ("4G", "4g", "4GiB", "4GB", "1k", "1K", "1.5M", 123)] == [
+        4 * 2**30, 4 * 10**9, 4 * 2**30, 4 * 10**9, 1000, 1024, int(1.5 * 2**20), 123
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="byte count"):
+        parse_bytes("4 apples")
+    assert parse_config(["--kv-cache-memory", "2G"]).kv_cache_memory == 2 * 2**30
+    assert kv_budget.kv_budget_bytes(torch.device("cpu"), 5000, 0.9, 2, 10**9, lambda: 0) == (
+        5000, "kv-cache-memory 0.0 MiB"
+    )  # fmt: skip
+    budget, why = kv_budget.kv_budget_bytes(torch.device("cpu"), None, 0.9, 2, 12345, lambda: 0)
+    assert budget == 12345 and "capped at max-num-seqs" in why  # host memory far above the cap
+    small, _ = kv_budget.kv_budget_bytes(torch.device("cpu"), None, 1e-9, 1, 10**15, lambda: 0)
+    assert 0 <= small < 2 * 1e-9 * kv_budget.host_memory_available()
+    # an accelerator: utilization x total, less what is in use and the activation peak
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda device: (600 * 2**20, 1000 * 2**20))
+    budget, why = kv_budget.kv_budget_bytes(torch.device("cuda"), None, 0.9, 1, 0, lambda: 100 * 2**20)
+    assert budget == (900 - 400 - 100) * 2**20 and "less 400.0 MiB in use" in why
