@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .models.config import ARCHITECTURES, ModelConfig
+from .models.architectures import ARCHITECTURES
+from .models.config import ModelConfig
 from .models.ep_comm import ExpertComm
 from .models.model import MoECausalLM
 from .models.moe import Router
@@ -61,9 +62,11 @@ DEEPSEEK_V3_MLA: dict[str, Any] = dict(
 def random_hf_config(spec: dict[str, Any] | None = None) -> dict[str, Any]:
     """An HF-style ``config.json`` dict for a random model: :data:`RANDOM_DEFAULTS` overridden by ``spec``.
 
-    ``architecture`` is ``qwen3_moe``, ``deepseek_v3`` or ``mixtral`` (or an HF class name); other keys are HF
-    config field names. For ``deepseek_v3`` the grouped-routing and MLA defaults (:data:`DEEPSEEK_V3_ROUTING`,
-    :data:`DEEPSEEK_V3_MLA`) are added; for ``mixtral`` the expert size is ``intermediate_size``.
+    ``architecture`` is one of :data:`~server.models.architectures.ARCHITECTURES`' keys (``qwen3_moe``, ...) or an
+    HF class name; other keys are HF config field names. For ``deepseek_v3`` the grouped-routing and MLA defaults
+    (:data:`DEEPSEEK_V3_ROUTING`, :data:`DEEPSEEK_V3_MLA`) are added, for ``glm4_moe`` the routing ones; for
+    ``mixtral`` and ``olmoe`` the expert size is ``intermediate_size``; ``qwen2_moe``'s shared expert is twice an
+    expert's size.
     """
     cfg = {**RANDOM_DEFAULTS, **(spec or {})}
     arch = cfg.pop("architecture")
@@ -71,12 +74,14 @@ def random_hf_config(spec: dict[str, Any] | None = None) -> dict[str, Any]:
     if arch not in _ARCH_NAMES:
         raise ValueError(f"random_model architecture={arch!r} is not one of {sorted(_ARCH_NAMES)}")
     cfg["architectures"] = [_ARCH_NAMES[arch]]
-    if arch == "deepseek_v3":
-        ds = {"n_routed_experts": cfg.pop("num_experts"), **DEEPSEEK_V3_ROUTING, **DEEPSEEK_V3_MLA}
-        cfg = {**ds, **cfg}
-    elif arch == "mixtral":
-        cfg["num_local_experts"] = cfg.pop("num_experts")
+    if arch in ("deepseek_v3", "glm4_moe"):
+        extra = {**DEEPSEEK_V3_ROUTING, **(DEEPSEEK_V3_MLA if arch == "deepseek_v3" else {})}
+        cfg = {"n_routed_experts": cfg.pop("num_experts"), **extra, **cfg}
+    elif arch in ("mixtral", "olmoe"):
+        cfg["num_local_experts" if arch == "mixtral" else "num_experts"] = cfg.pop("num_experts")
         cfg["intermediate_size"] = cfg.pop("moe_intermediate_size")
+    elif arch == "qwen2_moe":
+        cfg.setdefault("shared_expert_intermediate_size", 2 * cfg["moe_intermediate_size"])
     return cfg
 
 

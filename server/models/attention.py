@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import RMSNorm, Rotary
+from .layers import RMSNorm
+from .qkv import QKVProjections, token_seq_lens
+from .rope import Rotary
 
 
 @dataclasses.dataclass
@@ -89,35 +91,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale
     return out.transpose(0, 1)
 
 
-class GQAttention(nn.Module):
+class GQAttention(QKVProjections):
     """Grouped-query attention with HF's parameter names (``q_proj``/``k_proj``/``v_proj``/``o_proj``,
-    optional ``q_norm``/``k_norm``). Cache per layer: k and v, each ``[slots, max_len, kv_heads, head_dim]``."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.rotary = Rotary(d, cfg.rope_theta)
+    optional ``q_norm``/``k_norm``: :class:`~server.models.qkv.QKVProjections`). Cache per layer: k and v, each
+    ``[slots, max_len, kv_heads, head_dim]``."""
 
     def cache_shapes(self) -> list[tuple[int, ...]]:
         return [(self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        q, k, v = self.project(x, batch)
         k_cache, v_cache = cache
         out = torch.empty_like(q)
         for s in batch.seqs:
@@ -143,15 +127,16 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(h, self.num_heads * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=cfg.attention_bias)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=cfg.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
-        self.rotary = Rotary(self.rope, cfg.rope_theta, interleave=cfg.rope_interleave)
-        self.scale = qk**-0.5
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=cfg.o_bias)
+        self.rotary = Rotary(cfg.rope, interleave=cfg.rope_interleave)
+        mscale = cfg.rope.mla_mscale()  # YaRN: the softmax scale gains mscale^2 (as transformers)
+        self.scale = qk**-0.5 * mscale * mscale
 
     def cache_shapes(self) -> list[tuple[int, ...]]:
         return [(self.kv_lora_rank,), (self.rope,)]
@@ -162,7 +147,7 @@ class MLAttention(nn.Module):
         q = q.view(t, self.num_heads, self.nope + self.rope)
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, token_seq_lens(batch, self.rotary))
         q_rot = self.rotary.apply(q[..., self.nope :], cos, sin)
         q = torch.cat((q[..., : self.nope], q_rot), dim=-1)
         k_rot = self.rotary.apply(k_rot[:, None, :], cos, sin)[:, 0]

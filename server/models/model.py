@@ -1,8 +1,9 @@
-"""``MoECausalLM``: the decoder stack shared by Qwen3-MoE, DeepSeek-V3 and Mixtral, with HF's parameter names.
+"""``MoECausalLM``: the decoder stack shared by every family (``architectures.py``), with HF's parameter names.
 
-What differs per architecture lives in :class:`ModelConfig` and the pieces it selects: attention (GQA with or
-without q/k norm, or MLA), the router semantics, which layers are MoE and the MoE block's name
-(``mlp`` or Mixtral's ``block_sparse_moe``), shared experts, and the on-disk names of expert weights.
+What differs per architecture lives in :class:`ModelConfig` and the pieces it selects: attention (GQA with its
+biases, q/k norms and rotary, or MLA), the router semantics, which layers are MoE and the MoE block's name
+(``mlp`` or Mixtral's ``block_sparse_moe``), shared experts (gated for Qwen2-MoE), and the on-disk names of expert
+weights.
 """
 
 from __future__ import annotations
@@ -16,17 +17,6 @@ from .ep_comm import ExpertComm
 from .layers import DenseMLP, RMSNorm
 from .moe import SparseMoE
 
-# On-disk names of one routed expert's (gate, up, down) weights, per architecture.
-EXPERT_KEYS = {
-    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
-    "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("w1", "w3", "w2"),
-}
-
-
-def moe_block_name(cfg: ModelConfig) -> str:
-    return "block_sparse_moe" if cfg.architecture == "mixtral" else "mlp"
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, comm: ExpertComm) -> None:
@@ -35,7 +25,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = layer_idx in cfg.moe_layers
-        self.mlp_name = moe_block_name(cfg) if self.is_moe else "mlp"
+        self.mlp_name = cfg.moe_block if self.is_moe else "mlp"
         mlp = SparseMoE(cfg, comm) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         setattr(self, self.mlp_name, mlp)
 
@@ -99,5 +89,6 @@ class MoECausalLM(nn.Module):
 
     def expert_checkpoint_keys(self, layer_idx: int, expert: int) -> tuple[str, str, str]:
         """The checkpoint names of global expert ``expert``'s (gate, up, down) weights in layer ``layer_idx``."""
-        prefix = f"model.layers.{layer_idx}.{moe_block_name(self.cfg)}.experts.{expert}"
-        return tuple(f"{prefix}.{name}.weight" for name in EXPERT_KEYS[self.cfg.architecture])  # type: ignore[return-value]
+        prefix = f"model.layers.{layer_idx}.{self.cfg.moe_block}.experts.{expert}"
+        gate, up, down = (f"{prefix}.{name}.weight" for name in self.cfg.expert_keys)
+        return gate, up, down

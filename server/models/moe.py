@@ -14,10 +14,10 @@ from .quant import Int8Linear
 
 
 class Router(nn.Module):
-    """Top-k routing with the exact semantics of the HF class (``reference/serving.md`` §6).
+    """Top-k routing with the exact semantics of the HF class (``reference/serving.md`` §6, ``checkpoints.md`` §4).
 
-    softmax (Qwen3-MoE, Mixtral): fp32 softmax -> top-k -> renormalise iff ``norm_topk_prob``.
-    sigmoid (DeepSeek-V3): sigmoid -> + ``e_score_correction_bias`` (selection only) -> best ``topk_group`` of
+    softmax (Qwen2/3-MoE, OLMoE, Mixtral): fp32 softmax -> top-k -> renormalise iff ``norm_topk_prob``.
+    sigmoid (DeepSeek-V3, GLM-4.5): sigmoid -> + ``e_score_correction_bias`` (selection only) -> best ``topk_group`` of
     ``n_group`` groups by the sum of each group's top-2 -> top-k -> unbiased scores, renormalised iff
     ``norm_topk_prob`` (+1e-20) -> x ``routed_scaling_factor``. The router weight is kept in fp32.
     """
@@ -90,7 +90,8 @@ class LocalExperts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router + EP dispatch/combine around :class:`LocalExperts` (+ DeepSeek shared experts)."""
+    """Router + EP dispatch/combine around :class:`LocalExperts` (+ the shared expert: DeepSeek-V3, GLM-4.5,
+    Qwen2-MoE with its sigmoid gate)."""
 
     def __init__(self, cfg: ModelConfig, comm: ExpertComm) -> None:
         super().__init__()
@@ -99,8 +100,11 @@ class SparseMoE(nn.Module):
         self._mega_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gate = Router(cfg)
         self.experts = LocalExperts(comm.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        if cfg.n_shared_experts > 0:
-            self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.shared_name = cfg.shared_expert_name if cfg.shared_expert_intermediate_size > 0 else None
+        if self.shared_name is not None:
+            setattr(self, self.shared_name, DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size))
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0)."""
@@ -109,9 +113,17 @@ class SparseMoE(nn.Module):
             return self._fused(x, topk_idx, topk_weights)
         recv_x, recv_count, handle = self.comm.timed_dispatch(x, topk_idx)
         expert_out = self.experts(recv_x, recv_count)
-        shared = (lambda: self.shared_experts(x)) if hasattr(self, "shared_experts") else None
+        shared = (lambda: self._shared(x)) if self.shared_name is not None else None
         out, shared_out = self.comm.timed_combine(expert_out, topk_idx, topk_weights, handle, overlap=shared)
         return out if shared_out is None else out + shared_out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output `[num_tokens, hidden]` (Qwen2-MoE: x ``sigmoid(shared_expert_gate(x))``)."""
+        assert self.shared_name is not None
+        out = getattr(self, self.shared_name)(x)
+        if hasattr(self, "shared_expert_gate"):
+            out = torch.sigmoid(self.shared_expert_gate(x)) * out
+        return out
 
     def prepare_fused(self) -> None:
         """Lay the loaded expert weights out for ``Buffer.mega_moe`` (w1 `[L, hidden, 2I]`, w2 `[L, I, hidden]`) and
@@ -129,6 +141,4 @@ class SparseMoE(nn.Module):
         """The fused path (``Buffer.mega_moe``) on the weights :meth:`prepare_fused` laid out."""
         assert self._mega_weights is not None, "prepare_fused() was not called after loading"
         out = self.comm.fused_moe(x, topk_idx, topk_weights, *self._mega_weights)  # type: ignore[attr-defined]
-        if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x)
-        return out
+        return out if self.shared_name is None else out + self._shared(x)

@@ -1,4 +1,5 @@
-"""Model golden tests at EP 1 (in process): our Qwen3-MoE / DeepSeek-V3 / Mixtral vs transformers in fp32.
+"""Model golden tests at EP 1 (in process): every family (Qwen3-MoE, DeepSeek-V3, Mixtral, Qwen2-MoE, OLMoE,
+GLM-4.5) vs transformers in fp32.
 
 Tolerance: logits within 1e-4 absolute of transformers' (observed ~2e-7; logits are O(1)).
 """
@@ -12,7 +13,7 @@ from server.loader import CheckpointTensors, build_model, load_model, random_hf_
 from server.models import ExpertComm, ForwardBatch, KVCache, LocalComm, ModelConfig
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
-ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral"]
+ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe", "glm4_moe"]
 PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42]]
 ATOL = 1e-4
 
