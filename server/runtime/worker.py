@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import CheckpointError
 from ..engine_api import SamplingParams, TokenLogprob
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, KVCache, LocalComm, ModelConfig
@@ -232,6 +233,11 @@ def worker_main(rank: int, world_size: int, port: int, conn: Any, args: EngineCo
             dist.destroy_process_group()
     except StepFailed:  # reported by serve_plans
         os._exit(1)  # peers may be blocked in a collective with us: no group teardown
+    except CheckpointError as e:  # a fault of the checkpoint (a NaN weight, ...): its one line, no traceback
+        try:
+            channel.send("error", f"worker {rank}: {e}")
+        finally:
+            os._exit(1)
     except BaseException:  # noqa: BLE001 - forwarded to the driver with the traceback, then this process exits
         try:
             channel.send("error", f"worker {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")

@@ -104,7 +104,7 @@ def run_greedy(model, prompt_ids: list[int], num_steps: int) -> list[tuple[list[
     return out
 
 
-def _check(name: str, prompt_index: int, ours: tuple[list[int], list], ref: tuple[list[int], list]) -> None:
+def check_close(name: str, prompt_index: int, ours: tuple[list[int], list], ref: tuple[list[int], list]) -> None:
     assert ours[0] == ref[0], (name, prompt_index)
     for step, (a, b) in enumerate(zip(ours[1], ref[1], strict=True)):
         torch.testing.assert_close(torch.tensor(a), b, atol=ATOL, rtol=0, msg=f"{name} prompt {prompt_index} {step}")
@@ -114,7 +114,7 @@ def _check(name: str, prompt_index: int, ours: tuple[list[int], list], ref: tupl
 def test_ep1_greedy_equals_transformers(name: str, checkpoints, golden) -> None:  # noqa: ANN001
     model = load_model(checkpoints[name], lambda cfg: LocalComm(cfg.num_experts, 64))
     for i, ours in enumerate(run_greedy(model, list(range(len(PROMPTS))), STEPS)):
-        _check(name, i, ours, golden[name][i])
+        check_close(name, i, ours, golden[name][i])
 
 
 def test_sharded_checkpoint_is_sharded(checkpoints) -> None:  # noqa: ANN001
@@ -127,7 +127,7 @@ def test_sharded_checkpoint_is_sharded(checkpoints) -> None:  # noqa: ANN001
     assert len({weight_map[k] for k in weight_map if ".mlp.experts." in k}) >= 2
 
 
-def _rank(info, paths: dict[str, str]) -> dict[str, list]:  # noqa: ANN001
+def ep2_rank(info, paths: dict[str, str]) -> dict[str, list]:  # noqa: ANN001
     """Rank r runs prompts r, r+2, ... of every checkpoint; returns {name: [(prompt index, (tokens, logits))]}."""
     out = {}
     mine = list(range(info.rank, len(PROMPTS), info.world_size))
@@ -141,9 +141,9 @@ def _rank(info, paths: dict[str, str]) -> dict[str, list]:  # noqa: ANN001
 
 def test_ep2_greedy_equals_transformers(checkpoints, golden) -> None:  # noqa: ANN001
     seen: dict[str, list[int]] = {name: [] for name in checkpoints}
-    for per_rank in parallel_launch(2, _rank, checkpoints, timeout=300):
+    for per_rank in parallel_launch(2, ep2_rank, checkpoints, timeout=300):
         for name, results in per_rank.items():
             for i, ours in results:
-                _check(name, i, ours, golden[name][i])
+                check_close(name, i, ours, golden[name][i])
                 seen[name].append(i)
     assert all(sorted(v) == list(range(len(PROMPTS))) for v in seen.values()), seen

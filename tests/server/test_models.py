@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config
+from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config, read_hf_config
 from server.models import ExpertComm, ForwardBatch, KVCache, LocalComm, ModelConfig
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
@@ -70,7 +70,7 @@ class _NoComm(ExpertComm):
 
 class _Recorder(CheckpointTensors):
     def __init__(self, path: str) -> None:
-        super().__init__(path)
+        super().__init__(path, read_hf_config(path)[0])
         self.read: list[str] = []
 
     def get(self, name, shape):  # noqa: ANN001, ANN201
@@ -91,9 +91,9 @@ def test_rank_reads_only_its_experts(ckpt, num_ranks: int) -> None:  # noqa: ANN
         per_rank = cfg.num_experts // num_ranks
         assert expert_ids == set(range(rank * per_rank, (rank + 1) * per_rank))
         assert (
-            not set(tensors.weight_map)
+            not set(tensors.files.weight_map)
             - set(tensors.read)
-            - {k for k in tensors.weight_map if ".experts." in k and ".shared_experts." not in k}
+            - {k for k in tensors.files.weight_map if ".experts." in k and ".shared_experts." not in k}
         )
         for moe, moe_full in zip(model.moe_layers(), full.moe_layers(), strict=True):
             sl = slice(rank * per_rank, (rank + 1) * per_rank)

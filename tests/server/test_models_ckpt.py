@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from server.loader import DEEPSEEK_V3_MLA, DEEPSEEK_V3_ROUTING
+from server.random_model import DEEPSEEK_V3_MLA, DEEPSEEK_V3_ROUTING
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96, eos_token_id=255)  # not Mixtral's

@@ -1,0 +1,115 @@
+"""Broken checkpoints fail loudly: ``python -m server`` stops with exit code 2 and one line naming the file and the
+tensor (no traceback) for a NaN weight (found by the worker loading it), a missing tensor and a truncated file
+(found by the driver from the headers, before any worker starts); the other faults are checked on
+:func:`server.loader.read_config` directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from server.checkpoint import CheckpointError
+from server.loader import read_config
+from tests.server.test_models_ckpt import make_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ATTN = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> str:  # noqa: ANN001
+    return make_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("good")))
+
+
+def _copy(good: str, tmp_path, edit) -> tuple[str, str]:  # noqa: ANN001
+    """A copy of ``good`` whose tensors ``edit(dict)`` changed; returns (dir, its safetensors path)."""
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(good, path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path, file
+
+
+def _serve(path: str) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "server", "--model", path, "--port", "0", "--ep-size", "1", "--log-level", "error"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr.strip()
+
+
+def _nan(tensors: dict) -> None:
+    tensors[ATTN][3, 5] = float("nan")
+
+
+def test_nan_weight_stops_start_up_naming_file_and_tensor(good: str, tmp_path) -> None:  # noqa: ANN001
+    path, file = _copy(good, tmp_path, _nan)
+    code, err = _serve(path)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("error: cannot start the engine: worker 0: ")
+    assert file in err and repr(ATTN) in err and "1 non-finite value(s)" in err
+
+
+def test_missing_tensor_stops_start_up_naming_it(good: str, tmp_path) -> None:  # noqa: ANN001
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    path, file = _copy(good, tmp_path, lambda t: t.pop(name))
+    code, err = _serve(path)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert f"tensor {name!r} is missing" in err and file in err
+
+
+def test_truncated_file_stops_start_up_naming_it(good: str, tmp_path) -> None:  # noqa: ANN001
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(good, path)
+    file = os.path.join(path, "model.safetensors")
+    os.truncate(file, os.path.getsize(file) - 1000)
+    code, err = _serve(path)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "model.safetensors is truncated" in err and file in err and "ends at byte" in err
+
+
+def test_shape_that_disagrees_with_the_config(good: str, tmp_path) -> None:  # noqa: ANN001
+    path, file = _copy(good, tmp_path, lambda t: t.update({ATTN: t[ATTN][:-1].clone()}))
+    with pytest.raises(CheckpointError, match=rf"{file}: tensor '{ATTN}' has shape \(63, 64\), config.json needs "):
+        read_config(path)
+
+
+def test_quantized_tensor_without_a_format_is_not_cast(good: str, tmp_path) -> None:  # noqa: ANN001
+    path, _ = _copy(good, tmp_path, lambda t: t.update({ATTN: t[ATTN].to(torch.float8_e4m3fn)}))
+    with pytest.raises(CheckpointError, match=f"'{ATTN}' is stored as F8_E4M3 .quantized., but config.json "
+                       "declares no quantization_config"):  # fmt: skip
+        read_config(path)
+
+
+def test_sharded_checkpoint_faults(tmp_path) -> None:  # noqa: ANN001
+    """A shard the index names but that is absent, a tensor its shard lacks, a header that is not safetensors'."""
+    path = make_checkpoint("mixtral", str(tmp_path / "m"), max_shard_size="60KB")
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    shard = weight_map[ATTN]
+    shard_path = os.path.join(path, shard)
+    with open(shard_path, "rb") as f:
+        data = f.read()
+    os.rename(shard_path, shard_path + ".bak")
+    with pytest.raises(CheckpointError, match=f"{shard_path}: missing .the index puts tensor"):
+        read_config(path)
+    tensors = load_file(shard_path + ".bak")
+    tensors.pop(ATTN)
+    save_file(tensors, shard_path)
+    with pytest.raises(CheckpointError, match=f"{shard_path}: has no tensor '{ATTN}', which"):
+        read_config(path)
+    with open(shard_path, "wb") as f:
+        f.write(data[:8] + b"{not json" + data[17:])
+    with pytest.raises(CheckpointError, match=f"{shard_path}: its safetensors header is not valid JSON"):
+        read_config(path)
