@@ -124,6 +124,6 @@ class EngineConfig:
             simulate_npu=sim,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
             random_model=dict(config.random_model) or None, step_timeout_s=config.step_timeout_s,
-            elastic=config.elastic, moe_impl=config.moe_impl,
+            elastic=config.elastic, moe_impl=config.moe_impl, int8_experts=config.int8_experts,
         )  # fmt: skip
         return cls(**{**values, **overrides})
