@@ -148,6 +148,9 @@ def build_model(
             m.float()
     for dest, name in checkpoint_reads(model):
         dest.copy_(tensors.get(name, dest.shape))
+        if dest.is_floating_point() and not bool(torch.isfinite(dest).all()):
+            raise CheckpointError(f"checkpoint tensor {name!r} overflows {dtype} (its values beyond that range "
+                                  "become Inf); serve this checkpoint with --dtype bfloat16 or float32")  # fmt: skip
     for moe in model.moe_layers():
         if moe.fused:
             moe.prepare_fused()

@@ -72,6 +72,7 @@ class Metrics:
             "moe_combine_latency_seconds", "MoE combine time of one worker in one step (all MoE layers).", _COMM_BUCKETS
         )
         self.ep_ranks_lost = gauge("ep_ranks_lost", "EP workers lost in elastic mode (their experts are dropped).")
+        self.nonfinite_logits = counter("nonfinite_logits", "Requests ended with an error: NaN or Inf logits.")
         for reason in FINISH_REASONS:  # export every label value from the start, at 0
             self._success.labels(model_name, reason)
 

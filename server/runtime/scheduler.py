@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from ..engine_api import RequestDelta, SamplingParams, Tokenizer, TokenLogprob
+from ..engine_api import NONFINITE_ERROR, NONFINITE_TOKEN, RequestDelta, SamplingParams, Tokenizer, TokenLogprob
 from .worker import PlanEntry, StepPlan
 
 
@@ -94,6 +94,10 @@ def apply_token(req: Request, token: int, tokenizer: Tokenizer, max_model_len: i
     """Append a sampled token, update the text and decide whether the request finished (vLLM semantics: EOS and
     stop token ids are kept in ``token_ids`` but not in the text; a stop string and what follows are cut off).
     ``logprob`` and ``prompt_logprobs`` (the worker's, when asked for) go into the delta."""
+    if token == NONFINITE_TOKEN:  # the worker found NaN / Inf in this request's logits
+        req.finish_reason = "error"
+        return RequestDelta(req.request_id, [], req.text, "error", NONFINITE_ERROR, len(req.prompt_token_ids),
+                            len(req.output_token_ids))  # fmt: skip
     req.output_token_ids.append(token)
     p = req.params
     n_out = len(req.output_token_ids)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointError
-from ..engine_api import SamplingParams, TokenLogprob
+from ..engine_api import NONFINITE_TOKEN, SamplingParams, TokenLogprob
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, KVCache, LocalComm, ModelConfig
 from ..models.ep_comm import BufferComm, ExpertComm
@@ -118,13 +118,18 @@ class Worker:
         batch = ForwardBatch.build([(e.slot, e.start, e.token_ids) for e in plan.entries],
                                    [e.sample for e in plan.entries], self.device, all_logits)  # fmt: skip
         logits = self.model(batch, self.cache)
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # a NaN / Inf row ends its request, not token 0
         result = StepResult([], 0.0, 0.0, 0.0)
         row = 0
         for e, sampler, want_all in zip(plan.entries, samplers, all_logits, strict=True):
             num_rows = len(e.token_ids) if want_all else int(e.sample)
             sampler.feed(e.token_ids, logits[row : row + num_rows] if want_all else None)
             row += num_rows
-            if e.sample:
+            if e.sample and not finite[row - 1]:
+                result.token_ids.append(NONFINITE_TOKEN)
+                result.logprobs.append(None)
+                result.prompt_logprobs.append(None)
+            elif e.sample:
                 token, logprob, prompt_logprobs = sampler.sample(logits[row - 1])
                 result.token_ids.append(token)
                 result.logprobs.append(logprob)

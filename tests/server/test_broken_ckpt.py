@@ -1,7 +1,7 @@
 """Broken checkpoints fail loudly: ``python -m server`` stops with exit code 2 and one line naming the file and the
 tensor (no traceback) for a NaN weight (found by the worker loading it), a missing tensor and a truncated file
 (found by the driver from the headers, before any worker starts); the other faults are checked on
-:func:`server.loader.read_config` directly."""
+:func:`server.loader.read_config` directly. At run time, non-finite logits fail their request with an error."""
 
 from __future__ import annotations
 
@@ -11,12 +11,18 @@ import shutil
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from server.api import create_app
+from server.api.serve import build_engine
 from server.checkpoint import CheckpointError
-from server.loader import read_config
+from server.config import build_config
+from server.loader import load_model, read_config
+from server.models import LocalComm
+from tests.server.helpers import UvicornThread
 from tests.server.test_models_ckpt import make_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,3 +119,33 @@ def test_sharded_checkpoint_faults(tmp_path) -> None:  # noqa: ANN001
         f.write(data[:8] + b"{not json" + data[17:])
     with pytest.raises(CheckpointError, match=f"{shard_path}: its safetensors header is not valid JSON"):
         read_config(path)
+
+
+def _overflowing_logits(tensors: dict) -> None:
+    """Finite weights whose float16 logits overflow: the final norm scales by 60000, lm_head sums every dim."""
+    tensors["model.norm.weight"][:] = 60000.0
+    tensors["lm_head.weight"][:] = 1.0
+
+
+def test_nonfinite_logits_fail_the_request_with_an_error_and_a_metric(good: str, tmp_path) -> None:  # noqa: ANN001
+    """Non-finite logits at run time end that request with an error (HTTP 500, or an error event when streamed)
+    and count in deep_ep_npu:nonfinite_logits_total, instead of a stream of token 0."""
+    path, _ = _copy(good, tmp_path, _overflowing_logits)
+    config = build_config({"model": path, "ep-size": 1, "dtype": "float16", "max-model-len": 64,
+                           "served-model-name": "overflow", "log-level": "warning"})  # fmt: skip
+    with UvicornThread(create_app(config, build_engine(config))) as srv:
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "non-finite logits (NaN or Inf)" in r.json()["error"]["message"], r.text
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        assert "non-finite logits" in events[-1]["error"]["message"], r.text
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert 'deep_ep_npu:nonfinite_logits_total{model_name="overflow"} 2.0' in metrics
+
+
+def test_weight_that_overflows_the_dtype_is_refused(good: str, tmp_path) -> None:  # noqa: ANN001
+    path, _ = _copy(good, tmp_path, lambda t: t[ATTN].__setitem__((0, 0), 1e5))
+    with pytest.raises(CheckpointError, match=f"'{ATTN}' overflows torch.float16 .*--dtype bfloat16 or float32"):
+        load_model(path, lambda cfg: LocalComm(cfg.num_experts, 8), dtype="float16")
+    load_model(path, lambda cfg: LocalComm(cfg.num_experts, 8), dtype="bfloat16")
