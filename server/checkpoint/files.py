@@ -32,7 +32,6 @@ class CheckpointError(ValueError):
 
 def _read_header(path: str) -> dict[str, Any]:
     """The header of one safetensors file (tensor name -> dtype, shape, data_offsets), checked against the file."""
-    name = os.path.basename(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -63,8 +62,8 @@ def _read_header(path: str) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint file {path}: tensor {tensor!r} spans {end - begin} bytes, its dtype "
                                   f"{info['dtype']} and shape {info['shape']} need {numel * item}")  # fmt: skip
         if 8 + n + end > size:
-            raise CheckpointError(f"checkpoint file {name} is truncated: {size} bytes, but tensor {tensor!r} ends at "
-                                  f"byte {8 + n + end} ({path})")  # fmt: skip
+            raise CheckpointError(f"checkpoint file {path} is truncated: {size} bytes, but tensor {tensor!r} ends at "
+                                  f"byte {8 + n + end}")  # fmt: skip
     return header
 
 
