@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, CheckpointFiles, WeightFormat, detect_format
+from .checkpoint.reads import Read, checkpoint_reads
 from .models.config import ModelConfig
 from .models.ep_comm import ExpertComm, LocalComm
 from .models.model import MoECausalLM
@@ -35,7 +35,6 @@ from .models.moe import Router
 from .random_model import RandomTensors, random_hf_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_EXPERT_PARAM = re.compile(r"model\.layers\.(\d+)\.\w+\.experts\.(w13|w2)$")
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -65,8 +64,8 @@ def read_config(model_path: str) -> ModelConfig:
     tensors = CheckpointTensors(model_path, hf_cfg)
     with torch.device("meta"):
         model = MoECausalLM(cfg, LocalComm(cfg.num_experts, 1))
-    for dest, name in checkpoint_reads(model):
-        tensors.check(name, dest.shape, f"config.json needs it with shape {tuple(dest.shape)}")
+    for _, read in checkpoint_reads(model):
+        tensors.check(read, f"config.json needs it with shape {read.shape}")
     return cfg
 
 
@@ -78,19 +77,21 @@ class CheckpointTensors:
         self.files = CheckpointFiles(model_path)
         self.format: WeightFormat = detect_format(model_path, hf_config)
 
-    def check(self, name: str, shape: torch.Size, needed_by: str) -> None:
-        """Raise :class:`CheckpointError` unless :meth:`get` can give ``name`` with ``shape`` (headers only)."""
-        self.format.check(self.files, name, tuple(shape), needed_by)
+    def check(self, read: Read, needed_by: str) -> None:
+        """Raise :class:`CheckpointError` unless :meth:`get` can give ``read`` (headers only)."""
+        self.format.check(self.files, read.name, read.shape, needed_by)
 
-    def get(self, name: str, shape: torch.Size) -> torch.Tensor:
-        """Tensor ``name`` as a float tensor of ``shape``; one holding NaN or Inf is a :class:`CheckpointError`."""
-        self.check(name, shape, "the model reads it")
-        t = self.format.load(self.files, name, tuple(shape))
+    def get(self, read: Read) -> torch.Tensor:
+        """The float tensor ``read`` names (its rows, in its layout); one holding NaN or Inf is a
+        :class:`CheckpointError`."""
+        self.check(read, "the model reads it")
+        t = self.format.load(self.files, read.name, read.shape, read.rows)
         bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
         if bad:
-            raise CheckpointError(f"checkpoint file {self.files.path(name)}: tensor {name!r} holds {bad} non-finite "
-                                  f"value(s) (NaN or Inf) of {t.numel()}; the checkpoint is corrupt")  # fmt: skip
-        return t
+            where = self.files.path(read.name) if read.name in self.files else self.files.source
+            raise CheckpointError(f"checkpoint file {where}: tensor {read.name!r} holds {bad} non-finite value(s) "
+                                  f"(NaN or Inf) of {t.numel()}; the checkpoint is corrupt")  # fmt: skip
+        return t if read.layout is None else read.layout(t)
 
 
 @contextlib.contextmanager
@@ -110,28 +111,6 @@ def _no_init(dtype: torch.dtype) -> Iterator[None]:
             cls.reset_parameters = fn  # type: ignore[method-assign]
 
 
-def checkpoint_reads(model: MoECausalLM) -> Iterator[tuple[torch.Tensor, str]]:
-    """Every value ``model`` is filled with: ``(destination, checkpoint tensor name)``, the destination a parameter
-    or buffer or a slice of one, whose shape the checkpoint tensor must have (a tied ``lm_head`` reads the
-    embedding, as transformers ties it)."""
-    cfg = model.cfg
-    for name, t in model.state_dict(keep_vars=True).items():
-        match = _EXPERT_PARAM.match(name)
-        if match is None:
-            tied = name == "lm_head.weight" and cfg.tie_word_embeddings
-            yield t.data, "model.embed_tokens.weight" if tied else name
-            continue
-        layer, which = int(match.group(1)), match.group(2)
-        inter = cfg.moe_intermediate_size
-        for j, e in enumerate(model.comm.local_expert_ids):
-            gate, up, down = model.expert_checkpoint_keys(layer, e)
-            if which == "w13":
-                yield t.data[j, :inter], gate
-                yield t.data[j, inter:], up
-            else:
-                yield t.data[j], down
-
-
 def build_model(
     cfg: ModelConfig,
     comm: ExpertComm,
@@ -146,10 +125,10 @@ def build_model(
     for m in model.modules():
         if isinstance(m, Router):
             m.float()
-    for dest, name in checkpoint_reads(model):
-        dest.copy_(tensors.get(name, dest.shape))
+    for dest, read in checkpoint_reads(model):
+        dest.copy_(tensors.get(read))
         if dest.is_floating_point() and not bool(torch.isfinite(dest).all()):
-            raise CheckpointError(f"checkpoint tensor {name!r} overflows {dtype} (its values beyond that range "
+            raise CheckpointError(f"checkpoint tensor {read.name!r} overflows {dtype} (its values beyond that range "
                                   "become Inf); serve this checkpoint with --dtype bfloat16 or float32")  # fmt: skip
     for moe in model.moe_layers():
         if moe.fused:

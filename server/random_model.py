@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint.reads import Read
 from .models.architectures import ARCHITECTURES
 
 _ARCH_NAMES = {v: k for k, v in ARCHITECTURES.items()}
@@ -74,11 +75,16 @@ class RandomTensors:
     def __init__(self, seed: int) -> None:
         self.seed = seed
 
-    def get(self, name: str, shape: torch.Size) -> torch.Tensor:
+    def get(self, read: Read) -> torch.Tensor:
+        """The tensor ``read`` names, drawn whole from its name's generator (its rows, in its layout)."""
+        name, shape = read.name, read.shape
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith("norm.weight"):
-            return torch.ones(shape)
-        if name.endswith("e_score_correction_bias"):
-            return torch.rand(shape, generator=gen) * 0.1
-        std = 1.0 if "embed_tokens" in name else shape[-1] ** -0.5
-        return torch.randn(shape, generator=gen) * std
+            t = torch.ones(shape)
+        elif name.endswith("e_score_correction_bias"):
+            t = torch.rand(shape, generator=gen) * 0.1
+        else:
+            std = 1.0 if "embed_tokens" in name else shape[-1] ** -0.5
+            t = torch.randn(shape, generator=gen) * std
+        t = t if read.rows is None else t[read.rows.start : read.rows.stop]
+        return t if read.layout is None else read.layout(t)

@@ -123,12 +123,15 @@ class CheckpointFiles:
         if name not in self.weight_map:
             raise CheckpointError(f"checkpoint {self.source}: tensor {name!r} is missing ({needed_by})")
 
-    def read(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` as stored (dtype and shape of its header), on the CPU."""
+    def read(self, name: str, rows: range | None = None) -> torch.Tensor:
+        """Tensor ``name`` as stored (dtype and shape of its header), on the CPU; only ``rows`` of its first dim when
+        given (a fused expert tensor: a rank reads its own experts' rows only)."""
         self.require(name, "read")
         file = self.weight_map[name]
         if file not in self._open:
             from safetensors import safe_open
 
             self._open[file] = safe_open(os.path.join(self.model_path, file), "pt")
-        return self._open[file].get_tensor(name)
+        if rows is None:
+            return self._open[file].get_tensor(name)
+        return self._open[file].get_slice(name)[rows.start : rows.stop]

@@ -14,6 +14,7 @@ a scale of the wrong shape) stops start-up naming the tensor. Nothing is ever ca
   ``weight_g_idx`` when act-ordered) or block.
 - Ascend msmodelslim (``quant_model_description.json``): ``W8A8_DYNAMIC`` layers ``W = (W_q - weight_offset) *
   weight_scale``; ``FLOAT`` as stored.
+- ``mxfp4`` (gpt-oss routed experts): E2M1 codes times E8M0 group scales (:func:`dequantize_mxfp4`).
 
 Activations then run in the model dtype: what the formats' dynamic activation quantization would round is not
 rounded. Refused by name at start-up: any other ``quant_method``, compressed-tensors' packed / 4-bit / nvfp4 / mxfp4
@@ -39,7 +40,8 @@ MSMODELSLIM_TYPES = ("FLOAT", "W8A8_DYNAMIC")
 QUANT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8")
 SUPPORTED = (
     "fp8 (block or per-tensor weight_scale_inv), compressed-tensors (8-bit int / fp8: int-quantized, "
-    "float-quantized, naive-quantized), Ascend msmodelslim W8A8_DYNAMIC (quant_model_description.json)"
+    "float-quantized, naive-quantized), mxfp4 (gpt-oss experts), Ascend msmodelslim W8A8_DYNAMIC "
+    "(quant_model_description.json)"
 )
 
 Reader = Callable[[], torch.Tensor]  # a quantized weight's float32 value, read when called
@@ -95,10 +97,14 @@ class WeightFormat:
                                   "neither a float dtype nor a quantized weight's")  # fmt: skip
         self.dequantizer(files, name, tuple(shape))
 
-    def load(self, files: CheckpointFiles, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Tensor ``name`` as a float tensor of ``shape`` (a quantized weight dequantized, in fp32)."""
+    def load(
+        self, files: CheckpointFiles, name: str, shape: tuple[int, ...], rows: range | None = None
+    ) -> torch.Tensor:
+        """Tensor ``name`` as a float tensor of ``shape`` (a quantized weight dequantized, in fp32); only ``rows`` of
+        its first dim when given (fused expert tensors, stored as float)."""
         if files.dtype(name) in FLOAT_DTYPES:
-            return files.read(name)
+            return files.read(name, rows)
+        assert rows is None, f"{self.name} has no fused quantized tensors"  # checkpoint_reads asks rows of fused ones
         return self.dequantizer(files, name, tuple(shape))()
 
     def dequantizer(self, files: CheckpointFiles, name: str, shape: tuple[int, ...]) -> Reader:
@@ -235,6 +241,42 @@ class MsModelSlim(WeightFormat):
         return read
 
 
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 codes
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 to fp32: ``blocks`` `[..., G, 16]` `torch.uint8` (two E2M1 codes a byte, the low nibble first) and
+    ``scales`` `[..., G]` `torch.uint8` (E8M0: each group of 32 values times ``2^(s - 127)``) -> `[..., G * 32]`."""
+    lut = torch.tensor(FP4_VALUES)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., G, 32]
+    return (lut[codes] * torch.exp2(scales.float() - 127)[..., None]).flatten(-2)
+
+
+class MXFP4(WeightFormat):
+    """``quant_method: mxfp4`` (gpt-oss): the routed experts of each layer as ``<name>_blocks`` `[E, out, in / 32,
+    16]` and ``<name>_scales`` `[E, out, in / 32]` (both ``U8``), read as the float `[E, in, out]` tensor ``<name>``
+    of the unquantized checkpoints (``x @ W``); every other tensor unquantized."""
+
+    name = "mxfp4"
+
+    def check(self, files: CheckpointFiles, name: str, shape: tuple[int, ...], needed_by: str) -> None:
+        if name in files or len(shape) != 3:
+            return super().check(files, name, shape, needed_by)
+        e, k, n = shape
+        if k % 32:
+            raise CheckpointError(f"{name}: MXFP4 needs the input size {k} to be a multiple of 32")
+        _need(files, name + "_blocks", f"the MXFP4 blocks of {name!r}", ("U8",), [(e, n, k // 32, 16)])
+        _need(files, name + "_scales", f"the MXFP4 scales of {name!r}", ("U8",), [(e, n, k // 32)])
+
+    def load(
+        self, files: CheckpointFiles, name: str, shape: tuple[int, ...], rows: range | None = None
+    ) -> torch.Tensor:
+        if name in files:
+            return super().load(files, name, shape, rows)
+        blocks, scales = files.read(name + "_blocks", rows), files.read(name + "_scales", rows)
+        return dequantize_mxfp4(blocks.view(torch.uint8), scales.view(torch.uint8)).transpose(1, 2)
+
+
 def detect_format(model_path: str, cfg: dict[str, Any]) -> WeightFormat:
     """The weight format of the checkpoint in ``model_path`` with ``config.json`` ``cfg``: msmodelslim when
     ``quant_model_description.json`` exists (as vllm-ascend decides), else ``quantization_config``'s, else
@@ -251,5 +293,7 @@ def detect_format(model_path: str, cfg: dict[str, Any]) -> WeightFormat:
         return FP8(qc)
     if method == "compressed-tensors":
         return CompressedTensors(qc)
+    if method == "mxfp4":
+        return MXFP4()
     raise CheckpointError(f"config.json quantization_config.quant_method={method!r} is not supported; supported: "
                           f"{SUPPORTED}")  # fmt: skip

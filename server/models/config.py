@@ -28,6 +28,7 @@ class ModelConfig:
     num_experts_per_tok: int
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     rms_norm_eps: float = 1e-6
+    norm_weight_fp32: bool = False  # gpt-oss: RMSNorm multiplies by its weight in fp32, then casts (Llama: casts first)
     rope_interleave: bool = False
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -58,6 +59,7 @@ class ModelConfig:
     router_name: str = "gate"  # gpt-oss: "router"
     shared_expert_name: str = "shared_experts"  # Qwen2-MoE: "shared_expert"
     expert_keys: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    fused_experts: bool = False  # gpt-oss: experts.{gate_up_proj,down_proj}[_bias] hold every expert of a layer
     # DeepSeek-V3 MLA.
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0

@@ -73,9 +73,9 @@ class _Recorder(CheckpointTensors):
         super().__init__(path, read_hf_config(path)[0])
         self.read: list[str] = []
 
-    def get(self, name, shape):  # noqa: ANN001, ANN201
-        self.read.append(name)
-        return super().get(name, shape)
+    def get(self, read):  # noqa: ANN001, ANN201
+        self.read.append(read.name)
+        return super().get(read)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
