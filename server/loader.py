@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, CheckpointFiles, WeightFormat, detect_format
+from .checkpoint.formats import AUX_SUFFIXES
 from .checkpoint.reads import Read, checkpoint_reads
 from .models.config import ModelConfig
 from .models.ep_comm import ExpertComm, LocalComm
@@ -34,6 +37,7 @@ from .models.model import MoECausalLM
 from .models.moe import Router
 from .random_model import RandomTensors, random_hf_config
 
+logger = logging.getLogger("server.loader")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,9 +68,23 @@ def read_config(model_path: str) -> ModelConfig:
     tensors = CheckpointTensors(model_path, hf_cfg)
     with torch.device("meta"):
         model = MoECausalLM(cfg, LocalComm(cfg.num_experts, 1))
+    names = set()
     for _, read in checkpoint_reads(model):
         tensors.check(read, f"config.json needs it with shape {read.shape}")
+        names.add(read.name)
+    unused = [n for n in tensors.files.weight_map if n not in names and not _ignorable(n, cfg.num_hidden_layers)]
+    if unused:
+        logger.warning("checkpoint %s: %d tensor(s) that the model does not read (transformers ignores them too), "
+                       "e.g. %s", model_path, len(unused), ", ".join(unused[:3]))  # fmt: skip
     return cfg
+
+
+def _ignorable(name: str, num_layers: int) -> bool:
+    """A tensor no model of ours reads, by design: quantization scales (read through their weight), MTP layers
+    past ``num_hidden_layers`` (DeepSeek-V3, GLM-4.5), stored rotary frequencies."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return (name.endswith(AUX_SUFFIXES) or name.endswith("rotary_emb.inv_freq")
+            or (layer is not None and int(layer.group(1)) >= num_layers))  # fmt: skip
 
 
 class CheckpointTensors:

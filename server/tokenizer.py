@@ -93,8 +93,22 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
 
+# Files of tokenizers this server cannot read without a tokenizer.json (sentencepiece, tiktoken, slow BPE / WordPiece).
+OTHER_TOKENIZER_FILES = ("tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt", "vocab.txt",
+                         "tokenizer_config.json")  # fmt: skip
+
+
 def load_tokenizer(model_path: str | None, eos_token_ids: Sequence[int]) -> Tokenizer:
-    """``model_path/tokenizer.json`` if present, else :class:`ByteTokenizer`; EOS ids from the model config."""
-    if model_path is not None and os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+    """``model_path/tokenizer.json`` if present; :class:`ByteTokenizer` for random models and checkpoints that ship
+    no tokenizer; EOS ids from the model config. A checkpoint whose tokenizer exists only in another form is refused
+    (byte-level ids would be meaningless to it)."""
+    if model_path is None:
+        return ByteTokenizer(eos_token_ids)
+    if os.path.isfile(os.path.join(model_path, "tokenizer.json")):
         return HFTokenizer(model_path, eos_token_ids)
+    other = [f for f in OTHER_TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, f))]
+    if other:
+        raise ValueError(f"model={model_path!r} ships a tokenizer as {other} but no tokenizer.json, the only form "
+                         "this server reads; write one next to it with transformers: AutoTokenizer.from_pretrained("
+                         "path).save_pretrained(path)")  # fmt: skip
     return ByteTokenizer(eos_token_ids)

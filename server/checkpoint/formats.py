@@ -38,6 +38,9 @@ CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "dense")
 CT_STRATEGIES = ("tensor", "channel", "group", "block")
 MSMODELSLIM_TYPES = ("FLOAT", "W8A8_DYNAMIC")
 QUANT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8")
+# Tensors the formats store next to a quantized weight (scales, offsets, activation scales, KV-cache scales).
+AUX_SUFFIXES = ("_scale_inv", "_scale", "_zero_point", "_g_idx", "_offset", "quant_bias", "deq_scale", "_blocks",
+                "_scales")  # fmt: skip
 SUPPORTED = (
     "fp8 (block or per-tensor weight_scale_inv), compressed-tensors (8-bit int / fp8: int-quantized, "
     "float-quantized, naive-quantized), mxfp4 (gpt-oss experts), Ascend msmodelslim W8A8_DYNAMIC "

@@ -149,3 +149,28 @@ def test_weight_that_overflows_the_dtype_is_refused(good: str, tmp_path) -> None
     with pytest.raises(CheckpointError, match=f"'{ATTN}' overflows torch.float16 .*--dtype bfloat16 or float32"):
         load_model(path, lambda cfg: LocalComm(cfg.num_experts, 8), dtype="float16")
     load_model(path, lambda cfg: LocalComm(cfg.num_experts, 8), dtype="bfloat16")
+
+
+def test_tensors_the_model_does_not_read_are_named_in_a_warning(good: str, tmp_path, caplog) -> None:  # noqa: ANN001
+    """A bias the config does not declare is reported; MTP layers past num_hidden_layers and scales are not."""
+    extra = {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64),
+             "model.layers.2.mlp.gate.weight": torch.zeros(8, 64),
+             "model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(1)}  # fmt: skip
+    path, _ = _copy(good, tmp_path, lambda t: t.update(extra))
+    with caplog.at_level("WARNING", logger="server.loader"):
+        read_config(path)
+    assert "1 tensor(s) that the model does not read" in caplog.text
+    assert "model.layers.0.self_attn.q_proj.bias" in caplog.text
+
+
+def test_a_tokenizer_without_tokenizer_json_is_refused(good: str, tmp_path) -> None:  # noqa: ANN001
+    """Byte-level ids would be meaningless to a model that ships its own tokenizer in another form."""
+    from server.tokenizer import ByteTokenizer, load_tokenizer
+
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(good, path)
+    assert isinstance(load_tokenizer(path, [255]), ByteTokenizer)  # ships none: the documented byte-level one
+    with open(os.path.join(path, "tiktoken.model"), "w") as f:
+        f.write("")
+    with pytest.raises(ValueError, match=r"ships a tokenizer as \['tiktoken.model'\] but no tokenizer.json"):
+        load_tokenizer(path, [255])
