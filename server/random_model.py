@@ -64,6 +64,8 @@ def random_hf_config(spec: dict[str, Any] | None = None) -> dict[str, Any]:
     elif arch in ("mixtral", "olmoe"):
         cfg["num_local_experts" if arch == "mixtral" else "num_experts"] = cfg.pop("num_experts")
         cfg["intermediate_size"] = cfg.pop("moe_intermediate_size")
+    elif arch == "gpt_oss":
+        cfg.update(num_local_experts=cfg.pop("num_experts"), intermediate_size=cfg.pop("moe_intermediate_size"))
     elif arch == "qwen2_moe":
         cfg.setdefault("shared_expert_intermediate_size", 2 * cfg["moe_intermediate_size"])
     return cfg

@@ -1,8 +1,8 @@
 """The MoE families we serve: how each one's ``config.json`` maps onto :class:`~server.models.config.ModelConfig`.
 
 Values missing from a ``config.json`` take the defaults of that family's transformers config class (5.24); what a
-family cannot run here (a sliding window on a family that has none in transformers' attention here, a ``hidden_act``
-other than silu) is refused by name. ``reference/checkpoints.md`` §4 lists the differences between the families.
+family cannot run here (a sliding window on Qwen / Mixtral, a ``hidden_act`` other than silu) is refused by name.
+``reference/checkpoints.md`` §4 lists the differences between the families.
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "OlmoeForCausalLM": "olmoe",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
+# gpt-oss' rope when config.json gives none (transformers' GptOssConfig default).
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}  # fmt: skip
 
 Parser = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
 
@@ -198,6 +202,36 @@ def _glm4_moe(cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _gpt_oss(cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
+    layers, head_dim = common["num_hidden_layers"], int(cfg.get("head_dim") or 64)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    bias = bool(cfg.get("attention_bias", True))
+    if not (cfg.get("rope_scaling") or cfg.get("rope_parameters")):
+        cfg = {**cfg, "rope_parameters": GPT_OSS_ROPE}
+    return dict(
+        head_dim=head_dim,
+        intermediate_size=0,
+        moe_intermediate_size=int(cfg.get("intermediate_size", 2880)),
+        num_experts=int(cfg.get("num_local_experts", 128)),
+        rope=RopeConfig.from_hf(cfg, head_dim, default_theta=150000.0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        norm_weight_fp32=True,
+        qkv_bias=bias,
+        o_bias=bias,
+        layer_types=tuple(types),
+        sliding_window=int(cfg.get("sliding_window") or 0),
+        attention_sinks=True,
+        moe_layers=tuple(range(layers)),
+        scoring="topk_softmax",
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        router_name="router",
+        fused_experts=True,
+    )
+
+
 _PARSERS: dict[str, Parser] = {
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
@@ -205,4 +239,5 @@ _PARSERS: dict[str, Parser] = {
     "mixtral": _mixtral,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _glm4_moe,
+    "gpt_oss": _gpt_oss,
 }

@@ -74,21 +74,26 @@ class ForwardBatch:
         return cls(as_long(ids), as_long(positions), seqs, as_long(rows))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """q `[n, heads, d]`, k/v `[start + n, kv_heads, d]` -> `[n, heads, d_v]` (causal, GQA by head groups)."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, window: int | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """q `[n, heads, d]`, k/v `[start + n, kv_heads, d]` -> `[n, heads, d_v]` (causal, GQA by head groups).
+    ``window``: attend only the last ``window`` positions (the query's own included); ``sinks`` `[heads]`: a logit
+    per head that joins each softmax denominator (gpt-oss)."""
     n, length = q.shape[0], k.shape[0]
-    mask = None
-    if n > 1:
-        mask = torch.arange(length, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.transpose(0, 1)
+    key_pos, query_pos = torch.arange(length, device=q.device), start + torch.arange(n, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
+        return out.transpose(0, 1)
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = ((q.float() @ k.float().transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype).transpose(0, 1)
 
 
 class GQAttention(QKVProjections):
@@ -108,7 +113,8 @@ class GQAttention(QKVProjections):
             rows, end = slice(s.row, s.row + s.num_tokens), s.start + s.num_tokens
             k_cache[s.slot, s.start : end] = k[rows]
             v_cache[s.slot, s.start : end] = v[rows]
-            out[rows] = _attend(q[rows], k_cache[s.slot, :end], v_cache[s.slot, :end], s.start, self.head_dim**-0.5)
+            out[rows] = _attend(q[rows], k_cache[s.slot, :end], v_cache[s.slot, :end], s.start, self.head_dim**-0.5,
+                                self.window, getattr(self, "sinks", None))  # fmt: skip
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -8,18 +8,19 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``, computed in fp32 and cast back before the weight (as HF does)."""
+    """``weight * x / rms(x)``, computed in fp32 and cast back before the weight (as HF does); with
+    ``weight_fp32`` the weight multiplies in fp32 and the product is cast (gpt-oss)."""
 
-    def __init__(self, hidden: int, eps: float) -> None:
+    def __init__(self, hidden: int, eps: float, weight_fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
-        self.eps = eps
+        self.eps, self.weight_fp32 = eps, weight_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return (self.weight * x32).to(dtype) if self.weight_fp32 else self.weight * x32.to(dtype)
 
 
 class DenseMLP(nn.Module):

@@ -21,9 +21,9 @@ from .moe import SparseMoE
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, comm: ExpertComm) -> None:
         super().__init__()
-        self.self_attn = MLAttention(cfg) if cfg.use_mla else GQAttention(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg) if cfg.use_mla else GQAttention(cfg, layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32)
         self.is_moe = layer_idx in cfg.moe_layers
         self.mlp_name = cfg.moe_block if self.is_moe else "mlp"
         mlp = SparseMoE(cfg, comm) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
@@ -39,7 +39,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, comm) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32)
 
 
 class KVCache:

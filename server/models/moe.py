@@ -19,13 +19,17 @@ class Router(nn.Module):
     softmax (Qwen2/3-MoE, OLMoE, Mixtral): fp32 softmax -> top-k -> renormalise iff ``norm_topk_prob``.
     sigmoid (DeepSeek-V3, GLM-4.5): sigmoid -> + ``e_score_correction_bias`` (selection only) -> best ``topk_group`` of
     ``n_group`` groups by the sum of each group's top-2 -> top-k -> unbiased scores, renormalised iff
-    ``norm_topk_prob`` (+1e-20) -> x ``routed_scaling_factor``. The router weight is kept in fp32.
+    ``norm_topk_prob`` (+1e-20) -> x ``routed_scaling_factor``.
+    topk_softmax (gpt-oss): logits with the router's bias -> top-k -> softmax over the k kept logits.
+    The router's parameters are kept in fp32.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.router_bias:
+            self.bias = nn.Parameter(torch.empty(cfg.num_experts))
         if cfg.scoring == "sigmoid":
             self.e_score_correction_bias: torch.Tensor
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
@@ -33,7 +37,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` `[num_tokens, hidden]` -> topk_idx `[num_tokens, k]` `torch.int64`, topk_weights `torch.float32`."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float(), self.bias.float() if self.cfg.router_bias else None)
+        if cfg.scoring == "topk_softmax":
+            top, idx = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)
+            return idx, torch.softmax(top, dim=-1)
         if cfg.scoring == "softmax":
             probs = torch.softmax(logits, dim=-1)
             weights, idx = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
@@ -54,15 +61,29 @@ class Router(nn.Module):
         return idx, weights * cfg.routed_scaling_factor
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """``silu(gate) * up``; gpt-oss' clamped form with ``swiglu_limit``: ``gate <= limit``, ``|up| <= limit``,
+    ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``."""
+    if cfg.swiglu_limit is None:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=cfg.swiglu_limit), up.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha))
+
+
 class LocalExperts(nn.Module):
     """This rank's routed experts, stacked: ``w13`` `[num_local_experts, 2 * I, hidden]` (gate rows first, then up)
-    and ``w2`` `[num_local_experts, hidden, I]`. :meth:`quantize_int8` swaps them for int8 weights."""
+    and ``w2`` `[num_local_experts, hidden, I]`, with gpt-oss' biases ``b13`` `[num_local_experts, 2 * I]` and ``b2``
+    `[num_local_experts, hidden]`. :meth:`quantize_int8` swaps the weights for int8 ones (biases stay float)."""
 
-    def __init__(self, num_local_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, cfg: ModelConfig, num_local_experts: int) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, intermediate))
+        self.cfg, self.intermediate = cfg, cfg.moe_intermediate_size
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, inter))
+        if cfg.expert_bias:
+            self.b13 = nn.Parameter(torch.empty(num_local_experts, 2 * inter))
+            self.b2 = nn.Parameter(torch.empty(num_local_experts, hidden))
         self.int8: list[tuple[Int8Linear, Int8Linear]] | None = None
 
     def quantize_int8(self) -> None:
@@ -75,18 +96,23 @@ class LocalExperts(nn.Module):
         """``recv_x`` `[L, R*N, hidden]`, ``recv_count`` `[L]` int32 -> `[L, R*N, hidden]` (rows past the count are
         uninitialised, as in DeepEP's layout; combine reads only the counted rows)."""
         out = torch.empty_like(recv_x)
+        b13, b2 = (self.b13, self.b2) if hasattr(self, "b13") else ([None] * len(recv_count), [None] * len(recv_count))
         for e, n in enumerate(recv_count.tolist()):
             if n == 0:
                 continue
             x = recv_x[e, :n]
             if self.int8 is None:
-                gate, up = F.linear(x, self.w13[e]).split(self.intermediate, dim=-1)
-                out[e, :n] = F.linear(F.silu(gate) * up, self.w2[e])
-            else:
-                w13, w2 = self.int8[e]
-                gate, up = w13(x).split(self.intermediate, dim=-1)
-                out[e, :n] = w2(F.silu(gate) * up)
+                gate, up = F.linear(x, self.w13[e], b13[e]).split(self.intermediate, dim=-1)
+                out[e, :n] = F.linear(swiglu(gate, up, self.cfg), self.w2[e], b2[e])
+                continue
+            w13, w2 = self.int8[e]
+            gate, up = _plus(w13(x), b13[e]).split(self.intermediate, dim=-1)
+            out[e, :n] = _plus(w2(swiglu(gate, up, self.cfg)), b2[e])
         return out
+
+
+def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
 
 
 class SparseMoE(nn.Module):
@@ -98,8 +124,12 @@ class SparseMoE(nn.Module):
         self.comm = comm
         self.fused = comm.fused  # the fused path (comm.fused_moe) or dispatch -> experts -> combine, fixed here
         self._mega_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.gate = Router(cfg)
-        self.experts = LocalExperts(comm.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if self.fused and (cfg.expert_bias or cfg.swiglu_limit is not None):
+            raise ValueError(f"moe_impl='fused' (Buffer.mega_moe) runs plain SwiGLU experts without biases; "
+                             f"{cfg.architecture}'s experts need the unfused path (moe_impl='unfused')")  # fmt: skip
+        self.router_name = cfg.router_name
+        setattr(self, cfg.router_name, Router(cfg))
+        self.experts = LocalExperts(cfg, comm.num_local_experts)
         self.shared_name = cfg.shared_expert_name if cfg.shared_expert_intermediate_size > 0 else None
         if self.shared_name is not None:
             setattr(self, self.shared_name, DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size))
@@ -108,7 +138,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0)."""
-        topk_idx, topk_weights = self.gate(x)
+        topk_idx, topk_weights = getattr(self, self.router_name)(x)
         if self.fused:
             return self._fused(x, topk_idx, topk_weights)
         recv_x, recv_count, handle = self.comm.timed_dispatch(x, topk_idx)

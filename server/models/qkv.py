@@ -33,10 +33,15 @@ def token_seq_lens(batch: ForwardBatch, rotary: Rotary) -> torch.Tensor | None:
 
 
 class QKVProjections(nn.Module):
-    """``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (+ ``q_norm`` / ``k_norm``) and the rotary embedding."""
+    """``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (+ ``q_norm`` / ``k_norm``) and the rotary embedding of layer
+    ``layer_idx``; also what its attention reads: ``window`` (sliding layers: the last ``sliding_window`` positions,
+    else None) and gpt-oss' ``sinks`` `[heads]` (a learned logit per head)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.window = (cfg.sliding_window or None) if cfg.is_sliding(layer_idx) else None
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads))
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.qkv_bias)

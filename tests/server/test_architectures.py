@@ -36,6 +36,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen2_moe": ("qwen2_moe", {}),
     "olmoe": ("olmoe", {}),
     "glm4_moe": ("glm4_moe", {}),
+    "gpt_oss": ("gpt_oss", {}),
     "deepseek_v3_yarn": ("deepseek_v3", {"max_position_embeddings": 163840}),
     "qwen3_moe_linear": ("qwen3_moe", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
     "qwen3_moe_dynamic": ("qwen3_moe", {"max_position_embeddings": 8,

@@ -28,6 +28,10 @@ def hf_config(arch: str, **overrides):  # noqa: ANN003, ANN201
     if arch == "olmoe":
         return tf.OlmoeConfig(**{**COMMON, "num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
                                  "eos_token_id": 255, **overrides})  # fmt: skip
+    if arch == "gpt_oss":  # a 4-token window (prompts and decoding run past it), a clamp that bites
+        return tf.GptOssConfig(**{**COMMON, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                  "intermediate_size": 32, "sliding_window": 4, "swiglu_limit": 0.2,
+                                  "eos_token_id": 255, **overrides})  # fmt: skip
     if arch == "glm4_moe":  # head_dim 16 (given, as GLM-4.5's config.json does), half of it rotary (the default)
         return tf.Glm4MoeConfig(**{**COMMON, **MOE, "head_dim": 16, "n_routed_experts": 8, **DEEPSEEK_V3_ROUTING,
                                    "use_qk_norm": True, "attention_bias": True, **overrides})  # fmt: skip
@@ -54,10 +58,12 @@ def make_checkpoint(arch: str, path: str, seed: int = 0, max_shard_size: str | N
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
                 p.mul_(ROUTER_SCALE)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 p.copy_(torch.randn(p.shape) * 0.1)
+            elif name.endswith("self_attn.sinks"):
+                p.copy_(torch.randn(p.shape))
             elif name.endswith("norm.weight"):
                 p.copy_(1 + torch.randn(p.shape) * 0.1)
         for name, b in model.named_buffers():

@@ -3,9 +3,9 @@
 Each quantized checkpoint is made here from a bf16 model (every linear weight but the routers, embeddings and
 ``lm_head`` quantized as its format says; the rest stored in bf16): DeepSeek-native block fp8 (``weight_scale_inv``
 on a block grid that does not divide the weights, so edge blocks are cropped), compressed-tensors int8 W8A8
-(per-channel) and fp8 block, and Ascend msmodelslim W8A8_DYNAMIC. The oracle is transformers running the
-dequantized weights (dequantized here by plain loops over blocks and rows, independent of the server's code):
-greedy tokens equal at EP 1 and EP 2, logits within 1e-4.
+(per-channel) and fp8 block, Ascend msmodelslim W8A8_DYNAMIC and gpt-oss MXFP4 experts. The oracle is transformers
+running the dequantized weights (dequantized here by plain loops and lookups, independent of the server's code): greedy
+tokens equal at EP 1 and EP 2, logits within 1e-4.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ VARIANTS = {
     "qwen3_moe_ct_int8": ("qwen3_moe", "ct_int8"),
     "mixtral_ct_fp8_block": ("mixtral", "ct_fp8_block"),
     "qwen2_moe_w8a8_dynamic": ("qwen2_moe", "msmodelslim"),
+    "gpt_oss_mxfp4": ("gpt_oss", "mxfp4"),
 }
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def _quantized(name: str, t: torch.Tensor) -> bool:
@@ -74,6 +76,19 @@ def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return q, scale, q.float() * scale.float()
 
 
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-oss' fused expert weight ``w`` `[E, in, out]` -> (blocks `[E, out, in / 32, 16]` uint8, scales `[E, out,
+    in / 32]` uint8, dequantized `[E, in, out]`): per 32 inputs, scale 2^ceil(log2(amax / 6)), each value the
+    nearest FP4 code, two codes a byte (the low nibble first)."""
+    rows = w.float().transpose(1, 2)  # [E, out, in]
+    groups = rows.reshape(*rows.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(dim=-1) / 6)).clamp(-127, 127)
+    codes = (groups[..., None] / torch.exp2(exponent)[..., None, None] - FP4).abs().argmin(dim=-1)
+    deq = (FP4[codes] * torch.exp2(exponent)[..., None]).reshape(rows.shape).transpose(1, 2).contiguous()
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8), deq
+
+
 def quantize_checkpoint(src: str, dst: str, fmt: str) -> dict[str, torch.Tensor]:
     """Write ``src`` (fp32) as a bf16 model quantized in format ``fmt`` to ``dst``; returns the dequantized state."""
     shutil.copytree(src, dst)
@@ -81,7 +96,10 @@ def quantize_checkpoint(src: str, dst: str, fmt: str) -> dict[str, torch.Tensor]
     out, deq, description = {}, {}, {}
     for name, w in state.items():
         description[name] = "FLOAT"
-        if not _quantized(name, w):
+        if fmt == "mxfp4" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name + "_blocks"], out[name + "_scales"], deq[name] = _mxfp4(w)
+            continue
+        if fmt == "mxfp4" or not _quantized(name, w):
             out[name], deq[name] = w, w.float()
             continue
         base = name.removesuffix("weight")
@@ -103,7 +121,16 @@ def quantize_checkpoint(src: str, dst: str, fmt: str) -> dict[str, torch.Tensor]
     else:
         fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                "weight_block_size": list(FP8_BLOCK)}  # fmt: skip
-        cfg["quantization_config"] = {"fp8": fp8, "ct_int8": CT_INT8, "ct_fp8_block": CT_FP8_BLOCK}[fmt]
+        mxfp4 = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "lm_head",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+            ],
+        }
+        cfg["quantization_config"] = {"fp8": fp8, "ct_int8": CT_INT8, "ct_fp8_block": CT_FP8_BLOCK, "mxfp4": mxfp4}[fmt]
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
     return deq
