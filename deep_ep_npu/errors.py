@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .engine import cpu_kernels
+from . import kernels as cpu_kernels
 
 ACLNN_ERR_PARAM_NULLPTR = 161001  # a required tensor or argument is missing (None)
 ACLNN_ERR_PARAM_INVALID = 161002  # a dtype or a parameter value is not supported

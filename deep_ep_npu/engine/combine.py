@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import torch
 
+from .. import kernels as cpu_kernels
 from .. import profiling
 from ..errors import shape
 from ..event import Completion
 from ..group import STATUS_OK, Agreement, EPGroup
-from . import cpu_kernels
 from .plan import Plan
 from .rows import ReturnFormat
 from .workspace import Workspace

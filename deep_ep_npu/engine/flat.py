@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .. import kernels as cpu_kernels
 from ..ep_layout import EpLayout, logical_rank_of, routed_pairs
 from ..errors import MoeDistributeError, shape
 from ..event import Completion
@@ -15,7 +16,6 @@ from ..group import DTYPE_CODES, Agreement, EPGroup, ep_group
 from ..group_names import resolve_group
 from ..npu_types import OP_COMM_ALGS, SCALAR_TYPE_CODE
 from ..params import CombineParams, DispatchParams, ValidCombine, ValidDispatch
-from . import cpu_kernels
 from .combine import CombineJob
 from .dispatch import DispatchJob, Incoming
 from .layouts import sort_blocks

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels as cpu_kernels
 from ..errors import shape
 from ..group import Agreement
 from ..handle import LowLatencyHandle
-from . import cpu_kernels
 from .dispatch import Incoming
 from .rows import RowFormat
 

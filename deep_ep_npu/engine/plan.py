@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from . import cpu_kernels
+from .. import kernels as cpu_kernels
 
 
 @dataclasses.dataclass

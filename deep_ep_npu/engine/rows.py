@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels as cpu_kernels
 from .. import logfmt
 from ..quant import FP8_DTYPE, GROUP, Quant, mx_dequant, pack_ue8m0, per_group_int8, scale_for_fp8_
 from ..sizes import align
-from . import cpu_kernels
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
 LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)

@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import torch
 
+from .. import kernels as cpu_kernels
 from .. import profiling
 from ..errors import invalid
 from ..event import Completion
 from ..group import STATUS_OK, Agreement
-from . import cpu_kernels
 from .combine import CombineJob, check_agreement, reduce_own, reduce_remote
 from .dispatch import DispatchJob, Incoming, place_own, row_encoder, slot_tables
 from .window import DATA_OFFSET, Call, ShmWindow
