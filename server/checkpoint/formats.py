@@ -4,7 +4,8 @@
 The rule is per tensor: a float tensor (F32 / F16 / BF16) is used as stored; a 1-byte one (F8_E4M3, F8_E5M2, I8) is
 a quantized weight, which the checkpoint's declared format dequantizes **on load, exactly** (in fp32, then cast to
 the model dtype) from its scales; a quantized tensor the format cannot place (no format declared, a missing scale,
-a scale of the wrong shape) stops start-up naming the tensor. Nothing is ever cast without its scales. Formats:
+a scale of the wrong shape) stops start-up naming the tensor. Nothing is ever cast without its scales. Formats
+(:mod:`.detect` picks one; Ascend msmodelslim in :mod:`.msmodelslim`, gpt-oss' MXFP4 in :mod:`.mxfp4`):
 
 - ``fp8`` (``quantization_config.quant_method``; DeepSeek-V3 / R1, Kimi-K2, Qwen3-FP8): ``W = fp8(W_q) * S`` with
   ``S = <name>_scale_inv`` on the ``weight_block_size`` grid (ceil-div, cropped at the edges), or one scale for the
@@ -12,20 +13,14 @@ a scale of the wrong shape) stops start-up naming the tensor. Nothing is ever ca
 - ``compressed-tensors`` (llm-compressor; formats ``int-quantized`` / ``float-quantized`` / ``naive-quantized``,
   8-bit int or fp8 weights): ``W = (W_q - weight_zero_point) * weight_scale`` per tensor, channel, group (with
   ``weight_g_idx`` when act-ordered) or block.
-- Ascend msmodelslim (``quant_model_description.json``): ``W8A8_DYNAMIC`` layers ``W = (W_q - weight_offset) *
-  weight_scale``; ``FLOAT`` as stored.
-- ``mxfp4`` (gpt-oss routed experts): E2M1 codes times E8M0 group scales (:func:`dequantize_mxfp4`).
 
 Activations then run in the model dtype: what the formats' dynamic activation quantization would round is not
-rounded. Refused by name at start-up: any other ``quant_method``, compressed-tensors' packed / 4-bit / nvfp4 / mxfp4
-formats, msmodelslim's static ``W8A8`` (its ``quant_bias`` / ``deq_scale`` cannot be turned back into the float
-layer exactly) and its other schemes.
+rounded. Refused by name at start-up: compressed-tensors' packed / 4-bit / nvfp4 / mxfp4 formats (and, in
+:mod:`.detect`, any other ``quant_method``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,41 +28,34 @@ import torch
 
 from .files import FLOAT_DTYPES, CheckpointError, CheckpointFiles
 
-MSMODELSLIM_DESCRIPTION = "quant_model_description.json"
 CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "dense")
 CT_STRATEGIES = ("tensor", "channel", "group", "block")
-MSMODELSLIM_TYPES = ("FLOAT", "W8A8_DYNAMIC")
 QUANT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8")
 # Tensors the formats store next to a quantized weight (scales, offsets, activation scales, KV-cache scales).
 AUX_SUFFIXES = ("_scale_inv", "_scale", "_zero_point", "_g_idx", "_offset", "quant_bias", "deq_scale", "_blocks",
                 "_scales")  # fmt: skip
-SUPPORTED = (
-    "fp8 (block or per-tensor weight_scale_inv), compressed-tensors (8-bit int / fp8: int-quantized, "
-    "float-quantized, naive-quantized), mxfp4 (gpt-oss experts), Ascend msmodelslim W8A8_DYNAMIC "
-    "(quant_model_description.json)"
-)
 
 Reader = Callable[[], torch.Tensor]  # a quantized weight's float32 value, read when called
 
 
-def _sibling(name: str, suffix: str) -> str:
+def sibling(name: str, suffix: str) -> str:
     """``a.b.weight`` -> ``a.b.<suffix>``."""
     return name.removesuffix("weight") + suffix
 
 
-def _expand(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+def expand(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
     """``scale`` `[ceil(N / bn), ceil(K / bk)]` -> `[N, K]` (each block's scale on its elements, edges cropped)."""
     return scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[: shape[0], : shape[1]]
 
 
-def _as_float(t: torch.Tensor, dtype: str) -> torch.Tensor:
+def as_float(t: torch.Tensor, dtype: str) -> torch.Tensor:
     """A stored scale as fp32 multipliers (``U8`` / ``F8_E8M0``: E8M0 exponent bytes, ``2^(b - 127)``)."""
     if dtype in ("U8", "F8_E8M0"):
         return torch.exp2(t.view(torch.uint8).float() - 127)
     return t.float()
 
 
-def _need(files: CheckpointFiles, name: str, of: str, dtypes: tuple[str, ...], shapes: list[tuple[int, ...]]) -> str:
+def need(files: CheckpointFiles, name: str, of: str, dtypes: tuple[str, ...], shapes: list[tuple[int, ...]]) -> str:
     """Check tensor ``name`` (the ``of`` of a quantized weight) exists with one of ``dtypes`` and ``shapes``; returns
     its dtype."""
     files.require(name, of)
@@ -129,16 +117,16 @@ class FP8(WeightFormat):
         self.block = None if block is None else (int(block[0]), int(block[1]))
 
     def dequantizer(self, files: CheckpointFiles, name: str, shape: tuple[int, ...]) -> Reader:
-        _need(files, name, "an fp8 weight", ("F8_E4M3", "F8_E5M2"), [shape])
-        scale = _sibling(name, "weight_scale_inv")
+        need(files, name, "an fp8 weight", ("F8_E4M3", "F8_E5M2"), [shape])
+        scale = sibling(name, "weight_scale_inv")
         grid: list[tuple[int, ...]] = [(), (1,)]  # per tensor
         if self.block:
             grid = [(-(-shape[0] // self.block[0]), -(-shape[1] // self.block[1]))]
-        dtype = _need(files, scale, f"the scale of fp8 weight {name!r}", (*FLOAT_DTYPES, "U8", "F8_E8M0"), grid)
+        dtype = need(files, scale, f"the scale of fp8 weight {name!r}", (*FLOAT_DTYPES, "U8", "F8_E8M0"), grid)
 
         def read() -> torch.Tensor:
-            s = _as_float(files.read(scale), dtype)
-            return files.read(name).float() * (_expand(s, shape, self.block) if self.block else s.reshape(()))
+            s = as_float(files.read(scale), dtype)
+            return files.read(name).float() * (expand(s, shape, self.block) if self.block else s.reshape(()))
 
         return read
 
@@ -178,8 +166,8 @@ class CompressedTensors(WeightFormat):
         return [(-(-n // bn), -(-k // bk))]
 
     def dequantizer(self, files: CheckpointFiles, name: str, shape: tuple[int, ...]) -> Reader:
-        kind = "int" if _need(files, name, "a quantized weight", QUANT_DTYPES, [shape]) == "I8" else "float"
-        scale, zero = _sibling(name, "weight_scale"), _sibling(name, "weight_zero_point")
+        kind = "int" if need(files, name, "a quantized weight", QUANT_DTYPES, [shape]) == "I8" else "float"
+        scale, zero = sibling(name, "weight_scale"), sibling(name, "weight_zero_point")
         files.require(scale, f"the scale of quantized weight {name!r}")
         schemes = [w for w in self.schemes if w["type"] == kind and files.shape(scale) in self._scale_shape(w, shape)]
         if not schemes:
@@ -188,10 +176,10 @@ class CompressedTensors(WeightFormat):
                                   f"config_groups gives for a {shape} weight")  # fmt: skip
         w = schemes[0]
         expected = self._scale_shape(w, shape)
-        _need(files, scale, f"the scale of {name!r}", FLOAT_DTYPES, expected)
+        need(files, scale, f"the scale of {name!r}", FLOAT_DTYPES, expected)
         if zero in files:
-            _need(files, zero, f"the zero point of {name!r}", ("I8", "I32", *FLOAT_DTYPES), expected)
-        g_idx = _sibling(name, "weight_g_idx")
+            need(files, zero, f"the zero point of {name!r}", ("I8", "I32", *FLOAT_DTYPES), expected)
+        g_idx = sibling(name, "weight_g_idx")
 
         def full(t: torch.Tensor) -> torch.Tensor:
             """A scale-shaped tensor, broadcastable onto the `[N, K]` weight."""
@@ -201,7 +189,7 @@ class CompressedTensors(WeightFormat):
                 return t.repeat_interleave(int(w["group_size"]), dim=1)[:, : shape[1]]
             if w["strategy"] == "block":
                 bn, bk = w["block_structure"]
-                return _expand(t, shape, (int(bn), int(bk)))
+                return expand(t, shape, (int(bn), int(bk)))
             return t if w["strategy"] == "channel" else t.reshape(())
 
         def read() -> torch.Tensor:
@@ -211,92 +199,3 @@ class CompressedTensors(WeightFormat):
             return q * full(files.read(scale).float())
 
         return read
-
-
-class MsModelSlim(WeightFormat):
-    """Ascend msmodelslim: ``quant_model_description.json`` maps each tensor to its scheme."""
-
-    name = "msmodelslim"
-
-    def __init__(self, description: dict[str, Any], path: str) -> None:
-        self.types = {k: v for k, v in description.items() if isinstance(v, str)}
-        for key, kind in self.types.items():
-            if key.endswith(".weight") and kind not in MSMODELSLIM_TYPES:
-                raise CheckpointError(f"{path}: {key} is quantized as {kind!r}, which is not supported; supported: "
-                                      f"{list(MSMODELSLIM_TYPES)} (static W8A8 folds its float bias into "
-                                      "quant_bias / deq_scale: no exact float layer)")  # fmt: skip
-
-    def dequantizer(self, files: CheckpointFiles, name: str, shape: tuple[int, ...]) -> Reader:
-        kind = self.types.get(name)
-        if kind != "W8A8_DYNAMIC":
-            raise CheckpointError(f"checkpoint file {files.path(name)}: tensor {name!r} is {files.dtype(name)}, "
-                                  f"but {MSMODELSLIM_DESCRIPTION} says {kind!r}")  # fmt: skip
-        _need(files, name, "a W8A8_DYNAMIC weight", ("I8",), [shape])
-        scale, offset = _sibling(name, "weight_scale"), _sibling(name, "weight_offset")
-        per_row = [(shape[0], 1), (shape[0],)]
-        _need(files, scale, f"the scale of {name!r}", FLOAT_DTYPES, per_row)
-        _need(files, offset, f"the offset of {name!r}", (*FLOAT_DTYPES, "I8", "I32"), per_row)
-
-        def read() -> torch.Tensor:
-            off = files.read(offset).float().reshape(-1, 1)
-            return (files.read(name).float() - off) * files.read(scale).float().reshape(-1, 1)
-
-        return read
-
-
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 codes
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 to fp32: ``blocks`` `[..., G, 16]` `torch.uint8` (two E2M1 codes a byte, the low nibble first) and
-    ``scales`` `[..., G]` `torch.uint8` (E8M0: each group of 32 values times ``2^(s - 127)``) -> `[..., G * 32]`."""
-    lut = torch.tensor(FP4_VALUES)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., G, 32]
-    return (lut[codes] * torch.exp2(scales.float() - 127)[..., None]).flatten(-2)
-
-
-class MXFP4(WeightFormat):
-    """``quant_method: mxfp4`` (gpt-oss): the routed experts of each layer as ``<name>_blocks`` `[E, out, in / 32,
-    16]` and ``<name>_scales`` `[E, out, in / 32]` (both ``U8``), read as the float `[E, in, out]` tensor ``<name>``
-    of the unquantized checkpoints (``x @ W``); every other tensor unquantized."""
-
-    name = "mxfp4"
-
-    def check(self, files: CheckpointFiles, name: str, shape: tuple[int, ...], needed_by: str) -> None:
-        if name in files or len(shape) != 3:
-            return super().check(files, name, shape, needed_by)
-        e, k, n = shape
-        if k % 32:
-            raise CheckpointError(f"{name}: MXFP4 needs the input size {k} to be a multiple of 32")
-        _need(files, name + "_blocks", f"the MXFP4 blocks of {name!r}", ("U8",), [(e, n, k // 32, 16)])
-        _need(files, name + "_scales", f"the MXFP4 scales of {name!r}", ("U8",), [(e, n, k // 32)])
-
-    def load(
-        self, files: CheckpointFiles, name: str, shape: tuple[int, ...], rows: range | None = None
-    ) -> torch.Tensor:
-        if name in files:
-            return super().load(files, name, shape, rows)
-        blocks, scales = files.read(name + "_blocks", rows), files.read(name + "_scales", rows)
-        return dequantize_mxfp4(blocks.view(torch.uint8), scales.view(torch.uint8)).transpose(1, 2)
-
-
-def detect_format(model_path: str, cfg: dict[str, Any]) -> WeightFormat:
-    """The weight format of the checkpoint in ``model_path`` with ``config.json`` ``cfg``: msmodelslim when
-    ``quant_model_description.json`` exists (as vllm-ascend decides), else ``quantization_config``'s, else
-    unquantized. Raises :class:`CheckpointError` naming a format that is not supported."""
-    description = os.path.join(model_path, MSMODELSLIM_DESCRIPTION)
-    if os.path.isfile(description):
-        with open(description, encoding="utf-8") as f:
-            return MsModelSlim(json.load(f), description)
-    qc = cfg.get("quantization_config")
-    if not qc:
-        return WeightFormat()
-    method = qc.get("quant_method")
-    if method == "fp8":
-        return FP8(qc)
-    if method == "compressed-tensors":
-        return CompressedTensors(qc)
-    if method == "mxfp4":
-        return MXFP4()
-    raise CheckpointError(f"config.json quantization_config.quant_method={method!r} is not supported; supported: "
-                          f"{SUPPORTED}")  # fmt: skip
