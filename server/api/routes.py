@@ -108,6 +108,9 @@ def make_router(state: ServingState) -> APIRouter:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", param="prompt",
                            code="invalid_value")  # fmt: skip
+        if req.chat_template is not None:
+            raise APIError(400, "chat_template: a per-request chat template is not accepted; start the server with "
+                           "--chat-template", param="chat_template", code="unsupported_value")  # fmt: skip
         if req.messages is not None:
             ids = generation.chat_prompt(req, state, bool(req.add_special_tokens))
         else:

@@ -247,6 +247,8 @@ def test_tokenize_messages_and_prompt_as_transformers(chat_server) -> None:  # n
     tok = chat_server.facts["tokenizer"]
     r = httpx.post(chat_server.url + "/tokenize", json={"messages": MESSAGES}).json()
     assert r["tokens"] == chat_server.facts["prompt"]
+    r = httpx.post(chat_server.url + "/tokenize", json={"messages": MESSAGES, "chat_template": "{{ 1 }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     r = httpx.post(chat_server.url + "/tokenize", json={"prompt": "hello world"}).json()
     assert r["tokens"] == tok("hello world")["input_ids"] and r["tokens"][0] == tok.bos_token_id
     completion = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused").completions.create(
