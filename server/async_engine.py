@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.engine_api import EngineCore, RequestDelta, SamplingParams
+from server.engine_api import NONFINITE_ERROR, EngineCore, RequestDelta, SamplingParams
 from server.metrics import Metrics
 
 _HEALTH_POLL_S = 1.0
@@ -275,6 +275,8 @@ class AsyncEngine:
                 del self._requests[delta.request_id]
                 if m is not None:
                     m.on_finished(delta.finish_reason, delta.num_output_tokens, end - req.arrival)
+                    if delta.error == NONFINITE_ERROR:
+                        m.nonfinite_logits.inc()
             req.queue.put_nowait(delta)
         if m is not None:
             m.on_step(end - start, num_tokens, stats.dispatch_times, stats.combine_times)

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -106,6 +106,16 @@ class ServerConfig(BaseModel):
                                   "this marks the engine failed: /health 503, requests 503")  # fmt: skip
     elastic: bool = Field(False, description="keep serving on the surviving workers when one dies or hangs (its "
                           "requests fail, its experts are dropped; logged, metric ep_ranks_lost)")  # fmt: skip
+    chat_template: str | None = Field(
+        None, min_length=1, description="chat template for /v1/chat/completions: a Jinja file, or the template "
+        "itself (a value holding '{', '}' or a newline); replaces the checkpoint's (default: the checkpoint's)"
+    )  # fmt: skip
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto", description="sampling defaults: 'auto' takes the checkpoint's generation_config.json values "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) as vLLM does; 'vllm' ignores them"
+    )  # fmt: skip
+    int8_experts: bool = Field(False, description="routed experts in int8 (per-channel weights, per-token dynamic "
+                               "int8 activations: W8A8); W8A8 checkpoints keep their int8 values")  # fmt: skip
     moe_impl: Literal["unfused", "fused"] = Field(
         "unfused", description="MoE layers: dispatch -> experts -> combine, or the fused pipelined Buffer.mega_moe"
     )
@@ -113,10 +123,22 @@ class ServerConfig(BaseModel):
                                "api-key when one is set)")  # fmt: skip
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="uvicorn log level")
 
+    @field_validator("chat_template")
+    @classmethod
+    def _check_chat_template(cls, value: str | None) -> str | None:
+        """Readable (a file) and valid Jinja, so a bad template stops start-up, not the first chat request."""
+        if value is not None:
+            from server.chat_template import ChatTemplate, read_override
+
+            ChatTemplate(read_override(value), "the template")
+        return value
+
     @model_validator(mode="after")
     def _check_names(self) -> ServerConfig:
         if self.model is not None and not os.path.isdir(self.model):
             raise ValueError(f"model: {self.model!r} is not a directory (give a HF checkpoint dir or omit it)")
+        if self.int8_experts and self.moe_impl == "fused":
+            raise ValueError("int8-experts: the fused MoE (moe-impl fused) runs float expert weights; use one")
         if self.simulate_npu and (self.device == "cuda" or self.dist_backend == "nccl"):
             raise ValueError(
                 f"simulate-npu: the stand-in runs on CPU tensors over gloo; got device {self.device!r}, dist-backend "

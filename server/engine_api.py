@@ -10,8 +10,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
+# A worker's token id for a request whose logits held NaN or Inf: the engine ends that request with this error.
+NONFINITE_TOKEN = -1
+NONFINITE_ERROR = ("the model produced non-finite logits (NaN or Inf) for this request, so it was ended; the "
+                   "weights or the dtype overflow for this input (try --dtype bfloat16 or float32)")  # fmt: skip
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per position (vLLM's default limit)
 LOGIT_BIAS_LIMIT = 100.0  # a logit bias is clamped to [-100, 100] (OpenAI's range; vLLM clamps likewise)
 
@@ -155,20 +160,26 @@ class StepStats:
 
 
 class Tokenizer(abc.ABC):
-    """Text <-> token ids for the served model."""
+    """Text <-> token ids for the served model, and what its chat template needs.
+
+    ``eos_token_ids``: every id that ends generation; ``bos_token_id``: the BOS id (None: the model has none);
+    ``special_tokens``: the named special tokens as strings (``bos_token``, ``eos_token``, ...: chat template
+    variables); ``chat_template``: the checkpoint's template (a string, or ``{name: template}``), None when it ships
+    none (chat is then refused unless the server is given one).
+    """
 
     eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    special_tokens: Mapping[str, str] = MappingProxyType({})
+    chat_template: str | Mapping[str, str] | None = None
 
     @abc.abstractmethod
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The ids of ``text``; ``add_special_tokens`` adds those the tokenizer puts around a text (e.g. BOS), as
+        transformers' ``encode`` does."""
 
     @abc.abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str: ...
-
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids for a chat; the default joins ``role: content`` lines and ends with ``assistant:``."""
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self.encode(text)
 
 
 class EngineCore(abc.ABC):

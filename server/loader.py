@@ -1,148 +1,115 @@
 """Build a :class:`~server.models.model.MoECausalLM` on one EP rank from an HF checkpoint or from a seed.
 
 Checkpoints are HF directories: ``config.json`` (+ optional ``generation_config.json``) and either
-``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Tensors are read one at a time through
-``safetensors.safe_open`` and only those this rank needs: every shared weight, and of the routed experts only
-``comm.local_expert_ids``, so a rank's peak memory holds its own experts only. The model is built uninitialised
-and materialised directly in the target dtype (no random init, no second copy).
+``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (:mod:`server.checkpoint`). Tensors are
+read one at a time and only those this rank needs: every shared weight, and of the routed experts only
+``comm.local_expert_ids``, so a rank's peak memory holds its own experts only. Quantized weights are dequantized as
+their format says (:mod:`server.checkpoint.formats`). The model is built uninitialised and materialised directly in
+the target dtype (no random init, no second copy).
 
-Without a checkpoint, :func:`random_hf_config` turns a small spec (architecture + sizes + seed) into an HF-style
-config and every tensor is drawn from a generator seeded by (seed, tensor name): the same weights on any EP size.
+Faults of a checkpoint stop start-up with one line naming the file and the tensor (:class:`CheckpointError`):
+:func:`read_config` checks, from the file headers only, that every tensor the model reads exists with the shape
+the config needs (and its scales, when quantized) and that no file is truncated; :meth:`CheckpointTensors.get`
+refuses a tensor holding NaN or Inf as it is loaded.
+
+Without a checkpoint the random model of :mod:`server.random_model` is built.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from .models.config import ARCHITECTURES, ModelConfig
-from .models.ep_comm import ExpertComm
+from .checkpoint import CheckpointError, CheckpointFiles, WeightFormat, detect_format
+from .checkpoint.formats import AUX_SUFFIXES
+from .checkpoint.reads import Read, checkpoint_reads
+from .models.config import ModelConfig
+from .models.ep_comm import ExpertComm, LocalComm
 from .models.model import MoECausalLM
 from .models.moe import Router
+from .random_model import RandomTensors, random_hf_config
 
+logger = logging.getLogger("server.loader")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ARCH_NAMES = {v: k for k, v in ARCHITECTURES.items()}
-_EXPERT_PARAM = re.compile(r"model\.layers\.(\d+)\.\w+\.experts\.(w13|w2)$")
-
-# The default random model: a small Qwen3-MoE (byte-level vocabulary + one EOS id).
-RANDOM_DEFAULTS: dict[str, Any] = dict(
-    architecture="qwen3_moe",
-    vocab_size=320,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    eos_token_id=256,
-    max_position_embeddings=4096,
-)
-# What a random ``deepseek_v3`` model adds: grouped routing with one shared expert, and the MLA attention sizes.
-DEEPSEEK_V3_ROUTING: dict[str, Any] = dict(
-    n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_shared_experts=1
-)
-DEEPSEEK_V3_MLA: dict[str, Any] = dict(
-    kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
-)
 
 
-def random_hf_config(spec: dict[str, Any] | None = None) -> dict[str, Any]:
-    """An HF-style ``config.json`` dict for a random model: :data:`RANDOM_DEFAULTS` overridden by ``spec``.
-
-    ``architecture`` is ``qwen3_moe``, ``deepseek_v3`` or ``mixtral`` (or an HF class name); other keys are HF
-    config field names. For ``deepseek_v3`` the grouped-routing and MLA defaults (:data:`DEEPSEEK_V3_ROUTING`,
-    :data:`DEEPSEEK_V3_MLA`) are added; for ``mixtral`` the expert size is ``intermediate_size``.
-    """
-    cfg = {**RANDOM_DEFAULTS, **(spec or {})}
-    arch = cfg.pop("architecture")
-    arch = ARCHITECTURES.get(arch, arch)
-    if arch not in _ARCH_NAMES:
-        raise ValueError(f"random_model architecture={arch!r} is not one of {sorted(_ARCH_NAMES)}")
-    cfg["architectures"] = [_ARCH_NAMES[arch]]
-    if arch == "deepseek_v3":
-        ds = {"n_routed_experts": cfg.pop("num_experts"), **DEEPSEEK_V3_ROUTING, **DEEPSEEK_V3_MLA}
-        cfg = {**ds, **cfg}
-    elif arch == "mixtral":
-        cfg["num_local_experts"] = cfg.pop("num_experts")
-        cfg["intermediate_size"] = cfg.pop("moe_intermediate_size")
-    return cfg
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({type(e).__name__}: {e})") from None
 
 
-def read_config(model_path: str) -> ModelConfig:
-    """Parse ``config.json`` (and ``generation_config.json`` for EOS ids) of an HF checkpoint directory."""
+def read_hf_config(model_path: str) -> tuple[dict[str, Any], ModelConfig]:
+    """``config.json`` of an HF checkpoint directory, as parsed JSON and as a :class:`ModelConfig` (EOS ids from
+    ``generation_config.json`` too)."""
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model={model_path!r} has no config.json (expected an HF checkpoint directory)")
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    cfg = _read_json(path)
     gen_path = os.path.join(model_path, "generation_config.json")
-    gen = None
-    if os.path.isfile(gen_path):
-        with open(gen_path, encoding="utf-8") as f:
-            gen = json.load(f)
-    return ModelConfig.from_hf(cfg, gen)
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else None
+    return cfg, ModelConfig.from_hf(cfg, gen)
+
+
+def read_config(model_path: str) -> ModelConfig:
+    """The :class:`ModelConfig` of the checkpoint in ``model_path``, after checking (headers only) that the
+    checkpoint can fill that model: raises :class:`CheckpointError` naming the file and tensor otherwise."""
+    hf_cfg, cfg = read_hf_config(model_path)
+    tensors = CheckpointTensors(model_path, hf_cfg)
+    with torch.device("meta"):
+        model = MoECausalLM(cfg, LocalComm(cfg.num_experts, 1))
+    names = set()
+    for _, read in checkpoint_reads(model):
+        tensors.check(read, f"config.json needs it with shape {read.shape}")
+        names.add(read.name)
+    unused = [n for n in tensors.files.weight_map if n not in names and not _ignorable(n, cfg.num_hidden_layers)]
+    if unused:
+        logger.warning("checkpoint %s: %d tensor(s) that the model does not read (transformers ignores them too), "
+                       "e.g. %s", model_path, len(unused), ", ".join(unused[:3]))  # fmt: skip
+    return cfg
+
+
+def _ignorable(name: str, num_layers: int) -> bool:
+    """A tensor no model of ours reads, by design: quantization scales (read through their weight), MTP layers
+    past ``num_hidden_layers`` (DeepSeek-V3, GLM-4.5), stored rotary frequencies."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return (name.endswith(AUX_SUFFIXES) or name.endswith("rotary_emb.inv_freq")
+            or (layer is not None and int(layer.group(1)) >= num_layers))  # fmt: skip
 
 
 class CheckpointTensors:
-    """Lazy tensor access by name across the safetensors files of one checkpoint directory."""
+    """The float tensors of one checkpoint directory by name: stored ones as they are, quantized ones dequantized
+    by the checkpoint's format."""
 
-    def __init__(self, model_path: str) -> None:
-        from safetensors import safe_open
+    def __init__(self, model_path: str, hf_config: dict[str, Any]) -> None:
+        self.files = CheckpointFiles(model_path)
+        self.format: WeightFormat = detect_format(model_path, hf_config)
 
-        index = os.path.join(model_path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        else:
-            single = os.path.join(model_path, "model.safetensors")
-            if not os.path.isfile(single):
-                raise FileNotFoundError(f"model={model_path!r} has neither model.safetensors nor an index.json")
-            with safe_open(single, "pt") as f:
-                weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-        self.weight_map: dict[str, str] = weight_map
-        self._files = {name: safe_open(os.path.join(model_path, name), "pt") for name in set(weight_map.values())}
+    def check(self, read: Read, needed_by: str) -> None:
+        """Raise :class:`CheckpointError` unless :meth:`get` can give ``read`` (headers only)."""
+        self.format.check(self.files, read.name, read.shape, needed_by)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def get(self, name: str, shape: torch.Size) -> torch.Tensor:
-        if name not in self.weight_map:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
-        t = self._files[self.weight_map[name]].get_tensor(name)
-        if t.shape != shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, the config needs {tuple(shape)}")
-        return t
-
-
-class RandomTensors:
-    """Deterministic random tensors: ``N(0, 1/fan_in)`` for matrices, ones for norms, N(0, 1) embeddings."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def __contains__(self, name: str) -> bool:
-        return True  # every name can be drawn
-
-    def get(self, name: str, shape: torch.Size) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
-        if name.endswith("e_score_correction_bias"):
-            return torch.rand(shape, generator=gen) * 0.1
-        std = 1.0 if "embed_tokens" in name else shape[-1] ** -0.5
-        return torch.randn(shape, generator=gen) * std
+    def get(self, read: Read) -> torch.Tensor:
+        """The float tensor ``read`` names (its rows, in its layout); one holding NaN or Inf is a
+        :class:`CheckpointError`."""
+        self.check(read, "the model reads it")
+        t = self.format.load(self.files, read.name, read.shape, read.rows)
+        bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+        if bad:
+            where = self.files.path(read.name) if read.name in self.files else self.files.source
+            raise CheckpointError(f"checkpoint file {where}: tensor {read.name!r} holds {bad} non-finite value(s) "
+                                  f"(NaN or Inf) of {t.numel()}; the checkpoint is corrupt")  # fmt: skip
+        return t if read.layout is None else read.layout(t)
 
 
 @contextlib.contextmanager
@@ -176,24 +143,11 @@ def build_model(
     for m in model.modules():
         if isinstance(m, Router):
             m.float()
-    get: Callable[[str, torch.Size], torch.Tensor] = tensors.get
-    for name, t in model.state_dict(keep_vars=True).items():
-        match = _EXPERT_PARAM.match(name)
-        if match is None:
-            src_name = name
-            if name == "lm_head.weight" and (cfg.tie_word_embeddings or name not in tensors):
-                src_name = "model.embed_tokens.weight"
-            t.data.copy_(get(src_name, t.shape))
-            continue
-        layer, which = int(match.group(1)), match.group(2)
-        inter = cfg.moe_intermediate_size
-        for j, e in enumerate(comm.local_expert_ids):
-            gate, up, down = model.expert_checkpoint_keys(layer, e)
-            if which == "w13":
-                t.data[j, :inter].copy_(get(gate, torch.Size((inter, cfg.hidden_size))))
-                t.data[j, inter:].copy_(get(up, torch.Size((inter, cfg.hidden_size))))
-            else:
-                t.data[j].copy_(get(down, torch.Size((cfg.hidden_size, inter))))
+    for dest, read in checkpoint_reads(model):
+        dest.copy_(tensors.get(read))
+        if dest.is_floating_point() and not bool(torch.isfinite(dest).all()):
+            raise CheckpointError(f"checkpoint tensor {read.name!r} overflows {dtype} (its values beyond that range "
+                                  "become Inf); serve this checkpoint with --dtype bfloat16 or float32")  # fmt: skip
     for moe in model.moe_layers():
         if moe.fused:
             moe.prepare_fused()
@@ -217,6 +171,6 @@ def load_model(
         cfg = ModelConfig.from_hf(random_hf_config(random_model))
         tensors: CheckpointTensors | RandomTensors = RandomTensors(seed)
     else:
-        cfg = read_config(model_path)
-        tensors = CheckpointTensors(model_path)
+        hf_cfg, cfg = read_hf_config(model_path)
+        tensors = CheckpointTensors(model_path, hf_cfg)
     return build_model(cfg, comm_factory(cfg), DTYPES[dtype], tensors, device)

@@ -77,6 +77,7 @@ class Metrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (blocks released, recomputed later).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.nonfinite_logits = counter("nonfinite_logits", "Requests ended with an error: NaN or Inf logits.")
         for reason in FINISH_REASONS:  # export every label value from the start, at 0
             self._success.labels(model_name, reason)
 

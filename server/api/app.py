@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,12 +12,16 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.errors import error_body, install_error_handlers
+from server.api.generation import generation_defaults
 from server.api.routes import make_router
 from server.api.state import ServingState
 from server.async_engine import AsyncEngine
+from server.chat_template import serving_template
 from server.config import ServerConfig
 from server.engine_api import EngineCore
 from server.metrics import Metrics
+
+logger = logging.getLogger("server.api")
 
 
 class BodyLimitMiddleware:
@@ -71,11 +76,18 @@ def create_app(config: ServerConfig, engine: EngineCore, *, capacity: int | None
     down. ``capacity`` is how many requests the engine runs at once (default ``max_num_seqs * ep_size``).
     """
     metrics = Metrics(config.model_name)
+    chat, refusal = serving_template(config.chat_template, engine.tokenizer)
+    logger.info("chat template: %s", chat.origin if chat is not None else f"none ({refusal})")
+    defaults = generation_defaults(config.model, config.generation_config)
+    if defaults:
+        logger.info("sampling defaults from the model's generation_config.json (a request's own values win): %s",
+                    defaults)  # fmt: skip
     capacity = capacity or engine.max_num_seqs * config.ep_size
     async_engine = AsyncEngine(engine, capacity=capacity, max_queue_len=config.max_queue_len, metrics=metrics)
     state = ServingState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
                          model_name=config.model_name, max_model_len=engine.max_model_len,
-                         vocab_size=engine.vocab_size)  # fmt: skip
+                         vocab_size=engine.vocab_size, chat=chat, chat_refusal=refusal,
+                         generation_defaults=defaults)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,13 +19,18 @@ from starlette.background import BackgroundTask
 
 from server.api import sse
 from server.api.errors import APIError, engine_error
-from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
 from server.api.responses import ResponseBuilder, Sample, SampleOutput
 from server.api.state import ServingState
 from server.async_engine import EngineDeadError, EngineOverloadedError
+from server.chat_template import ChatTemplateError
 from server.engine_api import SamplingParamError, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+# generation_config.json field -> sampling parameter, and the transformers defaults that vLLM does not apply
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 def completion_prompts(req: CompletionRequest, state: ServingState) -> list[tuple[list[int], str]]:
@@ -37,7 +44,8 @@ def completion_prompts(req: CompletionRequest, state: ServingState) -> list[tupl
         if isinstance(one, str):
             if not one:
                 raise APIError(400, f"{param}: must not be empty", param=param, code="invalid_value")
-            out.append((encode(functools.partial(state.tokenizer.encode, one), param), one))
+            tokenize = functools.partial(state.tokenizer.encode, one, add_special_tokens=True)
+            out.append((encode(tokenize, param), one))
             continue
         if not one:
             raise APIError(400, f"{param}: the token id list must not be empty", param=param, code="invalid_value")
@@ -56,8 +64,42 @@ def _decode(token_ids: list[int], state: ServingState, param: str) -> str:
     return state.tokenizer.decode(token_ids)
 
 
-def chat_messages(req: ChatCompletionRequest | Any) -> list[dict]:
-    return [{"role": m.role, "content": m.text()} for m in req.messages]
+def chat_prompt(
+    req: ChatCompletionRequest | TokenizeRequest, state: ServingState, add_special_tokens: bool
+) -> list[int]:
+    """The token ids of ``req.messages`` rendered by the chat template (a 400 naming ``chat_template`` without one).
+    A BOS the template writes twice, or once more than ``add_special_tokens`` adds, is kept once."""
+    if state.chat is None:
+        raise APIError(400, state.chat_refusal, param="chat_template", code="chat_template_missing")
+    tokenizer = state.tokenizer
+    messages = [m.for_template() for m in req.messages or ()]
+    try:
+        text = state.chat.render(messages, tokenizer.special_tokens, req.add_generation_prompt,
+                                 req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    ids = encode(functools.partial(tokenizer.encode, text, add_special_tokens=add_special_tokens), "messages")
+    bos = tokenizer.bos_token_id
+    return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
+
+def generation_defaults(model_path: str | None, mode: str) -> dict[str, Any]:
+    """Sampling defaults from ``generation_config.json`` as vLLM's ``--generation-config auto`` takes them: only
+    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and ``max_new_tokens`` (as
+    ``max_tokens``), and only values that differ from transformers' defaults; none with ``mode`` ``vllm``. A value
+    that is not a valid sampling parameter stops start-up."""
+    path = os.path.join(model_path or "", "generation_config.json")
+    if model_path is None or mode == "vllm" or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        gen = json.load(f)
+    defaults = {ours: gen[theirs] for theirs, ours in GENERATION_FIELDS.items()
+                if gen.get(theirs) is not None and gen[theirs] != HF_GENERATION_DEFAULTS.get(theirs)}  # fmt: skip
+    try:
+        SamplingParams(**defaults)
+    except (SamplingParamError, TypeError) as e:
+        raise ValueError(f"{path}: {e} (start with --generation-config vllm to ignore the file)") from None
+    return defaults
 
 
 def encode(tokenize: Callable[[], list[int]], param: str) -> list[int]:
@@ -82,7 +124,9 @@ def sampling_params(req: SamplingFields, requested: int | None, num_prompt_token
                     prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
     """Check the prompt length and ``max_tokens`` against ``max_model_len`` / ``max_tokens_limit``; build the
     engine's sampling params (``n`` of them: the caller adds ``for_sample(i)``). ``default`` None means "the rest
-    of the context"."""
+    of the context". Fields the request leaves unset take the model's generation defaults, then OpenAI's."""
+    model = state.generation_defaults
+    default = model.get("max_tokens", default)
     max_model_len, limit = state.max_model_len, state.config.max_tokens_limit
     max_prompt_tokens = state.config.max_prompt_tokens
     if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
@@ -114,10 +158,10 @@ def sampling_params(req: SamplingFields, requested: int | None, num_prompt_token
         bias = None if req.logit_bias is None else {_token_key(k): float(v) for k, v in req.logit_bias.items()}
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_or(req.temperature, 1.0),
-            top_p=_or(req.top_p, 1.0),
-            top_k=_or(req.top_k, -1),
-            min_p=_or(req.min_p, 0.0),
+            temperature=_or(req.temperature, model.get("temperature", 1.0)),
+            top_p=_or(req.top_p, model.get("top_p", 1.0)),
+            top_k=_or(req.top_k, model.get("top_k", -1)),
+            min_p=_or(req.min_p, model.get("min_p", 0.0)),
             seed=req.seed,
             stop=stops,
             stop_token_ids=req.stop_token_ids,
@@ -125,7 +169,7 @@ def sampling_params(req: SamplingFields, requested: int | None, num_prompt_token
             n=req.num_samples,
             presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0),
-            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            repetition_penalty=_or(req.repetition_penalty, model.get("repetition_penalty", 1.0)),
             logit_bias=bias,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

@@ -8,7 +8,7 @@ are accepted at their defaults and refused otherwise (:meth:`SamplingFields.unsu
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -106,19 +106,39 @@ class TextPart(Lenient):
 
 
 class ChatMessage(Lenient):
+    """One message; fields beyond these (``reasoning_content``, ``tool_calls``, ...) reach the chat template too
+    (so they are not reported as unknown)."""
+
+    extras_are_used: ClassVar[bool] = True
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined by newlines (as vLLM does for templates
+        that read ``content`` as a string), fields that are None left out."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "\n".join(part.text for part in self.content)
+        return out
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(Lenient):
+    """How ``messages`` become a prompt (vLLM's names): ``add_generation_prompt`` appends the assistant header;
+    ``continue_final_message`` leaves the last message open instead; ``add_special_tokens`` adds the tokenizer's
+    (e.g. BOS) around the rendered text (off: the template writes them); ``chat_template_kwargs`` are extra template
+    variables (e.g. ``enable_thinking``). A per-request ``chat_template`` is refused (the server's is
+    ``--chat-template``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -141,17 +161,19 @@ class ChatCompletionRequest(SamplingFields):
             return "function_call", "function calling is not supported (allowed: 'none', 'auto')"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "needs logprobs: true"
+        if self.chat_template is not None:
+            return "chat_template", "a per-request chat template is not accepted; start the server with --chat-template"
         return super().unsupported()
 
 
-class TokenizeRequest(Lenient):
-    """vLLM's ``POST /tokenize``: ``prompt`` (text) or ``messages`` (after the chat template)."""
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's ``POST /tokenize``: ``prompt`` (text; ``add_special_tokens`` defaults to true) or ``messages`` (after
+    the chat template, exactly as a chat request; ``add_special_tokens`` defaults to false)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # type: ignore[assignment]
     return_token_strs: bool = False
 
 
@@ -164,8 +186,8 @@ class DetokenizeRequest(Lenient):
 
 def unknown_fields(req: BaseModel, prefix: str = "") -> list[str]:
     """Paths of the fields of ``req`` (and of its nested requests) that no model declares, e.g. ``metadata`` or
-    ``messages[].cache_control``."""
-    found = [prefix + name for name in req.model_extra or {}]
+    ``stream_options.foo`` (a message's extra fields go to the chat template: not unknown)."""
+    found = [] if getattr(req, "extras_are_used", False) else [prefix + name for name in req.model_extra or {}]
     for name in type(req).model_fields:
         value = getattr(req, name)
         items = value if isinstance(value, list) else [value]

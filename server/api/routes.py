@@ -75,8 +75,7 @@ def make_router(state: ServingState) -> APIRouter:
     async def chat_completions(req: ChatCompletionRequest, http: Request) -> Response:
         arrival = generation.now()
         check_request(req)
-        messages = generation.chat_messages(req)
-        prompt_ids = generation.encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
+        prompt_ids = generation.chat_prompt(req, state, req.add_special_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = generation.sampling_params(req, requested, len(prompt_ids), None, state, "messages", logprobs,
@@ -109,12 +108,14 @@ def make_router(state: ServingState) -> APIRouter:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", param="prompt",
                            code="invalid_value")  # fmt: skip
+        if req.chat_template is not None:
+            raise APIError(400, "chat_template: a per-request chat template is not accepted; start the server with "
+                           "--chat-template", param="chat_template", code="unsupported_value")  # fmt: skip
         if req.messages is not None:
-            messages = generation.chat_messages(req)
-            ids = generation.encode(lambda: state.tokenizer.apply_chat_template(messages), "messages")
+            ids = generation.chat_prompt(req, state, bool(req.add_special_tokens))
         else:
-            text = req.prompt or ""
-            ids = generation.encode(lambda: state.tokenizer.encode(text), "prompt")
+            text, add = req.prompt or "", req.add_special_tokens is not False
+            ids = generation.encode(lambda: state.tokenizer.encode(text, add_special_tokens=add), "prompt")
         strs = [formatter.text(t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
 

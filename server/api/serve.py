@@ -62,9 +62,11 @@ def serve(config: ServerConfig) -> int:
                     "per worker, max-model-len %d", config.model_name, config.model or "random weights",
                     config.ep_size, config.device, config.backend, config.dtype, config.max_num_seqs,
                     config.max_model_len)  # fmt: skip
+        from server.runtime.workers import WorkerError
+
         try:
             engine = build_engine(config)
-        except (ValueError, FileNotFoundError) as e:  # the config is valid but the model / runtime refuse it
+        except (ValueError, FileNotFoundError, WorkerError) as e:  # the model / runtime refuse a valid config
             print(f"error: cannot start the engine: {e}", file=sys.stderr)
             return 2
         try:

@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from server.api.protocol import unknown_fields
 from server.async_engine import AsyncEngine
+from server.chat_template import ChatTemplate
 from server.config import ServerConfig
 from server.engine_api import Tokenizer
 from server.metrics import Metrics
@@ -25,6 +26,9 @@ class ServingState:
     model_name: str
     max_model_len: int
     vocab_size: int | None = None  # None: unknown (token ids are then checked by the engine only)
+    chat: ChatTemplate | None = None  # the chat template; None: chat requests are refused with chat_refusal
+    chat_refusal: str = ""
+    generation_defaults: dict = dataclasses.field(default_factory=dict)  # sampling defaults (generation_config.json)
     warned_fields: set[str] = dataclasses.field(default_factory=set)
 
     def warn_unknown_fields(self, req: BaseModel) -> None:

@@ -1,4 +1,5 @@
-"""Attention layers over the paged KV cache: GQA (Qwen3-MoE with q/k norm, Mixtral) and MLA (DeepSeek-V3).
+"""Attention layers over the paged KV cache: GQA (every family but DeepSeek-V3; sinks and a sliding window for
+gpt-oss) and MLA (DeepSeek-V3).
 
 A forward step runs a flat batch of tokens from several sequences (decode tokens and prefill chunks mixed). The
 projections run over the whole batch; each layer writes the step's keys/values into the cache blocks
@@ -13,9 +14,11 @@ from torch import nn
 
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
-from .layers import RMSNorm, Rotary
+from .layers import RMSNorm
 from .linear import Linear
 from .paged_attention import paged_attention, write_kv
+from .qkv import QKVProjections, token_seq_lens
+from .rope import Rotary
 
 
 def attention_class(cfg: ModelConfig) -> type[GQAttention] | type[MLAttention]:
@@ -23,23 +26,10 @@ def attention_class(cfg: ModelConfig) -> type[GQAttention] | type[MLAttention]:
     return MLAttention if cfg.use_mla else GQAttention
 
 
-class GQAttention(nn.Module):
-    """Grouped-query attention with HF's parameter names (``q_proj``/``k_proj``/``v_proj``/``o_proj``,
-    optional ``q_norm``/``k_norm``). Cache per layer: keys and values, each `[num_blocks, block_size, num_kv_heads,
-    head_dim]`."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = Linear(h, self.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.num_heads * d, h, bias=cfg.attention_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.rotary = Rotary(d, cfg.rope_theta)
+class GQAttention(QKVProjections):
+    """Grouped-query attention with HF's parameter names (``q_proj``/``k_proj``/``v_proj``/``o_proj``, optional
+    ``q_norm``/``k_norm``, gpt-oss' ``sinks``: :class:`~server.models.qkv.QKVProjections`), a sliding ``window`` on
+    sliding layers. Cache per layer: keys and values, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
 
     @staticmethod
     def cache_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
@@ -48,17 +38,13 @@ class GQAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        q, k, v = self.project(x, batch)
         k_cache, v_cache = cache
         write_kv(k_cache, batch.slot_mapping, k)
         write_kv(v_cache, batch.slot_mapping, v)
-        out = paged_attention(q, k_cache, v_cache, batch, self.head_dim**-0.5)
+        out = paged_attention(
+            q, k_cache, v_cache, batch, self.head_dim**-0.5, self.window, getattr(self, "sinks", None)
+        )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -80,15 +66,16 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(h, self.num_heads * qk, bias=False)
         else:
-            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
             self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.rope, bias=cfg.attention_bias)
+        self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.rope, bias=cfg.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
-        self.rotary = Rotary(self.rope, cfg.rope_theta, interleave=cfg.rope_interleave)
-        self.scale = qk**-0.5
+        self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=cfg.o_bias)
+        self.rotary = Rotary(cfg.rope, interleave=cfg.rope_interleave)
+        mscale = cfg.rope.mla_mscale()  # YaRN: the softmax scale gains mscale^2 (as transformers)
+        self.scale = qk**-0.5 * mscale * mscale
 
     @staticmethod
     def cache_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
@@ -101,7 +88,7 @@ class MLAttention(nn.Module):
         q_nope, q_rot = q.view(t, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, token_seq_lens(batch, self.rotary))
         q_rot = self.rotary.apply(q_rot, cos, sin)
         k_rot = self.rotary.apply(k_rot[:, None, :], cos, sin)[:, 0]
         (kv_cache,) = cache

@@ -1,48 +1,65 @@
-"""``ModelConfig``: the architecture-independent view of an HF ``config.json`` that our model code reads."""
+"""``ModelConfig``: the architecture-independent view of an HF ``config.json`` that our model code reads.
+
+How each family's ``config.json`` maps onto it is :mod:`server.models.architectures`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-# HF ``architectures[0]`` -> our architecture key.
-ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "MixtralForCausalLM": "mixtral",
-}
+from .rope import RopeConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Sizes and routing semantics of one MoE causal LM (fields named as in HF configs where they exist)."""
+    """Sizes, attention and routing semantics and checkpoint names of one MoE causal LM (fields named as in HF
+    configs where they exist)."""
 
-    architecture: str  # "qwen3_moe" | "deepseek_v3" | "mixtral"
+    architecture: str  # a key of server.models.architectures.ARCHITECTURES' values, e.g. "qwen3_moe"
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    head_dim: int
+    head_dim: int  # GQA head size; DeepSeek-V3: qk_rope_head_dim
     intermediate_size: int  # dense MLP layers
     moe_intermediate_size: int  # one routed expert
     num_experts: int
     num_experts_per_tok: int
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    norm_weight_fp32: bool = False  # gpt-oss: RMSNorm multiplies by its weight in fp32, then casts (Llama: casts first)
     rope_interleave: bool = False
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
+    # Attention.
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = "none"  # "head": RMSNorm over head_dim per head (Qwen3, GLM); "full": over the projection (OLMoE)
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip_qkv
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention" (empty: all full)
+    sliding_window: int = 0  # keys a sliding layer attends to (the query's own included)
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head in every softmax denominator
+    # Routing.
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()  # layer indices with a routed MoE block (others: dense MLP)
-    # DeepSeek-V3 routing and shared experts.
-    scoring: str = "softmax"  # "softmax" (Qwen3, Mixtral) | "sigmoid" (DeepSeek-V3)
+    scoring: str = "softmax"  # "softmax" (then top-k) | "sigmoid" (DeepSeek-V3, GLM) | "topk_softmax" (gpt-oss)
+    router_bias: bool = False  # gpt-oss: the router linear has a bias
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    n_shared_experts: int = 0
+    # Experts.
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output x sigmoid(shared_expert_gate(x))
+    expert_bias: bool = False  # gpt-oss: gate/up and down projections with biases
+    swiglu_limit: float | None = None  # gpt-oss: clamped SwiGLU (gate <= limit, |up| <= limit), (up + 1) * glu
+    swiglu_alpha: float = 1.702  # gpt-oss: glu = gate * sigmoid(alpha * gate)
+    # Checkpoint names.
+    moe_block: str = "mlp"  # Mixtral: "block_sparse_moe"
+    router_name: str = "gate"  # gpt-oss: "router"
+    shared_expert_name: str = "shared_experts"  # Qwen2-MoE: "shared_expert"
+    expert_keys: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    fused_experts: bool = False  # gpt-oss: experts.{gate_up_proj,down_proj}[_bias] hold every expert of a layer
     # DeepSeek-V3 MLA.
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -55,87 +72,12 @@ class ModelConfig:
     def use_mla(self) -> bool:
         return self.architecture == "deepseek_v3"
 
+    def is_sliding(self, layer_idx: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer_idx] == "sliding_attention"
+
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    def from_hf(cls, cfg: dict, generation_config: dict | None = None) -> ModelConfig:
         """Build from a parsed ``config.json`` (and optionally ``generation_config.json`` for EOS ids)."""
-        archs = cfg.get("architectures") or []
-        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"config.json architectures={archs!r} is not supported; supported: {sorted(ARCHITECTURES)}"
-            )
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_type={rope_type!r} is not supported; only 'default' rotary embeddings are")
-        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        num_layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        common: dict[str, Any] = dict(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            eos_token_ids=_eos_ids(cfg, generation_config),
-        )
-        if arch == "qwen3_moe":
-            num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
-            step = int(cfg.get("decoder_sparse_step", 1))
-            skip = set(cfg.get("mlp_only_layers") or [])
-            moe = tuple(i for i in range(num_layers) if i not in skip and num_experts > 0 and (i + 1) % step == 0)
-            return cls(
-                **common,
-                intermediate_size=int(cfg.get("intermediate_size", 0)),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                num_experts=num_experts,
-                qk_norm=True,
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                moe_layers=moe,
-            )
-        if arch == "mixtral":
-            return cls(
-                **common,
-                intermediate_size=int(cfg["intermediate_size"]),
-                moe_intermediate_size=int(cfg["intermediate_size"]),
-                num_experts=int(cfg["num_local_experts"]),
-                norm_topk_prob=True,
-                moe_layers=tuple(range(num_layers)),
-            )
-        first_dense = int(cfg.get("first_k_dense_replace", 0))
-        rope_dim = int(cfg["qk_rope_head_dim"])
-        return cls(
-            **{**common, "head_dim": rope_dim},
-            intermediate_size=int(cfg["intermediate_size"]),
-            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-            num_experts=int(cfg.get("n_routed_experts") or cfg["num_local_experts"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            moe_layers=tuple(range(first_dense, num_layers)),
-            rope_interleave=bool(cfg.get("rope_interleave", True)),
-            scoring="sigmoid",
-            n_group=int(cfg.get("n_group", 1)),
-            topk_group=int(cfg.get("topk_group", 1)),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-            q_lora_rank=cfg.get("q_lora_rank"),
-            kv_lora_rank=int(cfg["kv_lora_rank"]),
-            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-            qk_rope_head_dim=rope_dim,
-            v_head_dim=int(cfg["v_head_dim"]),
-        )
+        from .architectures import parse_hf_config
 
-
-def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any] | None) -> tuple[int, ...]:
-    for source in (generation_config or {}, cfg):
-        eos = source.get("eos_token_id")
-        if eos is not None:
-            return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    return ()
+        return cls(**parse_hf_config(cfg, generation_config))

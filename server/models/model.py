@@ -1,8 +1,9 @@
-"""``MoECausalLM``: the decoder stack shared by Qwen3-MoE, DeepSeek-V3 and Mixtral, with HF's parameter names.
+"""``MoECausalLM``: the decoder stack shared by every family (``architectures.py``), with HF's parameter names.
 
-What differs per architecture lives in :class:`ModelConfig` and the pieces it selects: attention (GQA with or
-without q/k norm, or MLA), the router semantics, which layers are MoE and the MoE block's name
-(``mlp`` or Mixtral's ``block_sparse_moe``), shared experts, and the on-disk names of expert weights.
+What differs per architecture lives in :class:`ModelConfig` and the pieces it selects: attention (GQA with its
+biases, q/k norms and rotary, or MLA), the router semantics, which layers are MoE and the MoE block's name
+(``mlp`` or Mixtral's ``block_sparse_moe``), shared experts (gated for Qwen2-MoE), and the on-disk names of expert
+weights.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import attention_class
+from .attention import GQAttention, MLAttention
 from .config import ModelConfig
 from .ep_comm import ExpertComm
 from .forward_batch import ForwardBatch
@@ -19,26 +20,15 @@ from .layers import DenseMLP, RMSNorm
 from .linear import Linear
 from .moe import SparseMoE
 
-# On-disk names of one routed expert's (gate, up, down) weights, per architecture.
-EXPERT_KEYS = {
-    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
-    "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("w1", "w3", "w2"),
-}
-
-
-def moe_block_name(cfg: ModelConfig) -> str:
-    return "block_sparse_moe" if cfg.architecture == "mixtral" else "mlp"
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, comm: ExpertComm) -> None:
         super().__init__()
-        self.self_attn = attention_class(cfg)(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg) if cfg.use_mla else GQAttention(cfg, layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32)
         self.is_moe = layer_idx in cfg.moe_layers
-        self.mlp_name = moe_block_name(cfg) if self.is_moe else "mlp"
+        self.mlp_name = cfg.moe_block if self.is_moe else "mlp"
         mlp = SparseMoE(cfg, comm) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         setattr(self, self.mlp_name, mlp)
 
@@ -54,7 +44,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, comm) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32)
 
 
 class MoECausalLM(nn.Module):
@@ -87,5 +77,6 @@ class MoECausalLM(nn.Module):
 
     def expert_checkpoint_keys(self, layer_idx: int, expert: int) -> tuple[str, str, str]:
         """The checkpoint names of global expert ``expert``'s (gate, up, down) weights in layer ``layer_idx``."""
-        prefix = f"model.layers.{layer_idx}.{moe_block_name(self.cfg)}.experts.{expert}"
-        return tuple(f"{prefix}.{name}.weight" for name in EXPERT_KEYS[self.cfg.architecture])  # type: ignore[return-value]
+        prefix = f"model.layers.{layer_idx}.{self.cfg.moe_block}.experts.{expert}"
+        gate, up, down = (f"{prefix}.{name}.weight" for name in self.cfg.expert_keys)
+        return gate, up, down

@@ -24,18 +24,22 @@ from .quant import Int8Linear
 
 
 class Router(nn.Module):
-    """Top-k routing with the exact semantics of the HF class (``reference/serving.md`` §6).
+    """Top-k routing with the exact semantics of the HF class (``reference/serving.md`` §6, ``checkpoints.md`` §4).
 
-    softmax (Qwen3-MoE, Mixtral): fp32 softmax -> top-k -> renormalise iff ``norm_topk_prob``.
-    sigmoid (DeepSeek-V3): sigmoid -> + ``e_score_correction_bias`` (selection only) -> best ``topk_group`` of
+    softmax (Qwen2/3-MoE, OLMoE, Mixtral): fp32 softmax -> top-k -> renormalise iff ``norm_topk_prob``.
+    sigmoid (DeepSeek-V3, GLM-4.5): sigmoid -> + ``e_score_correction_bias`` (selection only) -> best ``topk_group`` of
     ``n_group`` groups by the sum of each group's top-2 -> top-k -> unbiased scores, renormalised iff
-    ``norm_topk_prob`` (+1e-20) -> x ``routed_scaling_factor``. The router weight is kept in fp32.
+    ``norm_topk_prob`` (+1e-20) -> x ``routed_scaling_factor``.
+    topk_softmax (gpt-oss): logits with the router's bias -> top-k -> softmax over the k kept logits.
+    The router's parameters are kept in fp32.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.router_bias:
+            self.bias = nn.Parameter(torch.empty(cfg.num_experts))
         if cfg.scoring == "sigmoid":
             self.e_score_correction_bias: torch.Tensor
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
@@ -43,7 +47,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` `[num_tokens, hidden]` -> topk_idx `[num_tokens, k]` `torch.int64`, topk_weights `torch.float32`."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float(), self.bias.float() if self.cfg.router_bias else None)
+        if cfg.scoring == "topk_softmax":
+            top, idx = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)
+            return idx, torch.softmax(top, dim=-1)
         if cfg.scoring == "softmax":
             probs = torch.softmax(logits, dim=-1)
             weights, idx = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
@@ -92,15 +99,33 @@ def per_expert(x: torch.Tensor, offsets: torch.Tensor,
     return out
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """``silu(gate) * up``; gpt-oss' clamped form with ``swiglu_limit``: ``gate <= limit``, ``|up| <= limit``,
+    ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``."""
+    if cfg.swiglu_limit is None:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=cfg.swiglu_limit), up.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha))
+
+
+def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+
+
 class LocalExperts(nn.Module):
     """This rank's routed experts, stacked: ``w13`` `[num_local_experts, 2 * I, hidden]` (gate rows first, then up)
-    and ``w2`` `[num_local_experts, hidden, I]`. :meth:`quantize_int8` swaps them for int8 weights."""
+    and ``w2`` `[num_local_experts, hidden, I]`, with gpt-oss' biases ``b13`` `[num_local_experts, 2 * I]` and ``b2``
+    `[num_local_experts, hidden]`. :meth:`quantize_int8` swaps the weights for int8 ones (biases stay float)."""
 
-    def __init__(self, num_local_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, cfg: ModelConfig, num_local_experts: int) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, intermediate))
+        self.cfg, self.intermediate = cfg, cfg.moe_intermediate_size
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, inter))
+        if cfg.expert_bias:
+            self.b13 = nn.Parameter(torch.empty(num_local_experts, 2 * inter))
+            self.b2 = nn.Parameter(torch.empty(num_local_experts, hidden))
         self.int8: list[tuple[Int8Linear, Int8Linear]] | None = None
 
     def quantize_int8(self) -> None:
@@ -118,50 +143,76 @@ class LocalExperts(nn.Module):
 
     def grouped(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The float experts as two grouped matmuls (arguments and result as :meth:`forward`)."""
-        h = torch._grouped_mm(recv_rows, self.w13.transpose(1, 2), offs=offsets)
+        b13 = b2 = None
+        if hasattr(self, "b13"):  # each row's expert, from the offsets (on the device, no host read)
+            rows = torch.arange(recv_rows.shape[0], device=recv_rows.device, dtype=offsets.dtype)
+            expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=offsets.shape[0] - 1)
+            b13, b2 = self.b13[expert], self.b2[expert]
+        h = _plus(torch._grouped_mm(recv_rows, self.w13.transpose(1, 2), offs=offsets), b13)
         gate, up = h.split(self.intermediate, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)
+        return _plus(torch._grouped_mm(swiglu(gate, up, self.cfg), self.w2.transpose(1, 2), offs=offsets), b2)
 
     def _expert(self, e: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """Local expert ``e`` on its rows ``x`` `[n, hidden]`, written to ``out`` `[n, hidden]` (one row: as
         matrix-vector products, see :mod:`server.models.linear`)."""
-        i = self.intermediate
+        i, cfg = self.intermediate, self.cfg
+        b13, b2 = (self.b13[e], self.b2[e]) if hasattr(self, "b13") else (None, None)
         if self.int8 is not None:
             w13, w2 = self.int8[e]
-            h = w13(x)
-            out.copy_(w2(F.silu(h[:, :i]) * h[:, i:]))
+            h = _plus(w13(x), b13)
+            out.copy_(_plus(w2(swiglu(h[:, :i], h[:, i:], cfg)), b2))
         elif x.shape[0] == 1 and x.device.type == "cpu":
-            h = torch.mv(self.w13[e], x[0])
-            torch.mv(self.w2[e], F.silu(h[:i]) * h[i:], out=out[0])
+            h = torch.mv(self.w13[e], x[0]) if b13 is None else torch.addmv(b13, self.w13[e], x[0])
+            g = swiglu(h[:i], h[i:], cfg)
+            if b2 is None:
+                torch.mv(self.w2[e], g, out=out[0])
+            else:
+                torch.addmv(b2, self.w2[e], g, out=out[0])
         else:
-            h = F.linear(x, self.w13[e])
-            out.copy_(F.linear(F.silu(h[:, :i]) * h[:, i:], self.w2[e]))
+            h = F.linear(x, self.w13[e], b13)
+            out.copy_(F.linear(swiglu(h[:, :i], h[:, i:], cfg), self.w2[e], b2))
 
 
 class SparseMoE(nn.Module):
-    """Router + EP dispatch/combine around :class:`LocalExperts` (+ DeepSeek shared experts)."""
+    """Router + EP dispatch/combine around :class:`LocalExperts` (+ the shared expert: DeepSeek-V3, GLM-4.5,
+    Qwen2-MoE with its sigmoid gate)."""
 
     def __init__(self, cfg: ModelConfig, comm: ExpertComm) -> None:
         super().__init__()
         self.comm = comm
         self.fused = comm.fused  # the fused path (comm.fused_moe) or dispatch -> experts -> combine, fixed here
         self._mega_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.gate = Router(cfg)
-        self.experts = LocalExperts(comm.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        if cfg.n_shared_experts > 0:
-            self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        if self.fused and (cfg.expert_bias or cfg.swiglu_limit is not None):
+            raise ValueError(f"moe_impl='fused' (Buffer.mega_moe) runs plain SwiGLU experts without biases; "
+                             f"{cfg.architecture}'s experts need the unfused path (moe_impl='unfused')")  # fmt: skip
+        self.router_name = cfg.router_name
+        setattr(self, cfg.router_name, Router(cfg))
+        self.experts = LocalExperts(cfg, comm.num_local_experts)
+        self.shared_name = cfg.shared_expert_name if cfg.shared_expert_intermediate_size > 0 else None
+        if self.shared_name is not None:
+            setattr(self, self.shared_name, DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size))
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, num_tokens_all_ranks: int | None = None) -> torch.Tensor:
         """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0);
         ``num_tokens_all_ranks``: the step's tokens over every EP rank, if known (see :meth:`ExpertComm.dispatch`)."""
-        topk_idx, topk_weights = self.gate(x)
+        topk_idx, topk_weights = getattr(self, self.router_name)(x)
         if self.fused:
             return self._fused(x, topk_idx, topk_weights)
         recv_rows, offsets, handle = self.comm.timed_dispatch(x, topk_idx, num_tokens_all_ranks)
         expert_out = self.experts(recv_rows, offsets)
-        shared = (lambda: self.shared_experts(x)) if hasattr(self, "shared_experts") else None
+        shared = (lambda: self._shared(x)) if self.shared_name is not None else None
         out, shared_out = self.comm.timed_combine(expert_out, topk_idx, topk_weights, handle, overlap=shared)
         return out if shared_out is None else out + shared_out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output `[num_tokens, hidden]` (Qwen2-MoE: x ``sigmoid(shared_expert_gate(x))``)."""
+        assert self.shared_name is not None
+        out = getattr(self, self.shared_name)(x)
+        if hasattr(self, "shared_expert_gate"):
+            out = torch.sigmoid(self.shared_expert_gate(x)) * out
+        return out
 
     def prepare_fused(self) -> None:
         """Lay the loaded expert weights out for ``Buffer.mega_moe`` (w1 `[L, hidden, 2I]`, w2 `[L, I, hidden]`) and
@@ -179,6 +230,4 @@ class SparseMoE(nn.Module):
         """The fused path (``Buffer.mega_moe``) on the weights :meth:`prepare_fused` laid out."""
         assert self._mega_weights is not None, "prepare_fused() was not called after loading"
         out = self.comm.fused_moe(x, topk_idx, topk_weights, *self._mega_weights)  # type: ignore[attr-defined]
-        if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x)
-        return out
+        return out if self.shared_name is None else out + self._shared(x)

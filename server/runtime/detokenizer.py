@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..engine_api import RequestDelta, Tokenizer, TokenLogprob
+from ..engine_api import NONFINITE_ERROR, NONFINITE_TOKEN, RequestDelta, Tokenizer, TokenLogprob
 
 if TYPE_CHECKING:
     from .scheduler import Request
@@ -56,7 +56,12 @@ def apply_token(req: Request, token: int, max_model_len: int, logprob: TokenLogp
                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestDelta:  # fmt: skip
     """Append a sampled token, extend the text and decide whether the request finished (vLLM semantics: EOS and
     stop token ids are kept in ``token_ids`` but not in the text; a stop string and what follows are cut off).
-    ``logprob`` and ``prompt_logprobs`` (the worker's, when asked for) go into the delta."""
+    ``logprob`` and ``prompt_logprobs`` (the worker's, when asked for) go into the delta; ``NONFINITE_TOKEN`` (the
+    worker found NaN / Inf in the request's logits) ends it with an error."""
+    if token == NONFINITE_TOKEN:
+        req.finish_reason = "error"
+        return RequestDelta(req.request_id, [], req.detokenizer.text, "error", NONFINITE_ERROR, req.prompt_len,
+                            req.num_output)  # fmt: skip
     req.token_ids.append(token)
     p, detok = req.params, req.detokenizer
     reason = None

@@ -156,5 +156,6 @@ class EngineConfig:
             block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling, worker_threads=config.worker_threads,
+            int8_experts=config.int8_experts,
         )  # fmt: skip
         return cls(**{**values, **overrides})

@@ -108,7 +108,7 @@ class LLM:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         return None, list(prompt)
 
     def shutdown(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..engine_api import NONFINITE_TOKEN
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInput
 from ..models.ep_comm import BufferComm, ExpertComm
@@ -136,6 +137,7 @@ class Worker:
         :meth:`ForwardBatch.build` orders them): the plain greedy ones in one batched argmax, the others one by one
         with their own parameters and generators."""
         result = StepResult([], 0.0, 0.0, 0.0)
+        finite = torch.isfinite(logits).all(dim=-1)  # a NaN / Inf row ends its request (NONFINITE_TOKEN), not token 0
         greedy: list[tuple[int, _Seq]] = []  # (logits row, sequence)
         greedy_at: list[int] = []  # their places in the result
         row = 0
@@ -149,6 +151,10 @@ class Worker:
                 greedy.append((row - 1, seq))
                 greedy_at.append(len(result.token_ids))
                 token, logprob, prompt_logprobs = -1, None, None
+            elif not bool(finite[row - 1]):  # (a host read, as sample() makes anyway)
+                seq.sampler.mark_sampled()
+                token, logprob, prompt_logprobs = NONFINITE_TOKEN, None, None
+                seq.last_token = 0  # any id: the driver ends the request
             else:
                 token, logprob, prompt_logprobs = seq.sampler.sample(logits[row - 1])
                 seq.last_token = token
@@ -157,10 +163,11 @@ class Worker:
             result.prompt_logprobs.append(prompt_logprobs)
         if greedy:
             rows = torch.tensor([r for r, _ in greedy], dtype=torch.int64, device=logits.device)
-            picked = torch.nan_to_num(logits[rows], nan=float("-inf")).argmax(dim=-1).tolist()
+            picked = torch.where(finite[rows], logits[rows].argmax(dim=-1), NONFINITE_TOKEN).tolist()
             for at, (_, seq), token in zip(greedy_at, greedy, picked, strict=True):
                 seq.sampler.mark_sampled()
-                seq.last_token = result.token_ids[at] = token
+                result.token_ids[at] = token
+                seq.last_token = max(token, 0)  # a non-finite row's request is ended by the driver
         return result
 
     def close(self) -> None:

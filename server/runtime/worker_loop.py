@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import CheckpointError
 from .engine_config import EngineConfig
 from .placement import bind_device
 from .rendezvous import init_loopback_group
@@ -124,6 +125,11 @@ def worker_main(rank: int, world_size: int, port: int, conn: Any, args: EngineCo
             dist.destroy_process_group()
     except StepFailed:  # reported by serve_plans
         os._exit(1)  # peers may be blocked in a collective with us: no group teardown
+    except CheckpointError as e:  # a fault of the checkpoint (a NaN weight, ...): its one line, no traceback
+        try:
+            channel.send("error", f"worker {rank}: {e}")
+        finally:
+            os._exit(1)
     except BaseException:  # noqa: BLE001 - forwarded to the driver with the traceback, then this process exits
         try:
             channel.send("error", f"worker {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")

@@ -16,17 +16,19 @@ from collections.abc import Callable, Sequence
 import httpx
 import uvicorn
 
+from server.chat_template import BUILTIN_CHAT_TEMPLATE
 from server.engine_api import EngineCore, RequestDelta, SamplingParams, StepStats, Tokenizer, TokenLogprob
 
 VOCAB_SIZE = 256
 
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes are the token ids; id 0 is EOS."""
+    """UTF-8 bytes are the token ids; id 0 is EOS; the server's built-in chat template."""
 
     eos_token_ids = [0]
+    chat_template = BUILTIN_CHAT_TEMPLATE
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: Sequence[int]) -> str:

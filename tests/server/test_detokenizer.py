@@ -27,9 +27,9 @@ def bpe(tmp_path_factory) -> HFTokenizer:  # noqa: ANN001
     trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<eos>"])  # fmt: skip
     raw.train_from_iterator(TEXTS, trainer)
-    path = str(tmp_path_factory.mktemp("bpe") / "tokenizer.json")
-    raw.save(path)
-    return HFTokenizer(path)
+    path = tmp_path_factory.mktemp("bpe")
+    raw.save(str(path / "tokenizer.json"))
+    return HFTokenizer(str(path))
 
 
 def incremental(tokenizer: Tokenizer, ids: Sequence[int]) -> str:

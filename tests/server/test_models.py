@@ -1,4 +1,5 @@
-"""Model golden tests at EP 1 (in process): our Qwen3-MoE / DeepSeek-V3 / Mixtral vs transformers in fp32.
+"""Model golden tests at EP 1 (in process): every family (Qwen3-MoE, DeepSeek-V3, Mixtral, Qwen2-MoE, OLMoE,
+GLM-4.5) vs transformers in fp32.
 
 Tolerance: logits within 1e-4 absolute of transformers' (observed ~2e-7; logits are O(1)).
 """
@@ -8,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config
+from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config, read_hf_config
 from server.models import ExpertComm, LocalComm, ModelConfig
 from tests.server.paged import SlotCache
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
-ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral"]
+ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gpt_oss"]
 PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42]]
 ATOL = 1e-4
 
@@ -69,13 +70,20 @@ class _NoComm(ExpertComm):
 
 
 class _Recorder(CheckpointTensors):
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
-        self.read: list[str] = []
+    """Records the tensors read and, of the routed experts, which experts (by name, or by rows of fused tensors)."""
 
-    def get(self, name, shape):  # noqa: ANN001, ANN201
-        self.read.append(name)
-        return super().get(name, shape)
+    def __init__(self, path: str) -> None:
+        super().__init__(path, read_hf_config(path)[0])
+        self.read: list[str] = []
+        self.experts: set[int] = set()
+
+    def get(self, read):  # noqa: ANN001, ANN201
+        self.read.append(read.name)
+        if read.rows is not None:
+            self.experts |= set(read.rows)
+        elif ".experts." in read.name:
+            self.experts.add(int(read.name.split(".experts.")[1].split(".")[0]))
+        return super().get(read)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -87,18 +95,20 @@ def test_rank_reads_only_its_experts(ckpt, num_ranks: int) -> None:  # noqa: ANN
     for rank in range(num_ranks):
         tensors = _Recorder(path)
         model = build_model(cfg, _NoComm(rank, num_ranks, cfg.num_experts, 8), torch.float32, tensors)
-        expert_ids = {int(n.split(".experts.")[1].split(".")[0]) for n in tensors.read if ".experts." in n}
         per_rank = cfg.num_experts // num_ranks
-        assert expert_ids == set(range(rank * per_rank, (rank + 1) * per_rank))
+        assert tensors.experts == set(range(rank * per_rank, (rank + 1) * per_rank))
         assert (
-            not set(tensors.weight_map)
+            not set(tensors.files.weight_map)
             - set(tensors.read)
-            - {k for k in tensors.weight_map if ".experts." in k and ".shared_experts." not in k}
+            - {k for k in tensors.files.weight_map if ".experts." in k and ".shared_experts." not in k}
         )
         for moe, moe_full in zip(model.moe_layers(), full.moe_layers(), strict=True):
             sl = slice(rank * per_rank, (rank + 1) * per_rank)
             assert torch.equal(moe.experts.w13, moe_full.experts.w13[sl])
             assert torch.equal(moe.experts.w2, moe_full.experts.w2[sl])
+            for bias in ("b13", "b2"):
+                if hasattr(moe.experts, bias):
+                    assert torch.equal(getattr(moe.experts, bias), getattr(moe_full.experts, bias)[sl])
         assert model.moe_layers()[0].experts.w13.shape[0] == per_rank
 
 
@@ -135,9 +145,11 @@ def test_bfloat16_model_runs_close_to_fp32() -> None:
     assert (l16 - l32).abs().max() < 0.1 * l32.abs().max()
 
 
-def test_int8_experts_close_to_float() -> None:
-    """W8A8 experts (per-channel weight scales, per-token activation quant) stay within ~2% of fp32 logits."""
-    model = load_model(None, _local)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_int8_experts_close_to_float(arch: str) -> None:
+    """W8A8 experts (per-channel weight scales, per-token activation quant; gpt-oss' biases stay float) stay within
+    ~2% of fp32 logits."""
+    model = load_model(None, _local, random_model={"architecture": arch})
     chunks = [(0, 0, list(b"the quick brown fox")), (1, 0, list(b"hi"))]
     ref = SlotCache(model, 2, 32).run(model, chunks, [True, True])
     for moe in model.moe_layers():
@@ -145,6 +157,16 @@ def test_int8_experts_close_to_float() -> None:
     out = SlotCache(model, 2, 32).run(model, chunks, [True, True])
     assert not torch.equal(out, ref)
     assert (out - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+def test_fused_moe_refuses_gpt_oss_experts() -> None:
+    """Buffer.mega_moe runs plain SwiGLU without biases: gpt-oss' clamped, biased experts are refused, not run."""
+
+    class FusedLocal(LocalComm):
+        fused = True
+
+    with pytest.raises(ValueError, match="gpt_oss's experts need the unfused path"):
+        load_model(None, lambda cfg: FusedLocal(cfg.num_experts, 8), random_model={"architecture": "gpt_oss"})
 
 
 def test_unknown_architecture_is_rejected() -> None:

@@ -99,7 +99,7 @@ def test_chat_full_and_stream(client):
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
     ]
-    prompt = list(b"system: be brief\nuser: hi\nassistant:")  # the Tokenizer ABC's default chat template
+    prompt = list(b"system: be brief\nuser: hi\nassistant:")  # the built-in chat template (helpers.ByteTokenizer)
     want = _text(expected_token_ids(prompt, 6))
     body = client.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 6}).json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")

@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from server.models import ForwardBatch, LocalComm, SeqInput
-from server.models.moe import LocalExperts, per_expert, use_grouped_mm
+from server.models import ForwardBatch, LocalComm, ModelConfig, SeqInput
+from server.models.moe import LocalExperts, per_expert, swiglu, use_grouped_mm
 from server.models.paged_attention import paged_attention, write_kv
+from server.random_model import random_hf_config
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
@@ -67,16 +68,22 @@ def test_paged_attention_matches_per_sequence_attention(window: int | None, with
         row += n
 
 
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss"])
 @torch.inference_mode()  # as the model's forward
-def test_grouped_experts_match_each_experts_matmuls() -> None:
+def test_grouped_experts_match_each_experts_matmuls(architecture: str) -> None:
     """Router output -> LocalComm's grouped layout -> grouped matmuls -> combine equals, token by token, the sum over
-    its experts of each expert's own FFN; the per-expert loop (and its matrix-vector products) gives the same rows."""
+    its experts of each expert's own FFN; the per-expert loop (and its matrix-vector products) gives the same rows.
+    gpt-oss: with the experts' biases and the clamped SwiGLU on every path."""
     torch.manual_seed(0)
     num_experts, hidden, inter, num_topk, num_tokens = 6, 16, 8, 3, 10
-    experts = LocalExperts(num_experts, hidden, inter)
-    with torch.no_grad():
-        experts.w13.normal_()
-        experts.w2.normal_()
+    spec = {"architecture": architecture, "hidden_size": hidden, "moe_intermediate_size": inter,
+            "num_experts": num_experts, "num_experts_per_tok": num_topk}  # fmt: skip
+    cfg = ModelConfig.from_hf(random_hf_config(spec))
+    experts = LocalExperts(cfg, num_experts)
+    assert hasattr(experts, "b13") == (architecture == "gpt_oss")
+    experts.w13.normal_()
+    experts.w2.normal_()
+    b13, b2 = (experts.b13.normal_(), experts.b2.normal_()) if hasattr(experts, "b13") else (None, None)
     x = torch.randn(num_tokens, hidden)
     topk_idx = torch.stack([torch.randperm(num_experts)[:num_topk] for _ in range(num_tokens)])
     topk_idx[3, 1] = -1  # a slot without an expert contributes nothing
@@ -95,6 +102,7 @@ def test_grouped_experts_match_each_experts_matmuls() -> None:
         want = torch.zeros(hidden)
         for j, e in enumerate(topk_idx[t].tolist()):
             if e >= 0:
-                gate, up = (experts.w13[e] @ x[t]).split(inter)
-                want += weights[t, j] * (experts.w2[e] @ (torch.nn.functional.silu(gate) * up))
+                h = experts.w13[e] @ x[t] + (0 if b13 is None else b13[e])
+                y = experts.w2[e] @ swiglu(h[:inter], h[inter:], cfg) + (0 if b2 is None else b2[e])
+                want += weights[t, j] * y
         torch.testing.assert_close(out[t], want, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,77 @@
+"""The q / k / v projections of grouped-query attention, per family, with HF's parameter names.
+
+Everything before the attention itself: the projections (biases per family), the q / k norms (Qwen3 and GLM: RMSNorm
+over ``head_dim`` on each head; OLMoE: over the whole q and k projections, before the split into heads), OLMoE's
+``clip_qkv`` and the rotary embedding (partial for GLM). :class:`~server.models.attention.GQAttention` subclasses
+:class:`QKVProjections` and attends with what :meth:`QKVProjections.project` returns.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .layers import RMSNorm
+from .linear import Linear
+from .rope import Rotary
+
+if TYPE_CHECKING:
+    from .forward_batch import ForwardBatch
+
+
+def token_seq_lens(batch: ForwardBatch, rotary: Rotary) -> torch.Tensor | None:
+    """Per token, its sequence's length at the end of its chunk (`[num_tokens]` `torch.int64`), for the ``dynamic``
+    rope type; None for the other types (they do not read it)."""
+    if rotary.rope.rope_type != "dynamic":
+        return None
+    lengths = batch.positions.new_zeros(batch.num_tokens + 1)  # + the scratch row padding queries point at
+    for group in batch.groups:
+        ends = group.query_pos.amax(dim=1, keepdim=True) + 1  # a chunk's last position (padding is 0) + 1
+        lengths[group.rows] = ends.expand_as(group.rows)
+    return lengths[:-1]
+
+
+class QKVProjections(nn.Module):
+    """``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (+ ``q_norm`` / ``k_norm``) and the rotary embedding of layer
+    ``layer_idx``; also what its attention reads: ``window`` (sliding layers: the last ``sliding_window`` positions,
+    else None) and gpt-oss' ``sinks`` `[heads]` (a learned logit per head)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.window = (cfg.sliding_window or None) if cfg.is_sliding(layer_idx) else None
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads))
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = Linear(h, self.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=cfg.o_bias)
+        self.qk_norm, self.clip_qkv = cfg.qk_norm, cfg.clip_qkv
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(self.num_heads * d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * d, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.rope)
+
+    def project(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` `[num_tokens, hidden]` -> q `[num_tokens, heads, head_dim]`, k and v `[num_tokens, kv_heads,
+        head_dim]`, dtype of ``x``; q and k rotated at ``batch.positions``."""
+        t = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (y.clamp(-self.clip_qkv, self.clip_qkv) for y in (q, k, v))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, token_seq_lens(batch, self.rotary))
+        return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v
