@@ -1,16 +1,18 @@
 """deep_ep_npu: DeepEP-compatible low-latency expert-parallel communication for Ascend NPUs, runnable anywhere.
 
-Imports only torch; torch_npu is imported only when the Ascend backend is created.
+The layers: the API front-ends (:class:`Buffer`, :class:`ElasticBuffer`, :mod:`.ops`, :mod:`.mega_moe`, the NPU
+stand-in :mod:`.sim`), the parameter core (:mod:`.core`: one call description, one rule set), the engine
+(:mod:`.engine`), the transports (:mod:`.transports`), the CPU kernels (:mod:`.engine.cpu_kernels`) and the backends
+(:mod:`.backends`). Imports only torch; torch_npu is imported only when the Ascend backend is created.
 """
 
-from .buffer import Buffer
+from .buffer import Buffer, EventOverlap
+from .compat import Config
 from .elastic import ElasticBuffer
-from .ep_handle import EPHandle
-from .event import EventHandle, EventOverlap
-from .failure import EPRankFailure
-from .handle import FlatHandle, LowLatencyHandle, topk_idx_t
-from .normal_mode import Config
-from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
+from .errors import MoeDistributeError
+from .handle import EPHandle, EventHandle, FlatHandle, LowLatencyHandle, topk_idx_t
+from .sizes import get_low_latency_ccl_buffer_size
+from .transports.failure import EPRankFailure
 
 __version__ = "0.1.0"
 

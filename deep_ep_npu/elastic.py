@@ -29,7 +29,7 @@ raise :class:`~deep_ep_npu.EPRankFailure` within about ``timeout``. There is no 
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import math
 from typing import Any
 
@@ -37,17 +37,17 @@ import torch
 import torch.distributed as dist
 
 from .backends import BufferConfig, create_backend, resolve_backend_name
-from .elastic_params import validate_combine, validate_dispatch
-from .ep_handle import EPHandle
-from .errors import MoeDistributeError
-from .event import Completion, EventHandle, EventOverlap
-from .failure import resolve_timeout
-from .lifecycle import Destroyable
+from .buffer import Destroyable, EventOverlap
+from .core import elastic as v2
+from .core import rules
+from .core.call import CombineCall, DispatchCall
+from .errors import MoeDistributeError, invalid
+from .handle import EPHandle, EventHandle
 from .sizes import align
+from .transports.failure import resolve_timeout
 
 _MIB2 = 2 << 20
-_ENGINES = {"reference": "deep_ep_npu.backends.elastic_reference:ElasticReference",
-            "ascend": "deep_ep_npu.backends.elastic_ascend:ElasticAscend"}  # fmt: skip
+DISPATCH_OP, COMBINE_OP = "elastic_dispatch", "elastic_combine"
 
 
 class ElasticBuffer(Destroyable):
@@ -97,8 +97,6 @@ class ElasticBuffer(Destroyable):
         config = BufferConfig(explicitly_destroy=explicitly_destroy, timeout=resolve_timeout(timeout),
                               transport="collective")  # fmt: skip
         self._backend = create_backend(self.backend_name, group, config)
-        module, _, cls = _ENGINES[self.backend_name].partition(":")
-        self._engine: Any = getattr(importlib.import_module(module), cls)(self._backend, self, allow_multiple_reduction)
         self._destroyed = False
         self._backend.ep.barrier("ElasticBuffer.__init__")
 
@@ -152,13 +150,6 @@ class ElasticBuffer(Destroyable):
         self._check_alive()
         self._backend.ep.barrier("barrier")
 
-    @staticmethod
-    def _event(completion: Completion, async_finish: bool, tensors: tuple) -> EventOverlap:
-        if async_finish:
-            return EventOverlap(completion, tensors)
-        completion.wait()
-        return EventOverlap(None)
-
     def dispatch(
         self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk_idx: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
@@ -206,28 +197,59 @@ class ElasticBuffer(Destroyable):
         """
         self._check_alive()
         try:
-            d = validate_dispatch(locals(), num_ranks=self.num_ranks, default_num_max=self.num_max_tokens_per_rank,
-                                  owner=self)  # fmt: skip
+            call = self._dispatch_call(
+                x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
+                expert_alignment, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
+                use_tma_aligned_col_major_sf,
+            )  # fmt: skip
+            for name, value in (("async_with_compute_stream", async_with_compute_stream),
+                                ("allocate_on_comm_stream", allocate_on_comm_stream)):  # fmt: skip
+                rules.flag(value, name)
+            v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)
         except MoeDistributeError as err:
-            self._engine.reject_dispatch(err.code)
+            self._backend.reject(DISPATCH_OP, err.code)
             raise
-        d.num_sms = d.num_sms or self.get_theoretical_num_sms(d.num_experts, d.topk_idx.shape[1])  # as DeepEP
-        layout, early, completion = self._engine.dispatch(d)
-        async_finish = d.async_finish and d.sizes is not None
-        holder: list[EPHandle] = []
+        num_sms = num_sms or self.get_theoretical_num_sms(call.experts.num_moe_experts, call.expert_ids.shape[1])
+        inflight = self._backend.dispatch(call)
+        async_finish = async_with_compute_stream and not call.cpu_sync
+        event = EventOverlap(inflight) if async_finish else EventOverlap(None)
+        out = inflight.value if async_finish else inflight.wait()
+        out.handle.num_sms = out.handle.num_sms or num_sms  # (as DeepEP: the dispatch's SMs)
+        recv_x = out.x if out.sf is None else (out.x, out.sf)
+        recv_topk_idx = out.topk_idx
+        if recv_topk_idx is not None and recv_topk_idx.dtype != call.expert_ids.dtype:
+            recv_topk_idx = recv_topk_idx.to(call.expert_ids.dtype)
+        return recv_x, recv_topk_idx, out.weights if topk_weights is not None else None, out.handle, event
 
-        def finish() -> None:
-            holder.append(completion.wait())
-
-        event = self._event(Completion(finish), async_finish, ())
-        out, result_handle = layout.outputs, holder[0] if holder else early
-        assert result_handle is not None
-        recv_x = out["x"] if d.sf is None else (out["x"], out["sf"])
-        recv_topk_idx = out["topk_idx"]
-        if recv_topk_idx is not None and recv_topk_idx.dtype != d.topk_idx.dtype:
-            recv_topk_idx = recv_topk_idx.to(d.topk_idx.dtype)
-        weights = out["weights"] if d.topk_weights is not None else None
-        return recv_x, recv_topk_idx, weights, result_handle, event
+    def _dispatch_call(
+        self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any, num_experts: Any, num_max: Any, alignment: Any,
+        handle: Any, handle_copy: Any, cpu_sync: Any, do_expand: Any, zero_padding: Any, tma_sf: Any,
+    ) -> DispatchCall:  # fmt: skip
+        """The validated description of :meth:`dispatch` (its arguments as DeepEP V2 names them)."""
+        data, sf = v2.split_x(x)
+        for name, value in (("do_handle_copy", handle_copy), ("do_expand", do_expand), ("do_zero_padding",
+                            zero_padding), ("use_tma_aligned_col_major_sf", tma_sf)):  # fmt: skip
+            rules.flag(value, name)
+        if cpu_sync is not None:
+            rules.flag(cpu_sync, "do_cpu_sync")
+        if zero_padding and not do_expand:
+            raise invalid("do_zero_padding", "zeroes the expand layout's alignment padding: it needs do_expand=True")
+        if handle is not None:
+            h = v2.owned_handle(handle, self._backend)
+            experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
+            call = DispatchCall(DISPATCH_OP, "expand", data, h.topk_idx, experts, num_max=h.num_max_tokens_per_rank,
+                                x_sf=sf, recv_stats=stats, alignment=h.expert_alignment, do_expand=h.do_expand,
+                                cached=h, cpu_sync=False)  # fmt: skip
+            v2.cached(call, h, topk_idx, cpu_sync, dict(num_experts=num_experts, expert_alignment=alignment,
+                      num_max_tokens_per_rank=num_max, do_expand=do_expand))  # fmt: skip
+        else:
+            experts = v2.experts_of(num_experts, self.num_ranks, self.rank_idx)
+            a = rules.count(1 if alignment is None else alignment, "expert_alignment", 1)
+            call = DispatchCall(DISPATCH_OP, "expand", data, topk_idx, experts,
+                                num_max=v2.num_max(num_max, self.num_max_tokens_per_rank), x_sf=sf, recv_stats=stats,
+                                alignment=a, do_expand=do_expand, cpu_sync=True if cpu_sync is None else cpu_sync)  # fmt: skip
+        return rules.dispatch(dataclasses.replace(call, expert_scales=topk_weights, zero_padding=zero_padding,
+                                                  tma_sf=tma_sf, handle_copy=handle_copy, names=v2.NAMES))  # fmt: skip
 
     def combine(
         self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
@@ -256,10 +278,19 @@ class ElasticBuffer(Destroyable):
         """
         self._check_alive()
         try:
-            c = validate_combine(locals(), owner=self, allow_multiple_reduction=self.allow_multiple_reduction)
+            rules.flag(async_with_compute_stream, "async_with_compute_stream")
+            v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)
+            h = v2.owned_handle(handle, self._backend)
+            experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
+            call = v2.combine(CombineCall(COMBINE_OP, "expand", x, h.topk_idx, experts, h, expert_scales=topk_weights,
+                                          multiple_reduction=self.allow_multiple_reduction),
+                              self._backend, self.allow_multiple_reduction, bias)  # fmt: skip
         except MoeDistributeError as err:
-            self._engine.reject_combine(err.code)
+            self._backend.reject(COMBINE_OP, err.code)
             raise
-        combined, combined_weights, completion = self._engine.combine(c)
-        event = self._event(completion, c.async_finish, (combined,))
-        return combined, combined_weights, event
+        inflight = self._backend.combine(call)
+        combined, weights = inflight.value if isinstance(inflight.value, tuple) else (inflight.value, None)
+        event = EventOverlap(inflight, (combined,)) if async_with_compute_stream else EventOverlap(None)
+        if not async_with_compute_stream:
+            inflight.wait()
+        return combined, weights, event

@@ -1,6 +1,6 @@
 """Opt-in timing of where dispatch/combine time goes, and the bytes the last calls put on the wire. Off by default:
-:func:`laps` then costs one flag check. Benchmarks call :func:`enable`, run, and read :func:`report` (mean µs per
-call of each named section: validation, layout, packing, collectives, unpacking)."""
+the engine then only reads :data:`enabled`. Benchmarks call :func:`enable`, run, and read :func:`report` (mean µs per
+call of each named section: send, own rows, wait, placement / reduction) and :func:`wire_stats`."""
 
 from __future__ import annotations
 
@@ -8,30 +8,24 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-_enabled = False
+enabled = False  # read by the engine before it records anything
 _sections: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # name -> [total seconds, occurrences]
 _wire: dict[str, tuple[list[int], int, int]] = {}
 
 
 def enable() -> None:
-    global _enabled
-    _enabled = True
+    global enabled
+    enabled = True
 
 
 def disable() -> None:
-    global _enabled
-    _enabled = False
-
-
-def _no_lap(name: str) -> None:
-    """What :func:`laps` returns while disabled."""
+    global enabled
+    enabled = False
 
 
 def laps(prefix: str) -> Callable[[str], None]:
-    """``lap = laps("dispatch"); ...; lap("layout"); ...; lap("packing")``: each call records the time since the
-    previous one (or since ``laps``) under ``prefix.name``; a no-op while disabled."""
-    if not _enabled:
-        return _no_lap
+    """``lap = laps("dispatch"); ...; lap("send"); ...; lap("place")``: each call records the time since the
+    previous one (or since ``laps``) under ``prefix.name``."""
     last = time.perf_counter()
 
     def lap(name: str) -> None:
@@ -51,7 +45,7 @@ def report(reset: bool = False) -> dict[str, float]:
 
 
 def record_wire(op: str, send_bytes_per_rank: Sequence[int], own_rank: int, header_bytes: int) -> None:
-    """Called by backends: payload bytes sent to each rank by the last ``op`` call, and header bytes per peer."""
+    """Called by the engine: payload bytes sent to each rank by the last ``op`` call, and header bytes per peer."""
     _wire[op] = (list(send_bytes_per_rank), own_rank, header_bytes)
 
 

@@ -159,33 +159,7 @@ def scale_for_fp8_(work: torch.Tensor, x: torch.Tensor, round_scale: bool = Fals
     return scale_inv
 
 
-def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows to e4m3 with one scale per 128 channels (``round_scale``: each rounded up to a power of two).
-    ``x``: `[num_tokens, hidden]` `torch.bfloat16` (any float dtype), ``hidden % 128 == 0``. Returns ``q``
-    `[num_tokens, hidden]` `torch.float8_e4m3fn` and ``scale_inv`` `[num_tokens, hidden // 128]` `torch.float32`
-    (dequantize: ``q * scale_inv`` per group)."""
-    work = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    scale_inv = scale_for_fp8_(work, x, round_scale)
-    return work.to(FP8_DTYPE), scale_inv
-
-
 def pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:
     """Power-of-two fp32 scales `[..., G]` (G % 4 == 0) to their exponent bytes packed as `[..., G // 4]` int32."""
     exponent = (scale_inv.contiguous().flatten().view(torch.int32) >> 23).to(torch.uint8)
     return exponent.view(torch.int32).view(*scale_inv.shape[:-1], scale_inv.shape[-1] // 4)
-
-
-def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_ue8m0`: `[..., G // 4]` int32 to `[..., G]` fp32 powers of two."""
-    exponent = packed.contiguous().flatten().view(torch.uint8).to(torch.int32)
-    return (exponent << 23).view(torch.float32).view(*packed.shape[:-1], packed.shape[-1] * 4)
-
-
-def per_token_cast_back(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
-    """Dequantize `[..., hidden]` 8-bit data with per-128-channel scales (fp32 `[..., hidden // 128]`, or UE8M0 int32
-    `[..., hidden // 512]`); returns `[..., hidden]` in ``out_dtype``."""
-    if scales.dtype == torch.int32:
-        scales = unpack_ue8m0(scales)
-    *lead, h = data.shape
-    xg = data.float().reshape(*lead, h // GROUP, GROUP) * scales.float().unsqueeze(-1)
-    return xg.reshape(*lead, h).to(out_dtype)

@@ -4,9 +4,6 @@ DeepEP's low-latency RDMA size hint."""
 from __future__ import annotations
 
 import math
-import os
-
-import torch
 
 from .errors import invalid, shape
 
@@ -59,20 +56,6 @@ def get_low_latency_ccl_buffer_size(world_size: int, num_max_dispatch_tokens_per
     if num_local * world_size > 2048:
         raise shape("num_moe_expert", f"local experts x world size = {num_local * world_size} exceeds 2048")
     return ccl_buffer_mb(ccl_buffer_bytes(world_size, tokens, hidden, num_local, topk, num_shared_expert, comm_alg))
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    """The memory of ``device``: a GPU's / NPU's total, else the host's physical memory."""
-    if device.type in ("cuda", "npu"):
-        return int(getattr(torch, device.type).mem_get_info(device)[1])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_fits(num_bytes: int, device: torch.device, param: str, what: str) -> None:
-    """Raise :class:`~deep_ep_npu.errors.MoeDistributeError` (561002) naming ``param`` and the bytes needed when
-    ``num_bytes`` (``what``) exceed the memory of ``device``: a clear error instead of the allocator's."""
-    if num_bytes > (have := device_memory_bytes(device)):
-        raise shape(param, f"{what} needs {num_bytes} bytes, more than the {have} bytes of {device}")
 
 
 def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:

@@ -80,7 +80,7 @@ def _ll_port(
     info, num_max: int, tokens_per_rank: list[int], hidden: int, num_topk: int, num_experts: int, seed: int, loop: bool
 ):
     if loop:  # fill recv_x with one gather per expert (the large-message path) instead of one scatter
-        from deep_ep_npu.engine import layouts
+        from deep_ep_npu.engine import masked as layouts
 
         layouts.LOOP_BYTES = 0
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, info.world_size, num_experts)

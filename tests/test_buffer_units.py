@@ -6,11 +6,18 @@ import pytest
 import torch
 
 from deep_ep_npu import Buffer, EventOverlap, LowLatencyHandle, topk_idx_t
-from deep_ep_npu.backends import map_no_expert
-from deep_ep_npu.event import Completion
-from deep_ep_npu.quant import pack_ue8m0, per_token_cast_to_fp8, unpack_ue8m0
+from deep_ep_npu.backends.ascend_ops import map_no_expert
+from deep_ep_npu.engine.exchange import InFlight
+from deep_ep_npu.quant import FP8_DTYPE, pack_ue8m0, scale_for_fp8_
 from tests.deepep_utils import calc_diff, fp8_e4m3_reference, per_token_cast_back
 from tests.distributed import parallel_launch
+
+
+def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The library's DeepEP fp8 cast (the rows' torch code): scales into a work tensor, then the e4m3 cast."""
+    work = torch.empty(x.shape, dtype=torch.float32)
+    scale_inv = scale_for_fp8_(work, x, round_scale)
+    return work.to(FP8_DTYPE), scale_inv
 
 
 @pytest.mark.parametrize("round_scale", [False, True])
@@ -26,7 +33,8 @@ def test_fp8_cast_matches_oracle(round_scale):
         assert torch.equal(torch.exp2(torch.log2(scale_inv).round()), scale_inv)
         packed = pack_ue8m0(scale_inv)
         assert packed.dtype == torch.int32 and packed.shape == (64, 2)
-        assert torch.equal(unpack_ue8m0(packed), scale_inv)
+        exponents = packed.contiguous().flatten().view(torch.uint8).to(torch.int32)
+        assert torch.equal((exponents << 23).view(torch.float32).view(64, 8), scale_inv)
         assert torch.equal(per_token_cast_back(q, packed), back)
 
 
@@ -41,7 +49,7 @@ def test_handle_is_deepep_tuple_with_names():
 
 def test_event_overlap_and_completion():
     calls = []
-    completion = Completion(lambda: calls.append(1))
+    completion = InFlight(lambda: calls.append(1))
     event = EventOverlap(completion, (torch.zeros(1),))
     with event:
         assert calls == []
@@ -54,7 +62,7 @@ def test_event_overlap_and_completion():
     def boom():
         raise RuntimeError("peer failed")
 
-    failing = Completion(boom)
+    failing = InFlight(boom)
     for _ in range(2):  # the first error sticks
         with pytest.raises(RuntimeError, match="peer failed"):
             failing.wait()

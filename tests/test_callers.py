@@ -433,7 +433,7 @@ def _sgl_cases(w: int) -> list[dict]:
 
 def _resolve_names(cases: list[dict]) -> None:
     """``y_dtype`` given by torch_npu constant name -> the stand-in's int code (what ``torch_npu.<name>`` is)."""
-    from deep_ep_npu.npu_types import TORCH_NPU_CONSTANTS
+    from deep_ep_npu.core.platforms import TORCH_NPU_CONSTANTS
 
     for case in cases:
         if isinstance(case.get("y_dtype"), str):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from deep_ep_npu import errors
+from deep_ep_npu.core import rules
 from deep_ep_npu.engine import cpu_kernels
 from deep_ep_npu.engine.plan import plan_topk
 
@@ -64,7 +65,7 @@ def test_id_check_agrees_with_the_torch_check(no_expert):
         fast = cpu_kernels.ids_ok(ids, -1 if no_expert else 0, e)
         try:
             with cpu_kernels.disabled():
-                errors.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
+                rules.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
             ok = True
         except errors.MoeDistributeError:
             ok = False
@@ -72,7 +73,7 @@ def test_id_check_agrees_with_the_torch_check(no_expert):
         verdicts.add(ok)
         if not fast:  # with the kernels on, a bad input still gets the torch check's error
             with pytest.raises(errors.MoeDistributeError):
-                errors.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
+                rules.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
     assert verdicts == {True, False}
 
 
@@ -136,8 +137,7 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
     """The flat layout's placement of two sources' rows (one of them this rank's) against Flat's torch code."""
     from types import SimpleNamespace
 
-    from deep_ep_npu.engine.dispatch import Incoming
-    from deep_ep_npu.engine.flat import Flat
+    from deep_ep_npu.engine.flat import _Flat
     from deep_ep_npu.engine.rows import RowFormat
     from deep_ep_npu.quant import Quant
 
@@ -151,8 +151,6 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
         fmt.encode_into(rows, torch.randn(n, hidden, generator=g).bfloat16(), torch.randperm(9, generator=g)[:n],
                         table, torch.rand(n, k, generator=g) if weights else None)  # fmt: skip
         blocks.append((src, rows))
-    remote = Incoming(torch.cat([b[1] for b in blocks[:2]]), [(0, 0, 7), (2, 7, 5)])
-    own = Incoming.from_one(blocks[2][1], 1)
     scale_width = fmt.scale_end - fmt.scale_off
     outs = {}
     for name in ("kernel", "torch"):
@@ -161,19 +159,20 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
         assist, expand_scales = torch.zeros(3 * cap, dtype=torch.int32), torch.zeros(cap)
         if name == "kernel":
             counts = torch.zeros((num_local, world), dtype=torch.int64)
-            num = cpu_kernels.place_flat(remote.sources() + own.sources(), fmt, scale_width, weights, counts,
-                                         expand_x, scales, assist, expand_scales)  # fmt: skip
+            num = cpu_kernels.place_flat(blocks, fmt, scale_width, weights, counts, expand_x, scales, assist,
+                                         expand_scales)  # fmt: skip
         else:
-            layout = SimpleNamespace(num_local_experts_here=num_local, world_size=world)
-            flat = SimpleNamespace(v=SimpleNamespace(layout=layout, x=expand_x, quant=quant), capacity=cap,
-                                   weights=weights)  # fmt: skip
-            num, counts = Flat._place(flat, fmt, remote, own, expand_x, scales, assist, expand_scales)
+            counts = torch.zeros((num_local, world), dtype=torch.int64)
+            flat = SimpleNamespace(fmt=fmt, c=SimpleNamespace(capacity=cap, quant=quant), source=expand_x,
+                                   expand_x=expand_x, scale_bytes=scales, assist=assist, expand_scales=expand_scales,
+                                   weights=torch.ones(1) if weights else None)  # fmt: skip
+            num = _Flat._place_torch(flat, blocks, counts)
         outs[name] = (num, counts, expand_x.view(torch.uint8), scales, assist, expand_scales)
     for a, b in zip(outs["kernel"], outs["torch"], strict=True):
         assert a == b if isinstance(a, int) else torch.equal(a, b)
     counts = torch.zeros((num_local, world), dtype=torch.int64)
     small = torch.zeros((4, hidden), dtype=fmt.data_dtype)
-    assert cpu_kernels.place_flat(own.sources(), fmt, scale_width, weights, counts, small, scales[:4], assist,
+    assert cpu_kernels.place_flat([blocks[2]], fmt, scale_width, weights, counts, small, scales[:4], assist,
                                   expand_scales) == -1  # more pairs than rows: only the counts  # fmt: skip
     assert int(counts.sum()) == int((blocks[2][1][:, fmt.slot_off : fmt.weight_off].view(torch.int32) >= 0).sum())
 

@@ -165,8 +165,8 @@ def _payload_scenario(info, transport: str):
     the header and the payload; shm: after writing its rows into the peers' windows, before any signal): the
     survivors' send phase returns, ``hook()`` hits the failure, shrinks, re-runs the dispatch and fills the tensors
     the first call returned."""
-    from deep_ep_npu.engine.window import ShmWindow
-    from deep_ep_npu.group import EPGroup
+    from deep_ep_npu.transports.collective import EPGroup
+    from deep_ep_npu.transports.window import Window as ShmWindow
 
     store = dist.distributed_c10d._get_default_store()
     buf = Buffer(info.group, enable_shrink=True, timeout=TIMEOUT, transport=transport)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from deep_ep_npu import Buffer, EPRankFailure, envs
 from deep_ep_npu import ops as ep_ops
-from deep_ep_npu.failure import DEFAULT_TIMEOUT_S, resolve_timeout
+from deep_ep_npu.transports.failure import DEFAULT_TIMEOUT_S, resolve_timeout
 from tests.distributed import leave_together, parallel_launch, stop_victim
 
 N, H, E, K = 4, 64, 6, 2

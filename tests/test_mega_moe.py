@@ -167,7 +167,7 @@ def test_equals_buffer_dispatch_experts_combine(int8):
 
 def _run_one_combine(info, case: Case, out_dtype: torch.dtype):
     """One dispatch_v2 -> the implementation's grouped FFN over all local experts -> one combine_v2 (no segments)."""
-    from deep_ep_npu.mega_moe.ffn import grouped_ffn
+    from deep_ep_npu.engine.ffn import grouped_ffn
     from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2
 
     x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)

@@ -288,12 +288,13 @@ def test_platform_and_feature_errors_on_every_rank():
     [(16, 16 * 25, 1024, "L = 25"), (32, 32 * 17, 1024, "L * W = 544"), (16, 16, 1040, "multiple of 32")],
 )
 def test_hierarchy_a3_size_limits(w, experts, hidden, text):
-    from deep_ep_npu.npu_types import hierarchy_rules as _hierarchy
+    from deep_ep_npu.core.platforms import hierarchy_rules as _hierarchy
     from deep_ep_npu.ops import MoeDistributeError
 
-    p = types.SimpleNamespace(comm_alg="hierarchy", shared_expert_rank_num=0, zero_expert_num=0, copy_expert_num=0,
-                              const_expert_num=0, performance_info=None)  # fmt: skip
-    layout = types.SimpleNamespace(platform="a3", world_size=w, num_local_experts=experts // w)
+    e = dict(shared_expert_rank_num=0, zero_expert_num=0, copy_expert_num=0, const_expert_num=0, world_size=w,
+             num_local=experts // w)  # fmt: skip
+    a3 = types.SimpleNamespace(comm_alg="hierarchy", wait_stats=None, experts=types.SimpleNamespace(platform="a3", **e))
     with pytest.raises(MoeDistributeError, match=re.escape(text)):
-        _hierarchy(p, layout, "x", hidden, None)
-    _hierarchy(p, types.SimpleNamespace(**{**vars(layout), "platform": None}), "x", hidden, None)  # only "a3"
+        _hierarchy(a3, "x", hidden, None)
+    plain = types.SimpleNamespace(comm_alg="hierarchy", wait_stats=None, experts=types.SimpleNamespace(platform=None, **e))
+    _hierarchy(plain, "x", hidden, None)  # only "a3"

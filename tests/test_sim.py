@@ -24,7 +24,7 @@ TWO_STAGE = ("dispatch_setup", "dispatch_teardown", "combine_setup", "combine_te
 
 def _install_and_names(info):
     from deep_ep_npu import backends
-    from deep_ep_npu.group_names import resolve_group
+    from deep_ep_npu.transports.names import resolve_group
 
     original = vars(dist.ProcessGroup)["_get_backend"]
     assert not sim.installed() and importlib.util.find_spec("torch_npu") is None
@@ -92,7 +92,7 @@ def test_install_names_uninstall():
 def _hccl_probe(info):
     """With a (fake) real torch_npu loaded, names of groups with an HCCL backend resolve through the probe, asked
     with init_comm=False; a group whose probe raises is skipped, never an error."""
-    from deep_ep_npu.group_names import resolve_group
+    from deep_ep_npu.transports.names import resolve_group
 
     sys.modules["torch_npu"] = types.ModuleType("torch_npu")
     torch.utils.rename_privateuse1_backend("npu")  # as torch_npu does

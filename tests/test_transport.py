@@ -88,7 +88,7 @@ def _parity(info):
                         t[i, : int(c)].clone() for i, c in enumerate(count) for t in (data, handle.src_info, *scales)
                     ]
                     got.append((count.clone(), handle.layout_range.clone(), out.clone(), [out32.clone(), *valid]))
-                window = getattr(buf._backend.transport, "window", None)
+                window = buf._backend.window
                 calls = None if window is None else window.seq
                 for quant_mode in (0, 2):  # the flat (Ascend) layout: the same rows through the same window
                     flat, _, _ = buf.low_latency_dispatch_flat(
@@ -137,7 +137,7 @@ def _window_files() -> set[str]:
 
 def _crash(info):
     """Rank 2 dies inside a dispatch, after writing rows into its peers' windows; the survivors raise."""
-    from deep_ep_npu.engine.window import ShmWindow
+    from deep_ep_npu.transports.window import Window as ShmWindow
 
     buf = Buffer(info.group, transport="shm", timeout=5)
     x, idx, w = _inputs(info.rank, 0)
@@ -193,9 +193,9 @@ def _small_window(info):
     """A window too small for one rank's rows: that rank names ``num_rdma_bytes``, its peer learns of the rejection
     from the signal (no hang), and the next call that fits works."""
     from deep_ep_npu import MoeDistributeError
-    from deep_ep_npu.engine import transport
+    from deep_ep_npu.transports import window
 
-    transport.DEFAULT_WINDOW_BYTES = 4096 + (64 << 10)  # 16 KiB per (half, source): 31 rows of 528 bytes
+    window.DEFAULT_WINDOW_BYTES = 4096 + (64 << 10)  # 16 KiB per (half, source): 31 rows of 528 bytes
     buf = Buffer(info.group, transport="shm", timeout=10)
     g = torch.Generator().manual_seed(info.rank)
     n = 64 if info.rank == 1 else 0
@@ -256,7 +256,7 @@ def _unreachable(info):
     """Rank 1 binds its socket under a name its peer does not look for (as a rank on another host): its own sends
     reach rank 0, rank 0's do not reach it. Every rank falls back to the collective transport at once under "auto"
     (rank 1 does not wait for a message that cannot come), and "shm" is refused on every rank."""
-    from deep_ep_npu.engine import window_setup
+    from deep_ep_npu.transports import window_setup
 
     if info.rank == 1:
         address, calls = window_setup._address, []

@@ -15,14 +15,18 @@ MX fp8 with one e8m0 scale per 32 (``comm_quant_mode`` 3: e5m2, 4: e4m3).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import logfmt
 from ..quant import FP8_DTYPE, GROUP, Quant, mx_dequant, pack_ue8m0, per_group_int8, scale_for_fp8_
 from ..sizes import align
 from . import cpu_kernels
+from .plan import Plan
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}  # dtypes in fingerprints
 LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)
 
 
@@ -186,3 +190,49 @@ class ReturnFormat:
         q = packed[:, : self.hidden].view(torch.int8).float().view(-1, self.hidden // 8, 8)
         scale = packed[:, self.hidden :].view(self.dtype).float().unsqueeze(-1)
         return (q * scale).view(-1, self.hidden).to(self.dtype).float()
+
+
+def parse(fmt: RowFormat, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs that dispatch ``rows`` `[n, row_bytes]` uint8 carry: (row, slot, local expert), each `[P]` int64, in
+    row order."""
+    table = fmt.slot_experts(rows)
+    row, slot = (table >= 0).nonzero(as_tuple=True)
+    return row, slot, table[row, slot].long()
+
+
+def slot_tables(plan: Plan, num_slots: int, weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row and slot: the local expert `[num_rows, num_slots]` int32 (-1: unused slot) and the pair's weight
+    `[num_rows, num_slots]` fp32 (None without the per-pair ``weights`` `[P]`), as the rows carry them."""
+    num_rows, dev = int(plan.row_token.numel()), plan.token.device
+    slot_expert = plan.slot_expert
+    if slot_expert is None or slot_expert.shape != (num_rows, num_slots):
+        slot_expert = torch.full((num_rows, num_slots), -1, dtype=torch.int32, device=dev)
+        slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
+    if weights is None:
+        return slot_expert, None
+    table = torch.zeros((num_rows, num_slots), dtype=torch.float32, device=dev)
+    table[plan.row_of_pair, plan.slot] = weights
+    return slot_expert, table
+
+
+def encoder(fmt: RowFormat, x: torch.Tensor, plan: Plan, weights: torch.Tensor | None,
+            smooth: torch.Tensor | None) -> Callable[[torch.Tensor, slice, bool], None]:  # fmt: skip
+    """``encode(out, rows, remote)``: the plan's rows ``rows`` (a slice) of ``x`` `[T, hidden]` into ``out`` `[n,
+    row_bytes]` uint8 (``weights`` `[P]` fp32 per pair, ``smooth`` `[num_rows, hidden]` fp32 per row, or None;
+    ``remote``: a peer reads ``out``). Quantized rows without smoothing, when some token goes to more than one rank:
+    each token is quantized once per call (not once per rank it goes to) and its bytes are copied into its rows."""
+    slot_expert, w = slot_tables(plan, fmt.num_slots, weights)
+    once = fmt.quant is not None and smooth is None and plan.row_token.numel() > x.shape[0]
+    encoded: list[torch.Tensor] = []
+
+    def encode(out: torch.Tensor, rows: slice, remote: bool) -> None:
+        ww = None if w is None else w[rows]
+        if once:
+            if not encoded:
+                encoded.append(fmt.encode_tokens(x))
+            fmt.encode_copies(out, encoded[0], plan.row_token[rows], slot_expert[rows], ww, remote)
+        else:
+            sm = None if smooth is None else smooth[rows]
+            fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], ww, sm, remote=remote)
+
+    return encode

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..group_names import register_comm_name, unregister_comm_name
+from ..transports.names import register_comm_name, unregister_comm_name
 from . import fused
 from .module import make_module, name_npu_device, patched_get_backend
 

@@ -3,8 +3,8 @@
 :func:`register` defines the op with vllm-ascend's schema (:data:`SCHEMA`: its argument names, order and defaults;
 ``out`` and ``expert_token_nums`` carry the alias annotations ``Tensor(a!)`` / ``Tensor(b!)`` torch.library needs
 for mutated arguments that are also returned) and a CPU kernel, :func:`dispatch_ffn_combine`, that computes the op
-with our engine: the reference MegaMoE pipeline (:func:`deep_ep_npu.mega_moe.pipeline.run_reference`, numerics in
-:mod:`deep_ep_npu.mega_moe.ffn`) over the group ``group`` names (:func:`deep_ep_npu.group_names.resolve_group`: the
+with our engine: the reference MegaMoE pipeline (:func:`deep_ep_npu.engine.pipeline.run`, numerics in
+:mod:`deep_ep_npu.engine.ffn`) over the group ``group`` names (:func:`deep_ep_npu.transports.names.resolve_group`: the
 ``deep_ep_npu.sim.hccl_comm_name`` of a group, or its c10d group name). :func:`unregister` destroys the library.
 
 What the kernel takes, as the op does:
@@ -16,7 +16,7 @@ What the kernel takes, as the op does:
 - weights: one-item lists ``[w1]`` `[E_local, K, 2N]` / ``[w2]`` `[E_local, N, K]`, or E_local-long lists of
   `[K, 2N]` / `[N, K]` (w1's 2N columns: gate, then up); either `torch.int8`, with ``scale1`` / ``scale2`` the int64
   Fixpipe words of the fp32 per-channel scales (the fp32 bits as int32, widened; one `[E_local, 2N]` / `[E_local, K]`
-  tensor or E_local per-expert ones; decoded exactly by :func:`deep_ep_npu.mega_moe.ascend.fixpipe_scale_value`),
+  tensor or E_local per-expert ones; decoded exactly by :func:`deep_ep_npu.backends.ascend_mega.fixpipe_scale_value`),
   or x's dtype (scales unused). int32 (packed int4, the W4A8 kernel) is not simulated. ``bias1`` / ``bias2`` are
   ignored: vllm-ascend's adapter passes them to the W4A8 kernel only.
 - ``x_active_mask`` `[M]` `torch.bool` or None: an inactive token is not dispatched (the kernel rewrites its ids to
@@ -89,7 +89,7 @@ def _stack(tensors: list[torch.Tensor], param: str, dtype: torch.dtype, inner: i
 
 def _scales(words: list[torch.Tensor], param: str, num_local: int, cols: int) -> torch.Tensor:
     """Int64 Fixpipe scale words -> `[E_local, cols]` `torch.float32` per-channel scales."""
-    from ..mega_moe.ascend import fixpipe_scale_value
+    from ..backends.ascend_mega import fixpipe_scale_value
 
     if any(w.dtype != torch.int64 for w in words) or not words:
         raise invalid(param, f"must be int64 Fixpipe scale words (got {[str(w.dtype) for w in words]})")
@@ -104,9 +104,9 @@ def _inputs(x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Te
             expert_token_nums: torch.Tensor, x_active_mask: torch.Tensor | None, swiglu_limit: float,
             world_size: int) -> tuple:  # fmt: skip
     """Check the op's own rules; returns the MegaMoE arguments (ids -1 and probs 0 outside the mask)."""
-    from ..errors import tensor as checked
-    from ..mega_moe.params import FP32_MAX
+    from ..core.rules import tensor as checked
 
+    fp32_max = torch.finfo(torch.float32).max
     x = checked(x, "x", (torch.bfloat16, torch.float16), 2)
     if x.shape[0] > MAX_TOKENS:
         raise shape("x", f"has {x.shape[0]} tokens; the op takes at most {MAX_TOKENS} per rank")
@@ -139,7 +139,7 @@ def _inputs(x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Te
         bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
         raise shape("expert_idx", f"contains {bad}, allowed [0, {num_local * world_size}) (the op has no -1)")
     ids, probs = ids.long().masked_fill(~active.unsqueeze(1), -1), probs.masked_fill(~active.unsqueeze(1), 0.0)
-    limit = float(swiglu_limit) if wdt == torch.int8 and 0 < swiglu_limit <= FP32_MAX else 0.0
+    limit = float(swiglu_limit) if wdt == torch.int8 and 0 < swiglu_limit <= fp32_max else 0.0
     return x, ids, probs, w1, w2, s1, s2, limit
 
 
@@ -151,13 +151,15 @@ def dispatch_ffn_combine(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The op's CPU kernel (the module docstring's semantics): writes ``out`` `[M, K]` (x's dtype) and
     ``expert_token_nums`` (`torch.int32`, E_local elements) and returns them. Collective over ``group``."""
-    from ..group import STATUS_OK, ep_group
-    from ..group_names import resolve_group
-    from ..mega_moe.api import agreed_args
-    from ..mega_moe.ascend import ReferenceMegaMoe
-    from ..mega_moe.pipeline import run_reference
+    from ..core.call import FFN
+    from ..engine.exchange import check_status, engine_for
+    from ..engine.pipeline import run
+    from ..mega_moe import prepare
+    from ..transports.collective import STATUS_OK
+    from ..transports.names import resolve_group
 
-    ep = ep_group(resolve_group(group, "group"))
+    engine = engine_for(resolve_group(group, "group"))
+    ep = engine.ep
     failure: MoeDistributeError | None = None
     try:
         x, ids, probs, w1, w2, s1, s2, limit = _inputs(
@@ -170,14 +172,11 @@ def dispatch_ffn_combine(
     agreement = ep.start_agree(OP, status, [[] for _ in range(ep.num_ranks)], [x.shape[0]], device=x.device)()
     if failure is not None:
         raise failure
-    agreement.check(ep.rank, ())
-    args, _ = agreed_args(
-        ep, ReferenceMegaMoe(), x, ids, probs, w1, w2, w1_scale=s1, w2_scale=s2,
-        num_max_dispatch_tokens_per_rank=max([1, *(fp[0] for fp in agreement.shared)]),
-        num_experts=w1.shape[0] * ep.num_ranks, out_dtype=x.dtype, max_output_size=max_output_size,
-        swiglu_limit=limit,
-    )  # fmt: skip
-    counts = torch.zeros((args.num_local_experts,), dtype=torch.int64, device=x.device)
-    out.copy_(run_reference(args, counts))
+    check_status(agreement)
+    ffn = FFN(w1, w2, s1, s2, x.dtype, limit, None, "expert", max_output_size)
+    num_max = max([1, *(fp[0] for fp in agreement.shared)])
+    call, ffn, _ = prepare(engine, x, ids, probs, ffn, num_max, w1.shape[0] * ep.num_ranks, None)
+    counts = torch.zeros((w1.shape[0],), dtype=torch.int64, device=x.device)
+    out.copy_(run(engine, call, ffn, counts))
     expert_token_nums.copy_(counts.view(expert_token_nums.shape))
     return out, expert_token_nums

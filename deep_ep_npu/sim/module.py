@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..npu_types import TORCH_NPU_CONSTANTS
+from ..core.platforms import TORCH_NPU_CONSTANTS
 
 VERSION = "2.14.0+sim"  # the torch_npu release whose op signatures deep_ep_npu.ops mirrors; "+sim": the stand-in
 OPS = {  # torch_npu's name -> the deep_ep_npu.ops function it is, looked up at each attribute access

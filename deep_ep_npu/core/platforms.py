@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from . import errors as checks
-from .errors import invalid, shape
-from .quant import Quant
+from ..errors import invalid, shape
+from ..quant import Quant
+from . import rules as checks
 
 SCALAR_TYPE_CODES = {
     0: torch.uint8, 1: torch.int8, 3: torch.int32, 4: torch.int64, 5: torch.float16, 6: torch.float32,
@@ -84,27 +84,28 @@ def platform_feature(plat: str | None, param: str, value: object, owners: tuple[
     raise invalid(param, why + ("; accepted without strict" if not owners else ""))
 
 
-def hierarchy_rules(p: Any, layout: Any, x_param: str, hidden: int, mask: torch.Tensor | None) -> None:
-    """comm_alg "hierarchy" (Atlas A3): its documented requirements on every platform (no shared-expert ranks, zero /
-    copy / const experts, 2D mask or performance_info; tp_world_size <= 1 is checked with the layout), its size limits
-    under strict "a3" (W in [16, 256] a multiple of 16, H a multiple of 32, L <= 24, L * W <= 512; Bs <= 256 and
-    H <= 7168 are checked with the tokens)."""
-    if p.comm_alg != "hierarchy":
+def hierarchy_rules(c: Any, x_param: str, hidden: int, mask: torch.Tensor | None) -> None:
+    """comm_alg "hierarchy" (Atlas A3) of call ``c``: its documented requirements on every platform (no shared-expert
+    ranks, zero / copy / const experts, 2D mask or performance_info; tp_world_size <= 1 is checked with the
+    experts), its size limits under strict "a3" (W in [16, 256] a multiple of 16, H a multiple of 32, L <= 24,
+    L * W <= 512; Bs <= 256 and H <= 7168 are checked with the tokens)."""
+    if c.comm_alg != "hierarchy":
         return
+    e = c.experts
     for name, value, ok in (
-        ("shared_expert_rank_num", p.shared_expert_rank_num, not p.shared_expert_rank_num),
-        ("zero_expert_num", p.zero_expert_num, not p.zero_expert_num),
-        ("copy_expert_num", p.copy_expert_num, not p.copy_expert_num),
-        ("const_expert_num", p.const_expert_num, not p.const_expert_num),
+        ("shared_expert_rank_num", e.shared_expert_rank_num, not e.shared_expert_rank_num),
+        ("zero_expert_num", e.zero_expert_num, not e.zero_expert_num),
+        ("copy_expert_num", e.copy_expert_num, not e.copy_expert_num),
+        ("const_expert_num", e.const_expert_num, not e.const_expert_num),
         ("x_active_mask", "a 2D mask", mask is None or mask.dim() == 1),
-        ("performance_info", "a tensor", p.performance_info is None),
+        ("performance_info", "a tensor", c.wait_stats is None),
     ):  # fmt: skip
         if not ok:
             why = "supports only tp_world_size <= 1, no shared-expert ranks, zero / copy / const experts"
             raise invalid(name, f"got {value!r}; comm_alg 'hierarchy' {why}, 2D x_active_mask or performance_info")
-    if layout.platform != "a3":
+    if e.platform != "a3":
         return
-    w, num_local = layout.world_size, layout.num_local_experts
+    w, num_local = e.world_size, e.num_local
     if not 16 <= w <= 256 or w % 16:
         raise shape("ep_world_size", f"got {w}; comm_alg 'hierarchy' on Atlas A3 needs [16, 256], a multiple of 16")
     if hidden % 32:
@@ -114,32 +115,33 @@ def hierarchy_rules(p: Any, layout: Any, x_param: str, hidden: int, mask: torch.
                     "'hierarchy' on Atlas A3 needs L <= 24 and L * W <= 512")  # fmt: skip
 
 
-def dispatch_quant(p: Any, x_dtype: torch.dtype, plat: str | None) -> Quant | None:
-    """quant_mode with y_dtype / x_dtype / scales_dtype (torch dtypes or torch_npu codes): the :class:`Quant` to run,
-    None for quant_mode 0."""
-    mode = checks.in_range(p.quant_mode, "quant_mode", 0, 4, code="param")  # 0 none, 2 per token, 3 per 128, 4 MX
+def dispatch_quant(quant_mode: object, y_dtype: object, x_dtype: object, scales_dtype: object, dtype: torch.dtype,
+                   plat: str | None) -> Quant | None:  # fmt: skip
+    """``quant_mode`` with ``y_dtype`` / ``x_dtype`` / ``scales_dtype`` (torch dtypes or torch_npu codes) for an x of
+    ``dtype``: the :class:`Quant` to run, None for quant_mode 0."""
+    mode = checks.in_range(quant_mode, "quant_mode", 0, 4, code="param")  # 0 none, 2 per token, 3 per 128, 4 MX
     if mode == 1:
         raise invalid("quant_mode", "got 1 (static quant, Ascend 950): not implemented, its rounding and saturation "
                       "are undocumented; allowed 0, 2, 3 or 4")  # fmt: skip
     if mode in (3, 4):
         platform_feature(plat, "quant_mode", mode, ("a5",), "0 or 2")
-    for name in ("y_dtype", "x_dtype", "scales_dtype"):
-        if getattr(p, name) is not None:
-            platform_feature(plat, name, getattr(p, name), ("a5",), "None")
-    y = resolve_dtype(p.y_dtype, "y_dtype")
-    given = repr(p.y_dtype) if y is p.y_dtype else f"{p.y_dtype!r} ({y})"
-    if resolve_dtype(p.x_dtype, "x_dtype") not in (None, x_dtype):
-        raise invalid("x_dtype", f"got {p.x_dtype!r} for an x of {x_dtype}: relabelling x's storage (pre-quantized "
+    for name, value in (("y_dtype", y_dtype), ("x_dtype", x_dtype), ("scales_dtype", scales_dtype)):
+        if value is not None:
+            platform_feature(plat, name, value, ("a5",), "None")
+    y = resolve_dtype(y_dtype, "y_dtype")
+    given = repr(y_dtype) if y is y_dtype else f"{y_dtype!r} ({y})"
+    if resolve_dtype(x_dtype, "x_dtype") not in (None, dtype):
+        raise invalid("x_dtype", f"got {x_dtype!r} for an x of {dtype}: relabelling x's storage (pre-quantized "
                       "fp8 / hifloat8 / fp4 x) is not implemented; pass None or x's dtype")  # fmt: skip
-    if resolve_dtype(p.scales_dtype, "scales_dtype") not in (None, torch.float32):
-        raise invalid("scales_dtype", f"got {p.scales_dtype!r}: scales are float32 here (the e8m0 scales of a "
+    if resolve_dtype(scales_dtype, "scales_dtype") not in (None, torch.float32):
+        raise invalid("scales_dtype", f"got {scales_dtype!r}: scales are float32 here (the e8m0 scales of a "
                       "pre-quantized x are not implemented); pass None or torch.float32")  # fmt: skip
     if y in (torch.float4_e2m1fn_x2,):
         raise invalid("y_dtype", f"got {given}: fp4 output is not implemented (no fp4 compute here);"
                       " use torch.float8_e4m3fn / torch.float8_e5m2")  # fmt: skip
     if mode == 0:
-        if y not in (None, x_dtype):
-            raise invalid("y_dtype", f"got {given}; quant_mode 0 keeps x's dtype {x_dtype} (hifloat8 output is "
+        if y not in (None, dtype):
+            raise invalid("y_dtype", f"got {given}; quant_mode 0 keeps x's dtype {dtype} (hifloat8 output is "
                           "not implemented): pass None")  # fmt: skip
         return None
     y = torch.int8 if y is None and mode == 2 else y

@@ -1,4 +1,4 @@
-"""A shared-memory communication window for the ranks of one host: the shm transport's memory and signals.
+"""The window transport: a shared-memory communication window for the ranks of one host, its memory and signals.
 
 Each rank owns one window, an anonymous shared-memory file (``memfd_create``: it has no name in ``/dev/shm`` or
 anywhere else, so nothing can leak, even after a crash; the kernel frees it when the last process that maps it
@@ -15,10 +15,16 @@ kernel: the writer's earlier stores (the rows) are released before the message i
 before it reads the rows, on any CPU (aarch64 included). Waiting is ``poll`` on the pipes: a blocked rank uses no
 CPU. A peer that exits closes its pipes, so its death is seen at once (end of file, after the messages it sent); a
 peer that hangs is found at the timeout. Either way the survivors agree on the missing ranks through the c10d store
-(:class:`~deep_ep_npu.failure.GroupMonitor`, under its own key prefix) and raise
-:class:`~deep_ep_npu.failure.EPRankFailure`.
+(:func:`~.failure.agree_missing`, under its own key prefix) and raise :class:`~.failure.EPRankFailure`.
 
-The windows are set up collectively by :func:`~.window_setup.create_window` (same-host check included).
+Send phase (:meth:`Window.send`): for each live peer, the rows for that peer are written straight into its window
+(its region for this rank, in the call's half), then the peer gets the header. No count round trip, nothing waited
+for: a peer that has not called yet reads it all later. Receive phase: wait (bounded) for every live peer's header,
+check them (every rank sees the same headers, so every rank raises the same error), hand the rows over where they
+are, then tell each peer its region was read. A rank whose rows for a peer exceed the region (``num_rdma_bytes`` too
+small) rejects the call: it posts that status and raises; its peers raise on reading it.
+
+The windows are set up collectively by :func:`~.window_setup.setup` (same-host check included).
 """
 
 from __future__ import annotations
@@ -30,12 +36,15 @@ import os
 import select
 import struct
 import time
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from ..failure import EPRankFailure, GroupMonitor
-from ..group import EPGroup
+from ..errors import invalid
+from .failure import EPRankFailure, agree_missing
+from .collective import STATUS_OK, Agreement, EPGroup
 
 HEADER, DONE, BYE, FAIL = 1, 2, 3, 4  # message kinds
 DATA_OFFSET = 4096  # the first page holds the owner's nonce
@@ -70,9 +79,11 @@ class _Peer:
         self.pending = b""
 
 
-class ShmWindow:
-    """The window and signals of one Buffer's group (see the module docstring). Built by
-    :func:`~.window_setup.create_window`."""
+class Window:
+    """The window and signals of one buffer's group: the window transport (see the module docstring and
+    :mod:`deep_ep_npu.transports`). Built by :func:`~.window_setup.setup`."""
+
+    name = "shm"
 
     def __init__(self, ep: EPGroup, key: int, window: torch.Tensor, mm: mmap.mmap, peers: dict[int, _Peer]) -> None:
         self.ep, self.key, self.nbytes, self.window, self._mm, self.peers = ep, key, window.numel(), window, mm, peers
@@ -97,13 +108,6 @@ class ShmWindow:
         half = (window.numel() - DATA_OFFSET) // 2
         begin = DATA_OFFSET + call.parity * half + src * m * row_bytes
         return window[begin : begin + rows * row_bytes].view(rows, row_bytes)
-
-    def own_regions(self, call: Call, row_bytes: int) -> tuple[torch.Tensor, int]:
-        """This rank's half of ``call`` as `[R * m, row_bytes]` uint8 (source ``s``'s rows from ``s * m`` on), and m."""
-        m = self._region_rows(self.nbytes, row_bytes)
-        half = (self.nbytes - DATA_OFFSET) // 2
-        begin = DATA_OFFSET + call.parity * half
-        return self.window[begin : begin + self.ep.num_ranks * m * row_bytes].view(-1, row_bytes), m
 
     # -- calls -------------------------------------------------------------------------------------------------
     def begin(self, op: str) -> Call:
@@ -146,13 +150,56 @@ class ShmWindow:
         for s in self.live_peers():
             self._send(self.peers[s], [DONE, call.seq])
 
-    def reject(self, op: str, code: int, words: int) -> None:
-        """This rank rejected its input of ``op``: post headers with status ``code`` (``words`` zero words after it)
-        and release the call at once. The peers raise on reading them; this rank does not wait."""
-        call = self.begin(op)
+    # -- the transport ----------------------------------------------------------------------------------------
+    def send(self, op: str, counts: list[list[int]], shared: list[int], write: Callable[[int, torch.Tensor], None],
+             check: Callable[[Agreement], None], *, agree_now: bool = False,
+             before_payload: Callable[[], bool] | None = None, device: torch.device | None = None) -> Any:  # fmt: skip
+        """Write each live peer's rows into its window and post its header (``agree_now`` / ``before_payload`` are
+        the collective transport's: here the headers come with the rows)."""
+        assert before_payload is None, "the TP stage runs on the collective transport"
+        call, me, row_bytes = self.begin(op), self.ep.rank, shared[0]
+        limit = self.rows_per_region(row_bytes)
+        if bad := [(d, c[0]) for d, c in enumerate(counts) if d != me and c[0] > limit]:
+            dest, rows = max(bad, key=lambda b: b[1])
+            need = DATA_OFFSET + 2 * self.ep.num_ranks * rows * row_bytes
+            what = f"{op} sends {rows} rows of {row_bytes} bytes to rank {dest}, its window holds {limit}"
+            err = invalid("num_rdma_bytes", f"{what} per source; pass num_rdma_bytes >= {need} (shared-memory window)")
+            self.reject(op, err.code, len(shared), call)
+            raise err
         for d in self.live_peers():
             self.claim(call, d)
-            self.post(call, d, [code, *([0] * words)])
+            write(d, self.region(d, call, me, row_bytes, counts[d][0]))
+            self.post(call, d, [STATUS_OK, *counts[d], *shared])
+        return call, check, [STATUS_OK, *counts[me], *shared], len(counts[0])
+
+    def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]:
+        """Wait (bounded) for every live peer's header, check them, and return its rows where they are."""
+        call, check, own, width = token
+        try:
+            headers, wait_ns = self.wait_headers(call)
+            fill = [STATUS_OK] + [0] * (len(own) - 1)  # ranks removed by shrink mode
+            rows = [own if s == self.ep.rank else headers.get(s, fill) for s in range(self.ep.num_ranks)]
+            agreement = Agreement([w[0] for w in rows], [list(w[1 : 1 + width]) for w in rows],
+                                  [tuple(w[1 + width :]) for w in rows], wait_ns // 1000, call.op)  # fmt: skip
+            check(agreement)
+        except BaseException:
+            self.release(call)
+            raise
+        row_bytes, masked = own[1 + width], self.ep.mask.tolist()
+        parts = [(s, self.region(self.ep.rank, call, s, row_bytes, rows[s][1]))
+                 for s in self.live_peers() if not masked[s]]  # fmt: skip
+        return agreement, parts, wait_ns
+
+    def done(self, token: Any) -> None:
+        self.release(token[0])
+
+    def reject(self, op: str, code: int, width: int, call: Call | None = None) -> None:
+        """This rank rejected its input of ``op``: post headers with status ``code`` (zero counts and ``width``
+        shared words) and release the call at once. The peers raise on reading them; this rank does not wait."""
+        call = call or self.begin(op)
+        for d in self.live_peers():
+            self.claim(call, d)
+            self.post(call, d, [code, 0, -1, *([0] * width)])
         self.release(call)
 
     # -- messages ----------------------------------------------------------------------------------------------
@@ -209,19 +256,21 @@ class ShmWindow:
                     self._pump(peer)
         self._fail(call, timeout)
 
-    def _fail(self, call: Call, timeout: float) -> None:
+    def _fail(self, call: Call, timeout: float) -> NoReturn:
         ep = self.ep
         for peer in self.peers.values():  # a late peer whose data for this call is already here must not succeed
             self._send(peer, [FAIL, call.seq])
         heard = {ep.rank} | {s for s, p in self.peers.items() if any(q >= call.seq for q in p.inbox)}
-        mon = _Monitor(ep.comm, {i for i, r in enumerate(ep.live) if r in heard})
-        mon.store = dist.PrefixStore(f"shm/{self.key:x}/", mon.store)  # the window's own agreements
+        arrived = {i for i, r in enumerate(ep.live) if r in heard}  # a rank whose header came is waited for
+        rank = ep.live.index(ep.rank)
+        store = dist.PrefixStore(f"shm/{self.key:x}/", dist.distributed_c10d._get_default_store())
         try:  # keyed by the failures so far, not the call: a peer that got the signal of a rank that died while
             # posting (its call completed) joins at its next call, and every survivor names the same ranks
-            missing = mon.agree(len(ep.failed), "window", call.started, timeout)
+            key = f"{getattr(ep.comm, 'group_name', '')}/{len(ep.failed)}/window"
+            missing = agree_missing(store, rank, len(ep.live), key, call.started, timeout, arrived.__contains__)
         except (RuntimeError, ValueError) as store_err:  # the store itself is gone (its host rank died)
             raise EPRankFailure((), call.op, timeout, unknown=f"store unreachable: {store_err}") from None
-        raise EPRankFailure([ep.live[r] for r in missing], call.op, timeout, mon.rank in missing)
+        raise EPRankFailure([ep.live[r] for r in missing], call.op, timeout, rank in missing)
 
     # -- teardown ----------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -234,18 +283,6 @@ class ShmWindow:
             _close_fds(peer)
             peer.gone = "this rank closed the window"
         self.peers.clear()  # the peers' windows are unmapped once their tensors are freed
-
-
-class _Monitor(GroupMonitor):
-    """The failure agreement of a window call: a rank has arrived at the call when its header reached this rank
-    (the window's calls set no arrival marks in the store); such a rank is waited for until it posts alive."""
-
-    def __init__(self, group: dist.ProcessGroup, arrived: set[int]) -> None:
-        super().__init__(group)
-        self.arrived = arrived
-
-    def _arrived(self, rank: int, seq: int, op: str) -> bool:
-        return rank in self.arrived
 
 
 def _close_fds(peer: _Peer) -> None:

@@ -1,4 +1,4 @@
-"""Setting up the shared-memory windows of a group's ranks (:func:`create_window`, collective): each rank creates
+"""Setting up the shared-memory windows of a group's ranks (:func:`setup`, collective): each rank creates
 its window (``memfd_create``: no name anywhere), binds an abstract unix socket (no file), exchanges its name through
 the group, sends each peer its window and the write end of a new pipe (``SCM_RIGHTS``), and checks the nonce each peer
 wrote at the start of its window. Ranks on different hosts (or network namespaces) cannot reach each other's sockets:
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from ..group import STATUS_OK, EPGroup
-from .window import ShmWindow, _close_fds, _Peer
+from .collective import STATUS_OK, EPGroup
+from .window import Window, _close_fds, _Peer
 
 
 def supported() -> str:
@@ -28,7 +28,7 @@ def supported() -> str:
     return ""
 
 
-def create_window(ep: EPGroup, nbytes: int, required: bool) -> ShmWindow | None:
+def setup(ep: EPGroup, nbytes: int, required: bool) -> Window | None:
     """Set up the window of every rank of ``ep`` (collective, bounded by ``ep.timeout``): ``nbytes`` per rank.
     Returns None when some rank cannot share memory with the others; raises ValueError then if ``required``."""
     me, r = ep.rank, ep.num_ranks
@@ -69,7 +69,7 @@ def create_window(ep: EPGroup, nbytes: int, required: bool) -> ShmWindow | None:
         exchange.close()
     final = ep.start_agree("shm window", STATUS_OK, [[] for _ in range(r)], [int(not why)])()
     if all(fp[0] for fp in final.shared) and exchange is not None:
-        return ShmWindow(ep, tokens[0], exchange.window, exchange.mm, exchange.peers)
+        return Window(ep, tokens[0], exchange.window, exchange.mm, exchange.peers)
     if exchange is not None:
         for peer in exchange.peers.values():
             _close_fds(peer)

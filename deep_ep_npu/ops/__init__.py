@@ -1,26 +1,37 @@
-"""The Ascend MoE distribute ops with torch_npu's signatures, on the one exchange engine (:mod:`deep_ep_npu.engine`).
+"""The Ascend MoE distribute ops with torch_npu's signatures, on the one engine (:mod:`deep_ep_npu.engine`).
 
 ``moe_distribute_dispatch_v2`` / ``moe_distribute_combine_v2`` take exactly the arguments of
 ``torch_npu.npu_moe_distribute_dispatch_v2`` / ``npu_moe_distribute_combine_v2`` (the union of the A2 / A3 / Ascend 950
 semantics; ``strict`` enforces one platform's), plus ``ccl_buffer_size`` and ``strict`` of our own; the ``*_start``
 variants split them into send and receive phases (ours). ``moe_distribute_{dispatch,combine}_{setup,teardown}`` are
-torch_npu's real two-stage ops (:mod:`deep_ep_npu.engine.staged`), with the same results as the one-shot ops.
-The arguments are validated once (a rejected rank still takes part in the agreement step, so every rank raises);
-the agreement step, payload all-to-all and flat placement are bounded by the group's timeout (``DEEP_EP_NPU_TIMEOUT``,
-else 30 s): a peer that exits or stops calling raises :class:`~deep_ep_npu.failure.EPRankFailure` naming it.
+torch_npu's real two-stage ops (:mod:`.two_stage`), with the same results as the one-shot ops. The arguments are
+validated once by the core's rules (:mod:`deep_ep_npu.core.ascend`; a rejected rank still takes part in the agreement
+step, so every rank raises); every collective is bounded by the group's timeout (``DEEP_EP_NPU_TIMEOUT``, else 30 s):
+a peer that exits or stops calling raises :class:`~deep_ep_npu.EPRankFailure` naming it.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, ParamSpec
+
 import torch
 import torch.distributed as dist
 
-from .engine import staged
-from .engine.flat import start_combine_flat, start_dispatch_flat
-from .errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, MoeDistributeError
-from .event import Completion
-from .params import CombineParams, DispatchParams
-from .sizes import get_low_latency_ccl_buffer_size
+from ..core import ascend, rules
+from ..core.call import CombineCall, DispatchCall
+from ..engine.exchange import Engine, InFlight, engine_for
+from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, MoeDistributeError
+from ..sizes import get_low_latency_ccl_buffer_size
+from ..transports.collective import EPGroup
+from ..transports.names import resolve_group
+from .two_stage import (
+    moe_distribute_combine_setup,
+    moe_distribute_combine_teardown,
+    moe_distribute_dispatch_setup,
+    moe_distribute_dispatch_teardown,
+)
 
 __all__ = [
     "ACLNN_ERR_INNER_TILING_ERROR", "ACLNN_ERR_PARAM_INVALID", "ACLNN_ERR_PARAM_NULLPTR", "MoeDistributeError",
@@ -28,10 +39,25 @@ __all__ = [
     "moe_distribute_combine_teardown", "moe_distribute_combine_v2", "moe_distribute_dispatch_setup",
     "moe_distribute_dispatch_start", "moe_distribute_dispatch_teardown", "moe_distribute_dispatch_v2",
 ]  # fmt: skip
+DISPATCH, COMBINE = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
+_P = ParamSpec("_P")
+
+
+def tp_group(group_tp: object) -> EPGroup:
+    """The bounded group of the TP pair ``group_tp`` (a ProcessGroup or its name)."""
+    return engine_for(group_tp if isinstance(group_tp, dist.ProcessGroup) else resolve_group(group_tp, "group_tp")).ep
+
+
+def _tp_or_none(group_tp: object, tp_world_size: object) -> EPGroup | None:
+    """The TP pair's group to tell about a rejection, when it names one."""
+    try:
+        return tp_group(group_tp) if tp_world_size == 2 else None
+    except MoeDistributeError:
+        return None
 
 
 # fmt: off
-def moe_distribute_dispatch_v2(
+def moe_distribute_dispatch_start(
     x: torch.Tensor, expert_ids: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
     ep_rank_id: int, moe_expert_num: int, *, scales: torch.Tensor | None = None,
     x_active_mask: torch.Tensor | None = None, expert_scales: torch.Tensor | None = None,
@@ -41,9 +67,11 @@ def moe_distribute_dispatch_v2(
     expert_token_nums_type: int = 1, comm_alg: str = "", zero_expert_num: int = 0, copy_expert_num: int = 0,
     const_expert_num: int = 0, y_dtype: torch.dtype | int | None = None, x_dtype: torch.dtype | int | None = None,
     scales_dtype: torch.dtype | int | None = None, ccl_buffer_size: int | None = None, strict: bool | str = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> InFlight:
     # fmt: on
-    """Send every token to the ranks hosting its experts (Ascend MoE distribute dispatch, flat layout).
+    """Send every token to the ranks hosting its experts (Ascend MoE distribute dispatch, flat layout): the send
+    phase; ``wait()`` on the returned :class:`~deep_ep_npu.engine.exchange.InFlight` receives and returns the outputs
+    below (compute in between overlaps it). :func:`moe_distribute_dispatch_v2` is both in one call.
 
     Notation: W = ep_world_size, SR = shared_expert_rank_num, S = shared experts (0 when SR == 0: the tiling turns
     the default shared_expert_num=1 into 0), L = routed experts per MoE rank (moe_expert_num / (W - SR)), K = top-k,
@@ -124,11 +152,31 @@ def moe_distribute_dispatch_v2(
     Raises:
         MoeDistributeError: invalid input, on every rank of the EP domain and TP pair (codes 161001 / 161002 / 561002).
     """
-    return start_dispatch_flat(DispatchParams(**locals())).wait()
+
+    pg = group_ep if isinstance(group_ep, dist.ProcessGroup) else resolve_group(group_ep, "group_ep")
+    engine = engine_for(pg)
+    try:
+        experts = ascend.experts(
+            pg, ep_world_size, ep_rank_id, moe_expert_num, strict=strict, expert_shard_type=expert_shard_type,
+            shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
+            zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
+            comm_alg=comm_alg, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id, tp=lambda: tp_group(group_tp),
+            elastic_info=elastic_info,
+        )
+        call = rules.dispatch(DispatchCall(
+            DISPATCH, "flat", x, expert_ids, experts, global_bs=global_bs, x_active_mask=x_active_mask,
+            expert_scales=expert_scales, quant=(quant_mode, y_dtype, x_dtype, scales_dtype), scales=scales,
+            wait_stats=performance_info, expert_token_nums_type=expert_token_nums_type,
+            ccl_buffer_size=ccl_buffer_size, comm_alg=comm_alg,
+        ))  # fmt: skip
+    except MoeDistributeError as err:
+        engine.reject(DISPATCH, err.code, _tp_or_none(group_tp, tp_world_size))
+        raise
+    return engine.dispatch(call)
 
 
 # fmt: off
-def moe_distribute_combine_v2(
+def moe_distribute_combine_start(
     expand_x: torch.Tensor, expert_ids: torch.Tensor, assist_info_for_combine: torch.Tensor,
     ep_send_counts: torch.Tensor, expert_scales: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
     ep_rank_id: int, moe_expert_num: int, *, tp_send_counts: torch.Tensor | None = None,
@@ -140,9 +188,11 @@ def moe_distribute_combine_v2(
     tp_rank_id: int = 0, expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0,
     global_bs: int = 0, comm_quant_mode: int = 0, comm_alg: str = "", zero_expert_num: int = 0,
     copy_expert_num: int = 0, const_expert_num: int = 0, strict: bool | str = False,
-) -> torch.Tensor:
+) -> InFlight:
     # fmt: on
-    """Return expert outputs to their source ranks and reduce them there (Ascend MoE distribute combine).
+    """Return expert outputs to their source ranks and reduce them there (Ascend MoE distribute combine): the send
+    phase; ``wait()`` on the returned :class:`~deep_ep_npu.engine.exchange.InFlight` receives, reduces and returns
+    ``x`` below. :func:`moe_distribute_combine_v2` is both in one call.
 
     Same notation as :func:`moe_distribute_dispatch_v2`. With tp_world_size 2 a ReduceScatterV over the TP pair runs
     first (each rank's own rows + the peer's partial result for them, fp32 add, one cast), then the AllToAllV over EP.
@@ -187,138 +237,44 @@ def moe_distribute_combine_v2(
     Raises:
         MoeDistributeError: invalid input, or inputs that do not match the dispatch (on every rank).
     """
-    return start_combine_flat(CombineParams(**locals())).wait()
+
+    pg = group_ep if isinstance(group_ep, dist.ProcessGroup) else resolve_group(group_ep, "group_ep")
+    engine = engine_for(pg)
+    try:
+        experts = ascend.experts(
+            pg, ep_world_size, ep_rank_id, moe_expert_num, strict=strict, expert_shard_type=expert_shard_type,
+            shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
+            zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
+            comm_alg=comm_alg, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id, tp=lambda: tp_group(group_tp),
+            elastic_info=elastic_info,
+            combine=True,
+        )
+        call = rules.combine(CombineCall(
+            COMBINE, "flat", expand_x, expert_ids, experts, (assist_info_for_combine, ep_send_counts, tp_send_counts),
+            x_active_mask=x_active_mask, expert_scales=expert_scales, shared_expert_x=shared_expert_x, ori_x=ori_x,
+            const_expert_alpha_1=const_expert_alpha_1, const_expert_alpha_2=const_expert_alpha_2,
+            const_expert_v=const_expert_v, comm_quant_mode=comm_quant_mode, wait_stats=performance_info,
+            global_bs=global_bs, comm_alg=comm_alg,
+        ))  # fmt: skip
+    except MoeDistributeError as err:
+        engine.reject(COMBINE, err.code, _tp_or_none(group_tp, tp_world_size))
+        raise
+    return engine.combine(call)
 
 
-def moe_distribute_dispatch_start(*args: object, **kwargs: object) -> Completion:
-    """:func:`moe_distribute_dispatch_v2`'s send phase (same arguments): ``wait()`` on the returned
-    :class:`~deep_ep_npu.event.Completion` receives and returns the 7 outputs (compute in between overlaps it)."""
-    return start_dispatch_flat(DispatchParams(*args, **kwargs))  # type: ignore[arg-type]
+def one_shot(start: Callable[_P, InFlight], name: str, what: str) -> Callable[_P, Any]:
+    """The one-shot op of a split one: ``start(...)`` and its wait, with ``start``'s signature."""
+
+    @functools.wraps(start)
+    def op(*args: _P.args, **kwargs: _P.kwargs) -> Any:
+        return start(*args, **kwargs).wait()
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"""{what}: :func:`{start.__name__}` and its ``wait()`` (see there for the arguments and outputs)."""
+    return op
 
 
-def moe_distribute_combine_start(*args: object, **kwargs: object) -> Completion:
-    """:func:`moe_distribute_combine_v2`'s send phase (same arguments): ``wait()`` on the returned
-    :class:`~deep_ep_npu.event.Completion` receives, reduces and returns ``x`` (compute in between overlaps it)."""
-    return start_combine_flat(CombineParams(*args, **kwargs))  # type: ignore[arg-type]
-
-
-# fmt: off
-def moe_distribute_dispatch_setup(
-    x: torch.Tensor, expert_ids: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
-    ep_rank_id: int, moe_expert_num: int, *, scales: torch.Tensor | None = None,
-    x_active_mask: torch.Tensor | None = None, expert_shard_type: int = 0, shared_expert_num: int = 1,
-    shared_expert_rank_num: int = 0, quant_mode: int = 0, global_bs: int = 0, comm_type: int = 0, comm_alg: str = "",
-    y_dtype: torch.dtype | int | None = None, strict: bool | str = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # fmt: on
-    """torch_npu's ``npu_moe_distribute_dispatch_setup``: the send phase of a two-stage dispatch (same arguments,
-    plus ``strict``). Validation (on every rank) and the agreement step run here, and the rows leave.
-
-    Notation: W = ep_world_size, E = moe_expert_num, L = E / W, K = top-k, S = shared_expert_num as passed,
-    ``hs`` = the row size torch_npu gives ``y`` for ``quant_mode``: 0 ``Align256(H)``, 1 ``Align512(Align32(H))``,
-    2 ``Align512(Align32(H) + 4)``, 3 ``Align512(Align128(H) + ceil(H / 128) * 4)``, 4 ``Align512(Align256(H) +
-    Align2(ceil(H / 32)))``.
-
-    Arguments: as :func:`moe_distribute_dispatch_v2`, with these rules of the two-stage form on every platform:
-    ``comm_type`` in [0, 2] (0 AICPU-SDMA, 1 CCU, 2 URMA), ``comm_alg`` "", no shared experts
-    (``shared_expert_rank_num`` 0, ``shared_expert_num`` 0 or 1), ``x_active_mask`` `[Bs]` bool only, and a quantizing
-    ``quant_mode`` needs ``y_dtype``. ``strict="a5"``: also Ascend 950's ranges (W [2, 384], E (0, 512], H [1024,
-    8192], Bs (0, 512], K (0, 16]), URMA only (``comm_type`` 2) and the HCCL window (``HCCL_BUFFSIZE``, default
-    200 MB) of at least ``4 * (L * maxBs * W * Align512(Align32(2H) + 44) + K * maxBs * Align512(2H))`` bytes (the
-    950 doc's rule); ``True`` / "a3" is refused: the op definitions register only Ascend 950.
-
-    Returns:
-        y: `[Bs * (K + S), hs]` with ``y_dtype`` (x's dtype when None): the rows as sent, pairs sorted by expert id
-            (stable), row i the (quantized) copy of its token; with quant_mode 2 the fp32 scale sits at byte
-            ``Align32(H)`` of the row. Rows of pairs not sent (outside ``x_active_mask``) and the tail are zero.
-        expand_idx: `[Bs * K]` `torch.int32`: for pair (t, k), the number of earlier sent pairs of this rank routed to
-            the same expert (its row in that expert's block); -1 for a pair not sent (ours: undefined on the NPU).
-        comm_cmd_info: `[(Bs * (K + S) + W * L) * 16]` `torch.int32`: the key of this call (pass it to
-            :func:`moe_distribute_dispatch_teardown`; opaque on the NPU).
-    """
-    return staged.dispatch_setup(staged.SetupParams(**locals()))
-
-
-# fmt: off
-def moe_distribute_dispatch_teardown(
-    x: torch.Tensor, y: torch.Tensor, expert_ids: torch.Tensor, comm_cmd_info: torch.Tensor,
-    group_ep: dist.ProcessGroup | str, ep_world_size: int, ep_rank_id: int, moe_expert_num: int, *,
-    expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0, quant_mode: int = 0,
-    global_bs: int = 0, expert_token_nums_type: int = 1, comm_type: int = 0, comm_alg: str = "",
-    strict: bool | str = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # fmt: on
-    """torch_npu's ``npu_moe_distribute_dispatch_teardown``: wait for the rows of the dispatch_setup call that
-    ``comm_cmd_info`` names (same x, y, expert_ids and keywords, else a clear error) and return them. A = ``global_bs
-    * min(L, K)`` (``global_bs`` or Bs * W). No communication: its errors are local.
-
-    Returns:
-        expand_x: `[A, H]` in y's dtype (quantized rows are not dequantized): rows by local expert, then source rank,
-            then the source's order, as :func:`moe_distribute_dispatch_v2`; rows past the received total are zero.
-        dynamic_scales: `[A]` `torch.float32` (quant_mode 0-2; zeros for 0), `[A, ceil(H / 128)]` (3), `[A,
-            Align2(ceil(H / 32))]` `torch.float8_e8m0fnu` (4): the rows' scales.
-        assist_info_for_combine: `[A * 128]` `torch.int32`: ``[0 : W * L]`` the inclusive prefix sum of the rows per
-            (local expert j, source rank r), j-major (the one-shot op's ``ep_recv_counts``); the rest zero.
-        expert_token_nums: `[L]` `torch.int64`: rows per local expert (expert_token_nums_type 1) or their inclusive
-            cumsum (0; Ascend 950 allows only 1).
-    """
-    return staged.dispatch_teardown(locals())
-
-
-# fmt: off
-def moe_distribute_combine_setup(
-    expand_x: torch.Tensor, expert_ids: torch.Tensor, assist_info_for_combine: torch.Tensor,
-    group_ep: dist.ProcessGroup | str, ep_world_size: int, ep_rank_id: int, moe_expert_num: int, *,
-    expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0, global_bs: int = 0,
-    comm_quant_mode: int = 0, comm_type: int = 0, comm_alg: str = "", strict: bool | str = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # fmt: on
-    """torch_npu's ``npu_moe_distribute_combine_setup``: send the expert outputs back. Block ``b = j * W + r`` of
-    ``expand_x`` (rows ``[cum[b - 1], cum[b])``, ``cum`` = ``assist_info_for_combine[0 : W * L]``) goes to source
-    rank r. Validation (on every rank) and the agreement step run here. ``comm_quant_mode`` must be 0 (the two-stage
-    combine does not quantize); the other rules as :func:`moe_distribute_dispatch_setup`.
-
-    Arguments:
-        expand_x: `[A', H]` `torch.bfloat16` / `torch.float16` (`torch.float32` here): expert outputs, row-aligned
-            with dispatch_teardown's ``expand_x``.
-        expert_ids: `[Bs, K]` `torch.int32`: this rank's top-k ids (only its shape is used here).
-        assist_info_for_combine: dispatch_teardown's output, unchanged.
-
-    Returns:
-        quant_expand_x: `[A', Align512(Align32(H) + Align8(H) / 8 * 4)]` `torch.int8`, zero (nothing is quantized).
-        comm_cmd_info: `[(A' + W) * 16]` `torch.int32`: the key of this call (pass it to
-            :func:`moe_distribute_combine_teardown`).
-    """
-    kw = {k: v for k, v in locals().items() if k != "comm_type"}
-    return staged.combine_setup(staged.CombineSetupParams(ep_send_counts=None, expert_scales=None, comm_type=comm_type,
-                                                          **kw))  # fmt: skip
-
-
-# fmt: off
-def moe_distribute_combine_teardown(
-    expand_x: torch.Tensor, quant_expand_x: torch.Tensor, expert_ids: torch.Tensor, expand_idx: torch.Tensor,
-    expert_scales: torch.Tensor, comm_cmd_info: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
-    ep_rank_id: int, moe_expert_num: int, *, x_active_mask: torch.Tensor | None = None,
-    shared_expert_x: torch.Tensor | None = None, expert_shard_type: int = 0, shared_expert_num: int = 1,
-    shared_expert_rank_num: int = 0, global_bs: int = 0, comm_quant_mode: int = 0, comm_type: int = 0,
-    comm_alg: str = "", strict: bool | str = False,
-) -> torch.Tensor:
-    # fmt: on
-    """torch_npu's ``npu_moe_distribute_combine_teardown``: wait for the rows of the combine_setup call that
-    ``comm_cmd_info`` names (same expand_x, quant_expand_x and keywords) and reduce them. No communication: its
-    errors are local.
-
-    Arguments:
-        expert_ids: `[Bs, K]` `torch.int32` and expand_idx `[Bs * K]` `torch.int32` (dispatch_setup's output): pair
-            (t, k)'s row is row ``expand_idx[t * K + k]`` of expert ``expert_ids[t, k]``'s returned block; pairs with
-            ``expand_idx`` -1 (not sent) add nothing and their ids are not checked.
-        expert_scales: `[Bs, K]` `torch.float32` top-k weights.
-        x_active_mask: `[Bs]` bool prefix mask: tokens outside it are zero (the 950 kernel ignores it).
-        shared_expert_x: `[Bs, H]` (or `[a, b, H]`, a * b = Bs) in expand_x's dtype, added with weight 1 (the
-            documented formula; the 950 kernel ignores it).
-
-    Returns:
-        x: `[Bs, H]` in expand_x's dtype: ``sum_k expert_scales[t, k] * row(t, k)`` over slots ascending in fp32, plus
-        ``shared_expert_x[t]``, one round-to-nearest-even cast; exactly :func:`moe_distribute_combine_v2`'s result.
-    """
-    return staged.combine_teardown(locals())
+moe_distribute_dispatch_v2 = one_shot(moe_distribute_dispatch_start, DISPATCH,
+                                      "torch_npu's ``npu_moe_distribute_dispatch_v2``: returns its 7 outputs")
+moe_distribute_combine_v2 = one_shot(moe_distribute_combine_start, COMBINE,
+                                     "torch_npu's ``npu_moe_distribute_combine_v2``: returns ``x`` `[Bs, H]`")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import envs
+from .. import envs
 
 DEFAULT_TIMEOUT_S = 30.0
 """Default bound on each collective wait (DeepEP's kernels use ~100 s; a decode step is milliseconds)."""
@@ -67,77 +67,46 @@ def resolve_timeout(timeout: float | None, param: str = "timeout") -> float:
     return float(timeout)
 
 
-class GroupMonitor:
-    """The collective sequence number, arrival marks and missing-rank agreement of one process group."""
+def _bounded(timeout: float, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` on the store, waiting at most ``timeout`` seconds: a TCPStore whose host is stopped never
+    answers (its own timeout covers only key waits). The call runs in a daemon thread (left behind if it never
+    returns; interpreter exit does not wait for it). Raises RuntimeError when it does not answer."""
+    out: list[Any] = []
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group, self.rank, self.size, self.seq = group, dist.get_rank(group), dist.get_world_size(group), 0
-        name = getattr(group, "group_name", "") or "default"
-        self.store = dist.PrefixStore(f"deep_ep_npu/failure/{name}/", dist.distributed_c10d._get_default_store())
+    def run() -> None:
+        try:
+            out.append((True, call(*args)))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            out.append((False, err))
 
-    @staticmethod
-    def _bounded(timeout: float, call: Callable[..., Any], *args: Any) -> Any:
-        """``call(*args)`` on the store, waiting at most ``timeout`` seconds: a TCPStore whose host is stopped never
-        answers (its own timeout covers only key waits). The call runs in a daemon thread (left behind if it never
-        returns; interpreter exit does not wait for it). Raises RuntimeError when it does not answer."""
-        out: list[Any] = []
-
-        def run() -> None:
-            try:
-                out.append((True, call(*args)))
-            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-                out.append((False, err))
-
-        thread = threading.Thread(target=run, name="deep_ep_npu-store", daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if not out:
-            raise RuntimeError(f"the c10d store did not answer within {timeout:g}s (its host stopped?)")
-        ok, value = out[0]
-        if not ok:
-            raise value
-        return value
-
-    def arrive(self, seq: int, op: str) -> None:
-        """Mark this rank as arrived at collective ``seq`` of ``op`` (a rank at the same number in another call, e.g.
-        a barrier of ``destroy()`` while its peers dispatch, has not arrived at theirs)."""
-        self.store.set(f"arrive/{self.rank}", f"{seq} {op}")
-
-    def _arrived(self, rank: int, seq: int, op: str) -> bool:
-        key = f"arrive/{rank}"
-        if not self.store.check([key]):
-            return False
-        their_seq, their_op = self.store.get(key).decode().split(" ", 1)
-        return int(their_seq) > seq or (int(their_seq) == seq and their_op == op)
-
-    def agree(self, seq: int, op: str, started: float, timeout: float) -> tuple[int, ...]:
-        """Post this rank as alive at collective ``seq`` of ``op`` (issued at ``started``, monotonic) and return the
-        agreed missing ranks, sorted."""
-        decision, store = f"{seq}/{op}/decision", self.store
-        call = lambda fn, *args: self._bounded(timeout, fn, *args)  # noqa: E731
-        call(store.set, f"{seq}/{op}/alive/{self.rank}", "1")
-        failed_at, grace = time.monotonic(), min(timeout, max(1.0, timeout / 10))
-        while not call(store.check, [decision]):
-            now = time.monotonic()
-            alive = [r for r in range(self.size) if call(store.check, [f"{seq}/{op}/alive/{r}"])]
-            late = now - started >= timeout or now - failed_at >= grace
-            arrived = lambda r: call(self._arrived, r, seq, op)  # noqa: E731
-            undecided = [r for r in range(self.size) if r not in alive and not (late and not arrived(r))]
-            if not undecided or now - failed_at >= timeout:
-                missing = ",".join(str(r) for r in range(self.size) if r not in alive) or "-"
-                call(store.compare_set, decision, "", missing)
-                break
-            time.sleep(0.01)
-        text = call(store.get, decision).decode()
-        return () if text == "-" else tuple(int(v) for v in text.split(","))
+    thread = threading.Thread(target=run, name="deep_ep_npu-store", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not out:
+        raise RuntimeError(f"the c10d store did not answer within {timeout:g}s (its host stopped?)")
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
-_MONITORS: dict[str, GroupMonitor] = {}
-
-
-def monitor(group: dist.ProcessGroup) -> GroupMonitor:
-    """The :class:`GroupMonitor` of ``group``; one per group per process."""
-    key = getattr(group, "group_name", "") or "default"
-    if key not in _MONITORS or _MONITORS[key].group is not group:
-        _MONITORS[key] = GroupMonitor(group)
-    return _MONITORS[key]
+def agree_missing(store: dist.Store, rank: int, size: int, key: str, started: float, timeout: float,
+                  arrived: Callable[[int], bool]) -> tuple[int, ...]:  # fmt: skip
+    """Post this rank (of ``size``) as alive at the failed collective ``key`` (issued at ``started``, monotonic) and
+    return the agreed missing ranks, sorted (see the module docstring; ``arrived(r)``: whether rank r reached it)."""
+    decision = f"{key}/decision"
+    call = lambda fn, *args: _bounded(timeout, fn, *args)  # noqa: E731
+    call(store.set, f"{key}/alive/{rank}", "1")
+    failed_at, grace = time.monotonic(), min(timeout, max(1.0, timeout / 10))
+    while not call(store.check, [decision]):
+        now = time.monotonic()
+        alive = [r for r in range(size) if call(store.check, [f"{key}/alive/{r}"])]
+        late = now - started >= timeout or now - failed_at >= grace
+        undecided = [r for r in range(size) if r not in alive and not (late and not call(arrived, r))]
+        if not undecided or now - failed_at >= timeout:
+            missing = ",".join(str(r) for r in range(size) if r not in alive) or "-"
+            call(store.compare_set, decision, "", missing)
+            break
+        time.sleep(0.01)
+    text = call(store.get, decision).decode()
+    return () if text == "-" else tuple(int(v) for v in text.split(","))

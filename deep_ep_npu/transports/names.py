@@ -1,5 +1,5 @@
 """Which process group a ``group_ep`` means: a ProcessGroup, its c10d group name, a communicator name registered by
-:mod:`deep_ep_npu.sim`, or (with torch_npu loaded) its HCCL communicator name; and the device its collectives use."""
+:mod:`deep_ep_npu.sim`, or (with torch_npu loaded) its HCCL communicator name."""
 
 import sys
 import weakref
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import invalid, null
+from ..errors import invalid, null
 
 _COMM_NAMES: dict[str, weakref.ref[dist.ProcessGroup]] = {}  # communicator names given out by deep_ep_npu.sim
 
@@ -73,13 +73,3 @@ def resolve_group(group: object, param: str) -> dist.ProcessGroup:
         return comm_names[group]
     known = f"group names {sorted(groups.values())}, communicator names {sorted(comm_names)}"
     raise invalid(param, f"no process group or communicator named {group!r} in this process; known: {known}")
-
-
-def comm_device(group: dist.ProcessGroup) -> torch.device:
-    """The device of ``group``'s collectives: NCCL the current CUDA device, HCCL the current NPU, else the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    if "hccl" in backend:
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")

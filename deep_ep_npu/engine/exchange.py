@@ -1,0 +1,338 @@
+"""The engine: one dispatch and one combine, for every layout (:mod:`.masked`, :mod:`.flat`, :mod:`.expand`) and
+every transport (:mod:`deep_ep_npu.transports`), written once. :class:`Engine` is the ``reference`` backend.
+
+Dispatch: the layout plans the rows (:mod:`.plan`: each token once per destination rank, this rank's own rows last)
+and their format (:mod:`.rows`); the transport sends each destination its rows and a header (its row count, the
+row size, the layout's fingerprint every rank must agree on) while this rank places its own rows (a masked layout:
+straight from ``x``); the receive phase checks the headers (a rank that rejected its input, or ranks that disagree,
+raise the same error on every rank) and the layout places the received rows, each written once. Combine is the same
+in reverse: the layout says where each source's rows sit, the header carries every rank's send and expect vectors,
+the rows go back in the order the source's own plan predicts and the source reduces them in fp32 (:mod:`.reduce`).
+
+:class:`InFlight` is the one in-flight object: a call's receive phase (a Buffer's ``hook`` / event, a ``*_start``
+op, a two-stage ``comm_cmd_info``, an ElasticBuffer event are facades over it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .. import profiling
+from ..backends import Backend, BufferConfig
+from ..core.call import CombineCall, DispatchCall, FFN
+from ..errors import MoeDistributeError, shape
+from ..transports import Transport, create_window
+from ..transports.collective import STATUS_OK, Agreement, Collective, EPGroup, Workspace
+from . import cpu_kernels, expand, flat, masked, reduce
+from .plan import Plan
+from .rows import RowFormat, encoder
+from .tp import TPStage
+
+FINGERPRINT = 16  # header words every layout may fill with what the ranks must agree on
+
+
+class InFlight:
+    """The receive phase of a call whose send phase ran: ``wait()`` runs ``finish`` once and returns ``value`` (the
+    call's outputs, allocated by the send phase and filled by the receive; ``finish``'s result when it returns one).
+    Later waits return the same value or re-raise the same error."""
+
+    def __init__(self, finish: Callable[[], Any] | None, value: Any = None) -> None:
+        self._finish, self.value, self._error = finish, value, None
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            try:
+                got = finish()
+            except BaseException as err:
+                self._error = err
+                raise
+            self.value = self.value if got is None else got
+        elif self._error is not None:
+            raise self._error
+        return self.value
+
+    __call__ = wait
+
+
+class Layout(Protocol):
+    """Where a dispatch's rows go (:mod:`.masked`, :mod:`.flat`, :mod:`.expand`; built by their ``layout(call,
+    engine)``). ``plan`` / ``fmt``: the rows and their format; ``source`` `[T, *]`: what the rows encode (x, or V2's
+    packed payload); ``weights`` `[P]` fp32 per pair and ``smooth`` `[num_rows, H]` fp32 per row, or None;
+    ``known``: the rows each source sends here when already known (a cached layout), else None; ``vectors``
+    (<= 2R words) and ``fingerprint`` (<= 16 words, named by ``names``): the header words every rank checks (a layout
+    with more to check than the ranks' statuses and fingerprints also has ``check(agreement) -> None``);
+    ``agree_now``: the collective transport waits for the agreement in the send phase; ``tp``: the TP stage (:class:`~.tp.TPStage`). A layout that can place this rank's own rows in the send phase also has ``place_own(own_rows,
+    encode) -> None`` (``encode()`` fills ``own_rows`` when the rows cannot be placed straight from the source)."""
+
+    plan: Plan
+    fmt: RowFormat
+    source: torch.Tensor
+    weights: torch.Tensor | None
+    smooth: torch.Tensor | None
+    known: list[int] | None
+    vectors: Sequence[int]
+    fingerprint: Sequence[int]
+    names: Sequence[str]
+    agree_now: bool
+    tp: TPStage | None
+
+    def place(self, parts: list[tuple[int, torch.Tensor]], own: tuple[int, torch.Tensor], agreement: Agreement,
+              wait_ns: int) -> None: ...  # fmt: skip
+
+    def result(self) -> Any: ...
+
+
+def check_status(agreement: Agreement) -> None:
+    """Raise the same error on every rank if any rank rejected its input."""
+    if bad := [(r, s) for r, s in enumerate(agreement.status) if s != STATUS_OK]:
+        ranks = ", ".join(f"rank {r} (aclnn {s})" for r, s in bad)
+        raise MoeDistributeError(bad[0][1], "inputs", f"{agreement.op} aborted on every rank: rejected on {ranks}")
+
+
+def check_names(agreement: Agreement, ep: EPGroup, names: Sequence[str], offset: int) -> None:
+    """Raise the same error on every rank if the live ranks disagree on one of ``names`` (``shared[offset + i]``
+    is ``names[i]``)."""
+    for i, name in enumerate(names):
+        values = [fp[offset + i] for fp in agreement.shared]
+        if any(values[r] != values[ep.rank] for r in ep.live):
+            msg = f"{agreement.op}: ranks disagree on {name} (per rank: {values}); it must be the same on all ranks"
+            raise shape(name, msg)
+
+
+def header_width(num_ranks: int) -> int:
+    """The shared header words of every call: the row size, two R-long vectors, the fingerprint."""
+    return 1 + 2 * num_ranks + FINGERPRINT
+
+
+class Engine(Backend):
+    """The reference backend: DeepEP's, DeepEP V2's and the Ascend ops' semantics on our engine, on any
+    torch.distributed group and device (every tensor it makes lives on the input's device). ``config``: a buffer's
+    (its transport: the shared-memory window of one host when possible, and reused, double-buffered wire buffers as
+    DeepEP's), or None for the ops' engine of a group (collective, fresh buffers per call: any number in flight)."""
+
+    name = "reference"
+
+    def __init__(self, group: dist.ProcessGroup, config: BufferConfig | None = None) -> None:
+        super().__init__(group, config or BufferConfig(transport="collective"))
+        self.collective = Collective(self.ep, reuse=config is not None)
+        self.window = create_window(self.ep, self.config.transport, self.config.num_rdma_bytes)
+        self.ws = Workspace()  # the buffer's reused tensors (dispatch results alternate between two sets)
+        self.reuse = config is not None
+        self.tag, self.result_set = 0, 0  # which wire scratch / dispatch result set the next call uses
+
+    @property
+    def transport(self) -> Transport:
+        """The buffer's transport: its window when it has one, else the collective one."""
+        return self.window or self.collective
+
+    def transport_for(self, device: torch.device, tp: bool = False) -> Transport:
+        """The window for CPU tensors without a TP stage (when the group has one), else the collective one."""
+        if self.window is not None and device.type == "cpu" and not tp:
+            return self.window
+        return self.collective
+
+    def scratch(self, name: str, shape_: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer's reused tensor of this call's set (two alternate: at most two calls in flight); the ops' engine
+        gives each call its own (any number in flight)."""
+        if not self.reuse:
+            return torch.empty(shape_, dtype=dtype, device=self.ws.device)
+        return self.ws.get(f"{name}{self.tag}", shape_, dtype)
+
+    def reject(self, op: str, code: int, tp: EPGroup | None = None) -> None:
+        self.transport_for(torch.device("cpu"), tp is not None).reject(op, code, header_width(self.num_ranks))
+        if tp is not None and tp.num_ranks == 2:
+            from .tp import tp_agree
+
+            tp_agree(tp, code, op)
+
+    def _run(self, start: Callable[[], InFlight]) -> InFlight:
+        """``start()`` (a send phase; its InFlight the receive). In shrink mode a rank failure in either phase shrinks
+        the group, rewinds the buffer indices (so a re-run writes the same result tensors) and runs it again."""
+        if not self.ep.enable_shrink:
+            return start()
+        state = (self.tag, self.result_set)
+
+        def rewind() -> None:
+            self.tag, self.result_set = state
+
+        first = [self.ep.retry(start, rewind)]
+        attempt = lambda: (first.pop() if first else self.ep.retry(start, rewind)).wait()  # noqa: E731
+        return InFlight(lambda: self.ep.retry(attempt, rewind), first[0].value)
+
+    def dispatch(self, call: DispatchCall) -> InFlight:
+        return self._run(lambda: self._dispatch(call))
+
+    def _rejecting(self, c: DispatchCall | CombineCall, make: Callable[[], Any]) -> Any:
+        """``make()`` (the layout's checks of the call against the handle / capacity run there): a rejection is
+        told to the peers (they raise too) before it raises here."""
+        try:
+            return make()
+        except MoeDistributeError as err:
+            self.reject(c.op, err.code, c.experts.tp)
+            raise
+
+    def _dispatch(self, c: DispatchCall) -> InFlight:
+        self.tag ^= 1
+        self.ws.device = c.x.device
+        make = {"masked": masked.layout, "flat": flat.layout, "expand": expand.layout}[c.layout]
+        layout: Layout = self._rejecting(c, lambda: make(c, self))
+        plan, fmt, me, r = layout.plan, layout.fmt, self.rank, self.num_ranks
+        transport = self.transport_for(c.x.device, layout.tp is not None)
+        remote = transport is self.window
+        encode = encoder(fmt, layout.source, plan, layout.weights, layout.smooth)
+        begin = [sum(plan.rows_per_dest[q] for q in range(d) if q != me) for d in range(r)]
+        begin[me] = plan.num_remote_rows
+
+        def write(d: int, out: torch.Tensor) -> None:
+            encode(out, slice(begin[d], begin[d] + plan.rows_per_dest[d]), remote)
+
+        more = getattr(layout, "check", None)
+
+        def check(agreement: Agreement) -> None:
+            check_status(agreement)
+            if more is not None:
+                more(agreement)
+            check_names(agreement, self.ep, layout.names, 1 + 2 * r)
+
+        known = layout.known or [-1] * r
+        counts = [[plan.rows_per_dest[d], known[d]] for d in range(r)]
+        shared = header(fmt.row_bytes, layout.vectors, layout.fingerprint, r)
+        if profiling.enabled:
+            profiling.record_wire("dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], me, 8 * len(shared))
+        token = _send(transport, c.op, counts, shared, write, check, layout.agree_now, layout.tp, c.x.device)
+        own_rows = self.scratch("dispatch_own", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
+        mine = slice(begin[me], begin[me] + plan.rows_per_dest[me])
+        if (place_own := getattr(layout, "place_own", None)) is not None:  # placed now, while the rows travel
+            place_own(own_rows, lambda: encode(own_rows, mine, False))
+        else:
+            encode(own_rows, mine, False)
+
+        def receive() -> Any:
+            agreement, parts, wait_ns = transport.receive(token)
+            try:
+                layout.place(parts, (me, own_rows), agreement, wait_ns)
+            finally:
+                transport.done(token)
+            return layout.result()
+
+        return InFlight(receive, layout.result())
+
+    def combine(self, call: CombineCall) -> InFlight:
+        first: list[Any] = []  # a shrink-mode re-run writes the tensor the first attempt returned
+
+        def start() -> InFlight:
+            inflight = self._combine(call if not first else dataclasses.replace(call, out=first[0]))
+            first.append(inflight.value)
+            return inflight
+
+        return self._run(start)
+
+    def _combine(self, c: CombineCall) -> InFlight:
+        self.tag ^= 1
+        self.ws.device = c.x.device
+        jobs = {"masked": masked.combine_jobs, "flat": flat.combine_jobs, "expand": expand.combine_jobs}[c.layout]
+        made = self._rejecting(c, lambda: jobs(c, self))
+        receives = [self._combine_job(c, job) for job in made]  # (a peer's rejection stops the next one)
+        outs = receives[0].value if len(receives) == 1 else tuple(receive.value for receive in receives)
+        return InFlight(lambda: [receive() for receive in receives] and outs, outs)
+
+    def _combine_job(self, c: CombineCall, job: reduce.CombineJob) -> InFlight:
+        plan, fmt, me, r = job.plan, job.fmt, self.rank, self.num_ranks
+        transport = self.transport_for(job.source.device, job.tp is not None)
+        starts = [sum(job.rows_per_src[:q]) for q in range(r)]
+
+        def write(q: int, out: torch.Tensor) -> None:
+            rows = job.return_rows[starts[q] : starts[q] + job.rows_per_src[q]]
+            if fmt.quantized:
+                fmt.encode(job.source.index_select(0, rows), out)
+            elif transport is not self.window or not cpu_kernels.gather(job.source, rows, out.view(fmt.dtype)):
+                torch.index_select(job.source, 0, rows, out=out.view(fmt.dtype))
+
+        def check(agreement: Agreement) -> None:
+            check_status(agreement)
+            reduce.check(job, agreement, self.ep.live)
+            check_names(agreement, self.ep, job.names, 1 + 2 * r)
+
+        counts = [[job.rows_per_src[q], -1] for q in range(r)]
+        shared = header(fmt.row_bytes, (*job.rows_per_src, *plan.pairs_per_dest), job.fingerprint, r)
+        if profiling.enabled:
+            profiling.record_wire("combine", [k * fmt.row_bytes for k in job.rows_per_src], me, 8 * len(shared))
+        token = _send(transport, c.op, counts, shared, write, check, job.agree_now, job.tp, job.source.device)
+        # own rows now, unless the TP stage changes the source first or the handle is inconsistent (check raises)
+        early = job.tp is None and job.rows_per_src[me] == plan.pairs_per_dest[me]
+        local = reduce.reduce_own(job, self.scratch) if early else None
+
+        def receive() -> None:
+            agreement, parts, wait_ns = transport.receive(token)
+            try:
+                mine = local if local is not None else reduce.reduce_own(job, self.scratch)
+                reduce.reduce_remote(job, mine, [rows for _, rows in parts], agreement, wait_ns, self.scratch)
+            finally:
+                transport.done(token)
+
+        return InFlight(receive, job.out)
+
+    def next_combine_buffer(self, handle: Any) -> torch.Tensor:
+        """The `[L, R * N, hidden]` bfloat16 buffer the next ``zero_copy`` combine of ``handle``'s layout reads."""
+        self.ws.device = handle.src_info.device
+        return self.ws.get(f"zero_copy{self.tag ^ 1}", (*handle.src_info.shape, handle.hidden), torch.bfloat16)
+
+    def can_fuse(self, call: DispatchCall, ffn: FFN) -> bool:
+        """No: the engine runs the pipeline (:mod:`.pipeline`)."""
+        return False
+
+    def mega_moe(self, call: DispatchCall, ffn: FFN, fused: bool) -> torch.Tensor:
+        from .pipeline import run
+
+        return run(self, call, ffn)
+
+    def clean(self) -> None:
+        self.tag = self.result_set = 0
+
+    def destroy(self) -> None:
+        if self.window is not None:
+            self.window.close()
+        self.collective.close()
+        self.ws.clear()
+
+
+def _send(transport: Transport, op: str, counts: list[list[int]], shared: list[int], write: Callable[..., None],
+          check: Callable[[Agreement], None], agree_now: bool, tp: TPStage | None, device: torch.device) -> Any:
+    """``transport.send``; a TP pair's peer is told when the EP call fails before their agreement."""
+    try:
+        return transport.send(op, counts, shared, write, check, agree_now=agree_now, device=device,
+                              before_payload=None if tp is None else tp.before_payload)  # fmt: skip
+    except MoeDistributeError as err:
+        if tp is not None:
+            tp.abort(err.code)
+        raise
+
+
+def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], num_ranks: int) -> list[int]:
+    """The shared header words of a call (:func:`header_width` of them): the row size, up to 2R words of vectors,
+    up to :data:`FINGERPRINT` words of fingerprint, each part zero-padded."""
+    assert len(vectors) <= 2 * num_ranks and len(fingerprint) <= FINGERPRINT, "the layout's header words fit"
+    pad = [0] * (2 * num_ranks - len(vectors)) + list(fingerprint) + [0] * (FINGERPRINT - len(fingerprint))
+    return [row_bytes, *vectors, *pad]
+
+
+_ENGINES: dict[int, Engine] = {}
+
+
+def engine_for(group: dist.ProcessGroup) -> Engine:
+    """The ops' engine of ``group`` (collective, no shrink, the default timeout), one per group per process."""
+    eng = _ENGINES.get(id(group))
+    if eng is None or eng.group is not group:
+        eng = _ENGINES[id(group)] = Engine(group)
+    return eng
+

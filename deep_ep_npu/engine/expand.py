@@ -1,0 +1,348 @@
+"""DeepEP V2's layouts (``ElasticBuffer``): one row per (source token, this rank), or with ``do_expand`` one per
+(token, local expert).
+
+A V2 row's payload is raw bytes, ``[x row | scale-factor row | top-k weights, fp32 x K]`` (:class:`Payload`): nothing
+is cast, so fp8 data and its 4-byte scale factors arrive bit for bit; the row's slots carry the local expert of each
+top-k entry at this rank (-1: another rank's), i.e. ``recv_topk_idx``. Non-expand: rows grouped by source rank,
+ascending; inside a source, its tokens ascending. Expand: rows grouped by local expert, expert ``e``'s segment
+starting at ``align(psum[e - 1], expert_alignment)``; inside an expert, by (source rank, token). :class:`Placement`
+is where every row and pair went; a cached handle keeps it (and the send plan), so a cached dispatch places rows at
+the same positions with no count exchange (the transport starts the payload at once).
+
+Combine returns one row per (token, rank): the caller's pre-reduced row (non-expand), or the sum of the token's
+expand rows in top-k order (fp32, rounded once to x's dtype; every expand row as it is with
+``allow_multiple_reduction=False``). The source adds, in fp32, the bias first, then the returned rows in the order of
+each rank's last top-k slot (of every slot without multiple reduction), and rounds once: DeepEP's reference order.
+``topk_weights`` travel back the same way (a second exchange), each slot from its expert's rank."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..core.call import CombineCall, DispatchCall
+from ..errors import shape
+from ..handle import EPHandle
+from ..transports.collective import Agreement
+from .plan import Plan, make_plan, plan_topk
+from .reduce import CombineJob
+from .rows import ReturnFormat, RowFormat
+
+X_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
+SF_DTYPE_CODES = {None: 0, torch.float32: 1, torch.int32: 2}
+NAMES = ("cached handle", "num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "scale-factor columns",
+         "scale-factor dtype", "num_topk", "row bytes")  # fmt: skip
+COMBINE_NAMES = ("num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "topk_weights given")
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+    """How a row's bytes split: ``x`` `[hidden]` in ``x_dtype``, ``sf`` `[sf_cols]` (4-byte ``sf_dtype``, or none),
+    the weights `[num_topk]` fp32 (zeros when the caller gave none)."""
+
+    hidden: int
+    x_dtype: torch.dtype
+    sf_cols: int
+    sf_dtype: torch.dtype | None
+    num_topk: int
+
+    @property
+    def x_bytes(self) -> int:
+        return self.hidden * self.x_dtype.itemsize
+
+    @property
+    def sf_end(self) -> int:
+        return self.x_bytes + 4 * self.sf_cols
+
+    @property
+    def num_bytes(self) -> int:
+        return self.sf_end + 4 * self.num_topk
+
+    def pack(self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
+        """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None)."""
+        parts = [x.contiguous().view(torch.uint8)]
+        if sf is not None:
+            parts.append(sf.contiguous().view(torch.uint8))
+        w = weights if weights is not None else x.new_zeros((x.shape[0], self.num_topk), dtype=torch.float32)
+        parts.append(w.contiguous().view(torch.uint8))
+        return torch.cat(parts, dim=1)
+
+    def fields(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Views of ``rows`` `[n, >= num_bytes]` uint8: x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
+        sf = rows[:, self.x_bytes : self.sf_end].view(self.sf_dtype) if self.sf_dtype is not None else None
+        return rows[:, : self.x_bytes].view(self.x_dtype), sf, rows[:, self.sf_end : self.num_bytes].view(torch.float32)
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where one dispatch put its rows (kept by the handle; the same topk_idx places the same way). ``rows_from``:
+    rows per source rank (this rank's own included); ``slots`` `[num_recv, K]` int32: each received row's local
+    expert per top-k slot (-1: not here), rows in layout order; ``pair_row`` / ``pair_slot`` / ``pair_pos`` `[P]`
+    int64: each (row, slot) pair for this rank and its expand row; ``counts`` `[L]` int64: pairs per local expert;
+    ``num_rows`` / ``num_expanded``: the allocated rows (exact, or the worst case without CPU sync)."""
+
+    rows_from: list[int]
+    slots: torch.Tensor
+    pair_row: torch.Tensor
+    pair_slot: torch.Tensor
+    pair_pos: torch.Tensor
+    counts: torch.Tensor
+    num_rows: int
+    num_expanded: int
+
+
+def payload_of(x: torch.Tensor, sf: torch.Tensor | None, topk: int) -> Payload:
+    return Payload(x.shape[1], x.dtype, 0 if sf is None else sf.shape[1], None if sf is None else sf.dtype, topk)
+
+
+def worst_case_rows(num_ranks: int, num_max: int, num_topk: int, num_local: int, alignment: int) -> tuple[int, int]:
+    """DeepEP's no-CPU-sync shapes: ``R * N`` rows, ``align(R * N * min(K, L) + (a - 1) * L, a)`` expanded rows."""
+    rn = num_ranks * num_max
+    return rn, -(-(rn * min(num_topk, num_local) + (alignment - 1) * num_local) // alignment) * alignment
+
+
+def make_placement(slots: torch.Tensor, rows_from: list[int], num_local: int, alignment: int,
+                   sizes: tuple[int, int] | None) -> Placement:  # fmt: skip
+    """The placement of received tokens in layout order: ``slots`` `[total, K]` int32 (each one's local expert per
+    slot, -1: not here), ``rows_from`` tokens per source rank; ``sizes``: the rows to allocate (None: exact)."""
+    pair_row, pair_slot = (slots >= 0).nonzero(as_tuple=True)
+    expert = slots[pair_row, pair_slot].long()
+    total, a = slots.shape[0], alignment
+    order = torch.argsort(expert * max(total, 1) + pair_row)  # by (local expert, row): rows are (source, token)
+    pair_row, pair_slot, expert = pair_row[order], pair_slot[order], expert[order]
+    counts = torch.bincount(expert, minlength=num_local)
+    aligned = (counts + a - 1) // a * a
+    start = aligned.cumsum(0) - aligned
+    pos = start[expert] + torch.arange(expert.numel(), device=expert.device) - (counts.cumsum(0) - counts)[expert]
+    num_rows, num_expanded = sizes or (total, int(aligned.sum()))
+    return Placement(rows_from, slots, pair_row, pair_slot, pos, counts, num_rows, num_expanded)
+
+
+class Outputs:
+    """A V2 dispatch's outputs: ``x`` `[rows, hidden]`, ``sf`` `[rows, sf_cols]` or None, ``weights`` (`[rows, K]`
+    fp32; expand: `[rows]`), ``topk_idx`` `[rows, K]` int64 (non-expand) or None, ``metadata`` `[num_recv, K + 2]`
+    int32 (source rank * N + token, source rank, expand row per slot or -1), ``psum_per_rank`` `[R]` int32
+    (inclusive), ``psum_per_expert`` `[L]` int32, ``counts`` `[L]` int32 (unaligned); and its ``handle``."""
+
+    def __init__(self, c: DispatchCall, p: Payload, num_rows: int, num_expanded: int) -> None:
+        dev, k, r, num_local = c.x.device, p.num_topk, c.experts.world_size, c.experts.num_local
+        rows = num_expanded if c.do_expand else num_rows
+        new = torch.zeros if c.zero_padding else torch.empty
+        self.sf = None
+        if p.sf_dtype is not None:  # TMA-aligned column-major scale factors: strides (1, align(rows, 4))
+            tma = new((p.sf_cols, -(-rows // 4) * 4), dtype=p.sf_dtype, device=dev).t()[:rows] if c.tma_sf else None
+            self.sf = tma if tma is not None else new((rows, p.sf_cols), dtype=p.sf_dtype, device=dev)
+        self.x = new((rows, p.hidden), dtype=p.x_dtype, device=dev)
+        self.weights = torch.zeros((rows,) if c.do_expand else (rows, k), dtype=torch.float32, device=dev)
+        self.topk_idx = None if c.do_expand else torch.full((rows, k), -1, dtype=torch.int64, device=dev)
+        self.metadata = torch.full((num_rows, k + 2), -1, dtype=torch.int32, device=dev)
+        self.psum_per_rank = torch.empty((r,), dtype=torch.int32, device=dev)
+        self.psum_per_expert = torch.empty((num_local,), dtype=torch.int32, device=dev)
+        self.counts = torch.empty((num_local,), dtype=torch.int32, device=dev)
+        self.handle: EPHandle | None = None
+
+
+class _Expand:
+    """The layout of one V2 dispatch (the :class:`~.exchange.Layout` protocol); :meth:`result` is its
+    :class:`Outputs` (None until allocated: with CPU sync, at the receive)."""
+
+    weights, smooth, tp, names = None, None, None, NAMES
+
+    def __init__(self, c: DispatchCall, engine: Any) -> None:
+        e, h = c.experts, c.cached
+        self.c, self.ep, self.owner = c, engine.ep, engine
+        self.payload = p = payload_of(c.x, c.x_sf, c.expert_ids.shape[1])
+        no_mask = torch.zeros(e.world_size, dtype=torch.int32)
+        self.plan = h.state["plan"] if h is not None else plan_topk(
+            c.expert_ids, num_local_experts=e.num_local, num_ranks=e.world_size, rank=e.rank, mask=no_mask,
+            per_pair_rows=False)  # fmt: skip
+        self.cached: Placement | None = None if h is None else h.state["placement"]
+        self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
+        self.source = p.pack(c.x, c.x_sf, c.expert_scales)
+        self.known = None if self.cached is None else list(self.cached.rows_from)
+        self.agree_now = False
+        expect = self.known or [-1] * e.world_size
+        self.vectors = (*self.plan.rows_per_dest, *expect)
+        self.fingerprint = (int(h is not None), c.num_max, e.num_moe_experts, p.hidden, X_DTYPE_CODES[p.x_dtype],
+                            p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
+        self.sizes = None
+        if h is not None:
+            self.sizes = (h.num_recv_tokens, h.num_expanded_tokens)
+        elif not c.cpu_sync:
+            self.sizes = worst_case_rows(e.world_size, c.num_max, p.num_topk, e.num_local, c.alignment)
+        self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes)
+        if self.outputs is not None:
+            self.outputs.handle = h if h is not None else self._handle(None)
+
+    def result(self) -> Outputs | None:
+        return self.outputs
+
+    def check(self, agreement: Agreement) -> None:
+        """With every rank reusing a handle: the rows one rank sends another are what the other expects."""
+        r, shared, at = self.ep.num_ranks, agreement.shared, 1 + 2 * self.ep.num_ranks
+        if not all(fp[at] == 1 for fp in shared):
+            return  # (some ranks reuse a handle and others do not: "cached handle" differs)
+        live = self.ep.live
+        if bad := [(p, q) for p in live for q in live if p != q and shared[p][1 + q] != shared[q][1 + r + p]]:
+            (p, q), n = bad[0], len(bad)
+            raise shape("handle", f"rank {p}'s handle sends {shared[p][1 + q]} rows to rank {q}, whose handle "
+                        f"expects {shared[q][1 + r + p]} from it ({n} rank pairs differ): every rank must pass the "
+                        "handle of the same dispatch")  # fmt: skip
+
+    def place(self, parts: list[tuple[int, torch.Tensor]], own: tuple[int, torch.Tensor], agreement: Agreement,
+              wait_ns: int) -> None:  # fmt: skip
+        me, r, c = self.ep.rank, self.ep.num_ranks, self.c
+        by_src = dict([*parts, own])
+        rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(r)]
+        if self.cached is not None:
+            rows_from = self.cached.rows_from
+        staged = torch.cat([by_src[s] for s in range(r) if s in by_src])  # layout order: by source, tokens ascending
+        place = self.cached or make_placement(self.fmt.slot_experts(staged), rows_from, c.experts.num_local,
+                                              c.alignment, self.sizes)  # fmt: skip
+        if self.outputs is None:
+            self.outputs = Outputs(c, self.payload, place.num_rows, place.num_expanded)
+        out = self.outputs
+        x, sf, weights = self.payload.fields(staged)
+        if c.do_expand:
+            out.x[place.pair_pos] = x.index_select(0, place.pair_row)
+            if sf is not None and out.sf is not None:
+                out.sf[place.pair_pos] = sf.index_select(0, place.pair_row)
+            out.weights[place.pair_pos] = weights[place.pair_row, place.pair_slot]
+        else:
+            n = staged.shape[0]
+            out.x[:n], out.weights[:n] = x, weights
+            if sf is not None and out.sf is not None:
+                out.sf[:n] = sf
+            assert out.topk_idx is not None
+            out.topk_idx[:n] = place.slots
+        if self.cached is None:
+            self._fill_handle(self.fmt.tokens(staged), place)
+        if c.recv_stats is not None:
+            c.recv_stats += out.counts
+        if out.handle is None:
+            out.handle = self._handle(place)
+        out.handle.state["placement"] = place
+
+    def _fill_handle(self, tokens: torch.Tensor, place: Placement) -> None:
+        """The handle's tensors of a fresh layout: source metadata, prefix sums, counts."""
+        out, n, a, total = self.outputs, self.c.num_max, self.c.alignment, tokens.shape[0]
+        assert out is not None
+        rows_from = torch.tensor(place.rows_from, device=tokens.device)
+        src = torch.repeat_interleave(torch.arange(len(place.rows_from), device=tokens.device), rows_from,
+                                      output_size=total).to(torch.int32)  # fmt: skip
+        out.metadata[:total, 0] = src * n + tokens.to(torch.int32)
+        out.metadata[:total, 1] = src
+        if self.c.do_expand:
+            out.metadata[place.pair_row, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
+        aligned = (place.counts + a - 1) // a * a
+        psum = aligned.cumsum(0)
+        out.psum_per_rank.copy_(rows_from.cumsum(0))
+        out.psum_per_expert.copy_(psum - aligned + place.counts if self.c.do_expand else psum)
+        out.counts.copy_(place.counts)
+
+    def _handle(self, place: Placement | None) -> EPHandle:
+        c, out = self.c, self.outputs
+        assert out is not None
+        num_rows, num_expanded = self.sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
+        a = c.alignment
+        listed = [] if not c.cpu_sync or place is None else ((place.counts + a - 1) // a * a).tolist()
+        return EPHandle(
+            c.do_expand, c.experts.num_moe_experts, a, c.num_max, 0,
+            c.expert_ids.clone() if c.handle_copy else c.expert_ids, num_rows, num_expanded if c.do_expand else 0,
+            listed, out.psum_per_rank, out.psum_per_expert, out.counts, out.metadata,
+            slot_idx(self.plan, c.expert_ids, c.experts.rank),
+            dict(owner=self.owner, plan=self.plan, row_bytes=self.fmt.row_bytes, payload=self.payload),
+        )  # fmt: skip
+
+
+def layout(c: DispatchCall, engine: Any) -> _Expand:
+    return _Expand(c, engine)
+
+
+def slot_idx(plan: Plan, topk_idx: torch.Tensor, rank: int) -> torch.Tensor:
+    """`[T, K]` int32: slot j's row among the rows this rank sends to that expert's rank (-1: no expert)."""
+    r = len(plan.rows_per_dest)
+    order = [d for d in range(r) if d != rank] + [rank]  # the send buffer's rank order (own rows last)
+    start = [0] * r
+    for prev, d in zip([None, *order], order, strict=False):
+        start[d] = 0 if prev is None else start[prev] + plan.rows_per_dest[prev]
+    out = torch.full(topk_idx.shape, -1, dtype=torch.int32, device=topk_idx.device)
+    base = torch.tensor(start, device=topk_idx.device)[plan.dest]
+    out[plan.token, plan.slot] = (plan.row_of_pair - base).to(torch.int32)
+    return out
+
+
+def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`[num_recv, hidden]` in x's dtype: each received token's expand rows (``slots`` `[num_recv, K]`, -1: none)
+    summed in fp32 in top-k order, rounded once."""
+    acc = torch.zeros((slots.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+    for j in range(slots.shape[1]):
+        row = (slots[:, j] >= 0).nonzero(as_tuple=True)[0]
+        acc.index_add_(0, row, x.index_select(0, slots[row, j].long()).float())
+    return acc.to(x.dtype)
+
+
+def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool) -> Plan:
+    """The source's view of the combine: per (token, rank) at the slot of the token's last expert there, or (no
+    multiple reduction) every dispatched pair; sorted as the expert ranks return the rows (cached in the handle)."""
+    key = "return_plan" if per_row else "pair_plan"
+    if key in h.state:
+        return h.state[key]
+    plan, num_tokens, r = h.state["plan"], h.num_tokens, num_ranks
+    if not per_row:
+        out = make_plan(plan.token, plan.slot, plan.dest, plan.expert, num_tokens=num_tokens, num_ranks=r, rank=rank,
+                        num_local_experts=h.num_experts // r, per_pair_rows=True)  # fmt: skip
+    else:
+        last = torch.full((num_tokens * r,), -1, dtype=torch.int64, device=plan.token.device)
+        last.scatter_reduce_(0, plan.token * r + plan.dest, plan.slot, "amax")
+        at = (last >= 0).nonzero(as_tuple=True)[0]
+        token, dest = at // r, at % r
+        out = make_plan(token, last[at], dest, torch.zeros_like(dest), num_tokens=num_tokens, num_ranks=r, rank=rank,
+                        num_local_experts=1, per_pair_rows=True)  # fmt: skip
+    h.state[key] = out
+    return out
+
+
+def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
+    """The combine of a V2 dispatch's rows ``c.x`` (and of ``c.expert_scales``, the weights to send back)."""
+    h, x, rank, r = c.handle, c.x, c.experts.rank, c.experts.world_size
+    place: Placement = h.state["placement"]
+    total, num_tokens, hidden, dev = sum(place.rows_from), h.num_tokens, x.shape[1], x.device
+    per_row = not h.do_expand or c.multiple_reduction  # one returned row per (token, rank)
+    if per_row:
+        rows, rows_per_src = torch.arange(total, device=dev), place.rows_from
+        source = reduce_expanded(x, h.recv_src_metadata[:total, 2:]) if h.do_expand else x
+    else:  # every expand row, by (source rank, local expert, token): the order the sources' pair plans expect
+        src = torch.repeat_interleave(torch.arange(r, device=dev), torch.tensor(place.rows_from, device=dev))
+        src = src[place.pair_row]
+        expert = place.slots[place.pair_row, place.pair_slot].long()
+        order = torch.argsort(src * (h.num_experts // r) + expert, stable=True)
+        rows, rows_per_src, source = place.pair_pos[order], torch.bincount(src, minlength=r).tolist(), x
+    plan = _return_plan(h, rank, r, per_row)
+    extra = None
+    if c.shared_expert_x:  # the biases, first in the fp32 sum: at slot -1
+        tokens, bias = torch.arange(num_tokens, device=dev), sum(b.float() for b in c.shared_expert_x)
+        extra = (tokens, torch.full_like(tokens, -1), bias)
+    fingerprint = (h.num_max_tokens_per_rank, h.num_experts, hidden, X_DTYPE_CODES[x.dtype],
+                   int(c.expert_scales is not None))  # fmt: skip
+    mismatch = ("handle", "the handle of this layer's dispatch on every rank")
+    ones = torch.ones_like(plan.token, dtype=torch.float32)
+    jobs = [CombineJob(source, rows, list(rows_per_src), plan, ones, ReturnFormat(hidden, x.dtype, 0),
+                       x.new_empty((num_tokens, hidden)), fingerprint, COMBINE_NAMES, mismatch, by_slot=True,
+                       extra=extra, agree_now=True)]  # fmt: skip
+    if c.expert_scales is not None:  # the weights travel back the same way, each slot from its expert's rank
+        w = c.expert_scales
+        if h.do_expand:
+            w_rows = torch.zeros((total, h.num_topk), dtype=torch.float32, device=dev)
+            w_rows[place.pair_row, place.pair_slot] = w[place.pair_pos]
+        else:
+            w_rows = w[:total].masked_fill(place.slots < 0, 0.0)
+        weight_plan = _return_plan(h, rank, r, True)
+        out = torch.empty((num_tokens, h.num_topk), dtype=torch.float32, device=dev)
+        jobs.append(CombineJob(w_rows, torch.arange(total, device=dev), list(place.rows_from), weight_plan,
+                               torch.ones_like(weight_plan.token, dtype=torch.float32),
+                               ReturnFormat(h.num_topk, torch.float32, 0), out, fingerprint, COMBINE_NAMES, mismatch,
+                               by_slot=True, agree_now=True))  # fmt: skip
+    return jobs

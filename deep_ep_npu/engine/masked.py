@@ -1,0 +1,191 @@
+"""DeepEP's masked layout (``Buffer.low_latency_dispatch`` / ``low_latency_combine``).
+
+Dispatch sends each token once per destination rank with the local experts it is for and expands it into
+``recv_x`` `[L, R * N, hidden]`; inside local expert i, source rank j owns rows ``[begin, begin + count)`` (this rank's
+own block first, placed in the send phase while the remote rows travel, then the other sources in rank order; tokens
+ascending), each row written once. Results (``recv_x``, scales, ``recv_count``, the handle's tensors) live in two
+alternating sets of the buffer, valid until the next-but-one dispatch (DeepEP: hold at most 2 low-latency results).
+Combine returns the rows in the order the source's ``topk_idx`` predicts (by source rank, then local expert, then
+token) and reduces them there in fp32: own experts first, then the remote ranks in rank order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.call import CombineCall, DispatchCall
+from ..errors import shape
+from ..handle import LowLatencyHandle
+from ..transports.collective import Agreement
+from . import cpu_kernels
+from .plan import plan_topk
+from .reduce import CombineJob
+from .rows import DTYPE_CODES, LOGFMT, QUANTS, ReturnFormat, RowFormat, parse
+
+LOOP_BYTES = 1 << 18
+"""Received data above which the layout is filled by one gather per expert instead of one scatter."""
+NAMES = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype", "use_fp8 format", "row bytes")
+COMBINE_NAMES = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype")
+
+
+def exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return t.cumsum(dim) - t
+
+
+class _Masked:
+    """The layout of one dispatch (the :class:`~.exchange.Layout` protocol). Outputs, filled in place: ``recv_x``
+    `[L, R * N, hidden]` (``fmt.data_dtype``), ``scales`` `[L, R * N, G]` (fp32, or int32 UE8M0) or None,
+    ``src_info`` `[L, R * N]` int32, ``layout_range`` `[L, R]` int64 ``(begin << 32) | count``, ``recv_count`` `[L]`
+    int32; the call's ``recv_stats`` `[L]` int32 and ``wait_stats`` `[R]` int64 (ns) accumulate."""
+
+    known, vectors, agree_now, tp, weights, smooth, names = None, (), False, None, None, None, NAMES
+
+    def __init__(self, c: DispatchCall, engine: Any) -> None:
+        e, x, n = c.experts, c.x, c.num_max
+        r, num_local, hidden = e.world_size, e.num_local, x.shape[1]
+        self.c, self.ep, self.rank, self.source = c, engine.ep, e.rank, x
+        self.plan = plan_topk(c.expert_ids, num_local_experts=num_local, num_ranks=r, rank=e.rank, mask=engine.mask,
+                              per_pair_rows=False)  # fmt: skip
+        self.fmt = fmt = RowFormat(hidden, x.dtype, c.quant, c.expert_ids.shape[1], False, c.round_scale)
+        self.fingerprint = (n, e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], QUANTS.index(c.quant), fmt.row_bytes)
+        out, ws = f"dispatch_out{engine.result_set}_", engine.ws  # the two alternating sets: no page faults
+        engine.result_set ^= 1
+        self.recv_x = ws.get(out + "x", (num_local, r * n, hidden), fmt.data_dtype)
+        self.scales = None
+        if c.quant is not None:  # DeepEP allocates [L, groups, R * N] and transposes: tokens have stride 1
+            groups, scale_dtype = (hidden // 512, torch.int32) if c.use_ue8m0 else (hidden // 128, torch.float32)
+            self.scales = ws.get(out + "scales", (num_local, groups, r * n), scale_dtype).transpose(1, 2)
+        self.src_info = ws.get(out + "src_info", (num_local, r * n), torch.int32)
+        self.layout_range = ws.get(out + "layout_range", (num_local, r), torch.int64)
+        self.recv_count = ws.get(out + "recv_count", (num_local,), torch.int32)
+        self.handle = LowLatencyHandle(self.src_info, self.layout_range, n, hidden, e.num_moe_experts)
+        self.counts_own: torch.Tensor | None = None
+
+    def result(self) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
+        recv_x = self.recv_x if self.scales is None else (self.recv_x, self.scales)
+        return recv_x, self.recv_count, self.handle
+
+    def place_own(self, own_rows: torch.Tensor, encode: Any) -> None:
+        """This rank's own pairs, straight from ``x`` where the kernels can (no packing), else from their rows."""
+        fmt, plan, me, x = self.fmt, self.plan, self.rank, self.source
+        pairs = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])
+        num_local = self.src_info.shape[0]
+        if fmt.quant is None and self.scales is None and x.dtype == self.recv_x.dtype:
+            counts = torch.zeros(self.layout_range.shape, dtype=torch.int64, device=x.device)
+            pos = torch.zeros(num_local, dtype=torch.int64, device=x.device)
+            if cpu_kernels.place_pairs(x, plan.token[pairs], plan.expert[pairs], self.recv_x, self.src_info, pos,
+                                       counts, me):  # fmt: skip
+                self.counts_own = counts
+                return
+        encode()
+        self.counts_own = self._write([(me, own_rows)], torch.zeros(num_local, dtype=torch.int64, device=x.device))
+
+    def place(self, parts: list[tuple[int, torch.Tensor]], own: tuple[int, torch.Tensor], agreement: Agreement,
+              wait_ns: int) -> None:  # fmt: skip
+        assert self.counts_own is not None, "own rows are placed in the send phase"
+        counts = self.counts_own + self._write(parts, self.counts_own.sum(dim=1))
+        r, me = counts.shape[1], self.rank
+        if not cpu_kernels.layout_range(counts, me, self.layout_range, self.recv_count):
+            order = torch.tensor([me] + [s for s in range(r) if s != me], device=counts.device)
+            begin = torch.empty_like(counts)
+            begin[:, order] = exclusive_cumsum(counts[:, order], 1)
+            self.layout_range.copy_((begin << 32) | counts)
+            self.recv_count.copy_(counts.sum(dim=1))
+        if self.c.recv_stats is not None:
+            self.c.recv_stats += self.recv_count
+        if self.c.wait_stats is not None:
+            self.c.wait_stats += wait_ns
+
+    def _write(self, parts: list[tuple[int, torch.Tensor]], base: torch.Tensor) -> torch.Tensor:
+        """Place the pairs of ``parts`` ((source, rows) in rank order) in each expert's rows from ``base[expert]``
+        on; returns their counts `[L, R]` int64."""
+        fmt, (num_local, rn), r = self.fmt, self.src_info.shape, self.layout_range.shape[1]
+        counts = torch.zeros((num_local, r), dtype=torch.int64, device=base.device)
+        pos, most = base.clone(), max((rows.shape[0] for _, rows in parts), default=0)
+        pairs = torch.empty((2, max(most * fmt.num_slots, 1)), dtype=torch.int64, device=base.device)
+        for src, rows in parts:
+            k = cpu_kernels.place(rows, fmt.data_bytes, fmt.token_off, fmt.slot_off, fmt.num_slots, self.recv_x,
+                                  self.src_info, pos, counts, src, pairs)  # fmt: skip
+            if k is None:
+                self._write_torch(rows, src, pos, counts)
+                continue
+            if self.scales is not None and (self.c.use_ue8m0 or not cpu_kernels.place_scales(
+                    rows, fmt.scale_off, pairs[0, :k], pairs[1, :k], self.scales, fmt.quant != "fp8_e4m3")):  # fmt: skip
+                self._write_scales(rows, pairs[0, :k], pairs[1, :k])
+        return counts
+
+    def _write_torch(self, rows: torch.Tensor, src: int, pos: torch.Tensor, counts: torch.Tensor) -> None:
+        """:meth:`_write` of one source in torch (where the kernels do not apply)."""
+        fmt, (num_local, rn) = self.fmt, self.src_info.shape
+        row, _, expert = parse(fmt, rows)
+        if not row.numel():
+            return
+        order = torch.argsort(expert, stable=True)  # by expert; tokens ascend inside a source
+        row, local = row[order], expert[order]
+        per_expert = torch.bincount(local, minlength=num_local)
+        at = pos[local] + torch.arange(local.numel(), device=row.device) - exclusive_cumsum(per_expert)[local]
+        flat = local * rn + at
+        if row.numel() * fmt.data_bytes < LOOP_BYTES:  # small: one scatter beats a call per expert
+            fmt.scatter_data(rows, row, self.recv_x.view(num_local * rn, -1), flat)
+        else:  # large: expert i's rows are one contiguous range, gathered in one pass each
+            begin = 0
+            for i, (k, b) in enumerate(zip(per_expert.tolist(), pos.tolist(), strict=True)):
+                if k:
+                    fmt.gather_data(rows, row[begin : begin + k], self.recv_x[i, b : b + k])
+                begin += k
+        self._write_scales(rows, row, flat)
+        self.src_info.view(-1)[flat] = fmt.tokens(rows)[row]
+        counts[:, src] += per_expert
+        pos += per_expert
+
+    def _write_scales(self, rows: torch.Tensor, row: torch.Tensor, flat: torch.Tensor) -> None:
+        if self.scales is None:
+            return
+        rn, fmt = self.src_info.shape[1], self.fmt
+        s = fmt.scales(rows, row, self.c.use_ue8m0)
+        self.scales[flat // rn, flat % rn] = s if fmt.quant == "fp8_e4m3" else s.expand(-1, self.scales.shape[2])
+
+
+def layout(c: DispatchCall, engine: Any) -> _Masked:
+    return _Masked(c, engine)
+
+
+def return_rows(handle: LowLatencyHandle, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Rows of the flattened `[L * R * N]` expert output to send back, by (source, expert, row), and rows per source
+    (none to masked sources)."""
+    (num_local, r), n = handle.layout_range.shape, handle.num_max_dispatch_tokens_per_rank
+    outside = f"holds a block outside [0, R * N = {r * n}); pass dispatch's handle"
+    if isinstance(fast := cpu_kernels.return_rows(handle.layout_range, n, mask), tuple):
+        return fast
+    if fast is not None:
+        raise shape("handle.layout_range", f"{outside} (block {divmod(fast, r)})")
+    count, begin = handle.recv_count_per_rank, handle.recv_begin
+    if bool(((begin < 0) | (begin + count > r * n)).any()):
+        raise shape("handle.layout_range", outside)
+    if bool(mask.any()):
+        count = count.masked_fill(mask.to(count.device).bool().unsqueeze(0), 0)
+    count_t = count.t().reshape(-1)
+    start_t = (begin + torch.arange(num_local, device=begin.device).unsqueeze(1) * (r * n)).t().reshape(-1)
+    total = int(count_t.sum())
+    rows = torch.repeat_interleave(start_t - exclusive_cumsum(count_t), count_t, output_size=total)
+    return rows + torch.arange(total, device=rows.device), count.sum(dim=0).tolist()
+
+
+def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
+    """The combine of a masked dispatch's rows (``c.x``, or with ``zero_copy`` the buffer's combine buffer)."""
+    h, e = c.handle, c.experts
+    (num_local, rn), hidden = h.src_info.shape, h.hidden
+    rows, rows_per_src = return_rows(h, engine.mask)
+    plan = plan_topk(c.expert_ids, num_local_experts=num_local, num_ranks=e.world_size, rank=e.rank,
+                     mask=engine.mask, per_pair_rows=True)  # fmt: skip
+    source = engine.scratch("zero_copy", (num_local, rn, hidden), torch.bfloat16) if c.zero_copy else c.x
+    out = c.out if c.out is not None else source.new_empty((c.expert_ids.shape[0], hidden))
+    stats = c.wait_stats
+    return [CombineJob(
+        source.view(num_local * rn, hidden), rows, rows_per_src, plan, c.expert_scales[plan.token, plan.slot],
+        ReturnFormat(hidden, source.dtype, LOGFMT if c.comm_quant_mode else 0), out,
+        (h.num_max_dispatch_tokens_per_rank, h.num_experts, hidden, DTYPE_CODES[c.x.dtype]), COMBINE_NAMES,
+        ("handle", "the dispatch's handle and the same topk_idx"),
+        on_wait=None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns)),
+    )]  # fmt: skip

@@ -1,0 +1,83 @@
+"""How rows move between the ranks of an EP group: a :class:`Transport` moves bytes and signals and nothing else.
+Which rows go where, where they land and what the header words mean is the engine's
+(:mod:`deep_ep_npu.engine.exchange`); both transports give it bit-identical results.
+
+- :class:`~.collective.Collective`: torch.distributed (gloo / NCCL / HCCL): one agreement all-to-all of the headers,
+  then one uneven all-to-all of the rows.
+- :class:`~.window.Window`: a shared-memory window of the ranks of one host: rows written straight into the
+  receivers' windows, the headers sent on pipes; the send phase waits for no peer.
+
+One call, on every rank (``counts[d]``: the header words for rank ``d``, ``counts[d][0]`` the rows this rank writes
+for it and ``counts[d][1]`` the rows it expects from it when already known, else -1; ``shared``: words for every
+rank, ``shared[0]`` the row size in bytes)::
+
+    token = transport.send(op, counts, shared, write, check)  # write(d, out): d's rows into out [rows, row_bytes]
+    agreement, parts, wait_ns = transport.receive(token)   # parts: (source, its rows [n, row_bytes] uint8)
+    transport.done(token)                                  # the parts were read
+
+``check(agreement)`` raises (the same error on every rank) before any received row is used; a rank that rejected its
+input calls ``transport.reject(op, code, width)`` instead (``width``: the shared words), so the others raise too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from .. import envs
+from .collective import Agreement, EPGroup
+
+TRANSPORTS = ("auto", "shm", "collective")
+Write = Callable[[int, torch.Tensor], None]
+Check = Callable[[Agreement], None]
+
+
+class Transport(Protocol):
+    """Moves rows and header words (see the module docstring); ``name``: ``"collective"`` or ``"shm"``."""
+
+    name: str
+    ep: EPGroup
+
+    def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
+             agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
+             device: torch.device | None = None) -> Any: ...  # fmt: skip
+
+    def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]: ...
+
+    def done(self, token: Any) -> None: ...
+
+    def reject(self, op: str, code: int, width: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def resolve_transport_name(name: str | None) -> str:
+    """``name``, else ``DEEP_EP_NPU_TRANSPORT``, else ``"auto"``; raises ValueError for anything outside
+    :data:`TRANSPORTS`."""
+    if name is None:
+        name = envs.transport() or "auto"
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport: must be one of {list(TRANSPORTS)}, got {name!r}")
+    return name
+
+
+def create_window(ep: EPGroup, name: str, window_bytes: int) -> Transport | None:
+    """The shared-memory window of ``ep`` for transport ``name`` (collective on every rank of the group): for
+    ``"auto"`` when the group's backend is gloo, it has more than one rank and every rank can share memory with every
+    other (checked, see :mod:`.window_setup`), else None; ``"shm"`` raises ValueError where it is not possible.
+    ``window_bytes``: each rank's window size (at least :data:`~.window.DEFAULT_WINDOW_BYTES`)."""
+    import torch.distributed as dist
+
+    from .window import DEFAULT_WINDOW_BYTES
+    from .window_setup import setup
+
+    if name == "collective" or ep.num_ranks == 1:
+        return None
+    backend = str(dist.get_backend(ep.group)).lower()
+    if "gloo" not in backend:
+        if name == "shm":
+            raise ValueError(f"transport: 'shm' needs a gloo (CPU) group, got backend {backend!r}; pass 'auto'")
+        return None
+    return setup(ep, max(window_bytes, DEFAULT_WINDOW_BYTES), required=name == "shm")
