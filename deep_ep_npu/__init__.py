@@ -2,7 +2,7 @@
 
 The layers: the API front-ends (:class:`Buffer`, :class:`ElasticBuffer`, :mod:`.ops`, :mod:`.mega_moe`, the NPU
 stand-in :mod:`.sim`), the parameter core (:mod:`.core`: one call description, one rule set), the engine
-(:mod:`.engine`), the transports (:mod:`.transports`), the CPU kernels (:mod:`.engine.cpu_kernels`) and the backends
+(:mod:`.engine`), the transports (:mod:`.transports`), the CPU kernels (:mod:`.kernels`) and the backends
 (:mod:`.backends`). Imports only torch; torch_npu is imported only when the Ascend backend is created.
 """
 

@@ -36,11 +36,6 @@ def transport() -> str | None:
 
 
 def cpu_kernels() -> bool:
-    """``DEEP_EP_NPU_CPU_KERNELS``: ``0`` turns the compiled CPU loops off (:mod:`deep_ep_npu.engine.cpu_kernels`);
-    anything else, or unset, leaves them on."""
+    """``DEEP_EP_NPU_CPU_KERNELS``: ``0`` turns the CPU kernels off (:mod:`deep_ep_npu.kernels`: CPU tensors take the
+    torch code); anything else, or unset, leaves them on."""
     return os.environ.get("DEEP_EP_NPU_CPU_KERNELS", "1").strip() != "0"
-
-
-def cache_dir() -> str | None:
-    """``DEEP_EP_NPU_CACHE``: where compiled CPU loops are kept, or None when it is not set."""
-    return os.environ.get("DEEP_EP_NPU_CACHE") or None

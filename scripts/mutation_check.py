@@ -1,7 +1,8 @@
 """Apply known mutants of the library one by one and check that the tests meant to catch each one fail.
 
 Run from the repository root: ``.venv/bin/python scripts/mutation_check.py`` (a few minutes on 2 cores). Each mutant
-is a single text replacement; the file is restored afterwards (also on Ctrl-C). Exit status 1 if a mutant survives.
+is a single text replacement; the file is restored afterwards (also on Ctrl-C), and a mutated C file is rebuilt in
+place before its tests and after. Exit status 1 if a mutant survives.
 """
 
 from __future__ import annotations
@@ -39,30 +40,30 @@ MUTANTS = [  # (name, file, original text, mutated text, tests that must fail)
      "raise err.renamed(_FLAT_DISPATCH_NAMES) from None",
      "raise err",
      ["tests/test_fuzz_library.py"]),
-    ("C reduction rounds differently from the torch code", "deep_ep_npu/engine/cpu_kernels.c",
+    ("C reduction rounds differently from the torch code", "deep_ep_npu/kernels/loops.c",
      "            acc[h] = acc[h] + p;",
      "            acc[h] = acc[h] + p * 1.0000001f;",
-     ["tests/test_cpu_kernels.py", "tests/test_transport.py::test_transports_are_bit_identical"]),
-    ("C plan puts this rank's rows in rank order", "deep_ep_npu/engine/cpu_kernels.c",
+     ["tests/kernels/test_cpu_kernels.py", "tests/test_transport.py::test_transports_are_bit_identical"]),
+    ("C plan puts this rank's rows in rank order", "deep_ep_npu/kernels/loops.c",
      "int64_t d = q < R - 1 ? (q < me ? q : q + 1) : me;",
      "int64_t d = q;",
-     ["tests/test_cpu_kernels.py"]),
-    ("C flat placement orders its blocks by source, then expert", "deep_ep_npu/engine/cpu_kernels.c",
+     ["tests/kernels/test_cpu_kernels.py"]),
+    ("C flat placement orders its blocks by source, then expert", "deep_ep_npu/kernels/loops.c",
      "int64_t p = cursor[e * num_ranks + s]++;",
      "int64_t p = cursor[s * num_local + e]++;",
-     ["tests/test_cpu_kernels.py", "tests/test_ops_dispatch_combine.py::test_random_cases_match_oracle"]),
+     ["tests/kernels/test_cpu_kernels.py", "tests/test_ops_dispatch_combine.py::test_random_cases_match_oracle"]),
     ("flat combine sums a token's slots in plan order", "deep_ep_npu/engine/combine.py",
      "order = torch.argsort(plan.slot, stable=True)",
      "order = torch.arange(plan.slot.numel(), device=dev)",
      ["tests/test_ops_dispatch_combine.py::test_random_cases_match_oracle"]),
-    ("C int8 rows round half away from zero", "deep_ep_npu/engine/cpu_kernels.c",
+    ("C int8 rows round half away from zero", "deep_ep_npu/kernels/loops.c",
      "float r = __builtin_rintf(v[h] * inv);",
      "float r = __builtin_roundf(v[h] * inv);",
-     ["tests/test_cpu_kernels.py", "tests/test_ops_dispatch_combine.py::test_random_cases_match_oracle"]),
-    ("C e4m3 cast rounds ties up", "deep_ep_npu/engine/cpu_kernels.c",
+     ["tests/kernels/test_cpu_kernels.py", "tests/test_ops_dispatch_combine.py::test_random_cases_match_oracle"]),
+    ("C e4m3 cast rounds ties up", "deep_ep_npu/kernels/loops.c",
      "uint32_t normal = (u + 0x7FFFFu + ((u >> 20) & 1u) - ((uint32_t)(127 - 7) << 23)) >> 20;",
      "uint32_t normal = (u + 0x80000u - ((uint32_t)(127 - 7) << 23)) >> 20;",
-     ["tests/test_cpu_kernels.py::test_e4m3_cast_matches_torch"]),
+     ["tests/kernels/test_cpu_kernels.py::test_e4m3_cast_matches_torch"]),
     ("a late rank completes a call its peers gave up", "deep_ep_npu/engine/window.py",
      "if any(call.seq in self.peers[s].abandoned for s in live):",
      "if False:",
@@ -70,20 +71,29 @@ MUTANTS = [  # (name, file, original text, mutated text, tests that must fail)
 ]  # fmt: skip
 
 
+def build_kernels() -> None:
+    """Rebuild the CPU kernels in place (what ``pip install -e .`` builds): a C mutant only runs once built."""
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], capture_output=True, check=True)
+
+
 def killed(path: str, old: str, new: str, tests: list[str]) -> bool:
     """Whether ``tests`` fail with ``old`` replaced by ``new`` in ``path`` (which is restored)."""
-    file = pathlib.Path(path)
+    file, native = pathlib.Path(path), path.endswith(".c")
     text = file.read_text()
     if text.count(old) != 1:
         raise SystemExit(f"{path}: the mutant's original text is not there exactly once: {old!r}")
     file.write_text(text.replace(old, new))
     try:
+        if native:
+            build_kernels()
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
         return subprocess.run(cmd, capture_output=True, timeout=600).returncode != 0
     except subprocess.TimeoutExpired:
         return True  # a hang is caught too (the suite's own timeouts would fail it)
     finally:
         file.write_text(text)
+        if native:
+            build_kernels()
 
 
 def main() -> int:

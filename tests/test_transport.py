@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_npu import Buffer, EPRankFailure
-from deep_ep_npu.engine import cpu_kernels
+from deep_ep_npu import kernels as cpu_kernels
 from tests.distributed import parallel_launch
 
 N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 12, 1.0

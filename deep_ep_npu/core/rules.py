@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..engine import cpu_kernels
+from .. import kernels
 from ..errors import invalid, null, shape
 from ..handle import LowLatencyHandle
 from .call import FFN, CombineCall, DispatchCall, Experts
@@ -105,7 +105,7 @@ def expert_ids(ids: object, param: str, num_ids: int, num_tokens: int, max_topk:
         raise shape(param, f"has {t.shape[0]} rows but x has {num_tokens} tokens")
     if not 0 < k <= max_topk:
         raise shape(param, f"top-k (dim 1) is {k}, allowed (0, {max_topk}]")
-    if active is None and cpu_kernels.ids_ok(t, -1 if no_expert else 0, num_ids):  # (one pass; else as below)
+    if active is None and kernels.ids_ok(t, -1 if no_expert else 0, num_ids):  # (one pass; else as below)
         return t
     if active is not None:  # excluded entries read -1: neither range-checked nor duplicates
         t = t.masked_fill(~active, -1)

@@ -22,13 +22,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .. import profiling
+from .. import kernels, profiling
 from ..backends import Backend, BufferConfig
-from ..core.call import CombineCall, DispatchCall, FFN
+from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError, shape
 from ..transports import Transport, create_window
 from ..transports.collective import STATUS_OK, Agreement, Collective, EPGroup, Workspace
-from . import cpu_kernels, expand, flat, masked, reduce
+from . import expand, flat, masked, reduce
 from .plan import Plan
 from .rows import RowFormat, encoder
 from .tp import TPStage
@@ -255,7 +255,7 @@ class Engine(Backend):
             rows = job.return_rows[starts[q] : starts[q] + job.rows_per_src[q]]
             if fmt.quantized:
                 fmt.encode(job.source.index_select(0, rows), out)
-            elif transport is not self.window or not cpu_kernels.gather(job.source, rows, out.view(fmt.dtype)):
+            elif transport is not self.window or not kernels.gather(job.source, rows, out.view(fmt.dtype)):
                 torch.index_select(job.source, 0, rows, out=out.view(fmt.dtype))
 
         def check(agreement: Agreement) -> None:

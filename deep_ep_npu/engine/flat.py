@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..core.call import CombineCall, DispatchCall
 from ..errors import shape
 from ..transports.collective import Agreement
-from . import cpu_kernels
 from .plan import pair_weights, plan_call, smooth_rows
 from .reduce import CombineJob, special_contributions
 from .rows import DTYPE_CODES, ReturnFormat, RowFormat, parse
@@ -88,7 +88,7 @@ class _Flat:
         carried = 0 if c.quant is None else fmt.scale_end - fmt.scale_off  # scale bytes per row that travel
         blocks = [*parts, own]
         expand_x, scale_bytes = self.expand_x, self.scale_bytes
-        num_recv = cpu_kernels.place_flat(blocks, fmt, carried, self.weights is not None, counts, expand_x[:cap],
+        num_recv = kernels.place_flat(blocks, fmt, carried, self.weights is not None, counts, expand_x[:cap],
                                           scale_bytes[:cap], self.assist, self.expand_scales)  # fmt: skip
         if num_recv is None:
             num_recv = self._place_torch(blocks, counts)
@@ -111,7 +111,7 @@ class _Flat:
         add_wait_time(c.wait_stats, agreement, wait_ns)
 
     def _place_torch(self, blocks: list[tuple[int, torch.Tensor]], counts: torch.Tensor) -> int:
-        """:meth:`place`'s placement in torch (where :func:`~.cpu_kernels.place_flat` does not apply): fills
+        """:meth:`place`'s placement in torch (where :func:`~deep_ep_npu.kernels.place_flat` does not apply): fills
         ``counts`` `[L, R]` and returns the pairs received (writes no row when they exceed the capacity)."""
         fmt, cap, dev = self.fmt, self.c.capacity, self.source.device
         got = [(src, rows, *parse(fmt, rows)) for src, rows in blocks]

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..core.call import CombineCall, DispatchCall
 from ..errors import shape
 from ..handle import LowLatencyHandle
 from ..transports.collective import Agreement
-from . import cpu_kernels
 from .plan import plan_topk
 from .reduce import CombineJob
 from .rows import DTYPE_CODES, LOGFMT, QUANTS, ReturnFormat, RowFormat, parse
@@ -74,7 +74,7 @@ class _Masked:
         if fmt.quant is None and self.scales is None and x.dtype == self.recv_x.dtype:
             counts = torch.zeros(self.layout_range.shape, dtype=torch.int64, device=x.device)
             pos = torch.zeros(num_local, dtype=torch.int64, device=x.device)
-            if cpu_kernels.place_pairs(x, plan.token[pairs], plan.expert[pairs], self.recv_x, self.src_info, pos,
+            if kernels.place_pairs(x, plan.token[pairs], plan.expert[pairs], self.recv_x, self.src_info, pos,
                                        counts, me):  # fmt: skip
                 self.counts_own = counts
                 return
@@ -86,7 +86,7 @@ class _Masked:
         assert self.counts_own is not None, "own rows are placed in the send phase"
         counts = self.counts_own + self._write(parts, self.counts_own.sum(dim=1))
         r, me = counts.shape[1], self.rank
-        if not cpu_kernels.layout_range(counts, me, self.layout_range, self.recv_count):
+        if not kernels.layout_range(counts, me, self.layout_range, self.recv_count):
             order = torch.tensor([me] + [s for s in range(r) if s != me], device=counts.device)
             begin = torch.empty_like(counts)
             begin[:, order] = exclusive_cumsum(counts[:, order], 1)
@@ -105,12 +105,12 @@ class _Masked:
         pos, most = base.clone(), max((rows.shape[0] for _, rows in parts), default=0)
         pairs = torch.empty((2, max(most * fmt.num_slots, 1)), dtype=torch.int64, device=base.device)
         for src, rows in parts:
-            k = cpu_kernels.place(rows, fmt.data_bytes, fmt.token_off, fmt.slot_off, fmt.num_slots, self.recv_x,
+            k = kernels.place(rows, fmt.data_bytes, fmt.token_off, fmt.slot_off, fmt.num_slots, self.recv_x,
                                   self.src_info, pos, counts, src, pairs)  # fmt: skip
             if k is None:
                 self._write_torch(rows, src, pos, counts)
                 continue
-            if self.scales is not None and (self.c.use_ue8m0 or not cpu_kernels.place_scales(
+            if self.scales is not None and (self.c.use_ue8m0 or not kernels.place_scales(
                     rows, fmt.scale_off, pairs[0, :k], pairs[1, :k], self.scales, fmt.quant != "fp8_e4m3")):  # fmt: skip
                 self._write_scales(rows, pairs[0, :k], pairs[1, :k])
         return counts
@@ -156,7 +156,7 @@ def return_rows(handle: LowLatencyHandle, mask: torch.Tensor) -> tuple[torch.Ten
     (none to masked sources)."""
     (num_local, r), n = handle.layout_range.shape, handle.num_max_dispatch_tokens_per_rank
     outside = f"holds a block outside [0, R * N = {r * n}); pass dispatch's handle"
-    if isinstance(fast := cpu_kernels.return_rows(handle.layout_range, n, mask), tuple):
+    if isinstance(fast := kernels.return_rows(handle.layout_range, n, mask), tuple):
         return fast
     if fast is not None:
         raise shape("handle.layout_range", f"{outside} (block {divmod(fast, r)})")

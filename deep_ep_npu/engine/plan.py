@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
+from .. import kernels
 from ..core.call import Experts
-from . import cpu_kernels
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ def plan_topk(topk_idx: torch.Tensor, *, num_local_experts: int, num_ranks: int,
     ``e // L``, local expert ``e % L``; ranks masked in ``mask`` `[R]` (shrink mode) receive nothing, and a masked
     rank sends nothing. Without ``per_pair_rows`` the plan also holds its rows' ``slot_expert`` table."""
     ids, nl = topk_idx.long(), num_local_experts
-    if (fast := cpu_kernels.plan(ids, nl, num_ranks, rank, mask, per_pair_rows)) is not None:
+    if (fast := kernels.plan(ids, nl, num_ranks, rank, mask, per_pair_rows)) is not None:
         token, slot, dest, expert, pairs, row_token, row_of_pair, rows, table = fast
         return Plan(token, slot, dest, expert, pairs, row_token, row_of_pair, rows, rank, table)
     valid = ids >= 0

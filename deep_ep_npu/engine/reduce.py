@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+
 import torch
 
+from .. import kernels
 from ..core.call import Experts
 from ..errors import shape
 from ..transports.collective import Agreement
-from . import cpu_kernels
 from .plan import Plan
 from .rows import ReturnFormat
 
@@ -89,16 +90,16 @@ class Local:
 
 
 def _fused(job: CombineJob) -> bool:
-    """Whether rows go straight into the fp32 sum (:func:`~.cpu_kernels.accumulate`) instead of through scratch."""
+    """Whether rows go straight into the fp32 sum (:func:`~deep_ep_npu.kernels.accumulate`) instead of through scratch."""
     return not job.by_slot and not job.fmt.quantized and job.source.device.type == "cpu"
 
 
 def _fused_by_slot(job: CombineJob) -> bool:
-    """Whether the slot-ordered sum runs in one pass (:func:`~.cpu_kernels.accumulate_rows`) from the rows where
+    """Whether the slot-ordered sum runs in one pass (:func:`~deep_ep_npu.kernels.accumulate_rows`) from the rows where
     they are (no scratch copy): rows in the source's dtype, no copy / const contributions, the kernels there."""
     fmt, src = job.fmt, job.source
     return (job.by_slot and not fmt.quantized and job.extra is None and src.device.type == "cpu"
-            and src.dtype == fmt.dtype and cpu_kernels.library() is not None)  # fmt: skip
+            and src.dtype == fmt.dtype and kernels.library() is not None)  # fmt: skip
 
 
 Scratch = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -113,7 +114,7 @@ def reduce_own(job: CombineJob, scratch: Scratch) -> Local:
     token, rows = plan.token, job.return_rows[own_src]
     remote_pairs = torch.cat([torch.arange(own.start, device=dev), torch.arange(own.stop, token.numel(), device=dev)])
     acc = scratch("combine_acc", (job.num_tokens, fmt.hidden), torch.float32)
-    if _fused(job) and cpu_kernels.accumulate(acc, job.source, rows, token[own], job.weights[own], zero_first=True):
+    if _fused(job) and kernels.accumulate(acc, job.source, rows, token[own], job.weights[own], zero_first=True):
         return Local(acc, None, own, remote_pairs)
     if _fused_by_slot(job):  # summed with the remote rows, in slot order (the receive phase)
         return Local(acc, None, own, remote_pairs)
@@ -143,7 +144,7 @@ def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agre
         tok, w, begin, done = plan.token[local.remote_pairs], job.weights[local.remote_pairs], 0, 0
         for p in parts if _fused(job) else ():  # straight into the sum, part by part (in order)
             pairs = slice(begin, begin + len(p))
-            if not cpu_kernels.accumulate(acc, p.view(fmt.dtype), None, tok[pairs], w[pairs]):
+            if not kernels.accumulate(acc, p.view(fmt.dtype), None, tok[pairs], w[pairs]):
                 break
             begin, done = pairs.stop, done + 1
         if rest := parts[done:]:  # the torch code for what the kernel did not take
@@ -159,7 +160,7 @@ def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agre
 
 def _sum_by_slot(job: CombineJob, local: Local, parts: list[torch.Tensor]) -> bool:
     """The by-slot sum in one pass, reading the own rows from ``job.source`` and the received ones from ``parts``
-    where they are (:func:`~.cpu_kernels.accumulate_rows`): per token, slots ascending, each product and sum rounded
+    where they are (:func:`~deep_ep_npu.kernels.accumulate_rows`): per token, slots ascending, each product and sum rounded
     to fp32 as the torch code's. False (nothing done) where the kernel does not apply."""
     plan, own, remote_pairs, dev = job.plan, local.own, local.remote_pairs, job.source.device
     y_at = torch.empty_like(plan.token)  # pair -> its row among [own rows, then the received parts' rows]
@@ -167,7 +168,7 @@ def _sum_by_slot(job: CombineJob, local: Local, parts: list[torch.Tensor]) -> bo
     y_at[remote_pairs] = torch.arange(remote_pairs.numel(), device=dev) + (own.stop - own.start)
     order = torch.argsort(plan.slot, stable=True)
     rows = [(job.source, job.return_rows[own_return_rows(job)]), *((p.view(job.fmt.dtype), None) for p in parts)]
-    return cpu_kernels.accumulate_rows(local.acc, rows, y_at[order], plan.token[order], job.weights[order])
+    return kernels.accumulate_rows(local.acc, rows, y_at[order], plan.token[order], job.weights[order])
 
 
 def _sum_by_slot_torch(job: CombineJob, local: Local, parts: list[torch.Tensor], scratch: Scratch) -> None:

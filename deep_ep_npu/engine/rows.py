@@ -19,10 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from .. import logfmt
+from .. import kernels, logfmt
 from ..quant import FP8_DTYPE, GROUP, Quant, mx_dequant, pack_ue8m0, per_group_int8, scale_for_fp8_
 from ..sizes import align
-from . import cpu_kernels
 from .plan import Plan
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
@@ -89,13 +88,13 @@ class RowFormat:
         ``out`` (a peer's window)."""
         if self.quant is not None:
             fast = self.codec == INT8_PER_TOKEN and smooth is None
-            if fast and cpu_kernels.pack_int8(x, token, slot_expert, weights, out, self):
+            if fast and kernels.pack_int8(x, token, slot_expert, weights, out, self):
                 return None
             fp8 = self.quant == "fp8_e4m3" and not self.round_scale and weights is None and smooth is None
-            if fp8 and cpu_kernels.pack_fp8(x, token, slot_expert, out, self):
+            if fp8 and kernels.pack_fp8(x, token, slot_expert, out, self):
                 return None
             return self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
-        if weights is None and cpu_kernels.pack(x, token, slot_expert, out, self.token_off, self.slot_off, remote):
+        if weights is None and kernels.pack(x, token, slot_expert, out, self.token_off, self.slot_off, remote):
             return None
         torch.index_select(x, 0, token, out=out[:, : self.data_bytes].view(self.data_dtype))
         self._write_fields(out, token, slot_expert, weights)
@@ -115,7 +114,7 @@ class RowFormat:
         """:meth:`encode_gathered`'s rows from :meth:`encode_tokens`'s ``encoded``: the bytes of ``encoded[token]``,
         then the token, ``slot_expert`` and ``weights`` fields (the same bytes as encoding the rows again)."""
         fields = (self.token_off, self.slot_off, remote)
-        if weights is None and cpu_kernels.pack(encoded, token, slot_expert, out, *fields):
+        if weights is None and kernels.pack(encoded, token, slot_expert, out, *fields):
             return
         torch.index_select(encoded, 0, token, out=out)
         self._write_fields(out, token, slot_expert, weights)

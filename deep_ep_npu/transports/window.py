@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import invalid
-from .failure import EPRankFailure, agree_missing
 from .collective import STATUS_OK, Agreement, EPGroup
+from .failure import EPRankFailure, agree_missing
 
 HEADER, DONE, BYE, FAIL = 1, 2, 3, 4  # message kinds
 DATA_OFFSET = 4096  # the first page holds the owner's nonce

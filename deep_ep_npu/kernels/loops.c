@@ -1,14 +1,13 @@
-/* The engine's per-call loops on CPU tensors, each one pass (see cpu_kernels.py): the plan, the id check, row packing
- * (with per-token int8 or DeepEP fp8 quantization), the masked placement, scales and block table, the flat placement,
- * combine's return rows and gather, the weighted fp32 reduction and the slot-ordered one. Results are bit-identical
- * to the torch code they replace: products, divisions and sums rounded one by one, in the same order (built with
+/* The engine's per-call loops on CPU tensors, each one pass: the plan, the id check, row packing (with per-token
+ * int8 or DeepEP fp8 quantization), the masked placement, scales and block table, the flat placement, combine's
+ * return rows and gather, the weighted fp32 reduction and the slot-ordered one. Results are bit-identical to the
+ * torch code they replace: products, divisions and sums rounded one by one, in the same order (built with
  * -ffp-contract=off: no fused multiply-add; -fno-trapping-math lets branch-free selects vectorize and changes no
- * value). */
-#include <stdint.h>
+ * value; setup.py). The loops trust their arguments: only _cpu.c calls them, after checking every buffer. */
+#include "loops.h"
+
 #include <stdlib.h>
 #include <string.h>
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
 #if defined(__x86_64__)
 #include <emmintrin.h>

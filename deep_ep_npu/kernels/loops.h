@@ -1,0 +1,46 @@
+/* The CPU loops of loops.c (each documented there), called only by the checked bindings in _cpu.c. */
+#ifndef DEP_LOOPS_H
+#define DEP_LOOPS_H
+#include <stdint.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+int dep_has_dtype(int dtype);
+int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t *base, int64_t stride, int dtype,
+                   const int64_t *index, const int64_t *addr, const int64_t *token, const float *weight, int64_t n,
+                   int zero_first);
+int64_t dep_place(const uint8_t *rows, int64_t n, int64_t row_bytes, int64_t data_bytes, int64_t token_off,
+                  int64_t slot_off, int64_t num_slots, int64_t num_local, int64_t cap, int64_t num_ranks, int64_t src,
+                  uint8_t *recv, int32_t *src_info, int64_t *pos, int64_t *counts, int64_t *pair_row,
+                  int64_t *pair_pos);
+int dep_check_ids(const int64_t *ids, int64_t n, int64_t k, int64_t lo, int64_t hi);
+int64_t dep_plan(const int64_t *ids, int64_t T, int64_t K, int64_t L, int64_t R, int64_t me, const uint8_t *mask,
+                 int per_pair_rows, int64_t *token, int64_t *slot, int64_t *dest, int64_t *expert,
+                 int64_t *pairs_per_dest, int64_t *row_token, int64_t *row_of_pair, int64_t *rows_per_dest,
+                 int32_t *slot_expert, int64_t *scratch, int64_t *rows_out);
+void dep_pack(const uint8_t *x, int64_t data_bytes, const int64_t *row_token, const int32_t *slot_expert, int64_t n,
+              int64_t k, uint8_t *out, int64_t row_bytes, int64_t token_off, int64_t slot_off, int streaming);
+void dep_gather(const uint8_t *x, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out);
+void dep_layout_range(const int64_t *counts, int64_t num_local, int64_t num_ranks, int64_t me, int64_t *layout_range,
+                      int32_t *recv_count);
+int64_t dep_return_rows(const int64_t *layout_range, int64_t num_local, int64_t num_ranks, int64_t n,
+                        const uint8_t *mask, int64_t *rows, int64_t *per_src);
+int dep_place_pairs(const uint8_t *x, int64_t data_bytes, const int64_t *token, const int64_t *expert, int64_t n,
+                    int64_t num_local, int64_t cap, int64_t num_ranks, int64_t src, uint8_t *recv, int32_t *src_info,
+                    int64_t *pos, int64_t *counts);
+int64_t dep_place_flat(const int64_t *block_addr, const int64_t *block_n, const int64_t *block_src, int64_t nb,
+                       int64_t row_bytes, int64_t data_bytes, int64_t scale_off, int64_t scale_bytes, int64_t token_off,
+                       int64_t slot_off, int64_t num_slots, int64_t weight_off, int64_t num_local, int64_t num_ranks,
+                       int64_t cap, uint8_t *expand_x, uint8_t *scales, int32_t *assist, float *expand_scales,
+                       int64_t *counts);
+int dep_pack_int8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *row_token, const int32_t *slot_expert,
+                  const float *weights, int64_t n, int64_t k, uint8_t *out, int64_t row_bytes, int64_t scale_off,
+                  int64_t token_off, int64_t slot_off, int64_t weight_off);
+void dep_place_scales(const uint8_t *rows, int64_t row_bytes, int64_t scale_off, const int64_t *pair_row,
+                      const int64_t *pair_pos, int64_t k, float *out, int64_t cap, int64_t groups, int repeat);
+int dep_pack_fp8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *row_token, const int32_t *slot_expert,
+                 int64_t n, int64_t k, uint8_t *out, int64_t row_bytes, int64_t scale_off, int64_t token_off,
+                 int64_t slot_off);
+void dep_to_e4m3(const float *x, int64_t n, uint8_t *out);
+
+#endif
