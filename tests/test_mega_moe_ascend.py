@@ -18,9 +18,18 @@ import numpy as np
 import pytest
 import torch
 
-from deep_ep_npu.mega_moe import AscendMegaMoe, available_backends, create_backend
-from deep_ep_npu.mega_moe.ascend import fixpipe_scale, fixpipe_scale_value, fused_op_blocker, fused_op_kwargs
-from deep_ep_npu.mega_moe.params import MegaMoeArgs
+from types import SimpleNamespace
+
+from deep_ep_npu.backends import BufferConfig, available_backends, create_backend, resolve_backend_name
+from deep_ep_npu.backends.ascend import AscendBackend
+from deep_ep_npu.backends.ascend_mega import (
+    fixpipe_scale,
+    fixpipe_scale_value,
+    fused_mega_moe,
+    fused_op_blocker,
+    fused_op_kwargs,
+)
+from deep_ep_npu.core.call import FFN, DispatchCall, Experts
 from deep_ep_npu.sim import fused
 from tests.distributed import parallel_launch
 from tests.mega_moe_oracle import Case, assert_matches, dense_reference, make_case
@@ -37,32 +46,20 @@ def _no_torch_npu() -> bool:
 
 
 def _args(*, int8=True, hidden=256, n=128, x_dtype=torch.bfloat16, out_dtype=torch.bfloat16, idx=None, mask=None,
-          limit=0.0) -> MegaMoeArgs:  # fmt: skip
+          limit=0.0) -> tuple[DispatchCall, FFN]:  # fmt: skip
+    """A validated fused call of rank 1 of 2 (E_local 4, M 6, topK 2) and its FFN."""
     g = torch.Generator().manual_seed(0)
     m, topk, num_local, w = 6, 2, 4, 2
     if idx is None:
         idx = torch.stack([torch.randperm(num_local * w, generator=g)[:topk] for _ in range(m)])
     wdt = torch.int8 if int8 else x_dtype
-    return MegaMoeArgs(
-        group=None,  # type: ignore[arg-type]
-        world_size=w,
-        rank=1,
-        x=torch.randn((m, hidden), generator=g).to(x_dtype),
-        topk_idx=idx.long(),
-        topk_weights=torch.rand((m, topk), generator=g),
-        w1=torch.zeros((num_local, hidden, 2 * n), dtype=wdt),
-        w2=torch.zeros((num_local, n, hidden), dtype=wdt),
-        w1_scale=torch.rand((num_local, 2 * n)) if int8 else None,
-        w2_scale=torch.rand((num_local, hidden)) if int8 else None,
-        num_max_dispatch_tokens_per_rank=8,
-        num_experts=num_local * w,
-        out_dtype=out_dtype,
-        max_output_size=32,
-        num_segments=2,
-        segment_by="expert",
-        x_active_mask=mask,
-        swiglu_limit=limit,
-    )
+    experts = Experts(w, 1, num_local * w, num_local, num_local, w, 1, (0, 1), scales_experts=num_local * w)
+    x, weights = torch.randn((m, hidden), generator=g).to(x_dtype), torch.rand((m, topk), generator=g)
+    call = DispatchCall("mega_moe", "flat", x, idx.long(), experts, num_max=8, x_active_mask=mask, expert_scales=weights)
+    ffn = FFN(torch.zeros((num_local, hidden, 2 * n), dtype=wdt), torch.zeros((num_local, n, hidden), dtype=wdt),
+              torch.rand((num_local, 2 * n)) if int8 else None, torch.rand((num_local, hidden)) if int8 else None,
+              out_dtype, limit, 2, "expert", 32)  # fmt: skip
+    return call, ffn
 
 
 def test_fixpipe_scale_words():
@@ -81,25 +78,25 @@ def test_fixpipe_scale_words():
 def test_fused_op_kwargs_mapping(int8):
     mask = torch.tensor([True] * 4 + [False] * 2)
     idx = torch.tensor([[0, 1]] * 4 + [[-1, -1]] * 2)  # masked rows carry -1 after validation
-    args = _args(int8=int8, idx=idx, mask=mask, limit=7.0 if int8 else 0.0)
+    call, ffn = _args(int8=int8, idx=idx, mask=mask, limit=7.0 if int8 else 0.0)
     marked = []
-    kw = fused_op_kwargs(args, "hccl_comm_7", lambda w: marked.append(w) or w.clone())
+    kw = fused_op_kwargs(call, ffn, "hccl_comm_7", lambda w: marked.append(w) or w.clone())
     assert set(kw) == {
         "x", "weight1", "weight2", "expert_idx", "scale1", "scale2", "bias1", "bias2", "probs", "group",
         "max_output_size", "out", "expert_token_nums", "x_active_mask", "swiglu_limit",
     }  # fmt: skip
-    assert kw["x"] is args.x and kw["probs"] is args.topk_weights and kw["group"] == "hccl_comm_7"
+    assert kw["x"] is call.x and kw["probs"] is call.expert_scales and kw["group"] == "hccl_comm_7"
     assert kw["expert_idx"].dtype == torch.int32 and torch.equal(kw["expert_idx"].long(), idx.clamp(min=0))
-    assert [t.shape for t in kw["weight1"]] == [args.w1.shape] and [t.shape for t in kw["weight2"]] == [args.w2.shape]
-    assert len(marked) == 2 and marked[0] is args.w1 and marked[1] is args.w2  # both weights go through NZ casting
+    assert [t.shape for t in kw["weight1"]] == [ffn.w1.shape] and [t.shape for t in kw["weight2"]] == [ffn.w2.shape]
+    assert len(marked) == 2 and marked[0] is ffn.w1 and marked[1] is ffn.w2  # both weights go through NZ casting
     if int8:
         assert kw["scale1"][0].dtype == kw["scale2"][0].dtype == torch.int64
-        assert torch.equal(fixpipe_scale_value(kw["scale1"][0]), args.w1_scale)
-        assert torch.equal(fixpipe_scale_value(kw["scale2"][0]), args.w2_scale)
+        assert torch.equal(fixpipe_scale_value(kw["scale1"][0]), ffn.w1_scale)
+        assert torch.equal(fixpipe_scale_value(kw["scale2"][0]), ffn.w2_scale)
     else:
         assert all(s[0].numel() == 0 and s[0].dtype == torch.int64 for s in (kw["scale1"], kw["scale2"]))
     assert all(b[0].numel() == 0 and b[0].dtype == torch.float32 for b in (kw["bias1"], kw["bias2"]))
-    assert kw["max_output_size"] == 32 and kw["x_active_mask"] is mask and kw["swiglu_limit"] == args.swiglu_limit
+    assert kw["max_output_size"] == 32 and kw["x_active_mask"] is mask and kw["swiglu_limit"] == ffn.swiglu_limit
     assert kw["out"].shape == (6, 256) and kw["out"].dtype == torch.bfloat16
     assert kw["expert_token_nums"].shape == (4,) and kw["expert_token_nums"].dtype == torch.int32
 
@@ -107,17 +104,17 @@ def test_fused_op_kwargs_mapping(int8):
 def test_fused_op_eligibility():
     mask = torch.tensor([True] * 4 + [False] * 2)
     masked_idx = torch.tensor([[0, 1]] * 4 + [[-1, -1]] * 2)
-    assert fused_op_blocker(_args()) is None
-    assert fused_op_blocker(_args(int8=False)) is None
-    assert fused_op_blocker(_args(x_dtype=torch.float16, out_dtype=torch.float16)) is None
-    assert fused_op_blocker(_args(idx=masked_idx, mask=mask, limit=7.0)) is None  # int8: mask and clamp are fused
-    assert "bfloat16" in fused_op_blocker(_args(x_dtype=torch.float32, out_dtype=torch.float32))
-    assert "out_dtype" in fused_op_blocker(_args(out_dtype=torch.float16))
-    assert "128" in fused_op_blocker(_args(hidden=192))
-    assert "64" in fused_op_blocker(_args(n=96))
-    assert "-1" in fused_op_blocker(_args(idx=torch.tensor([[0, -1]] * 6)))
-    assert "ignores" in fused_op_blocker(_args(int8=False, idx=masked_idx, mask=mask))
-    assert "ignores" in fused_op_blocker(_args(int8=False, limit=7.0))
+    assert fused_op_blocker(*_args()) is None
+    assert fused_op_blocker(*_args(int8=False)) is None
+    assert fused_op_blocker(*_args(x_dtype=torch.float16, out_dtype=torch.float16)) is None
+    assert fused_op_blocker(*_args(idx=masked_idx, mask=mask, limit=7.0)) is None  # int8: mask and clamp are fused
+    assert "bfloat16" in fused_op_blocker(*_args(x_dtype=torch.float32, out_dtype=torch.float32))
+    assert "out_dtype" in fused_op_blocker(*_args(out_dtype=torch.float16))
+    assert "128" in fused_op_blocker(*_args(hidden=192))
+    assert "64" in fused_op_blocker(*_args(n=96))
+    assert "-1" in fused_op_blocker(*_args(idx=torch.tensor([[0, -1]] * 6)))
+    assert "ignores" in fused_op_blocker(*_args(int8=False, idx=masked_idx, mask=mask))
+    assert "ignores" in fused_op_blocker(*_args(int8=False, limit=7.0))
 
 
 def test_ascend_backend_calls_fused_op():
@@ -128,29 +125,28 @@ def test_ascend_backend_calls_fused_op():
         kw["out"].fill_(1.5)
         kw["expert_token_nums"].fill_(3)
 
-    backend = AscendMegaMoe(
-        fused_op=fake_op, group_name=lambda g, r: f"comm{r}", prepare_weight=lambda w: w, device_type="cpu"
-    )
-    args = _args()
-    assert backend.can_fuse(args)
-    out = backend.run(args, fused=True)
+    ops = SimpleNamespace(fused_op=fake_op, group_name=lambda g, r: f"comm{r}", prepare_weight=lambda w: w,
+                          device_type="cpu")  # fmt: skip
+    backend = SimpleNamespace(ops=ops)
+    call, ffn = _args()
+    assert AscendBackend.can_fuse(backend, call, ffn)  # type: ignore[arg-type]
+    out = fused_mega_moe(ops, None, 1, call, ffn)
     assert len(calls) == 1 and calls[0]["group"] == "comm1"
     assert out.dtype == torch.bfloat16 and out.shape == (6, 256) and bool((out == 1.5).all())
-    assert not backend.can_fuse(_args(hidden=192))  # ineligible calls fall back to the reference pipeline
-    on_npu_only = AscendMegaMoe(fused_op=fake_op, group_name=lambda g, r: "", prepare_weight=lambda w: w)
-    if _no_torch_npu():
-        assert on_npu_only.device_type == "npu" and not on_npu_only.can_fuse(args)  # x on the CPU: not fused
+    assert not AscendBackend.can_fuse(backend, *_args(hidden=192))  # ineligible calls run the reference pipeline
+    on_npu = SimpleNamespace(ops=SimpleNamespace(fused_op=fake_op, device_type="npu"))
+    assert not AscendBackend.can_fuse(on_npu, call, ffn)  # x on the CPU: not fused
+    assert not AscendBackend.can_fuse(SimpleNamespace(ops=SimpleNamespace(fused_op=None, device_type="cpu")), call, ffn)
 
 
 def test_backend_registry():
-    assert available_backends() == ["ascend", "auto", "reference"]
-    assert create_backend("reference").name == "reference"
-    with pytest.raises(ValueError, match="available"):
-        create_backend("cuda")
+    assert available_backends() == ["ascend", "reference"]
+    with pytest.raises(ValueError, match="known backends"):
+        resolve_backend_name("cuda")
     if _no_torch_npu():
-        assert create_backend("auto").name == "reference"
+        assert resolve_backend_name("auto") == "reference"
         with pytest.raises(ImportError, match="npu"):
-            create_backend("ascend")
+            create_backend("ascend", None, BufferConfig())  # type: ignore[arg-type]
 
 
 def test_register_unregister_register():
@@ -182,15 +178,14 @@ def _fused_vs_reference(info, case: Case):
     """Under deep_ep_npu.sim: whether every rank agreed to fuse, the ascend backend's result (the stand-in op),
     the reference backend's, and Buffer(backend="ascend").mega_moe's."""
     from deep_ep_npu import sim
-    from deep_ep_npu.group import ep_group
-    from deep_ep_npu.mega_moe.api import agreed_args
+    from deep_ep_npu.mega_moe import prepare
 
     sim.install()
     x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
-    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max,
-              num_experts=case.num_local * info.world_size, x_active_mask=case.mask(info.rank),
-              swiglu_limit=case.swiglu_limit)  # fmt: skip
-    _, fused_ok = agreed_args(ep_group(info.group), AscendMegaMoe(), x, idx, p, w1, w2, **kw)
+    backend = create_backend("ascend", info.group, BufferConfig(transport="collective"))
+    ffn = FFN(w1, w2, s1, s2, swiglu_limit=case.swiglu_limit)
+    num_experts = case.num_local * info.world_size
+    _, _, fused_ok = prepare(backend, x, idx, p, ffn, case.num_max, num_experts, case.mask(info.rank))
     ascend = _run_fused(info, case, dict(backend="ascend"))
     reference = _run_fused(info, case, dict(backend="reference"))
     buffer = _run_fused(info, case, dict(via_buffer=True, backend="ascend"))
@@ -270,5 +265,8 @@ def test_sim_op_called_like_vllm_ascend():
 @pytest.mark.npu
 @pytest.mark.skipif(not HAS_REAL_TORCH_NPU, reason="needs torch_npu and an Ascend NPU")
 def test_ascend_backend_resolves_fused_op():
-    backend = create_backend("ascend")
-    assert backend.name == "ascend"  # fused_op is None when vllm-ascend's custom ops are not loaded
+    def resolve(info):
+        backend = create_backend("ascend", info.group, BufferConfig())
+        return backend.name, backend.ops.device_type  # fused_op is None when vllm-ascend's custom ops are not loaded
+
+    assert parallel_launch(1, resolve, timeout=60) == [("ascend", "npu")]
