@@ -17,13 +17,41 @@ import torch.distributed as dist
 
 from ..errors import invalid, null, shape
 from ..sizes import ccl_buffer_bytes, ccl_buffer_mb
-from . import platforms as plat_rules
 from . import rules as checks
 from .call import CombineCall, DispatchCall, Experts
-from .platforms import COMM_ALG_PLATFORMS, MAX_WORLD, OP_COMM_ALGS, PLATFORM_NAMES, platform_feature
 
 NPU_ACT_DTYPES = (torch.bfloat16, torch.float16)
 MAX_BS = 512
+PLATFORMS = {False: None, True: "a3", "a3": "a3", "a5": "a5"}
+PLATFORM_NAMES = {"a2": "Atlas A2", "a3": "Atlas A3", "a5": "Ascend 950 (A5)"}  # a2: named in errors, not a strict
+
+
+OP_COMM_ALGS = ("", "fullmesh", "fullmesh_v1", "fullmesh_v2", "hierarchy", "ccu")  # one layout here: fullmesh's
+COMM_ALG_PLATFORMS = {  # (dispatch, combine): the platforms whose docs list each comm_alg
+    "": (("a3", "a5"), ("a3", "a5")), "fullmesh": (("a2",), ("a2",)), "fullmesh_v1": (("a3", "a5"), ()),
+    "fullmesh_v2": (("a3", "a5"), ()), "hierarchy": (("a3",), ("a3",)), "ccu": ((), ()),
+}  # fmt: skip
+MAX_WORLD = {None: 1 << 16, "a3": 768, "a5": 1024}
+
+
+def platform_feature(plat: str | None, param: str, value: object, owners: tuple[str, ...], allowed: str) -> None:
+    """Under a strict platform ``plat`` that is not one of ``owners`` (the platforms whose docs list ``value``),
+    raise :class:`~deep_ep_npu.errors.MoeDistributeError` (161002) naming where ``value`` belongs and what ``plat``
+    allows."""
+    if plat is None or plat in owners:
+        return
+    what = f"an {' / '.join(PLATFORM_NAMES[o] for o in owners)} feature" if owners else "a value no platform documents"
+    why = f"got {value!r}, {what}: not on {PLATFORM_NAMES[plat]} (strict={plat!r}), which allows {allowed}"
+    raise invalid(param, why + ("; accepted without strict" if not owners else ""))
+
+
+def platform(strict: object) -> str | None:
+    """``strict`` as ``None`` (no platform limits), ``"a3"`` or ``"a5"``; anything else is a clear error."""
+    if isinstance(strict, (bool, str)) and strict in PLATFORMS:
+        return PLATFORMS[strict]
+    raise invalid("strict", f"got {strict!r}; allowed False, True (= 'a3'), 'a3' (Atlas A3) or 'a5' (Ascend 950)")
+
+
 
 
 def experts(pg: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object, moe_expert_num: object, *,
@@ -33,7 +61,7 @@ def experts(pg: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object, mo
             tp: object = None, elastic_info: object = None, combine: bool = False) -> Experts:  # fmt: skip
     """The experts of an op call on group ``pg`` (``tp()``: the TP pair's EPGroup, resolved once the TP keywords
     passed): every expert keyword checked (no communication)."""
-    plat = plat_rules.platform(strict)
+    plat = platform(strict)
     w = checks.in_range(ep_world_size, "ep_world_size", 2 if plat else 1, MAX_WORLD[plat])
     if w != dist.get_world_size(pg):
         raise shape("ep_world_size", f"is {w} but group_ep has {dist.get_world_size(pg)} ranks")
@@ -183,7 +211,12 @@ def dispatch(c: DispatchCall) -> DispatchCall:
     e = c.experts
     x, ids, mask, global_bs = tokens(c, "x", c.x, c.expert_ids)
     w, hidden, topk = e.world_size, x.shape[1], ids.shape[1]
-    quant = plat_rules.dispatch_quant(*c.quant, x.dtype, e.platform)
+    mode, y_dtype, x_dtype, scales_dtype = c.quant
+    quant = None
+    if type(mode) is not int or mode or y_dtype is not None or x_dtype is not None or scales_dtype is not None:
+        from .platforms import dispatch_quant
+
+        quant = dispatch_quant(mode, y_dtype, x_dtype, scales_dtype, x.dtype, e.platform)
     checks.one_of(c.expert_token_nums_type, "expert_token_nums_type", (0, 1))
     rows, smooth = e.shared_expert_num + e.scales_experts, c.names.get("scales", "scales")
     scales = checks.shaped(c.scales, smooth, torch.float32, (rows, hidden), "(S + moe_expert_num, H)")
@@ -195,7 +228,10 @@ def dispatch(c: DispatchCall) -> DispatchCall:
     weights_param = c.names.get("expert_scales", "expert_scales")
     weights = checks.shaped(c.expert_scales, weights_param, torch.float32, (x.shape[0], topk), "(Bs, K)")
     perf = checks.shaped(c.wait_stats, "performance_info", torch.int64, (w,), "(ep_world_size,)")
-    plat_rules.hierarchy_rules(c, "x", hidden, mask)
+    if c.comm_alg == "hierarchy":
+        from .platforms import hierarchy_rules
+
+        hierarchy_rules(c, "x", hidden, mask)
     if c.comm_alg == "hierarchy" and weights is None:
         raise null("expert_scales", "comm_alg 'hierarchy' needs the top-k weights, (Bs, K) float32")
     if (size := c.ccl_buffer_size) is not None:  # refuse shapes that do not fit, naming the size that would
@@ -258,7 +294,10 @@ def combine(c: CombineCall) -> CombineCall:
             raise null(name, f"const_expert_num is {n_const}")
     w, num_local, tp = e.world_size, e.num_local_here, max(e.tp_world_size, 1)
     perf = checks.shaped(c.wait_stats, "performance_info", torch.int64, (w,), "(ep_world_size,)")
-    plat_rules.hierarchy_rules(c, "expand_x", hidden, mask)
+    if c.comm_alg == "hierarchy":
+        from .platforms import hierarchy_rules
+
+        hierarchy_rules(c, "expand_x", hidden, mask)
     if counts.numel() < w * num_local * tp:
         need = f"W * L{' * 2' if tp == 2 else ''} = {w * num_local * tp}"
         raise shape("ep_send_counts", f"has {counts.numel()} entries, needs {need}")

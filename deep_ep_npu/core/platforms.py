@@ -19,6 +19,7 @@ import torch
 from ..errors import invalid, shape
 from ..quant import Quant
 from . import rules as checks
+from .ascend import PLATFORM_NAMES, platform_feature
 
 SCALAR_TYPE_CODES = {
     0: torch.uint8, 1: torch.int8, 3: torch.int32, 4: torch.int64, 5: torch.float16, 6: torch.float32,
@@ -34,10 +35,6 @@ TORCH_NPU_CONSTANTS = {"int4": 285, "hifloat8": 290, "float8_e5m2": 291, "float8
 """The dtype constants ``torch_npu`` exports (as ints), by name."""
 SCALAR_TYPE_CODE = {dtype: code for code, dtype in SCALAR_TYPE_CODES.items()}
 """A ``torch.dtype``'s ScalarType code (the inverse of :data:`SCALAR_TYPE_CODES`)."""
-
-PLATFORMS = {False: None, True: "a3", "a3": "a3", "a5": "a5"}
-PLATFORM_NAMES = {"a2": "Atlas A2", "a3": "Atlas A3", "a5": "Ascend 950 (A5)"}  # a2: named in errors, not a strict
-
 
 def resolve_dtype(value: object, param: str) -> torch.dtype | None:
     """``value`` (None, a ``torch.dtype`` or a torch_npu dtype code) as a ``torch.dtype`` (None stays None). Raises
@@ -56,34 +53,8 @@ def resolve_dtype(value: object, param: str) -> torch.dtype | None:
     return dtype
 
 
-def platform(strict: object) -> str | None:
-    """``strict`` as ``None`` (no platform limits), ``"a3"`` or ``"a5"``; anything else is a clear error."""
-    if isinstance(strict, (bool, str)) and strict in PLATFORMS:
-        return PLATFORMS[strict]
-    raise invalid("strict", f"got {strict!r}; allowed False, True (= 'a3'), 'a3' (Atlas A3) or 'a5' (Ascend 950)")
-
-
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 Y_DTYPES = {2: (torch.int8, *FP8), 3: FP8, 4: FP8}  # quant_mode -> expand_x dtypes (y_dtype)
-OP_COMM_ALGS = ("", "fullmesh", "fullmesh_v1", "fullmesh_v2", "hierarchy", "ccu")  # one layout here: fullmesh's
-COMM_ALG_PLATFORMS = {  # (dispatch, combine): the platforms whose docs list each comm_alg
-    "": (("a3", "a5"), ("a3", "a5")), "fullmesh": (("a2",), ("a2",)), "fullmesh_v1": (("a3", "a5"), ()),
-    "fullmesh_v2": (("a3", "a5"), ()), "hierarchy": (("a3",), ("a3",)), "ccu": ((), ()),
-}  # fmt: skip
-MAX_WORLD = {None: 1 << 16, "a3": 768, "a5": 1024}
-
-
-def platform_feature(plat: str | None, param: str, value: object, owners: tuple[str, ...], allowed: str) -> None:
-    """Under a strict platform ``plat`` that is not one of ``owners`` (the platforms whose docs list ``value``),
-    raise :class:`~deep_ep_npu.errors.MoeDistributeError` (161002) naming where ``value`` belongs and what ``plat``
-    allows."""
-    if plat is None or plat in owners:
-        return
-    what = f"an {' / '.join(PLATFORM_NAMES[o] for o in owners)} feature" if owners else "a value no platform documents"
-    why = f"got {value!r}, {what}: not on {PLATFORM_NAMES[plat]} (strict={plat!r}), which allows {allowed}"
-    raise invalid(param, why + ("; accepted without strict" if not owners else ""))
-
-
 def hierarchy_rules(c: Any, x_param: str, hidden: int, mask: torch.Tensor | None) -> None:
     """comm_alg "hierarchy" (Atlas A3) of call ``c``: its documented requirements on every platform (no shared-expert
     ranks, zero / copy / const experts, 2D mask or performance_info; tp_world_size <= 1 is checked with the

@@ -16,6 +16,7 @@ op, a two-stage ``comm_cmd_info``, an ElasticBuffer event are facades over it).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -27,7 +28,7 @@ from ..backends import Backend, BufferConfig
 from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError, shape
 from ..transports import Transport, create_window
-from ..transports.collective import STATUS_OK, Agreement, Collective, EPGroup, Workspace
+from ..transports.collective import STATUS_OK, Agreement, Collective, EPGroup
 from . import expand, flat, masked, reduce
 from .plan import Plan
 from .rows import RowFormat, encoder
@@ -62,6 +63,22 @@ class InFlight:
         return self.value
 
     __call__ = wait
+
+
+class Workspace:
+    """``get(name, shape, dtype)`` returns a view of a reused byte buffer, grown when a call needs more."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device, self._tensors = torch.device(device), dict[str, torch.Tensor]()
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes, buf = math.prod(shape) * dtype.itemsize, self._tensors.get(name)
+        if buf is None or buf.numel() < nbytes or buf.device != self.device:
+            buf = self._tensors[name] = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=self.device)
+        return buf[:nbytes].view(dtype).view(shape)
+
+    def clear(self) -> None:
+        self._tensors.clear()
 
 
 class Layout(Protocol):

@@ -21,10 +21,15 @@ import torch
 
 from .. import kernels, logfmt
 from ..quant import FP8_DTYPE, GROUP, Quant, mx_dequant, pack_ue8m0, per_group_int8, scale_for_fp8_
-from ..sizes import align
 from .plan import Plan
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
+
+
+def align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}  # dtypes in fingerprints
 LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)
 

@@ -21,12 +21,22 @@ from typing import Any
 
 import torch
 
-from .loader import disabled, library, unavailable
+from . import loader
+from .loader import disabled, unavailable
 
 __all__ = ["DTYPES", "disabled", "library", "unavailable"]  # (the loader's, re-exported: callers use this package)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The C side's dtype codes."""
+
+
+def library() -> ModuleType | None:
+    """The built kernels, or None when they are off or missing (the first call that finds them missing warns)."""
+    if not loader.enabled[0] or not loader.turned_on():
+        return None
+    if loader.built is None:
+        loader.missing()
+    return loader.built
 
 
 def _cpu(*tensors: torch.Tensor) -> bool:

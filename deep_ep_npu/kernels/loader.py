@@ -19,42 +19,39 @@ from .. import envs
 _EXTENSION = f"{__package__}._cpu"
 
 try:
-    _built: ModuleType | None = importlib.import_module(_EXTENSION)
+    built: ModuleType | None = importlib.import_module(_EXTENSION)
     _missing = ""
 except ImportError as err:
-    _built = None
+    built = None
     _missing = f"the extension {_EXTENSION} is not built ({err}); reinstall the package: pip install ."
-_enabled = [True]  # (disabled() sets it off)
+enabled = [True]  # (disabled() sets it off)
 _warned = [False]
 
 
 @functools.cache
-def _turned_on() -> bool:
+def turned_on() -> bool:
     return envs.cpu_kernels()  # (read once per process)
 
 
-def library() -> ModuleType | None:
-    """The built kernels, or None when they are off or missing (the first call that finds them missing warns)."""
-    if not _enabled[0] or not _turned_on():
-        return None
-    if _built is None and not _warned[0]:
+def missing() -> None:
+    """The kernels are missing: warn, the first time in this process (the torch code runs)."""
+    if not _warned[0]:
         _warned[0] = True
-        warnings.warn(f"deep_ep_npu: CPU tensors take the slower torch code: {_missing}", RuntimeWarning, stacklevel=3)
-    return _built
+        warnings.warn(f"deep_ep_npu: CPU tensors take the slower torch code: {_missing}", RuntimeWarning, stacklevel=4)
 
 
 def unavailable() -> str:
     """ "" when the kernels are in use, else why not."""
-    if not _turned_on():
+    if not turned_on():
         return "DEEP_EP_NPU_CPU_KERNELS=0"
-    return _missing or ("" if _enabled[0] else "turned off by kernels.disabled()")
+    return _missing or ("" if enabled[0] else "turned off by kernels.disabled()")
 
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Run the torch code paths instead of the kernels inside this block (this process)."""
-    before, _enabled[0] = _enabled[0], False
+    before, enabled[0] = enabled[0], False
     try:
         yield
     finally:
-        _enabled[0] = before
+        enabled[0] = before

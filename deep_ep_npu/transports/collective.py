@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -276,22 +275,6 @@ def _survivor_group(global_ranks: list[int], timeout: float) -> dist.ProcessGrou
     return group
 
 
-class Workspace:
-    """``get(name, shape, dtype)`` returns a view of a reused byte buffer, grown when a call needs more."""
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device, self._tensors = torch.device(device), dict[str, torch.Tensor]()
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes, buf = math.prod(shape) * dtype.itemsize, self._tensors.get(name)
-        if buf is None or buf.numel() < nbytes or buf.device != self.device:
-            buf = self._tensors[name] = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=self.device)
-        return buf[:nbytes].view(dtype).view(shape)
-
-    def clear(self) -> None:
-        self._tensors.clear()
-
-
 PAYLOAD = "payload exchange"
 
 
@@ -302,13 +285,17 @@ class Collective:
     name = "collective"
 
     def __init__(self, ep: EPGroup, reuse: bool = True) -> None:
-        self.ep, self.reuse, self._ws, self._flip = ep, reuse, Workspace(), 0
+        self.ep, self.reuse, self._flip = ep, reuse, 0
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device: torch.device) -> torch.Tensor:
-        if not self.reuse:
-            return torch.empty((rows, row_bytes), dtype=torch.uint8, device=device)
-        self._ws.device = device
-        return self._ws.get(name, (rows, row_bytes), torch.uint8)
+        """`[rows, row_bytes]` uint8: a reused buffer (grown when a call needs more), or a fresh one."""
+        buf, nbytes = self._buffers.get(name), rows * row_bytes
+        if not self.reuse or buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=device)
+            if self.reuse:
+                self._buffers[name] = buf
+        return buf[:nbytes].view(rows, row_bytes)
 
     def send(self, op: str, counts: list[list[int]], shared: list[int], write: Callable[[int, torch.Tensor], None],
              check: Callable[[Agreement], None], *, agree_now: bool = False,
@@ -380,7 +367,7 @@ class Collective:
         _join_started_peers(self.ep, agreement)
 
     def close(self) -> None:
-        self._ws.clear()
+        self._buffers.clear()
 
 
 def _join_started_peers(ep: EPGroup, agreement: Agreement) -> None:
