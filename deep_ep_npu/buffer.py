@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backends import BufferConfig, create_backend, resolve_backend_name
+from .backends import create_backend, resolve_backend_name
 from .buffer_ascend import AscendMethods
 from .compat import DeepEPCompat
 from .core import rules
@@ -155,16 +155,14 @@ class Buffer(AscendMethods, DeepEPCompat, Destroyable):
                 raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
         if ccl_buffer_size is not None and (not isinstance(ccl_buffer_size, int) or ccl_buffer_size < 1):
             raise ValueError(f"ccl_buffer_size: must be None or a positive int (MB), got {ccl_buffer_size!r}")
-        self.config = BufferConfig(
-            num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
-            allow_mnnvl, explicitly_destroy, enable_shrink, ccl_buffer_size, resolve_timeout(timeout),
-            resolve_transport_name(transport),
-        )  # fmt: skip
-        self.backend_name = resolve_backend_name(backend)
+        self.backend_name, transport = resolve_backend_name(backend), resolve_transport_name(transport)
         self.group, self.rank, self.group_size = group, dist.get_rank(group), dist.get_world_size(group)
         self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode = num_nvl_bytes, num_rdma_bytes, low_latency_mode
         self.explicitly_destroy, self.enable_shrink = explicitly_destroy, enable_shrink
-        self._backend = create_backend(self.backend_name, group, self.config)
+        self._backend = create_backend(
+            self.backend_name, group, timeout=resolve_timeout(timeout), enable_shrink=enable_shrink,
+            transport=transport, num_rdma_bytes=num_rdma_bytes, ccl_buffer_size=ccl_buffer_size,
+        )  # fmt: skip
         self._destroyed = False
 
     def low_latency_dispatch(

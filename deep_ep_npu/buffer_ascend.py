@@ -46,13 +46,12 @@ class FlatDispatchOutput:
 
 class AscendMethods:
     """The flat methods and ``mega_moe`` of :class:`deep_ep_npu.Buffer` (needs its ``_backend``, ``group``,
-    ``group_size``, ``rank``, ``config``, ``_check_alive``)."""
+    ``group_size``, ``rank``, ``_check_alive``)."""
 
     _backend: Any
     group: Any
     group_size: int
     rank: int
-    config: Any
     _check_alive: Callable[[], None]
 
     def low_latency_dispatch_flat(
@@ -95,7 +94,7 @@ class AscendMethods:
             call = rules.dispatch(DispatchCall(
                 DISPATCH_OP, "flat", x, topk_idx, experts, global_bs=global_bs, x_active_mask=x_active_mask,
                 expert_scales=topk_weights, quant=(quant_mode, None, None, None), scales=smooth_scales,
-                expert_token_nums_type=expert_token_nums_type, ccl_buffer_size=self.config.ccl_buffer_size,
+                expert_token_nums_type=expert_token_nums_type, ccl_buffer_size=self._backend.ccl_buffer_size,
                 names=NAMES,
             ))  # fmt: skip
         except MoeDistributeError as err:

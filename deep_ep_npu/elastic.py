@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backends import BufferConfig, create_backend, resolve_backend_name
+from .backends import create_backend, resolve_backend_name
 from .buffer import Destroyable, EventOverlap
 from .core import elastic as v2
 from .core import rules
@@ -94,9 +94,7 @@ class ElasticBuffer(Destroyable):
         self.num_allocated_qps = num_allocated_qps or 17
         self.backend_name = resolve_backend_name(backend)
         # rows move by the group's collectives (start_dispatch / start_combine), never by a shared-memory window
-        config = BufferConfig(explicitly_destroy=explicitly_destroy, timeout=resolve_timeout(timeout),
-                              transport="collective")  # fmt: skip
-        self._backend = create_backend(self.backend_name, group, config)
+        self._backend = create_backend(self.backend_name, group, timeout=resolve_timeout(timeout))
         self._destroyed = False
         self._backend.ep.barrier("ElasticBuffer.__init__")
 

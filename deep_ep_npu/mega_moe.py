@@ -9,7 +9,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from .backends import Backend, BufferConfig, create_backend
+from .backends import Backend, create_backend
 from .core import rules
 from .core.call import FFN, DispatchCall
 from .engine.exchange import engine_for
@@ -84,7 +84,7 @@ def mega_moe(
     pg = group if isinstance(group, dist.ProcessGroup) else resolve_group(group, "group")
     impl: Backend = engine_for(pg)
     if backend != "reference":
-        impl = create_backend(backend, pg, BufferConfig(transport="collective"))
+        impl = create_backend(backend, pg)
     ffn = FFN(w1, w2, w1_scale, w2_scale, out_dtype, swiglu_limit, num_segments, segment_by, max_output_size)
     return run(impl, x, topk_idx, topk_weights, ffn, num_max_dispatch_tokens_per_rank, num_experts, x_active_mask)
 

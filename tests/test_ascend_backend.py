@@ -329,11 +329,11 @@ def test_ascend_contract_ccl_buffer_and_formats():
 def test_ascend_backend_needs_torch_npu():
     if importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("torch_npu is installed")
-    from deep_ep_npu.backends import BufferConfig, create_backend, resolve_backend_name
+    from deep_ep_npu.backends import create_backend, resolve_backend_name
 
     assert resolve_backend_name("auto") == "reference"
     with pytest.raises(ImportError, match="torch_npu"):
-        create_backend("ascend", None, BufferConfig())
+        create_backend("ascend", None)
 
 
 def _npu_available() -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from types import SimpleNamespace
 
-from deep_ep_npu.backends import BufferConfig, available_backends, create_backend, resolve_backend_name
+from deep_ep_npu.backends import available_backends, create_backend, resolve_backend_name
 from deep_ep_npu.backends.ascend import AscendBackend
 from deep_ep_npu.backends.ascend_mega import (
     fixpipe_scale,
@@ -146,7 +146,7 @@ def test_backend_registry():
     if _no_torch_npu():
         assert resolve_backend_name("auto") == "reference"
         with pytest.raises(ImportError, match="npu"):
-            create_backend("ascend", None, BufferConfig())  # type: ignore[arg-type]
+            create_backend("ascend", None)  # type: ignore[arg-type]
 
 
 def test_register_unregister_register():
@@ -182,7 +182,7 @@ def _fused_vs_reference(info, case: Case):
 
     sim.install()
     x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
-    backend = create_backend("ascend", info.group, BufferConfig(transport="collective"))
+    backend = create_backend("ascend", info.group)
     ffn = FFN(w1, w2, s1, s2, swiglu_limit=case.swiglu_limit)
     num_experts = case.num_local * info.world_size
     _, _, fused_ok = prepare(backend, x, idx, p, ffn, case.num_max, num_experts, case.mask(info.rank))
@@ -266,7 +266,7 @@ def test_sim_op_called_like_vllm_ascend():
 @pytest.mark.skipif(not HAS_REAL_TORCH_NPU, reason="needs torch_npu and an Ascend NPU")
 def test_ascend_backend_resolves_fused_op():
     def resolve(info):
-        backend = create_backend("ascend", info.group, BufferConfig())
+        backend = create_backend("ascend", info.group)
         return backend.name, backend.ops.device_type  # fused_op is None when vllm-ascend's custom ops are not loaded
 
     assert parallel_launch(1, resolve, timeout=60) == [("ascend", "npu")]

@@ -2,7 +2,7 @@
 (our engine, :class:`deep_ep_npu.engine.exchange.Engine`) and ``"ascend"`` (the real NPU ops,
 :class:`.ascend.AscendBackend`; ``torch_npu`` is imported only when it is created).
 
-A backend, ``cls(group, config)``, runs validated calls (:mod:`deep_ep_npu.core.call`): ``dispatch`` / ``combine``
+A backend, ``cls(group, **options)``, runs validated calls (:mod:`deep_ep_npu.core.call`): ``dispatch`` / ``combine``
 run the send phase and return the receive phase, an :class:`~deep_ep_npu.engine.exchange.InFlight` the front-end
 completes at once, at an event's wait or in a hook; ``mega_moe`` runs a fused call; ``reject(op, code)`` tells the
 peers that this rank rejected its input of ``op`` (they raise too); ``clean`` / ``destroy`` reset / release.
@@ -11,7 +11,6 @@ peers that this rank rejected its input of ``op`` (they raise too); ``clean`` / 
 from __future__ import annotations
 
 import abc
-import dataclasses
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
@@ -26,23 +25,6 @@ if TYPE_CHECKING:
     from ..engine.exchange import InFlight
 
 
-@dataclasses.dataclass(frozen=True)
-class BufferConfig:
-    """A buffer's constructor arguments as a backend sees them (DeepEP names; see ``Buffer`` for which are used)."""
-
-    num_nvl_bytes: int = 0
-    num_rdma_bytes: int = 0
-    low_latency_mode: bool = False
-    num_qps_per_rank: int = 24
-    allow_nvlink_for_low_latency_mode: bool = True
-    allow_mnnvl: bool = False
-    explicitly_destroy: bool = False
-    enable_shrink: bool = False
-    ccl_buffer_size: int | None = None
-    timeout: float | None = None  # seconds per collective wait (transports.failure); None: env / default
-    transport: str = "auto"  # the reference backend's: "auto" / "shm" / "collective" (deep_ep_npu.transports)
-
-
 class Backend(abc.ABC):
     """Runs the calls of the front-ends on one group (see the module docstring). ``native_quant_format``: what
     DeepEP's ``use_fp8=True`` means here."""
@@ -50,11 +32,18 @@ class Backend(abc.ABC):
     name: str = ""
     native_quant_format: str = "fp8_e4m3"
 
-    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
-        self.group, self.config = group, config
+    def __init__(self, group: dist.ProcessGroup, *, timeout: float | None = None, enable_shrink: bool = False,
+                 transport: str = "collective", num_rdma_bytes: int = 0, ccl_buffer_size: int | None = None,
+                 reuse: bool = True) -> None:  # fmt: skip
+        """``timeout``: seconds per collective wait (None: ``DEEP_EP_NPU_TIMEOUT``, else 30 s); ``enable_shrink``:
+        continue on the survivors of a failure; ``transport`` / ``num_rdma_bytes``: how the engine moves rows and
+        its window's size; ``ccl_buffer_size``: the Ascend ops' CCL window (MB, None: sized by the first call);
+        ``reuse``: a buffer's tensors are reused (two calls in flight at most), else each call gets its own."""
+        self.group, self.transport_name, self.num_rdma_bytes = group, transport, num_rdma_bytes
+        self.ccl_buffer_size, self.reuse = ccl_buffer_size, reuse
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.mask = torch.zeros((self.num_ranks,), dtype=torch.int32)  # shrink mode: 1 = rank treated as absent
-        self.ep = EPGroup(group, self.mask, config.timeout, config.enable_shrink)
+        self.ep = EPGroup(group, self.mask, timeout, enable_shrink)
 
     @abc.abstractmethod
     def dispatch(self, call: DispatchCall) -> InFlight: ...
@@ -123,14 +112,14 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
-def create_backend(name: str, group: dist.ProcessGroup, config: BufferConfig) -> Backend:
-    """Build the backend registered as ``name`` (after resolving ``"auto"``)."""
+def create_backend(name: str, group: dist.ProcessGroup, **options: Any) -> Backend:
+    """Build the backend registered as ``name`` (after resolving ``"auto"``) with :class:`Backend`'s options."""
     target: Any = _REGISTRY[resolve_backend_name(name)]
     if isinstance(target, str):
         module_name, _, cls_name = target.partition(":")
         target = getattr(importlib.import_module(module_name), cls_name)
-    return target(group, config)
+    return target(group, **options)
 
 
-__all__ = ["Backend", "BufferConfig", "available_backends", "create_backend", "hccl_comm_name", "npu_available",
+__all__ = ["Backend", "available_backends", "create_backend", "hccl_comm_name", "npu_available",
            "register_backend", "resolve_backend_name"]  # fmt: skip

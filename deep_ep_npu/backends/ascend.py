@@ -38,7 +38,7 @@ from ..engine import expand
 from ..engine.exchange import InFlight, engine_for
 from ..errors import invalid
 from ..handle import LowLatencyHandle
-from . import Backend, BufferConfig
+from . import Backend
 from .ascend_mega import fused_mega_moe, fused_op_blocker
 from .ascend_ops import find_ops, map_no_expert
 
@@ -79,14 +79,14 @@ class AscendBackend(Backend):
     name = "ascend"
     native_quant_format = "int8_per_token"
 
-    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
+    def __init__(self, group: dist.ProcessGroup, **options: Any) -> None:
         try:
             torch_npu = importlib.import_module("torch_npu")
         except ImportError as err:
             msg = "backend='ascend' needs torch_npu (pip install 'deep_ep_npu[npu]'); use backend='reference' elsewhere"
             raise ImportError(msg) from err
-        super().__init__(group, config)
-        self.ops = find_ops(torch_npu, group, config.ccl_buffer_size)
+        super().__init__(group, **options)
+        self.ops = find_ops(torch_npu, group, self.ccl_buffer_size)
         self.ws: dict[str, torch.Tensor] = {}
         self.tag = 0
 

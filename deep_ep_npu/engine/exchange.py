@@ -24,15 +24,14 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels, profiling
-from ..backends import Backend, BufferConfig
+from ..backends import Backend
 from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError, shape
-from ..transports import Transport, create_window
-from ..transports.collective import STATUS_OK, Agreement, Collective, EPGroup
+from ..transports import Transport, create
+from ..transports.collective import STATUS_OK, Agreement, EPGroup
 from . import expand, flat, masked, reduce
 from .plan import Plan
 from .rows import RowFormat, encoder
-from .tp import TPStage
 
 FINGERPRINT = 16  # header words every layout may fill with what the ranks must agree on
 
@@ -88,7 +87,7 @@ class Layout(Protocol):
     ``known``: the rows each source sends here when already known (a cached layout), else None; ``vectors``
     (<= 2R words) and ``fingerprint`` (<= 16 words, named by ``names``): the header words every rank checks (a layout
     with more to check than the ranks' statuses and fingerprints also has ``check(agreement) -> None``);
-    ``agree_now``: the collective transport waits for the agreement in the send phase; ``tp``: the TP stage (:class:`~.tp.TPStage`). A layout that can place this rank's own rows in the send phase also has ``place_own(own_rows,
+    ``agree_now``: the collective transport waits for the agreement in the send phase; ``tp``: the TP stage (:class:`~.flat.TPStage`). A layout that can place this rank's own rows in the send phase also has ``place_own(own_rows,
     encode) -> None`` (``encode()`` fills ``own_rows`` when the rows cannot be placed straight from the source)."""
 
     plan: Plan
@@ -101,7 +100,7 @@ class Layout(Protocol):
     fingerprint: Sequence[int]
     names: Sequence[str]
     agree_now: bool
-    tp: TPStage | None
+    tp: Any
 
     def place(self, parts: list[tuple[int, torch.Tensor]], own: tuple[int, torch.Tensor], agreement: Agreement,
               wait_ns: int) -> None: ...  # fmt: skip
@@ -133,18 +132,17 @@ def header_width(num_ranks: int) -> int:
 
 class Engine(Backend):
     """The reference backend: DeepEP's, DeepEP V2's and the Ascend ops' semantics on our engine, on any
-    torch.distributed group and device (every tensor it makes lives on the input's device). ``config``: a buffer's
-    (its transport: the shared-memory window of one host when possible, and reused, double-buffered wire buffers as
-    DeepEP's), or None for the ops' engine of a group (collective, fresh buffers per call: any number in flight)."""
+    torch.distributed group and device (every tensor it makes lives on the input's device). A buffer's engine (its
+    transport: the shared-memory window of one host when possible; reused, double-buffered tensors as DeepEP's),
+    or with ``reuse=False`` the ops' engine of a group (collective, its own tensors per call: any number in flight).
+    ``options``: :class:`~deep_ep_npu.backends.Backend`'s."""
 
     name = "reference"
 
-    def __init__(self, group: dist.ProcessGroup, config: BufferConfig | None = None) -> None:
-        super().__init__(group, config or BufferConfig(transport="collective"))
-        self.collective = Collective(self.ep, reuse=config is not None)
-        self.window = create_window(self.ep, self.config.transport, self.config.num_rdma_bytes)
+    def __init__(self, group: dist.ProcessGroup, **options: Any) -> None:
+        super().__init__(group, **options)
+        self.collective, self.window = create(self.ep, self.transport_name, self.num_rdma_bytes, self.reuse)
         self.ws = Workspace()  # the buffer's reused tensors (dispatch results alternate between two sets)
-        self.reuse = config is not None
         self.tag, self.result_set = 0, 0  # which wire scratch / dispatch result set the next call uses
 
     @property
@@ -324,7 +322,7 @@ class Engine(Backend):
 
 
 def _send(transport: Transport, op: str, counts: list[list[int]], shared: list[int], write: Callable[..., None],
-          check: Callable[[Agreement], None], agree_now: bool, tp: TPStage | None, device: torch.device) -> Any:
+          check: Callable[[Agreement], None], agree_now: bool, tp: Any, device: torch.device) -> Any:
     """``transport.send``; a TP pair's peer is told when the EP call fails before their agreement."""
     try:
         return transport.send(op, counts, shared, write, check, agree_now=agree_now, device=device,
@@ -350,6 +348,6 @@ def engine_for(group: dist.ProcessGroup) -> Engine:
     """The ops' engine of ``group`` (collective, no shrink, the default timeout), one per group per process."""
     eng = _ENGINES.get(id(group))
     if eng is None or eng.group is not group:
-        eng = _ENGINES[id(group)] = Engine(group)
+        eng = _ENGINES[id(group)] = Engine(group, reuse=False)
     return eng
 

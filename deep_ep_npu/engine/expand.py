@@ -28,7 +28,7 @@ from ..handle import EPHandle
 from ..transports.collective import Agreement
 from .plan import Plan, make_plan, plan_topk
 from .reduce import CombineJob
-from .rows import ReturnFormat, RowFormat
+from .rows import RowFormat
 
 X_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 SF_DTYPE_CODES = {None: 0, torch.float32: 1, torch.int32: 2}
@@ -329,7 +329,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
                    int(c.expert_scales is not None))  # fmt: skip
     mismatch = ("handle", "the handle of this layer's dispatch on every rank")
     ones = torch.ones_like(plan.token, dtype=torch.float32)
-    jobs = [CombineJob(source, rows, list(rows_per_src), plan, ones, ReturnFormat(hidden, x.dtype, 0),
+    jobs = [CombineJob(source, rows, list(rows_per_src), plan, ones, 0,
                        x.new_empty((num_tokens, hidden)), fingerprint, COMBINE_NAMES, mismatch, by_slot=True,
                        extra=extra, agree_now=True)]  # fmt: skip
     if c.expert_scales is not None:  # the weights travel back the same way, each slot from its expert's rank
@@ -343,6 +343,6 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         out = torch.empty((num_tokens, h.num_topk), dtype=torch.float32, device=dev)
         jobs.append(CombineJob(w_rows, torch.arange(total, device=dev), list(place.rows_from), weight_plan,
                                torch.ones_like(weight_plan.token, dtype=torch.float32),
-                               ReturnFormat(h.num_topk, torch.float32, 0), out, fingerprint, COMBINE_NAMES, mismatch,
+                               0, out, fingerprint, COMBINE_NAMES, mismatch,
                                by_slot=True, agree_now=True))  # fmt: skip
     return jobs

@@ -8,6 +8,7 @@ ascending, in fp32, then ``shared_expert_x``."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,11 +16,11 @@ import torch
 from .. import kernels
 from ..core.call import CombineCall, DispatchCall
 from ..errors import shape
-from ..transports.collective import Agreement
+from ..transports.collective import STATUS_OK, Agreement
 from .plan import pair_weights, plan_call, smooth_rows
 from .reduce import CombineJob, special_contributions
-from .rows import DTYPE_CODES, ReturnFormat, RowFormat, parse
-from .tp import TPStage, tp_gather_rows, tp_reduce_scatter
+from .rows import DTYPE_CODES, RowFormat, parse
+from .tp import tp_agree, tp_gather_rows, tp_reduce_scatter
 
 NAMES = ("moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "x dtype", "shared_expert_num",
          "shared_expert_rank_num", "elastic_info", "tp_world_size", "y_dtype", "comm_alg")  # fmt: skip
@@ -140,6 +141,25 @@ class _Flat:
         return num_recv
 
 
+class TPStage:
+    """The TP pair's part of one EP call: its agreement (status and ``fingerprint``) between the EP agreement and the
+    payload (:meth:`before_payload`, then ``after()``, e.g. the ReduceScatterV; True: the rows changed), or, when the
+    EP call failed before it, the failure's code (:meth:`abort`), so that the TP peer raises too."""
+
+    def __init__(self, tp: EPGroup, op: str, fingerprint: tuple[int, ...],
+                 after: Callable[[], bool] | None = None) -> None:  # fmt: skip
+        self.tp, self.op, self.fingerprint, self.after, self.told = tp, op, fingerprint, after, False
+
+    def before_payload(self) -> bool:
+        self.told = True
+        tp_agree(self.tp, STATUS_OK, self.op, self.fingerprint)
+        return self.after() if self.after is not None else False
+
+    def abort(self, code: int) -> None:
+        if not self.told:
+            tp_agree(self.tp, code, self.op)
+
+
 def layout(c: DispatchCall, engine: Any) -> _Flat:
     return _Flat(c, engine)
 
@@ -182,7 +202,6 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     elif e.copy_expert_num or e.const_expert_num:
         extra = special_contributions(e, c.expert_ids, c.x_active_mask, c.expert_scales, c.ori_x,
                                       c.const_expert_alpha_1, c.const_expert_alpha_2, c.const_expert_v)  # fmt: skip
-    fmt = ReturnFormat(hidden, x.dtype, c.comm_quant_mode)
     fingerprint = (
         e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], c.comm_quant_mode, c.global_bs, e.shared_expert_num,
         e.shared_expert_rank_num, hash(e.ep_rank_of) & 0x7FFFFFFF, e.tp_world_size, COMM_ALGS.index(c.comm_alg),
@@ -191,7 +210,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
                 "assist_info_for_combine and ep_recv_counts")  # fmt: skip
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=dev)
     perf = c.wait_stats
-    job = CombineJob(x, rows, rows_per_src, plan, pair_weights(plan, c.expert_scales, c.expert_ids.shape[1]), fmt, out,
+    job = CombineJob(x, rows, rows_per_src, plan, pair_weights(plan, c.expert_scales, c.expert_ids.shape[1]),
+                     c.comm_quant_mode, out,
                      fingerprint, COMBINE_NAMES, mismatch, by_slot=True, extra=extra, addend=addend, active=active,
                      on_wait=lambda agreement, wait_ns: add_wait_time(perf, agreement, wait_ns),
                      agree_now=True)  # fmt: skip
@@ -201,7 +221,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
             job.source = tp_reduce_scatter(e.tp, e.tp_rank_id, x, c.num_rows, c.num_peer)
             return True  # the rows to return changed: write them again
 
-        tp_fp = (hidden, DTYPE_CODES[x.dtype] * 4 + 2 * bool(c.comm_quant_mode), fmt.row_bytes, e.num_moe_experts)
+        tp_fp = (hidden, DTYPE_CODES[x.dtype] * 4 + 2 * bool(c.comm_quant_mode), job.fmt.row_bytes, e.num_moe_experts)
         job.tp = TPStage(e.tp, c.op, tp_fp, reduce_scatter)
     return [job]
 

@@ -20,8 +20,8 @@ from ..errors import shape
 from ..handle import LowLatencyHandle
 from ..transports.collective import Agreement
 from .plan import plan_topk
-from .reduce import CombineJob
-from .rows import DTYPE_CODES, LOGFMT, QUANTS, ReturnFormat, RowFormat, parse
+from .reduce import LOGFMT, CombineJob
+from .rows import DTYPE_CODES, QUANTS, RowFormat, parse
 
 LOOP_BYTES = 1 << 18
 """Received data above which the layout is filled by one gather per expert instead of one scatter."""
@@ -184,7 +184,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     stats = c.wait_stats
     return [CombineJob(
         source.view(num_local * rn, hidden), rows, rows_per_src, plan, c.expert_scales[plan.token, plan.slot],
-        ReturnFormat(hidden, source.dtype, LOGFMT if c.comm_quant_mode else 0), out,
+        LOGFMT if c.comm_quant_mode else 0, out,
         (h.num_max_dispatch_tokens_per_rank, h.num_experts, hidden, DTYPE_CODES[c.x.dtype]), COMBINE_NAMES,
         ("handle", "the dispatch's handle and the same topk_idx"),
         on_wait=None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns)),

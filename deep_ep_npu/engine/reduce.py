@@ -11,24 +11,25 @@ so a handle or top-k that does not match the dispatch is reported on every rank 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .. import kernels
+from .. import kernels, logfmt
 from ..core.call import Experts
 from ..errors import shape
+from ..quant import Quant, mx_dequant, per_group_int8
 from ..transports.collective import Agreement
 from .plan import Plan
-from .rows import ReturnFormat
 
 
 @dataclasses.dataclass
 class CombineJob:
     """One validated combine, as every layout describes it. ``source`` `[rows, hidden]`: the expert outputs;
     ``return_rows`` `[n]` int64: its rows to send back, grouped by source rank (``rows_per_src``); ``plan``: this
-    rank's pairs; ``weights`` `[P]` fp32 per pair; ``fmt``: how rows travel; ``out`` `[T, hidden]`: the result;
+    rank's pairs; ``weights`` `[P]` fp32 per pair; ``wire``: how rows travel (:class:`ReturnFormat`'s mode); ``out`` `[T, hidden]`: the result;
     ``fingerprint`` / ``names``: the values every rank must agree on and their names; ``mismatch``: (parameter, what
     to pass) when sends and expects disagree; ``extra``: (token, slot, value `[n, hidden]` fp32) contributions
     computed locally (copy / const experts, V2's bias); ``addend`` `[T, hidden]` added at the end
@@ -41,7 +42,7 @@ class CombineJob:
     rows_per_src: list[int]
     plan: Plan
     weights: torch.Tensor
-    fmt: ReturnFormat
+    wire: int
     out: torch.Tensor
     fingerprint: tuple[int, ...]
     names: tuple[str, ...]
@@ -57,6 +58,10 @@ class CombineJob:
     @property
     def num_tokens(self) -> int:
         return int(self.out.shape[0])
+
+    @functools.cached_property
+    def fmt(self) -> ReturnFormat:
+        return ReturnFormat(self.source.shape[1], self.source.dtype, self.wire)
 
 
 def check(job: CombineJob, agreement: Agreement, live: list[int]) -> None:
@@ -238,3 +243,46 @@ def special_contributions(e: Experts, ids: torch.Tensor, mask: torch.Tensor | No
         e1, e2 = torch.exp(d1 - m), torch.exp(d2 - m)
         value[is_const] = (e1 / (e1 + e2)).unsqueeze(1) * o + (e2 / (e1 + e2)).unsqueeze(1) * v[cc].float()
     return token, slot, weights[token, slot].unsqueeze(1) * value
+
+
+LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)
+
+
+class ReturnFormat:
+    """A combine row for ``comm_quant_mode`` ``mode``: 0 the expert output in ``dtype``; 2 int8 + one ``dtype`` scale
+    per 8 elements; 3 / 4 MX fp8 (e5m2 / e4m3, :func:`~deep_ep_npu.quant.mx_fp8`) + one e8m0 byte per 32;
+    :data:`LOGFMT` DeepEP's LogFMT-10 of bf16 rows (decoded straight to fp32)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, mode: int) -> None:
+        self.hidden, self.dtype, self.mode, self.quantized = hidden, dtype, int(mode), bool(mode)
+        self.mx = Quant(4, torch.float8_e5m2 if mode == 3 else torch.float8_e4m3fn) if mode in (3, 4) else None
+        scale_bytes = hidden // 8 * dtype.itemsize if self.mx is None else self.mx.scale_bytes(hidden)
+        self.row_bytes = hidden + scale_bytes if mode else hidden * dtype.itemsize
+        if self.mode == LOGFMT:
+            self.row_bytes = logfmt.row_bytes(hidden)
+
+    def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """``rows`` `[n, hidden]` into ``out`` `[n, row_bytes]` uint8."""
+        if not self.quantized:
+            out.view(self.dtype).copy_(rows)
+            return
+        if self.mode == LOGFMT:
+            out.copy_(logfmt.encode(rows))
+            return
+        q, scale = per_group_int8(rows) if self.mx is None else self.mx(rows)
+        out[:, : self.hidden].view(q.dtype).copy_(q)
+        out[:, self.hidden :].copy_(scale.contiguous().view(torch.uint8))
+
+    def decode_float(self, packed: torch.Tensor) -> torch.Tensor:
+        """`[n, row_bytes]` uint8 to `[n, hidden]` fp32 (a fresh tensor: callers scale it in place); quantized rows
+        are dequantized and rounded to ``dtype`` first, as the NPU receives them."""
+        if not self.quantized:
+            return packed.view(self.dtype).float()
+        if self.mode == LOGFMT:
+            return logfmt.decode(packed, self.hidden)
+        if self.mx is not None:
+            y = mx_dequant(packed[:, : self.hidden].view(self.mx.dtype), packed[:, self.hidden :])
+            return y.to(self.dtype).float()
+        q = packed[:, : self.hidden].view(torch.int8).float().view(-1, self.hidden // 8, 8)
+        scale = packed[:, self.hidden :].view(self.dtype).float().unsqueeze(-1)
+        return (q * scale).view(-1, self.hidden).to(self.dtype).float()

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from .. import kernels, logfmt
-from ..quant import FP8_DTYPE, GROUP, Quant, mx_dequant, pack_ue8m0, per_group_int8, scale_for_fp8_
+from .. import kernels
+from ..quant import FP8_DTYPE, GROUP, Quant, pack_ue8m0, scale_for_fp8_
 from .plan import Plan
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
@@ -31,7 +31,6 @@ def align(x: int, a: int) -> int:
 
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}  # dtypes in fingerprints
-LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)
 
 
 INT8_PER_TOKEN = Quant(2, torch.int8)
@@ -154,46 +153,6 @@ class RowFormat:
     def scale_bytes(self, rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """The raw scale bytes of ``rows[row]``: `[P, scale bytes]` uint8 (any scale dtype)."""
         return rows[row, self.scale_off : self.scale_end]
-
-
-class ReturnFormat:
-    """A combine row for ``comm_quant_mode`` ``mode``: 0 the expert output in ``dtype``; 2 int8 + one ``dtype`` scale
-    per 8 elements; 3 / 4 MX fp8 (e5m2 / e4m3, :func:`~deep_ep_npu.quant.mx_fp8`) + one e8m0 byte per 32;
-    :data:`LOGFMT` DeepEP's LogFMT-10 of bf16 rows (decoded straight to fp32)."""
-
-    def __init__(self, hidden: int, dtype: torch.dtype, mode: int) -> None:
-        self.hidden, self.dtype, self.mode, self.quantized = hidden, dtype, int(mode), bool(mode)
-        self.mx = Quant(4, torch.float8_e5m2 if mode == 3 else torch.float8_e4m3fn) if mode in (3, 4) else None
-        scale_bytes = hidden // 8 * dtype.itemsize if self.mx is None else self.mx.scale_bytes(hidden)
-        self.row_bytes = hidden + scale_bytes if mode else hidden * dtype.itemsize
-        if self.mode == LOGFMT:
-            self.row_bytes = logfmt.row_bytes(hidden)
-
-    def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """``rows`` `[n, hidden]` into ``out`` `[n, row_bytes]` uint8."""
-        if not self.quantized:
-            out.view(self.dtype).copy_(rows)
-            return
-        if self.mode == LOGFMT:
-            out.copy_(logfmt.encode(rows))
-            return
-        q, scale = per_group_int8(rows) if self.mx is None else self.mx(rows)
-        out[:, : self.hidden].view(q.dtype).copy_(q)
-        out[:, self.hidden :].copy_(scale.contiguous().view(torch.uint8))
-
-    def decode_float(self, packed: torch.Tensor) -> torch.Tensor:
-        """`[n, row_bytes]` uint8 to `[n, hidden]` fp32 (a fresh tensor: callers scale it in place); quantized rows
-        are dequantized and rounded to ``dtype`` first, as the NPU receives them."""
-        if not self.quantized:
-            return packed.view(self.dtype).float()
-        if self.mode == LOGFMT:
-            return logfmt.decode(packed, self.hidden)
-        if self.mx is not None:
-            y = mx_dequant(packed[:, : self.hidden].view(self.mx.dtype), packed[:, self.hidden :])
-            return y.to(self.dtype).float()
-        q = packed[:, : self.hidden].view(torch.int8).float().view(-1, self.hidden // 8, 8)
-        scale = packed[:, self.hidden :].view(self.dtype).float().unsqueeze(-1)
-        return (q * scale).view(-1, self.hidden).to(self.dtype).float()
 
 
 def parse(fmt: RowFormat, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

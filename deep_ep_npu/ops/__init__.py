@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..core import ascend, rules
 from ..core.call import CombineCall, DispatchCall
-from ..engine.exchange import Engine, InFlight, engine_for
+from ..engine.exchange import InFlight, engine_for
 from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, MoeDistributeError
 from ..sizes import get_low_latency_ccl_buffer_size
 from ..transports.collective import EPGroup

@@ -63,21 +63,23 @@ def resolve_transport_name(name: str | None) -> str:
     return name
 
 
-def create_window(ep: EPGroup, name: str, window_bytes: int) -> Transport | None:
-    """The shared-memory window of ``ep`` for transport ``name`` (collective on every rank of the group): for
-    ``"auto"`` when the group's backend is gloo, it has more than one rank and every rank can share memory with every
-    other (checked, see :mod:`.window_setup`), else None; ``"shm"`` raises ValueError where it is not possible.
-    ``window_bytes``: each rank's window size (at least :data:`~.window.DEFAULT_WINDOW_BYTES`)."""
+def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Transport, Transport | None]:
+    """The collective transport of ``ep`` (``reuse``: its buffers alternate between two reused sets, else each call
+    gets its own) and, for ``name`` ``"auto"`` / ``"shm"``, its shared-memory window (collective on every rank of the
+    group): for ``"auto"`` when the group's backend is gloo, it has more than one rank and every rank can share memory
+    with every other (checked, see :mod:`.window_setup`), else None; ``"shm"`` raises ValueError where it is not
+    possible. ``window_bytes``: each rank's window size (at least :data:`~.window.DEFAULT_WINDOW_BYTES`)."""
     import torch.distributed as dist
 
-    from .window import DEFAULT_WINDOW_BYTES
-    from .window_setup import setup
+    from . import window
+    from .collective import Collective
 
+    collective = Collective(ep, reuse)
     if name == "collective" or ep.num_ranks == 1:
-        return None
+        return collective, None
     backend = str(dist.get_backend(ep.group)).lower()
     if "gloo" not in backend:
         if name == "shm":
             raise ValueError(f"transport: 'shm' needs a gloo (CPU) group, got backend {backend!r}; pass 'auto'")
-        return None
-    return setup(ep, max(window_bytes, DEFAULT_WINDOW_BYTES), required=name == "shm")
+        return collective, None
+    return collective, window.create(ep, max(window_bytes, window.DEFAULT_WINDOW_BYTES), required=name == "shm")

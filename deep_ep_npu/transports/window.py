@@ -24,7 +24,7 @@ check them (every rank sees the same headers, so every rank raises the same erro
 are, then tell each peer its region was read. A rank whose rows for a peer exceed the region (``num_rdma_bytes`` too
 small) rejects the call: it posts that status and raises; its peers raise on reading it.
 
-The windows are set up collectively by :func:`~.window_setup.setup` (same-host check included).
+The windows are set up collectively by :func:`create` (:mod:`.window_setup`: the same-host check included).
 """
 
 from __future__ import annotations
@@ -85,8 +85,10 @@ class Window:
 
     name = "shm"
 
-    def __init__(self, ep: EPGroup, key: int, window: torch.Tensor, mm: mmap.mmap, peers: dict[int, _Peer]) -> None:
-        self.ep, self.key, self.nbytes, self.window, self._mm, self.peers = ep, key, window.numel(), window, mm, peers
+    def __init__(self, ep: EPGroup, key: int, window: torch.Tensor, mm: mmap.mmap,
+                 peers: dict[int, tuple[torch.Tensor, mmap.mmap, int, int]]) -> None:  # fmt: skip
+        self.ep, self.key, self.nbytes, self.window, self._mm = ep, key, window.numel(), window, mm
+        self.peers = {q: _Peer(q, *parts) for q, parts in peers.items()}
         self.seq = 0
         self.closed = False
 
@@ -289,3 +291,12 @@ def _close_fds(peer: _Peer) -> None:
     for fd in (peer.out_fd, peer.in_fd):
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def create(ep: EPGroup, nbytes: int, required: bool) -> Window | None:
+    """The window transport of ``ep``'s ranks (collective; ``nbytes`` per rank), or None when some rank cannot share
+    memory with the others (then ValueError if ``required``): :func:`~.window_setup.setup`."""
+    from .window_setup import setup
+
+    made = setup(ep, nbytes, required)
+    return None if made is None else Window(ep, *made)

@@ -1,4 +1,5 @@
-"""Setting up the shared-memory windows of a group's ranks (:func:`setup`, collective): each rank creates
+"""Setting up the shared-memory windows of a group's ranks (:func:`setup`, collective; :func:`.window.create` makes the
+transport of it): each rank creates
 its window (``memfd_create``: no name anywhere), binds an abstract unix socket (no file), exchanges its name through
 the group, sends each peer its window and the write end of a new pipe (``SCM_RIGHTS``), and checks the nonce each peer
 wrote at the start of its window. Ranks on different hosts (or network namespaces) cannot reach each other's sockets:
@@ -18,7 +19,6 @@ import time
 import torch
 
 from .collective import STATUS_OK, EPGroup
-from .window import Window, _close_fds, _Peer
 
 
 def supported() -> str:
@@ -28,7 +28,10 @@ def supported() -> str:
     return ""
 
 
-def setup(ep: EPGroup, nbytes: int, required: bool) -> Window | None:
+Peer = tuple[torch.Tensor, mmap.mmap, int, int]  # a peer's window, its mapping, the pipe to it, the pipe from it
+
+
+def setup(ep: EPGroup, nbytes: int, required: bool) -> tuple[int, torch.Tensor, mmap.mmap, dict[int, Peer]] | None:
     """Set up the window of every rank of ``ep`` (collective, bounded by ``ep.timeout``): ``nbytes`` per rank.
     Returns None when some rank cannot share memory with the others; raises ValueError then if ``required``."""
     me, r = ep.rank, ep.num_ranks
@@ -69,10 +72,12 @@ def setup(ep: EPGroup, nbytes: int, required: bool) -> Window | None:
         exchange.close()
     final = ep.start_agree("shm window", STATUS_OK, [[] for _ in range(r)], [int(not why)])()
     if all(fp[0] for fp in final.shared) and exchange is not None:
-        return Window(ep, tokens[0], exchange.window, exchange.mm, exchange.peers)
+        return tokens[0], exchange.window, exchange.mm, exchange.peers
     if exchange is not None:
-        for peer in exchange.peers.values():
-            _close_fds(peer)
+        for _, _, out_fd, in_fd in exchange.peers.values():
+            for fd in (out_fd, in_fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         unmapped = [fd for q, fd in exchange.in_fds.items() if q not in exchange.peers]
         for fd in (*unmapped, *(wr for _, wr in exchange.outbox)):
             with contextlib.suppress(OSError):
@@ -110,7 +115,7 @@ class _Exchange:
                 rd, wr = os.pipe()
                 self.in_fds[q] = rd
                 self.outbox.append((q, wr))
-        self.peers: dict[int, _Peer] = {}
+        self.peers: dict[int, Peer] = {}
 
     def send(self, timeout: float) -> None:
         """Send to every peer (receiving meanwhile: a socket's queue holds few messages). Raises OSError when a peer
@@ -127,15 +132,15 @@ class _Exchange:
             except BlockingIOError:
                 self._receive_one(deadline, 0.01)
 
-    def receive(self, timeout: float) -> dict[int, _Peer]:
+    def receive(self, timeout: float) -> dict[int, Peer]:
         """Map every peer's window (all peers have sent: their messages are queued). Raises ValueError when one is
         missing or wrong."""
         deadline = time.monotonic() + timeout
         while len(self.peers) < self.r - 1:
             self._receive_one(deadline, deadline - time.monotonic())
-        for peer in self.peers.values():
-            os.set_blocking(peer.in_fd, False)
-            os.set_blocking(peer.out_fd, True)
+        for _, _, out_fd, in_fd in self.peers.values():
+            os.set_blocking(in_fd, False)
+            os.set_blocking(out_fd, True)
         return self.peers
 
     def _receive_one(self, deadline: float, wait: float) -> None:
@@ -155,7 +160,7 @@ class _Exchange:
         os.close(fds[0])
         if int(their[:8].view(torch.int64)[0]) != self.tokens[q]:
             raise ValueError(f"rank {q}'s window does not hold its nonce: not shared memory")
-        self.peers[q] = _Peer(q, their, their_mm, fds[1], self.in_fds[q])
+        self.peers[q] = (their, their_mm, fds[1], self.in_fds[q])
 
     def close(self) -> None:
         """Close what is not needed once the exchange is over (or failed)."""
