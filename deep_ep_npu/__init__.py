@@ -6,11 +6,11 @@ stand-in :mod:`.sim`), the parameter core (:mod:`.core`: one call description, o
 (:mod:`.backends`). Imports only torch; torch_npu is imported only when the Ascend backend is created.
 """
 
-from .buffer import Buffer, EventOverlap
+from .buffer import Buffer
 from .compat import Config
 from .elastic import ElasticBuffer
 from .errors import MoeDistributeError
-from .handle import EPHandle, EventHandle, FlatHandle, LowLatencyHandle, topk_idx_t
+from .handle import EPHandle, EventHandle, EventOverlap, FlatHandle, LowLatencyHandle, topk_idx_t
 from .sizes import get_low_latency_ccl_buffer_size
 from .transports.failure import EPRankFailure
 

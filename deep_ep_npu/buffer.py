@@ -25,7 +25,6 @@ interrupted call.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -34,15 +33,14 @@ import torch.distributed as dist
 
 from .backends import create_backend, resolve_backend_name
 from .buffer_ascend import AscendMethods
-from .compat import DeepEPCompat
+from .compat import Config, get_dispatch_layout, normal_mode_error
 from .core import rules
 from .core.call import CombineCall, DispatchCall
-from .engine.exchange import InFlight
 from .errors import MoeDistributeError, invalid
-from .handle import LowLatencyHandle
+from .handle import EventOverlap, LowLatencyHandle
 from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
 from .transports import resolve_transport_name
-from .transports.failure import EPRankFailure, resolve_timeout
+from .transports.failure import resolve_timeout
 
 NAMES = {"expert_ids": "topk_idx", "num_max": "num_max_dispatch_tokens_per_rank", "moe_expert_num": "num_experts",
          "expert_scales": "topk_weights", "recv_stats": "cumulative_local_expert_recv_stats",
@@ -50,71 +48,7 @@ NAMES = {"expert_ids": "topk_idx", "num_max": "num_max_dispatch_tokens_per_rank"
 COMBINE_NAMES = {**NAMES, "wait_stats": "combine_wait_recv_cost_stats"}
 
 
-class EventOverlap:
-    """DeepEP's completion object for ``async_finish=True``. ``event``: anything with ``wait()`` (an
-    :class:`~deep_ep_npu.engine.exchange.InFlight` receive, or a ``torch.cuda.Event`` / ``torch.npu.Event``), or None
-    for a finished operation; ``extra_tensors``: kept alive until the wait (DeepEP's CUDA-graph-safe
-    ``record_stream``)."""
-
-    def __init__(self, event: Any = None, extra_tensors: tuple | None = None) -> None:
-        self.event, self.extra_tensors = event, extra_tensors
-
-    def current_stream_wait(self) -> None:
-        """Block (CPU) or make the current stream wait (device) until the operation is complete. Idempotent."""
-        if self.event is not None:
-            self.event.wait()
-        self.extra_tensors = None
-
-    def __enter__(self) -> EventOverlap:
-        return self
-
-    def __exit__(self, exc_type: object, exc_val: object, exc_tb: object) -> None:
-        self.current_stream_wait()
-
-
-class Destroyable:
-    """The lifecycle both buffers share (``Buffer``, ``ElasticBuffer``): ``destroy()`` with DeepEP's
-    ``explicitly_destroy`` rule, release on deletion otherwise, and a clear error for use after destroy. A mixin over ``self._backend`` (a :class:`~deep_ep_npu.backends.Backend`), ``self.explicitly_destroy`` and
-    ``self._destroyed`` (False at construction)."""
-
-    _backend: Any
-    explicitly_destroy: bool
-    _destroyed: bool
-
-    def _check_alive(self) -> None:
-        if self._destroyed:
-            raise RuntimeError(f"this {type(self).__name__} was destroyed; create a new one")
-
-    def destroy(self) -> None:
-        """Release the buffers and communication context; needs ``explicitly_destroy=True`` (as DeepEP). A second call
-        is a no-op; using the buffer afterwards raises. Collective: it first waits (bounded) for every live peer, so no
-        rank tears its group down while a peer still finishes the last combine; a peer that is gone is not awaited."""
-        if not self.explicitly_destroy:
-            raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
-        if not self._destroyed:
-            self._destroyed = True
-            with contextlib.suppress(EPRankFailure):
-                self._backend.ep.barrier("destroy")
-            self._backend.destroy()
-
-    def __del__(self) -> None:
-        if not getattr(self, "explicitly_destroy", True) and not getattr(self, "_destroyed", True):
-            self._destroyed = True
-            self._backend.destroy()
-
-
-def overlap(inflight: InFlight, async_finish: bool, return_recv_hook: bool,
-            tensors: tuple = ()) -> tuple[EventOverlap, Callable[[], Any] | None]:  # fmt: skip
-    """DeepEP's two overlap styles over a receive: a hook, an event, or neither (the receive runs now)."""
-    if return_recv_hook:
-        return EventOverlap(None), inflight.wait
-    if async_finish:
-        return EventOverlap(inflight, tensors), None
-    inflight.wait()
-    return EventOverlap(None), None
-
-
-class Buffer(AscendMethods, DeepEPCompat, Destroyable):
+class Buffer(AscendMethods):
     """The low-latency expert-parallel communication buffer (DeepEP-compatible).
 
     Arguments:
@@ -163,7 +97,6 @@ class Buffer(AscendMethods, DeepEPCompat, Destroyable):
             self.backend_name, group, timeout=resolve_timeout(timeout), enable_shrink=enable_shrink,
             transport=transport, num_rdma_bytes=num_rdma_bytes, ccl_buffer_size=ccl_buffer_size,
         )  # fmt: skip
-        self._destroyed = False
 
     def low_latency_dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -203,7 +136,7 @@ class Buffer(AscendMethods, DeepEPCompat, Destroyable):
 
         Raises MoeDistributeError / EPRankFailure as the module docstring says; the former also when N / num_experts
         / hidden / format differ across ranks."""
-        self._check_alive()
+        self._backend.check_alive(self)
         op, n = "low_latency_dispatch", num_max_dispatch_tokens_per_rank
         try:
             rules.overlap_flags(async_finish, return_recv_hook)
@@ -223,7 +156,7 @@ class Buffer(AscendMethods, DeepEPCompat, Destroyable):
             self._backend.reject(op, err.code)
             raise
         inflight = self._backend.dispatch(call)
-        event, hook = overlap(inflight, async_finish, return_recv_hook, inflight.value)
+        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, inflight.value)
         recv_x, recv_count, handle = inflight.value
         return recv_x, recv_count, handle, event, hook
 
@@ -252,7 +185,7 @@ class Buffer(AscendMethods, DeepEPCompat, Destroyable):
             event, hook: as in dispatch.
 
         Raises as dispatch; MoeDistributeError also for a handle / topk_idx that does not match the dispatch."""
-        self._check_alive()
+        self._backend.check_alive(self)
         op = "low_latency_combine"
         try:
             rules.overlap_flags(async_finish, return_recv_hook)
@@ -270,22 +203,80 @@ class Buffer(AscendMethods, DeepEPCompat, Destroyable):
             raise
         inflight = self._backend.combine(call)
         combined = inflight.value
-        event, hook = overlap(inflight, async_finish, return_recv_hook, (combined,))
+        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (combined,))
         return combined, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle | tuple) -> torch.Tensor:
         """The `[L, R * N, hidden]` `torch.bfloat16` buffer the next ``zero_copy`` combine reads: fill it, then call
         ``low_latency_combine(..., zero_copy=True)`` with no low-latency call in between (buffers flip per call)."""
-        self._check_alive()
+        self._backend.check_alive(self)
         h = rules.masked_handle(handle, self.group_size)
         return self._backend.next_combine_buffer(h)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency buffer state between two barriers (collective; bounded by ``timeout``)."""
-        self._check_alive()
+        self._backend.check_alive(self)
         self._backend.ep.barrier("clean_low_latency_buffer")
         self._backend.clean()
         self._backend.ep.barrier("clean_low_latency_buffer")
+
+    # DeepEP's legacy Buffer beyond the low-latency calls (see deep_ep_npu.compat)
+    num_sms: int = 20
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Accepted for compatibility (DeepEP's normal kernels only; nothing to set here)."""
+        if new_num_sms % 2:
+            raise ValueError(f"new_num_sms: must be even, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> Any:
+        """An already-complete event (there is no separate communication stream to capture)."""
+        return EventOverlap(None)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return False
+
+    def get_comm_stream(self) -> None:
+        """DeepEP's communication stream: there is none here (work runs in call order on the calling thread; results
+        are ready when the call, its ``hook()`` or its event returns), so this returns None."""
+        return None
+
+    def get_dispatch_layout(
+        self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None, async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+        """DeepEP's normal-mode layout helper, computed locally (no communication): ``num_tokens_per_rank`` `[R]`
+        `torch.int32`, ``num_tokens_per_rdma_rank`` None, ``num_tokens_per_expert`` `[num_experts]` `torch.int32`,
+        ``is_token_in_rank`` `[T, R]` `torch.bool`, a complete event (:func:`get_dispatch_layout`)."""
+        self._backend.check_alive(self)
+        return get_dispatch_layout(topk_idx, num_experts, self.group_size)
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """Normal-mode dispatch: not implemented; raises NotImplementedError pointing to :class:`ElasticBuffer`."""
+        raise normal_mode_error("dispatch")
+
+    def combine(self, *args: Any, **kwargs: Any) -> Any:
+        """Normal-mode combine: not implemented; raises NotImplementedError pointing to :class:`ElasticBuffer`."""
+        raise normal_mode_error("combine")
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A default :class:`Config` (accepted by nothing here: normal mode is not implemented)."""
+        return Config()
+
+    get_combine_config = get_dispatch_config
+
+    def destroy(self) -> None:
+        """Release the buffers and communication context; needs ``explicitly_destroy=True`` (as DeepEP). A second call
+        is a no-op; using the buffer afterwards raises. Collective (see ``Backend.release``)."""
+        self._backend.release(self.explicitly_destroy, called=True)
+
+    def __del__(self) -> None:
+        if hasattr(self, "_backend"):
+            self._backend.release(self.explicitly_destroy, called=False)
 
     def _mask(self) -> torch.Tensor:
         if not self.enable_shrink:

@@ -13,7 +13,7 @@ from .core import ascend, rules
 from .core.call import FFN, CombineCall, DispatchCall
 from .engine.exchange import InFlight
 from .errors import MoeDistributeError, invalid, shape
-from .handle import FlatHandle
+from .handle import EventOverlap, FlatHandle
 
 DISPATCH_OP, COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
 NAMES = {"scales": "smooth_scales", "expert_scales": "topk_weights", "expert_ids": "topk_idx",
@@ -46,13 +46,12 @@ class FlatDispatchOutput:
 
 class AscendMethods:
     """The flat methods and ``mega_moe`` of :class:`deep_ep_npu.Buffer` (needs its ``_backend``, ``group``,
-    ``group_size``, ``rank``, ``_check_alive``)."""
+    ``group_size``, ``rank``)."""
 
     _backend: Any
     group: Any
     group_size: int
     rank: int
-    _check_alive: Callable[[], None]
 
     def low_latency_dispatch_flat(
         self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int, *,
@@ -78,13 +77,11 @@ class AscendMethods:
             shared_expert_num, shared_expert_rank_num, zero/copy/const_expert_num: as in the Ascend op.
             async_finish, return_recv_hook: as in ``low_latency_dispatch``.
         """
-        from .buffer import overlap
-
-        self._check_alive()
+        self._backend.check_alive(self)
         n = num_max_dispatch_tokens_per_rank
         global_bs = n * self.group_size if isinstance(n, int) else n
-        special = dict(zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num,
-                       const_expert_num=const_expert_num)  # fmt: skip
+        special: dict[str, Any] = dict(zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num,
+                                       const_expert_num=const_expert_num)  # fmt: skip
         try:
             if quant_mode not in (0, 2):
                 raise invalid("quant_mode", f"got {quant_mode!r}, allowed 0 or 2")
@@ -105,7 +102,7 @@ class AscendMethods:
         keywords = dict(x_active_mask=x_active_mask, shared_expert_num=shared_expert_num,
                         shared_expert_rank_num=shared_expert_rank_num, global_bs=global_bs, **special)  # fmt: skip
         handle = FlatHandle(assist, ep_recv, tp_recv, expand_scales, num_experts, keywords)
-        event, hook = overlap(inflight, async_finish, return_recv_hook)
+        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook)
         return FlatDispatchOutput(inflight, handle), event, hook
 
     def low_latency_combine_flat(
@@ -126,9 +123,7 @@ class AscendMethods:
                 `[const_expert_num, hidden]`. comm_quant_mode: 0, or 2 (int8 on the wire).
             out: `[T, hidden]` in x's dtype, written in place, or None.
         """
-        from .buffer import overlap
-
-        self._check_alive()
+        self._backend.check_alive(self)
         try:
             if not isinstance(handle, FlatHandle):
                 raise invalid("handle", f"must be the FlatHandle from low_latency_dispatch_flat, got {type(handle)}")
@@ -159,7 +154,7 @@ class AscendMethods:
             if out is not None:
                 out.copy_(result)
 
-        event, hook = overlap(InFlight(finish, combined), async_finish, return_recv_hook, (combined,))
+        event, hook = EventOverlap.of(InFlight(finish, combined), async_finish, return_recv_hook, (combined,))
         return combined, event, hook
 
     def mega_moe(
@@ -180,7 +175,7 @@ class AscendMethods:
         dtype): ``sum_k topk_weights[t, k] * FFN_e(x[t])``."""
         from .mega_moe import run
 
-        self._check_alive()
+        self._backend.check_alive(self)
         ffn = FFN(w1, w2, w1_scale, w2_scale, out_dtype, swiglu_limit, kwargs.pop("num_segments", None),
                   kwargs.pop("segment_by", "expert"), kwargs.pop("max_output_size", None))  # fmt: skip
         if kwargs:

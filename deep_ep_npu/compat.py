@@ -8,13 +8,13 @@ this library's engine)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .core import rules
 from .errors import shape
+from .handle import EventOverlap
 
 NORMAL_MODE_HINT = (
     "the normal (high-throughput) mode of deep_ep.Buffer is not implemented by deep_ep_npu: use "
@@ -65,63 +65,4 @@ def get_dispatch_layout(
     in_rank = torch.zeros((idx.shape[0], num_ranks + 1), dtype=torch.bool, device=idx.device)
     in_rank.scatter_(1, rank_of, True)
     is_token_in_rank = in_rank[:, :num_ranks].contiguous()
-    from .buffer import EventOverlap
-
     return is_token_in_rank.sum(dim=0).to(torch.int32), None, per_expert, is_token_in_rank, EventOverlap(None)
-
-
-class DeepEPCompat:
-    """The legacy ``Buffer``'s methods that exist for compatibility (see the module docstring); needs the Buffer's
-    ``group_size`` and ``_check_alive``."""
-
-    num_sms: int = 20
-    group_size: int
-    _check_alive: Callable[[], None]
-
-    @staticmethod
-    def set_num_sms(new_num_sms: int) -> None:
-        """Accepted for compatibility (DeepEP's normal kernels only; nothing to set here)."""
-        if new_num_sms % 2:
-            raise ValueError(f"new_num_sms: must be even, got {new_num_sms}")
-        DeepEPCompat.num_sms = new_num_sms
-
-    @staticmethod
-    def capture() -> Any:
-        """An already-complete event (there is no separate communication stream to capture)."""
-        from .buffer import EventOverlap
-
-        return EventOverlap(None)
-
-    @staticmethod
-    def is_sm90_compiled() -> bool:
-        return False
-
-    def get_comm_stream(self) -> None:
-        """DeepEP's communication stream: there is none here (work runs in call order on the calling thread; results
-        are ready when the call, its ``hook()`` or its event returns), so this returns None."""
-        return None
-
-    def get_dispatch_layout(
-        self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None, async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, Any]:  # fmt: skip
-        """DeepEP's normal-mode layout helper, computed locally (no communication): ``num_tokens_per_rank`` `[R]`
-        `torch.int32`, ``num_tokens_per_rdma_rank`` None, ``num_tokens_per_expert`` `[num_experts]` `torch.int32`,
-        ``is_token_in_rank`` `[T, R]` `torch.bool`, a complete event (:func:`get_dispatch_layout`)."""
-        self._check_alive()
-        return get_dispatch_layout(topk_idx, num_experts, self.group_size)
-
-    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
-        """Normal-mode dispatch: not implemented; raises NotImplementedError pointing to :class:`ElasticBuffer`."""
-        raise normal_mode_error("dispatch")
-
-    def combine(self, *args: Any, **kwargs: Any) -> Any:
-        """Normal-mode combine: not implemented; raises NotImplementedError pointing to :class:`ElasticBuffer`."""
-        raise normal_mode_error("combine")
-
-    @staticmethod
-    def get_dispatch_config(num_ranks: int) -> Config:
-        """A default :class:`Config` (accepted by nothing here: normal mode is not implemented)."""
-        return Config()
-
-    get_combine_config = get_dispatch_config

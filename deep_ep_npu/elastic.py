@@ -37,12 +37,11 @@ import torch
 import torch.distributed as dist
 
 from .backends import create_backend, resolve_backend_name
-from .buffer import Destroyable, EventOverlap
 from .core import elastic as v2
 from .core import rules
 from .core.call import CombineCall, DispatchCall
 from .errors import MoeDistributeError, invalid
-from .handle import EPHandle, EventHandle
+from .handle import EPHandle, EventHandle, EventOverlap
 from .sizes import align
 from .transports.failure import resolve_timeout
 
@@ -50,7 +49,7 @@ _MIB2 = 2 << 20
 DISPATCH_OP, COMBINE_OP = "elastic_dispatch", "elastic_combine"
 
 
-class ElasticBuffer(Destroyable):
+class ElasticBuffer:
     """DeepEP V2's expert-parallel buffer (see the module docstring for what differs).
 
     Arguments:
@@ -95,8 +94,16 @@ class ElasticBuffer(Destroyable):
         self.backend_name = resolve_backend_name(backend)
         # rows move by the group's collectives (start_dispatch / start_combine), never by a shared-memory window
         self._backend = create_backend(self.backend_name, group, timeout=resolve_timeout(timeout))
-        self._destroyed = False
         self._backend.ep.barrier("ElasticBuffer.__init__")
+
+    def destroy(self) -> None:
+        """Release the buffer; needs ``explicitly_destroy=True``. A second call is a no-op; using the buffer afterwards
+        raises. Collective (see ``Backend.release``)."""
+        self._backend.release(self.explicitly_destroy, called=True)
+
+    def __del__(self) -> None:
+        if hasattr(self, "_backend"):
+            self._backend.release(self.explicitly_destroy, called=False)
 
     @property
     def rank(self) -> int:
@@ -145,7 +152,7 @@ class ElasticBuffer(Destroyable):
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """A barrier of the group's ranks, bounded by ``timeout`` (the arguments are accepted, no-ops)."""
-        self._check_alive()
+        self._backend.check_alive(self)
         self._backend.ep.barrier("barrier")
 
     def dispatch(
@@ -193,7 +200,7 @@ class ElasticBuffer(Destroyable):
                 row's weight); None without ``topk_weights``.
             handle: the :class:`EPHandle` (a cached call returns the same object). event: :class:`EventOverlap`.
         """
-        self._check_alive()
+        self._backend.check_alive(self)
         try:
             call = self._dispatch_call(
                 x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
@@ -274,7 +281,7 @@ class ElasticBuffer(Destroyable):
             combined_topk_weights: `[T, K]` `torch.float32` (0 for ``topk_idx == -1``), or None.
             event: :class:`EventOverlap`.
         """
-        self._check_alive()
+        self._backend.check_alive(self)
         try:
             rules.flag(async_with_compute_stream, "async_with_compute_stream")
             v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)

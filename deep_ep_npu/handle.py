@@ -3,6 +3,7 @@ are tuples), and DeepEP's ``EventHandle``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -119,3 +120,37 @@ class EventHandle:
 
     def current_stream_wait(self) -> None:
         """Nothing to wait for (see the class docstring)."""
+
+
+class EventOverlap:
+    """DeepEP's completion object for ``async_finish=True``. ``event``: anything with ``wait()`` (an
+    :class:`~deep_ep_npu.engine.exchange.InFlight` receive, or a ``torch.cuda.Event`` / ``torch.npu.Event``), or None
+    for a finished operation; ``extra_tensors``: kept alive until the wait (DeepEP's CUDA-graph-safe
+    ``record_stream``)."""
+
+    def __init__(self, event: Any = None, extra_tensors: tuple | None = None) -> None:
+        self.event, self.extra_tensors = event, extra_tensors
+
+    def current_stream_wait(self) -> None:
+        """Block (CPU) or make the current stream wait (device) until the operation is complete. Idempotent."""
+        if self.event is not None:
+            self.event.wait()
+        self.extra_tensors = None
+
+    @staticmethod
+    def of(inflight: Any, async_finish: bool, return_recv_hook: bool,
+           tensors: tuple = ()) -> tuple[EventOverlap, Callable[[], Any] | None]:  # fmt: skip
+        """DeepEP's two overlap styles over a receive (an ``InFlight``): a hook, an event, or neither (the receive
+        runs now); returns ``(event, hook)``."""
+        if return_recv_hook:
+            return EventOverlap(None), inflight.wait
+        if async_finish:
+            return EventOverlap(inflight, tensors), None
+        inflight.wait()
+        return EventOverlap(None), None
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, exc_type: object, exc_val: object, exc_tb: object) -> None:
+        self.current_stream_wait()

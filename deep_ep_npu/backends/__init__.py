@@ -11,6 +11,7 @@ peers that this rank rejected its input of ``op`` (they raise too); ``clean`` / 
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..transports.collective import EPGroup
+from ..transports.failure import EPRankFailure
 
 if TYPE_CHECKING:
     from ..core.call import FFN, CombineCall, DispatchCall
@@ -44,6 +46,7 @@ class Backend(abc.ABC):
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.mask = torch.zeros((self.num_ranks,), dtype=torch.int32)  # shrink mode: 1 = rank treated as absent
         self.ep = EPGroup(group, self.mask, timeout, enable_shrink)
+        self.released = False
 
     @abc.abstractmethod
     def dispatch(self, call: DispatchCall) -> InFlight: ...
@@ -71,6 +74,24 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def destroy(self) -> None: ...
+
+    def release(self, explicitly_destroy: bool, called: bool) -> None:
+        """A front-end's ``destroy()`` (``called``) or deletion, with DeepEP's ``explicitly_destroy`` rule; releases
+        once. ``destroy()`` first waits (bounded) for every live peer, so no rank tears its group down while a peer
+        still finishes the last combine; a peer that is gone is not awaited."""
+        if called and not explicitly_destroy:
+            raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
+        if self.released or explicitly_destroy != called:
+            return
+        self.released = True
+        if called:
+            with contextlib.suppress(EPRankFailure):
+                self.ep.barrier("destroy")
+        self.destroy()
+
+    def check_alive(self, front: object) -> None:
+        if self.released:
+            raise RuntimeError(f"this {type(front).__name__} was destroyed; create a new one")
 
 
 _REGISTRY: dict[str, str | type[Backend]] = {

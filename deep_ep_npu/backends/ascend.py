@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from ..core.call import FFN, CombineCall, DispatchCall
-from ..engine import expand
 from ..engine.exchange import InFlight, engine_for
 from ..errors import invalid
 from ..handle import LowLatencyHandle
@@ -114,8 +113,8 @@ class AscendBackend(Backend):
         kw = dict(scales=c.scales, x_active_mask=c.x_active_mask, expert_scales=c.expert_scales,
                   quant_mode=0 if q is None else q.mode, expert_token_nums_type=c.expert_token_nums_type,
                   shared_expert_num=max(e.shared_expert_num, 1), shared_expert_rank_num=e.shared_expert_rank_num,
-                  global_bs=c.num_max * e.world_size, copy_expert_num=e.copy_expert_num, const_expert_num=e.const_expert_num,
-                  zero_expert_num=zero_num)  # fmt: skip
+                  global_bs=c.num_max * e.world_size, copy_expert_num=e.copy_expert_num,
+                  const_expert_num=e.const_expert_num, zero_expert_num=zero_num)  # fmt: skip
         return self.ops.dispatch(c.x, ids, e.num_moe_experts, c.num_max, e.num_local, **kw)
 
     def _flat_combine(self, c: CombineCall) -> torch.Tensor:
@@ -198,7 +197,7 @@ class AscendBackend(Backend):
         )[: c.expert_ids.shape[0]]  # fmt: skip
         return combined if c.out is None else c.out.copy_(combined)
 
-    def _expand_dispatch(self, c: DispatchCall) -> expand.Outputs:
+    def _expand_dispatch(self, c: DispatchCall) -> Any:
         if c.x_sf is not None:
             raise invalid("x", "the pre-quantized (float8_e4m3fn, sf) tuple has no Ascend A2/A3 dispatch op (quant_mode"
                           " 0 takes bf16 / fp16 x): pass bf16 x, or use backend='reference'")  # fmt: skip

@@ -50,7 +50,8 @@ class _Ops:
         self.prepare_weight: Callable[[torch.Tensor], torch.Tensor] = lambda w: torch_npu.npu_format_cast(w, 29)
         with contextlib.suppress(AttributeError, RuntimeError):
             self.fused_op = torch.ops._C_ascend.dispatch_ffn_combine
-        self.device_type = str(getattr(torch_npu, "device_type", "npu")) if getattr(torch_npu, "SIMULATED", 0) else "npu"
+        simulated = getattr(torch_npu, "SIMULATED", 0)
+        self.device_type = str(getattr(torch_npu, "device_type", "npu")) if simulated else "npu"
 
     def ccl_size(self, num_max: int, hidden: int, num_local: int, topk: int) -> int:
         """The CCL window (MB) for these shapes; raises, naming the size needed, if the one in use is smaller."""

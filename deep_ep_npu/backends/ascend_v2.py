@@ -22,8 +22,9 @@ def _pad_empty(rows: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor
     return rows.new_zeros((1, rows.shape[1])), topk_idx.new_full((1, topk_idx.shape[1]), -1)
 
 
-def dispatch(backend: Any, c: DispatchCall) -> expand.Outputs:
-    """``c`` (an ``expand`` call) on ``backend``'s ops; its handle cached in the outputs."""
+def dispatch(backend: Any, c: DispatchCall) -> Any:
+    """``c`` (an ``expand`` call) on ``backend``'s ops: :mod:`~deep_ep_npu.engine.expand`'s outputs, the handle in
+    them."""
     e, h = c.experts, c.cached
     r, num_local, n, k, hidden = e.world_size, e.num_local, c.num_max, c.expert_ids.shape[1], c.x.shape[1]
     x, topk_idx = _pad_empty(c.x, c.expert_ids)
@@ -41,71 +42,30 @@ def dispatch(backend: Any, c: DispatchCall) -> expand.Outputs:
     keys, row = torch.unique(src * n + token, sorted=True, return_inverse=True)  # tokens by (source, token)
     slots = torch.full((keys.numel(), k), -1, dtype=torch.int32, device=counts.device)
     slots[row, slot] = expert.to(torch.int32)
+    payload, sizes = expand.payload_of(c.x, None, k), expand.sizes_of(c, k)
     rows_from = torch.bincount(keys // n, minlength=r).tolist()
-    payload = expand.payload_of(c.x, None, k)
-    sizes = (h.num_recv_tokens, h.num_expanded_tokens) if h is not None else None
-    if h is None and not c.cpu_sync:
-        sizes = expand.worst_case_rows(r, n, k, num_local, c.alignment)
     place = h.state["placement"] if h is not None else expand.make_placement(slots, rows_from, num_local, c.alignment,
                                                                              sizes)  # fmt: skip
-    out = expand.Outputs(c, payload, place.num_rows, place.num_expanded)
     x_rows = expand_x.new_empty((keys.numel(), hidden))
     x_rows[row] = expand_x[:num_pairs]  # every copy of a token holds the same row
     weights = torch.zeros((keys.numel(), k), dtype=torch.float32, device=counts.device)
     if c.expert_scales is not None:
         weights[row, slot] = expand_scales[:num_pairs].float()  # this rank's slots only (0 elsewhere)
-    _fill(c, out, place, x_rows, weights, (keys % n).to(torch.int32), fresh=h is None)
-    if c.recv_stats is not None:
-        c.recv_stats += counts.to(torch.int32)
-    op = dict(ids=ids, assist=assist, ep_recv_counts=ep_recv_counts, zero_num=zero_num, row=row, slot=slot,
-              num_op_rows=expand_x.shape[0])  # fmt: skip
-    out.handle = h if h is not None else _handle(backend, c, out, place, sizes)
-    out.handle.state.update(op=op, placement=place)
+    token_ids = (keys % n).to(torch.int32) if h is None else None
+
+    def make_handle(out: Any, place: Any) -> EPHandle:
+        ids_long = c.expert_ids.long()
+        token, slot = (ids_long >= 0).nonzero(as_tuple=True)
+        ex = ids_long[token, slot]
+        plan = make_plan(token, slot, ex // num_local, ex % num_local, num_tokens=len(ids_long), num_ranks=r,
+                         rank=e.rank, num_local_experts=num_local, per_pair_rows=False)  # fmt: skip
+        return expand.new_handle(c, out, place, sizes, plan, dict(owner=backend, payload=payload))
+
+    out = expand.receive(c, payload, place, x_rows, None, weights, token_ids, None, make_handle)
+    assert out.handle is not None
+    out.handle.state["op"] = dict(ids=ids, assist=assist, ep_recv_counts=ep_recv_counts, zero_num=zero_num, row=row,
+                                  slot=slot, num_op_rows=expand_x.shape[0])  # fmt: skip
     return out
-
-
-def _fill(c: DispatchCall, out: expand.Outputs, place: expand.Placement, x: torch.Tensor, weights: torch.Tensor,
-          tokens: torch.Tensor, fresh: bool) -> None:  # fmt: skip
-    """Write the received tokens (in layout order) where ``place`` says, and a fresh layout's handle tensors."""
-    if c.do_expand:
-        out.x[place.pair_pos] = x.index_select(0, place.pair_row)
-        out.weights[place.pair_pos] = weights[place.pair_row, place.pair_slot]
-    else:
-        out.x[: x.shape[0]], out.weights[: x.shape[0]] = x, weights
-        assert out.topk_idx is not None
-        out.topk_idx[: x.shape[0]] = place.slots
-    if not fresh:
-        return
-    total, n, a = tokens.shape[0], c.num_max, c.alignment
-    rows_from = torch.tensor(place.rows_from, device=tokens.device)
-    src = torch.repeat_interleave(torch.arange(len(place.rows_from), device=tokens.device), rows_from,
-                                  output_size=total).to(torch.int32)  # fmt: skip
-    out.metadata[:total, 0], out.metadata[:total, 1] = src * n + tokens, src
-    if c.do_expand:
-        out.metadata[place.pair_row, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
-    aligned = (place.counts + a - 1) // a * a
-    psum = aligned.cumsum(0)
-    out.psum_per_rank.copy_(rows_from.cumsum(0))
-    out.psum_per_expert.copy_(psum - aligned + place.counts if c.do_expand else psum)
-    out.counts.copy_(place.counts)
-
-
-def _handle(backend: Any, c: DispatchCall, out: expand.Outputs, place: expand.Placement,
-            sizes: tuple[int, int] | None) -> EPHandle:  # fmt: skip
-    num_rows, num_expanded = sizes or (place.num_rows, place.num_expanded)
-    a, e = c.alignment, c.experts
-    listed = ((place.counts + a - 1) // a * a).tolist() if c.cpu_sync else []
-    ids = c.expert_ids.long()
-    token, slot = (ids >= 0).nonzero(as_tuple=True)
-    ex = ids[token, slot]
-    plan = make_plan(token, slot, ex // e.num_local, ex % e.num_local, num_tokens=len(ids), num_ranks=e.world_size,
-                     rank=e.rank, num_local_experts=e.num_local, per_pair_rows=False)  # fmt: skip
-    return EPHandle(
-        c.do_expand, e.num_moe_experts, a, c.num_max, 0, c.expert_ids.clone() if c.handle_copy else c.expert_ids,
-        num_rows, num_expanded if c.do_expand else 0, listed, out.psum_per_rank, out.psum_per_expert, out.counts,
-        out.metadata, expand.slot_idx(plan, c.expert_ids, e.rank), dict(owner=backend, payload=expand.payload_of(
-            c.x, None, c.expert_ids.shape[1])),
-    )  # fmt: skip
 
 
 def combine(backend: Any, c: CombineCall) -> torch.Tensor:

@@ -105,8 +105,9 @@ def experts(pg: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object, mo
     if elastic_info is not None and tw > 1:
         raise invalid("elastic_info", f"is only supported with tp_world_size <= 1, got tp_world_size {tw}")
     here = 1 if rank < sr else num_local
-    out = Experts(w, rank, e, num_local, here, w, rank, tuple(range(w)), sr, effective, *special, tw, tr, tp_group,
-                  e, plat, plain=not sr)  # fmt: skip
+    zero, copy, const = special
+    out = Experts(w, rank, e, num_local, here, w, rank, tuple(range(w)), sr, effective, zero, copy, const, tw, tr,
+                  tp_group, e, plat, plain=not sr)  # fmt: skip
     return out if elastic_info is None else _elastic(out, elastic_info, s)
 
 

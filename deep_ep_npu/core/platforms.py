@@ -19,7 +19,7 @@ import torch
 from ..errors import invalid, shape
 from ..quant import Quant
 from . import rules as checks
-from .ascend import PLATFORM_NAMES, platform_feature
+from .ascend import platform_feature
 
 SCALAR_TYPE_CODES = {
     0: torch.uint8, 1: torch.int8, 3: torch.int32, 4: torch.int64, 5: torch.float16, 6: torch.float32,

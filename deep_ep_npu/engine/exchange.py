@@ -42,7 +42,8 @@ class InFlight:
     Later waits return the same value or re-raise the same error."""
 
     def __init__(self, finish: Callable[[], Any] | None, value: Any = None) -> None:
-        self._finish, self.value, self._error = finish, value, None
+        self._finish, self.value = finish, value
+        self._error: BaseException | None = None
 
     @property
     def done(self) -> bool:

@@ -18,6 +18,7 @@ each rank's last top-k slot (of every slot without multiple reduction), and roun
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -144,6 +145,69 @@ class Outputs:
         self.handle: EPHandle | None = None
 
 
+def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
+    """The rows to allocate before the receive: a cached handle's, DeepEP's worst case without CPU sync, else None
+    (exact, known at the receive)."""
+    e, h = c.experts, c.cached
+    if h is not None:
+        return h.num_recv_tokens, h.num_expanded_tokens
+    return None if c.cpu_sync else worst_case_rows(e.world_size, c.num_max, num_topk, e.num_local, c.alignment)
+
+
+def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None, plan: Plan,
+               state: dict[str, Any]) -> EPHandle:  # fmt: skip
+    """The handle of a fresh dispatch (``plan``: its send plan; ``state``: what its backend keeps)."""
+    num_rows, num_expanded = sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
+    a = c.alignment
+    listed = [] if not c.cpu_sync or place is None else ((place.counts + a - 1) // a * a).tolist()
+    return EPHandle(
+        c.do_expand, c.experts.num_moe_experts, a, c.num_max, 0,
+        c.expert_ids.clone() if c.handle_copy else c.expert_ids, num_rows, num_expanded if c.do_expand else 0,
+        listed, out.psum_per_rank, out.psum_per_expert, out.counts, out.metadata,
+        slot_idx(plan, c.expert_ids, c.experts.rank), state,
+    )  # fmt: skip
+
+
+def receive(c: DispatchCall, p: Payload, place: Placement, x: torch.Tensor, sf: torch.Tensor | None,
+            weights: torch.Tensor, tokens: torch.Tensor | None, out: Outputs | None,
+            make_handle: Callable[[Outputs, Placement | None], EPHandle]) -> Outputs:  # fmt: skip
+    """Write the received tokens (x `[n, hidden]`, sf, weights `[n, K]`, in layout order) where ``place`` says into
+    ``out`` (None: allocated now) and, for a fresh layout (``tokens`` `[n]`: each row's source token), the handle's
+    tensors: source metadata, prefix sums, counts."""
+    out = out or Outputs(c, p, place.num_rows, place.num_expanded)
+    n = x.shape[0]
+    if c.do_expand:
+        out.x[place.pair_pos] = x.index_select(0, place.pair_row)
+        if sf is not None and out.sf is not None:
+            out.sf[place.pair_pos] = sf.index_select(0, place.pair_row)
+        out.weights[place.pair_pos] = weights[place.pair_row, place.pair_slot]
+    else:
+        out.x[:n], out.weights[:n] = x, weights
+        if sf is not None and out.sf is not None:
+            out.sf[:n] = sf
+        assert out.topk_idx is not None
+        out.topk_idx[:n] = place.slots
+    if tokens is not None:
+        a = c.alignment
+        rows_from = torch.tensor(place.rows_from, device=tokens.device)
+        src = torch.repeat_interleave(torch.arange(len(place.rows_from), device=tokens.device), rows_from,
+                                      output_size=n).to(torch.int32)  # fmt: skip
+        out.metadata[:n, 0], out.metadata[:n, 1] = src * c.num_max + tokens.to(torch.int32), src
+        if c.do_expand:
+            out.metadata[place.pair_row, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
+        aligned = (place.counts + a - 1) // a * a
+        psum = aligned.cumsum(0)
+        out.psum_per_rank.copy_(rows_from.cumsum(0))
+        out.psum_per_expert.copy_(psum - aligned + place.counts if c.do_expand else psum)
+        out.counts.copy_(place.counts)
+    if c.recv_stats is not None:
+        c.recv_stats += place.counts.to(c.recv_stats.dtype)
+    if out.handle is None:
+        out.handle = c.cached or make_handle(out, place)
+    out.handle.state["placement"] = place
+    return out
+
+
 class _Expand:
     """The layout of one V2 dispatch (the :class:`~.exchange.Layout` protocol); :meth:`result` is its
     :class:`Outputs` (None until allocated: with CPU sync, at the receive)."""
@@ -152,7 +216,7 @@ class _Expand:
 
     def __init__(self, c: DispatchCall, engine: Any) -> None:
         e, h = c.experts, c.cached
-        self.c, self.ep, self.owner = c, engine.ep, engine
+        self.c, self.ep = c, engine.ep
         self.payload = p = payload_of(c.x, c.x_sf, c.expert_ids.shape[1])
         no_mask = torch.zeros(e.world_size, dtype=torch.int32)
         self.plan = h.state["plan"] if h is not None else plan_topk(
@@ -163,18 +227,15 @@ class _Expand:
         self.source = p.pack(c.x, c.x_sf, c.expert_scales)
         self.known = None if self.cached is None else list(self.cached.rows_from)
         self.agree_now = False
-        expect = self.known or [-1] * e.world_size
-        self.vectors = (*self.plan.rows_per_dest, *expect)
+        self.vectors = (*self.plan.rows_per_dest, *(self.known or [-1] * e.world_size))
         self.fingerprint = (int(h is not None), c.num_max, e.num_moe_experts, p.hidden, X_DTYPE_CODES[p.x_dtype],
                             p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
-        self.sizes = None
-        if h is not None:
-            self.sizes = (h.num_recv_tokens, h.num_expanded_tokens)
-        elif not c.cpu_sync:
-            self.sizes = worst_case_rows(e.world_size, c.num_max, p.num_topk, e.num_local, c.alignment)
+        self.sizes = sizes_of(c, p.num_topk)
+        state = dict(owner=engine, plan=self.plan, row_bytes=self.fmt.row_bytes, payload=p)
+        self.make_handle = lambda out, place: new_handle(c, out, place, self.sizes, self.plan, state)
         self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes)
         if self.outputs is not None:
-            self.outputs.handle = h if h is not None else self._handle(None)
+            self.outputs.handle = h if h is not None else self.make_handle(self.outputs, None)
 
     def result(self) -> Outputs | None:
         return self.outputs
@@ -193,68 +254,14 @@ class _Expand:
 
     def place(self, parts: list[tuple[int, torch.Tensor]], own: tuple[int, torch.Tensor], agreement: Agreement,
               wait_ns: int) -> None:  # fmt: skip
-        me, r, c = self.ep.rank, self.ep.num_ranks, self.c
-        by_src = dict([*parts, own])
-        rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(r)]
-        if self.cached is not None:
-            rows_from = self.cached.rows_from
-        staged = torch.cat([by_src[s] for s in range(r) if s in by_src])  # layout order: by source, tokens ascending
+        by_src, c = dict([*parts, own]), self.c
+        staged = torch.cat([by_src[s] for s in range(self.ep.num_ranks) if s in by_src])  # by source, tokens ascending
+        rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(self.ep.num_ranks)]
         place = self.cached or make_placement(self.fmt.slot_experts(staged), rows_from, c.experts.num_local,
                                               c.alignment, self.sizes)  # fmt: skip
-        if self.outputs is None:
-            self.outputs = Outputs(c, self.payload, place.num_rows, place.num_expanded)
-        out = self.outputs
-        x, sf, weights = self.payload.fields(staged)
-        if c.do_expand:
-            out.x[place.pair_pos] = x.index_select(0, place.pair_row)
-            if sf is not None and out.sf is not None:
-                out.sf[place.pair_pos] = sf.index_select(0, place.pair_row)
-            out.weights[place.pair_pos] = weights[place.pair_row, place.pair_slot]
-        else:
-            n = staged.shape[0]
-            out.x[:n], out.weights[:n] = x, weights
-            if sf is not None and out.sf is not None:
-                out.sf[:n] = sf
-            assert out.topk_idx is not None
-            out.topk_idx[:n] = place.slots
-        if self.cached is None:
-            self._fill_handle(self.fmt.tokens(staged), place)
-        if c.recv_stats is not None:
-            c.recv_stats += out.counts
-        if out.handle is None:
-            out.handle = self._handle(place)
-        out.handle.state["placement"] = place
-
-    def _fill_handle(self, tokens: torch.Tensor, place: Placement) -> None:
-        """The handle's tensors of a fresh layout: source metadata, prefix sums, counts."""
-        out, n, a, total = self.outputs, self.c.num_max, self.c.alignment, tokens.shape[0]
-        assert out is not None
-        rows_from = torch.tensor(place.rows_from, device=tokens.device)
-        src = torch.repeat_interleave(torch.arange(len(place.rows_from), device=tokens.device), rows_from,
-                                      output_size=total).to(torch.int32)  # fmt: skip
-        out.metadata[:total, 0] = src * n + tokens.to(torch.int32)
-        out.metadata[:total, 1] = src
-        if self.c.do_expand:
-            out.metadata[place.pair_row, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
-        aligned = (place.counts + a - 1) // a * a
-        psum = aligned.cumsum(0)
-        out.psum_per_rank.copy_(rows_from.cumsum(0))
-        out.psum_per_expert.copy_(psum - aligned + place.counts if self.c.do_expand else psum)
-        out.counts.copy_(place.counts)
-
-    def _handle(self, place: Placement | None) -> EPHandle:
-        c, out = self.c, self.outputs
-        assert out is not None
-        num_rows, num_expanded = self.sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
-        a = c.alignment
-        listed = [] if not c.cpu_sync or place is None else ((place.counts + a - 1) // a * a).tolist()
-        return EPHandle(
-            c.do_expand, c.experts.num_moe_experts, a, c.num_max, 0,
-            c.expert_ids.clone() if c.handle_copy else c.expert_ids, num_rows, num_expanded if c.do_expand else 0,
-            listed, out.psum_per_rank, out.psum_per_expert, out.counts, out.metadata,
-            slot_idx(self.plan, c.expert_ids, c.experts.rank),
-            dict(owner=self.owner, plan=self.plan, row_bytes=self.fmt.row_bytes, payload=self.payload),
-        )  # fmt: skip
+        tokens = None if self.cached is not None else self.fmt.tokens(staged)
+        self.outputs = receive(c, self.payload, place, *self.payload.fields(staged), tokens, self.outputs,
+                               self.make_handle)  # fmt: skip
 
 
 def layout(c: DispatchCall, engine: Any) -> _Expand:

@@ -16,7 +16,7 @@ import torch
 from .. import kernels
 from ..core.call import CombineCall, DispatchCall
 from ..errors import shape
-from ..transports.collective import STATUS_OK, Agreement
+from ..transports.collective import STATUS_OK, Agreement, EPGroup
 from .plan import pair_weights, plan_call, smooth_rows
 from .reduce import CombineJob, special_contributions
 from .rows import DTYPE_CODES, RowFormat, parse

@@ -100,7 +100,7 @@ class _Masked:
     def _write(self, parts: list[tuple[int, torch.Tensor]], base: torch.Tensor) -> torch.Tensor:
         """Place the pairs of ``parts`` ((source, rows) in rank order) in each expert's rows from ``base[expert]``
         on; returns their counts `[L, R]` int64."""
-        fmt, (num_local, rn), r = self.fmt, self.src_info.shape, self.layout_range.shape[1]
+        fmt, num_local, r = self.fmt, self.src_info.shape[0], self.layout_range.shape[1]
         counts = torch.zeros((num_local, r), dtype=torch.int64, device=base.device)
         pos, most = base.clone(), max((rows.shape[0] for _, rows in parts), default=0)
         pairs = torch.empty((2, max(most * fmt.num_slots, 1)), dtype=torch.int64, device=base.device)

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from .. import envs
 from ..core import ascend, rules
-from ..core.call import DispatchCall
 from ..core.ascend import PLATFORM_NAMES, platform
+from ..core.call import DispatchCall
 from ..core.platforms import resolve_dtype
 from ..engine.exchange import InFlight, check_names, check_status, engine_for, header
 from ..errors import MoeDistributeError, invalid, null, shape
