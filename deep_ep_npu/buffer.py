@@ -36,7 +36,7 @@ from .buffer_ascend import AscendMethods
 from .compat import Config, get_dispatch_layout, normal_mode_error
 from .core import rules
 from .core.call import CombineCall, DispatchCall
-from .errors import MoeDistributeError, invalid
+from .errors import invalid
 from .handle import EventOverlap, LowLatencyHandle
 from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
 from .transports import resolve_transport_name
@@ -138,7 +138,7 @@ class Buffer(AscendMethods):
         / hidden / format differ across ranks."""
         self._backend.check_alive(self)
         op, n = "low_latency_dispatch", num_max_dispatch_tokens_per_rank
-        try:
+        with self._backend.rejecting(op):
             rules.overlap_flags(async_finish, return_recv_hook)
             quant = rules.deepep_quant(use_fp8, round_scale, use_ue8m0, quant_format, self._backend.native_quant_format)
             n = rules.count(n, "num_max_dispatch_tokens_per_rank", 1, code="shape")
@@ -152,9 +152,6 @@ class Buffer(AscendMethods):
                 sizes = f"N={n}, hidden={x.shape[1]}, num_experts={num_experts}: {need} bytes needed"
                 raise invalid("num_rdma_bytes", f"{self.num_rdma_bytes} bytes is too small for {sizes} "
                               "(Buffer.get_low_latency_rdma_size_hint)")  # fmt: skip
-        except MoeDistributeError as err:
-            self._backend.reject(op, err.code)
-            raise
         inflight = self._backend.dispatch(call)
         event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, inflight.value)
         recv_x, recv_count, handle = inflight.value
@@ -187,7 +184,7 @@ class Buffer(AscendMethods):
         Raises as dispatch; MoeDistributeError also for a handle / topk_idx that does not match the dispatch."""
         self._backend.check_alive(self)
         op = "low_latency_combine"
-        try:
+        with self._backend.rejecting(op):
             rules.overlap_flags(async_finish, return_recv_hook)
             if rules.flag(use_logfmt, "use_logfmt") and rules.flag(zero_copy, "zero_copy"):
                 raise invalid("use_logfmt", "use_logfmt and zero_copy cannot both be True (as DeepEP); pick one")
@@ -198,9 +195,6 @@ class Buffer(AscendMethods):
                 op, "masked", x, topk_idx, experts, h, expert_scales=topk_weights, comm_quant_mode=10 * use_logfmt,
                 zero_copy=zero_copy, out=out, wait_stats=combine_wait_recv_cost_stats, names=COMBINE_NAMES,
             ))  # fmt: skip
-        except MoeDistributeError as err:
-            self._backend.reject(op, err.code)
-            raise
         inflight = self._backend.combine(call)
         combined = inflight.value
         event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (combined,))

@@ -12,7 +12,7 @@ import torch
 from .core import ascend, rules
 from .core.call import FFN, CombineCall, DispatchCall
 from .engine.exchange import InFlight
-from .errors import MoeDistributeError, invalid, shape
+from .errors import invalid
 from .handle import EventOverlap, FlatHandle
 
 DISPATCH_OP, COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
@@ -82,7 +82,7 @@ class AscendMethods:
         global_bs = n * self.group_size if isinstance(n, int) else n
         special: dict[str, Any] = dict(zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num,
                                        const_expert_num=const_expert_num)  # fmt: skip
-        try:
+        with self._backend.rejecting(DISPATCH_OP, NAMES):
             if quant_mode not in (0, 2):
                 raise invalid("quant_mode", f"got {quant_mode!r}, allowed 0 or 2")
             experts = ascend.experts(self.group, self.group_size, self.rank, num_experts,
@@ -94,9 +94,6 @@ class AscendMethods:
                 expert_token_nums_type=expert_token_nums_type, ccl_buffer_size=self._backend.ccl_buffer_size,
                 names=NAMES,
             ))  # fmt: skip
-        except MoeDistributeError as err:
-            self._backend.reject(DISPATCH_OP, err.code)
-            raise err.renamed(NAMES) from None
         inflight = self._backend.dispatch(call)
         expand_x, _, assist, _, ep_recv, tp_recv, expand_scales = inflight.value
         keywords = dict(x_active_mask=x_active_mask, shared_expert_num=shared_expert_num,
@@ -124,38 +121,24 @@ class AscendMethods:
             out: `[T, hidden]` in x's dtype, written in place, or None.
         """
         self._backend.check_alive(self)
-        try:
+        with self._backend.rejecting(COMBINE_OP, COMBINE_NAMES):
             if not isinstance(handle, FlatHandle):
                 raise invalid("handle", f"must be the FlatHandle from low_latency_dispatch_flat, got {type(handle)}")
-            if out is not None and isinstance(x, torch.Tensor) and isinstance(topk_idx, torch.Tensor):
-                want = (topk_idx.shape[0], x.shape[-1])
-                if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:
-                    got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out)
-                    raise shape("out", f"got {got}, expected shape {want} in {x.dtype}")
             kw = handle.op_kwargs
-            experts = ascend.experts(self.group, self.group_size, self.rank, handle.num_experts, combine=True,
-                                     **{k: v for k, v in kw.items() if k not in ("x_active_mask", "global_bs")})  # fmt: skip
+            special = {k: v for k, v in kw.items() if k not in ("x_active_mask", "global_bs")}
+            experts = ascend.experts(
+                self.group, self.group_size, self.rank, handle.num_experts, combine=True, **special
+            )
             call = rules.combine(CombineCall(
                 COMBINE_OP, "flat", x, topk_idx, experts, (handle.assist_info_for_combine, handle.ep_recv_counts,
                 handle.tp_recv_counts), x_active_mask=kw["x_active_mask"], expert_scales=topk_weights,
                 shared_expert_x=shared_expert_x, ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,
                 const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
-                comm_quant_mode=comm_quant_mode, global_bs=kw["global_bs"], names=COMBINE_NAMES,
+                comm_quant_mode=comm_quant_mode, global_bs=kw["global_bs"], out=out, names=COMBINE_NAMES,
             ))  # fmt: skip
-        except MoeDistributeError as err:
-            self._backend.reject(COMBINE_OP, err.code)
-            raise err.renamed(COMBINE_NAMES) from None
         inflight = self._backend.combine(call)
-        result = inflight.value
-        combined = out if out is not None else result
-
-        def finish() -> None:
-            inflight.wait()
-            if out is not None:
-                out.copy_(result)
-
-        event, hook = EventOverlap.of(InFlight(finish, combined), async_finish, return_recv_hook, (combined,))
-        return combined, event, hook
+        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (inflight.value,))
+        return inflight.value, event, hook
 
     def mega_moe(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

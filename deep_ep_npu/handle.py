@@ -3,6 +3,7 @@ are tuples), and DeepEP's ``EventHandle``."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,6 +58,7 @@ class FlatHandle(NamedTuple):
     op_kwargs: dict
 
 
+@dataclasses.dataclass(repr=False, eq=False)
 class EPHandle:
     """The layout of one ``ElasticBuffer.dispatch`` (DeepEP V2's field names). R ranks, L local experts, K top-k,
     T tokens of this rank, num_recv tokens received (the worst case ``R * N`` without CPU sync).
@@ -80,24 +82,23 @@ class EPHandle:
         token_metadata_at_forward, channel_linked_list: None (DeepEP's hybrid mode only).
     """
 
-    def __init__(
-        self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int,
-        topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
-        num_recv_tokens_per_expert_list: list[int], psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
-        psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
-        recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor, state: Any = None,
-    ) -> None:  # fmt: skip
-        self.do_expand, self.num_experts, self.expert_alignment = do_expand, num_experts, expert_alignment
-        self.num_max_tokens_per_rank, self.num_sms, self.topk_idx = num_max_tokens_per_rank, num_sms, topk_idx
-        self.num_recv_tokens, self.num_expanded_tokens = num_recv_tokens, num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata, self.dst_buffer_slot_idx = recv_src_metadata, dst_buffer_slot_idx
-        self.token_metadata_at_forward: torch.Tensor | None = None
-        self.channel_linked_list: torch.Tensor | None = None
-        self.state = state  # the producing backend's (its placement, send plan, owner); opaque to callers
+    do_expand: bool
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
+    topk_idx: torch.Tensor
+    num_recv_tokens: int
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: list[int]
+    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
+    psum_num_recv_tokens_per_expert: torch.Tensor
+    num_unaligned_recv_tokens_per_expert: torch.Tensor
+    recv_src_metadata: torch.Tensor
+    dst_buffer_slot_idx: torch.Tensor
+    state: Any = None  # the producing backend's (its placement, send plan, owner); opaque to callers
+    token_metadata_at_forward: torch.Tensor | None = None
+    channel_linked_list: torch.Tensor | None = None
 
     @property
     def num_topk(self) -> int:

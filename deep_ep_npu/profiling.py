@@ -1,12 +1,12 @@
 """Opt-in timing of where dispatch/combine time goes, and the bytes the last calls put on the wire. Off by default:
 the engine then only reads :data:`enabled`. Benchmarks call :func:`enable`, run, and read :func:`report` (mean µs per
-call of each named section: send, own rows, wait, placement / reduction) and :func:`wire_stats`."""
+call of each section: the send phase with this rank's own rows, the wait, the placement / reduction) and
+:func:`wire_stats`."""
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 enabled = False  # read by the engine before it records anything
 _sections: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # name -> [total seconds, occurrences]
@@ -23,17 +23,11 @@ def disable() -> None:
     enabled = False
 
 
-def laps(prefix: str) -> Callable[[str], None]:
-    """``lap = laps("dispatch"); ...; lap("send"); ...; lap("place")``: each call records the time since the
-    previous one (or since ``laps``) under ``prefix.name``."""
-    last = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal last
-        now, section = time.perf_counter(), _sections[f"{prefix}.{name}"]
-        section[0], section[1], last = section[0] + (now - last), section[1] + 1, now
-
-    return lap
+def add(prefix: str, **seconds: float) -> None:
+    """Called by the engine while :data:`enabled`: one call's seconds in each of its sections."""
+    for name, value in seconds.items():
+        section = _sections[f"{prefix}.{name}"]
+        section[0], section[1] = section[0] + value, section[1] + 1
 
 
 def report(reset: bool = False) -> dict[str, float]:

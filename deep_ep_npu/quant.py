@@ -1,18 +1,11 @@
-"""Quantization numerics: Ascend's dispatch quant modes 2 / 3 / 4 (:class:`Quant`: per token int8 / fp8, per 128
-channels fp8, MX fp8 per 32 with e8m0 scales), combine's int8 per 8 elements, and DeepEP fp8 e4m3 (per 128 channels).
+"""Quantization numerics: Ascend's dispatch quant modes (:class:`Quant`: 2 per token int8 / fp8, 3 fp8 per 128
+channels, 4 MX fp8 per 32 with e8m0 scales), combine's int8 per 8 elements, DeepEP's fp8 e4m3 per 128 channels.
 
-All functions are pure and vectorized. Rounding is round-half-to-even (``torch.round``), as the NPU's ``rint``; for a
-float8 target, ``rint`` is the cast itself (round to the nearest float8, ties to even), after clamping to the
-target's largest finite value ``maxV`` (448 e4m3, 57344 e5m2, 127 int8). DeepEP's
-fp8: for every token and every group of 128 channels ``amax = max(max |x|, 1e-4)``, ``scale_inv = amax / 448`` (with
-``round_scale``: rounded up to a power of two), ``q = e4m3(x / scale_inv)``; dequantize with ``q * scale_inv``. With
-``use_ue8m0`` the (power-of-two) scales are stored as their 8-bit exponent (the float32 bits >> 23), four groups per
-`torch.int32` (group g in byte ``g % 4`` of int ``g // 4``).
-
-Non-finite input propagates through the scales, never through out-of-range data: a row (int8: a group) holding NaN
-or +-Inf gets a NaN / Inf scale and int8 data 0 there (int8 has no NaN: a plain cast would give -128), so it
-dequantizes to NaN; float8 data keeps NaN (a float8 value). Other rows are unaffected. Non-finite top-k weights
-propagate into the combined rows of their tokens (fp32 products), as on the NPU."""
+Pure and vectorized; rounding is half-to-even (the NPU's ``rint``; for float8 the cast itself) after clamping to the
+target's largest finite value (448 e4m3, 57344 e5m2, 127 int8). DeepEP's fp8, per token and 128 channels:
+``scale_inv = max(amax, 1e-4) / 448`` (``round_scale``: up to a power of two), ``q = e4m3(x / scale_inv)``; UE8M0
+packs the power-of-two scales' exponent bytes four per int32. Non-finite input propagates through the scales: a row
+(int8: a group) holding NaN / Inf gets a NaN / Inf scale and int8 data 0, so it dequantizes to NaN."""
 
 from __future__ import annotations
 

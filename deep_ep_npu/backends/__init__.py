@@ -14,11 +14,13 @@ import abc
 import contextlib
 import importlib
 import importlib.util
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from ..errors import MoeDistributeError
 from ..transports.collective import EPGroup
 from ..transports.failure import EPRankFailure
 
@@ -64,6 +66,18 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def reject(self, op: str, code: int, tp: EPGroup | None = None) -> None: ...
+
+    @contextlib.contextmanager
+    def rejecting(self, op: str, names: dict[str, str] | None = None, tp: EPGroup | None = None) -> Iterator[None]:
+        """A call's validation: a :class:`~deep_ep_npu.errors.MoeDistributeError` raised inside is told to the peers
+        (:meth:`reject`: they raise too), then raised here, its parameter renamed by ``names`` (the front-end's)."""
+        try:
+            yield
+        except MoeDistributeError as err:
+            self.reject(op, err.code, tp)
+            if names:
+                raise err.renamed(names) from None
+            raise
 
     @abc.abstractmethod
     def next_combine_buffer(self, handle: Any) -> torch.Tensor:

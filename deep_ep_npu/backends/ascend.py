@@ -1,29 +1,11 @@
-"""The ``ascend`` backend: the real MoE distribute ops, converted between every front-end's layout and the flat one.
+"""The ``ascend`` backend: the real MoE distribute ops (:mod:`.ascend_ops` finds them: CANN's V3 context ops, else
+torch_npu's ``_v2`` ops), every front-end's layout converted to and from the flat one; MegaMoE: :mod:`.ascend_mega`.
 
-Ops, first found wins: the V3 context ops ``MoeDistributeBuffer`` of ``cann_ops_transformer.ops`` (CANN 9.1+, methods
-``low_latency_dispatch/combine``) or ``npu_ops_transformer.ops`` (the same, prefixed ``npu_``), else torch_npu's
-``npu_moe_distribute_dispatch_v2`` / ``combine_v2`` on the group's HCCL communicator (:mod:`.ascend_ops`);
-``torch_npu`` is imported when this backend is created. MegaMoE: the fused op (:mod:`.ascend_mega`).
-
-Flat calls go to the ops as they are. DeepEP's masked calls: ``-1`` in ``topk_idx`` becomes a zero expert (never sent,
-adds 0), ``global_bs = N * R`` lets ranks hold fewer than N tokens (a rank with none sends one row routed nowhere:
-the ops need Bs >= 1), ``use_fp8=True`` is A2/A3's per-token dynamic int8 (``quant_mode=2``); index tensors alone (no
-host synchronization) gather the flat ``expand_x`` into ``recv_x`` `[L, R * N, hidden]` and, in combine, back;
-``src_info`` is the token of ``assist_info_for_combine``'s (rank, token, slot) triples (the A3 fullmesh layout).
-DeepEP V2's calls: one ``dispatch_v2`` (``quant_mode=0``, the weights as ``expert_scales``) whose ``expand_x`` and
-triples give both V2 layouts, placed exactly as the reference backend places them; combine is one ``combine_v2`` with
-unit weights: each rank's returned row in the slot of its last expert there, zeros elsewhere, one bias as
-``shared_expert_x`` (the op adds it after the rows; DeepEP before: the fp32 rounding can differ). The ops run in
-stream order at call time, so the returned receive has nothing left to do.
-
-Shrink mode: the caller's mask (the same on every rank; HCCL detects no failed rank) becomes the ops' ``elastic_info``
-`[4 + 2R]` int32 (:func:`elastic_info_from_mask`): live ranks keep their L experts, masked ranks' experts become -1.
-
-Limits: validation is local (no extra collective per call): a rank whose input is rejected raises, but peers that
-passed enter the op and wait until the HCCL timeout, so give every rank the same N, num_experts and hidden.
-``round_scale`` / ``use_ue8m0`` / fp8 e4m3 have no A2/A3 op; the V2 fp8 tuple ``x``, two biases and combine's
-``topk_weights`` cannot be mapped (each raises naming it).
-"""
+DeepEP's masked calls: ``-1`` ids become a zero expert, ``global_bs = N * R`` (a rank with no tokens sends one row
+routed nowhere), ``use_fp8`` is A2/A3's per-token int8; index tensors (no host sync) move the flat rows into
+``recv_x`` `[L, R * N, hidden]` and back. V2's calls: one ``dispatch_v2`` placed as the reference backend places it
+(:mod:`.ascend_v2`). Shrink mode: the mask becomes the ops' ``elastic_info`` (:func:`elastic_info_from_mask`).
+Validation is local: a rejected rank raises, but peers that passed wait in the op until the HCCL timeout."""
 
 from __future__ import annotations
 
@@ -39,7 +21,7 @@ from ..errors import invalid
 from ..handle import LowLatencyHandle
 from . import Backend
 from .ascend_mega import fused_mega_moe, fused_op_blocker
-from .ascend_ops import find_ops, map_no_expert
+from .ascend_ops import find_ops, map_no_expert, pad_empty
 
 
 def elastic_info_from_mask(mask: torch.Tensor, num_local_experts: int) -> torch.Tensor | None:
@@ -63,13 +45,6 @@ def remap_expert_ids(topk_idx: torch.Tensor, elastic_info: torch.Tensor, num_loc
     nl, e = num_local_experts, topk_idx.long().clamp(min=0)
     owner = table1[e // nl]
     return torch.where((topk_idx < 0) | (owner < 0), -1, owner * nl + e % nl).to(topk_idx.dtype)
-
-
-def _pad_empty(rows: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The NPU ops need Bs >= 1: a rank with no tokens sends one zero row routed nowhere (all ids -1)."""
-    if topk_idx.shape[0]:
-        return rows, topk_idx
-    return rows.new_zeros((1, rows.shape[1])), topk_idx.new_full((1, topk_idx.shape[1]), -1)
 
 
 class AscendBackend(Backend):
@@ -126,13 +101,14 @@ class AscendBackend(Backend):
                   shared_expert_num=max(e.shared_expert_num, 1), shared_expert_rank_num=e.shared_expert_rank_num,
                   global_bs=c.global_bs, copy_expert_num=e.copy_expert_num, const_expert_num=e.const_expert_num,
                   zero_expert_num=zero_num)  # fmt: skip
-        return self.ops.combine(c.x, ids, assist, counts, c.expert_scales, e.num_moe_experts, **kw)
+        combined = self.ops.combine(c.x, ids, assist, counts, c.expert_scales, e.num_moe_experts, **kw)
+        return combined if c.out is None else c.out.copy_(combined)
 
     def _masked_dispatch(self, c: DispatchCall) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
         if c.quant == "fp8_e4m3":
             raise invalid("quant_format", "fp8_e4m3 has no Ascend A2/A3 op; use_fp8 means int8_per_token here")
         r, num_local, n, hidden = self.num_ranks, c.experts.num_local, c.num_max, c.x.shape[1]
-        x, topk_idx = _pad_empty(c.x, c.expert_ids)
+        x, topk_idx = pad_empty(c.x, c.expert_ids)
         # shrink mode: masked ranks scaled out; moe_expert_num stays E, the zero experts start after the E' live ones
         op_experts, elastic, extra = c.experts.num_moe_experts, elastic_info_from_mask(self.mask, num_local), {}
         if elastic is not None:
@@ -186,7 +162,7 @@ class AscendBackend(Backend):
         num_local, rn = h.src_info.shape
         source = self.next_combine_buffer(h, self.tag) if c.zero_copy else c.x
         expand_x = source.reshape(num_local * rn, h.hidden).index_select(0, state["rows"])
-        weights, topk_idx = _pad_empty(c.expert_scales, c.expert_ids)
+        weights, topk_idx = pad_empty(c.expert_scales, c.expert_ids)
         elastic = state["elastic_info"]
         topk_idx = topk_idx if elastic is None else remap_expert_ids(topk_idx, elastic, num_local)
         ids, _ = map_no_expert(topk_idx, state["op_experts"])

@@ -1,32 +1,12 @@
-"""The ``ascend`` backend's MegaMoE: the mapping of a fused call onto the fused NPU op.
+"""The ``ascend`` backend's MegaMoE: a fused call on vllm-ascend's fused op ``torch.ops._C_ascend.dispatch_ffn_combine``
+(aclnn ``DispatchFFNCombine``, ``...BF16`` for float weights; the A5 PTO MegaMoE kernel has no Python binding).
 
-The A5 PTO MegaMoE kernel (``dispatch_mega_combine_kernel``) has no Python binding; the fused op Python can call is
-vllm-ascend's ``torch.ops._C_ascend.dispatch_ffn_combine`` (aclnn ``aclnnDispatchFFNCombine`` for int8 weights,
-``aclnnDispatchFFNCombineBF16`` for bf16 / fp16 ones), registered by vllm-ascend's custom-op library:
-``dispatch_ffn_combine(Tensor x, Tensor[] weight1, Tensor[] weight2, Tensor expert_idx, Tensor[] scale1, Tensor[]
-scale2, Tensor[] bias1, Tensor[] bias2, Tensor probs, str group, int max_output_size, Tensor! out, Tensor!
-expert_token_nums, Tensor? x_active_mask=None, float swiglu_limit=1000000.0) -> (Tensor, Tensor)``.
-
-:func:`fused_op_kwargs` passes keywords (older schemas without ``bias1/2`` fail loudly rather than shift): one-item
-weight lists ``[w1]`` `[E_local, K, 2N]` / ``[w2]`` `[E_local, N, K]` in the NZ format (``npu_format_cast(w, 29)``;
-the op also takes E_local-long lists of `[K, 2N]` / `[N, K]`), ``expert_idx`` int32 (rows outside the mask: 0, the
-kernel replaces them by E anyway), ``probs`` fp32, ``out`` in x's dtype, ``expert_token_nums`` int32 `[E_local]`
-(the op writes each local expert's received rows), ``x_active_mask`` and ``swiglu_limit`` (0.0 = no clamp: the
-kernel clamps only when it is > 0; the schema's default 1e6 is a clamp at 1e6).
-
-Scale format (int8 weights): ``scale1`` / ``scale2`` are int64 Fixpipe words, each the fp32 scale's bit pattern
-read as int32 and widened (sign-extended) to int64 (:func:`fixpipe_scale`; the inverse, :func:`fixpipe_scale_value`,
-is exact). Evidence: vllm-ascend's ``w8a8_dynamic.py`` builds ``fused_w1_scale`` / ``fused_w2_scale`` for this op
-as ``np.frombuffer(fp32 bytes, int32).astype(int64)``; the op def declares both inputs ``DT_INT64`` and the kernel
-reads them as ``uint64_t`` Fixpipe scales; sgl-kernel-npu's ``DISPATCH_FFN_COMBINE`` fuse mode also passes int64
-bit-pattern scales. Bias lists are ``[empty fp32]`` (vllm-ascend's W8A8 value; only the W4A8 kernel reads them).
-
-When the op is used (:func:`fused_op_blocker`): x bf16 / fp16 with ``out_dtype`` equal to it (the op writes ``out``
-in x's dtype, so any other ``out_dtype`` would round twice), int8 weights or weights of x's dtype, K % 128 == 0,
-N % 64 == 0, no -1 among the active tokens' ids, and, for float weights, no inactive token and no clamp: vllm-ascend's
-adapter passes neither ``x_active_mask`` nor ``swiglu_limit`` to ``aclnnDispatchFFNCombineBF16``. Under
-:mod:`deep_ep_npu.sim` the op is :mod:`deep_ep_npu.sim.fused` (our engine, on CPU tensors); NPU parity is not tested.
-"""
+:func:`fused_op_kwargs` passes keywords (an older schema without ``bias1/2`` fails loudly rather than shifts): one-item
+weight lists in the NZ format, ``expert_idx`` int32, ``probs`` fp32, ``out`` in x's dtype, ``expert_token_nums``
+int32 `[E_local]`, ``x_active_mask`` and ``swiglu_limit`` (0.0: no clamp; the schema's default 1e6 clamps at 1e6).
+int8 scales are int64 Fixpipe words, the fp32 bits read as int32 and sign-extended (:func:`fixpipe_scale`, as
+vllm-ascend's ``w8a8_dynamic.py``). :func:`fused_op_blocker` says when the op cannot take a call (README, "Fused
+MegaMoE"); the pipeline runs it then. NPU parity is not tested."""
 
 
 from __future__ import annotations

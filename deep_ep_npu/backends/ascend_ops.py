@@ -19,6 +19,13 @@ from ..sizes import ccl_buffer_bytes, ccl_buffer_mb
 from . import hccl_comm_name
 
 
+def pad_empty(rows: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NPU ops need Bs >= 1: a rank with no tokens sends one zero row routed nowhere (all ids -1)."""
+    if topk_idx.shape[0]:
+        return rows, topk_idx
+    return rows.new_zeros((1, rows.shape[1])), topk_idx.new_full((1, topk_idx.shape[1]), -1)
+
+
 def map_no_expert(topk_idx: torch.Tensor, num_experts: int, zero_expert_num: int = 0) -> tuple[torch.Tensor, int]:
     """Map DeepEP's ``-1`` ("no expert") in `[T, K]` int64 / int32 ``topk_idx`` onto Ascend zero experts (never sent,
     add nothing in combine): slot k's ``-1`` becomes zero expert ``num_experts + zero_expert_num + k`` (distinct in a

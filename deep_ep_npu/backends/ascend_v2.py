@@ -13,13 +13,7 @@ from ..engine import expand
 from ..engine.plan import make_plan
 from ..errors import invalid
 from ..handle import EPHandle
-from .ascend_ops import map_no_expert
-
-
-def _pad_empty(rows: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if topk_idx.shape[0]:
-        return rows, topk_idx
-    return rows.new_zeros((1, rows.shape[1])), topk_idx.new_full((1, topk_idx.shape[1]), -1)
+from .ascend_ops import map_no_expert, pad_empty
 
 
 def dispatch(backend: Any, c: DispatchCall) -> Any:
@@ -27,11 +21,11 @@ def dispatch(backend: Any, c: DispatchCall) -> Any:
     them."""
     e, h = c.experts, c.cached
     r, num_local, n, k, hidden = e.world_size, e.num_local, c.num_max, c.expert_ids.shape[1], c.x.shape[1]
-    x, topk_idx = _pad_empty(c.x, c.expert_ids)
+    x, topk_idx = pad_empty(c.x, c.expert_ids)
     ids, zero_num = map_no_expert(topk_idx, e.num_moe_experts)
     extra: dict[str, Any] = dict(quant_mode=0, global_bs=n * r, zero_expert_num=zero_num, expert_token_nums_type=1)
     if c.expert_scales is not None:
-        extra["expert_scales"] = _pad_empty(c.expert_scales, c.expert_ids)[0]
+        extra["expert_scales"] = pad_empty(c.expert_scales, c.expert_ids)[0]
     expand_x, _, assist, token_nums, ep_recv_counts, _, expand_scales = backend.ops.dispatch(
         x, ids, e.num_moe_experts, n, num_local, **extra
     )
@@ -93,7 +87,7 @@ def combine(backend: Any, c: CombineCall) -> torch.Tensor:
     ones = torch.ones((max(num_tokens, 1), k), dtype=torch.float32, device=x.device)
     extra: dict[str, Any] = {}
     if c.shared_expert_x:
-        extra["shared_expert_x"] = _pad_empty(c.shared_expert_x[0], h.topk_idx)[0]
+        extra["shared_expert_x"] = pad_empty(c.shared_expert_x[0], h.topk_idx)[0]
     return backend.ops.combine(rows, op["ids"], op["assist"], op["ep_recv_counts"], ones, h.num_experts,
                                global_bs=h.num_max_tokens_per_rank * backend.num_ranks, zero_expert_num=op["zero_num"],
                                **extra)[:num_tokens]  # fmt: skip

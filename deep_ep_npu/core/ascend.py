@@ -1,12 +1,7 @@
-"""The rules of the Ascend MoE distribute ops (torch_npu's ``npu_moe_distribute_dispatch_v2`` / ``combine_v2``, their
-two-stage form, the Buffer's flat methods, MegaMoE's pipeline): where the experts live (:func:`experts`, from the
-ops' expert keywords and ``elastic_info``), the tokens (:func:`tokens`), then the flat layout's :func:`dispatch` and
-:func:`combine`. Sources: the aclnn ``MoeDistributeDispatchV4`` / ``CombineV4`` docs' per-product blocks.
-
-Without ``strict`` the rules accept the union of what the platforms do (the engine computes every feature on any
-device); ``strict="a3"`` (or ``True``) adds the Atlas A3 limits and refuses the Ascend 950 features, ``strict="a5"``
-adds the Ascend 950 (A5) limits and refuses the Atlas A3 ones, each error naming the platform a feature belongs to
-(:func:`.platforms.platform_feature`)."""
+"""The rules of the Ascend MoE distribute ops (``_v2``, two-stage, the Buffer's flat methods, MegaMoE's pipeline):
+:func:`experts`, :func:`tokens`, then the flat layout's :func:`dispatch` and :func:`combine` (sources: the aclnn
+``MoeDistributeDispatchV4`` / ``CombineV4`` docs). Without ``strict`` they accept the union of the platforms;
+``strict="a3"`` (or True) / ``"a5"`` add that platform's limits and refuse the other's features, naming the platform."""
 
 from __future__ import annotations
 
@@ -293,6 +288,7 @@ def combine(c: CombineCall) -> CombineCall:
         const.append(checks.shaped(getattr(c, name), name, dtype, (n_const, hidden), "(const_expert_num, H)"))
         if n_const and const[-1] is None:
             raise null(name, f"const_expert_num is {n_const}")
+    out = checks.shaped(c.out, "out", expand_x.dtype, (num_tokens, hidden), "(Bs, H)")
     w, num_local, tp = e.world_size, e.num_local_here, max(e.tp_world_size, 1)
     perf = checks.shaped(c.wait_stats, "performance_info", torch.int64, (w,), "(ep_world_size,)")
     if c.comm_alg == "hierarchy":
@@ -320,5 +316,5 @@ def combine(c: CombineCall) -> CombineCall:
         c, x=expand_x, expert_ids=ids, x_active_mask=mask, expert_scales=weights, shared_expert_x=shared_x,
         ori_x=ori_x, const_expert_alpha_1=const[0], const_expert_alpha_2=const[1], const_expert_v=const[2],
         wait_stats=perf, handle=(assist, counts, tp_counts), num_rows=num_rows, num_peer=num_peer,
-        global_bs=global_bs,
+        global_bs=global_bs, out=out,
     )  # fmt: skip

@@ -1,24 +1,13 @@
-"""The one description of an expert-parallel call: :class:`DispatchCall`, :class:`CombineCall`, the expert FFN of a
-fused call (:class:`FFN`) and where the experts live (:class:`Experts`). Plain data: the rules that build and check
-them are :mod:`.rules` (and :mod:`.ascend` for the Ascend ops' platform rules).
-
-Every front-end (DeepEP's ``Buffer`` and V2 ``ElasticBuffer``, torch_npu's ops and two-stage ops, MegaMoE) maps its
-own arguments onto these, :mod:`.rules` validates them, and a backend (:mod:`deep_ep_npu.backends`) runs them.
-Field names are torch_npu's (the ops'); ``names`` maps them to the front-end's own, which errors name. Before
-validation the fields hold what the caller passed; :func:`.rules.dispatch` / :func:`.rules.combine` return the call
-with every field checked and normalized (ids int64, -1 where a mask excludes a pair).
-"""
+"""The one description of an expert-parallel call: :class:`DispatchCall`, :class:`CombineCall`, a fused call's expert
+FFN (:class:`FFN`) and where the experts live (:class:`Experts`). Plain data: every front-end maps its own arguments
+onto these (field names are torch_npu's; ``names`` maps them back for errors), :mod:`.rules` checks and normalizes
+them (ids int64, -1 where a mask excludes a pair), a backend runs them."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
-
-LAYOUTS = ("masked", "flat", "expand")
-"""Receive layouts: DeepEP's ``recv_x`` `[L, R * N, H]`, Ascend's ``expand_x`` `[A, H]` (expert-major, then source,
-then token), DeepEP V2's rows (one per token and rank, or with ``do_expand`` one per token and local expert)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Experts:
@@ -50,7 +39,8 @@ class Experts:
 
 @dataclasses.dataclass
 class DispatchCall:
-    """One dispatch. T tokens, H hidden, K top-k, N = ``num_max``.
+    """One dispatch into ``layout``: ``"masked"`` (DeepEP's ``recv_x`` `[L, R * N, H]`), ``"flat"`` (Ascend's
+    ``expand_x`` `[A, H]`) or ``"expand"`` (DeepEP V2's rows). T tokens, H hidden, K top-k, N = ``num_max``.
 
     ``x`` `[T, H]` and ``expert_ids`` `[T, K]` (validated: int64, -1 = no expert or excluded by the mask); the
     ``x_active_mask`` `[T]` (a prefix) or `[T, K]` bool; ``expert_scales`` `[T, K]` fp32 top-k weights carried with
@@ -94,15 +84,13 @@ class DispatchCall:
 @dataclasses.dataclass
 class CombineCall:
     """One combine: ``x`` the expert outputs in the dispatch's layout (masked `[L, R * N, H]`, flat `[A, H]`, expand
-    `[rows, H]`), ``handle`` the dispatch's, ``expert_ids`` `[T, K]` and ``x_active_mask`` as at dispatch (validated:
-    int64, -1 where excluded), ``expert_scales`` `[T, K]` fp32 weights applied at the source (None: the rows come
-    back pre-weighted and are summed); ``shared_expert_x`` `[T, H]` added with weight 1 (``bias_first``: before the
-    rows, else after); ``ori_x`` / ``const_expert_alpha_1`` / ``_2`` / ``const_expert_v``: the copy / const experts'
-    inputs; ``comm_quant_mode``: the rows' wire format (0, 2 int8 per 8, 3 / 4 MX fp8, 10 DeepEP's LogFMT);
-    ``zero_copy`` (masked: the rows are the Buffer's combine buffer), ``out`` `[T, H]`, ``wait_stats`` as
-    :class:`DispatchCall`'s; flat: ``num_rows`` own rows of ``x`` (then ``num_peer`` TP peer rows); expand:
-    ``shared_expert_x`` is a tuple of up to two biases, and without ``multiple_reduction`` every expand row goes back
-    as it is (not summed per token and rank first)."""
+    `[rows, H]`), ``handle`` the dispatch's, ``expert_ids`` `[T, K]` and ``x_active_mask`` as at dispatch,
+    ``expert_scales`` `[T, K]` fp32 weights applied at the source (None: rows come back pre-weighted);
+    ``shared_expert_x`` `[T, H]` added with weight 1 (expand: a tuple of up to two biases); ``ori_x`` /
+    ``const_expert_*``: the copy / const experts' inputs; ``comm_quant_mode``: the rows' wire format (0, 2 int8 per
+    8, 3 / 4 MX fp8, 10 DeepEP's LogFMT); ``zero_copy``: masked rows from the Buffer's combine buffer; ``out`` `[T, H]`
+    or None; flat: ``num_rows`` own rows of ``x`` (then ``num_peer`` TP peer rows); expand without
+    ``multiple_reduction``: every expand row goes back as it is."""
 
     op: str
     layout: str
@@ -113,7 +101,6 @@ class CombineCall:
     x_active_mask: Any = None
     expert_scales: Any = None
     shared_expert_x: Any = None
-    bias_first: bool = False
     ori_x: Any = None
     const_expert_alpha_1: Any = None
     const_expert_alpha_2: Any = None

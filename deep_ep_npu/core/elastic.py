@@ -120,4 +120,4 @@ def combine(c: CombineCall, owner: object, allow_multiple_reduction: bool, bias:
         name = "bias" if not isinstance(bias, tuple) else f"bias[{i}]"
         rules.dims(rules.tensor(b, name, (x.dtype,), 2), name, (h.num_tokens, x.shape[1]), "[num_tokens, hidden]")
     return dataclasses.replace(c, x=x, handle=h, expert_ids=h.topk_idx, expert_scales=weights,
-                               shared_expert_x=biases or None, bias_first=True)  # fmt: skip
+                               shared_expert_x=biases or None)  # fmt: skip

@@ -1,14 +1,7 @@
-"""torch_npu's dtype arguments and the platforms of ``strict`` mode, with the rules that depend on them (which platform
-documents each ``comm_alg`` and quant mode, comm_alg "hierarchy"'s requirements).
-
-torch_npu's MoE ops take dtypes as ``int?``: a ``torch.dtype`` becomes its ScalarType code (``torch.int8`` 1,
-``torch.float8_e5m2`` 23, ``torch.float8_e4m3fn`` 24, ``torch.float8_e8m0fnu`` 44), and codes from 256 on are the ACL
-dtype enum + 256, which is how torch_npu names dtypes torch lacks (``torch_npu.hifloat8`` 290) or spells twice
-(``torch_npu.float8_e8m0fnu`` 293). :func:`resolve_dtype` turns either form into a ``torch.dtype``.
-
-``strict`` (an argument of the ops): ``False`` checks only the rules every platform shares; ``True`` / ``"a3"`` adds
-the Atlas A3 limits, ``"a5"`` the Ascend 950 (A5) ones. :func:`platform` normalizes it.
-"""
+"""torch_npu's dtype arguments and the rules that depend on the platform of ``strict`` (which platform documents each
+quant mode, comm_alg "hierarchy"'s requirements). The ops take dtypes as ``int?``: a ``torch.dtype``'s ScalarType
+code (``torch.int8`` 1, ``float8_e5m2`` 23, ``float8_e4m3fn`` 24, ``float8_e8m0fnu`` 44), or the ACL dtype enum
++ 256 for dtypes torch lacks (``torch_npu.hifloat8`` 290, ``torch_npu.float8_e8m0fnu`` 293): :func:`resolve_dtype`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The one rule set: every check of a call's arguments, raising :class:`~deep_ep_npu.errors.MoeDistributeError` that
-names the parameter (by the front-end's name), the value and what is allowed. Pure: no communication; a front-end
-that catches the error tells its peers (the backend's ``reject``) so that every rank raises.
-
-The primitives (:func:`tensor`, :func:`in_range`, :func:`expert_ids`, ...) come first, then the rules of the calls
-(:func:`dispatch`, :func:`combine`, :func:`ffn`); the Ascend ops' platform rules (``strict``, ``comm_alg``, the
-quant modes, the expert keywords) are in :mod:`.ascend`, which :func:`dispatch` / :func:`combine` run for the
-flat layout."""
+names the parameter (the front-end's name), the value and what is allowed. Pure (no communication): a front-end that
+catches the error tells its peers (``Backend.reject``) so that every rank raises. The primitives come first, then the
+calls' rules; the Ascend ops' platform rules are :mod:`.ascend`."""
 
 from __future__ import annotations
 
@@ -18,6 +14,7 @@ import torch
 from .. import kernels
 from ..errors import invalid, null, shape
 from ..handle import LowLatencyHandle
+from ..sizes import align
 from .call import FFN, CombineCall, DispatchCall, Experts
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations off the NPU (it takes bf16 / fp16)
@@ -298,10 +295,6 @@ def ffn(f: FFN, x: torch.Tensor, num_local: int, topk: int, num_max: int, world_
     in_range(segments, "num_segments", 1, most)
     return dataclasses.replace(f, w1=w1, w2=w2, out_dtype=out_dtype, swiglu_limit=float(limit),
                                num_segments=segments, max_output_size=max_output)  # fmt: skip
-
-
-def align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
 
 
 def fused_tokens(x: object, topk_idx: object, topk_weights: object, x_active_mask: object, num_max: int,

@@ -1,22 +1,17 @@
-"""The engine: one dispatch and one combine, for every layout (:mod:`.masked`, :mod:`.flat`, :mod:`.expand`) and
-every transport (:mod:`deep_ep_npu.transports`), written once. :class:`Engine` is the ``reference`` backend.
+"""The engine: one dispatch and one combine for every layout (:mod:`.masked`, :mod:`.flat`, :mod:`.expand`) and every
+transport (:mod:`deep_ep_npu.transports`). :class:`Engine` is the ``reference`` backend.
 
-Dispatch: the layout plans the rows (:mod:`.plan`: each token once per destination rank, this rank's own rows last)
-and their format (:mod:`.rows`); the transport sends each destination its rows and a header (its row count, the
-row size, the layout's fingerprint every rank must agree on) while this rank places its own rows (a masked layout:
-straight from ``x``); the receive phase checks the headers (a rank that rejected its input, or ranks that disagree,
-raise the same error on every rank) and the layout places the received rows, each written once. Combine is the same
-in reverse: the layout says where each source's rows sit, the header carries every rank's send and expect vectors,
-the rows go back in the order the source's own plan predicts and the source reduces them in fp32 (:mod:`.reduce`).
-
-:class:`InFlight` is the one in-flight object: a call's receive phase (a Buffer's ``hook`` / event, a ``*_start``
-op, a two-stage ``comm_cmd_info``, an ElasticBuffer event are facades over it).
-"""
+Dispatch: the layout plans the rows (:mod:`.plan`) and their format (:mod:`.rows`); the transport sends each rank its
+rows and a header (row count, row size, the fingerprint every rank must agree on) while this rank places its own
+rows; the receive checks the headers (a rejection or a disagreement raises the same error on every rank) and the
+layout places the received rows. Combine is the same in reverse; the source reduces in fp32 (:mod:`.reduce`).
+:class:`InFlight` is the one in-flight object (hooks, events, ``*_start`` ops, ``comm_cmd_info`` wrap it)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -27,7 +22,7 @@ from .. import kernels, profiling
 from ..backends import Backend
 from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError, shape
-from ..transports import Transport, create
+from ..transports import Check, Transport, Write, create
 from ..transports.collective import STATUS_OK, Agreement, EPGroup
 from . import expand, flat, masked, reduce
 from .plan import Plan
@@ -82,14 +77,13 @@ class Workspace:
 
 
 class Layout(Protocol):
-    """Where a dispatch's rows go (:mod:`.masked`, :mod:`.flat`, :mod:`.expand`; built by their ``layout(call,
-    engine)``). ``plan`` / ``fmt``: the rows and their format; ``source`` `[T, *]`: what the rows encode (x, or V2's
-    packed payload); ``weights`` `[P]` fp32 per pair and ``smooth`` `[num_rows, H]` fp32 per row, or None;
-    ``known``: the rows each source sends here when already known (a cached layout), else None; ``vectors``
-    (<= 2R words) and ``fingerprint`` (<= 16 words, named by ``names``): the header words every rank checks (a layout
-    with more to check than the ranks' statuses and fingerprints also has ``check(agreement) -> None``);
-    ``agree_now``: the collective transport waits for the agreement in the send phase; ``tp``: the TP stage (:class:`~.flat.TPStage`). A layout that can place this rank's own rows in the send phase also has ``place_own(own_rows,
-    encode) -> None`` (``encode()`` fills ``own_rows`` when the rows cannot be placed straight from the source)."""
+    """Where a dispatch's rows go (built by :mod:`.masked`, :mod:`.flat`, :mod:`.expand`'s ``layout(call, engine)``).
+    ``source`` `[T, *]`: what the rows encode; ``weights`` `[P]` fp32 per pair, ``smooth`` `[num_rows, H]` fp32 per
+    row, or None; ``known``: the rows each source sends here when already known (a cached layout); ``vectors``
+    (<= 2R words) and ``fingerprint`` (<= 16, named by ``names``): the header words every rank checks (more checks:
+    an optional ``check(agreement)``); ``agree_now``: the collective transport agrees in the send phase; ``tp``: the
+    TP stage (:class:`~.tp.TPStage`). Optional ``place_own(own_rows, encode)``: places the own rows in the send phase
+    (``encode()`` fills ``own_rows`` when they cannot come straight from the source)."""
 
     plan: Plan
     fmt: RowFormat
@@ -188,20 +182,11 @@ class Engine(Backend):
     def dispatch(self, call: DispatchCall) -> InFlight:
         return self._run(lambda: self._dispatch(call))
 
-    def _rejecting(self, c: DispatchCall | CombineCall, make: Callable[[], Any]) -> Any:
-        """``make()`` (the layout's checks of the call against the handle / capacity run there): a rejection is
-        told to the peers (they raise too) before it raises here."""
-        try:
-            return make()
-        except MoeDistributeError as err:
-            self.reject(c.op, err.code, c.experts.tp)
-            raise
-
     def _dispatch(self, c: DispatchCall) -> InFlight:
         self.tag ^= 1
         self.ws.device = c.x.device
-        make = {"masked": masked.layout, "flat": flat.layout, "expand": expand.layout}[c.layout]
-        layout: Layout = self._rejecting(c, lambda: make(c, self))
+        with self.rejecting(c.op, tp=c.experts.tp):  # (the layout checks the call against a handle / capacity)
+            layout: Layout = LAYOUTS[c.layout].layout(c, self)
         plan, fmt, me, r = layout.plan, layout.fmt, self.rank, self.num_ranks
         transport = self.transport_for(c.x.device, layout.tp is not None)
         remote = transport is self.window
@@ -220,27 +205,24 @@ class Engine(Backend):
                 more(agreement)
             check_names(agreement, self.ep, layout.names, 1 + 2 * r)
 
+        own_rows = self.scratch("dispatch_own", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
+        mine = slice(begin[me], begin[me] + plan.rows_per_dest[me])
+
+        def own() -> None:  # placed now, while the rows travel (where the layout can)
+            if (place_own := getattr(layout, "place_own", None)) is not None:
+                place_own(own_rows, lambda: encode(own_rows, mine, False))
+            else:
+                encode(own_rows, mine, False)
+
+        def place(_: None, agreement: Agreement, parts: list[tuple[int, torch.Tensor]], wait_ns: int) -> Any:
+            layout.place(parts, (me, own_rows), agreement, wait_ns)
+            return layout.result()
+
         known = layout.known or [-1] * r
         counts = [[plan.rows_per_dest[d], known[d]] for d in range(r)]
         shared = header(fmt.row_bytes, layout.vectors, layout.fingerprint, r)
-        if profiling.enabled:
-            profiling.record_wire("dispatch", [k * fmt.row_bytes for k in plan.rows_per_dest], me, 8 * len(shared))
-        token = _send(transport, c.op, counts, shared, write, check, layout.agree_now, layout.tp, c.x.device)
-        own_rows = self.scratch("dispatch_own", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
-        mine = slice(begin[me], begin[me] + plan.rows_per_dest[me])
-        if (place_own := getattr(layout, "place_own", None)) is not None:  # placed now, while the rows travel
-            place_own(own_rows, lambda: encode(own_rows, mine, False))
-        else:
-            encode(own_rows, mine, False)
-
-        def receive() -> Any:
-            agreement, parts, wait_ns = transport.receive(token)
-            try:
-                layout.place(parts, (me, own_rows), agreement, wait_ns)
-            finally:
-                transport.done(token)
-            return layout.result()
-
+        receive = self._exchange("dispatch", c.op, transport, counts, shared, write, check, layout, c.x.device, own,
+                                 place)  # fmt: skip
         return InFlight(receive, layout.result())
 
     def combine(self, call: CombineCall) -> InFlight:
@@ -256,8 +238,8 @@ class Engine(Backend):
     def _combine(self, c: CombineCall) -> InFlight:
         self.tag ^= 1
         self.ws.device = c.x.device
-        jobs = {"masked": masked.combine_jobs, "flat": flat.combine_jobs, "expand": expand.combine_jobs}[c.layout]
-        made = self._rejecting(c, lambda: jobs(c, self))
+        with self.rejecting(c.op, tp=c.experts.tp):
+            made: list[reduce.CombineJob] = LAYOUTS[c.layout].combine_jobs(c, self)
         receives = [self._combine_job(c, job) for job in made]  # (a peer's rejection stops the next one)
         outs = receives[0].value if len(receives) == 1 else tuple(receive.value for receive in receives)
         return InFlight(lambda: [receive() for receive in receives] and outs, outs)
@@ -279,24 +261,54 @@ class Engine(Backend):
             reduce.check(job, agreement, self.ep.live)
             check_names(agreement, self.ep, job.names, 1 + 2 * r)
 
-        counts = [[job.rows_per_src[q], -1] for q in range(r)]
-        shared = header(fmt.row_bytes, (*job.rows_per_src, *plan.pairs_per_dest), job.fingerprint, r)
-        if profiling.enabled:
-            profiling.record_wire("combine", [k * fmt.row_bytes for k in job.rows_per_src], me, 8 * len(shared))
-        token = _send(transport, c.op, counts, shared, write, check, job.agree_now, job.tp, job.source.device)
         # own rows now, unless the TP stage changes the source first or the handle is inconsistent (check raises)
         early = job.tp is None and job.rows_per_src[me] == plan.pairs_per_dest[me]
-        local = reduce.reduce_own(job, self.scratch) if early else None
 
-        def receive() -> None:
+        def own() -> reduce.Local | None:
+            return reduce.reduce_own(job, self.scratch) if early else None
+
+        def finish(local: reduce.Local | None, agreement: Agreement, parts: list[tuple[int, torch.Tensor]],
+                   wait_ns: int) -> None:  # fmt: skip
+            mine = local if local is not None else reduce.reduce_own(job, self.scratch)
+            reduce.reduce_remote(job, mine, [rows for _, rows in parts], agreement, wait_ns, self.scratch)
+
+        counts = [[job.rows_per_src[q], -1] for q in range(r)]
+        shared = header(fmt.row_bytes, (*job.rows_per_src, *plan.pairs_per_dest), job.fingerprint, r)
+        receive = self._exchange("combine", c.op, transport, counts, shared, write, check, job, job.source.device,
+                                 own, finish)  # fmt: skip
+        return InFlight(receive, job.out)
+
+    def _exchange(self, kind: str, op: str, transport: Transport, counts: list[list[int]], shared: list[int],
+                  write: Write, check: Check, sender: Any, device: torch.device, own: Callable[[], Any],
+                  finish: Callable[..., Any]) -> Callable[[], Any]:  # fmt: skip
+        """One exchange: send (``sender``: the layout or combine job; a TP pair's peer is told when the EP call fails
+        before their agreement), run ``own()`` while the rows travel, and return the receive, ``finish(own's result,
+        agreement, parts, wait_ns)``; timed when :data:`deep_ep_npu.profiling.enabled`."""
+        started, tp = time.perf_counter(), sender.tp
+        if profiling.enabled:
+            profiling.record_wire(kind, [n * shared[0] for n, _ in counts], self.rank, 8 * len(shared))
+        try:
+            token = transport.send(op, counts, shared, write, check, agree_now=sender.agree_now, device=device,
+                                   before_payload=None if tp is None else tp.before_payload)  # fmt: skip
+        except MoeDistributeError as err:
+            if tp is not None:
+                tp.abort(err.code)
+            raise
+        mine = own()
+        send_s = time.perf_counter() - started
+
+        def receive() -> Any:
+            called = time.perf_counter()
             agreement, parts, wait_ns = transport.receive(token)
+            received = time.perf_counter()
             try:
-                mine = local if local is not None else reduce.reduce_own(job, self.scratch)
-                reduce.reduce_remote(job, mine, [rows for _, rows in parts], agreement, wait_ns, self.scratch)
+                return finish(mine, agreement, parts, wait_ns)
             finally:
                 transport.done(token)
+                if profiling.enabled:
+                    profiling.add(kind, send=send_s, wait=received - called, place=time.perf_counter() - received)
 
-        return InFlight(receive, job.out)
+        return receive
 
     def next_combine_buffer(self, handle: Any) -> torch.Tensor:
         """The `[L, R * N, hidden]` bfloat16 buffer the next ``zero_copy`` combine of ``handle``'s layout reads."""
@@ -322,18 +334,6 @@ class Engine(Backend):
         self.ws.clear()
 
 
-def _send(transport: Transport, op: str, counts: list[list[int]], shared: list[int], write: Callable[..., None],
-          check: Callable[[Agreement], None], agree_now: bool, tp: Any, device: torch.device) -> Any:
-    """``transport.send``; a TP pair's peer is told when the EP call fails before their agreement."""
-    try:
-        return transport.send(op, counts, shared, write, check, agree_now=agree_now, device=device,
-                              before_payload=None if tp is None else tp.before_payload)  # fmt: skip
-    except MoeDistributeError as err:
-        if tp is not None:
-            tp.abort(err.code)
-        raise
-
-
 def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], num_ranks: int) -> list[int]:
     """The shared header words of a call (:func:`header_width` of them): the row size, up to 2R words of vectors,
     up to :data:`FINGERPRINT` words of fingerprint, each part zero-padded."""
@@ -342,6 +342,7 @@ def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], n
     return [row_bytes, *vectors, *pad]
 
 
+LAYOUTS = {"masked": masked, "flat": flat, "expand": expand}  # each module's layout(call, engine), combine_jobs
 _ENGINES: dict[int, Engine] = {}
 
 

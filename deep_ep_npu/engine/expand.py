@@ -1,19 +1,13 @@
 """DeepEP V2's layouts (``ElasticBuffer``): one row per (source token, this rank), or with ``do_expand`` one per
 (token, local expert).
 
-A V2 row's payload is raw bytes, ``[x row | scale-factor row | top-k weights, fp32 x K]`` (:class:`Payload`): nothing
-is cast, so fp8 data and its 4-byte scale factors arrive bit for bit; the row's slots carry the local expert of each
-top-k entry at this rank (-1: another rank's), i.e. ``recv_topk_idx``. Non-expand: rows grouped by source rank,
-ascending; inside a source, its tokens ascending. Expand: rows grouped by local expert, expert ``e``'s segment
-starting at ``align(psum[e - 1], expert_alignment)``; inside an expert, by (source rank, token). :class:`Placement`
-is where every row and pair went; a cached handle keeps it (and the send plan), so a cached dispatch places rows at
-the same positions with no count exchange (the transport starts the payload at once).
-
-Combine returns one row per (token, rank): the caller's pre-reduced row (non-expand), or the sum of the token's
-expand rows in top-k order (fp32, rounded once to x's dtype; every expand row as it is with
-``allow_multiple_reduction=False``). The source adds, in fp32, the bias first, then the returned rows in the order of
-each rank's last top-k slot (of every slot without multiple reduction), and rounds once: DeepEP's reference order.
-``topk_weights`` travel back the same way (a second exchange), each slot from its expert's rank."""
+A row's payload is raw bytes, ``[x | scale factors | top-k weights fp32]`` (:class:`Payload`): fp8 data and its
+scale factors arrive bit for bit. Non-expand rows: by source rank, then token. Expand rows: by local expert (expert
+``e``'s segment starts at ``align(psum[e - 1], expert_alignment)``), then (source rank, token). A cached handle keeps
+the :class:`Placement` and the send plan, so a cached dispatch places rows the same way with no count exchange.
+Combine returns one row per (token, rank) (expand: the token's rows summed in fp32 in top-k order, rounded once;
+every row without multiple reduction); the source adds in fp32 the bias, then the rows in the order of each rank's
+last top-k slot, and rounds once (DeepEP's reference order). ``topk_weights`` travel back the same way."""
 
 from __future__ import annotations
 

@@ -14,29 +14,15 @@ c2     = fp16(fp32(int(q2) @ int(w2) * w2_scale[c]))  # GMM2, Fixpipe channel de
 y      = out_dtype(fp32(c2) * s2[t])          # Combine: per-token scale in fp32, one rounding to out_dtype
 ```
 
-Float weights (bf16 / fp16 / fp32, no scales), ``wd`` = the weights' dtype: ``h = wd(fp32(x) @ fp32(w1))``;
-``g = wd(silu(gate) * up)`` (the same gate/up order and clamp); ``y = out_dtype(fp32(g) @ fp32(w2))``. With fp32
-weights the two ``wd`` roundings are identities, so the fp32 chain is unchanged (the serving tests' golden path).
+Float weights (bf16 / fp16 / fp32, no scales; ``wd`` = their dtype): ``h = wd(fp32(x) @ fp32(w1))``,
+``g = wd(silu(gate) * up)``, ``y = out_dtype(fp32(g) @ fp32(w2))`` (identities for fp32 weights).
 
-Why these rounding points: the PTO MegaMoE seed's GMM1 writes ``gmC`` in FP16 after the Fixpipe applies scale1, its
-SwiGLU stage multiplies ``gmC`` by ``perTokenScale1`` in fp32, its GMM2 writes FP16 tiles after Fixpipe scale2, and
-Combine does ``FP16 -> FP32 -> * perTokenScale2 -> FP16``. vllm-ascend's ``dispatch_ffn_combine`` kernel (which
-the seed says its A5 port follows) has the same chain: an fp16 GMM1 output type, the SwiGLU epilogue casting it to
-fp32 and multiplying by the per-token scale, an fp16 GMM2 output dequantized per token into ``out``'s dtype. Its
-BF16 variant writes GMM1's and SwiGLU's outputs in the activation dtype, hence the ``wd`` roundings (the kernel's
-SwiGLU cast rounds ties away from zero; torch's round-to-nearest-even is used here, which differs on exact ties only).
-
-Which half is gated: the seed's prose writes ``SiLU(up) * gate`` without saying which columns it calls "up"; the
-kernel computes ``x / (1 + exp(-x))`` on the first N columns and multiplies by the last N, and vllm-ascend feeds it
-``w13`` = [gate; up] (the serving models' ``silu(gate) * up``), so the first N columns are the gate (kept). The clamp
-is the kernel's ``swiglu_limit`` (``> 0`` enables it): ``ClampMax`` of both halves at L, then ``ClampMin`` of the up
-half at -L, i.e. vllm-ascend's ``SiluAndMulWithClamp`` (gpt-oss / DeepSeek-V4 style); 0 disables it (vllm's default).
-
-The integer products are exact: int8 values summed over ``K`` stay far below 2^53, so an fp64 matmul (BLAS-fast
-on CPU) returns the exact int32 accumulator the NPU's cube unit produces; for inner sizes <= 1040 every partial sum
-stays below 2^24 and the (faster) fp32 matmul is exact as well. Unconfirmed without an NPU: whether the Fixpipe uses
-every mantissa bit of the fp32 scale, and how it rounds ``acc * scale`` on the way to fp16 (here: fp64 product, then
-fp32, then fp16).
+The rounding points are the PTO MegaMoE seed's and vllm-ascend's ``dispatch_ffn_combine`` kernel's (fp16 ``gmC``
+after the Fixpipe, fp32 SwiGLU, fp16 GMM2 tiles dequantized per token; the BF16 kernel rounds to the activation
+dtype); the gate is w1's first N columns (vllm-ascend's ``w13`` = [gate; up]); the clamp is the kernel's
+``swiglu_limit``. int8 products are exact (an fp64 matmul, or fp32 for inner sizes <= 1040). Unconfirmed without an
+NPU: how the Fixpipe rounds ``acc * scale`` (here: fp64 product, then fp32, then fp16). See the README's "Fused
+MegaMoE".
 """
 
 import itertools

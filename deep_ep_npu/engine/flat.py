@@ -8,25 +8,24 @@ ascending, in fp32, then ``shared_expert_x``."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import kernels
+from ..core.ascend import OP_COMM_ALGS
 from ..core.call import CombineCall, DispatchCall
 from ..errors import shape
-from ..transports.collective import STATUS_OK, Agreement, EPGroup
+from ..transports.collective import Agreement
 from .plan import pair_weights, plan_call, smooth_rows
 from .reduce import CombineJob, special_contributions
 from .rows import DTYPE_CODES, RowFormat, parse
-from .tp import tp_agree, tp_gather_rows, tp_reduce_scatter
+from .tp import TPStage, tp_gather_rows, tp_reduce_scatter
 
 NAMES = ("moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "x dtype", "shared_expert_num",
          "shared_expert_rank_num", "elastic_info", "tp_world_size", "y_dtype", "comm_alg")  # fmt: skip
 COMBINE_NAMES = ("moe_expert_num", "hidden", "expand_x dtype", "comm_quant_mode", "global_bs", "shared_expert_num",
                  "shared_expert_rank_num", "elastic_info", "tp_world_size", "comm_alg")  # fmt: skip
-COMM_ALGS = ("", "fullmesh", "fullmesh_v1", "fullmesh_v2", "hierarchy", "ccu")
 SCALAR_TYPE_CODE = {torch.int8: 1, torch.float16: 5, torch.float32: 6, torch.bfloat16: 15, torch.float8_e5m2: 23,
                     torch.float8_e4m3fn: 24}  # fmt: skip
 
@@ -51,7 +50,7 @@ class _Flat:
         self.fingerprint = (
             e.num_moe_experts, hidden, topk, 0 if q is None else q.mode, c.num_max * e.world_size, fmt.row_bytes,
             DTYPE_CODES[x.dtype], e.shared_expert_num, e.shared_expert_rank_num, hash(e.ep_rank_of) & 0x7FFFFFFF,
-            e.tp_world_size, SCALAR_TYPE_CODE[fmt.data_dtype], COMM_ALGS.index(c.comm_alg), x.shape[0],
+            e.tp_world_size, SCALAR_TYPE_CODE[fmt.data_dtype], OP_COMM_ALGS.index(c.comm_alg), x.shape[0],
         )  # fmt: skip
         width, scale_dtype = ((), torch.float32) if q is None else (q.scale_shape(hidden), q.scale_dtype)
         if q is None and c.scales is not None and c.scales.shape[1]:  # quant_mode 0 given scales: `[A, H]` zeros
@@ -141,25 +140,6 @@ class _Flat:
         return num_recv
 
 
-class TPStage:
-    """The TP pair's part of one EP call: its agreement (status and ``fingerprint``) between the EP agreement and the
-    payload (:meth:`before_payload`, then ``after()``, e.g. the ReduceScatterV; True: the rows changed), or, when the
-    EP call failed before it, the failure's code (:meth:`abort`), so that the TP peer raises too."""
-
-    def __init__(self, tp: EPGroup, op: str, fingerprint: tuple[int, ...],
-                 after: Callable[[], bool] | None = None) -> None:  # fmt: skip
-        self.tp, self.op, self.fingerprint, self.after, self.told = tp, op, fingerprint, after, False
-
-    def before_payload(self) -> bool:
-        self.told = True
-        tp_agree(self.tp, STATUS_OK, self.op, self.fingerprint)
-        return self.after() if self.after is not None else False
-
-    def abort(self, code: int) -> None:
-        if not self.told:
-            tp_agree(self.tp, code, self.op)
-
-
 def layout(c: DispatchCall, engine: Any) -> _Flat:
     return _Flat(c, engine)
 
@@ -204,11 +184,11 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
                                       c.const_expert_alpha_1, c.const_expert_alpha_2, c.const_expert_v)  # fmt: skip
     fingerprint = (
         e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], c.comm_quant_mode, c.global_bs, e.shared_expert_num,
-        e.shared_expert_rank_num, hash(e.ep_rank_of) & 0x7FFFFFFF, e.tp_world_size, COMM_ALGS.index(c.comm_alg),
+        e.shared_expert_rank_num, hash(e.ep_rank_of) & 0x7FFFFFFF, e.tp_world_size, OP_COMM_ALGS.index(c.comm_alg),
     )  # fmt: skip
     mismatch = ("assist_info_for_combine", "the expert_ids / x_active_mask used at dispatch and that dispatch's "
                 "assist_info_for_combine and ep_recv_counts")  # fmt: skip
-    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=dev)
+    out = c.out if c.out is not None else torch.empty((num_tokens, hidden), dtype=x.dtype, device=dev)
     perf = c.wait_stats
     job = CombineJob(x, rows, rows_per_src, plan, pair_weights(plan, c.expert_scales, c.expert_ids.shape[1]),
                      c.comm_quant_mode, out,

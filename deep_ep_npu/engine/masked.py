@@ -1,12 +1,8 @@
-"""DeepEP's masked layout (``Buffer.low_latency_dispatch`` / ``low_latency_combine``).
-
-Dispatch sends each token once per destination rank with the local experts it is for and expands it into
-``recv_x`` `[L, R * N, hidden]`; inside local expert i, source rank j owns rows ``[begin, begin + count)`` (this rank's
-own block first, placed in the send phase while the remote rows travel, then the other sources in rank order; tokens
-ascending), each row written once. Results (``recv_x``, scales, ``recv_count``, the handle's tensors) live in two
-alternating sets of the buffer, valid until the next-but-one dispatch (DeepEP: hold at most 2 low-latency results).
-Combine returns the rows in the order the source's ``topk_idx`` predicts (by source rank, then local expert, then
-token) and reduces them there in fp32: own experts first, then the remote ranks in rank order."""
+"""DeepEP's masked layout (``Buffer.low_latency_dispatch`` / ``low_latency_combine``): each token goes once per
+destination rank and is expanded into ``recv_x`` `[L, R * N, hidden]`; inside local expert i, source rank j owns rows
+``[begin, begin + count)``: this rank's own block first (placed in the send phase), then the other sources in rank
+order, tokens ascending. Results alternate between two sets of the buffer (DeepEP: hold at most 2 results).
+Combine reduces in fp32 at the source: own experts first, then the remote ranks in rank order."""
 
 from __future__ import annotations
 
@@ -110,9 +106,11 @@ class _Masked:
             if k is None:
                 self._write_torch(rows, src, pos, counts)
                 continue
+            row, flat = pairs[0, :k], pairs[1, :k]
+            fp8 = fmt.quant == "fp8_e4m3"
             if self.scales is not None and (self.c.use_ue8m0 or not kernels.place_scales(
-                    rows, fmt.scale_off, pairs[0, :k], pairs[1, :k], self.scales, fmt.quant != "fp8_e4m3")):  # fmt: skip
-                self._write_scales(rows, pairs[0, :k], pairs[1, :k])
+                    rows, fmt.scale_off, row, flat, self.scales, not fp8)):  # fmt: skip
+                self._write_scales(rows, row, flat)
         return counts
 
     def _write_torch(self, rows: torch.Tensor, src: int, pos: torch.Tensor, counts: torch.Tensor) -> None:

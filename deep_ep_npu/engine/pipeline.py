@@ -1,24 +1,16 @@
-"""The MegaMoE pipeline: the A5 PTO MegaMoE kernel's stages over a backend's flat dispatch / combine, per segment.
+"""The MegaMoE pipeline: the PTO MegaMoE kernel's stages over a backend's flat dispatch / combine, per segment.
 
-Kernel stages here: FrontReorder + Dispatch = dispatch (quant_mode 2 for int8 weights), GMM1/SwiGLU/GMM2 =
-:mod:`.ffn` per local expert, Combine + Unpermute = combine (top-k weighted sum in fp32), then one final cast. The
-local experts are split into S contiguous segments (the same on every rank); segment k's dispatch carries only the
-pairs whose expert is in segment k (a 2D ``x_active_mask``), so segments are independent chains. As the kernel
-splits AIV (communication) from AIC (GMMs), one comm thread issues every collective, in the same order on every
-rank, while the calling thread only computes:
+Dispatch (quant_mode 2 for int8 weights), the expert FFN (:mod:`.ffn`), combine (top-k weighted sum in fp32), one
+final cast. The local experts are split into S segments (or the tokens, ``segment_by="token"``); segment k's
+dispatch carries only its pairs (a 2D ``x_active_mask``), so segments are independent chains. As the kernel splits
+AIV (communication) from AIC (GMMs), one comm thread issues every collective in the same order on every rank while
+the calling thread computes (``Dk`` / ``Ck``: send phases, ``Tk`` / ``Rk``: receive phases)::
 
-```
-comm thread : [D0][D1] T0 [D2] T1 [D3] T2 T3 ........ [C0] ........ [C1] R0 ..... [C2] R1 ..... [C3] R2 R3
-compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3  |                  sum -> out
-                           ^ rows of seg 0 (T0)        ^ C0 starts as soon as FFN seg 0 is done
-```
+    comm thread : [D0][D1] T0 [D2] T1 [D3] T2 T3 ........ [C0] ........ [C1] R0 ..... [C2] R1 ..... [C3] R2 R3
+    compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3  |                  sum -> out
 
-``Dk`` / ``Ck``: the send phase of segment k's dispatch / combine (validation, the agreement step, the payload
-started asynchronously); ``Tk`` / ``Rk``: their receive phases. Expert outputs are rounded to ``out_dtype`` (as the
-kernel's FP16 CV tiles); expert segments' fp32 partials differ from one unsegmented combine by fp32 re-association
-(at most one ulp of ``out_dtype``); one segment sends ``out_dtype`` rows and is bit-equal to the unfused path, as is
-``segment_by="token"``, which costs S smaller GEMMs per expert.
-"""
+Expert segments change only the fp32 summation order (at most one ulp of ``out_dtype``); one segment, or token
+segments, are bit-equal to the unfused path."""
 
 from __future__ import annotations
 
@@ -91,8 +83,9 @@ def run(backend: Any, call: DispatchCall, ffn: FFN, expert_token_nums: torch.Ten
             y = grouped_ffn(expand_x, scales, token_nums, segment_experts(ffn, s, e.num_local), *weights,
                             ffn.out_dtype, ffn.swiglu_limit)  # fmt: skip
             num_rows = int(counts[e.world_size * e.num_local - 1])
-            combine = CombineCall(COMBINE, "flat", y.to(wire_dtype), ids, e, (assist, counts, None), x_active_mask=masks[s],
-                                  expert_scales=call.expert_scales, global_bs=global_bs, num_rows=num_rows)  # fmt: skip
+            combine = CombineCall(COMBINE, "flat", y.to(wire_dtype), ids, e, (assist, counts, None),
+                                  x_active_mask=masks[s], expert_scales=call.expert_scales, global_bs=global_bs,
+                                  num_rows=num_rows)  # fmt: skip
             combines.append(comm.submit(backend.combine, combine))
             if s:  # C0 C1 R0 C2 R1 ...: again at most two calls in flight
                 partials.append(comm.submit(receive, combines[s - 1]))

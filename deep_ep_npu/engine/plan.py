@@ -1,10 +1,7 @@
-"""Which rows leave this rank: (token, slot) pairs routed to (destination rank, local expert), and their rows.
-
-Pairs are sorted by (destination, local expert, token). Receivers place rows so that inside one (local expert,
-source rank) block tokens ascend, so combine returns rows in exactly this order and the source reduces them
-without any metadata. A row is one token copy per destination rank (the receiver expands it into one row per
-local expert it is for) or one per pair when its encoding depends on the expert (smoothed int8 quant).
-Rows are ordered by destination with this rank's own rows last: the remote rows are one contiguous send buffer."""
+"""Which rows leave this rank: (token, slot) pairs routed to (destination rank, local expert), sorted by (destination,
+local expert, token), and their rows: one token copy per destination (expanded there), or one per pair when the
+encoding depends on the expert (smoothed int8). Own rows last: the remote rows are one contiguous send buffer.
+Receivers keep tokens ascending inside each (expert, source) block, so combine returns rows in this order."""
 
 from __future__ import annotations
 

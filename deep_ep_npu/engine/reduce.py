@@ -1,12 +1,8 @@
-"""Combine's reductions: the expert outputs returned to their source rank are summed there, in fp32.
-
-The expert rank returns each received row to its source, grouped by source in the order the source's own plan
-predicts (:mod:`.plan`), so only rows travel; the source reduces them (:func:`reduce_own` for its own experts' rows,
-which never touch the wire, then :func:`reduce_remote` for the received ones) into the combined tokens. Order: with
-``by_slot`` (the Ascend ops, DeepEP V2) ``out[t] = sum_k c[t, k]`` over slots k ascending, with extra contributions
-(copy / const experts, V2's bias at slot -1) in their slots, then ``addend[t]``; otherwise (DeepEP) this rank's own
-experts first, then the remote ranks in rank order. :func:`check` cross-checks every rank's send and expect vectors,
-so a handle or top-k that does not match the dispatch is reported on every rank instead of hanging."""
+"""Combine's reductions, at the source rank in fp32: the rows come back in the order the source's own plan predicts
+(:mod:`.plan`), so only rows travel. :func:`reduce_own` takes this rank's own rows (never on the wire),
+:func:`reduce_remote` the received ones. Order: ``by_slot`` (Ascend ops, DeepEP V2) sums slots ascending, with the
+``extra`` contributions in their slots, then ``addend``; else (DeepEP) own experts first, then remote ranks in rank
+order. :func:`check` cross-checks every rank's send and expect vectors (a wrong handle raises on every rank)."""
 
 from __future__ import annotations
 
@@ -28,14 +24,13 @@ from .plan import Plan
 @dataclasses.dataclass
 class CombineJob:
     """One validated combine, as every layout describes it. ``source`` `[rows, hidden]`: the expert outputs;
-    ``return_rows`` `[n]` int64: its rows to send back, grouped by source rank (``rows_per_src``); ``plan``: this
-    rank's pairs; ``weights`` `[P]` fp32 per pair; ``wire``: how rows travel (:class:`ReturnFormat`'s mode); ``out`` `[T, hidden]`: the result;
-    ``fingerprint`` / ``names``: the values every rank must agree on and their names; ``mismatch``: (parameter, what
-    to pass) when sends and expects disagree; ``extra``: (token, slot, value `[n, hidden]` fp32) contributions
-    computed locally (copy / const experts, V2's bias); ``addend`` `[T, hidden]` added at the end
-    (``shared_expert_x``); ``active``: tokens ``[0, active)`` are written, the rest 0; ``on_wait``: the wait
-    statistics; ``tp``: the TP stage (:class:`~.tp.TPStage`, its ReduceScatterV changes the rows to return);
-    ``agree_now``: the collective transport waits for the agreement in the send phase (a peer's rejection raises there)."""
+    ``return_rows`` `[n]` int64: the rows to send back, grouped by source rank (``rows_per_src``); ``plan``: this
+    rank's pairs, ``weights`` `[P]` fp32 theirs; ``wire``: :class:`ReturnFormat`'s mode; ``out`` `[T, hidden]`;
+    ``fingerprint`` / ``names``: what every rank must agree on; ``mismatch``: (parameter, what to pass) when sends
+    and expects disagree; ``extra``: local (token, slot, value `[n, hidden]` fp32) contributions (copy / const
+    experts, V2's bias); ``addend`` `[T, hidden]` added last; ``active``: tokens ``[0, active)`` are written, the
+    rest 0; ``on_wait``: the wait statistics; ``tp``: the TP stage (:class:`~.tp.TPStage`); ``agree_now``: as
+    :class:`~.exchange.Layout`'s."""
 
     source: torch.Tensor
     return_rows: torch.Tensor
@@ -95,7 +90,7 @@ class Local:
 
 
 def _fused(job: CombineJob) -> bool:
-    """Whether rows go straight into the fp32 sum (:func:`~deep_ep_npu.kernels.accumulate`) instead of through scratch."""
+    """Whether rows go straight into the fp32 sum (``kernels.accumulate``), not through scratch."""
     return not job.by_slot and not job.fmt.quantized and job.source.device.type == "cpu"
 
 
@@ -164,9 +159,8 @@ def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agre
 
 
 def _sum_by_slot(job: CombineJob, local: Local, parts: list[torch.Tensor]) -> bool:
-    """The by-slot sum in one pass, reading the own rows from ``job.source`` and the received ones from ``parts``
-    where they are (:func:`~deep_ep_npu.kernels.accumulate_rows`): per token, slots ascending, each product and sum rounded
-    to fp32 as the torch code's. False (nothing done) where the kernel does not apply."""
+    """The by-slot sum in one pass over the rows where they are (``kernels.accumulate_rows``), rounded as the torch
+    code's; False (nothing done) where the kernel does not apply."""
     plan, own, remote_pairs, dev = job.plan, local.own, local.remote_pairs, job.source.device
     y_at = torch.empty_like(plan.token)  # pair -> its row among [own rows, then the received parts' rows]
     y_at[own] = torch.arange(own.stop - own.start, device=dev)

@@ -1,17 +1,11 @@
-"""How one row travels: a fixed number of bytes per row, so a receive buffer is indexed by row directly.
+"""How one row travels: a fixed size per row, so a receive buffer is indexed by row. A dispatch row (uint8,
+``row_bytes`` a multiple of 16)::
 
-Dispatch row (``uint8``, ``row_bytes`` a multiple of 16)::
+    [data: hidden x itemsize][scales][src token: int32][local expert per slot: num_slots x int32][weights fp32]
 
-    [data: hidden x itemsize][scales][src token: int32][local expert per slot: num_slots x int32][weights]
-
-Scales: none, fp32 per 128 channels (DeepEP fp8), or a :class:`~deep_ep_npu.quant.Quant`'s per row (mode 2: one
-fp32, 3: fp32 per 128 channels, 4: e8m0 bytes per 32). Slot ``j`` holds the destination's local expert that pair
-(token, j) goes to, or -1; ``weights`` (fp32 per slot, only when the caller gives top-k weights) travel with them.
-The receiver expands a row into one output row per slot that is not -1. float8 / int8 data and e8m0 scales travel
-as bytes (gloo cannot carry float8).
-Combine rows are the expert outputs in their dtype, int8 with one scale per 8 elements (``comm_quant_mode=2``), or
-MX fp8 with one e8m0 scale per 32 (``comm_quant_mode`` 3: e5m2, 4: e4m3).
-"""
+Scales: none, fp32 per 128 channels (DeepEP fp8) or a :class:`~deep_ep_npu.quant.Quant`'s. Slot ``j`` holds the
+receiver's local expert of pair (token, j), or -1; the receiver expands a row into one row per used slot. float8 /
+int8 data and e8m0 scales travel as bytes (gloo cannot carry float8)."""
 
 from __future__ import annotations
 

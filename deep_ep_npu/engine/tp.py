@@ -1,9 +1,11 @@
 """The TP stage of the flat path (``tp_world_size`` 2): ``rsOut = ReduceScatterV(expand_x)``, then ``AllToAllV(rsOut)``
 over EP. A TP pair holds the same expert on both ranks (one routed expert per rank): each receives its own tokens over
 EP, both compute on the union (own rows first, then the peer's), and combine sums the two partial results of a row on
-the rank that received it. Every TP collective runs on the pair's bounded :class:`~deep_ep_npu.transports.collective.EPGroup`."""
+the rank that received it. Every TP collective runs on the pair's bounded ``EPGroup``."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -58,3 +60,22 @@ def tp_reduce_scatter(tp: EPGroup, tp_rank: int, expand_x: torch.Tensor, num_own
     peer = _swap(tp, tp_rank, expand_x[num_own : num_own + num_peer].contiguous().view(torch.uint8), num_own)
     peer = peer.view(expand_x.dtype).view(num_own, expand_x.shape[1])
     return (expand_x[:num_own].float() + peer.float()).to(expand_x.dtype)
+
+
+class TPStage:
+    """The TP pair's part of one EP call: its agreement (status and ``fingerprint``) between the EP agreement and the
+    payload (:meth:`before_payload`, then ``after()``, e.g. the ReduceScatterV; True: the rows changed), or, when the
+    EP call failed before it, the failure's code (:meth:`abort`), so that the TP peer raises too."""
+
+    def __init__(self, tp: EPGroup, op: str, fingerprint: tuple[int, ...],
+                 after: Callable[[], bool] | None = None) -> None:  # fmt: skip
+        self.tp, self.op, self.fingerprint, self.after, self.told = tp, op, fingerprint, after, False
+
+    def before_payload(self) -> bool:
+        self.told = True
+        tp_agree(self.tp, STATUS_OK, self.op, self.fingerprint)
+        return self.after() if self.after is not None else False
+
+    def abort(self, code: int) -> None:
+        if not self.told:
+            tp_agree(self.tp, code, self.op)
