@@ -1,27 +1,15 @@
-"""``deep_ep_npu.Buffer``: DeepEP's low-latency ``Buffer`` on Ascend NPUs or any torch.distributed group. Code written
-for ``deep_ep.Buffer`` in low-latency mode runs unchanged (same constructor, method signatures, defaults, return
-tuples and layouts); a backend picked by name does the work (:mod:`deep_ep_npu.backends`).
+"""``deep_ep_npu.Buffer``: DeepEP's low-latency ``Buffer`` on Ascend NPUs or any torch.distributed group; code written
+for ``deep_ep.Buffer`` in low-latency mode runs unchanged (constructor, signatures, defaults, return tuples, layouts).
 
-Overlap, as in DeepEP: with ``return_recv_hook=True`` a call runs only the send phase and returns ``hook``, and
-``hook()`` runs the receive; with ``async_finish=True`` the returned :class:`EventOverlap` runs it on
-``current_stream_wait()`` (or at the end of a ``with event:`` block). Compute placed in between overlaps::
-
-    recv_x, recv_count, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, N, E, return_recv_hook=True)
-    y_other = attention_of_the_other_micro_batch()    # overlaps the dispatch
-    hook()                                            # recv_x / recv_count / handle are valid from here on
-
-Buffer reuse (DeepEP's rule: hold at most 2 low-latency results at a time): the communication buffers flip on every
-dispatch and combine, and dispatch results (``recv_x``, its scales, ``recv_count``, the handle's tensors) alternate
-between two sets, valid until the next-but-one dispatch. Finish a call's receive before the next-but-one call.
+Overlap, as in DeepEP: with ``return_recv_hook=True`` a call runs its send phase and returns ``hook``, which runs the
+receive; with ``async_finish=True`` the :class:`EventOverlap` runs it on ``current_stream_wait()``. Results alternate
+between two sets (DeepEP's rule: hold at most 2 low-latency results), valid until the next-but-one dispatch.
 
 Failures: the calls are collective (every rank calls, also with 0 tokens). Invalid input on any rank raises
-:class:`MoeDistributeError` (a ValueError) on every rank before any received row is placed (a peer's rejection is
-raised by the receive: ``hook()`` / the event with ``return_recv_hook`` / ``async_finish``). A rank that exits or
-stops calling makes every other rank raise :class:`deep_ep_npu.EPRankFailure` (a RuntimeError) naming it, from the
-call or its ``hook()`` / event, within about ``timeout`` (never a hang); with ``enable_shrink`` (reference backend)
-the survivors instead agree on the failed ranks, continue on a group of themselves, mask them and re-run the
-interrupted call.
-"""
+:class:`MoeDistributeError` (a ValueError) on every rank before any received row is placed (from ``hook()`` / the
+event when deferred). A rank that exits or stops calling makes the others raise :class:`deep_ep_npu.EPRankFailure`
+naming it within about ``timeout``; with ``enable_shrink`` (reference backend) the survivors agree on the failed
+ranks, continue on a group of themselves, mask them and re-run the interrupted call."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from deep_ep_npu.core.call import FFN, DispatchCall, Experts
 from deep_ep_npu.sim import fused
 from tests.distributed import parallel_launch
 from tests.mega_moe_oracle import Case, assert_matches, dense_reference, make_case
-from tests.test_mega_moe import _run_fused
+from tests.api.test_mega_moe import _run_fused
 
 HAS_REAL_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None and not getattr(
     sys.modules.get("torch_npu"), "SIMULATED", False

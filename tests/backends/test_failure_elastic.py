@@ -1,6 +1,6 @@
 """Shrink-mode masks on the ascend backend become the ops' ``elastic_info`` (contract test, no NPU).
 
-``deep_ep_npu.sim`` (installed by ``tests/test_ascend_backend.py``'s ``_install_sim``, which records the
+``deep_ep_npu.sim`` (installed by ``tests/backends/test_ascend_backend.py``'s ``_install_sim``, which records the
 arguments) computes the ops with the reimplementation in ``deep_ep_npu.ops`` (which implements ``elastic_info``).
 With rank 1 masked on every rank, the ascend backend must produce what the reference backend produces with the
 same mask: the same rows per (local expert, source rank) and the same combined output, and it must pass the
@@ -14,7 +14,7 @@ import torch
 from deep_ep_npu import Buffer
 from deep_ep_npu.backends.ascend import elastic_info_from_mask, remap_expert_ids
 from tests.distributed import parallel_launch
-from tests.test_ascend_backend import E, K, N, _inputs, _install_sim, _run
+from tests.backends.test_ascend_backend import E, K, N, _inputs, _install_sim, _run
 
 MASKED = 1
 

@@ -46,7 +46,7 @@ def _setup(kind: str, info):
     """Collective setup every rank (victim included) does before the warm-up round."""
     if kind in ("flat", "buffer_mega_moe"):
         return Buffer(info.group, explicitly_destroy=True, timeout=TIMEOUT, backend="reference")
-    if kind == "tp":  # EP groups {0,1}, {2,3}; TP pairs {0,2}, {1,3} (as tests/test_ops_tp.py)
+    if kind == "tp":  # EP groups {0,1}, {2,3}; TP pairs {0,2}, {1,3} (as tests/ops/test_ops_tp.py)
         ep = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         tp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         return ep[info.rank // 2], tp[info.rank % 2]
