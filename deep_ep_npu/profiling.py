@@ -6,11 +6,10 @@ call of each section: the send phase with this rank's own rows, the wait, the pl
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from typing import Any
 
 enabled = False  # read by the engine before it records anything
 _sections: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # name -> [total seconds, occurrences]
-_wire: dict[str, tuple[list[int], int, int]] = {}
 
 
 def enable() -> None:
@@ -38,16 +37,12 @@ def report(reset: bool = False) -> dict[str, float]:
     return out
 
 
-def record_wire(op: str, send_bytes_per_rank: Sequence[int], own_rank: int, header_bytes: int) -> None:
-    """Called by the engine: payload bytes sent to each rank by the last ``op`` call, and header bytes per peer."""
-    _wire[op] = (list(send_bytes_per_rank), own_rank, header_bytes)
-
-
-def wire_stats(_buffer: object = None) -> dict:
-    """Bytes of the last dispatch and combine on this rank: ``{op}_send_bytes`` (payload per destination, self
-    included) and ``{op}_wire_bytes`` (what actually left this rank: payload to others + headers)."""
-    out: dict[str, object] = {}
-    for op, (per_rank, own, header) in _wire.items():
+def wire_stats(buffer: Any) -> dict:
+    """Bytes of the last dispatch and combine of ``buffer`` (a ``Buffer`` or ``ElasticBuffer`` on the reference
+    backend) on this rank: ``{op}_send_bytes`` (payload per destination, self included) and ``{op}_wire_bytes`` (what
+    left this rank: payload to others + headers)."""
+    engine, out = buffer._backend, {}
+    for op, (per_rank, header) in engine.wire.items():
         out[f"{op}_send_bytes"] = per_rank
-        out[f"{op}_wire_bytes"] = sum(per_rank) - per_rank[own] + header * (len(per_rank) - 1)
+        out[f"{op}_wire_bytes"] = sum(per_rank) - per_rank[engine.rank] + header * (len(per_rank) - 1)
     return out

@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+
 @dataclasses.dataclass(frozen=True)
 class Experts:
     """Where experts live (built by :func:`.rules.experts`). Ranks are addressed by their *logical* rank: the EP rank

@@ -139,6 +139,7 @@ class Engine(Backend):
         self.collective, self.window = create(self.ep, self.transport_name, self.num_rdma_bytes, self.reuse)
         self.ws = Workspace()  # the buffer's reused tensors (dispatch results alternate between two sets)
         self.tag, self.result_set = 0, 0  # which wire scratch / dispatch result set the next call uses
+        self.wire: dict[str, tuple[list[int], int]] = {}  # the last call's bytes per destination, header bytes
 
     @property
     def transport(self) -> Transport:
@@ -285,8 +286,7 @@ class Engine(Backend):
         before their agreement), run ``own()`` while the rows travel, and return the receive, ``finish(own's result,
         agreement, parts, wait_ns)``; timed when :data:`deep_ep_npu.profiling.enabled`."""
         started, tp = time.perf_counter(), sender.tp
-        if profiling.enabled:
-            profiling.record_wire(kind, [n * shared[0] for n, _ in counts], self.rank, 8 * len(shared))
+        self.wire[kind] = ([n * shared[0] for n, _ in counts], 8 * len(shared))  # (profiling.wire_stats)
         try:
             token = transport.send(op, counts, shared, write, check, agree_now=sender.agree_now, device=device,
                                    before_payload=None if tp is None else tp.before_payload)  # fmt: skip
