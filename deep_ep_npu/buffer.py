@@ -297,4 +297,3 @@ class Buffer(AscendMethods):
 
     get_low_latency_ccl_buffer_size = staticmethod(get_low_latency_ccl_buffer_size)
     """MB of CCL buffer the Ascend ops need (ops-transformer's formula), e.g. 479 for ``(8, 128, 7168, 256, 8)``."""
-

@@ -8,7 +8,6 @@ int8 scales are int64 Fixpipe words, the fp32 bits read as int32 and sign-extend
 vllm-ascend's ``w8a8_dynamic.py``). :func:`fused_op_blocker` says when the op cannot take a call (README, "Fused
 MegaMoE"); the pipeline runs it then. NPU parity is not tested."""
 
-
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -128,4 +128,3 @@ def find_ops(torch_npu: Any, group: dist.ProcessGroup, ccl_buffer_size: int | No
             if hasattr(module, "MoeDistributeBuffer"):
                 return _ContextOps(module, torch_npu, group, ccl_buffer_size)
     return _Ops(torch_npu, group, ccl_buffer_size)
-

@@ -47,8 +47,6 @@ def platform(strict: object) -> str | None:
     raise invalid("strict", f"got {strict!r}; allowed False, True (= 'a3'), 'a3' (Atlas A3) or 'a5' (Ascend 950)")
 
 
-
-
 def experts(pg: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object, moe_expert_num: object, *,
             strict: object = False, expert_shard_type: object = 0, shared_expert_num: object = 1,
             shared_expert_rank_num: object = 0, zero_expert_num: object = 0, copy_expert_num: object = 0,

@@ -29,6 +29,7 @@ TORCH_NPU_CONSTANTS = {"int4": 285, "hifloat8": 290, "float8_e5m2": 291, "float8
 SCALAR_TYPE_CODE = {dtype: code for code, dtype in SCALAR_TYPE_CODES.items()}
 """A ``torch.dtype``'s ScalarType code (the inverse of :data:`SCALAR_TYPE_CODES`)."""
 
+
 def resolve_dtype(value: object, param: str) -> torch.dtype | None:
     """``value`` (None, a ``torch.dtype`` or a torch_npu dtype code) as a ``torch.dtype`` (None stays None). Raises
     :class:`~deep_ep_npu.errors.MoeDistributeError` (161002) for a code that names no dtype, or one torch has no
@@ -48,6 +49,8 @@ def resolve_dtype(value: object, param: str) -> torch.dtype | None:
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 Y_DTYPES = {2: (torch.int8, *FP8), 3: FP8, 4: FP8}  # quant_mode -> expand_x dtypes (y_dtype)
+
+
 def hierarchy_rules(c: Any, x_param: str, hidden: int, mask: torch.Tensor | None) -> None:
     """comm_alg "hierarchy" (Atlas A3) of call ``c``: its documented requirements on every platform (no shared-expert
     ranks, zero / copy / const experts, 2D mask or performance_info; tp_world_size <= 1 is checked with the
@@ -63,7 +66,7 @@ def hierarchy_rules(c: Any, x_param: str, hidden: int, mask: torch.Tensor | None
         ("const_expert_num", e.const_expert_num, not e.const_expert_num),
         ("x_active_mask", "a 2D mask", mask is None or mask.dim() == 1),
         ("performance_info", "a tensor", c.wait_stats is None),
-    ):  # fmt: skip
+    ):
         if not ok:
             why = "supports only tp_world_size <= 1, no shared-expert ranks, zero / copy / const experts"
             raise invalid(name, f"got {value!r}; comm_alg 'hierarchy' {why}, 2D x_active_mask or performance_info")

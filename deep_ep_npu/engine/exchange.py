@@ -352,4 +352,3 @@ def engine_for(group: dist.ProcessGroup) -> Engine:
     if eng is None or eng.group is not group:
         eng = _ENGINES[id(group)] = Engine(group, reuse=False)
     return eng
-

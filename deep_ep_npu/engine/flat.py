@@ -204,4 +204,3 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         tp_fp = (hidden, DTYPE_CODES[x.dtype] * 4 + 2 * bool(c.comm_quant_mode), job.fmt.row_bytes, e.num_moe_experts)
         job.tp = TPStage(e.tp, c.op, tp_fp, reduce_scatter)
     return [job]
-

@@ -96,4 +96,3 @@ def run(backend: Any, call: DispatchCall, ffn: FFN, expert_token_nums: torch.Ten
     finally:
         comm.shutdown(wait=True, cancel_futures=True)
     return out.to(ffn.out_dtype)
-

@@ -71,7 +71,7 @@ class RowFormat:
         self._write_fields(out, token, slot_expert, weights)
 
     def _write_fields(self, out: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                      weights: torch.Tensor | None) -> None:  # fmt: skip
+                      weights: torch.Tensor | None) -> None:
         """The rows' token, slot and (given) weight fields."""
         out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
         out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
@@ -80,7 +80,7 @@ class RowFormat:
 
     def encode_gathered(self, out: torch.Tensor, x: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
                         weights: torch.Tensor | None, smooth: torch.Tensor | None = None,
-                        remote: bool = False) -> None:  # fmt: skip
+                        remote: bool = False) -> None:
         """:meth:`encode_into` of rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64); unquantized data is
         gathered straight into ``out`` (one copy instead of a gather and a copy). ``remote``: another process reads
         ``out`` (a peer's window)."""
@@ -108,7 +108,7 @@ class RowFormat:
         return out
 
     def encode_copies(self, out: torch.Tensor, encoded: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                      weights: torch.Tensor | None, remote: bool = False) -> None:  # fmt: skip
+                      weights: torch.Tensor | None, remote: bool = False) -> None:
         """:meth:`encode_gathered`'s rows from :meth:`encode_tokens`'s ``encoded``: the bytes of ``encoded[token]``,
         then the token, ``slot_expert`` and ``weights`` fields (the same bytes as encoding the rows again)."""
         fields = (self.token_off, self.slot_off, remote)
