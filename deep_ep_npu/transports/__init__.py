@@ -1,11 +1,8 @@
-"""How rows move between the ranks of an EP group: a :class:`Transport` moves bytes and signals and nothing else.
-Which rows go where, where they land and what the header words mean is the engine's
-(:mod:`deep_ep_npu.engine.exchange`); both transports give it bit-identical results.
-
-- :class:`~.collective.Collective`: torch.distributed (gloo / NCCL / HCCL): one agreement all-to-all of the headers,
-  then one uneven all-to-all of the rows.
-- :class:`~.window.Window`: a shared-memory window of the ranks of one host: rows written straight into the
-  receivers' windows, the headers sent on pipes; the send phase waits for no peer.
+"""How rows move between the ranks of an EP group: a :class:`Transport` moves bytes and signals and nothing else;
+which rows go where and what the header words mean is the engine's (:mod:`deep_ep_npu.engine.exchange`). Both
+transports give bit-identical results: :class:`~.collective.Collective` (torch.distributed: an all-to-all of the
+headers, then one of the rows) and :class:`~.window.Window` (a shared-memory window of the ranks of one host: rows
+written straight into the receivers' windows, headers sent on pipes; the send phase waits for no peer).
 
 One call, on every rank (``counts[d]``: the header words for rank ``d``, ``counts[d][0]`` the rows this rank writes
 for it and ``counts[d][1]`` the rows it expects from it when already known, else -1; ``shared``: words for every
@@ -25,13 +22,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from .. import envs
-from .collective import Agreement, EPGroup
+from . import window, window_setup
+from .collective import Agreement, Check, Collective, EPGroup, Write
 
 TRANSPORTS = ("auto", "shm", "collective")
-Write = Callable[[int, torch.Tensor], None]
-Check = Callable[[Agreement], None]
 
 
 class Transport(Protocol):
@@ -43,19 +40,14 @@ class Transport(Protocol):
     def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
              agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
              device: torch.device | None = None) -> Any: ...  # fmt: skip
-
     def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]: ...
-
     def done(self, token: Any) -> None: ...
-
     def reject(self, op: str, code: int, width: int) -> None: ...
-
     def close(self) -> None: ...
 
 
 def resolve_transport_name(name: str | None) -> str:
-    """``name``, else ``DEEP_EP_NPU_TRANSPORT``, else ``"auto"``; raises ValueError for anything outside
-    :data:`TRANSPORTS`."""
+    """``name``, else ``DEEP_EP_NPU_TRANSPORT``, else ``"auto"``; ValueError outside :data:`TRANSPORTS`."""
     if name is None:
         name = envs.transport() or "auto"
     if name not in TRANSPORTS:
@@ -65,15 +57,9 @@ def resolve_transport_name(name: str | None) -> str:
 
 def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Transport, Transport | None]:
     """The collective transport of ``ep`` (``reuse``: its buffers alternate between two reused sets, else each call
-    gets its own) and, for ``name`` ``"auto"`` / ``"shm"``, its shared-memory window (collective on every rank of the
-    group): for ``"auto"`` when the group's backend is gloo, it has more than one rank and every rank can share memory
-    with every other (checked, see :mod:`.window_setup`), else None; ``"shm"`` raises ValueError where it is not
-    possible. ``window_bytes``: each rank's window size (at least :data:`~.window.DEFAULT_WINDOW_BYTES`)."""
-    import torch.distributed as dist
-
-    from . import window
-    from .collective import Collective
-
+    gets its own) and, for ``name`` ``"auto"`` / ``"shm"``, its window (collective; ``window_bytes`` per rank, at least
+    :data:`~.window.DEFAULT_WINDOW_BYTES`) where every rank of a gloo group can share memory with every other, else
+    None ("auto") or ValueError ("shm")."""
     collective = Collective(ep, reuse)
     if name == "collective" or ep.num_ranks == 1:
         return collective, None
@@ -82,4 +68,5 @@ def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Tran
         if name == "shm":
             raise ValueError(f"transport: 'shm' needs a gloo (CPU) group, got backend {backend!r}; pass 'auto'")
         return collective, None
-    return collective, window.create(ep, max(window_bytes, window.DEFAULT_WINDOW_BYTES), required=name == "shm")
+    nbytes = max(window_bytes, window.DEFAULT_WINDOW_BYTES)
+    return collective, window_setup.setup(ep, nbytes, required=name == "shm")

@@ -1,21 +1,16 @@
-"""Failure detection: every collective has a bounded wait, and a rank that exits or stops calling makes every other
-rank raise :class:`EPRankFailure` naming the missing ranks within the timeout, never a hang.
+"""Failure detection: every collective wait is bounded, and a rank that exits or stops calling makes every other rank
+raise :class:`EPRankFailure` naming the missing ranks within the timeout, never a hang.
 
-The missing ranks are named through torch.distributed's own c10d store (:class:`GroupMonitor`, no extra transport):
+The missing ranks are agreed through the c10d store. Before each collective a rank sets ``arrive/<rank>`` to its
+sequence number on the group and the op (ranks issue a group's collectives in the same order; a rank at the same
+number in another call, e.g. ``destroy()``'s barrier, has not arrived). When a wait fails, the rank posts
+``<key>/alive/<rank>`` and waits until every rank has posted or counts as missing: one that never arrived, once
+``timeout`` has passed since the issue or a grace of ``min(timeout, max(1 s, timeout / 10))`` since the failure, or
+any rank not posted within ``timeout`` of the failure. The first rank to decide writes the set (``compare_set``) and
+every rank raises with it (a late rank that finds itself in it, with ``excluded=True``). When the store is unreachable
+(each store call is bounded by the timeout) the set is unknown.
 
-- Before each collective on a group a rank sets ``arrive/<rank>`` to its collective sequence number on that group
-  and the op it belongs to (ranks issue a group's collectives in the same order, so the numbers agree; a rank at the
-  same number in another call, e.g. ``destroy()``'s barrier, has not arrived).
-- When ``work.wait(timeout)`` fails (a peer's connection closed, or the timeout passed), the rank sets
-  ``<seq>/<op>/alive/<rank>`` and waits until every rank has posted too or counts as missing: a rank that never
-  arrived at ``seq``, once ``timeout`` has passed since the issue or a grace of ``min(timeout, max(1 s, timeout /
-  10))`` since the failure (a late peer gets that long), or any rank not posted within ``timeout`` of the failure.
-- The first rank to decide writes the missing set with ``compare_set``; every rank raises with that one set (a late
-  rank that finds itself in it raises with ``excluded=True``). When the store is unreachable (its host exited, or is
-  stopped: each store call of the agreement is bounded by the timeout) the set is unknown.
-
-The timeout bounds each collective wait: :data:`DEFAULT_TIMEOUT_S`, overridden by ``DEEP_EP_NPU_TIMEOUT``
-(:mod:`deep_ep_npu.envs`), overridden per Buffer by ``Buffer(..., timeout=...)``.
+The timeout: ``Buffer(..., timeout=...)``, else ``DEEP_EP_NPU_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`.
 """
 
 import math
@@ -60,34 +55,31 @@ def resolve_timeout(timeout: float | None, param: str = "timeout") -> float:
     """``timeout`` if given, else ``DEEP_EP_NPU_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`. Raises ValueError when
     ``timeout`` is not a positive finite number of seconds."""
     if timeout is None:
-        env = envs.timeout_s()
-        return DEFAULT_TIMEOUT_S if env is None else env
+        return DEFAULT_TIMEOUT_S if (env := envs.timeout_s()) is None else env
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"{param}: must be a positive finite number of seconds or None, got {timeout!r}")
     return float(timeout)
 
 
 def _bounded(timeout: float, call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)`` on the store, waiting at most ``timeout`` seconds: a TCPStore whose host is stopped never
-    answers (its own timeout covers only key waits). The call runs in a daemon thread (left behind if it never
-    returns; interpreter exit does not wait for it). Raises RuntimeError when it does not answer."""
+    """``call(*args)``, waiting at most ``timeout`` seconds (a TCPStore whose host is stopped never answers; its own
+    timeout covers only key waits): it runs in a daemon thread, left behind if it never returns."""
     out: list[Any] = []
 
     def run() -> None:
         try:
-            out.append((True, call(*args)))
+            out.append(call(*args))
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-            out.append((False, err))
+            out.append(err)
 
     thread = threading.Thread(target=run, name="deep_ep_npu-store", daemon=True)
     thread.start()
     thread.join(timeout)
     if not out:
         raise RuntimeError(f"the c10d store did not answer within {timeout:g}s (its host stopped?)")
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 def agree_missing(store: dist.Store, rank: int, size: int, key: str, started: float, timeout: float,
