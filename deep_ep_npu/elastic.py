@@ -2,34 +2,16 @@
 decode, cached handles, the expand layout) on this library's engine or the Ascend ops. Code written for
 ``deep_ep.ElasticBuffer`` runs unchanged: same constructor, methods, defaults, return tuples and layouts.
 
-What differs, by design:
-
-- Every rank is one scale-up rank: ``get_logical_domain_size()`` is ``(1, R)``, DeepEP's "direct" mode; there is no
-  hybrid forwarding, so ``allow_hybrid_mode``, ``sl_idx``, ``num_allocated_qps``, ``num_sms`` / ``num_qps`` (accepted,
-  checked to be ints >= 0) change nothing.
-- Rows are always in deterministic order (by source rank, then token; expand: by local expert, then source rank, then
-  token), so ``deterministic`` changes nothing either.
-- ``do_cpu_sync=False`` gives DeepEP's worst-case shapes; the rows past the real count (the tail) are unspecified in
-  ``recv_x`` / ``recv_sf`` (as DeepEP), 0 in the weights, -1 in ``recv_topk_idx`` and ``recv_src_metadata``. The
-  real total is ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``.
-- No separate communication stream: work runs in call order. ``async_with_compute_stream=True`` returns the call's
-  receive in the event (``event.current_stream_wait()`` or ``with event:`` completes it) when the output shapes are
-  known at the send (``do_cpu_sync=False`` or a cached handle); with ``do_cpu_sync=True`` the host waits for the
-  counts anyway and the call returns complete. Two calls may be in flight at once.
-- Buffer sizes (``num_bytes``, ``num_cpu_bytes``, ``num_max_tokens_per_rank`` / ``hidden`` / ``num_topk`` /
-  ``use_fp8_dispatch`` sizing) are accepted; the wire buffers grow on demand.
-- Timeouts: a failed peer is detected within ``timeout`` (as the legacy ``Buffer``: ``DEEP_EP_NPU_TIMEOUT``, else
-  30 s); ``num_cpu_timeout_secs`` / ``num_gpu_timeout_secs`` are accepted.
-
-Failures and bad input behave as in the legacy ``Buffer``: invalid input on any rank raises
-:class:`~deep_ep_npu.MoeDistributeError` (a ValueError, naming the parameter) on every rank before any payload moves,
-cached calls included (their status travels with the payload); a rank that exits or stops calling makes the others
-raise :class:`~deep_ep_npu.EPRankFailure` within about ``timeout``. There is no shrink mode (DeepEP V2 has none).
+What differs (README, "Coming from DeepEP V2"): every rank is one scale-up rank (DeepEP's direct mode) and rows are
+always in deterministic order; there are no streams, so ``async_with_compute_stream=True`` returns the receive in the
+event only when the shapes are known at the send (no CPU sync, or a cached handle); buffer sizes, hybrid-mode, QP and
+SM settings are accepted and change nothing. Invalid input on any rank raises :class:`~deep_ep_npu.MoeDistributeError`
+on every rank before any payload moves; a rank that exits or stops calling makes the others raise
+:class:`~deep_ep_npu.EPRankFailure` within ``timeout``. There is no shrink mode (DeepEP V2 has none).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -54,13 +36,11 @@ class ElasticBuffer:
 
     Arguments:
         group: the EP ``ProcessGroup`` (required; the call is collective and ends with a barrier).
-        num_bytes: None, or bytes (a multiple of 2 MiB, ``get_buffer_size_hint``); accepted, sizing only.
-        num_cpu_bytes: a multiple of 2 MiB; accepted, unused (no Engram storage).
-        num_max_tokens_per_rank: N, the ``dispatch`` default (0: pass it to ``dispatch``); hidden, num_topk,
-            use_fp8_dispatch: sizing only.
-        deterministic, allow_hybrid_mode, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
-            num_cpu_timeout_secs, num_gpu_timeout_secs: accepted, no-ops here (``prefer_overlap_with_compute`` only
-            changes ``get_theoretical_num_sms``).
+        num_bytes: None, or bytes (a multiple of 2 MiB, ``get_buffer_size_hint``); num_cpu_bytes: a multiple of
+            2 MiB (no Engram storage). num_max_tokens_per_rank: N, the ``dispatch`` default (0: pass it there).
+        hidden, num_topk, use_fp8_dispatch, deterministic, allow_hybrid_mode, sl_idx, num_allocated_qps,
+            num_cpu_timeout_secs, num_gpu_timeout_secs: accepted, no-ops here. prefer_overlap_with_compute: only
+            changes ``get_theoretical_num_sms``.
         allow_multiple_reduction: an expand combine sums a token's rows on the expert rank before sending (True), or
             sends every row (False; ``topk_weights`` must then be None).
         explicitly_destroy: the caller must call :meth:`destroy`.
@@ -86,8 +66,8 @@ class ElasticBuffer:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
         self.group, self.rank_idx, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
-        self.num_bytes, self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_bytes, num_max_tokens_per_rank, \
-            hidden, num_topk  # fmt: skip
+        self.num_bytes, self.num_max_tokens_per_rank = num_bytes, num_max_tokens_per_rank
+        self.hidden, self.num_topk = hidden, num_topk
         self.deterministic, self.allow_multiple_reduction = deterministic, allow_multiple_reduction
         self.prefer_overlap_with_compute, self.explicitly_destroy = prefer_overlap_with_compute, explicitly_destroy
         self.num_allocated_qps = num_allocated_qps or 17
@@ -166,8 +146,10 @@ class ElasticBuffer:
         do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:  # fmt: skip
         """Send each token to the ranks hosting its experts (collective). R ranks, L = num_experts / R, T tokens,
-        N = num_max_tokens_per_rank, K top-k, ``a`` = expert_alignment, num_recv / num_expanded the received rows
-        (exact with CPU sync, else ``R * N`` / ``align(R * N * min(K, L) + (a - 1) * L, a)``).
+        N = num_max_tokens_per_rank, K top-k, ``a`` = expert_alignment, num_recv / num_expanded the received rows:
+        exact with CPU sync, else ``R * N`` / ``align(R * N * min(K, L) + (a - 1) * L, a)``, whose tail past the real
+        total (``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``) is unspecified in the rows (as DeepEP's), 0 in
+        the weights and -1 in ``recv_topk_idx`` and ``recv_src_metadata``.
 
         Arguments:
             x: `[T, hidden]` `torch.bfloat16` (`torch.float16` / `torch.float32` also), or the pre-quantized tuple
@@ -202,14 +184,40 @@ class ElasticBuffer:
         """
         self._backend.check_alive(self)
         try:
-            call = self._dispatch_call(
-                x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts, num_max_tokens_per_rank,
-                expert_alignment, handle, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-                use_tma_aligned_col_major_sf,
+            data, sf = v2.split_x(x)
+            rules.flag(do_handle_copy, "do_handle_copy")
+            rules.flag(do_expand, "do_expand")
+            rules.flag(do_zero_padding, "do_zero_padding")
+            rules.flag(use_tma_aligned_col_major_sf, "use_tma_aligned_col_major_sf")
+            if do_cpu_sync is not None:
+                rules.flag(do_cpu_sync, "do_cpu_sync")
+            if do_zero_padding and not do_expand:
+                why = "zeroes the expand layout's alignment padding: it needs do_expand=True"
+                raise invalid("do_zero_padding", why)
+            if handle is None:  # a fresh layout
+                h = None
+                experts = v2.experts_of(num_experts, self.num_ranks, self.rank_idx)
+                a = rules.count(1 if expert_alignment is None else expert_alignment, "expert_alignment", 1)
+                n = v2.num_max(num_max_tokens_per_rank, self.num_max_tokens_per_rank)
+                ids, expand, cpu_sync = topk_idx, do_expand, do_cpu_sync is not False
+            else:  # the cached handle's
+                h = v2.owned_handle(handle, self._backend)
+                experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
+                a, n = h.expert_alignment, h.num_max_tokens_per_rank
+                ids, expand, cpu_sync = h.topk_idx, h.do_expand, False
+            call = DispatchCall(
+                DISPATCH_OP, "expand", data, ids, experts, num_max=n, expert_scales=topk_weights, x_sf=sf,
+                recv_stats=cumulative_local_expert_recv_stats, alignment=a, do_expand=expand,
+                zero_padding=do_zero_padding, tma_sf=use_tma_aligned_col_major_sf, cpu_sync=cpu_sync, cached=h,
+                handle_copy=do_handle_copy, names=v2.NAMES,
             )  # fmt: skip
-            for name, value in (("async_with_compute_stream", async_with_compute_stream),
-                                ("allocate_on_comm_stream", allocate_on_comm_stream)):  # fmt: skip
-                rules.flag(value, name)
+            if h is not None:
+                v2.cached(
+                    call, h, topk_idx, do_cpu_sync, num_experts, expert_alignment, num_max_tokens_per_rank, do_expand
+                )
+            call = rules.dispatch(call)
+            rules.flag(async_with_compute_stream, "async_with_compute_stream")
+            rules.flag(allocate_on_comm_stream, "allocate_on_comm_stream")
             v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)
         except MoeDistributeError as err:
             self._backend.reject(DISPATCH_OP, err.code)
@@ -217,44 +225,12 @@ class ElasticBuffer:
         num_sms = num_sms or self.get_theoretical_num_sms(call.experts.num_moe_experts, call.expert_ids.shape[1])
         inflight = self._backend.dispatch(call)
         async_finish = async_with_compute_stream and not call.cpu_sync
-        event = EventOverlap(inflight) if async_finish else EventOverlap(None)
         out = inflight.value if async_finish else inflight.wait()
         out.handle.num_sms = out.handle.num_sms or num_sms  # (as DeepEP: the dispatch's SMs)
         recv_x = out.x if out.sf is None else (out.x, out.sf)
-        recv_topk_idx = out.topk_idx
-        if recv_topk_idx is not None and recv_topk_idx.dtype != call.expert_ids.dtype:
-            recv_topk_idx = recv_topk_idx.to(call.expert_ids.dtype)
-        return recv_x, recv_topk_idx, out.weights if topk_weights is not None else None, out.handle, event
-
-    def _dispatch_call(
-        self, x: Any, topk_idx: Any, topk_weights: Any, stats: Any, num_experts: Any, num_max: Any, alignment: Any,
-        handle: Any, handle_copy: Any, cpu_sync: Any, do_expand: Any, zero_padding: Any, tma_sf: Any,
-    ) -> DispatchCall:  # fmt: skip
-        """The validated description of :meth:`dispatch` (its arguments as DeepEP V2 names them)."""
-        data, sf = v2.split_x(x)
-        for name, value in (("do_handle_copy", handle_copy), ("do_expand", do_expand), ("do_zero_padding",
-                            zero_padding), ("use_tma_aligned_col_major_sf", tma_sf)):  # fmt: skip
-            rules.flag(value, name)
-        if cpu_sync is not None:
-            rules.flag(cpu_sync, "do_cpu_sync")
-        if zero_padding and not do_expand:
-            raise invalid("do_zero_padding", "zeroes the expand layout's alignment padding: it needs do_expand=True")
-        if handle is not None:
-            h = v2.owned_handle(handle, self._backend)
-            experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
-            call = DispatchCall(DISPATCH_OP, "expand", data, h.topk_idx, experts, num_max=h.num_max_tokens_per_rank,
-                                x_sf=sf, recv_stats=stats, alignment=h.expert_alignment, do_expand=h.do_expand,
-                                cached=h, cpu_sync=False)  # fmt: skip
-            v2.cached(call, h, topk_idx, cpu_sync, dict(num_experts=num_experts, expert_alignment=alignment,
-                      num_max_tokens_per_rank=num_max, do_expand=do_expand))  # fmt: skip
-        else:
-            experts = v2.experts_of(num_experts, self.num_ranks, self.rank_idx)
-            a = rules.count(1 if alignment is None else alignment, "expert_alignment", 1)
-            call = DispatchCall(DISPATCH_OP, "expand", data, topk_idx, experts,
-                                num_max=v2.num_max(num_max, self.num_max_tokens_per_rank), x_sf=sf, recv_stats=stats,
-                                alignment=a, do_expand=do_expand, cpu_sync=True if cpu_sync is None else cpu_sync)  # fmt: skip
-        return rules.dispatch(dataclasses.replace(call, expert_scales=topk_weights, zero_padding=zero_padding,
-                                                  tma_sf=tma_sf, handle_copy=handle_copy, names=v2.NAMES))  # fmt: skip
+        recv_topk_idx = None if out.topk_idx is None else out.topk_idx.to(call.expert_ids.dtype)
+        weights = out.weights if topk_weights is not None else None
+        return recv_x, recv_topk_idx, weights, out.handle, EventOverlap(inflight if async_finish else None)
 
     def combine(
         self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
@@ -287,15 +263,14 @@ class ElasticBuffer:
             v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)
             h = v2.owned_handle(handle, self._backend)
             experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
-            call = v2.combine(CombineCall(COMBINE_OP, "expand", x, h.topk_idx, experts, h, expert_scales=topk_weights,
-                                          multiple_reduction=self.allow_multiple_reduction),
-                              self._backend, self.allow_multiple_reduction, bias)  # fmt: skip
+            call = CombineCall(COMBINE_OP, "expand", x, h.topk_idx, experts, h, expert_scales=topk_weights)
+            call = v2.combine(call, self.allow_multiple_reduction, bias)
         except MoeDistributeError as err:
             self._backend.reject(COMBINE_OP, err.code)
             raise
         inflight = self._backend.combine(call)
         combined, weights = inflight.value if isinstance(inflight.value, tuple) else (inflight.value, None)
-        event = EventOverlap(inflight, (combined,)) if async_with_compute_stream else EventOverlap(None)
         if not async_with_compute_stream:
             inflight.wait()
-        return combined, weights, event
+            return combined, weights, EventOverlap(None)
+        return combined, weights, EventOverlap(inflight, (combined,))

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from .backends import Backend, create_backend
 from .core import rules
 from .core.call import FFN, DispatchCall
-from .engine.exchange import engine_for
+from .engine.exchange import check_names, check_status, engine_for, header
+from .engine.rows import DTYPE_CODES
 from .errors import MoeDistributeError
 from .transports.collective import STATUS_OK
 from .transports.names import resolve_group
@@ -22,7 +23,6 @@ MAX_WORLD_SIZE = 16  # the A5 PTO MegaMoE kernel: worldSize in [1, 16]
 MAX_TOKENS_PER_RANK = 512  # the dispatch op's Bs limit
 NAMES = ("num_experts", "hidden", "N", "topk", "weight dtype", "out_dtype", "num_max_dispatch_tokens_per_rank",
          "num_segments", "segment_by", "swiglu_limit")  # fmt: skip
-CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}
 
 
 def mega_moe(
@@ -36,10 +36,9 @@ def mega_moe(
 
     Every rank of ``group`` calls this together (a rank with no tokens passes ``M = 0``); rank r hosts the experts
     ``[r * E_local, (r + 1) * E_local)``, ``E_local = num_experts / W``. FFN = GMM1 -> SwiGLU ``silu(gate) * up`` ->
-    GMM2, int8 weights on per-token dynamic int8 activations (re-quantized after SwiGLU) with exact int32 accumulation,
-    per-channel weight scales and the fused kernel's fp16 GMM outputs, float weights in fp32 with GMM1 / SwiGLU outputs
-    rounded to the weights' dtype (exact spec: :mod:`deep_ep_npu.engine.ffn`), pipelined per segment so that one
-    segment's communication overlaps another's compute (:mod:`deep_ep_npu.engine.pipeline`).
+    GMM2: int8 weights on per-token int8 activations, or float weights in fp32 (exact spec:
+    :mod:`deep_ep_npu.engine.ffn`), pipelined per segment so that one segment's communication overlaps another's
+    compute (:mod:`deep_ep_npu.engine.pipeline`).
 
     Arguments:
         group: the EP ``ProcessGroup`` (or its name), W ranks with W in [1, 16].
@@ -58,33 +57,27 @@ def mega_moe(
             ``num_max_dispatch_tokens_per_rank * topK * W``); validated only on the reference path.
         num_segments: pipeline segments, in [1, E_local] (by expert) or [1, num_max_dispatch_tokens_per_rank] (by
             token); default min(that bound, 2); 1 = no overlap.
-        segment_by: ``"expert"`` (the kernel's: segment k = a contiguous group of local experts; partial sums travel
-            in fp32, equal to the unfused path up to fp32 re-association; with one segment rows travel in
-            ``out_dtype``, bit-equal) or ``"token"`` (a chunk of each rank's tokens, all experts; rows travel in
-            ``out_dtype``, bit-equal to the unfused path, half the bytes).
+        segment_by: ``"expert"`` (the kernel's: a segment is a group of local experts; partial sums travel in fp32,
+            equal to the unfused path up to fp32 re-association, bit-equal with one segment) or ``"token"`` (a chunk
+            of each rank's tokens, all experts; rows travel in ``out_dtype``, bit-equal to the unfused path).
         x_active_mask: `[M]` `torch.bool`, True for a prefix of the tokens (vllm-ascend's ``mc2_mask``), or None (all
             active). Tokens after the prefix are not dispatched, their topk_idx / topk_weights rows are not checked
             (padding garbage is fine) and their output rows are 0.
         swiglu_limit: the fused op's SwiGLU clamp, ``gate = min(gate, L)``, ``up = clamp(up, -L, L)`` before
             ``silu(gate) * up``, for L > 0; None or 0.0: no clamp (bit-identical to not passing it). Same on all ranks.
         backend: ``reference`` (any torch.distributed backend), ``ascend`` (the fused NPU op
-            ``torch.ops._C_ascend.dispatch_ffn_combine`` when present and the call fits it, see
-            :mod:`deep_ep_npu.backends.ascend`, else reference; with :mod:`deep_ep_npu.sim` installed, the stand-in
-            op) or ``auto``.
+            ``torch.ops._C_ascend.dispatch_ffn_combine`` when present and the call fits it, else reference; with
+            :mod:`deep_ep_npu.sim` installed, the stand-in op) or ``auto``.
 
     Returns `[M, K]` with ``out_dtype``: expert outputs rounded to it, weighted and summed in fp32, rounded again.
 
     Raises:
-        MoeDistributeError: (a ``ValueError``) invalid input, naming the parameter, the value and what is allowed;
-            raised on every rank (before any token moves) when any rank's input is invalid or ranks disagree on
-            num_experts, K, N, topK, the weight dtype, out_dtype, num_max_dispatch_tokens_per_rank, the segments or
-            swiglu_limit.
+        MoeDistributeError: (a ``ValueError`` naming the parameter) on every rank, before any token moves, when any
+            rank's input is invalid or the ranks disagree on a value that must be the same on all (:data:`NAMES`).
         ValueError: unknown ``backend``. ImportError: ``ascend`` without torch_npu.
     """
-    pg = group if isinstance(group, dist.ProcessGroup) else resolve_group(group, "group")
-    impl: Backend = engine_for(pg)
-    if backend != "reference":
-        impl = create_backend(backend, pg)
+    pg = resolve_group(group, "group")
+    impl = engine_for(pg) if backend == "reference" else create_backend(backend, pg)
     ffn = FFN(w1, w2, w1_scale, w2_scale, out_dtype, swiglu_limit, num_segments, segment_by, max_output_size)
     return run(impl, x, topk_idx, topk_weights, ffn, num_max_dispatch_tokens_per_rank, num_experts, x_active_mask)
 
@@ -111,17 +104,16 @@ def prepare(backend: Backend, x: object, topk_idx: object, topk_weights: object,
         _agree(backend, err.code, (0,) * len(NAMES), False)
         raise
     call = DispatchCall(OP, "flat", x_, ids, experts, num_max=n, x_active_mask=mask, expert_scales=weights)
-    fingerprint = (experts.num_moe_experts, x_.shape[1], ffn.w2.shape[1], ids.shape[1], CODES[ffn.w1.dtype],
-                   CODES[ffn.out_dtype], n, ffn.num_segments, ("expert", "token").index(ffn.segment_by),
-                   struct.unpack("<i", struct.pack("<f", ffn.swiglu_limit))[0])  # fmt: skip
+    sizes = (experts.num_moe_experts, x_.shape[1], ffn.w2.shape[1], ids.shape[1])  # (E, K, N, topK)
+    dtypes = (DTYPE_CODES[ffn.w1.dtype], DTYPE_CODES[ffn.out_dtype])
+    limit_bits = struct.unpack("<i", struct.pack("<f", ffn.swiglu_limit))[0]
+    fingerprint = (*sizes, *dtypes, n, ffn.num_segments, ("expert", "token").index(ffn.segment_by), limit_bits)
     return call, ffn, _agree(backend, STATUS_OK, fingerprint, backend.can_fuse(call, ffn))
 
 
 def _agree(backend: Backend, status: int, fingerprint: tuple[int, ...], can_fuse: bool) -> bool:
     """The agreement step of a call (status, fingerprint, whether this rank can fuse); returns whether every rank
     can fuse, or raises the same error on every rank."""
-    from .engine.exchange import check_names, check_status, header
-
     ep = backend.ep
     words = header(0, (), (int(can_fuse), *fingerprint), ep.num_ranks)
     agreement = ep.start_agree(OP, status, [[0, -1]] * ep.num_ranks, words, device=ep.device)()
