@@ -86,7 +86,9 @@ def moe_distribute_dispatch_setup(
         raw[:n, :h] = q.view(torch.uint8)
         raw[:n, at : at + nbytes] = scale.contiguous().view(torch.uint8).reshape(n, nbytes)
     rows_per_dest = per_expert[:e].view(-1, num_local).sum(1).tolist()
-    kw, tensors = keywords(locals(), "quant_mode"), {"x": x, "y": y, "expert_ids": expert_ids}
+    kw = keywords("quant_mode", group_ep, ep_world_size, ep_rank_id, moe_expert_num, expert_shard_type,
+                  shared_expert_num, shared_expert_rank_num, global_bs, comm_type, comm_alg, quant_mode)  # fmt: skip
+    tensors = {"x": x, "y": y, "expert_ids": expert_ids}
     return y, expand_idx, register("dispatch", engine.group, kw, tensors, receive, (y_rows + e) * 16, rows_per_dest)
 
 
@@ -110,7 +112,8 @@ def moe_distribute_dispatch_teardown(
         expert_token_nums: `[L]` `torch.int64`: rows per local expert (expert_token_nums_type 1) or their inclusive
             cumsum (0; Ascend 950 allows only 1).
     """
-    kw = keywords(locals(), "quant_mode")
+    kw = keywords("quant_mode", group_ep, ep_world_size, ep_rank_id, moe_expert_num, expert_shard_type,
+                  shared_expert_num, shared_expert_rank_num, global_bs, comm_type, comm_alg, quant_mode)  # fmt: skip
     call = lookup("dispatch", comm_cmd_info, kw, {"x": x, "y": y, "expert_ids": expert_ids})
     rules.one_of(expert_token_nums_type, "expert_token_nums_type", (1,) if platform(strict) == "a5" else (0, 1))
     expand_x, scales, _, counts, ep_recv_counts, _, _ = call.wait()
@@ -195,7 +198,10 @@ def moe_distribute_combine_setup(
         return [got.get(s, own[:0]) for s in range(w)]
 
     qx = torch.zeros((len(expand_x), align(align(h, 32) + align(h, 8) // 8 * 4, 512)), dtype=torch.int8, device=dev)
-    kw, tensors = keywords(locals(), "comm_quant_mode"), {"expand_x": expand_x, "quant_expand_x": qx}
+    kw = keywords("comm_quant_mode", group_ep, ep_world_size, ep_rank_id, moe_expert_num, expert_shard_type,
+                  shared_expert_num, shared_expert_rank_num, global_bs, comm_type, comm_alg,
+                  comm_quant_mode)  # fmt: skip
+    tensors = {"expand_x": expand_x, "quant_expand_x": qx}
     return qx, register("combine", engine.group, kw, tensors, InFlight(finish), (len(qx) + w) * 16, per_dest)
 
 
@@ -224,7 +230,9 @@ def moe_distribute_combine_teardown(
         x: `[Bs, H]` in expand_x's dtype: ``sum_k expert_scales[t, k] * row(t, k)`` over slots ascending in fp32, plus
         ``shared_expert_x[t]``, one round-to-nearest-even cast.
     """
-    kw = keywords(locals(), "comm_quant_mode")
+    kw = keywords("comm_quant_mode", group_ep, ep_world_size, ep_rank_id, moe_expert_num, expert_shard_type,
+                  shared_expert_num, shared_expert_rank_num, global_bs, comm_type, comm_alg,
+                  comm_quant_mode)  # fmt: skip
     call = lookup("combine", comm_cmd_info, kw, {"expand_x": expand_x, "quant_expand_x": quant_expand_x})
     e = moe_expert_num
     ids = rules.tensor(expert_ids, "expert_ids", rules.ID_DTYPES, 2)

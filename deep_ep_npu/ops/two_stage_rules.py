@@ -69,10 +69,10 @@ def check_setup(
         raise shape("HCCL_BUFFSIZE", f"{have} MB is too small for {op} on {name}: {why}")
 
 
-def keywords(given: dict[str, Any], quant: str) -> dict[str, Any]:
-    """What a teardown must repeat from its setup: :data:`KEYWORDS` and ``quant`` (the quant mode's name) as an op
-    was given them (``given``: its ``locals()``)."""
-    return {name: given[name] for name in (*KEYWORDS, quant)}
+def keywords(quant: str, *values: Any) -> dict[str, Any]:
+    """What a teardown must repeat from its setup, by name: the values of :data:`KEYWORDS`, in order, then the quant
+    mode (named ``quant``)."""
+    return dict(zip((*KEYWORDS, quant), values, strict=True))
 
 
 @dataclasses.dataclass
