@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from . import window, window_setup
+from . import window
 from .collective import Agreement, Check, Collective, EPGroup, Write
 
 TRANSPORTS = ("auto", "shm", "collective")
@@ -69,4 +69,4 @@ def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Tran
             raise ValueError(f"transport: 'shm' needs a gloo (CPU) group, got backend {backend!r}; pass 'auto'")
         return collective, None
     nbytes = max(window_bytes, window.DEFAULT_WINDOW_BYTES)
-    return collective, window_setup.setup(ep, nbytes, required=name == "shm")
+    return collective, window.create(ep, nbytes, required=name == "shm")

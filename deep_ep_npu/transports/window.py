@@ -243,3 +243,11 @@ class Window:
             close_fds(peer.out_fd, peer.in_fd)
             peer.gone = "this rank closed the window"
         self.peers.clear()  # the peers' windows are unmapped once their tensors are freed
+
+
+def create(ep: EPGroup, nbytes: int, required: bool) -> Window | None:
+    """The window transport of ``ep``'s ranks (collective; see :func:`.window_setup.setup`), or None."""
+    from .window_setup import setup  # (it imports this module)
+
+    parts = setup(ep, nbytes, required)
+    return None if parts is None else Window(ep, *parts)

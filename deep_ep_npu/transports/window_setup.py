@@ -17,12 +17,13 @@ import time
 import torch
 
 from .collective import STATUS_OK, EPGroup
-from .window import PeerParts, Window, close_fds
+from .window import PeerParts, close_fds
 
 
-def setup(ep: EPGroup, nbytes: int, required: bool) -> Window | None:
-    """The window transport of ``ep``'s ranks (collective, bounded by ``ep.timeout``; ``nbytes`` per rank), or None
-    when some rank cannot share memory with the others (then ValueError if ``required``)."""
+def setup(ep: EPGroup, nbytes: int, required: bool) -> tuple[int, torch.Tensor, dict[int, PeerParts]] | None:
+    """The parts of ``ep``'s window transport (collective, bounded by ``ep.timeout``; ``nbytes`` per rank): its key,
+    this rank's window and its peers', or None when some rank cannot share memory with the others (then ValueError
+    if ``required``)."""
 
     def agree(ok: bool, *words: int) -> list[tuple[int, ...]]:
         """Every rank's ``(ok, *words)``."""
@@ -63,7 +64,7 @@ def setup(ep: EPGroup, nbytes: int, required: bool) -> Window | None:
     if exchange is not None:
         exchange.close(keep=all(ok))
         if all(ok):
-            return Window(ep, tokens[0], exchange.window, exchange.peers)
+            return tokens[0], exchange.window, exchange.peers
     if required:
         bad = [i for i, k in enumerate(ok) if not k]
         raise ValueError(f"transport: 'shm' needs every rank on one host with shared memory; ranks {bad} cannot "
