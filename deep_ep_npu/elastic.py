@@ -22,7 +22,7 @@ from .backends import create_backend, resolve_backend_name
 from .core import elastic as v2
 from .core import rules
 from .core.call import CombineCall, DispatchCall
-from .errors import MoeDistributeError, invalid
+from .errors import invalid
 from .handle import EPHandle, EventHandle, EventOverlap
 from .sizes import align
 from .transports.failure import resolve_timeout
@@ -183,7 +183,7 @@ class ElasticBuffer:
             handle: the :class:`EPHandle` (a cached call returns the same object). event: :class:`EventOverlap`.
         """
         self._backend.check_alive(self)
-        try:
+        with self._backend.rejecting(DISPATCH_OP):
             data, sf = v2.split_x(x)
             rules.flag(do_handle_copy, "do_handle_copy")
             rules.flag(do_expand, "do_expand")
@@ -219,9 +219,6 @@ class ElasticBuffer:
             rules.flag(async_with_compute_stream, "async_with_compute_stream")
             rules.flag(allocate_on_comm_stream, "allocate_on_comm_stream")
             v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)
-        except MoeDistributeError as err:
-            self._backend.reject(DISPATCH_OP, err.code)
-            raise
         num_sms = num_sms or self.get_theoretical_num_sms(call.experts.num_moe_experts, call.expert_ids.shape[1])
         inflight = self._backend.dispatch(call)
         async_finish = async_with_compute_stream and not call.cpu_sync
@@ -258,16 +255,13 @@ class ElasticBuffer:
             event: :class:`EventOverlap`.
         """
         self._backend.check_alive(self)
-        try:
+        with self._backend.rejecting(COMBINE_OP):
             rules.flag(async_with_compute_stream, "async_with_compute_stream")
             v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)
             h = v2.owned_handle(handle, self._backend)
             experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
             call = CombineCall(COMBINE_OP, "expand", x, h.topk_idx, experts, h, expert_scales=topk_weights)
             call = v2.combine(call, self.allow_multiple_reduction, bias)
-        except MoeDistributeError as err:
-            self._backend.reject(COMBINE_OP, err.code)
-            raise
         inflight = self._backend.combine(call)
         combined, weights = inflight.value if isinstance(inflight.value, tuple) else (inflight.value, None)
         if not async_with_compute_stream:

@@ -136,7 +136,7 @@ def moe_distribute_dispatch_start(
         MoeDistributeError: invalid input, on every rank of the EP domain and TP pair.
     """
     engine = engine_for(group_ep if isinstance(group_ep, dist.ProcessGroup) else resolve_group(group_ep, "group_ep"))
-    try:
+    with engine.rejecting(DISPATCH, tp=_tp_or_none(group_tp, tp_world_size)):
         experts = ascend.experts(
             engine.group, ep_world_size, ep_rank_id, moe_expert_num, strict=strict, expert_shard_type=expert_shard_type,
             shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
@@ -150,9 +150,6 @@ def moe_distribute_dispatch_start(
             wait_stats=performance_info, expert_token_nums_type=expert_token_nums_type,
             ccl_buffer_size=ccl_buffer_size, comm_alg=comm_alg,
         ))  # fmt: skip
-    except MoeDistributeError as err:
-        engine.reject(DISPATCH, err.code, _tp_or_none(group_tp, tp_world_size))
-        raise
     return engine.dispatch(call)
 
 
@@ -207,7 +204,7 @@ def moe_distribute_combine_start(
         MoeDistributeError: invalid input, or inputs that do not match the dispatch (on every rank).
     """
     engine = engine_for(group_ep if isinstance(group_ep, dist.ProcessGroup) else resolve_group(group_ep, "group_ep"))
-    try:
+    with engine.rejecting(COMBINE, tp=_tp_or_none(group_tp, tp_world_size)):
         experts = ascend.experts(
             engine.group, ep_world_size, ep_rank_id, moe_expert_num, strict=strict, expert_shard_type=expert_shard_type,
             shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
@@ -222,9 +219,6 @@ def moe_distribute_combine_start(
             const_expert_v=const_expert_v, comm_quant_mode=comm_quant_mode, wait_stats=performance_info,
             global_bs=global_bs, comm_alg=comm_alg,
         ))  # fmt: skip
-    except MoeDistributeError as err:
-        engine.reject(COMBINE, err.code, _tp_or_none(group_tp, tp_world_size))
-        raise
     return engine.combine(call)
 
 

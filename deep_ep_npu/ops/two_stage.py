@@ -14,7 +14,7 @@ from ..core.ascend import platform
 from ..core.call import DispatchCall
 from ..engine.exchange import InFlight, check_names, check_status, engine_for, header
 from ..engine.rows import DTYPE_CODES
-from ..errors import MoeDistributeError, null, shape
+from ..errors import null, shape
 from ..sizes import align
 from ..transports.names import resolve_group
 from .two_stage_rules import check_setup, keywords, lookup, register
@@ -49,7 +49,7 @@ def moe_distribute_dispatch_setup(
         comm_cmd_info: `[(Bs * (K + S) + E) * 16]` `torch.int32`: the call's key for the teardown (opaque on the NPU).
     """
     engine = engine_for(resolve_group(group_ep, "group_ep"))
-    try:
+    with engine.rejecting(DISPATCH_SETUP):
         rules.in_range(comm_type, "comm_type", 0, 2, code="param")  # before the rules of any algorithm
         rules.one_of(comm_alg, "comm_alg", ("",), "the two-stage ops have no algorithm choice")
         experts = ascend.experts(engine.group, ep_world_size, ep_rank_id, moe_expert_num, strict=strict,
@@ -63,9 +63,6 @@ def moe_distribute_dispatch_setup(
         if quant_mode and y_dtype is None:
             why = "torch_npu gives y x's dtype otherwise, which the op rejects"
             raise null("y_dtype", f"quant_mode {quant_mode} needs the quantized dtype ({why})")
-    except MoeDistributeError as err:
-        engine.reject(DISPATCH_SETUP, err.code)
-        raise
     receive = engine.dispatch(call)  # agreed; the payload is on its way
     e, num_local, quant = moe_expert_num, experts.num_local, call.quant
     flat = call.expert_ids.masked_fill(call.expert_ids < 0, e).view(-1)  # pairs not sent (-1) sort last
@@ -147,7 +144,7 @@ def moe_distribute_combine_setup(
         comm_cmd_info: `[(A' + W) * 16]` `torch.int32`: the call's key for :func:`moe_distribute_combine_teardown`.
     """
     engine = engine_for(resolve_group(group_ep, "group_ep"))
-    try:
+    with engine.rejecting(COMBINE_SETUP):
         rules.in_range(comm_type, "comm_type", 0, 2, code="param")
         rules.one_of(comm_alg, "comm_alg", ("",), "the two-stage ops have no algorithm choice")
         e = ascend.experts(engine.group, ep_world_size, ep_rank_id, moe_expert_num, strict=strict,
@@ -170,9 +167,6 @@ def moe_distribute_combine_setup(
             sums = f"its first W * L = {w * num_local} entries must be dispatch_teardown's prefix sums"
             why = f"non-decreasing, at most expand_x's {len(expand_x)} rows and A = {capacity}"
             raise shape("assist_info_for_combine", f"{sums} ({why}); got a total of {total}")
-    except MoeDistributeError as err:
-        engine.reject(COMBINE_SETUP, err.code)
-        raise
     dev, me = expand_x.device, e.rank
     block = torch.repeat_interleave(torch.arange(w * num_local, device=dev), blocks, output_size=total)
     order = torch.argsort(block % w * num_local + block // w, stable=True)  # rows by (dest rank, local expert)
