@@ -1,13 +1,7 @@
-"""deep_ep_npu: DeepEP-compatible low-latency expert-parallel communication for Ascend NPUs, runnable anywhere.
+"""deep_ep_npu: DeepEP-compatible low-latency expert-parallel communication for Ascend NPUs, runnable anywhere (the
+layers: README "Architecture"). Imports only torch; torch_npu is imported only when the Ascend backend is created."""
 
-The layers: the API front-ends (:class:`Buffer`, :class:`ElasticBuffer`, :mod:`.ops`, :mod:`.mega_moe`, the NPU
-stand-in :mod:`.sim`), the parameter core (:mod:`.core`: one call description, one rule set), the engine
-(:mod:`.engine`), the transports (:mod:`.transports`), the CPU kernels (:mod:`.kernels`) and the backends
-(:mod:`.backends`). Imports only torch; torch_npu is imported only when the Ascend backend is created.
-"""
-
-from .buffer import Buffer
-from .compat import Config
+from .buffer import Buffer, Config
 from .elastic import ElasticBuffer
 from .errors import MoeDistributeError
 from .handle import EPHandle, EventHandle, EventOverlap, FlatHandle, LowLatencyHandle, topk_idx_t

@@ -1,18 +1,11 @@
-"""``deep_ep_npu.Buffer``: DeepEP's low-latency ``Buffer`` on Ascend NPUs or any torch.distributed group; code written
-for ``deep_ep.Buffer`` in low-latency mode runs unchanged (constructor, signatures, defaults, return tuples, layouts).
-
-Overlap, as in DeepEP: with ``return_recv_hook=True`` a call runs its send phase and returns ``hook``, which runs the
-receive; with ``async_finish=True`` the :class:`EventOverlap` runs it on ``current_stream_wait()``. Results alternate
-between two sets (DeepEP's rule: hold at most 2 low-latency results), valid until the next-but-one dispatch.
-
-Failures: the calls are collective (every rank calls, also with 0 tokens). Invalid input on any rank raises
-:class:`MoeDistributeError` (a ValueError) on every rank before any received row is placed (from ``hook()`` / the
-event when deferred). A rank that exits or stops calling makes the others raise :class:`deep_ep_npu.EPRankFailure`
-naming it within about ``timeout``; with ``enable_shrink`` (reference backend) the survivors agree on the failed
-ranks, continue on a group of themselves, mask them and re-run the interrupted call."""
+"""``deep_ep_npu.Buffer``: DeepEP's low-latency ``Buffer`` on Ascend NPUs or any torch.distributed group (code written
+for ``deep_ep.Buffer`` in low-latency mode runs unchanged), with Ascend extras (dispatch / combine in the flat layout
+of ``npu_moe_distribute_dispatch_v2``, the fused MegaMoE layer) and the rest of DeepEP's legacy ``Buffer``
+(``Config``; of the normal mode a local ``get_dispatch_layout``: :class:`ElasticBuffer` does its job)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 from .backends import create_backend, resolve_backend_name
-from .buffer_ascend import AscendMethods
-from .compat import Config, get_dispatch_layout, normal_mode_error
-from .core import rules
-from .core.call import CombineCall, DispatchCall
+from .core import ascend, rules
+from .core.call import FFN, CombineCall, DispatchCall
+from .engine.exchange import InFlight
 from .errors import invalid
-from .handle import EventOverlap, LowLatencyHandle
+from .handle import EventOverlap, FlatHandle, LowLatencyHandle
+from .mega_moe import run as run_mega_moe
 from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
 from .transports import resolve_transport_name
 from .transports.failure import resolve_timeout
@@ -34,33 +27,85 @@ NAMES = {"expert_ids": "topk_idx", "num_max": "num_max_dispatch_tokens_per_rank"
          "expert_scales": "topk_weights", "recv_stats": "cumulative_local_expert_recv_stats",
          "wait_stats": "dispatch_wait_recv_cost_stats"}  # fmt: skip
 COMBINE_NAMES = {**NAMES, "wait_stats": "combine_wait_recv_cost_stats"}
+FLAT_DISPATCH_OP, FLAT_COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
+FLAT_NAMES = {"scales": "smooth_scales", "expert_scales": "topk_weights", "expert_ids": "topk_idx",
+              "global_bs": "num_max_dispatch_tokens_per_rank", "moe_expert_num": "num_experts"}  # fmt: skip
+FLAT_COMBINE_NAMES = {"expand_x": "x", "expert_scales": "topk_weights", "expert_ids": "topk_idx",
+                      "assist_info_for_combine": "handle", "ep_send_counts": "handle"}  # fmt: skip
+NORMAL_MODE = (
+    "the normal (high-throughput) mode of deep_ep.Buffer is not implemented by deep_ep_npu: use "
+    "deep_ep_npu.ElasticBuffer (DeepEP V2's dispatch / combine, the same job for prefill and decode; see the "
+    "README's 'Coming from DeepEP V2'), or low_latency_dispatch / low_latency_combine"
+)
 
 
-class Buffer(AscendMethods):
-    """The low-latency expert-parallel communication buffer (DeepEP-compatible).
+@dataclasses.dataclass
+class Config:
+    """DeepEP's ``Config`` (normal-mode kernel tuning: SMs and chunk sizes): accepted for compatibility, unused (the
+    normal-mode kernels it tunes do not exist here). The size hints return 0 (buffers are sized on demand)."""
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0
+
+
+class FlatDispatchOutput:
+    """``low_latency_dispatch_flat``'s outputs, readable once the receive ran (A = rows this rank can receive, L local
+    experts): ``expand_x`` `[A, hidden]` in x's dtype (`torch.int8` with ``quant_mode=2``; rows past the received
+    total are zero); ``dynamic_scales`` `[A]` `torch.float32` per-row dequant scales with ``quant_mode=2``;
+    ``expert_token_nums`` `[L]` `torch.int64` rows per local expert (counts, or the inclusive cumsum with
+    ``expert_token_nums_type=0``: ``npu_grouped_matmul``'s ``group_list``, ``group_list_type`` 1 / 0); ``handle``,
+    the :class:`FlatHandle` for ``low_latency_combine_flat``. A view of the call's receive."""
+
+    def __init__(self, inflight: InFlight, handle: FlatHandle) -> None:
+        self._inflight, self._handle = inflight, handle
+
+    def _get(self, name: str, index: int) -> Any:
+        if not self._inflight.done:
+            raise RuntimeError(f"{name} is not received yet: call hook() or event.current_stream_wait() first")
+        return self._inflight.value[index]
+
+    expand_x = property(lambda self: self._get("expand_x", 0))
+    dynamic_scales = property(lambda self: self._get("dynamic_scales", 1))
+    expert_token_nums = property(lambda self: self._get("expert_token_nums", 3))
+    handle = property(lambda self: (self._get("handle", 0), self._handle)[1])
+
+
+class Buffer:
+    """The low-latency expert-parallel communication buffer (DeepEP-compatible). Its calls are collective (every rank
+    calls, also with 0 tokens): invalid input on any rank raises :class:`MoeDistributeError` (a ValueError) on every
+    rank before any received row is placed (from ``hook()`` / the event when deferred); a rank that exits or stops
+    calling makes the others raise :class:`EPRankFailure` naming it within about ``timeout`` (``enable_shrink``: they
+    mask it and re-run the call). Results alternate between two sets (DeepEP's rule: hold at most 2 low-latency
+    results), valid until the next-but-one dispatch.
 
     Arguments:
         group: the EP ``ProcessGroup`` (required).
-        num_rdma_bytes: bytes of the low-latency buffer; 0 lets the backend size it on demand. When > 0, a call
-            whose ``get_low_latency_rdma_size_hint`` exceeds it raises, naming the size needed.
-        num_nvl_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted
-            for compatibility, unused (there is no NVLink buffer; only the low-latency mode is implemented).
+        num_rdma_bytes: bytes of the low-latency buffer, or 0 (sized on demand); a call whose
+            ``get_low_latency_rdma_size_hint`` exceeds it raises, naming the size needed.
+        num_nvl_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted,
+            unused (there is no NVLink buffer; only the low-latency mode exists).
         explicitly_destroy: the caller must call :meth:`destroy`; else resources are released with the object.
-        enable_shrink: enables the mask buffer (``low_latency_update/query/clean_mask_buffer``) and, on the
-            reference backend, recovery from failed ranks.
+        enable_shrink: enables the mask buffer (``low_latency_*_mask_buffer``) and, on the reference backend,
+            recovery from failed ranks.
         backend (keyword-only, as the rest): ``"reference"`` (our engine), ``"ascend"`` (ops-transformer V3 context
             ops or torch_npu) or ``"auto"`` (``"ascend"`` when torch_npu and an NPU are present).
         ccl_buffer_size: MB of HCCL window the Ascend ops may use (``get_low_latency_ccl_buffer_size``); shapes that
             need more raise, naming the size (ascend backend; flat methods on both). None: the ascend backend checks
             ``HCCL_BUFFSIZE`` if set (torch_npu ops) or sizes the V3 context from the first call's shapes.
-        timeout: seconds each collective wait may take (a failed peer is detected within about this). None:
-            ``DEEP_EP_NPU_TIMEOUT``, else 30 s (DeepEP's kernels: ~100 s).
-        transport: how the reference backend moves rows: ``"shm"`` (a shared-memory window of the ranks of one host:
-            senders write rows into the receivers' windows, signals carry the counts; CPU tensors), ``"collective"``
-            (torch.distributed) or ``"auto"`` (``"shm"`` when the group is gloo and every rank can share memory with
-            every other, else ``"collective"``). None: ``DEEP_EP_NPU_TRANSPORT``, else ``"auto"``. Constructing the
-            Buffer is then collective (the ranks map each other's windows). The window is ``num_rdma_bytes`` (at
-            least 1 GiB of address space, allocated as touched).
+        timeout: seconds each collective wait may take. None: ``DEEP_EP_NPU_TIMEOUT``, else 30 s.
+        transport: the reference backend's: ``"shm"`` (CPU tensors; rows go through shared-memory windows of
+            ``num_rdma_bytes``, at least 1 GiB of address space, among one host's ranks; constructing the Buffer is
+            then collective), ``"collective"`` (torch.distributed) or ``"auto"`` (``"shm"`` for a gloo group whose
+            ranks all share memory). None: ``DEEP_EP_NPU_TRANSPORT``, else ``"auto"``.
     """
 
     def __init__(
@@ -102,12 +147,12 @@ class Buffer(AscendMethods):
                 ``[0, num_experts)`` or ``-1`` (no expert), an expert at most once per token.
             num_max_dispatch_tokens_per_rank, num_experts: N and the total experts (divisible by R), equal on all ranks.
             cumulative_local_expert_recv_stats: `[L]` `torch.int32` or None; ``recv_count`` is added to it.
-            dispatch_wait_recv_cost_stats: `[R]` `torch.int64` or None; the nanoseconds this rank waited for the
-                receive are added to every entry (a collective completes for all sources at once).
+            dispatch_wait_recv_cost_stats: `[R]` `torch.int64` or None; the receive wait (ns) is added to every entry.
             use_fp8: quantize to ``quant_format`` (needs ``hidden % 128 == 0``), else keep x's dtype.
             round_scale: round fp8 scales up to powers of two. use_ue8m0: pack them as UE8M0 (needs round_scale and
                 ``hidden % 512 == 0``).
-            async_finish / return_recv_hook: return an event / a ``hook`` that completes the receive; not both.
+            async_finish / return_recv_hook: return an :class:`EventOverlap` whose ``current_stream_wait()`` runs the
+                receive / run only the send phase and return the receive as ``hook``; not both.
             quant_format (keyword-only extension): ``"fp8_e4m3"`` (DeepEP's per-128-channel e4m3, the reference
                 default) or ``"int8_per_token"`` (Ascend A2/A3's per-token dynamic int8, ``q = rint(x * 127 / amax)``,
                 scale ``amax / 127``; the Ascend default). None: the backend's default.
@@ -122,8 +167,7 @@ class Buffer(AscendMethods):
             handle: :class:`LowLatencyHandle` for ``low_latency_combine``.
             event: :class:`EventOverlap` (meaningful with ``async_finish``). hook: the receive, or None.
 
-        Raises MoeDistributeError / EPRankFailure as the module docstring says; the former also when N / num_experts
-        / hidden / format differ across ranks."""
+        Raises as the class docstring says, also when N / num_experts / hidden / format differ across ranks."""
         self._backend.check_alive(self)
         op, n = "low_latency_dispatch", num_max_dispatch_tokens_per_rank
         with self._backend.rejecting(op):
@@ -138,12 +182,11 @@ class Buffer(AscendMethods):
             ))  # fmt: skip
             if self.num_rdma_bytes and (need := rdma_size_hint(n, x.shape[1], num_experts)) > self.num_rdma_bytes:
                 sizes = f"N={n}, hidden={x.shape[1]}, num_experts={num_experts}: {need} bytes needed"
-                raise invalid("num_rdma_bytes", f"{self.num_rdma_bytes} bytes is too small for {sizes} "
-                              "(Buffer.get_low_latency_rdma_size_hint)")  # fmt: skip
+                why = f"{self.num_rdma_bytes} bytes is too small for {sizes} (Buffer.get_low_latency_rdma_size_hint)"
+                raise invalid("num_rdma_bytes", why)
         inflight = self._backend.dispatch(call)
         event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, inflight.value)
-        recv_x, recv_count, handle = inflight.value
-        return recv_x, recv_count, handle, event, hook
+        return (*inflight.value, event, hook)  # recv_x, recv_count, handle, event, hook
 
     def low_latency_combine(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle | tuple,
@@ -162,7 +205,7 @@ class Buffer(AscendMethods):
             zero_copy: combine the bfloat16 buffer from ``get_next_low_latency_combine_buffer(handle)`` (filled by
                 the caller) instead of ``x``.
             out: `[num_tokens, hidden]` in x's dtype, written in place and returned, or None.
-            combine_wait_recv_cost_stats: `[R]` `torch.int64`; the receive wait (ns) is added to every entry.
+            combine_wait_recv_cost_stats: `[R]` `torch.int64` or None, as dispatch's ``dispatch_wait_recv_cost_stats``.
 
         Returns:
             combined_x: `[num_tokens, hidden]` in x's dtype: ``sum_k topk_weights[t, k] * expert_out[t, k]`` over
@@ -174,9 +217,9 @@ class Buffer(AscendMethods):
         op = "low_latency_combine"
         with self._backend.rejecting(op):
             rules.overlap_flags(async_finish, return_recv_hook)
-            if rules.flag(use_logfmt, "use_logfmt") and rules.flag(zero_copy, "zero_copy"):
+            use_logfmt, zero_copy = rules.flag(use_logfmt, "use_logfmt"), rules.flag(zero_copy, "zero_copy")
+            if use_logfmt and zero_copy:
                 raise invalid("use_logfmt", "use_logfmt and zero_copy cannot both be True (as DeepEP); pick one")
-            rules.flag(zero_copy, "zero_copy")
             h = rules.masked_handle(handle, self.group_size)
             experts = rules.plain_experts(self.group_size, self.rank, h.num_experts, "handle.num_experts")
             call = rules.combine(CombineCall(
@@ -184,16 +227,14 @@ class Buffer(AscendMethods):
                 zero_copy=zero_copy, out=out, wait_stats=combine_wait_recv_cost_stats, names=COMBINE_NAMES,
             ))  # fmt: skip
         inflight = self._backend.combine(call)
-        combined = inflight.value
-        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (combined,))
-        return combined, event, hook
+        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (inflight.value,))
+        return inflight.value, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle | tuple) -> torch.Tensor:
         """The `[L, R * N, hidden]` `torch.bfloat16` buffer the next ``zero_copy`` combine reads: fill it, then call
         ``low_latency_combine(..., zero_copy=True)`` with no low-latency call in between (buffers flip per call)."""
         self._backend.check_alive(self)
-        h = rules.masked_handle(handle, self.group_size)
-        return self._backend.next_combine_buffer(h)
+        return self._backend.next_combine_buffer(rules.masked_handle(handle, self.group_size))
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency buffer state between two barriers (collective; bounded by ``timeout``)."""
@@ -202,7 +243,113 @@ class Buffer(AscendMethods):
         self._backend.clean()
         self._backend.ep.barrier("clean_low_latency_buffer")
 
-    # DeepEP's legacy Buffer beyond the low-latency calls (see deep_ep_npu.compat)
+    def low_latency_dispatch_flat(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int, *,
+        topk_weights: torch.Tensor | None = None, quant_mode: int = 0, smooth_scales: torch.Tensor | None = None,
+        x_active_mask: torch.Tensor | None = None, expert_token_nums_type: int = 1, shared_expert_num: int = 1,
+        shared_expert_rank_num: int = 0, zero_expert_num: int = 0, copy_expert_num: int = 0,
+        const_expert_num: int = 0, async_finish: bool = False, return_recv_hook: bool = False,
+    ) -> tuple[FlatDispatchOutput, Any, Callable[[], None] | None]:  # fmt: skip
+        """Dispatch into the flat Ascend layout (``npu_moe_distribute_dispatch_v2`` semantics, A3 fullmesh). Returns
+        ``(output, event, hook)``: a :class:`FlatDispatchOutput`, an :class:`EventOverlap`, the receive hook or None.
+
+        Arguments:
+            x: `[T, hidden]` `torch.bfloat16` / `torch.float16` (`torch.float32` on the reference backend), T <= N.
+            topk_idx: `[T, K]` `torch.int64` / `torch.int32`: routed experts ``[0, num_experts)``, zero experts
+                ``[E, E + Z)``, copy ``[E + Z, E + Z + C)``, const experts after them, or ``-1`` (no expert; on the
+                NPU mapped onto extra zero experts, see ``backends.ascend.map_no_expert``).
+            num_max_dispatch_tokens_per_rank: N, the same on every rank (``global_bs = N * R``). num_experts: routed
+                experts (``moe_expert_num``).
+            topk_weights: `[T, K]` `torch.float32`, carried to ``handle.expand_scales`` (``expert_scales``).
+            quant_mode: 0, or 2 (per-token dynamic int8: ``q = rint(x * 127 / amax)``, scale ``amax / 127``).
+            smooth_scales: `[shared_expert_num + num_experts, hidden]` `torch.float32` (the op's ``scales``).
+            x_active_mask: `[T]` bool (True first) or `[T, K]` bool. expert_token_nums_type: 1 counts, 0 cumsum.
+            shared_expert_num, shared_expert_rank_num, zero/copy/const_expert_num: as in the Ascend op.
+            async_finish, return_recv_hook: as in ``low_latency_dispatch``.
+        """
+        self._backend.check_alive(self)
+        n = num_max_dispatch_tokens_per_rank
+        global_bs = n * self.group_size if isinstance(n, int) else n
+        layout: dict[str, Any] = dict(
+            shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
+            zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
+        )  # fmt: skip
+        with self._backend.rejecting(FLAT_DISPATCH_OP, FLAT_NAMES):
+            if quant_mode not in (0, 2):
+                raise invalid("quant_mode", f"got {quant_mode!r}, allowed 0 or 2")
+            experts = ascend.experts(self.group, self.group_size, self.rank, num_experts, **layout)
+            call = rules.dispatch(DispatchCall(
+                FLAT_DISPATCH_OP, "flat", x, topk_idx, experts, global_bs=global_bs, x_active_mask=x_active_mask,
+                expert_scales=topk_weights, quant=(quant_mode, None, None, None), scales=smooth_scales,
+                expert_token_nums_type=expert_token_nums_type, ccl_buffer_size=self._backend.ccl_buffer_size,
+                names=FLAT_NAMES,
+            ))  # fmt: skip
+        inflight = self._backend.dispatch(call)
+        _, _, assist, _, ep_recv, tp_recv, expand_scales = inflight.value
+        keywords = dict(layout, x_active_mask=x_active_mask, global_bs=global_bs)
+        handle = FlatHandle(assist, ep_recv, tp_recv, expand_scales, num_experts, keywords)
+        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook)
+        return FlatDispatchOutput(inflight, handle), event, hook
+
+    def low_latency_combine_flat(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: FlatHandle, *,
+        shared_expert_x: torch.Tensor | None = None, ori_x: torch.Tensor | None = None,
+        const_expert_alpha_1: torch.Tensor | None = None, const_expert_alpha_2: torch.Tensor | None = None,
+        const_expert_v: torch.Tensor | None = None, comm_quant_mode: int = 0, out: torch.Tensor | None = None,
+        async_finish: bool = False, return_recv_hook: bool = False,
+    ) -> tuple[torch.Tensor, Any, Callable[[], None] | None]:  # fmt: skip
+        """Combine flat expert outputs (``npu_moe_distribute_combine_v2`` semantics). Returns ``(combined_x, event,
+        hook)``, combined_x `[T, hidden]` in x's dtype (filled once the receive ran).
+
+        Arguments:
+            x: `[A, hidden]` expert outputs row-aligned with ``expand_x`` (`torch.bfloat16` / `torch.float16`).
+            topk_idx: `[T, K]`, the one given to ``low_latency_dispatch_flat``. topk_weights: `[T, K]` fp32.
+            handle: the dispatch's :class:`FlatHandle`. shared_expert_x: `[T, hidden]` in x's dtype, weight 1.
+            ori_x: `[T, hidden]` (copy / const experts); const_expert_alpha_1/_2, const_expert_v:
+                `[const_expert_num, hidden]`. comm_quant_mode: 0, or 2 (int8 on the wire).
+            out: `[T, hidden]` in x's dtype, written in place, or None.
+        """
+        self._backend.check_alive(self)
+        with self._backend.rejecting(FLAT_COMBINE_OP, FLAT_COMBINE_NAMES):
+            if not isinstance(handle, FlatHandle):
+                raise invalid("handle", f"must be the FlatHandle from low_latency_dispatch_flat, got {type(handle)}")
+            kw = handle.op_kwargs
+            layout = {k: v for k, v in kw.items() if k not in ("x_active_mask", "global_bs")}
+            experts = ascend.experts(self.group, self.group_size, self.rank, handle.num_experts, combine=True, **layout)
+            call = rules.combine(CombineCall(
+                FLAT_COMBINE_OP, "flat", x, topk_idx, experts, (handle.assist_info_for_combine, handle.ep_recv_counts,
+                handle.tp_recv_counts), x_active_mask=kw["x_active_mask"], expert_scales=topk_weights,
+                shared_expert_x=shared_expert_x, ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,
+                const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
+                comm_quant_mode=comm_quant_mode, global_bs=kw["global_bs"], out=out, names=FLAT_COMBINE_NAMES,
+            ))  # fmt: skip
+        inflight = self._backend.combine(call)
+        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (inflight.value,))
+        return inflight.value, event, hook
+
+    def mega_moe(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+        *, w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+        num_max_dispatch_tokens_per_rank: int, num_experts: int, out_dtype: torch.dtype | None = None,
+        x_active_mask: torch.Tensor | None = None, swiglu_limit: float | None = None, **kwargs: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one pipelined call on this Buffer's group and backend:
+        :func:`deep_ep_npu.mega_moe.mega_moe` less ``group`` / ``backend`` (it documents every argument; its extra
+        keywords ``max_output_size``, ``num_segments``, ``segment_by`` are accepted). x: `[M, K]` `torch.bfloat16` /
+        `torch.float16` (`torch.float32` on the reference backend); topk_idx: `[M, topK]` `torch.int32` / `torch.int64`
+        (-1: no expert); topk_weights: `[M, topK]` `torch.float32`; w1 `[E_local, K, 2N]`, w2 `[E_local, N, K]`:
+        `torch.int8` with `torch.float32` w1_scale `[E_local, 2N]` / w2_scale `[E_local, K]`, else a float dtype;
+        x_active_mask: `[M]` `torch.bool` or None. Returns `[M, K]` in ``out_dtype`` (default x's dtype):
+        ``sum_k topk_weights[t, k] * FFN_e(x[t])``."""
+        self._backend.check_alive(self)
+        extra = {k: kwargs.pop(k) for k in ("num_segments", "segment_by", "max_output_size") if k in kwargs}
+        ffn = FFN(w1, w2, w1_scale, w2_scale, out_dtype, swiglu_limit, **extra)
+        if kwargs:
+            raise TypeError(f"mega_moe() got unexpected keyword arguments {sorted(kwargs)}")
+        args = (x, topk_idx, topk_weights, ffn, num_max_dispatch_tokens_per_rank, num_experts, x_active_mask)
+        return run_mega_moe(self._backend, *args)
+
+    # DeepEP's legacy Buffer beyond the low-latency calls: accepted, or the normal mode as far as it exists here
     num_sms: int = 20
 
     @staticmethod
@@ -222,27 +369,34 @@ class Buffer(AscendMethods):
         return False
 
     def get_comm_stream(self) -> None:
-        """DeepEP's communication stream: there is none here (work runs in call order on the calling thread; results
-        are ready when the call, its ``hook()`` or its event returns), so this returns None."""
-        return None
+        """None: there is no communication stream (work runs in call order on the calling thread)."""
 
     def get_dispatch_layout(
         self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None, async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, Any]:  # fmt: skip
-        """DeepEP's normal-mode layout helper, computed locally (no communication): ``num_tokens_per_rank`` `[R]`
-        `torch.int32`, ``num_tokens_per_rdma_rank`` None, ``num_tokens_per_expert`` `[num_experts]` `torch.int32`,
-        ``is_token_in_rank`` `[T, R]` `torch.bool`, a complete event (:func:`get_dispatch_layout`)."""
+        """DeepEP's normal-mode layout, computed locally. ``topk_idx``: `[T, K]` `torch.int64` / `torch.int32`, ids in
+        ``[0, num_experts)`` or -1. Returns ``num_tokens_per_rank`` `[R]` `torch.int32` (tokens with an expert on each
+        rank), ``num_tokens_per_rdma_rank`` None, ``num_tokens_per_expert`` `[num_experts]` `torch.int32`,
+        ``is_token_in_rank`` `[T, R]` `torch.bool` and a complete :class:`EventOverlap`, on ``topk_idx``'s device."""
         self._backend.check_alive(self)
-        return get_dispatch_layout(topk_idx, num_experts, self.group_size)
+        r, num_local = self.group_size, rules.plain_experts(self.group_size, 0, num_experts, "num_experts").num_local
+        idx = rules.tensor(topk_idx, "topk_idx", (torch.int32, torch.int64), 2)
+        idx = rules.expert_ids(idx, "topk_idx", num_experts, idx.shape[0], rules.MAX_TOPK * 2, no_expert=True).long()
+        valid = idx >= 0
+        per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
+        in_rank = torch.zeros((idx.shape[0], r + 1), dtype=torch.bool, device=idx.device)
+        in_rank.scatter_(1, torch.where(valid, idx // num_local, r), True)
+        is_token_in_rank = in_rank[:, :r].contiguous()
+        return is_token_in_rank.sum(dim=0).to(torch.int32), None, per_expert, is_token_in_rank, EventOverlap(None)
 
     def dispatch(self, *args: Any, **kwargs: Any) -> Any:
         """Normal-mode dispatch: not implemented; raises NotImplementedError pointing to :class:`ElasticBuffer`."""
-        raise normal_mode_error("dispatch")
+        raise NotImplementedError(f"Buffer.dispatch: {NORMAL_MODE}")
 
     def combine(self, *args: Any, **kwargs: Any) -> Any:
         """Normal-mode combine: not implemented; raises NotImplementedError pointing to :class:`ElasticBuffer`."""
-        raise normal_mode_error("combine")
+        raise NotImplementedError(f"Buffer.combine: {NORMAL_MODE}")
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

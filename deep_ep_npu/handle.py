@@ -9,8 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-topk_idx_t = torch.int64
-"""DeepEP's ``deep_ep.topk_idx_t``: the default ``topk_idx`` dtype (`torch.int32` is accepted as well)."""
+topk_idx_t = torch.int64  # DeepEP's deep_ep.topk_idx_t: the default topk_idx dtype (torch.int32 is accepted too)
 
 
 class _LowLatencyHandleFields(NamedTuple):
@@ -115,12 +114,11 @@ class EPHandle:
 
 
 class EventHandle:
-    """DeepEP's ``EventHandle``: a point in the current stream, what ``capture()`` returns and ``previous_event``
-    takes. This library's work runs in call order on the calling thread (no separate communication stream), so a
-    captured event is already complete: ``current_stream_wait()`` returns at once."""
+    """DeepEP's ``EventHandle`` (``ElasticBuffer.capture()`` returns it, ``previous_event`` takes it): always complete,
+    since this library's work runs in call order on the calling thread (no separate communication stream)."""
 
     def current_stream_wait(self) -> None:
-        """Nothing to wait for (see the class docstring)."""
+        """Returns at once (nothing to wait for)."""
 
 
 class EventOverlap:
