@@ -1,12 +1,8 @@
-"""The one backend interface every front-end uses (:class:`Backend`), its two implementations, by name: ``"reference"``
-(our engine, :class:`deep_ep_npu.engine.exchange.Engine`) and ``"ascend"`` (the real NPU ops,
-:class:`.ascend.AscendBackend`; ``torch_npu`` is imported only when it is created).
-
-A backend, ``cls(group, **options)``, runs validated calls (:mod:`deep_ep_npu.core.call`): ``dispatch`` / ``combine``
-run the send phase and return the receive phase, an :class:`~deep_ep_npu.engine.exchange.InFlight` the front-end
-completes at once, at an event's wait or in a hook; ``mega_moe`` runs a fused call; ``reject(op, code)`` tells the
-peers that this rank rejected its input of ``op`` (they raise too); ``clean`` / ``destroy`` reset / release.
-"""
+"""The one backend interface every front-end uses (:class:`Backend`) and its implementations by name: ``"reference"``
+(:class:`deep_ep_npu.engine.exchange.Engine`) and ``"ascend"`` (:class:`.ascend.AscendBackend`, the real NPU ops;
+``torch_npu`` is imported only when it is created). ``dispatch`` / ``combine`` run a validated call's send phase and
+return its receive phase, an :class:`~deep_ep_npu.engine.exchange.InFlight` the front-end completes at once, at an
+event's wait or in a hook; ``reject(op, code)`` tells the peers that this rank rejected its input (they raise too)."""
 
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ if TYPE_CHECKING:
 
 
 class Backend(abc.ABC):
-    """Runs the calls of the front-ends on one group (see the module docstring). ``native_quant_format``: what
-    DeepEP's ``use_fp8=True`` means here."""
+    """Runs the front-ends' calls on one group. ``native_quant_format``: what DeepEP's ``use_fp8=True`` means here."""
 
     name: str = ""
     native_quant_format: str = "fp8_e4m3"
@@ -90,9 +85,8 @@ class Backend(abc.ABC):
     def destroy(self) -> None: ...
 
     def release(self, explicitly_destroy: bool, called: bool) -> None:
-        """A front-end's ``destroy()`` (``called``) or deletion, with DeepEP's ``explicitly_destroy`` rule; releases
-        once. ``destroy()`` first waits (bounded) for every live peer, so no rank tears its group down while a peer
-        still finishes the last combine; a peer that is gone is not awaited."""
+        """A front-end's ``destroy()`` (``called``) or deletion, with DeepEP's ``explicitly_destroy`` rule, once.
+        ``destroy()`` first waits (bounded) for the live peers, so none tears its group down mid-combine."""
         if called and not explicitly_destroy:
             raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
         if self.released or explicitly_destroy != called:

@@ -1,11 +1,7 @@
-"""The ``ascend`` backend: the real MoE distribute ops (:mod:`.ascend_ops` finds them: CANN's V3 context ops, else
-torch_npu's ``_v2`` ops), every front-end's layout converted to and from the flat one; MegaMoE: :mod:`.ascend_mega`.
-
-DeepEP's masked calls: ``-1`` ids become a zero expert, ``global_bs = N * R`` (a rank with no tokens sends one row
-routed nowhere), ``use_fp8`` is A2/A3's per-token int8; index tensors (no host sync) move the flat rows into
-``recv_x`` `[L, R * N, hidden]` and back. V2's calls: one ``dispatch_v2`` placed as the reference backend places it
-(:mod:`.ascend_v2`). Shrink mode: the mask becomes the ops' ``elastic_info`` (:func:`elastic_info_from_mask`).
-Validation is local: a rejected rank raises, but peers that passed wait in the op until the HCCL timeout."""
+"""The ``ascend`` backend: the real MoE distribute ops (:mod:`.ascend_ops` finds them), every front-end's layout
+converted to and from the flat one (README, "Backends"); MegaMoE: :mod:`.ascend_mega`, V2's layouts: :mod:`.ascend_v2`.
+DeepEP's masked calls: ``global_bs = N * R``, index tensors (no host sync) move the flat rows into ``recv_x``
+`[L, R * N, hidden]` and back. Validation is local: a rejected rank raises, but peers wait in the op (HCCL timeout)."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ from ..core.call import FFN, CombineCall, DispatchCall
 from ..engine.exchange import InFlight, engine_for
 from ..errors import invalid
 from ..handle import LowLatencyHandle
-from . import Backend
+from . import Backend, ascend_v2
 from .ascend_mega import fused_mega_moe, fused_op_blocker
 from .ascend_ops import find_ops, map_no_expert, pad_empty
 
@@ -34,8 +30,8 @@ def elastic_info_from_mask(mask: torch.Tensor, num_local_experts: int) -> torch.
     if not live:
         raise ValueError("mask: every rank is masked; at least one rank must stay in the EP group")
     table1 = [live.index(rank) if rank in live else -1 for rank in range(len(masked))]
-    head = [1, len(live), 0, len(live) * num_local_experts]
-    return torch.tensor(head + table1 + live + [-1] * (len(masked) - len(live)), dtype=torch.int32)
+    table2 = live + [-1] * (len(masked) - len(live))
+    return torch.tensor([1, len(live), 0, len(live) * num_local_experts, *table1, *table2], dtype=torch.int32)
 
 
 def remap_expert_ids(topk_idx: torch.Tensor, elastic_info: torch.Tensor, num_local_experts: int) -> torch.Tensor:
@@ -61,26 +57,22 @@ class AscendBackend(Backend):
             raise ImportError(msg) from err
         super().__init__(group, **options)
         self.ops = find_ops(torch_npu, group, self.ccl_buffer_size)
+        self.ops_path = self.ops.path  # "cann_ops_transformer", "npu_ops_transformer" or "torch_npu"
         self.ws: dict[str, torch.Tensor] = {}
         self.tag = 0
-
-    @property
-    def ops_path(self) -> str:
-        """Which ops run: ``"cann_ops_transformer"``, ``"npu_ops_transformer"`` or ``"torch_npu"``."""
-        return self.ops.path
 
     def reject(self, op: str, code: int, tp: Any = None) -> None:
         """Nothing to tell: the ops validate locally (see the module docstring's limits)."""
 
     def dispatch(self, call: DispatchCall) -> InFlight:
         self.tag ^= 1
-        run = {"masked": self._masked_dispatch, "flat": self._flat_dispatch, "expand": self._expand_dispatch}
-        return InFlight(None, run[call.layout](call))
+        return InFlight(None, getattr(self, f"_{call.layout}_dispatch")(call))
 
     def combine(self, call: CombineCall) -> InFlight:
         self.tag ^= 1
-        run = {"masked": self._masked_combine, "flat": self._flat_combine, "expand": self._expand_combine}
-        return InFlight(None, run[call.layout](call))
+        return InFlight(None, getattr(self, f"_{call.layout}_combine")(call))
+
+    _expand_dispatch, _expand_combine = ascend_v2.dispatch, ascend_v2.combine
 
     def _flat_dispatch(self, c: DispatchCall) -> tuple[torch.Tensor, ...]:
         e, q = c.experts, c.quant
@@ -110,17 +102,17 @@ class AscendBackend(Backend):
         r, num_local, n, hidden = self.num_ranks, c.experts.num_local, c.num_max, c.x.shape[1]
         x, topk_idx = pad_empty(c.x, c.expert_ids)
         # shrink mode: masked ranks scaled out; moe_expert_num stays E, the zero experts start after the E' live ones
-        op_experts, elastic, extra = c.experts.num_moe_experts, elastic_info_from_mask(self.mask, num_local), {}
+        op_experts, elastic = c.experts.num_moe_experts, elastic_info_from_mask(self.mask, num_local)
+        kw: dict[str, Any] = {}
         if elastic is not None:
             topk_idx = remap_expert_ids(topk_idx, elastic, num_local)
-            op_experts, extra = int(elastic[3]), {"elastic_info": elastic.to(x.device)}
-        if c.wait_stats is not None:
-            extra["performance_info"] = c.wait_stats
-        ids, zero_num = map_no_expert(topk_idx, op_experts)
+            op_experts, kw["elastic_info"] = int(elastic[3]), elastic.to(x.device)
+        ids, kw["zero_expert_num"] = map_no_expert(topk_idx, op_experts)
+        kw["global_bs"] = n * r  # kw: the combine's too (elastic_info: the mask as it was at dispatch)
+        perf = {} if c.wait_stats is None else {"performance_info": c.wait_stats}
         expand_x, dynamic_scales, assist, _, ep_recv_counts, _, _ = self.ops.dispatch(
-            x, ids, c.experts.num_moe_experts, n, num_local, quant_mode=2 if c.quant else 0, global_bs=n * r,
-            zero_expert_num=zero_num, **extra,
-        )  # fmt: skip
+            x, ids, c.experts.num_moe_experts, n, num_local, quant_mode=2 if c.quant else 0, **perf, **kw
+        )
         cum = ep_recv_counts[: num_local * r].long()
         counts = cum.diff(prepend=cum.new_zeros(1)).view(num_local, r)
         per_expert = counts.sum(dim=1)
@@ -128,34 +120,32 @@ class AscendBackend(Backend):
         # flat row -> its row in the masked layout; rows past the received total go to a spare row at the end, so
         # only the A flat rows are moved (not L * R * N) and nothing needs the counts on the host
         rn, spare = r * n, num_local * r * n
-        rows = torch.arange(expand_x.shape[0], device=end.device)
-        expert_of_row = torch.searchsorted(end, rows, right=True)
+        flat_rows = torch.arange(expand_x.shape[0], device=end.device)
+        expert_of_row = torch.searchsorted(end, flat_rows, right=True)
         expert = expert_of_row.clamp(max=num_local - 1)
-        dest = torch.where(expert_of_row < num_local, expert * rn + rows - (end - per_expert)[expert], spare)
+        dest = torch.where(expert_of_row < num_local, expert * rn + flat_rows - (end - per_expert)[expert], spare)
 
         def gather(flat: torch.Tensor) -> torch.Tensor:
             return flat.new_empty((spare + 1, *flat.shape[1:])).index_copy_(0, dest, flat)[:spare]
 
         recv_x: Any = gather(expand_x).view(num_local, rn, hidden)
         if c.quant:
-            scales = gather(dynamic_scales[: rows.numel()]).view(num_local, rn, 1)
+            scales = gather(dynamic_scales[: flat_rows.numel()]).view(num_local, rn, 1)
             recv_x = (recv_x, scales.expand(-1, -1, hidden // 128))
-        src_info = gather(assist.view(-1)[3 * rows + 1].to(torch.int32)).view(num_local, rn)
+        src_info = gather(assist.view(-1)[3 * flat_rows + 1].to(torch.int32)).view(num_local, rn)
         layout_range = ((counts.cumsum(1) - counts) << 32) | counts
         recv_count = per_expert.to(torch.int32)
         if c.recv_stats is not None:
             c.recv_stats += recv_count
         handle = LowLatencyHandle(src_info, layout_range, n, hidden, c.experts.num_moe_experts)
-        # elastic_info: the mask as it was at dispatch; rows: combine gathers the flat order back (spare: any row)
-        handle.backend_state = dict(assist=assist, ep_recv_counts=ep_recv_counts, zero_expert_num=zero_num,
-                                    op_experts=op_experts, elastic_info=extra.get("elastic_info"),
-                                    rows=dest.clamp(max=spare - 1))  # fmt: skip
+        rows = dest.clamp(max=spare - 1)  # combine gathers the flat order back (spare: any row)
+        handle.backend_state = dict(assist=assist, counts=ep_recv_counts, op_experts=op_experts, kw=kw, rows=rows)
         return recv_x, recv_count, handle
 
     def _masked_combine(self, c: CombineCall) -> torch.Tensor:
         if c.comm_quant_mode:
-            raise invalid("use_logfmt", "no Ascend combine op takes DeepEP's LogFMT-10 rows (its comm_quant_mode 2 is "
-                          "int8 with per-8 scales): pass use_logfmt=False, or use backend='reference'")  # fmt: skip
+            why = "no Ascend combine op takes DeepEP's LogFMT-10 rows (its comm_quant_mode 2 is int8 with per-8 scales)"
+            raise invalid("use_logfmt", why + ": pass use_logfmt=False, or use backend='reference'")
         h, state = c.handle, c.handle.backend_state
         if not isinstance(state, dict) or "assist" not in state:
             raise invalid("handle", "was not produced by the ascend backend's low_latency_dispatch")
@@ -163,28 +153,12 @@ class AscendBackend(Backend):
         source = self.next_combine_buffer(h, self.tag) if c.zero_copy else c.x
         expand_x = source.reshape(num_local * rn, h.hidden).index_select(0, state["rows"])
         weights, topk_idx = pad_empty(c.expert_scales, c.expert_ids)
-        elastic = state["elastic_info"]
-        topk_idx = topk_idx if elastic is None else remap_expert_ids(topk_idx, elastic, num_local)
+        if (elastic := state["kw"].get("elastic_info")) is not None:
+            topk_idx = remap_expert_ids(topk_idx, elastic, num_local)
         ids, _ = map_no_expert(topk_idx, state["op_experts"])
-        combined = self.ops.combine(
-            expand_x, ids, state["assist"], state["ep_recv_counts"], weights, h.num_experts,
-            global_bs=h.num_max_dispatch_tokens_per_rank * self.num_ranks, zero_expert_num=state["zero_expert_num"],
-            **({} if elastic is None else {"elastic_info": elastic}),
-        )[: c.expert_ids.shape[0]]  # fmt: skip
+        args = (expand_x, ids, state["assist"], state["counts"], weights, h.num_experts)
+        combined = self.ops.combine(*args, **state["kw"])[: c.expert_ids.shape[0]]
         return combined if c.out is None else c.out.copy_(combined)
-
-    def _expand_dispatch(self, c: DispatchCall) -> Any:
-        if c.x_sf is not None:
-            raise invalid("x", "the pre-quantized (float8_e4m3fn, sf) tuple has no Ascend A2/A3 dispatch op (quant_mode"
-                          " 0 takes bf16 / fp16 x): pass bf16 x, or use backend='reference'")  # fmt: skip
-        from .ascend_v2 import dispatch
-
-        return dispatch(self, c)
-
-    def _expand_combine(self, c: CombineCall) -> torch.Tensor:
-        from .ascend_v2 import combine
-
-        return combine(self, c)
 
     def can_fuse(self, call: DispatchCall, ffn: FFN) -> bool:
         op, device_type = self.ops.fused_op, self.ops.device_type

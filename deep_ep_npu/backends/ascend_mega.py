@@ -1,12 +1,7 @@
 """The ``ascend`` backend's MegaMoE: a fused call on vllm-ascend's fused op ``torch.ops._C_ascend.dispatch_ffn_combine``
-(aclnn ``DispatchFFNCombine``, ``...BF16`` for float weights; the A5 PTO MegaMoE kernel has no Python binding).
-
-:func:`fused_op_kwargs` passes keywords (an older schema without ``bias1/2`` fails loudly rather than shifts): one-item
-weight lists in the NZ format, ``expert_idx`` int32, ``probs`` fp32, ``out`` in x's dtype, ``expert_token_nums``
-int32 `[E_local]`, ``x_active_mask`` and ``swiglu_limit`` (0.0: no clamp; the schema's default 1e6 clamps at 1e6).
-int8 scales are int64 Fixpipe words, the fp32 bits read as int32 and sign-extended (:func:`fixpipe_scale`, as
-vllm-ascend's ``w8a8_dynamic.py``). :func:`fused_op_blocker` says when the op cannot take a call (README, "Fused
-MegaMoE"); the pipeline runs it then. NPU parity is not tested."""
+(aclnn ``DispatchFFNCombine`` / ``...BF16``; when it applies and how scales are passed: README, "Fused MegaMoE").
+Keywords only (an older schema without ``bias1/2`` fails loudly rather than shifts); ``swiglu_limit`` 0.0 is no clamp
+(the schema's default 1e6 clamps at 1e6). NPU parity is not tested."""
 
 from __future__ import annotations
 
@@ -32,14 +27,10 @@ def fixpipe_scale_value(words: torch.Tensor) -> torch.Tensor:
     return words.to(torch.int32).contiguous().view(torch.float32)
 
 
-def _active(call: DispatchCall) -> int:
-    mask = call.x_active_mask
-    return call.x.shape[0] if mask is None else int(mask.sum())
-
-
 def fused_op_blocker(call: DispatchCall, ffn: FFN) -> str | None:
-    """Why this call cannot use the fused op (None if it can; the module docstring lists the conditions)."""
-    x, wdt, active = call.x.dtype, ffn.w1.dtype, _active(call)
+    """Why this call cannot use the fused op (None if it can)."""
+    x, wdt, mask = call.x.dtype, ffn.w1.dtype, call.x_active_mask
+    active = call.x.shape[0] if mask is None else int(mask.sum())
     if x not in FUSED_X_DTYPES:
         return f"x is {x}; the fused op takes {[str(d) for d in FUSED_X_DTYPES]}"
     if ffn.out_dtype != x:
@@ -59,7 +50,7 @@ def fused_op_blocker(call: DispatchCall, ffn: FFN) -> str | None:
 
 def fused_op_kwargs(call: DispatchCall, ffn: FFN, group_name: str,
                     prepare_weight: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:  # fmt: skip
-    """The keyword arguments of one fused-op call (the mapping of the module docstring)."""
+    """The keyword arguments of one fused-op call: one-item weight lists in the op's format, int32 ids."""
     x, dev = call.x, call.x.device
     no_scale, no_bias = ([torch.empty((0,), dtype=dt, device=dev)] for dt in (torch.int64, torch.float32))
     scale1, scale2 = no_scale, no_scale

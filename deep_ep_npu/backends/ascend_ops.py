@@ -6,6 +6,7 @@ the CCL window checked against what the shapes need; and the fused MegaMoE op wi
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -51,14 +52,13 @@ class _Ops:
         self.torch_npu, self.group, self.ccl_buffer_size = torch_npu, group, ccl_buffer_size
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.created: int | None = None  # the CCL size the V3 context was created with
-        self._name: str | None = None
         self.env = envs.hccl_buffsize_mb()
         self.group_name: Callable[[dist.ProcessGroup, int], str] = hccl_comm_name
         self.prepare_weight: Callable[[torch.Tensor], torch.Tensor] = lambda w: torch_npu.npu_format_cast(w, 29)
         with contextlib.suppress(AttributeError, RuntimeError):
             self.fused_op = torch.ops._C_ascend.dispatch_ffn_combine
-        simulated = getattr(torch_npu, "SIMULATED", 0)
-        self.device_type = str(getattr(torch_npu, "device_type", "npu")) if simulated else "npu"
+        if getattr(torch_npu, "SIMULATED", 0):  # deep_ep_npu.sim: tensors on its device_type
+            self.device_type = str(getattr(torch_npu, "device_type", "npu"))
 
     def ccl_size(self, num_max: int, hidden: int, num_local: int, topk: int) -> int:
         """The CCL window (MB) for these shapes; raises, naming the size needed, if the one in use is smaller."""
@@ -76,19 +76,17 @@ class _Ops:
                  **kw: Any) -> tuple[torch.Tensor, ...]:  # fmt: skip
         self.ccl_size(num_max, x.shape[1], num_local, ids.shape[1])
         op = self.torch_npu.npu_moe_distribute_dispatch_v2
-        return tuple(op(x, ids, self.comm_name(), self.num_ranks, self.rank, moe_expert_num, **kw))
+        return tuple(op(x, ids, self.comm_name, self.num_ranks, self.rank, moe_expert_num, **kw))
 
     def combine(self, expand_x: torch.Tensor, ids: torch.Tensor, assist: torch.Tensor, counts: torch.Tensor,
                 weights: torch.Tensor, moe_expert_num: int, **kw: Any) -> torch.Tensor:  # fmt: skip
-        op = self.torch_npu.npu_moe_distribute_combine_v2
-        return op(expand_x, ids, assist, counts, weights, self.comm_name(), self.num_ranks, self.rank, moe_expert_num,
-                  **kw)  # fmt: skip
+        args = (expand_x, ids, assist, counts, weights, self.comm_name, self.num_ranks, self.rank, moe_expert_num)
+        return self.torch_npu.npu_moe_distribute_combine_v2(*args, **kw)
 
+    @functools.cached_property
     def comm_name(self) -> str:
         """The group's HCCL communicator name (asked once)."""
-        if self._name is None:
-            self._name = self.group_name(self.group, self.rank)
-        return self._name
+        return self.group_name(self.group, self.rank)
 
 
 class _ContextOps(_Ops):

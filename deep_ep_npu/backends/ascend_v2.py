@@ -19,6 +19,9 @@ from .ascend_ops import map_no_expert, pad_empty
 def dispatch(backend: Any, c: DispatchCall) -> Any:
     """``c`` (an ``expand`` call) on ``backend``'s ops: :mod:`~deep_ep_npu.engine.expand`'s outputs, the handle in
     them."""
+    if c.x_sf is not None:
+        why = "the pre-quantized (float8_e4m3fn, sf) tuple has no Ascend A2/A3 dispatch op (quant_mode 0 takes bf16 / "
+        raise invalid("x", why + "fp16 x): pass bf16 x, or use backend='reference'")
     e, h = c.experts, c.cached
     r, num_local, n, k, hidden = e.world_size, e.num_local, c.num_max, c.expert_ids.shape[1], c.x.shape[1]
     x, topk_idx = pad_empty(c.x, c.expert_ids)
@@ -38,8 +41,7 @@ def dispatch(backend: Any, c: DispatchCall) -> Any:
     slots[row, slot] = expert.to(torch.int32)
     payload, sizes = expand.payload_of(c.x, None, k), expand.sizes_of(c, k)
     rows_from = torch.bincount(keys // n, minlength=r).tolist()
-    place = h.state["placement"] if h is not None else expand.make_placement(slots, rows_from, num_local, c.alignment,
-                                                                             sizes)  # fmt: skip
+    place = h.state["placement"] if h else expand.make_placement(slots, rows_from, num_local, c.alignment, sizes)
     x_rows = expand_x.new_empty((keys.numel(), hidden))
     x_rows[row] = expand_x[:num_pairs]  # every copy of a token holds the same row
     weights = torch.zeros((keys.numel(), k), dtype=torch.float32, device=counts.device)
@@ -57,19 +59,19 @@ def dispatch(backend: Any, c: DispatchCall) -> Any:
 
     out = expand.receive(c, payload, place, x_rows, None, weights, token_ids, None, make_handle)
     assert out.handle is not None
-    out.handle.state["op"] = dict(ids=ids, assist=assist, ep_recv_counts=ep_recv_counts, zero_num=zero_num, row=row,
-                                  slot=slot, num_op_rows=expand_x.shape[0])  # fmt: skip
+    sent = (ids, assist, ep_recv_counts)  # the op's combine arguments of these rows
+    out.handle.state["op"] = dict(sent=sent, zero_num=zero_num, row=row, slot=slot, num_op_rows=expand_x.shape[0])
     return out
 
 
 def combine(backend: Any, c: CombineCall) -> torch.Tensor:
     """``c`` (an ``expand`` call) on ``backend``'s ops: `[T, hidden]`."""
     if c.expert_scales is not None:
-        raise invalid("topk_weights", "no Ascend combine op carries per-slot values back (no "
-                      "combined_topk_weights): pass None, or use backend='reference'")  # fmt: skip
+        why = "no Ascend combine op carries per-slot values back (no combined_topk_weights)"
+        raise invalid("topk_weights", why + ": pass None, or use backend='reference'")
     if c.shared_expert_x and len(c.shared_expert_x) > 1:
-        raise invalid("bias", "the Ascend combine adds one shared_expert_x: pass one bias (their sum), or use "
-                      "backend='reference'")  # fmt: skip
+        why = "the Ascend combine adds one shared_expert_x: pass one bias (their sum)"
+        raise invalid("bias", why + ", or use backend='reference'")
     h, x = c.handle, c.x
     op, place = h.state["op"], h.state["placement"]
     total, k = sum(place.rows_from), h.num_topk
@@ -83,11 +85,9 @@ def combine(backend: Any, c: CombineCall) -> torch.Tensor:
         last = torch.where(place.slots >= 0, torch.arange(k, device=x.device), -1).amax(dim=1)
         is_last = (slot == last[row]).unsqueeze(1)
         rows[: row.numel()] = torch.where(is_last, partial.index_select(0, row), 0)
-    num_tokens = h.num_tokens
-    ones = torch.ones((max(num_tokens, 1), k), dtype=torch.float32, device=x.device)
-    extra: dict[str, Any] = {}
-    if c.shared_expert_x:
-        extra["shared_expert_x"] = pad_empty(c.shared_expert_x[0], h.topk_idx)[0]
-    return backend.ops.combine(rows, op["ids"], op["assist"], op["ep_recv_counts"], ones, h.num_experts,
-                               global_bs=h.num_max_tokens_per_rank * backend.num_ranks, zero_expert_num=op["zero_num"],
-                               **extra)[:num_tokens]  # fmt: skip
+    ones = torch.ones((max(h.num_tokens, 1), k), dtype=torch.float32, device=x.device)
+    shared = pad_empty(c.shared_expert_x[0], h.topk_idx)[0] if c.shared_expert_x else None
+    global_bs = h.num_max_tokens_per_rank * backend.num_ranks
+    args = (rows, *op["sent"], ones, h.num_experts)
+    out = backend.ops.combine(*args, global_bs=global_bs, zero_expert_num=op["zero_num"], shared_expert_x=shared)
+    return out[: h.num_tokens]

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,31 +14,19 @@ import torch.distributed as dist
 from ..errors import invalid, null, shape
 from ..sizes import ccl_buffer_bytes, ccl_buffer_mb
 from . import rules as checks
-from .call import CombineCall, DispatchCall, Experts
+from .call import Call, CombineCall, DispatchCall, Experts
+from .platforms import dispatch_quant, hierarchy_rules
+from .rules import PLATFORM_NAMES, platform_feature
 
 NPU_ACT_DTYPES = (torch.bfloat16, torch.float16)
 MAX_BS = 512
 PLATFORMS = {False: None, True: "a3", "a3": "a3", "a5": "a5"}
-PLATFORM_NAMES = {"a2": "Atlas A2", "a3": "Atlas A3", "a5": "Ascend 950 (A5)"}  # a2: named in errors, not a strict
-
-
 OP_COMM_ALGS = ("", "fullmesh", "fullmesh_v1", "fullmesh_v2", "hierarchy", "ccu")  # one layout here: fullmesh's
 COMM_ALG_PLATFORMS = {  # (dispatch, combine): the platforms whose docs list each comm_alg
     "": (("a3", "a5"), ("a3", "a5")), "fullmesh": (("a2",), ("a2",)), "fullmesh_v1": (("a3", "a5"), ()),
     "fullmesh_v2": (("a3", "a5"), ()), "hierarchy": (("a3",), ("a3",)), "ccu": ((), ()),
 }  # fmt: skip
 MAX_WORLD = {None: 1 << 16, "a3": 768, "a5": 1024}
-
-
-def platform_feature(plat: str | None, param: str, value: object, owners: tuple[str, ...], allowed: str) -> None:
-    """Under a strict platform ``plat`` that is not one of ``owners`` (the platforms whose docs list ``value``),
-    raise :class:`~deep_ep_npu.errors.MoeDistributeError` (161002) naming where ``value`` belongs and what ``plat``
-    allows."""
-    if plat is None or plat in owners:
-        return
-    what = f"an {' / '.join(PLATFORM_NAMES[o] for o in owners)} feature" if owners else "a value no platform documents"
-    why = f"got {value!r}, {what}: not on {PLATFORM_NAMES[plat]} (strict={plat!r}), which allows {allowed}"
-    raise invalid(param, why + ("; accepted without strict" if not owners else ""))
 
 
 def platform(strict: object) -> str | None:
@@ -68,10 +57,10 @@ def experts(pg: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object, mo
     effective = _effective_shared(s, sr, w)
     num_local = e // (moe_ranks := w - sr)
     if e % moe_ranks:
-        raise shape("moe_expert_num", f"{e} is not divisible by the {moe_ranks} MoE ranks "
-                    "(ep_world_size - shared_expert_rank_num)")  # fmt: skip
-    special = [checks.in_range(v, n, 0, 1 << 20) for n, v in (("zero_expert_num", zero_expert_num), (
-        "copy_expert_num", copy_expert_num), ("const_expert_num", const_expert_num))]  # fmt: skip
+        why = f"{e} is not divisible by the {moe_ranks} MoE ranks (ep_world_size - shared_expert_rank_num)"
+        raise shape("moe_expert_num", why)
+    special = zip(("zero", "copy", "const"), (zero_expert_num, copy_expert_num, const_expert_num), strict=True)
+    zero, copy, const = (checks.in_range(v, f"{name}_expert_num", 0, 1 << 20) for name, v in special)
     checks.one_of(comm_alg, "comm_alg", OP_COMM_ALGS, "every one gives the fullmesh layout here")
     on_plat = [a for a, o in COMM_ALG_PLATFORMS.items() if plat in o[combine]]
     where = f"{on_plat} for {'combine' if combine else 'dispatch'}_v2"
@@ -93,12 +82,11 @@ def experts(pg: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object, mo
     if tp_group is not None and tp_group.rank != tr:
         raise shape("tp_rank_id", f"is {tr} but this process is rank {tp_group.rank} of group_tp")
     if tp_group is not None and num_local > 1:
-        raise shape("moe_expert_num", f"gives {num_local} local experts per rank; with tp_world_size 2 each rank "
-                    "hosts exactly 1")  # fmt: skip
+        why = f"gives {num_local} local experts per rank; with tp_world_size 2 each rank hosts exactly 1"
+        raise shape("moe_expert_num", why)
     if elastic_info is not None and tw > 1:
         raise invalid("elastic_info", f"is only supported with tp_world_size <= 1, got tp_world_size {tw}")
     here = 1 if rank < sr else num_local
-    zero, copy, const = special
     out = Experts(w, rank, e, num_local, here, w, rank, tuple(range(w)), sr, effective, zero, copy, const, tw, tr,
                   tp_group, e, plat, plain=not sr)  # fmt: skip
     return out if elastic_info is None else _elastic(out, elastic_info, s)
@@ -108,8 +96,8 @@ def _effective_shared(num: int, ranks: int, world_size: int) -> int:
     """S: 0 when there are no shared-expert ranks (the tiling forces S = 0 for SR = 0, S = 1)."""
     if ranks == 0:
         if num > 1:
-            raise invalid("shared_expert_num", f"got {num} with shared_expert_rank_num 0; shared experts need shared-"
-                          "expert ranks (use 0 or 1, which both mean none, or set shared_expert_rank_num)")  # fmt: skip
+            why = "(use 0 or 1, which both mean none, or set shared_expert_rank_num)"
+            raise invalid("shared_expert_num", f"got {num} with shared_expert_rank_num 0; shared experts need {why}")
         return 0
     if num == 0:
         raise invalid("shared_expert_num", f"is 0 but shared_expert_rank_num is {ranks}; allowed [1, 4]")
@@ -159,8 +147,7 @@ def recv_capacity(e: Experts, global_bs: int, topk: int) -> int:
     return shared if 0 <= e.logical_rank < e.shared_expert_rank_num else moe
 
 
-def tokens(c: DispatchCall | CombineCall, x_param: str, x: object,
-           ids: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:  # fmt: skip
+def tokens(c: Call, x_param: str, x: Any, ids: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """x `[Bs, H]`, expert_ids `[Bs, K]` and ``c``'s x_active_mask and global_bs; returns x, ids (int64), the mask
     and global_bs_real. Only active ids are validated (the 1D mask's prefix, the 2D mask's True pairs); excluded
     entries (callers pad with ``torch.empty``) read -1 in the returned ids, so no consumer sees them."""
@@ -206,25 +193,20 @@ def dispatch(c: DispatchCall) -> DispatchCall:
     x, ids, mask, global_bs = tokens(c, "x", c.x, c.expert_ids)
     w, hidden, topk = e.world_size, x.shape[1], ids.shape[1]
     mode, y_dtype, x_dtype, scales_dtype = c.quant
-    quant = None
-    if type(mode) is not int or mode or y_dtype is not None or x_dtype is not None or scales_dtype is not None:
-        from .platforms import dispatch_quant
-
-        quant = dispatch_quant(mode, y_dtype, x_dtype, scales_dtype, x.dtype, e.platform)
+    default = type(mode) is int and not mode and y_dtype is None and x_dtype is None and scales_dtype is None
+    quant = None if default else dispatch_quant(mode, y_dtype, x_dtype, scales_dtype, x.dtype, e.platform)
     checks.one_of(c.expert_token_nums_type, "expert_token_nums_type", (0, 1))
     rows, smooth = e.shared_expert_num + e.scales_experts, c.names.get("scales", "scales")
     scales = checks.shaped(c.scales, smooth, torch.float32, (rows, hidden), "(S + moe_expert_num, H)")
     if scales is not None and quant is not None and quant.mode == 4:
         raise invalid(smooth, "quant_mode 4 (MX) takes no smooth scales: pass None")
     if e.tp is not None and quant is not None and quant.dtype != torch.int8:
-        raise invalid("quant_mode", f"{quant.mode} with y_dtype {quant.dtype} (Ascend 950) does not combine with "
-                      "tp_world_size 2 (Atlas A3): no platform has both")  # fmt: skip
+        why = "does not combine with tp_world_size 2 (Atlas A3): no platform has both"
+        raise invalid("quant_mode", f"{quant.mode} with y_dtype {quant.dtype} (Ascend 950) {why}")
     weights_param = c.names.get("expert_scales", "expert_scales")
     weights = checks.shaped(c.expert_scales, weights_param, torch.float32, (x.shape[0], topk), "(Bs, K)")
     perf = checks.shaped(c.wait_stats, "performance_info", torch.int64, (w,), "(ep_world_size,)")
     if c.comm_alg == "hierarchy":
-        from .platforms import hierarchy_rules
-
         hierarchy_rules(c, "x", hidden, mask)
     if c.comm_alg == "hierarchy" and weights is None:
         raise null("expert_scales", "comm_alg 'hierarchy' needs the top-k weights, (Bs, K) float32")
@@ -232,8 +214,8 @@ def dispatch(c: DispatchCall) -> DispatchCall:
         max_bs, alg = global_bs // w, c.comm_alg
         need = ccl_buffer_mb(ccl_buffer_bytes(w, max_bs, hidden, e.num_local, topk, e.shared_expert_num, alg))
         if size < need:
-            raise shape("ccl_buffer_size", f"{size} MB is too small for W={w}, max Bs={max_bs}, H={hidden}, "
-                        f"L={e.num_local}, K={topk}: at least {need} MB is needed")  # fmt: skip
+            shapes = f"W={w}, max Bs={max_bs}, H={hidden}, L={e.num_local}, K={topk}"
+            raise shape("ccl_buffer_size", f"{size} MB is too small for {shapes}: at least {need} MB is needed")
     return dataclasses.replace(c, x=x, expert_ids=ids, x_active_mask=mask, quant=quant, scales=scales,
                                expert_scales=weights, wait_stats=perf, num_max=global_bs // w,
                                capacity=recv_capacity(e, global_bs, topk))  # fmt: skip
@@ -281,17 +263,15 @@ def combine(c: CombineCall) -> CombineCall:
     ori_x = checks.shaped(c.ori_x, "ori_x", dtype, (num_tokens, hidden), "(Bs, H)")
     if (e.copy_expert_num or n_const) and ori_x is None:
         raise null("ori_x", "copy_expert_num / const_expert_num are nonzero")
-    const = []
+    const: dict[str, Any] = {}
     for name in ("const_expert_alpha_1", "const_expert_alpha_2", "const_expert_v"):
-        const.append(checks.shaped(getattr(c, name), name, dtype, (n_const, hidden), "(const_expert_num, H)"))
-        if n_const and const[-1] is None:
+        const[name] = checks.shaped(getattr(c, name), name, dtype, (n_const, hidden), "(const_expert_num, H)")
+        if n_const and const[name] is None:
             raise null(name, f"const_expert_num is {n_const}")
     out = checks.shaped(c.out, "out", expand_x.dtype, (num_tokens, hidden), "(Bs, H)")
     w, num_local, tp = e.world_size, e.num_local_here, max(e.tp_world_size, 1)
     perf = checks.shaped(c.wait_stats, "performance_info", torch.int64, (w,), "(ep_world_size,)")
     if c.comm_alg == "hierarchy":
-        from .platforms import hierarchy_rules
-
         hierarchy_rules(c, "expand_x", hidden, mask)
     if counts.numel() < w * num_local * tp:
         need = f"W * L{' * 2' if tp == 2 else ''} = {w * num_local * tp}"
@@ -302,17 +282,14 @@ def combine(c: CombineCall) -> CombineCall:
         checks.dims(tp_counts, "tp_send_counts", (2,), "(tp_world_size,)")
         num_peer = int(counts[2 * w * num_local - 1]) - num_rows
         if int(tp_counts[e.tp_rank_id]) != num_rows or int(tp_counts[1 - e.tp_rank_id]) != num_peer:
-            raise shape("tp_send_counts", f"{tp_counts.tolist()} does not match ep_send_counts ({num_rows} own "
-                        f"rows, {num_peer} peer rows); pass dispatch's tp_recv_counts unchanged")  # fmt: skip
+            why = f"({num_rows} own rows, {num_peer} peer rows); pass dispatch's tp_recv_counts unchanged"
+            raise shape("tp_send_counts", f"{tp_counts.tolist()} does not match ep_send_counts {why}")
     capacity = recv_capacity(e, global_bs, topk)
     if not (0 <= num_rows <= capacity and 0 <= num_peer <= capacity and num_rows + num_peer <= expand_x.shape[0]):
-        raise shape("ep_send_counts", f"total {num_rows} rows (+{num_peer} TP peer rows), but expand_x has "
-                    f"{expand_x.shape[0]} and A = {capacity}")  # fmt: skip
+        why = f"but expand_x has {expand_x.shape[0]} and A = {capacity}"
+        raise shape("ep_send_counts", f"total {num_rows} rows (+{num_peer} TP peer rows), {why}")
     if assist.numel() < 3 * num_rows:
         raise shape("assist_info_for_combine", f"has {assist.numel()} entries, needs 3 * {num_rows}")
-    return dataclasses.replace(
-        c, x=expand_x, expert_ids=ids, x_active_mask=mask, expert_scales=weights, shared_expert_x=shared_x,
-        ori_x=ori_x, const_expert_alpha_1=const[0], const_expert_alpha_2=const[1], const_expert_v=const[2],
-        wait_stats=perf, handle=(assist, counts, tp_counts), num_rows=num_rows, num_peer=num_peer,
-        global_bs=global_bs, out=out,
-    )  # fmt: skip
+    return dataclasses.replace(c, x=expand_x, expert_ids=ids, x_active_mask=mask, expert_scales=weights, ori_x=ori_x,
+                               shared_expert_x=shared_x, wait_stats=perf, handle=(assist, counts, tp_counts), out=out,
+                               num_rows=num_rows, num_peer=num_peer, global_bs=global_bs, **const)  # fmt: skip

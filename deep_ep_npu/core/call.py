@@ -12,10 +12,10 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Experts:
-    """Where experts live (built by :func:`.rules.experts`). Ranks are addressed by their *logical* rank: the EP rank
-    itself, or with ``elastic_info`` the rank in the scaled-down EP (``Table1[ep_rank]``, -1 for ranks that take no
-    part). Logical ranks ``[0, SR)`` host shared experts, the rest ``num_local`` routed experts each;
-    ``ep_rank_of[logical]`` is the EP rank; ids from ``num_moe_experts`` on are zero, copy, then const experts."""
+    """Where experts live (:func:`.ascend.experts`, :func:`.rules.plain_experts`). Ranks are addressed by their
+    *logical* rank: the EP rank itself, or with ``elastic_info`` the rank in the scaled-down EP (``Table1[ep_rank]``,
+    -1 for ranks that take no part). Logical ranks ``[0, SR)`` host shared experts, the rest ``num_local`` routed
+    experts each; ``ep_rank_of[logical]`` is the EP rank; ids from ``num_moe_experts`` on: zero, copy, const experts."""
 
     world_size: int  # W: ranks of the EP group
     rank: int
@@ -39,37 +39,45 @@ class Experts:
 
 
 @dataclasses.dataclass
-class DispatchCall:
-    """One dispatch into ``layout``: ``"masked"`` (DeepEP's ``recv_x`` `[L, R * N, H]`), ``"flat"`` (Ascend's
-    ``expand_x`` `[A, H]`) or ``"expand"`` (DeepEP V2's rows). T tokens, H hidden, K top-k, N = ``num_max``.
-
-    ``x`` `[T, H]` and ``expert_ids`` `[T, K]` (validated: int64, -1 = no expert or excluded by the mask); the
-    ``x_active_mask`` `[T]` (a prefix) or `[T, K]` bool; ``expert_scales`` `[T, K]` fp32 top-k weights carried with
-    the rows; ``quant``: None, DeepEP's ``"fp8_e4m3"`` (``round_scale`` / ``use_ue8m0`` as DeepEP's) or a
-    :class:`~deep_ep_npu.quant.Quant`; ``scales`` `[S + E, H]` fp32 smooth scales; ``recv_stats`` `[L]` int32 gets
-    the received rows per local expert added; ``wait_stats``: the layout's wait statistics (masked: `[R]` int64 ns,
-    flat: ``performance_info`` `[W]` int64 µs). Flat: ``global_bs`` as given, ``capacity`` A (set by the rules).
-    The ``expand`` layout's fields: ``x_sf`` (pre-quantized scale factors `[T, S]`), ``alignment``, ``do_expand``,
-    ``zero_padding``, ``tma_sf``, ``cpu_sync``, ``cached`` (a handle whose layout is reused), ``handle_copy``."""
+class Call:
+    """What every call has: its front-end's ``op`` name, the ``layout`` (``"masked"``, ``"flat"`` or ``"expand"``), T
+    tokens ``x`` `[T, H]` and ``expert_ids`` `[T, K]` (validated: int64, -1 = no expert or excluded by the mask), the
+    ``experts``; keyword-only: the ``x_active_mask`` `[T]` (a prefix) or `[T, K]` bool, ``expert_scales`` `[T, K]`
+    fp32 top-k weights, ``wait_stats`` (masked: `[R]` int64 ns, flat: ``performance_info`` `[W]` int64 µs), the flat
+    layout's ``global_bs`` and ``comm_alg``, and ``names`` (the front-end's names of the fields, for errors)."""
 
     op: str
     layout: str
     x: Any
     expert_ids: Any
     experts: Experts
-    num_max: int = 0
-    global_bs: int = 0
+    _: dataclasses.KW_ONLY
     x_active_mask: Any = None
     expert_scales: Any = None
+    wait_stats: Any = None
+    global_bs: int = 0
+    comm_alg: str = ""
+    names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class DispatchCall(Call):
+    """One dispatch into ``layout``: ``"masked"`` (DeepEP's ``recv_x`` `[L, R * N, H]`), ``"flat"`` (Ascend's
+    ``expand_x`` `[A, H]`) or ``"expand"`` (DeepEP V2's rows); N = ``num_max``. ``expert_scales`` travel with the rows;
+    ``quant``: None, DeepEP's ``"fp8_e4m3"`` (``round_scale`` / ``use_ue8m0`` as DeepEP's) or a
+    :class:`~deep_ep_npu.quant.Quant`; ``scales`` `[S + E, H]` fp32 smooth scales; ``recv_stats`` `[L]` int32 gets
+    the received rows per local expert added. Flat: ``capacity`` A (set by the rules). The ``expand`` layout's
+    fields: ``x_sf`` (pre-quantized scale factors `[T, S]`), ``alignment``, ``do_expand``, ``zero_padding``,
+    ``tma_sf``, ``cpu_sync``, ``cached`` (a handle whose layout is reused), ``handle_copy``."""
+
+    num_max: int = 0
     quant: Any = None
     scales: Any = None
     round_scale: bool = False
     use_ue8m0: bool = False
     recv_stats: Any = None
-    wait_stats: Any = None
     expert_token_nums_type: int = 1
     ccl_buffer_size: int | None = None
-    comm_alg: str = ""
     capacity: int = 0
     x_sf: Any = None
     alignment: int = 1
@@ -79,28 +87,19 @@ class DispatchCall:
     cpu_sync: bool = True
     cached: Any = None
     handle_copy: bool = True
-    names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
-class CombineCall:
+class CombineCall(Call):
     """One combine: ``x`` the expert outputs in the dispatch's layout (masked `[L, R * N, H]`, flat `[A, H]`, expand
-    `[rows, H]`), ``handle`` the dispatch's, ``expert_ids`` `[T, K]` and ``x_active_mask`` as at dispatch,
-    ``expert_scales`` `[T, K]` fp32 weights applied at the source (None: rows come back pre-weighted);
-    ``shared_expert_x`` `[T, H]` added with weight 1 (expand: a tuple of up to two biases); ``ori_x`` /
-    ``const_expert_*``: the copy / const experts' inputs; ``comm_quant_mode``: the rows' wire format (0, 2 int8 per
-    8, 3 / 4 MX fp8, 10 DeepEP's LogFMT); ``zero_copy``: masked rows from the Buffer's combine buffer; ``out`` `[T, H]`
-    or None; flat: ``num_rows`` own rows of ``x`` (then ``num_peer`` TP peer rows); expand without
-    ``multiple_reduction``: every expand row goes back as it is."""
+    `[rows, H]`), ``handle`` the dispatch's, ``expert_ids`` and ``x_active_mask`` as at dispatch, ``expert_scales``
+    weights applied at the source (None: rows come back pre-weighted); ``shared_expert_x`` `[T, H]` added with weight
+    1 (expand: a tuple of up to two biases); ``ori_x`` / ``const_expert_*``: the copy / const experts' inputs;
+    ``comm_quant_mode``: the rows' wire format (0, 2 int8 per 8, 3 / 4 MX fp8, 10 DeepEP's LogFMT); ``zero_copy``:
+    masked rows from the Buffer's combine buffer; ``out`` `[T, H]` or None; flat: ``num_rows`` own rows of ``x`` (then
+    ``num_peer`` TP peer rows); expand without ``multiple_reduction``: every expand row goes back as it is."""
 
-    op: str
-    layout: str
-    x: Any
-    expert_ids: Any
-    experts: Experts
     handle: Any
-    x_active_mask: Any = None
-    expert_scales: Any = None
     shared_expert_x: Any = None
     ori_x: Any = None
     const_expert_alpha_1: Any = None
@@ -109,13 +108,9 @@ class CombineCall:
     comm_quant_mode: int = 0
     zero_copy: bool = False
     out: Any = None
-    wait_stats: Any = None
-    global_bs: int = 0
-    comm_alg: str = ""
     num_rows: int = 0
     num_peer: int = 0
     multiple_reduction: bool = True
-    names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

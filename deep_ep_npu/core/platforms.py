@@ -12,7 +12,7 @@ import torch
 from ..errors import invalid, shape
 from ..quant import Quant
 from . import rules as checks
-from .ascend import platform_feature
+from .rules import platform_feature
 
 SCALAR_TYPE_CODES = {
     0: torch.uint8, 1: torch.int8, 3: torch.int32, 4: torch.int64, 5: torch.float16, 6: torch.float32,
@@ -26,8 +26,6 @@ ACL_CODES: dict[int, torch.dtype | str] = {  # ACL enum + 256: torch_npu's own d
 TORCH_NPU_CONSTANTS = {"int4": 285, "hifloat8": 290, "float8_e5m2": 291, "float8_e4m3fn": 292, "float8_e8m0fnu": 293,
                        "float4_e2m1fn_x2": 296, "float4_e1m2fn_x2": 297}  # fmt: skip
 """The dtype constants ``torch_npu`` exports (as ints), by name."""
-SCALAR_TYPE_CODE = {dtype: code for code, dtype in SCALAR_TYPE_CODES.items()}
-"""A ``torch.dtype``'s ScalarType code (the inverse of :data:`SCALAR_TYPE_CODES`)."""
 
 
 def resolve_dtype(value: object, param: str) -> torch.dtype | None:
@@ -78,8 +76,8 @@ def hierarchy_rules(c: Any, x_param: str, hidden: int, mask: torch.Tensor | None
     if hidden % 32:
         raise shape(f"{x_param}.shape[1] (H)", f"got {hidden}; comm_alg 'hierarchy' on Atlas A3 needs a multiple of 32")
     if num_local > 24 or num_local * w > 512:
-        raise shape("moe_expert_num", f"gives L = {num_local} local experts (L * W = {num_local * w}); comm_alg "
-                    "'hierarchy' on Atlas A3 needs L <= 24 and L * W <= 512")  # fmt: skip
+        why = "comm_alg 'hierarchy' on Atlas A3 needs L <= 24 and L * W <= 512"
+        raise shape("moe_expert_num", f"gives L = {num_local} local experts (L * W = {num_local * w}); {why}")
 
 
 def dispatch_quant(quant_mode: object, y_dtype: object, x_dtype: object, scales_dtype: object, dtype: torch.dtype,
@@ -88,8 +86,8 @@ def dispatch_quant(quant_mode: object, y_dtype: object, x_dtype: object, scales_
     ``dtype``: the :class:`Quant` to run, None for quant_mode 0."""
     mode = checks.in_range(quant_mode, "quant_mode", 0, 4, code="param")  # 0 none, 2 per token, 3 per 128, 4 MX
     if mode == 1:
-        raise invalid("quant_mode", "got 1 (static quant, Ascend 950): not implemented, its rounding and saturation "
-                      "are undocumented; allowed 0, 2, 3 or 4")  # fmt: skip
+        why = "not implemented, its rounding and saturation are undocumented; allowed 0, 2, 3 or 4"
+        raise invalid("quant_mode", f"got 1 (static quant, Ascend 950): {why}")
     if mode in (3, 4):
         platform_feature(plat, "quant_mode", mode, ("a5",), "0 or 2")
     for name, value in (("y_dtype", y_dtype), ("x_dtype", x_dtype), ("scales_dtype", scales_dtype)):
@@ -98,21 +96,21 @@ def dispatch_quant(quant_mode: object, y_dtype: object, x_dtype: object, scales_
     y = resolve_dtype(y_dtype, "y_dtype")
     given = repr(y_dtype) if y is y_dtype else f"{y_dtype!r} ({y})"
     if resolve_dtype(x_dtype, "x_dtype") not in (None, dtype):
-        raise invalid("x_dtype", f"got {x_dtype!r} for an x of {dtype}: relabelling x's storage (pre-quantized "
-                      "fp8 / hifloat8 / fp4 x) is not implemented; pass None or x's dtype")  # fmt: skip
+        why = "(pre-quantized fp8 / hifloat8 / fp4 x) is not implemented; pass None or x's dtype"
+        raise invalid("x_dtype", f"got {x_dtype!r} for an x of {dtype}: relabelling x's storage {why}")
     if resolve_dtype(scales_dtype, "scales_dtype") not in (None, torch.float32):
-        raise invalid("scales_dtype", f"got {scales_dtype!r}: scales are float32 here (the e8m0 scales of a "
-                      "pre-quantized x are not implemented); pass None or torch.float32")  # fmt: skip
-    if y in (torch.float4_e2m1fn_x2,):
-        raise invalid("y_dtype", f"got {given}: fp4 output is not implemented (no fp4 compute here);"
-                      " use torch.float8_e4m3fn / torch.float8_e5m2")  # fmt: skip
+        why = "scales are float32 here (the e8m0 scales of a pre-quantized x are not implemented)"
+        raise invalid("scales_dtype", f"got {scales_dtype!r}: {why}; pass None or torch.float32")
+    if y == torch.float4_e2m1fn_x2:
+        why = "fp4 output is not implemented (no fp4 compute here); use torch.float8_e4m3fn / torch.float8_e5m2"
+        raise invalid("y_dtype", f"got {given}: {why}")
     if mode == 0:
         if y not in (None, dtype):
-            raise invalid("y_dtype", f"got {given}; quant_mode 0 keeps x's dtype {dtype} (hifloat8 output is "
-                          "not implemented): pass None")  # fmt: skip
+            why = f"quant_mode 0 keeps x's dtype {dtype} (hifloat8 output is not implemented): pass None"
+            raise invalid("y_dtype", f"got {given}; {why}")
         return None
     y = torch.int8 if y is None and mode == 2 else y
     if y not in Y_DTYPES[mode]:
-        raise invalid("y_dtype", f"got {given}; quant_mode {mode} outputs {[str(d) for d in Y_DTYPES[mode]]} "
-                      "(torch_npu codes: int8 1, float8_e5m2 23 / 291, float8_e4m3fn 24 / 292)")  # fmt: skip
+        codes = "(torch_npu codes: int8 1, float8_e5m2 23 / 291, float8_e4m3fn 24 / 292)"
+        raise invalid("y_dtype", f"got {given}; quant_mode {mode} outputs {[str(d) for d in Y_DTYPES[mode]]} {codes}")
     return Quant(mode, y)

@@ -21,6 +21,7 @@ ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations off t
 ID_DTYPES = (torch.int32, torch.int64)
 MAX_TOPK = 16  # top-k limit of the ops, DeepEP's low-latency kernels and MegaMoE
 QUANT_FORMATS = ("fp8_e4m3", "int8_per_token")  # DeepEP's use_fp8 formats (quant_format)
+PLATFORM_NAMES = {"a2": "Atlas A2", "a3": "Atlas A3", "a5": "Ascend 950 (A5)"}  # a2: named in errors, not a strict
 _Ndim = int | tuple[int, ...]
 
 
@@ -82,6 +83,16 @@ def flag(value: object, param: str) -> bool:
     return value
 
 
+def platform_feature(plat: str | None, param: str, value: object, owners: tuple[str, ...], allowed: str) -> None:
+    """Under a strict platform ``plat`` (:mod:`.ascend`) that is not one of ``owners`` (the platforms whose docs list
+    ``value``), raise 161002 naming where ``value`` belongs and what ``plat`` allows."""
+    if plat is None or plat in owners:
+        return
+    what = f"an {' / '.join(PLATFORM_NAMES[o] for o in owners)} feature" if owners else "a value no platform documents"
+    why = f"got {value!r}, {what}: not on {PLATFORM_NAMES[plat]} (strict={plat!r}), which allows {allowed}"
+    raise invalid(param, why + ("; accepted without strict" if not owners else ""))
+
+
 def prefix_mask(mask: torch.Tensor, num_tokens: int) -> int:
     """How many tokens a 1D ``x_active_mask`` `[num_tokens]` bool marks active; it must mark a prefix."""
     if mask.shape[0] != num_tokens:
@@ -116,8 +127,8 @@ def expert_ids(ids: object, param: str, num_ids: int, num_tokens: int, max_topk:
             dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1)
             if bool(dup.any()):
                 row = int(dup.nonzero()[0, 0])
-                raise shape(param, f"row {row} lists an expert twice ({t[row].tolist()}); ids must be distinct per "
-                            "token")  # fmt: skip
+                why = f"row {row} lists an expert twice ({t[row].tolist()}); ids must be distinct per token"
+                raise shape(param, why)
     return t
 
 
@@ -138,8 +149,8 @@ def plain_experts(num_ranks: int, rank: int, value: object, param: str) -> Exper
     n = count(value, param, 1, code="shape")
     if n % num_ranks:
         raise shape(param, f"{n} is not divisible by num_ranks = {num_ranks}")
-    return Experts(num_ranks, rank, n, n // num_ranks, n // num_ranks, num_ranks, rank, tuple(range(num_ranks)),
-                   scales_experts=n)  # fmt: skip
+    per = n // num_ranks
+    return Experts(num_ranks, rank, n, per, per, num_ranks, rank, tuple(range(num_ranks)), scales_experts=n)
 
 
 def activations(x: object, param: str = "x") -> torch.Tensor:
@@ -176,24 +187,23 @@ def dispatch(c: DispatchCall) -> DispatchCall:
         from . import ascend
 
         return ascend.dispatch(c)
-    e, n, names = c.experts, c.num_max, c.names
+    e, n, names, masked = c.experts, c.num_max, c.names, c.layout == "masked"
     x, ids = c.x, c.expert_ids  # (x checked by the front-end: V2 also takes a pre-quantized tuple)
     if c.cached is None:
         param = names.get("expert_ids", "expert_ids")
-        ids = expert_ids(ids, param, e.num_moe_experts, x.shape[0], MAX_TOPK if c.layout == "masked" else 32, True)
+        ids = expert_ids(ids, param, e.num_moe_experts, x.shape[0], MAX_TOPK if masked else 32, True)
         if x.shape[0] > n:
             what = f"{x.shape[0]} tokens exceed {names['num_max']} = {n}"
-            raise shape(param if c.layout == "masked" else "x", f"{what}; raise it (same on all ranks)")
+            raise shape(param if masked else "x", f"{what}; raise it (same on all ranks)")
     k, hidden, num_local, w = ids.shape[1], x.shape[1], e.num_local, e.world_size
-    weights = shaped(c.expert_scales, names.get("expert_scales", "expert_scales"), torch.float32, (x.shape[0], k),
-                     "[num_tokens, K]")  # fmt: skip
-    stats = shaped(c.recv_stats, names["recv_stats"], torch.int32, (num_local,), "[L]" if c.layout == "masked" else
-                   "[num_local_experts]")  # fmt: skip
+    weights_param, stats_shape = names.get("expert_scales", "expert_scales"), "[L]" if masked else "[num_local_experts]"
+    weights = shaped(c.expert_scales, weights_param, torch.float32, (x.shape[0], k), "[num_tokens, K]")
+    stats = shaped(c.recv_stats, names["recv_stats"], torch.int32, (num_local,), stats_shape)
     if c.quant is not None and hidden % 128:
         raise shape("x", f"hidden = {hidden} must be a multiple of 128 with use_fp8 (per-128-channel scales)")
     if c.quant is not None and c.use_ue8m0 and hidden % 512:
         raise shape("x", f"hidden = {hidden} must be a multiple of 512 with use_ue8m0 (4 scales per int32)")
-    if c.layout == "masked":  # recv_x [L, R * N, hidden] and its int32 src_info
+    if masked:  # recv_x [L, R * N, hidden] and its int32 src_info
         row_bytes = hidden * (1 if c.quant else x.element_size()) + (4 * hidden // 128 if c.quant else 0) + 4
         rows, what = e.num_moe_experts * n, f"recv_x (num_experts={e.num_moe_experts} x N={n} rows of hidden={hidden})"
         param = names["moe_expert_num"] if e.num_moe_experts > n else names["num_max"]
@@ -226,8 +236,7 @@ def masked_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
 
 
 def combine(c: CombineCall) -> CombineCall:
-    """``c`` checked by the rules of its layout (flat: :func:`.ascend.combine`; expand: the front-end checked the
-    handle and the rows, :func:`expand_combine`)."""
+    """A masked combine checked (flat: :func:`.ascend.combine`; expand: :func:`.elastic.combine`)."""
     if c.layout == "flat":
         from . import ascend
 
@@ -244,12 +253,10 @@ def combine(c: CombineCall) -> CombineCall:
     weights = tensor(c.expert_scales, names["expert_scales"], (torch.float32,), 2)
     ids = expert_ids(c.expert_ids, names["expert_ids"], h.num_experts, weights.shape[0], MAX_TOPK, True)
     if ids.shape[0] > num_max:
-        raise shape(names["expert_ids"], f"{ids.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = "
-                    f"{num_max}; raise it (same on all ranks)")  # fmt: skip
+        what = f"{ids.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank = {num_max}"
+        raise shape(names["expert_ids"], f"{what}; raise it (same on all ranks)")
     dims(weights, names["expert_scales"], tuple(ids.shape), "topk_idx's shape")
-    out = optional_tensor(c.out, "out", (x.dtype,), 2)
-    if out is not None:
-        dims(out, "out", (ids.shape[0], hidden), "[num_tokens, hidden]")
+    out = shaped(c.out, "out", x.dtype, (ids.shape[0], hidden), "[num_tokens, hidden]")
     wait = shaped(c.wait_stats, names["wait_stats"], torch.int64, (r,), "[R]")
     return dataclasses.replace(c, x=x, expert_ids=ids.long(), expert_scales=weights, out=out, wait_stats=wait)
 
@@ -260,8 +267,8 @@ def ffn(f: FFN, x: torch.Tensor, num_local: int, topk: int, num_max: int, world_
     limit = 0.0 if f.swiglu_limit is None else f.swiglu_limit
     fp32_max = torch.finfo(torch.float32).max  # swiglu_limit is the fused op's fp32 attribute
     if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit <= fp32_max:
-        raise invalid("swiglu_limit", f"got {f.swiglu_limit!r}, allowed None or a float in [0, {fp32_max:.4g}] "
-                      "(0: no clamp)")  # fmt: skip
+        allowed = f"allowed None or a float in [0, {fp32_max:.4g}] (0: no clamp)"
+        raise invalid("swiglu_limit", f"got {f.swiglu_limit!r}, {allowed}")
     if (f.w1_scale is None) != (f.w2_scale is None):
         both = "w1_scale and w2_scale must be given together (int8 weights) or both be None (float weights)"
         raise invalid("w2_scale" if f.w2_scale is None else "w1_scale", both)
@@ -273,8 +280,8 @@ def ffn(f: FFN, x: torch.Tensor, num_local: int, topk: int, num_max: int, world_
             raise invalid(name, f"dtype {w.dtype} not allowed here; must be {why}")
     w1, w2 = tensor(f.w1, "w1", wdt, 3), tensor(f.w2, "w2", wdt, 3)
     if tuple(w1.shape[:2]) != (num_local, hidden) or w1.shape[2] % 2 or w1.shape[2] == 0:
-        raise shape("w1", f"shape {tuple(w1.shape)} must be [E_local = {num_local}, K = {hidden}, 2N] (gate then up, "
-                    "2N > 0)")  # fmt: skip
+        want = f"[E_local = {num_local}, K = {hidden}, 2N] (gate then up, 2N > 0)"
+        raise shape("w1", f"shape {tuple(w1.shape)} must be {want}")
     n = w1.shape[2] // 2
     dims(w2, "w2", (num_local, n, hidden), "[E_local, N, K]")
     if w1.dtype != w2.dtype:
@@ -287,8 +294,8 @@ def ffn(f: FFN, x: torch.Tensor, num_local: int, topk: int, num_max: int, world_
     max_output = num_max * topk * world_size if f.max_output_size is None else f.max_output_size
     in_range(max_output, "max_output_size", 0, 1 << 40)
     if max_output < num_tokens * topk:
-        raise shape("max_output_size", f"{max_output} < M * topK = {num_tokens} * {topk}; the routed-row workspace "
-                    "must hold every (token, expert) pair of this rank")  # fmt: skip
+        why = "the routed-row workspace must hold every (token, expert) pair of this rank"
+        raise shape("max_output_size", f"{max_output} < M * topK = {num_tokens} * {topk}; {why}")
     one_of(f.segment_by, "segment_by", ("expert", "token"))
     most = num_local if f.segment_by == "expert" else num_max
     segments = min(most, 2) if f.num_segments is None else f.num_segments  # 2: measured best on the CPU reference
