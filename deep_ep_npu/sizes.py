@@ -8,7 +8,7 @@ import math
 from .errors import invalid, shape
 
 _MB = 1 << 20
-COMM_ALGS = ("", "fullmesh_v1", "fullmesh_v2")  # the formula's (ops-transformer's); the ops take npu_types.OP_COMM_ALGS
+COMM_ALGS = ("", "fullmesh_v1", "fullmesh_v2")  # the formula's; the ops take core.ascend.OP_COMM_ALGS
 
 
 def align(x: int, a: int) -> int:
