@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..errors import invalid, null, shape
 from ..sizes import ccl_buffer_bytes, ccl_buffer_mb
 from . import rules as checks
-from .call import Call, CombineCall, DispatchCall, Experts
+from .call import CombineCall, DispatchCall, Experts
 from .platforms import dispatch_quant, hierarchy_rules
 from .rules import PLATFORM_NAMES, platform_feature
 
@@ -147,7 +147,9 @@ def recv_capacity(e: Experts, global_bs: int, topk: int) -> int:
     return shared if 0 <= e.logical_rank < e.shared_expert_rank_num else moe
 
 
-def tokens(c: Call, x_param: str, x: Any, ids: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+def tokens(
+    c: DispatchCall | CombineCall, x_param: str, x: Any, ids: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """x `[Bs, H]`, expert_ids `[Bs, K]` and ``c``'s x_active_mask and global_bs; returns x, ids (int64), the mask
     and global_bs_real. Only active ids are validated (the 1D mask's prefix, the 2D mask's True pairs); excluded
     entries (callers pad with ``torch.empty``) read -1 in the returned ids, so no consumer sees them."""
