@@ -1,4 +1,3 @@
-"""The engine: one dispatch and one combine for every layout and transport (:mod:`.exchange`, the ``reference``
-backend), with :mod:`.plan` (which rows go where), :mod:`.rows` (their bytes), the layouts :mod:`.masked` (DeepEP),
-:mod:`.flat` (Ascend, with the TP stage :mod:`.tp`) and :mod:`.expand` (DeepEP V2), :mod:`.reduce` (combine's fp32
-sums), MegaMoE's :mod:`.pipeline` and :mod:`.ffn`, on the CPU kernels (:mod:`deep_ep_npu.kernels`)."""
+"""The engine (README "Architecture"): :mod:`.exchange` (dispatch and combine, the ``reference`` backend), the layouts
+:mod:`.masked` (DeepEP), :mod:`.flat` (Ascend, its TP stage :mod:`.tp`) and :mod:`.expand` (DeepEP V2), :mod:`.plan`,
+:mod:`.rows`, :mod:`.reduce`, MegaMoE's :mod:`.pipeline` and :mod:`.ffn`; CPU loops in :mod:`deep_ep_npu.kernels`."""

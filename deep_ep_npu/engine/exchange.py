@@ -1,15 +1,14 @@
-"""The engine: one dispatch and one combine for every layout (:mod:`.masked`, :mod:`.flat`, :mod:`.expand`) and every
-transport (:mod:`deep_ep_npu.transports`). :class:`Engine` is the ``reference`` backend.
-
-Dispatch: the layout plans the rows (:mod:`.plan`) and their format (:mod:`.rows`); the transport sends each rank its
-rows and a header (row count, row size, the fingerprint every rank must agree on) while this rank places its own
-rows; the receive checks the headers (a rejection or a disagreement raises the same error on every rank) and the
-layout places the received rows. Combine is the same in reverse; the source reduces in fp32 (:mod:`.reduce`).
-:class:`InFlight` is the one in-flight object (hooks, events, ``*_start`` ops, ``comm_cmd_info`` wrap it)."""
+"""The engine: one dispatch and one combine for every layout (:mod:`.masked`, :mod:`.flat`, :mod:`.expand`) and
+transport; :class:`Engine` is the ``reference`` backend. The transport sends each rank its rows and a header (row
+count, row size, the fingerprint every rank must agree on) while this rank places its own; the receive checks the
+headers (a rejection or a disagreement raises the same error on every rank) and the layout places the rows. Combine
+is the same in reverse (:mod:`.reduce`). :class:`InFlight` is the one in-flight object (hooks, events, ``*_start``
+ops, ``comm_cmd_info`` wrap it)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -22,11 +21,12 @@ from .. import kernels, profiling
 from ..backends import Backend
 from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError, shape
-from ..transports import Check, Transport, Write, create
+from ..transports import Check, Transport, create
 from ..transports.collective import STATUS_OK, Agreement, EPGroup
-from . import expand, flat, masked, reduce
+from . import expand, flat, masked, pipeline, reduce
 from .plan import Plan
-from .rows import RowFormat, encoder
+from .rows import Parts, RowFormat, encoder
+from .tp import tp_agree
 
 FINGERPRINT = 16  # header words every layout may fill with what the ranks must agree on
 
@@ -60,22 +60,6 @@ class InFlight:
     __call__ = wait
 
 
-class Workspace:
-    """``get(name, shape, dtype)`` returns a view of a reused byte buffer, grown when a call needs more."""
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device, self._tensors = torch.device(device), dict[str, torch.Tensor]()
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes, buf = math.prod(shape) * dtype.itemsize, self._tensors.get(name)
-        if buf is None or buf.numel() < nbytes or buf.device != self.device:
-            buf = self._tensors[name] = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=self.device)
-        return buf[:nbytes].view(dtype).view(shape)
-
-    def clear(self) -> None:
-        self._tensors.clear()
-
-
 class Layout(Protocol):
     """Where a dispatch's rows go (built by :mod:`.masked`, :mod:`.flat`, :mod:`.expand`'s ``layout(call, engine)``).
     ``source`` `[T, *]`: what the rows encode; ``weights`` `[P]` fp32 per pair, ``smooth`` `[num_rows, H]` fp32 per
@@ -97,8 +81,7 @@ class Layout(Protocol):
     agree_now: bool
     tp: Any
 
-    def place(self, parts: list[tuple[int, torch.Tensor]], own: tuple[int, torch.Tensor], agreement: Agreement,
-              wait_ns: int) -> None: ...  # fmt: skip
+    def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None: ...
 
     def result(self) -> Any: ...
 
@@ -120,24 +103,18 @@ def check_names(agreement: Agreement, ep: EPGroup, names: Sequence[str], offset:
             raise shape(name, msg)
 
 
-def header_width(num_ranks: int) -> int:
-    """The shared header words of every call: the row size, two R-long vectors, the fingerprint."""
-    return 1 + 2 * num_ranks + FINGERPRINT
-
-
 class Engine(Backend):
-    """The reference backend: DeepEP's, DeepEP V2's and the Ascend ops' semantics on our engine, on any
-    torch.distributed group and device (every tensor it makes lives on the input's device). A buffer's engine (its
-    transport: the shared-memory window of one host when possible; reused, double-buffered tensors as DeepEP's),
-    or with ``reuse=False`` the ops' engine of a group (collective, its own tensors per call: any number in flight).
-    ``options``: :class:`~deep_ep_npu.backends.Backend`'s."""
+    """The reference backend: DeepEP's, DeepEP V2's and the Ascend ops' semantics on any torch.distributed group and
+    device (every tensor it makes lives on the input's device). A buffer's engine: one host's shared-memory window
+    when possible, reused double-buffered tensors as DeepEP's; ``reuse=False``: the ops' engine of a group
+    (collective, its own tensors per call: any number in flight)."""
 
     name = "reference"
 
     def __init__(self, group: dist.ProcessGroup, **options: Any) -> None:
         super().__init__(group, **options)
         self.collective, self.window = create(self.ep, self.transport_name, self.num_rdma_bytes, self.reuse)
-        self.ws = Workspace()  # the buffer's reused tensors (dispatch results alternate between two sets)
+        self.device, self._reused = torch.device("cpu"), dict[str, torch.Tensor]()  # (the call's input's device)
         self.tag, self.result_set = 0, 0  # which wire scratch / dispatch result set the next call uses
         self.wire: dict[str, tuple[list[int], int]] = {}  # the last call's bytes per destination, header bytes
 
@@ -148,22 +125,27 @@ class Engine(Backend):
 
     def transport_for(self, device: torch.device, tp: bool = False) -> Transport:
         """The window for CPU tensors without a TP stage (when the group has one), else the collective one."""
-        if self.window is not None and device.type == "cpu" and not tp:
-            return self.window
-        return self.collective
+        return self.window if self.window is not None and device.type == "cpu" and not tp else self.collective
 
-    def scratch(self, name: str, shape_: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer's reused tensor of this call's set (two alternate: at most two calls in flight); the ops' engine
-        gives each call its own (any number in flight)."""
+    def reused(self, name: str, shape_: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A view of the buffer's reused byte buffer ``name``, grown when a call needs more (dispatch results
+        alternate between two sets)."""
+        nbytes, buf = math.prod(shape_) * dtype.itemsize, self._reused.get(name)
+        if buf is None or buf.numel() < nbytes or buf.device != self.device:
+            buf = self._reused[name] = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=self.device)
+        return buf[:nbytes].view(dtype).view(shape_)
+
+    def scratch(self, name: str, shape_: tuple[int, ...], dtype: torch.dtype, job: int = 0) -> torch.Tensor:
+        """A buffer's reused tensor of this call's set (two alternate: at most two calls in flight; ``job``: of a
+        combine's later jobs); the ops' engine gives each call its own (any number in flight)."""
         if not self.reuse:
-            return torch.empty(shape_, dtype=dtype, device=self.ws.device)
-        return self.ws.get(f"{name}{self.tag}", shape_, dtype)
+            return torch.empty(shape_, dtype=dtype, device=self.device)
+        return self.reused(f"{name}{self.tag}" if not job else f"{name}{self.tag}.{job}", shape_, dtype)
 
     def reject(self, op: str, code: int, tp: EPGroup | None = None) -> None:
-        self.transport_for(torch.device("cpu"), tp is not None).reject(op, code, header_width(self.num_ranks))
+        width = 1 + 2 * self.num_ranks + FINGERPRINT  # (:func:`header`'s words)
+        self.transport_for(torch.device("cpu"), tp is not None).reject(op, code, width)
         if tp is not None and tp.num_ranks == 2:
-            from .tp import tp_agree
-
             tp_agree(tp, code, op)
 
     def _run(self, start: Callable[[], InFlight]) -> InFlight:
@@ -183,47 +165,31 @@ class Engine(Backend):
     def dispatch(self, call: DispatchCall) -> InFlight:
         return self._run(lambda: self._dispatch(call))
 
-    def _dispatch(self, c: DispatchCall) -> InFlight:
+    def _layout(self, c: DispatchCall | CombineCall, what: str) -> Any:
+        """The layout module's ``what`` (``layout`` or ``combine_jobs``) of ``c``, for the next call's set of tensors
+        (it checks the call against a handle / capacity: a rejection is told to the peers)."""
         self.tag ^= 1
-        self.ws.device = c.x.device
-        with self.rejecting(c.op, tp=c.experts.tp):  # (the layout checks the call against a handle / capacity)
-            layout: Layout = LAYOUTS[c.layout].layout(c, self)
-        plan, fmt, me, r = layout.plan, layout.fmt, self.rank, self.num_ranks
-        transport = self.transport_for(c.x.device, layout.tp is not None)
-        remote = transport is self.window
+        self.device = c.x.device
+        with self.rejecting(c.op, tp=c.experts.tp):
+            return getattr(LAYOUTS[c.layout], what)(c, self)
+
+    def _dispatch(self, c: DispatchCall) -> InFlight:
+        layout: Layout = self._layout(c, "layout")
+        plan, fmt, me = layout.plan, layout.fmt, self.rank
         encode = encoder(fmt, layout.source, plan, layout.weights, layout.smooth)
-        begin = [sum(plan.rows_per_dest[q] for q in range(d) if q != me) for d in range(r)]
-        begin[me] = plan.num_remote_rows
-
-        def write(d: int, out: torch.Tensor) -> None:
-            encode(out, slice(begin[d], begin[d] + plan.rows_per_dest[d]), remote)
-
-        more = getattr(layout, "check", None)
-
-        def check(agreement: Agreement) -> None:
-            check_status(agreement)
-            if more is not None:
-                more(agreement)
-            check_names(agreement, self.ep, layout.names, 1 + 2 * r)
-
         own_rows = self.scratch("dispatch_own", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
-        mine = slice(begin[me], begin[me] + plan.rows_per_dest[me])
 
         def own() -> None:  # placed now, while the rows travel (where the layout can)
-            if (place_own := getattr(layout, "place_own", None)) is not None:
-                place_own(own_rows, lambda: encode(own_rows, mine, False))
-            else:
-                encode(own_rows, mine, False)
+            place_own = getattr(layout, "place_own", lambda _, encode_own: encode_own())
+            place_own(own_rows, functools.partial(encode, False, me, own_rows))
 
-        def place(_: None, agreement: Agreement, parts: list[tuple[int, torch.Tensor]], wait_ns: int) -> Any:
+        def place(agreement: Agreement, parts: Parts, wait_ns: int) -> Any:
             layout.place(parts, (me, own_rows), agreement, wait_ns)
             return layout.result()
 
-        known = layout.known or [-1] * r
-        counts = [[plan.rows_per_dest[d], known[d]] for d in range(r)]
-        shared = header(fmt.row_bytes, layout.vectors, layout.fingerprint, r)
-        receive = self._exchange("dispatch", c.op, transport, counts, shared, write, check, layout, c.x.device, own,
-                                 place)  # fmt: skip
+        counts = [[n, k] for n, k in zip(plan.rows_per_dest, layout.known or [-1] * self.num_ranks, strict=True)]
+        more = getattr(layout, "check", None)
+        receive = self._exchange("dispatch", c.op, layout, counts, layout.vectors, encode, more, own, place)
         return InFlight(receive, layout.result())
 
     def combine(self, call: CombineCall) -> InFlight:
@@ -237,64 +203,60 @@ class Engine(Backend):
         return self._run(start)
 
     def _combine(self, c: CombineCall) -> InFlight:
-        self.tag ^= 1
-        self.ws.device = c.x.device
-        with self.rejecting(c.op, tp=c.experts.tp):
-            made: list[reduce.CombineJob] = LAYOUTS[c.layout].combine_jobs(c, self)
-        receives = [self._combine_job(c, job) for job in made]  # (a peer's rejection stops the next one)
+        jobs: list[reduce.CombineJob] = self._layout(c, "combine_jobs")
+        receives = [self._combine_job(c, job, i) for i, job in enumerate(jobs)]  # (a peer's rejection stops the next)
         outs = receives[0].value if len(receives) == 1 else tuple(receive.value for receive in receives)
         return InFlight(lambda: [receive() for receive in receives] and outs, outs)
 
-    def _combine_job(self, c: CombineCall, job: reduce.CombineJob) -> InFlight:
-        plan, fmt, me, r = job.plan, job.fmt, self.rank, self.num_ranks
-        transport = self.transport_for(job.source.device, job.tp is not None)
-        starts = [sum(job.rows_per_src[:q]) for q in range(r)]
+    def _combine_job(self, c: CombineCall, job: reduce.CombineJob, i: int) -> InFlight:
+        plan, fmt, me = job.plan, job.fmt, self.rank
+        starts = [sum(job.rows_per_src[:q]) for q in range(self.num_ranks)]
 
-        def write(q: int, out: torch.Tensor) -> None:
+        def write(remote: bool, q: int, out: torch.Tensor) -> None:
             rows = job.return_rows[starts[q] : starts[q] + job.rows_per_src[q]]
             if fmt.quantized:
                 fmt.encode(job.source.index_select(0, rows), out)
-            elif transport is not self.window or not kernels.gather(job.source, rows, out.view(fmt.dtype)):
+            elif not remote or not kernels.gather(job.source, rows, out.view(fmt.dtype)):
                 torch.index_select(job.source, 0, rows, out=out.view(fmt.dtype))
-
-        def check(agreement: Agreement) -> None:
-            check_status(agreement)
-            reduce.check(job, agreement, self.ep.live)
-            check_names(agreement, self.ep, job.names, 1 + 2 * r)
 
         # own rows now, unless the TP stage changes the source first or the handle is inconsistent (check raises)
         early = job.tp is None and job.rows_per_src[me] == plan.pairs_per_dest[me]
-
-        def own() -> reduce.Local | None:
-            return reduce.reduce_own(job, self.scratch) if early else None
-
-        def finish(local: reduce.Local | None, agreement: Agreement, parts: list[tuple[int, torch.Tensor]],
-                   wait_ns: int) -> None:  # fmt: skip
-            mine = local if local is not None else reduce.reduce_own(job, self.scratch)
-            reduce.reduce_remote(job, mine, [rows for _, rows in parts], agreement, wait_ns, self.scratch)
-
-        counts = [[job.rows_per_src[q], -1] for q in range(r)]
-        shared = header(fmt.row_bytes, (*job.rows_per_src, *plan.pairs_per_dest), job.fingerprint, r)
-        receive = self._exchange("combine", c.op, transport, counts, shared, write, check, job, job.source.device,
-                                 own, finish)  # fmt: skip
+        scratch = functools.partial(self.scratch, job=i)  # (the jobs' own rows are reduced before their receives)
+        own = functools.partial(reduce.reduce_own, job, scratch) if early else None
+        finish = functools.partial(reduce.reduce_remote, job, scratch)
+        more = functools.partial(reduce.check, job, self.ep)
+        counts, vectors = [[n, -1] for n in job.rows_per_src], (*job.rows_per_src, *plan.pairs_per_dest)
+        receive = self._exchange("combine", c.op, job, counts, vectors, write, more, own, finish)
         return InFlight(receive, job.out)
 
-    def _exchange(self, kind: str, op: str, transport: Transport, counts: list[list[int]], shared: list[int],
-                  write: Write, check: Check, sender: Any, device: torch.device, own: Callable[[], Any],
-                  finish: Callable[..., Any]) -> Callable[[], Any]:  # fmt: skip
-        """One exchange: send (``sender``: the layout or combine job; a TP pair's peer is told when the EP call fails
-        before their agreement), run ``own()`` while the rows travel, and return the receive, ``finish(own's result,
-        agreement, parts, wait_ns)``; timed when :data:`deep_ep_npu.profiling.enabled`."""
-        started, tp = time.perf_counter(), sender.tp
+    def _exchange(self, kind: str, op: str, sender: Any, counts: list[list[int]], vectors: Sequence[int],
+                  write: Callable[[bool, int, torch.Tensor], None], more: Check | None, own: Callable[[], None] | None,
+                  finish: Callable[[Agreement, Parts, int], Any]) -> Callable[[], Any]:  # fmt: skip
+        """One exchange of ``sender`` (the layout or the combine job): send (``write(remote, d, out)``: the rows for
+        rank d; a TP pair's peer is told when the EP call fails before their agreement), check the headers (status,
+        ``more``, the fingerprint), run ``own()`` (if any) while the rows travel, and return the receive:
+        ``finish(agreement, parts, wait_ns)``, timed when :data:`deep_ep_npu.profiling.enabled`."""
+        started, tp, device, r = time.perf_counter(), sender.tp, sender.source.device, self.num_ranks
+        transport = self.transport_for(device, tp is not None)
+        shared = header(sender.fmt.row_bytes, vectors, sender.fingerprint, r)
         self.wire[kind] = ([n * shared[0] for n, _ in counts], 8 * len(shared))  # (profiling.wire_stats)
+
+        def check(agreement: Agreement) -> None:
+            check_status(agreement)
+            if more is not None:
+                more(agreement)
+            check_names(agreement, self.ep, sender.names, 1 + 2 * r)
+
+        write_rows = functools.partial(write, transport is self.window)
         try:
-            token = transport.send(op, counts, shared, write, check, agree_now=sender.agree_now, device=device,
+            token = transport.send(op, counts, shared, write_rows, check, agree_now=sender.agree_now, device=device,
                                    before_payload=None if tp is None else tp.before_payload)  # fmt: skip
         except MoeDistributeError as err:
             if tp is not None:
                 tp.abort(err.code)
             raise
-        mine = own()
+        if own is not None:
+            own()
         send_s = time.perf_counter() - started
 
         def receive() -> Any:
@@ -302,7 +264,7 @@ class Engine(Backend):
             agreement, parts, wait_ns = transport.receive(token)
             received = time.perf_counter()
             try:
-                return finish(mine, agreement, parts, wait_ns)
+                return finish(agreement, parts, wait_ns)
             finally:
                 transport.done(token)
                 if profiling.enabled:
@@ -312,17 +274,15 @@ class Engine(Backend):
 
     def next_combine_buffer(self, handle: Any) -> torch.Tensor:
         """The `[L, R * N, hidden]` bfloat16 buffer the next ``zero_copy`` combine of ``handle``'s layout reads."""
-        self.ws.device = handle.src_info.device
-        return self.ws.get(f"zero_copy{self.tag ^ 1}", (*handle.src_info.shape, handle.hidden), torch.bfloat16)
+        self.device = handle.src_info.device
+        return self.reused(f"zero_copy{self.tag ^ 1}", (*handle.src_info.shape, handle.hidden), torch.bfloat16)
 
     def can_fuse(self, call: DispatchCall, ffn: FFN) -> bool:
         """No: the engine runs the pipeline (:mod:`.pipeline`)."""
         return False
 
     def mega_moe(self, call: DispatchCall, ffn: FFN, fused: bool) -> torch.Tensor:
-        from .pipeline import run
-
-        return run(self, call, ffn)
+        return pipeline.run(self, call, ffn)
 
     def clean(self) -> None:
         self.tag = self.result_set = 0
@@ -331,12 +291,12 @@ class Engine(Backend):
         if self.window is not None:
             self.window.close()
         self.collective.close()
-        self.ws.clear()
+        self._reused.clear()
 
 
 def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], num_ranks: int) -> list[int]:
-    """The shared header words of a call (:func:`header_width` of them): the row size, up to 2R words of vectors,
-    up to :data:`FINGERPRINT` words of fingerprint, each part zero-padded."""
+    """The shared header words of a call: the row size, up to 2R words of vectors, up to :data:`FINGERPRINT` words of
+    fingerprint, each part zero-padded."""
     assert len(vectors) <= 2 * num_ranks and len(fingerprint) <= FINGERPRINT, "the layout's header words fit"
     pad = [0] * (2 * num_ranks - len(vectors)) + list(fingerprint) + [0] * (FINGERPRINT - len(fingerprint))
     return [row_bytes, *vectors, *pad]

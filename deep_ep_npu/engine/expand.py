@@ -23,46 +23,31 @@ from ..handle import EPHandle
 from ..transports.collective import Agreement
 from .plan import Plan, make_plan, plan_topk
 from .reduce import CombineJob
-from .rows import RowFormat
+from .rows import Parts, RowFormat, align
 
 X_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 SF_DTYPE_CODES = {None: 0, torch.float32: 1, torch.int32: 2}
+MISMATCH = ("handle", "the handle of this layer's dispatch on every rank")
 NAMES = ("cached handle", "num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "scale-factor columns",
          "scale-factor dtype", "num_topk", "row bytes")  # fmt: skip
 COMBINE_NAMES = ("num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "topk_weights given")
 
 
-@dataclasses.dataclass(frozen=True)
 class Payload:
     """How a row's bytes split: ``x`` `[hidden]` in ``x_dtype``, ``sf`` `[sf_cols]` (4-byte ``sf_dtype``, or none),
-    the weights `[num_topk]` fp32 (zeros when the caller gave none)."""
+    the weights `[num_topk]` fp32 (zeros when the caller gave none); of x `[T, hidden]` and sf `[T, sf_cols]`."""
 
-    hidden: int
-    x_dtype: torch.dtype
-    sf_cols: int
-    sf_dtype: torch.dtype | None
-    num_topk: int
-
-    @property
-    def x_bytes(self) -> int:
-        return self.hidden * self.x_dtype.itemsize
-
-    @property
-    def sf_end(self) -> int:
-        return self.x_bytes + 4 * self.sf_cols
-
-    @property
-    def num_bytes(self) -> int:
-        return self.sf_end + 4 * self.num_topk
+    def __init__(self, x: torch.Tensor, sf: torch.Tensor | None, num_topk: int) -> None:
+        self.hidden, self.x_dtype, self.num_topk = x.shape[1], x.dtype, num_topk
+        self.sf_cols, self.sf_dtype = 0 if sf is None else sf.shape[1], None if sf is None else sf.dtype
+        self.x_bytes = self.hidden * self.x_dtype.itemsize
+        self.sf_end = self.x_bytes + 4 * self.sf_cols
+        self.num_bytes = self.sf_end + 4 * num_topk
 
     def pack(self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
         """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None)."""
-        parts = [x.contiguous().view(torch.uint8)]
-        if sf is not None:
-            parts.append(sf.contiguous().view(torch.uint8))
         w = weights if weights is not None else x.new_zeros((x.shape[0], self.num_topk), dtype=torch.float32)
-        parts.append(w.contiguous().view(torch.uint8))
-        return torch.cat(parts, dim=1)
+        return torch.cat([t.contiguous().view(torch.uint8) for t in (x, sf, w) if t is not None], dim=1)
 
     def fields(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Views of ``rows`` `[n, >= num_bytes]` uint8: x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
@@ -75,8 +60,9 @@ class Placement:
     """Where one dispatch put its rows (kept by the handle; the same topk_idx places the same way). ``rows_from``:
     rows per source rank (this rank's own included); ``slots`` `[num_recv, K]` int32: each received row's local
     expert per top-k slot (-1: not here), rows in layout order; ``pair_row`` / ``pair_slot`` / ``pair_pos`` `[P]`
-    int64: each (row, slot) pair for this rank and its expand row; ``counts`` `[L]` int64: pairs per local expert;
-    ``num_rows`` / ``num_expanded``: the allocated rows (exact, or the worst case without CPU sync)."""
+    int64: each (row, slot) pair for this rank and its expand row; ``counts`` `[L]` int64: pairs per local expert
+    (``aligned``: rounded up to the alignment); ``num_rows`` / ``num_expanded``: the allocated rows (exact, or the
+    worst case without CPU sync)."""
 
     rows_from: list[int]
     slots: torch.Tensor
@@ -84,18 +70,12 @@ class Placement:
     pair_slot: torch.Tensor
     pair_pos: torch.Tensor
     counts: torch.Tensor
+    aligned: torch.Tensor
     num_rows: int
     num_expanded: int
 
 
-def payload_of(x: torch.Tensor, sf: torch.Tensor | None, topk: int) -> Payload:
-    return Payload(x.shape[1], x.dtype, 0 if sf is None else sf.shape[1], None if sf is None else sf.dtype, topk)
-
-
-def worst_case_rows(num_ranks: int, num_max: int, num_topk: int, num_local: int, alignment: int) -> tuple[int, int]:
-    """DeepEP's no-CPU-sync shapes: ``R * N`` rows, ``align(R * N * min(K, L) + (a - 1) * L, a)`` expanded rows."""
-    rn = num_ranks * num_max
-    return rn, -(-(rn * min(num_topk, num_local) + (alignment - 1) * num_local) // alignment) * alignment
+payload_of = Payload
 
 
 def make_placement(slots: torch.Tensor, rows_from: list[int], num_local: int, alignment: int,
@@ -112,14 +92,12 @@ def make_placement(slots: torch.Tensor, rows_from: list[int], num_local: int, al
     start = aligned.cumsum(0) - aligned
     pos = start[expert] + torch.arange(expert.numel(), device=expert.device) - (counts.cumsum(0) - counts)[expert]
     num_rows, num_expanded = sizes or (total, int(aligned.sum()))
-    return Placement(rows_from, slots, pair_row, pair_slot, pos, counts, num_rows, num_expanded)
+    return Placement(rows_from, slots, pair_row, pair_slot, pos, counts, aligned, num_rows, num_expanded)
 
 
 class Outputs:
-    """A V2 dispatch's outputs: ``x`` `[rows, hidden]`, ``sf`` `[rows, sf_cols]` or None, ``weights`` (`[rows, K]`
-    fp32; expand: `[rows]`), ``topk_idx`` `[rows, K]` int64 (non-expand) or None, ``metadata`` `[num_recv, K + 2]`
-    int32 (source rank * N + token, source rank, expand row per slot or -1), ``psum_per_rank`` `[R]` int32
-    (inclusive), ``psum_per_expert`` `[L]` int32, ``counts`` `[L]` int32 (unaligned); and its ``handle``."""
+    """A V2 dispatch's outputs (``ElasticBuffer.dispatch``'s, and the tensors of its ``handle``: ``metadata`` is
+    ``recv_src_metadata``, ``psum_per_rank`` / ``psum_per_expert`` / ``counts`` the prefix sums and counts)."""
 
     def __init__(self, c: DispatchCall, p: Payload, num_rows: int, num_expanded: int) -> None:
         dev, k, r, num_local = c.x.device, p.num_topk, c.experts.world_size, c.experts.num_local
@@ -140,25 +118,28 @@ class Outputs:
 
 
 def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
-    """The rows to allocate before the receive: a cached handle's, DeepEP's worst case without CPU sync, else None
-    (exact, known at the receive)."""
-    e, h = c.experts, c.cached
+    """The rows to allocate before the receive: a cached handle's, DeepEP's worst case without CPU sync (``R * N``
+    rows, ``align(R * N * min(K, L) + (a - 1) * L, a)`` expanded rows), else None (exact, known at the receive)."""
+    e, h, a = c.experts, c.cached, c.alignment
     if h is not None:
         return h.num_recv_tokens, h.num_expanded_tokens
-    return None if c.cpu_sync else worst_case_rows(e.world_size, c.num_max, num_topk, e.num_local, c.alignment)
+    rn = e.world_size * c.num_max
+    return None if c.cpu_sync else (rn, align(rn * min(num_topk, e.num_local) + (a - 1) * e.num_local, a))
 
 
 def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None, plan: Plan,
                state: dict[str, Any]) -> EPHandle:  # fmt: skip
     """The handle of a fresh dispatch (``plan``: its send plan; ``state``: what its backend keeps)."""
     num_rows, num_expanded = sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
-    a = c.alignment
-    listed = [] if not c.cpu_sync or place is None else ((place.counts + a - 1) // a * a).tolist()
+    listed = [] if not c.cpu_sync or place is None else place.aligned.tolist()
+    dev = c.expert_ids.device  # slot_idx: each slot's row among the rows sent to its expert's rank (-1: no expert)
+    slot_idx = torch.full(c.expert_ids.shape, -1, dtype=torch.int32, device=dev)
+    base = torch.tensor([rows.start for rows in plan.row_slices()], device=dev)[plan.dest]
+    slot_idx[plan.token, plan.slot] = (plan.row_of_pair - base).to(torch.int32)
     return EPHandle(
-        c.do_expand, c.experts.num_moe_experts, a, c.num_max, 0,
+        c.do_expand, c.experts.num_moe_experts, c.alignment, c.num_max, 0,
         c.expert_ids.clone() if c.handle_copy else c.expert_ids, num_rows, num_expanded if c.do_expand else 0,
-        listed, out.psum_per_rank, out.psum_per_expert, out.counts, out.metadata,
-        slot_idx(plan, c.expert_ids, c.experts.rank), state,
+        listed, out.psum_per_rank, out.psum_per_expert, out.counts, out.metadata, slot_idx, state,
     )  # fmt: skip
 
 
@@ -169,30 +150,24 @@ def receive(c: DispatchCall, p: Payload, place: Placement, x: torch.Tensor, sf: 
     ``out`` (None: allocated now) and, for a fresh layout (``tokens`` `[n]`: each row's source token), the handle's
     tensors: source metadata, prefix sums, counts."""
     out = out or Outputs(c, p, place.num_rows, place.num_expanded)
-    n = x.shape[0]
-    if c.do_expand:
-        out.x[place.pair_pos] = x.index_select(0, place.pair_row)
-        if sf is not None and out.sf is not None:
-            out.sf[place.pair_pos] = sf.index_select(0, place.pair_row)
-        out.weights[place.pair_pos] = weights[place.pair_row, place.pair_slot]
-    else:
-        out.x[:n], out.weights[:n] = x, weights
-        if sf is not None and out.sf is not None:
-            out.sf[:n] = sf
-        assert out.topk_idx is not None
+    n, rows, dev = x.shape[0], place.pair_row, x.device
+    at: Any = place.pair_pos if c.do_expand else slice(n)  # expand: each pair's row, else the rows as they came
+    out.x[at] = x.index_select(0, rows) if c.do_expand else x
+    if sf is not None and out.sf is not None:
+        out.sf[at] = sf.index_select(0, rows) if c.do_expand else sf
+    out.weights[at] = weights[rows, place.pair_slot] if c.do_expand else weights
+    if out.topk_idx is not None:  # (not expand)
         out.topk_idx[:n] = place.slots
     if tokens is not None:
-        a = c.alignment
-        rows_from = torch.tensor(place.rows_from, device=tokens.device)
-        src = torch.repeat_interleave(torch.arange(len(place.rows_from), device=tokens.device), rows_from,
-                                      output_size=n).to(torch.int32)  # fmt: skip
+        rows_from = torch.tensor(place.rows_from, device=dev)
+        sources = torch.arange(len(place.rows_from), dtype=torch.int32, device=dev)
+        src = sources.repeat_interleave(rows_from, output_size=n)
         out.metadata[:n, 0], out.metadata[:n, 1] = src * c.num_max + tokens.to(torch.int32), src
         if c.do_expand:
-            out.metadata[place.pair_row, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
-        aligned = (place.counts + a - 1) // a * a
-        psum = aligned.cumsum(0)
+            out.metadata[rows, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
+        psum = place.aligned.cumsum(0)
         out.psum_per_rank.copy_(rows_from.cumsum(0))
-        out.psum_per_expert.copy_(psum - aligned + place.counts if c.do_expand else psum)
+        out.psum_per_expert.copy_(psum - place.aligned + place.counts if c.do_expand else psum)
         out.counts.copy_(place.counts)
     if c.recv_stats is not None:
         c.recv_stats += place.counts.to(c.recv_stats.dtype)
@@ -206,26 +181,26 @@ class _Expand:
     """The layout of one V2 dispatch (the :class:`~.exchange.Layout` protocol); :meth:`result` is its
     :class:`Outputs` (None until allocated: with CPU sync, at the receive)."""
 
-    weights, smooth, tp, names = None, None, None, NAMES
+    weights, smooth, tp, names, agree_now = None, None, None, NAMES, False
 
     def __init__(self, c: DispatchCall, engine: Any) -> None:
         e, h = c.experts, c.cached
         self.c, self.ep = c, engine.ep
         self.payload = p = payload_of(c.x, c.x_sf, c.expert_ids.shape[1])
-        no_mask = torch.zeros(e.world_size, dtype=torch.int32)
-        self.plan = h.state["plan"] if h is not None else plan_topk(
-            c.expert_ids, num_local_experts=e.num_local, num_ranks=e.world_size, rank=e.rank, mask=no_mask,
-            per_pair_rows=False)  # fmt: skip
+        if h is not None:
+            self.plan = h.state["plan"]
+        else:
+            no_mask = torch.zeros(e.world_size, dtype=torch.int32)
+            self.plan = plan_topk(c.expert_ids, e.num_local, e.world_size, e.rank, no_mask, per_pair_rows=False)
         self.cached: Placement | None = None if h is None else h.state["placement"]
         self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
         self.source = p.pack(c.x, c.x_sf, c.expert_scales)
         self.known = None if self.cached is None else list(self.cached.rows_from)
-        self.agree_now = False
         self.vectors = (*self.plan.rows_per_dest, *(self.known or [-1] * e.world_size))
         self.fingerprint = (int(h is not None), c.num_max, e.num_moe_experts, p.hidden, X_DTYPE_CODES[p.x_dtype],
                             p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
         self.sizes = sizes_of(c, p.num_topk)
-        state = dict(owner=engine, plan=self.plan, row_bytes=self.fmt.row_bytes, payload=p)
+        state = dict(owner=engine, plan=self.plan, payload=p)
         self.make_handle = lambda out, place: new_handle(c, out, place, self.sizes, self.plan, state)
         self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes)
         if self.outputs is not None:
@@ -242,37 +217,23 @@ class _Expand:
         live = self.ep.live
         if bad := [(p, q) for p in live for q in live if p != q and shared[p][1 + q] != shared[q][1 + r + p]]:
             (p, q), n = bad[0], len(bad)
-            raise shape("handle", f"rank {p}'s handle sends {shared[p][1 + q]} rows to rank {q}, whose handle "
-                        f"expects {shared[q][1 + r + p]} from it ({n} rank pairs differ): every rank must pass the "
-                        "handle of the same dispatch")  # fmt: skip
+            why = f"rank {p}'s handle sends {shared[p][1 + q]} rows to rank {q}, whose handle expects"
+            fix = "every rank must pass the handle of the same dispatch"
+            raise shape("handle", f"{why} {shared[q][1 + r + p]} from it ({n} rank pairs differ): {fix}")
 
-    def place(self, parts: list[tuple[int, torch.Tensor]], own: tuple[int, torch.Tensor], agreement: Agreement,
-              wait_ns: int) -> None:  # fmt: skip
-        by_src, c = dict([*parts, own]), self.c
-        staged = torch.cat([by_src[s] for s in range(self.ep.num_ranks) if s in by_src])  # by source, tokens ascending
-        rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(self.ep.num_ranks)]
-        place = self.cached or make_placement(self.fmt.slot_experts(staged), rows_from, c.experts.num_local,
-                                              c.alignment, self.sizes)  # fmt: skip
-        tokens = None if self.cached is not None else self.fmt.tokens(staged)
-        self.outputs = receive(c, self.payload, place, *self.payload.fields(staged), tokens, self.outputs,
-                               self.make_handle)  # fmt: skip
-
-
-def layout(c: DispatchCall, engine: Any) -> _Expand:
-    return _Expand(c, engine)
+    def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None:
+        by_src, r, c = dict([*parts, own]), self.ep.num_ranks, self.c
+        staged = torch.cat([by_src[s] for s in range(r) if s in by_src])  # by source, tokens ascending
+        place, tokens = self.cached, None
+        if place is None:
+            rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(r)]
+            num_local, tokens = c.experts.num_local, self.fmt.tokens(staged)
+            place = make_placement(self.fmt.slot_experts(staged), rows_from, num_local, c.alignment, self.sizes)
+        x, sf, weights = self.payload.fields(staged)
+        self.outputs = receive(c, self.payload, place, x, sf, weights, tokens, self.outputs, self.make_handle)
 
 
-def slot_idx(plan: Plan, topk_idx: torch.Tensor, rank: int) -> torch.Tensor:
-    """`[T, K]` int32: slot j's row among the rows this rank sends to that expert's rank (-1: no expert)."""
-    r = len(plan.rows_per_dest)
-    order = [d for d in range(r) if d != rank] + [rank]  # the send buffer's rank order (own rows last)
-    start = [0] * r
-    for prev, d in zip([None, *order], order, strict=False):
-        start[d] = 0 if prev is None else start[prev] + plan.rows_per_dest[prev]
-    out = torch.full(topk_idx.shape, -1, dtype=torch.int32, device=topk_idx.device)
-    base = torch.tensor(start, device=topk_idx.device)[plan.dest]
-    out[plan.token, plan.slot] = (plan.row_of_pair - base).to(torch.int32)
-    return out
+layout = _Expand
 
 
 def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -292,17 +253,13 @@ def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool) -> Plan:
     if key in h.state:
         return h.state[key]
     plan, num_tokens, r = h.state["plan"], h.num_tokens, num_ranks
-    if not per_row:
-        out = make_plan(plan.token, plan.slot, plan.dest, plan.expert, num_tokens=num_tokens, num_ranks=r, rank=rank,
-                        num_local_experts=h.num_experts // r, per_pair_rows=True)  # fmt: skip
-    else:
+    pairs, num_local = (plan.token, plan.slot, plan.dest, plan.expert), h.num_experts // r
+    if per_row:
         last = torch.full((num_tokens * r,), -1, dtype=torch.int64, device=plan.token.device)
         last.scatter_reduce_(0, plan.token * r + plan.dest, plan.slot, "amax")
         at = (last >= 0).nonzero(as_tuple=True)[0]
-        token, dest = at // r, at % r
-        out = make_plan(token, last[at], dest, torch.zeros_like(dest), num_tokens=num_tokens, num_ranks=r, rank=rank,
-                        num_local_experts=1, per_pair_rows=True)  # fmt: skip
-    h.state[key] = out
+        pairs, num_local = (at // r, last[at], at % r, torch.zeros_like(at)), 1
+    h.state[key] = out = make_plan(*pairs, num_tokens, r, rank, num_local, per_pair_rows=True)
     return out
 
 
@@ -312,38 +269,33 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     place: Placement = h.state["placement"]
     total, num_tokens, hidden, dev = sum(place.rows_from), h.num_tokens, x.shape[1], x.device
     per_row = not h.do_expand or c.multiple_reduction  # one returned row per (token, rank)
+    every_row = torch.arange(total, device=dev)
     if per_row:
-        rows, rows_per_src = torch.arange(total, device=dev), place.rows_from
+        rows, rows_per_src = every_row, place.rows_from
         source = reduce_expanded(x, h.recv_src_metadata[:total, 2:]) if h.do_expand else x
     else:  # every expand row, by (source rank, local expert, token): the order the sources' pair plans expect
-        src = torch.repeat_interleave(torch.arange(r, device=dev), torch.tensor(place.rows_from, device=dev))
-        src = src[place.pair_row]
+        src = h.recv_src_metadata[place.pair_row, 1].long()  # (each received row's source rank)
         expert = place.slots[place.pair_row, place.pair_slot].long()
         order = torch.argsort(src * (h.num_experts // r) + expert, stable=True)
         rows, rows_per_src, source = place.pair_pos[order], torch.bincount(src, minlength=r).tolist(), x
-    plan = _return_plan(h, rank, r, per_row)
-    extra = None
+    plan, extra, weighted = _return_plan(h, rank, r, per_row), None, c.expert_scales is not None
     if c.shared_expert_x:  # the biases, first in the fp32 sum: at slot -1
         tokens, bias = torch.arange(num_tokens, device=dev), sum(b.float() for b in c.shared_expert_x)
         extra = (tokens, torch.full_like(tokens, -1), bias)
-    fingerprint = (h.num_max_tokens_per_rank, h.num_experts, hidden, X_DTYPE_CODES[x.dtype],
-                   int(c.expert_scales is not None))  # fmt: skip
-    mismatch = ("handle", "the handle of this layer's dispatch on every rank")
-    ones = torch.ones_like(plan.token, dtype=torch.float32)
-    jobs = [CombineJob(source, rows, list(rows_per_src), plan, ones, 0,
-                       x.new_empty((num_tokens, hidden)), fingerprint, COMBINE_NAMES, mismatch, by_slot=True,
-                       extra=extra, agree_now=True)]  # fmt: skip
-    if c.expert_scales is not None:  # the weights travel back the same way, each slot from its expert's rank
-        w = c.expert_scales
-        if h.do_expand:
-            w_rows = torch.zeros((total, h.num_topk), dtype=torch.float32, device=dev)
-            w_rows[place.pair_row, place.pair_slot] = w[place.pair_pos]
-        else:
-            w_rows = w[:total].masked_fill(place.slots < 0, 0.0)
-        weight_plan = _return_plan(h, rank, r, True)
-        out = torch.empty((num_tokens, h.num_topk), dtype=torch.float32, device=dev)
-        jobs.append(CombineJob(w_rows, torch.arange(total, device=dev), list(place.rows_from), weight_plan,
-                               torch.ones_like(weight_plan.token, dtype=torch.float32),
-                               0, out, fingerprint, COMBINE_NAMES, mismatch,
-                               by_slot=True, agree_now=True))  # fmt: skip
-    return jobs
+    fingerprint = (h.num_max_tokens_per_rank, h.num_experts, hidden, X_DTYPE_CODES[x.dtype], int(weighted))
+    ones, out = torch.ones_like(plan.token, dtype=torch.float32), x.new_empty((num_tokens, hidden))
+    job = CombineJob(source, rows, list(rows_per_src), plan, ones, 0, out, fingerprint, COMBINE_NAMES, MISMATCH,
+                     by_slot=True, extra=extra, agree_now=True)  # fmt: skip
+    if c.expert_scales is None:
+        return [job]
+    w = c.expert_scales  # the weights travel back the same way, each slot from its expert's rank
+    if h.do_expand:
+        w_rows = torch.zeros((total, h.num_topk), dtype=torch.float32, device=dev)
+        w_rows[place.pair_row, place.pair_slot] = w[place.pair_pos]
+    else:
+        w_rows = w[:total].masked_fill(place.slots < 0, 0.0)
+    plan = _return_plan(h, rank, r, True)
+    ones, out = torch.ones_like(plan.token, dtype=torch.float32), w_rows.new_empty((num_tokens, h.num_topk))
+    w_job = dataclasses.replace(job, source=w_rows, return_rows=every_row, rows_per_src=list(place.rows_from),
+                                plan=plan, weights=ones, out=out, extra=None)  # fmt: skip
+    return [job, w_job]

@@ -1,4 +1,4 @@
-"""The expert FFN of the fused MegaMoE, as an exact numeric spec (GMM1 -> SwiGLU -> GMM2).
+"""The expert FFN of the fused MegaMoE, as an exact numeric spec (GMM1 -> SwiGLU -> GMM2; README "Fused MegaMoE").
 
 int8 weights (``w1_scale`` / ``w2_scale`` given), for the rows ``x`` of one local expert:
 
@@ -14,16 +14,10 @@ c2     = fp16(fp32(int(q2) @ int(w2) * w2_scale[c]))  # GMM2, Fixpipe channel de
 y      = out_dtype(fp32(c2) * s2[t])          # Combine: per-token scale in fp32, one rounding to out_dtype
 ```
 
-Float weights (bf16 / fp16 / fp32, no scales; ``wd`` = their dtype): ``h = wd(fp32(x) @ fp32(w1))``,
-``g = wd(silu(gate) * up)``, ``y = out_dtype(fp32(g) @ fp32(w2))`` (identities for fp32 weights).
-
-The rounding points are the PTO MegaMoE seed's and vllm-ascend's ``dispatch_ffn_combine`` kernel's (fp16 ``gmC``
-after the Fixpipe, fp32 SwiGLU, fp16 GMM2 tiles dequantized per token; the BF16 kernel rounds to the activation
-dtype); the gate is w1's first N columns (vllm-ascend's ``w13`` = [gate; up]); the clamp is the kernel's
-``swiglu_limit``. int8 products are exact (an fp64 matmul, or fp32 for inner sizes <= 1040). Unconfirmed without an
-NPU: how the Fixpipe rounds ``acc * scale`` (here: fp64 product, then fp32, then fp16). See the README's "Fused
-MegaMoE".
-"""
+Float weights (``wd`` = their dtype): ``h = wd(fp32(x) @ fp32(w1))``, ``g = wd(silu(gate) * up)``,
+``y = out_dtype(fp32(g) @ fp32(w2))``. The rounding points are the PTO MegaMoE seed's and vllm-ascend's
+``dispatch_ffn_combine`` kernel's; unconfirmed without an NPU: how the Fixpipe rounds ``acc * scale`` (here: fp64
+product, then fp32, then fp16)."""
 
 import itertools
 
@@ -36,14 +30,10 @@ from ..quant import per_token_int8
 FP32_EXACT_INNER = (1 << 24) // (127 * 127)  # inner sizes keeping every int8 partial sum below 2^24 (fp32 exact)
 
 
-def int8_gmm(q: Tensor, w: Tensor) -> Tensor:
-    """Exact integer matmul of int8 `[rows, k]` by int8 `[k, m]`: `[rows, m]` `torch.float64` integer sums."""
-    return (q.float() @ w.float()).double() if q.shape[1] <= FP32_EXACT_INNER else q.double() @ w.double()
-
-
-def fixpipe_dequant(acc: Tensor, channel_scale: Tensor) -> Tensor:
-    """A GMM's Fixpipe output, ``fp16(fp32(acc * channel_scale[c]))`` (product in fp64): ``acc`` `[rows, m]`
-    `torch.float64` integer sums, ``channel_scale`` `[m]` `torch.float32`; returns `[rows, m]` `torch.float16`."""
+def int8_gmm(q: Tensor, w: Tensor, channel_scale: Tensor) -> Tensor:
+    """A GMM's Fixpipe output ``fp16(fp32(acc * channel_scale[c]))`` (product in fp64) of the exact integer sums
+    ``acc = q @ w``: int8 q `[rows, k]` and w `[k, m]`, ``channel_scale`` `[m]` fp32; returns `[rows, m]` fp16."""
+    acc = (q.float() @ w.float()).double() if q.shape[1] <= FP32_EXACT_INNER else q.double() @ w.double()
     return (acc * channel_scale.double().unsqueeze(0)).float().half()
 
 
@@ -61,9 +51,9 @@ def int8_expert_ffn(q: Tensor, q_scale: Tensor, w1: Tensor, w1_scale: Tensor, w2
     """One expert's int8 FFN on already-quantized rows (the module docstring's formula): q `[num_rows, hidden]`
     `torch.int8` with per-token scales q_scale `[num_rows]` `torch.float32`; w1 `[hidden, 2N]` / w2 `[N, hidden]`
     `torch.int8`; w1_scale `[2N]` / w2_scale `[hidden]` `torch.float32`. Returns y `[num_rows, hidden]` out_dtype."""
-    h = fixpipe_dequant(int8_gmm(q, w1), w1_scale).float() * q_scale.unsqueeze(1)
+    h = int8_gmm(q, w1, w1_scale).float() * q_scale.unsqueeze(1)
     q2, s2 = per_token_int8(swiglu(h, swiglu_limit))
-    return (fixpipe_dequant(int8_gmm(q2, w2), w2_scale).float() * s2.unsqueeze(1)).to(out_dtype)
+    return (int8_gmm(q2, w2, w2_scale).float() * s2.unsqueeze(1)).to(out_dtype)
 
 
 def float_expert_ffn(x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype, swiglu_limit: float = 0.0) -> Tensor:
@@ -86,12 +76,10 @@ def grouped_ffn(expand_x: Tensor, dynamic_scales: Tensor, expert_token_nums: Ten
     starts = [0, *itertools.accumulate(expert_token_nums.tolist())]
     y = torch.empty((starts[-1], expand_x.shape[1]), dtype=out_dtype, device=expand_x.device)
     for e in experts:
-        lo, hi = starts[e], starts[e + 1]
-        x = expand_x[lo:hi]
-        if hi > lo and w1_scale is not None and w2_scale is not None:
-            y[lo:hi] = int8_expert_ffn(
-                x, dynamic_scales[lo:hi], w1[e], w1_scale[e], w2[e], w2_scale[e], out_dtype, swiglu_limit
-            )
-        elif hi > lo:
-            y[lo:hi] = float_expert_ffn(x, w1[e], w2[e], out_dtype, swiglu_limit)
+        rows = slice(starts[e], starts[e + 1])
+        if rows.stop > rows.start and w1_scale is not None and w2_scale is not None:
+            x, q_scale = expand_x[rows], dynamic_scales[rows]
+            y[rows] = int8_expert_ffn(x, q_scale, w1[e], w1_scale[e], w2[e], w2_scale[e], out_dtype, swiglu_limit)
+        elif rows.stop > rows.start:
+            y[rows] = float_expert_ffn(expand_x[rows], w1[e], w2[e], out_dtype, swiglu_limit)
     return y

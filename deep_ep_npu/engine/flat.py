@@ -8,6 +8,7 @@ ascending, in fp32, then ``shared_expert_x``."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,26 +16,25 @@ import torch
 from .. import kernels
 from ..core.ascend import OP_COMM_ALGS
 from ..core.call import CombineCall, DispatchCall
+from ..core.platforms import SCALAR_TYPE_CODE
 from ..errors import shape
 from ..transports.collective import Agreement
 from .plan import pair_weights, plan_call, smooth_rows
 from .reduce import CombineJob, special_contributions
-from .rows import DTYPE_CODES, RowFormat, parse
+from .rows import DTYPE_CODES, Parts, RowFormat, parse
 from .tp import TPStage, tp_gather_rows, tp_reduce_scatter
 
 NAMES = ("moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "x dtype", "shared_expert_num",
          "shared_expert_rank_num", "elastic_info", "tp_world_size", "y_dtype", "comm_alg")  # fmt: skip
 COMBINE_NAMES = ("moe_expert_num", "hidden", "expand_x dtype", "comm_quant_mode", "global_bs", "shared_expert_num",
                  "shared_expert_rank_num", "elastic_info", "tp_world_size", "comm_alg")  # fmt: skip
-SCALAR_TYPE_CODE = {torch.int8: 1, torch.float16: 5, torch.float32: 6, torch.bfloat16: 15, torch.float8_e5m2: 23,
-                    torch.float8_e4m3fn: 24}  # fmt: skip
+MISMATCH = ("assist_info_for_combine", "the expert_ids / x_active_mask used at dispatch and that dispatch's "
+            "assist_info_for_combine and ep_recv_counts")  # fmt: skip
 
 
 class _Flat:
     """The layout of one flat dispatch (the :class:`~.exchange.Layout` protocol). :meth:`result` is the 7 outputs of
-    ``npu_moe_distribute_dispatch_v2`` (allocated here, filled by :meth:`place`): ``expand_x`` `[A * tp, H]`,
-    ``dynamic_scales``, ``assist_info_for_combine``, ``expert_token_nums`` `[L]`, ``ep_recv_counts``,
-    ``tp_recv_counts``, ``expand_scales``; see :func:`deep_ep_npu.ops.moe_distribute_dispatch_v2`."""
+    :func:`deep_ep_npu.ops.moe_distribute_dispatch_v2`, allocated here, filled by :meth:`place`."""
 
     known, vectors, agree_now, names = None, (), True, NAMES
 
@@ -56,8 +56,8 @@ class _Flat:
         if q is None and c.scales is not None and c.scales.shape[1]:  # quant_mode 0 given scales: `[A, H]` zeros
             width = (c.scales.shape[1],)
         self.expand_x = torch.empty((cap * tp, hidden), dtype=fmt.data_dtype, device=dev)
-        self.scale_bytes = torch.empty((cap * tp, math.prod(width) * scale_dtype.itemsize), dtype=torch.uint8,
-                                       device=dev)  # fmt: skip
+        scale_row = math.prod(width) * scale_dtype.itemsize
+        self.scale_bytes = torch.empty((cap * tp, scale_row), dtype=torch.uint8, device=dev)
         self.dynamic_scales = self.scale_bytes.view(scale_dtype).view(cap * tp, *width)
         self.assist = torch.empty((max(x.shape[0] * topk, cap * 128),), dtype=torch.int32, device=dev)
         self.expand_scales = torch.empty((cap if self.weights is not None else 0,), dtype=torch.float32, device=dev)
@@ -65,8 +65,7 @@ class _Flat:
         extra = 2 * c.global_bs * topk * (e.world_size // 8) if self.weights is not None and e.platform != "a5" else 0
         self.recv_counts = torch.zeros((e.world_size * e.num_local_here * tp + extra,), dtype=torch.int32, device=dev)
         self.tp_recv_counts = torch.empty((e.tp_world_size,), dtype=torch.int32, device=dev)
-        tp_fp = (hidden, DTYPE_CODES[x.dtype] * 4 + 2 * (q is not None), fmt.row_bytes, e.num_moe_experts)
-        self.tp = None if e.tp is None else TPStage(e.tp, c.op, tp_fp)
+        self.tp = None if e.tp is None else TPStage(e, c.op, x, q is not None, fmt.row_bytes)
 
     def result(self) -> tuple[torch.Tensor, ...]:
         return (self.expand_x, self.dynamic_scales, self.assist, self.token_nums, self.recv_counts,
@@ -80,8 +79,7 @@ class _Flat:
             why = f"is 0 but x has different batch sizes across ranks (per rank: {batch}); pass global_bs = max(Bs) * W"
             raise shape("global_bs", why)
 
-    def place(self, parts: list[tuple[int, torch.Tensor]], own: tuple[int, torch.Tensor], agreement: Agreement,
-              wait_ns: int) -> None:  # fmt: skip
+    def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None:
         c, e, fmt, cap = self.c, self.c.experts, self.fmt, self.c.capacity
         w, num_local = e.world_size, e.num_local_here
         counts = torch.zeros((num_local, w), dtype=torch.int64, device=self.source.device)
@@ -110,7 +108,7 @@ class _Flat:
         self.recv_counts[: all_counts.numel()] = all_counts.cumsum(0).to(torch.int32)
         add_wait_time(c.wait_stats, agreement, wait_ns)
 
-    def _place_torch(self, blocks: list[tuple[int, torch.Tensor]], counts: torch.Tensor) -> int:
+    def _place_torch(self, blocks: Parts, counts: torch.Tensor) -> int:
         """:meth:`place`'s placement in torch (where :func:`~deep_ep_npu.kernels.place_flat` does not apply): fills
         ``counts`` `[L, R]` and returns the pairs received (writes no row when they exceed the capacity)."""
         fmt, cap, dev = self.fmt, self.c.capacity, self.source.device
@@ -125,9 +123,7 @@ class _Flat:
             return num_recv
         position = torch.empty_like(order)
         position[order] = torch.arange(num_recv, device=dev)  # each pair's final row
-        begin = 0
-        for s, rows, row, slot, ex in got:
-            at, begin = position[begin : begin + ex.numel()], begin + ex.numel()
+        for (s, rows, row, slot, _), at in zip(got, position.split([ex.numel() for *_, ex in got]), strict=True):
             if not at.numel():
                 continue
             fmt.scatter_data(rows, row, self.expand_x, at)
@@ -140,8 +136,7 @@ class _Flat:
         return num_recv
 
 
-def layout(c: DispatchCall, engine: Any) -> _Flat:
-    return _Flat(c, engine)
+layout = _Flat
 
 
 def add_wait_time(performance_info: torch.Tensor | None, agreement: Agreement, wait_ns: int) -> None:
@@ -170,37 +165,30 @@ def return_rows(assist: torch.Tensor, num_rows: int, mask: torch.Tensor) -> tupl
 def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     """The combine of a flat dispatch's rows ``c.x`` (TP: the ReduceScatterV over the pair runs after the agreement
     step, before the EP return)."""
-    e, x, assist = c.experts, c.x, c.handle[0]
-    dev, num_tokens, hidden = x.device, c.expert_ids.shape[0], x.shape[1]
+    e, x, hidden = c.experts, c.x, c.x.shape[1]
     plan = plan_call(e, c.expert_ids, c.x_active_mask, engine.mask, True)
-    rows, rows_per_src = return_rows(assist, c.num_rows, engine.mask)
+    rows, rows_per_src = return_rows(c.handle[0], c.num_rows, engine.mask)
     extra, addend, active = None, c.shared_expert_x, None
     if c.x_active_mask is not None and c.x_active_mask.dim() == 1:
         active = int(c.x_active_mask.sum())  # only the active prefix is written (zero here; untouched on the NPU)
     if e.logical_rank < 0:  # scaled out by elastic_info: takes no part, returns zeros
         addend, active = None, 0
     elif e.copy_expert_num or e.const_expert_num:
-        extra = special_contributions(e, c.expert_ids, c.x_active_mask, c.expert_scales, c.ori_x,
-                                      c.const_expert_alpha_1, c.const_expert_alpha_2, c.const_expert_v)  # fmt: skip
+        extra = special_contributions(c)
     fingerprint = (
         e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], c.comm_quant_mode, c.global_bs, e.shared_expert_num,
         e.shared_expert_rank_num, hash(e.ep_rank_of) & 0x7FFFFFFF, e.tp_world_size, OP_COMM_ALGS.index(c.comm_alg),
     )  # fmt: skip
-    mismatch = ("assist_info_for_combine", "the expert_ids / x_active_mask used at dispatch and that dispatch's "
-                "assist_info_for_combine and ep_recv_counts")  # fmt: skip
-    out = c.out if c.out is not None else torch.empty((num_tokens, hidden), dtype=x.dtype, device=dev)
-    perf = c.wait_stats
-    job = CombineJob(x, rows, rows_per_src, plan, pair_weights(plan, c.expert_scales, c.expert_ids.shape[1]),
-                     c.comm_quant_mode, out,
-                     fingerprint, COMBINE_NAMES, mismatch, by_slot=True, extra=extra, addend=addend, active=active,
-                     on_wait=lambda agreement, wait_ns: add_wait_time(perf, agreement, wait_ns),
-                     agree_now=True)  # fmt: skip
+    out = c.out if c.out is not None else x.new_empty((c.expert_ids.shape[0], hidden))
+    weights = pair_weights(plan, c.expert_scales, c.expert_ids.shape[1])
+    job = CombineJob(x, rows, rows_per_src, plan, weights, c.comm_quant_mode, out, fingerprint, COMBINE_NAMES, MISMATCH,
+                     by_slot=True, extra=extra, addend=addend, active=active, agree_now=True)  # fmt: skip
+    job.on_wait = partial(add_wait_time, c.wait_stats)
     if e.tp is not None:
 
         def reduce_scatter() -> bool:
             job.source = tp_reduce_scatter(e.tp, e.tp_rank_id, x, c.num_rows, c.num_peer)
             return True  # the rows to return changed: write them again
 
-        tp_fp = (hidden, DTYPE_CODES[x.dtype] * 4 + 2 * bool(c.comm_quant_mode), job.fmt.row_bytes, e.num_moe_experts)
-        job.tp = TPStage(e.tp, c.op, tp_fp, reduce_scatter)
+        job.tp = TPStage(e, c.op, x, bool(c.comm_quant_mode), job.fmt.row_bytes, reduce_scatter)
     return [job]

@@ -17,12 +17,12 @@ from ..handle import LowLatencyHandle
 from ..transports.collective import Agreement
 from .plan import plan_topk
 from .reduce import LOGFMT, CombineJob
-from .rows import DTYPE_CODES, QUANTS, RowFormat, parse
+from .rows import DTYPE_CODES, QUANTS, Parts, RowFormat, parse
 
 LOOP_BYTES = 1 << 18
 """Received data above which the layout is filled by one gather per expert instead of one scatter."""
 NAMES = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype", "use_fp8 format", "row bytes")
-COMBINE_NAMES = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "x dtype")
+COMBINE_NAMES, MISMATCH = NAMES[:4], ("handle", "the dispatch's handle and the same topk_idx")
 
 
 def exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -30,31 +30,28 @@ def exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 class _Masked:
-    """The layout of one dispatch (the :class:`~.exchange.Layout` protocol). Outputs, filled in place: ``recv_x``
-    `[L, R * N, hidden]` (``fmt.data_dtype``), ``scales`` `[L, R * N, G]` (fp32, or int32 UE8M0) or None,
-    ``src_info`` `[L, R * N]` int32, ``layout_range`` `[L, R]` int64 ``(begin << 32) | count``, ``recv_count`` `[L]`
-    int32; the call's ``recv_stats`` `[L]` int32 and ``wait_stats`` `[R]` int64 (ns) accumulate."""
+    """The layout of one dispatch (the :class:`~.exchange.Layout` protocol); its outputs (``Buffer``'s), filled in
+    place; the call's ``recv_stats`` `[L]` int32 and ``wait_stats`` `[R]` int64 (ns) accumulate."""
 
     known, vectors, agree_now, tp, weights, smooth, names = None, (), False, None, None, None, NAMES
 
     def __init__(self, c: DispatchCall, engine: Any) -> None:
         e, x, n = c.experts, c.x, c.num_max
         r, num_local, hidden = e.world_size, e.num_local, x.shape[1]
-        self.c, self.ep, self.rank, self.source = c, engine.ep, e.rank, x
-        self.plan = plan_topk(c.expert_ids, num_local_experts=num_local, num_ranks=r, rank=e.rank, mask=engine.mask,
-                              per_pair_rows=False)  # fmt: skip
+        self.c, self.rank, self.source = c, e.rank, x
+        self.plan = plan_topk(c.expert_ids, num_local, r, e.rank, engine.mask, per_pair_rows=False)
         self.fmt = fmt = RowFormat(hidden, x.dtype, c.quant, c.expert_ids.shape[1], False, c.round_scale)
         self.fingerprint = (n, e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], QUANTS.index(c.quant), fmt.row_bytes)
-        out, ws = f"dispatch_out{engine.result_set}_", engine.ws  # the two alternating sets: no page faults
+        out, reused = f"dispatch_out{engine.result_set}_", engine.reused  # the two alternating sets: no page faults
         engine.result_set ^= 1
-        self.recv_x = ws.get(out + "x", (num_local, r * n, hidden), fmt.data_dtype)
+        self.recv_x = reused(out + "x", (num_local, r * n, hidden), fmt.data_dtype)
         self.scales = None
         if c.quant is not None:  # DeepEP allocates [L, groups, R * N] and transposes: tokens have stride 1
             groups, scale_dtype = (hidden // 512, torch.int32) if c.use_ue8m0 else (hidden // 128, torch.float32)
-            self.scales = ws.get(out + "scales", (num_local, groups, r * n), scale_dtype).transpose(1, 2)
-        self.src_info = ws.get(out + "src_info", (num_local, r * n), torch.int32)
-        self.layout_range = ws.get(out + "layout_range", (num_local, r), torch.int64)
-        self.recv_count = ws.get(out + "recv_count", (num_local,), torch.int32)
+            self.scales = reused(out + "scales", (num_local, groups, r * n), scale_dtype).transpose(1, 2)
+        self.src_info = reused(out + "src_info", (num_local, r * n), torch.int32)
+        self.layout_range = reused(out + "layout_range", (num_local, r), torch.int64)
+        self.recv_count = reused(out + "recv_count", (num_local,), torch.int32)
         self.handle = LowLatencyHandle(self.src_info, self.layout_range, n, hidden, e.num_moe_experts)
         self.counts_own: torch.Tensor | None = None
 
@@ -64,21 +61,17 @@ class _Masked:
 
     def place_own(self, own_rows: torch.Tensor, encode: Any) -> None:
         """This rank's own pairs, straight from ``x`` where the kernels can (no packing), else from their rows."""
-        fmt, plan, me, x = self.fmt, self.plan, self.rank, self.source
-        pairs = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])
-        num_local = self.src_info.shape[0]
-        if fmt.quant is None and self.scales is None and x.dtype == self.recv_x.dtype:
-            counts = torch.zeros(self.layout_range.shape, dtype=torch.int64, device=x.device)
-            pos = torch.zeros(num_local, dtype=torch.int64, device=x.device)
-            if kernels.place_pairs(x, plan.token[pairs], plan.expert[pairs], self.recv_x, self.src_info, pos,
-                                       counts, me):  # fmt: skip
-                self.counts_own = counts
-                return
-        encode()
-        self.counts_own = self._write([(me, own_rows)], torch.zeros(num_local, dtype=torch.int64, device=x.device))
+        plan, me, pairs = self.plan, self.rank, self.plan.own_pairs
+        pos = torch.zeros(self.src_info.shape[0], dtype=torch.int64, device=self.source.device)
+        counts = torch.zeros(self.layout_range.shape, dtype=torch.int64, device=pos.device)
+        if self.fmt.quant is not None or not kernels.place_pairs(
+            self.source, plan.token[pairs], plan.expert[pairs], self.recv_x, self.src_info, pos, counts, me
+        ):
+            encode()
+            counts = self._write([(me, own_rows)], pos)
+        self.counts_own = counts
 
-    def place(self, parts: list[tuple[int, torch.Tensor]], own: tuple[int, torch.Tensor], agreement: Agreement,
-              wait_ns: int) -> None:  # fmt: skip
+    def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None:
         assert self.counts_own is not None, "own rows are placed in the send phase"
         counts = self.counts_own + self._write(parts, self.counts_own.sum(dim=1))
         r, me = counts.shape[1], self.rank
@@ -93,7 +86,7 @@ class _Masked:
         if self.c.wait_stats is not None:
             self.c.wait_stats += wait_ns
 
-    def _write(self, parts: list[tuple[int, torch.Tensor]], base: torch.Tensor) -> torch.Tensor:
+    def _write(self, parts: Parts, base: torch.Tensor) -> torch.Tensor:
         """Place the pairs of ``parts`` ((source, rows) in rank order) in each expert's rows from ``base[expert]``
         on; returns their counts `[L, R]` int64."""
         fmt, num_local, r = self.fmt, self.src_info.shape[0], self.layout_range.shape[1]
@@ -105,12 +98,10 @@ class _Masked:
                                   self.src_info, pos, counts, src, pairs)  # fmt: skip
             if k is None:
                 self._write_torch(rows, src, pos, counts)
-                continue
-            row, flat = pairs[0, :k], pairs[1, :k]
-            fp8 = fmt.quant == "fp8_e4m3"
-            if self.scales is not None and (self.c.use_ue8m0 or not kernels.place_scales(
-                    rows, fmt.scale_off, row, flat, self.scales, not fp8)):  # fmt: skip
-                self._write_scales(rows, row, flat)
+            elif self.scales is not None:
+                row, flat, int8 = pairs[0, :k], pairs[1, :k], fmt.quant != "fp8_e4m3"
+                if self.c.use_ue8m0 or not kernels.place_scales(rows, fmt.scale_off, row, flat, self.scales, int8):
+                    self._write_scales(rows, row, flat)
         return counts
 
     def _write_torch(self, rows: torch.Tensor, src: int, pos: torch.Tensor, counts: torch.Tensor) -> None:
@@ -127,11 +118,9 @@ class _Masked:
         if row.numel() * fmt.data_bytes < LOOP_BYTES:  # small: one scatter beats a call per expert
             fmt.scatter_data(rows, row, self.recv_x.view(num_local * rn, -1), flat)
         else:  # large: expert i's rows are one contiguous range, gathered in one pass each
-            begin = 0
-            for i, (k, b) in enumerate(zip(per_expert.tolist(), pos.tolist(), strict=True)):
-                if k:
-                    fmt.gather_data(rows, row[begin : begin + k], self.recv_x[i, b : b + k])
-                begin += k
+            for i, (mine, b) in enumerate(zip(row.split(per_expert.tolist()), pos.tolist(), strict=True)):
+                if mine.numel():
+                    fmt.gather_data(rows, mine, self.recv_x[i, b : b + mine.numel()])
         self._write_scales(rows, row, flat)
         self.src_info.view(-1)[flat] = fmt.tokens(rows)[row]
         counts[:, src] += per_expert
@@ -145,8 +134,7 @@ class _Masked:
         self.scales[flat // rn, flat % rn] = s if fmt.quant == "fp8_e4m3" else s.expand(-1, self.scales.shape[2])
 
 
-def layout(c: DispatchCall, engine: Any) -> _Masked:
-    return _Masked(c, engine)
+layout = _Masked
 
 
 def return_rows(handle: LowLatencyHandle, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -175,15 +163,11 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     h, e = c.handle, c.experts
     (num_local, rn), hidden = h.src_info.shape, h.hidden
     rows, rows_per_src = return_rows(h, engine.mask)
-    plan = plan_topk(c.expert_ids, num_local_experts=num_local, num_ranks=e.world_size, rank=e.rank,
-                     mask=engine.mask, per_pair_rows=True)  # fmt: skip
+    plan = plan_topk(c.expert_ids, num_local, e.world_size, e.rank, engine.mask, per_pair_rows=True)
     source = engine.scratch("zero_copy", (num_local, rn, hidden), torch.bfloat16) if c.zero_copy else c.x
     out = c.out if c.out is not None else source.new_empty((c.expert_ids.shape[0], hidden))
-    stats = c.wait_stats
-    return [CombineJob(
-        source.view(num_local * rn, hidden), rows, rows_per_src, plan, c.expert_scales[plan.token, plan.slot],
-        LOGFMT if c.comm_quant_mode else 0, out,
-        (h.num_max_dispatch_tokens_per_rank, h.num_experts, hidden, DTYPE_CODES[c.x.dtype]), COMBINE_NAMES,
-        ("handle", "the dispatch's handle and the same topk_idx"),
-        on_wait=None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns)),
-    )]  # fmt: skip
+    weights, wire, stats = c.expert_scales[plan.token, plan.slot], LOGFMT if c.comm_quant_mode else 0, c.wait_stats
+    fingerprint = (h.num_max_dispatch_tokens_per_rank, h.num_experts, hidden, DTYPE_CODES[c.x.dtype])
+    on_wait = None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns))
+    return [CombineJob(source.view(num_local * rn, hidden), rows, rows_per_src, plan, weights, wire, out, fingerprint,
+                       COMBINE_NAMES, MISMATCH, on_wait=on_wait)]  # fmt: skip

@@ -1,16 +1,9 @@
-"""The MegaMoE pipeline: the PTO MegaMoE kernel's stages over a backend's flat dispatch / combine, per segment.
-
-Dispatch (quant_mode 2 for int8 weights), the expert FFN (:mod:`.ffn`), combine (top-k weighted sum in fp32), one
-final cast. The local experts are split into S segments (or the tokens, ``segment_by="token"``); segment k's
-dispatch carries only its pairs (a 2D ``x_active_mask``), so segments are independent chains. As the kernel splits
-AIV (communication) from AIC (GMMs), one comm thread issues every collective in the same order on every rank while
-the calling thread computes (``Dk`` / ``Ck``: send phases, ``Tk`` / ``Rk``: receive phases)::
-
-    comm thread : [D0][D1] T0 [D2] T1 [D3] T2 T3 ........ [C0] ........ [C1] R0 ..... [C2] R1 ..... [C3] R2 R3
-    compute     :             |  FFN seg 0  |  FFN seg 1  |  FFN seg 2  |  FFN seg 3  |                  sum -> out
-
-Expert segments change only the fp32 summation order (at most one ulp of ``out_dtype``); one segment, or token
-segments, are bit-equal to the unfused path."""
+"""The MegaMoE pipeline (README "Fused MegaMoE" draws it): the PTO MegaMoE kernel's stages over a backend's flat
+dispatch / combine, per segment of local experts (or of tokens, ``segment_by="token"``), each an independent chain
+(its pairs selected by a 2D ``x_active_mask``): dispatch (quant_mode 2 for int8 weights), the expert FFN (:mod:`.ffn`),
+combine (the top-k weighted sum in fp32), one final cast. One comm thread issues every collective in the same order
+on every rank while the calling thread computes. Expert segments change only the fp32 summation order (at most one
+ulp of ``out_dtype``); one segment, or token segments, are bit-equal to the unfused path."""
 
 from __future__ import annotations
 

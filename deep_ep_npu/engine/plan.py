@@ -29,11 +29,18 @@ class Plan:
     slot_expert: torch.Tensor | None = None  # `[num_rows, K]` int32 per row and slot: local expert or -1 (if known)
 
     @property
-    def num_remote_rows(self) -> int:
-        return int(self.row_token.numel()) - self.rows_per_dest[self.rank]
+    def own_pairs(self) -> slice:
+        return slice(lo := sum(self.pairs_per_dest[: self.rank]), lo + self.pairs_per_dest[self.rank])
+
+    def row_slices(self) -> list[slice]:
+        """Each destination's rows: the remote ones in rank order, then this rank's."""
+        r, me, rows = len(self.rows_per_dest), self.rank, self.rows_per_dest
+        begin = [sum(rows[q] for q in range(d) if q != me) for d in range(r)]
+        begin[me] = sum(rows) - rows[me]
+        return [slice(b, b + n) for b, n in zip(begin, rows, strict=True)]
 
 
-def make_plan(token: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, expert: torch.Tensor, *, num_tokens: int,
+def make_plan(token: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, expert: torch.Tensor, num_tokens: int,
               num_ranks: int, rank: int, num_local_experts: int, per_pair_rows: bool) -> Plan:  # fmt: skip
     """Sort the pairs (`[P]` int64 tensors, any order) and derive the rows that carry them."""
     nt, nl = max(num_tokens, 1), max(num_local_experts, 1)
@@ -52,7 +59,7 @@ def make_plan(token: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, exper
     return Plan(token, slot, dest, expert, pairs, keys % nt, row_of_pair, rows[:num_ranks], rank)
 
 
-def plan_topk(topk_idx: torch.Tensor, *, num_local_experts: int, num_ranks: int, rank: int, mask: torch.Tensor,
+def plan_topk(topk_idx: torch.Tensor, num_local_experts: int, num_ranks: int, rank: int, mask: torch.Tensor,
               per_pair_rows: bool) -> Plan:  # fmt: skip
     """The plan of the valid entries of ``topk_idx`` `[T, K]` (validated ids; -1: none): pair (t, k) goes to rank
     ``e // L``, local expert ``e % L``; ranks masked in ``mask`` `[R]` (shrink mode) receive nothing, and a masked
@@ -66,44 +73,43 @@ def plan_topk(topk_idx: torch.Tensor, *, num_local_experts: int, num_ranks: int,
         valid &= (mask.to(ids.device)[ids.clamp(min=0) // nl] == 0) & (not int(mask[rank]))
     token, slot = valid.nonzero(as_tuple=True)
     e = ids[token, slot]
-    return make_plan(token, slot, e // nl, e % nl, num_tokens=len(ids), num_ranks=num_ranks, rank=rank,
-                     num_local_experts=nl, per_pair_rows=per_pair_rows)  # fmt: skip
+    return make_plan(token, slot, e // nl, e % nl, len(ids), num_ranks, rank, nl, per_pair_rows)
 
 
 def plan_call(e: Experts, ids: torch.Tensor, x_active_mask: torch.Tensor | None, rank_mask: torch.Tensor,
               per_pair_rows: bool) -> Plan:  # fmt: skip
     """The plan of an op call's ``ids`` `[T, K]` (validated) over the experts ``e``: routed pairs, and each active
     token's shared-expert copies (:func:`routed_pairs`)."""
+    sent = (ids >= 0) & (ids < e.num_moe_experts)
+    if x_active_mask is not None:
+        sent &= x_active_mask.unsqueeze(1) if x_active_mask.dim() == 1 else x_active_mask
     if e.plain and e.logical_rank >= 0 and not e.shared_expert_num and e.num_local:
         # routed experts only, EP rank = id // L: the masked layout's plan of the ids that are sent (the others -1)
-        sent = (ids >= 0) & (ids < e.num_moe_experts)
-        if x_active_mask is not None:
-            sent &= x_active_mask.unsqueeze(1) if x_active_mask.dim() == 1 else x_active_mask
-        return plan_topk(torch.where(sent, ids, -1), num_local_experts=e.num_local, num_ranks=e.world_size,
-                         rank=e.rank, mask=rank_mask, per_pair_rows=per_pair_rows)  # fmt: skip
-    token, slot, dest, expert = routed_pairs(e, ids, x_active_mask, rank_mask)
-    return make_plan(token, slot, dest, expert, num_tokens=ids.shape[0], num_ranks=e.world_size, rank=e.rank,
-                     num_local_experts=max(e.num_local, 1), per_pair_rows=per_pair_rows)  # fmt: skip
+        return plan_topk(torch.where(sent, ids, -1), e.num_local, e.world_size, e.rank, rank_mask, per_pair_rows)
+    token, slot, dest, expert = routed_pairs(e, ids, sent, x_active_mask, rank_mask)
+    num_local = max(e.num_local, 1)
+    return make_plan(token, slot, dest, expert, ids.shape[0], e.world_size, e.rank, num_local, per_pair_rows)
 
 
-def routed_pairs(e: Experts, ids: torch.Tensor, x_active_mask: torch.Tensor | None,
+def routed_pairs(e: Experts, ids: torch.Tensor, sent: torch.Tensor, x_active_mask: torch.Tensor | None,
                  rank_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(token, slot, dest EP rank, local expert) of every pair that is sent, each `[num_pairs]` `torch.int64`.
-    A pair (t, k) is sent iff it is active (t inside the 1D mask's prefix, or ``mask[t, k]``) and its id is a routed
-    expert (``0 <= id < moe_expert_num``); zero / copy / const experts are handled by combine on the source rank.
-    Every active token also goes to shared expert s (slot ``K + s``) on logical rank ``(rank % R) + s * R``. A rank
-    that elastic_info scaled out, or that ``rank_mask`` `[W]` marks, sends nothing; nothing goes to marked ranks."""
+    A pair (t, k) is sent (``sent[t, k]``) iff it is active (t inside the 1D mask's prefix, or ``mask[t, k]``) and its
+    id is a routed expert (``0 <= id < moe_expert_num``); zero / copy / const experts are handled by combine on the
+    source rank. Every active token also goes to shared expert s (slot ``K + s``) on logical rank ``(rank % R) + s *
+    R``. A rank that elastic_info scaled out, or that ``rank_mask`` `[W]` marks, sends nothing; nothing goes to marked
+    ranks."""
     dev, empty = ids.device, torch.empty((0,), dtype=torch.int64, device=ids.device)
     if e.logical_rank < 0 or bool(rank_mask[e.rank]):
         return empty, empty, empty, empty
-    valid = (ids >= 0) & (ids < e.num_moe_experts)
-    if x_active_mask is not None:
-        valid &= x_active_mask.unsqueeze(1) if x_active_mask.dim() == 1 else x_active_mask
-    token, slot = valid.nonzero(as_tuple=True)
+    token, slot = sent.nonzero(as_tuple=True)
     expert, num_local = ids[token, slot], e.num_local
     parts = [(token, slot, e.shared_expert_rank_num + expert // num_local, expert % num_local)]
     if e.shared_expert_num:
-        act = active_tokens(x_active_mask, ids.shape[0], dev)
+        if x_active_mask is not None and x_active_mask.dim() == 2:  # the tokens with an active pair
+            act = x_active_mask.any(dim=1).nonzero().squeeze(1)
+        else:  # all, or the 1D mask's prefix
+            act = torch.arange(ids.shape[0] if x_active_mask is None else int(x_active_mask.sum()), device=dev)
         r = e.shared_expert_rank_num // e.shared_expert_num  # ranks per shared expert
         for s in range(e.shared_expert_num):
             slot_s, logical_s = ids.shape[1] + s, e.logical_rank % r + s * r
@@ -114,16 +120,6 @@ def routed_pairs(e: Experts, ids: torch.Tensor, x_active_mask: torch.Tensor | No
         keep = rank_mask.to(dev)[dest] == 0
         token, slot, dest, expert = token[keep], slot[keep], dest[keep], expert[keep]
     return token, slot, dest, expert
-
-
-def active_tokens(x_active_mask: torch.Tensor | None, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """Tokens sent to the shared experts, `[n]` `torch.int64`: all, the 1D mask's prefix, or (2D mask) the tokens
-    with at least one active pair."""
-    if x_active_mask is None:
-        return torch.arange(num_tokens, device=device)
-    if x_active_mask.dim() == 1:
-        return torch.arange(int(x_active_mask.sum()), device=device)
-    return x_active_mask.any(dim=1).nonzero().squeeze(1)
 
 
 def pair_weights(plan: Plan, weights: torch.Tensor, topk: int) -> torch.Tensor:
@@ -137,9 +133,9 @@ def pair_weights(plan: Plan, weights: torch.Tensor, topk: int) -> torch.Tensor:
 def smooth_rows(e: Experts, plan: Plan, scales: torch.Tensor, topk: int) -> torch.Tensor:
     """`[num_rows, H]` fp32 smooth scales of per-pair rows: row ``s`` of ``scales`` `[S + E, H]` for shared expert s,
     row ``S + e`` for routed expert e."""
-    logical_of = torch.full((e.world_size,), -1, dtype=torch.int64, device=plan.dest.device)
-    logical_of[torch.tensor(e.ep_rank_of, dtype=torch.int64, device=plan.dest.device)] = torch.arange(
-        len(e.ep_rank_of), device=plan.dest.device)  # fmt: skip
+    dev = plan.dest.device
+    logical_of = torch.full((e.world_size,), -1, dtype=torch.int64, device=dev)
+    logical_of[torch.tensor(e.ep_rank_of, dtype=torch.int64, device=dev)] = torch.arange(len(e.ep_rank_of), device=dev)
     global_expert = (logical_of[plan.dest] - e.shared_expert_rank_num) * e.num_local + plan.expert
     row = torch.where(plan.slot >= topk, plan.slot - topk, e.shared_expert_num + global_expert)
     pair_of_row = torch.empty_like(plan.row_of_pair)

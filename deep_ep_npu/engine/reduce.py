@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from .. import kernels, logfmt
-from ..core.call import Experts
+from ..core.call import CombineCall
 from ..errors import shape
 from ..quant import Quant, mx_dequant, per_group_int8
-from ..transports.collective import Agreement
+from ..transports.collective import Agreement, EPGroup
 from .plan import Plan
+from .rows import Parts
 
 
 @dataclasses.dataclass
@@ -30,7 +31,7 @@ class CombineJob:
     and expects disagree; ``extra``: local (token, slot, value `[n, hidden]` fp32) contributions (copy / const
     experts, V2's bias); ``addend`` `[T, hidden]` added last; ``active``: tokens ``[0, active)`` are written, the
     rest 0; ``on_wait``: the wait statistics; ``tp``: the TP stage (:class:`~.tp.TPStage`); ``agree_now``: as
-    :class:`~.exchange.Layout`'s."""
+    :class:`~.exchange.Layout`'s; ``acc`` / ``own_y``: :func:`reduce_own`'s results."""
 
     source: torch.Tensor
     return_rows: torch.Tensor
@@ -49,44 +50,29 @@ class CombineJob:
     on_wait: Callable[[Agreement, int], None] | None = None
     tp: Any = None
     agree_now: bool = False
+    acc: torch.Tensor | None = None  # the reduction: `[T, hidden]` fp32 sum, own rows `[own pairs, hidden]` fp32
+    own_y: torch.Tensor | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.out.shape[0])
+    def own_rows(self) -> slice:
+        """Where this rank's own rows sit in ``return_rows`` (sources in rank order)."""
+        return slice(lo := sum(self.rows_per_src[: self.plan.rank]), lo + self.rows_per_src[self.plan.rank])
 
     @functools.cached_property
     def fmt(self) -> ReturnFormat:
         return ReturnFormat(self.source.shape[1], self.source.dtype, self.wire)
 
 
-def check(job: CombineJob, agreement: Agreement, live: list[int]) -> None:
+def check(job: CombineJob, ep: EPGroup, agreement: Agreement) -> None:
     """Raise (the same error on every rank) if the live ranks' send and expect vectors disagree (a wrong handle or
     top-k): ``shared[p]`` holds, after the row size, rank p's rows returned to each rank and its pairs sent to each."""
-    r = len(job.rows_per_src)
+    r, live = len(job.rows_per_src), ep.live
     sends = [fp[1 : 1 + r] for fp in agreement.shared]  # sends[p][q]: rows rank p returns to rank q
     expects = [fp[1 + r : 1 + 2 * r] for fp in agreement.shared]  # expects[q][p]: pairs rank q sent to rank p
     if bad := [(p, q) for p in live for q in live if sends[p][q] != expects[q][p]]:
         (p, q), (param, hint) = bad[0], job.mismatch
-        raise shape(param, f"rank {p} would return {sends[p][q]} rows to rank {q}, which dispatched {expects[q][p]} "
-                    f"pairs to it; pass {hint} (mismatched rank pairs: {bad[:8]})")  # fmt: skip
-
-
-def own_return_rows(job: CombineJob) -> slice:
-    """Where this rank's own rows sit in ``job.return_rows`` (sources in rank order)."""
-    me = job.plan.rank
-    return slice(lo := sum(job.rows_per_src[:me]), lo + job.rows_per_src[me])
-
-
-@dataclasses.dataclass
-class Local:
-    """The part of a combine this rank computes without waiting: ``acc`` `[T, hidden]` fp32 (own experts' rows
-    added unless ``by_slot``), own rows ``own_y`` `[own pairs, hidden]` fp32 (None when they went straight into
-    ``acc``), the own pairs and the remote ones."""
-
-    acc: torch.Tensor
-    own_y: torch.Tensor | None
-    own: slice
-    remote_pairs: torch.Tensor
+        why = f"rank {p} would return {sends[p][q]} rows to rank {q}, which dispatched {expects[q][p]} pairs to it"
+        raise shape(param, f"{why}; pass {hint} (mismatched rank pairs: {bad[:8]})")
 
 
 def _fused(job: CombineJob) -> bool:
@@ -98,50 +84,49 @@ def _fused_by_slot(job: CombineJob) -> bool:
     """Whether the slot-ordered sum runs in one pass (:func:`~deep_ep_npu.kernels.accumulate_rows`) from the rows where
     they are (no scratch copy): rows in the source's dtype, no copy / const contributions, the kernels there."""
     fmt, src = job.fmt, job.source
-    return (job.by_slot and not fmt.quantized and job.extra is None and src.device.type == "cpu"
-            and src.dtype == fmt.dtype and kernels.library() is not None)  # fmt: skip
+    plain = job.by_slot and not fmt.quantized and job.extra is None
+    return plain and src.device.type == "cpu" and src.dtype == fmt.dtype and kernels.library() is not None
 
 
 Scratch = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 """``scratch(name, shape, dtype)``: a reused tensor of the engine (named per call in flight)."""
 
 
-def reduce_own(job: CombineJob, scratch: Scratch) -> Local:
-    """Reduce this rank's own expert rows (they never touch the wire)."""
-    plan, fmt, me, dev = job.plan, job.fmt, job.plan.rank, job.source.device
-    own_src = own_return_rows(job)
-    own = slice(lo := sum(plan.pairs_per_dest[:me]), lo + plan.pairs_per_dest[me])  # this rank's own pairs
-    token, rows = plan.token, job.return_rows[own_src]
-    remote_pairs = torch.cat([torch.arange(own.start, device=dev), torch.arange(own.stop, token.numel(), device=dev)])
-    acc = scratch("combine_acc", (job.num_tokens, fmt.hidden), torch.float32)
-    if _fused(job) and kernels.accumulate(acc, job.source, rows, token[own], job.weights[own], zero_first=True):
-        return Local(acc, None, own, remote_pairs)
-    if _fused_by_slot(job):  # summed with the remote rows, in slot order (the receive phase)
-        return Local(acc, None, own, remote_pairs)
+def reduce_own(job: CombineJob, scratch: Scratch) -> None:
+    """Reduce this rank's own expert rows (they never touch the wire) into ``job.acc`` (by slot, or not fused: their
+    fp32 values into ``job.own_y``)."""
+    plan, fmt, dev = job.plan, job.fmt, job.source.device
+    own, token, rows = plan.own_pairs, plan.token, job.return_rows[job.own_rows]
+    job.acc = acc = scratch("combine_acc", (job.out.shape[0], fmt.hidden), torch.float32)
+    summed = _fused(job) and kernels.accumulate(acc, job.source, rows, token[own], job.weights[own], zero_first=True)
+    if summed or _fused_by_slot(job):  # (by slot: summed with the remote rows, in slot order, at the receive)
+        return
     acc.zero_()
     raw = scratch("combine_own", (rows.numel(), fmt.hidden), job.source.dtype)
     torch.index_select(job.source, 0, rows, out=raw)
     if fmt.quantized:  # own rows take the same int8 round trip as the remote ones
         packed = torch.empty((raw.shape[0], fmt.row_bytes), dtype=torch.uint8, device=dev)
         fmt.encode(raw, packed)
-        own_y = fmt.decode_float(packed)
+        job.own_y = fmt.decode_float(packed)
     else:  # converted into reused scratch (a fresh tensor of this size costs its page faults every call)
-        own_y = scratch("combine_own_f", tuple(raw.shape), torch.float32).copy_(raw)
+        job.own_y = scratch("combine_own_f", tuple(raw.shape), torch.float32).copy_(raw)
     if not job.by_slot:
-        _accumulate(acc, own_y, token[own], job.weights[own].unsqueeze(1))
-    return Local(acc, own_y, own, remote_pairs)
+        _accumulate(acc, job.own_y, token[own], job.weights[own].unsqueeze(1))
 
 
-def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agreement: Agreement, wait_ns: int,
-                  scratch: Scratch) -> None:  # fmt: skip
-    """Add the received rows ``parts`` (each `[n_i, row_bytes]` uint8, by source rank, in this rank's plan order) in
-    the documented order and write ``job.out``."""
-    plan, fmt, acc = job.plan, job.fmt, local.acc
+def reduce_remote(job: CombineJob, scratch: Scratch, agreement: Agreement, received: Parts, wait_ns: int) -> None:
+    """Add the received rows (each `[n_i, row_bytes]` uint8, by source rank, in this rank's plan order) in the
+    documented order and write ``job.out`` (:func:`reduce_own` first if it has not run)."""
+    if job.acc is None:
+        reduce_own(job, scratch)
+    plan, fmt, acc, parts = job.plan, job.fmt, job.acc, [rows for _, rows in received]
+    assert acc is not None
     if job.by_slot:  # slot after slot, ascending
-        if local.own_y is not None or not _sum_by_slot(job, local, parts):
-            _sum_by_slot_torch(job, local, parts, scratch)
+        if job.own_y is not None or not _sum_by_slot(job, acc, parts):
+            _sum_by_slot_torch(job, acc, parts, scratch)
     else:
-        tok, w, begin, done = plan.token[local.remote_pairs], job.weights[local.remote_pairs], 0, 0
+        own, begin, done = plan.own_pairs, 0, 0
+        tok, w = (torch.cat([t[: own.start], t[own.stop :]]) for t in (plan.token, job.weights))  # the remote pairs'
         for p in parts if _fused(job) else ():  # straight into the sum, part by part (in order)
             pairs = slice(begin, begin + len(p))
             if not kernels.accumulate(acc, p.view(fmt.dtype), None, tok[pairs], w[pairs]):
@@ -158,28 +143,28 @@ def reduce_remote(job: CombineJob, local: Local, parts: list[torch.Tensor], agre
         job.on_wait(agreement, wait_ns)
 
 
-def _sum_by_slot(job: CombineJob, local: Local, parts: list[torch.Tensor]) -> bool:
+def _sum_by_slot(job: CombineJob, acc: torch.Tensor, parts: list[torch.Tensor]) -> bool:
     """The by-slot sum in one pass over the rows where they are (``kernels.accumulate_rows``), rounded as the torch
     code's; False (nothing done) where the kernel does not apply."""
-    plan, own, remote_pairs, dev = job.plan, local.own, local.remote_pairs, job.source.device
-    y_at = torch.empty_like(plan.token)  # pair -> its row among [own rows, then the received parts' rows]
-    y_at[own] = torch.arange(own.stop - own.start, device=dev)
-    y_at[remote_pairs] = torch.arange(remote_pairs.numel(), device=dev) + (own.stop - own.start)
+    plan, own, dev = job.plan, job.plan.own_pairs, job.source.device
+    y_at = torch.arange(plan.token.numel(), device=dev)  # pair -> its row: own rows, then the parts'
+    y_at[: own.start] += own.stop - own.start
+    y_at[own] -= own.start
     order = torch.argsort(plan.slot, stable=True)
-    rows = [(job.source, job.return_rows[own_return_rows(job)]), *((p.view(job.fmt.dtype), None) for p in parts)]
-    return kernels.accumulate_rows(local.acc, rows, y_at[order], plan.token[order], job.weights[order])
+    rows = [(job.source, job.return_rows[job.own_rows]), *((p.view(job.fmt.dtype), None) for p in parts)]
+    return kernels.accumulate_rows(acc, rows, y_at[order], plan.token[order], job.weights[order])
 
 
-def _sum_by_slot_torch(job: CombineJob, local: Local, parts: list[torch.Tensor], scratch: Scratch) -> None:
+def _sum_by_slot_torch(job: CombineJob, acc: torch.Tensor, parts: list[torch.Tensor], scratch: Scratch) -> None:
     """The by-slot sum in torch, with the ``extra`` contributions (own rows as fp32 when :func:`reduce_own` left them
     to the kernel, which did not apply: then ``acc`` starts from zeros here)."""
-    plan, fmt, acc, dev = job.plan, job.fmt, local.acc, job.source.device
-    if local.own_y is None:
-        local.own_y = job.source.index_select(0, job.return_rows[own_return_rows(job)]).float()
+    plan, own = job.plan, job.plan.own_pairs
+    if job.own_y is None:
+        job.own_y = job.source.index_select(0, job.return_rows[job.own_rows]).float()
         acc.zero_()
-    values = torch.empty((plan.token.numel(), fmt.hidden), dtype=torch.float32, device=dev)
-    values[local.own], values[local.remote_pairs] = local.own_y, decode_rows(job, parts, scratch)
-    tok, slot, values = plan.token, plan.slot, values.mul_(job.weights.unsqueeze(1))
+    remote = decode_rows(job, parts, scratch)
+    values = torch.cat([remote[: own.start], job.own_y, remote[own.start :]]).mul_(job.weights.unsqueeze(1))
+    tok, slot = plan.token, plan.slot
     if job.extra is not None:
         tok, slot, values = (torch.cat([a, b]) for a, b in zip((tok, slot, values), job.extra, strict=True))
     for k in torch.unique(slot).tolist():
@@ -190,16 +175,11 @@ def _sum_by_slot_torch(job: CombineJob, local: Local, parts: list[torch.Tensor],
 def decode_rows(job: CombineJob, parts: list[torch.Tensor], scratch: Scratch) -> torch.Tensor:
     """The received rows ``parts`` (each `[n_i, row_bytes]` uint8, by source rank) as one `[sum n_i, hidden]` fp32
     tensor (reused scratch when the rows are not quantized; :meth:`ReturnFormat.decode_float`'s values)."""
-    fmt, total = job.fmt, sum(p.shape[0] for p in parts)
-    y = scratch("combine_y", (total, fmt.hidden), torch.float32)
-    begin = 0
-    for p in parts:
-        n = p.shape[0]
-        if fmt.quantized:
-            y[begin : begin + n] = fmt.decode_float(p)
-        elif n:
-            y[begin : begin + n].copy_(p.view(fmt.dtype))
-        begin += n
+    fmt, sizes = job.fmt, [p.shape[0] for p in parts]
+    y = scratch("combine_y", (sum(sizes), fmt.hidden), torch.float32)
+    for p, out in zip(parts, y.split(sizes), strict=True):
+        if p.shape[0]:
+            out.copy_(fmt.decode_float(p) if fmt.quantized else p.view(fmt.dtype))
     return y
 
 
@@ -210,16 +190,15 @@ def _accumulate(acc: torch.Tensor, y: torch.Tensor, token: torch.Tensor, weights
         acc.index_add_(0, token, y.float().mul_(weights))
 
 
-def special_contributions(e: Experts, ids: torch.Tensor, mask: torch.Tensor | None, weights: torch.Tensor,
-                          ori_x: torch.Tensor | None, alpha_1: torch.Tensor | None, alpha_2: torch.Tensor | None,
-                          v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(token `[n]`, slot `[n]`, value `[n, H]` fp32) of every active copy / const pair (ids ``moe_expert_num +
-    [0, Z + C + Const)``, never sent: combine adds them locally; zero experts add nothing). ``ids`` `[Bs, K]`, ``mask``
-    None / `[Bs]` / `[Bs, K]` bool, ``weights`` `[Bs, K]` fp32, ``ori_x`` `[Bs, H]`, ``alpha_1`` / ``alpha_2`` / ``v``
-    `[const_expert_num, H]`. Values follow the kernel (``CalConstExpertAlpha`` / ``ProcessConstantExpert``), as
-    documented on :func:`deep_ep_npu.ops.moe_distribute_combine_v2`: each alpha row is reduced to one scalar per token
-    (dot products over H in fp32), not applied elementwise."""
-    ids, first_copy = ids.long(), e.num_moe_experts + e.zero_expert_num
+def special_contributions(c: CombineCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token `[n]`, slot `[n]`, value `[n, H]` fp32) of every active copy / const pair of a flat combine (ids
+    ``moe_expert_num + [0, Z + C + Const)``, never sent: combine adds them locally; zero experts add nothing).
+    ``c.ori_x`` `[Bs, H]`, ``c.const_expert_alpha_1`` / ``_alpha_2`` / ``_v`` `[const_expert_num, H]`. Values follow
+    the kernel (``CalConstExpertAlpha`` / ``ProcessConstantExpert``), as documented on
+    :func:`deep_ep_npu.ops.moe_distribute_combine_v2`: each alpha row is reduced to one scalar per token (dot products
+    over H in fp32), not applied elementwise."""
+    e, ids, mask, ori_x = c.experts, c.expert_ids.long(), c.x_active_mask, c.ori_x
+    first_copy = e.num_moe_experts + e.zero_expert_num
     valid = ids >= first_copy
     if mask is not None:
         valid &= mask.unsqueeze(1) if mask.dim() == 1 else mask
@@ -228,15 +207,15 @@ def special_contributions(e: Experts, ids: torch.Tensor, mask: torch.Tensor | No
         hidden = 0 if ori_x is None else ori_x.shape[1]
         return token, slot, torch.zeros((0, hidden), dtype=torch.float32, device=ids.device)
     ori = ori_x[token].float()
-    value, c = ori.clone(), ids[token, slot] - first_copy - e.copy_expert_num
-    is_const = c >= 0
+    value, const = ori.clone(), ids[token, slot] - first_copy - e.copy_expert_num
+    is_const, alpha_1, alpha_2, v = const >= 0, c.const_expert_alpha_1, c.const_expert_alpha_2, c.const_expert_v
     if bool(is_const.any()) and alpha_1 is not None and alpha_2 is not None and v is not None:
-        cc, o = c[is_const], ori[is_const]
+        cc, o = const[is_const], ori[is_const]
         d1, d2 = (alpha_1[cc].float() * o).sum(dim=1), (alpha_2[cc].float() * o).sum(dim=1)
         m = torch.maximum(d1, d2)
         e1, e2 = torch.exp(d1 - m), torch.exp(d2 - m)
         value[is_const] = (e1 / (e1 + e2)).unsqueeze(1) * o + (e2 / (e1 + e2)).unsqueeze(1) * v[cc].float()
-    return token, slot, weights[token, slot].unsqueeze(1) * value
+    return token, slot, c.expert_scales[token, slot].unsqueeze(1) * value
 
 
 LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)
@@ -259,13 +238,12 @@ class ReturnFormat:
         """``rows`` `[n, hidden]` into ``out`` `[n, row_bytes]` uint8."""
         if not self.quantized:
             out.view(self.dtype).copy_(rows)
-            return
-        if self.mode == LOGFMT:
+        elif self.mode == LOGFMT:
             out.copy_(logfmt.encode(rows))
-            return
-        q, scale = per_group_int8(rows) if self.mx is None else self.mx(rows)
-        out[:, : self.hidden].view(q.dtype).copy_(q)
-        out[:, self.hidden :].copy_(scale.contiguous().view(torch.uint8))
+        else:
+            q, scale = per_group_int8(rows) if self.mx is None else self.mx(rows)
+            out[:, : self.hidden].view(q.dtype).copy_(q)
+            out[:, self.hidden :].copy_(scale.contiguous().view(torch.uint8))
 
     def decode_float(self, packed: torch.Tensor) -> torch.Tensor:
         """`[n, row_bytes]` uint8 to `[n, hidden]` fp32 (a fresh tensor: callers scale it in place); quantized rows

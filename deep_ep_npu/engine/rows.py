@@ -18,16 +18,13 @@ from ..quant import FP8_DTYPE, GROUP, Quant, pack_ue8m0, scale_for_fp8_
 from .plan import Plan
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}  # dtypes in fingerprints
+INT8_PER_TOKEN = Quant(2, torch.int8)
+Parts = list[tuple[int, torch.Tensor]]  # received rows: (source rank, `[n, row_bytes]` uint8) in rank order
 
 
 def align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
-
-
-DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}  # dtypes in fingerprints
-
-
-INT8_PER_TOKEN = Quant(2, torch.int8)
 
 
 class RowFormat:
@@ -39,7 +36,6 @@ class RowFormat:
         self.hidden, self.quant, self.round_scale, self.num_slots = hidden, quant, round_scale, num_slots
         self.codec = INT8_PER_TOKEN if quant == "int8_per_token" else quant if isinstance(quant, Quant) else None
         self.data_dtype = dtype if quant is None else FP8_DTYPE if self.codec is None else self.codec.dtype
-        self.scale_dtype = torch.float32 if self.codec is None else self.codec.scale_dtype
         scale_bytes = self.codec.scale_bytes(hidden) if self.codec else 4 * hidden // GROUP if quant else 0
         self.data_bytes = hidden * self.data_dtype.itemsize
         self.scale_off = align(self.data_bytes, 4)
@@ -52,10 +48,8 @@ class RowFormat:
         words = [w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if self.data_bytes % w.itemsize == 0]
         self.word = words[0]  # copies move the widest integer words that tile the data, not bytes
 
-    # fmt: off
     def encode_into(self, out: torch.Tensor, x_rows: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                    weights: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:
-        # fmt: on
+                    weights: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:  # fmt: skip
         """Fill ``out`` `[n, row_bytes]` uint8 from ``x_rows`` `[n, hidden]`, ``token`` `[n]`, ``slot_expert``
         `[n, num_slots]` int32, ``weights`` `[n, num_slots]` fp32 (or None) and int8 ``smooth`` `[n, hidden]`."""
         data, scales = x_rows, None
@@ -71,8 +65,7 @@ class RowFormat:
         self._write_fields(out, token, slot_expert, weights)
 
     def _write_fields(self, out: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                      weights: torch.Tensor | None) -> None:
-        """The rows' token, slot and (given) weight fields."""
+                      weights: torch.Tensor | None) -> None:  # fmt: skip
         out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
         out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
         if weights is not None:
@@ -80,42 +73,35 @@ class RowFormat:
 
     def encode_gathered(self, out: torch.Tensor, x: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
                         weights: torch.Tensor | None, smooth: torch.Tensor | None = None,
-                        remote: bool = False) -> None:
-        """:meth:`encode_into` of rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64); unquantized data is
-        gathered straight into ``out`` (one copy instead of a gather and a copy). ``remote``: another process reads
-        ``out`` (a peer's window)."""
-        if self.quant is not None:
-            fast = self.codec == INT8_PER_TOKEN and smooth is None
-            if fast and kernels.pack_int8(x, token, slot_expert, weights, out, self):
-                return None
-            fp8 = self.quant == "fp8_e4m3" and not self.round_scale and weights is None and smooth is None
-            if fp8 and kernels.pack_fp8(x, token, slot_expert, out, self):
-                return None
-            return self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
-        if weights is None and kernels.pack(x, token, slot_expert, out, self.token_off, self.slot_off, remote):
+                        remote: bool = False) -> None:  # fmt: skip
+        """:meth:`encode_into` of rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64); ``remote``: another
+        process reads ``out`` (a peer's window)."""
+        if self.quant is None:
+            return self.copy_rows(out, x, token, slot_expert, weights, remote)
+        int8 = self.codec == INT8_PER_TOKEN and smooth is None
+        fp8 = self.quant == "fp8_e4m3" and not self.round_scale and weights is None and smooth is None
+        if int8 and kernels.pack_int8(x, token, slot_expert, weights, out, self):
             return None
-        torch.index_select(x, 0, token, out=out[:, : self.data_bytes].view(self.data_dtype))
+        if not fp8 or not kernels.pack_fp8(x, token, slot_expert, out, self):
+            self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
+
+    def copy_rows(self, out: torch.Tensor, src: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
+                  weights: torch.Tensor | None, remote: bool = False) -> None:  # fmt: skip
+        """Rows ``src[token]`` (unquantized tokens `[T, hidden]`, or :meth:`encode_tokens`' rows) into ``out``, then
+        the token, ``slot_expert`` and ``weights`` fields: one gather, not a gather and a copy."""
+        if weights is None and kernels.pack(src, token, slot_expert, out, self.token_off, self.slot_off, remote):
+            return
+        torch.index_select(src, 0, token, out=out[:, : src.shape[1] * src.element_size()].view(src.dtype))
         self._write_fields(out, token, slot_expert, weights)
-        return None
 
     def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Every token of ``x`` `[T, hidden]` encoded once, `[T, row_bytes]` uint8 (data and scales; the token and
-        slot fields are placeholders): :meth:`encode_copies` makes the rows from it."""
+        slot fields are placeholders): :meth:`copy_rows` makes the rows from it (the same bytes as encoding them)."""
         t = x.shape[0]
         out = torch.empty((t, self.row_bytes), dtype=torch.uint8, device=x.device)
         table = torch.full((t, self.num_slots), -1, dtype=torch.int32, device=x.device)
         self.encode_gathered(out, x, torch.arange(t, device=x.device), table, None)
         return out
-
-    def encode_copies(self, out: torch.Tensor, encoded: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                      weights: torch.Tensor | None, remote: bool = False) -> None:
-        """:meth:`encode_gathered`'s rows from :meth:`encode_tokens`'s ``encoded``: the bytes of ``encoded[token]``,
-        then the token, ``slot_expert`` and ``weights`` fields (the same bytes as encoding the rows again)."""
-        fields = (self.token_off, self.slot_off, remote)
-        if weights is None and kernels.pack(encoded, token, slot_expert, out, *fields):
-            return
-        torch.index_select(encoded, 0, token, out=out)
-        self._write_fields(out, token, slot_expert, weights)
 
     def tokens(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[:, self.token_off : self.slot_off].view(torch.int32).view(-1)
@@ -157,37 +143,31 @@ def parse(fmt: RowFormat, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return row, slot, table[row, slot].long()
 
 
-def slot_tables(plan: Plan, num_slots: int, weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per row and slot: the local expert `[num_rows, num_slots]` int32 (-1: unused slot) and the pair's weight
-    `[num_rows, num_slots]` fp32 (None without the per-pair ``weights`` `[P]`), as the rows carry them."""
-    num_rows, dev = int(plan.row_token.numel()), plan.token.device
-    slot_expert = plan.slot_expert
-    if slot_expert is None or slot_expert.shape != (num_rows, num_slots):
-        slot_expert = torch.full((num_rows, num_slots), -1, dtype=torch.int32, device=dev)
-        slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
-    if weights is None:
-        return slot_expert, None
-    table = torch.zeros((num_rows, num_slots), dtype=torch.float32, device=dev)
-    table[plan.row_of_pair, plan.slot] = weights
-    return slot_expert, table
-
-
 def encoder(fmt: RowFormat, x: torch.Tensor, plan: Plan, weights: torch.Tensor | None,
-            smooth: torch.Tensor | None) -> Callable[[torch.Tensor, slice, bool], None]:  # fmt: skip
-    """``encode(out, rows, remote)``: the plan's rows ``rows`` (a slice) of ``x`` `[T, hidden]` into ``out`` `[n,
+            smooth: torch.Tensor | None) -> Callable[[bool, int, torch.Tensor], None]:  # fmt: skip
+    """``encode(remote, d, out)``: the plan's rows for destination ``d`` of ``x`` `[T, hidden]` into ``out`` `[n,
     row_bytes]` uint8 (``weights`` `[P]` fp32 per pair, ``smooth`` `[num_rows, hidden]` fp32 per row, or None;
     ``remote``: a peer reads ``out``). Quantized rows without smoothing, when some token goes to more than one rank:
     each token is quantized once per call (not once per rank it goes to) and its bytes are copied into its rows."""
-    slot_expert, w = slot_tables(plan, fmt.num_slots, weights)
+    shape, dev, w = (int(plan.row_token.numel()), fmt.num_slots), plan.token.device, None
+    slot_expert = plan.slot_expert
+    if slot_expert is None or slot_expert.shape != shape:  # per row and slot: the local expert, -1: unused slot
+        slot_expert = torch.full(shape, -1, dtype=torch.int32, device=dev)
+        slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
+    if weights is not None:  # per row and slot: the pair's weight
+        w = torch.zeros(shape, dtype=torch.float32, device=dev)
+        w[plan.row_of_pair, plan.slot] = weights
     once = fmt.quant is not None and smooth is None and plan.row_token.numel() > x.shape[0]
     encoded: list[torch.Tensor] = []
+    slices = plan.row_slices()
 
-    def encode(out: torch.Tensor, rows: slice, remote: bool) -> None:
+    def encode(remote: bool, d: int, out: torch.Tensor) -> None:
+        rows = slices[d]
         ww = None if w is None else w[rows]
         if once:
             if not encoded:
                 encoded.append(fmt.encode_tokens(x))
-            fmt.encode_copies(out, encoded[0], plan.row_token[rows], slot_expert[rows], ww, remote)
+            fmt.copy_rows(out, encoded[0], plan.row_token[rows], slot_expert[rows], ww, remote)
         else:
             sm = None if smooth is None else smooth[rows]
             fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], ww, sm, remote=remote)

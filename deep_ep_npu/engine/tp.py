@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..core.call import Experts
 from ..errors import MoeDistributeError, shape
 from ..transports.collective import STATUS_OK, EPGroup
+from .rows import DTYPE_CODES
 
 TP_NAMES = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
 
@@ -67,9 +69,10 @@ class TPStage:
     payload (:meth:`before_payload`, then ``after()``, e.g. the ReduceScatterV; True: the rows changed), or, when the
     EP call failed before it, the failure's code (:meth:`abort`), so that the TP peer raises too."""
 
-    def __init__(self, tp: EPGroup, op: str, fingerprint: tuple[int, ...],
+    def __init__(self, e: Experts, op: str, x: torch.Tensor, quantized: bool, row_bytes: int,
                  after: Callable[[], bool] | None = None) -> None:  # fmt: skip
-        self.tp, self.op, self.fingerprint, self.after, self.told = tp, op, fingerprint, after, False
+        self.tp, self.op, self.after, self.told = e.tp, op, after, False
+        self.fingerprint = (x.shape[1], DTYPE_CODES[x.dtype] * 4 + 2 * quantized, row_bytes, e.num_moe_experts)
 
     def before_payload(self) -> bool:
         self.told = True
