@@ -19,6 +19,7 @@ SCALAR_TYPE_CODES = {
     15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 44: torch.float8_e8m0fnu,
     45: torch.float4_e2m1fn_x2,
 }  # fmt: skip
+SCALAR_TYPE_CODE = {dtype: code for code, dtype in SCALAR_TYPE_CODES.items()}  # a torch.dtype's code
 ACL_CODES: dict[int, torch.dtype | str] = {  # ACL enum + 256: torch_npu's own dtype constants
     258: torch.int8, 285: "int4", 290: "hifloat8", 291: torch.float8_e5m2, 292: torch.float8_e4m3fn,
     293: torch.float8_e8m0fnu, 296: torch.float4_e2m1fn_x2, 297: "float4_e1m2fn_x2",
