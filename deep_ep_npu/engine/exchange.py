@@ -66,7 +66,7 @@ class Layout(Protocol):
     row, or None; ``known``: the rows each source sends here when already known (a cached layout); ``vectors``
     (<= 2R words) and ``fingerprint`` (<= 16, named by ``names``): the header words every rank checks (more checks:
     an optional ``check(agreement)``); ``agree_now``: the collective transport agrees in the send phase; ``tp``: the
-    TP stage (:class:`~.tp.TPStage`). Optional ``place_own(own_rows, encode)``: places the own rows in the send phase
+    TP stage (:class:`~.flat.TPStage`). Optional ``place_own(own_rows, encode)``: places the own rows in the send phase
     (``encode()`` fills ``own_rows`` when they cannot come straight from the source)."""
 
     plan: Plan

@@ -8,6 +8,7 @@ ascending, in fp32, then ``shared_expert_x``."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -15,14 +16,14 @@ import torch
 
 from .. import kernels
 from ..core.ascend import OP_COMM_ALGS
-from ..core.call import CombineCall, DispatchCall
+from ..core.call import CombineCall, DispatchCall, Experts
 from ..core.platforms import SCALAR_TYPE_CODE
 from ..errors import shape
-from ..transports.collective import Agreement
+from ..transports.collective import STATUS_OK, Agreement
 from .plan import pair_weights, plan_call, smooth_rows
 from .reduce import CombineJob, special_contributions
 from .rows import DTYPE_CODES, Parts, RowFormat, parse
-from .tp import TPStage, tp_gather_rows, tp_reduce_scatter
+from .tp import tp_agree, tp_gather_rows, tp_reduce_scatter
 
 NAMES = ("moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "x dtype", "shared_expert_num",
          "shared_expert_rank_num", "elastic_info", "tp_world_size", "y_dtype", "comm_alg")  # fmt: skip
@@ -192,3 +193,23 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
 
         job.tp = TPStage(e, c.op, x, bool(c.comm_quant_mode), job.fmt.row_bytes, reduce_scatter)
     return [job]
+
+
+class TPStage:
+    """The TP pair's part of one EP call: its agreement (status and ``fingerprint``) between the EP agreement and the
+    payload (:meth:`before_payload`, then ``after()``, e.g. the ReduceScatterV; True: the rows changed), or, when the
+    EP call failed before it, the failure's code (:meth:`abort`), so that the TP peer raises too."""
+
+    def __init__(self, e: Experts, op: str, x: torch.Tensor, quantized: bool, row_bytes: int,
+                 after: Callable[[], bool] | None = None) -> None:  # fmt: skip
+        self.tp, self.op, self.after, self.told = e.tp, op, after, False
+        self.fingerprint = (x.shape[1], DTYPE_CODES[x.dtype] * 4 + 2 * quantized, row_bytes, e.num_moe_experts)
+
+    def before_payload(self) -> bool:
+        self.told = True
+        tp_agree(self.tp, STATUS_OK, self.op, self.fingerprint)
+        return self.after() if self.after is not None else False
+
+    def abort(self, code: int) -> None:
+        if not self.told:
+            tp_agree(self.tp, code, self.op)

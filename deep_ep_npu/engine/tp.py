@@ -5,14 +5,10 @@ the rank that received it. Every TP collective runs on the pair's bounded ``EPGr
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from ..core.call import Experts
 from ..errors import MoeDistributeError, shape
 from ..transports.collective import STATUS_OK, EPGroup
-from .rows import DTYPE_CODES
 
 TP_NAMES = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
 
@@ -62,23 +58,3 @@ def tp_reduce_scatter(tp: EPGroup, tp_rank: int, expand_x: torch.Tensor, num_own
     peer = _swap(tp, tp_rank, expand_x[num_own : num_own + num_peer].contiguous().view(torch.uint8), num_own)
     peer = peer.view(expand_x.dtype).view(num_own, expand_x.shape[1])
     return (expand_x[:num_own].float() + peer.float()).to(expand_x.dtype)
-
-
-class TPStage:
-    """The TP pair's part of one EP call: its agreement (status and ``fingerprint``) between the EP agreement and the
-    payload (:meth:`before_payload`, then ``after()``, e.g. the ReduceScatterV; True: the rows changed), or, when the
-    EP call failed before it, the failure's code (:meth:`abort`), so that the TP peer raises too."""
-
-    def __init__(self, e: Experts, op: str, x: torch.Tensor, quantized: bool, row_bytes: int,
-                 after: Callable[[], bool] | None = None) -> None:  # fmt: skip
-        self.tp, self.op, self.after, self.told = e.tp, op, after, False
-        self.fingerprint = (x.shape[1], DTYPE_CODES[x.dtype] * 4 + 2 * quantized, row_bytes, e.num_moe_experts)
-
-    def before_payload(self) -> bool:
-        self.told = True
-        tp_agree(self.tp, STATUS_OK, self.op, self.fingerprint)
-        return self.after() if self.after is not None else False
-
-    def abort(self, code: int) -> None:
-        if not self.told:
-            tp_agree(self.tp, code, self.op)
