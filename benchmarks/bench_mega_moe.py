@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import time_interleaved  # noqa: E402
 from deep_ep_npu import Buffer  # noqa: E402
+from deep_ep_npu.engine.ffn import grouped_ffn  # noqa: E402
 from deep_ep_npu.mega_moe import mega_moe  # noqa: E402
-from deep_ep_npu.mega_moe.ffn import grouped_ffn  # noqa: E402
 from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2  # noqa: E402
 from tests.distributed import parallel_launch  # noqa: E402
 

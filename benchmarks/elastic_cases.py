@@ -31,9 +31,9 @@ def elastic_cases(group, x: torch.Tensor, topk_idx: torch.Tensor, num_max: int, 
         return buffer.combine(expert_out, handle)
 
     fresh()
-    wire = profiling.wire_stats()["dispatch_wire_bytes"]
+    wire = profiling.wire_stats(buffer)["dispatch_wire_bytes"]
     combine()
-    combine_wire = profiling.wire_stats()["combine_wire_bytes"]
+    combine_wire = profiling.wire_stats(buffer)["combine_wire_bytes"]
     cases = [
         ("dispatch", "elastic_fresh", fresh, wire, dispatch_bytes),
         ("dispatch", "elastic_cached", cached, wire, dispatch_bytes),

@@ -1,16 +1,12 @@
-"""deep_ep_npu: DeepEP-compatible low-latency expert-parallel communication for Ascend NPUs, runnable anywhere.
+"""deep_ep_npu: DeepEP-compatible low-latency expert-parallel communication for Ascend NPUs, runnable anywhere (the
+layers: README "Architecture"). Imports only torch; torch_npu is imported only when the Ascend backend is created."""
 
-Imports only torch; torch_npu is imported only when the Ascend backend is created.
-"""
-
-from .buffer import Buffer
+from .buffer import Buffer, Config
 from .elastic import ElasticBuffer
-from .ep_handle import EPHandle
-from .event import EventHandle, EventOverlap
-from .failure import EPRankFailure
-from .handle import FlatHandle, LowLatencyHandle, topk_idx_t
-from .normal_mode import Config
-from .ops import MoeDistributeError, get_low_latency_ccl_buffer_size
+from .errors import MoeDistributeError
+from .handle import EPHandle, EventHandle, EventOverlap, FlatHandle, LowLatencyHandle, topk_idx_t
+from .sizes import get_low_latency_ccl_buffer_size
+from .transports.failure import EPRankFailure
 
 __version__ = "0.1.0"
 

@@ -2,66 +2,45 @@
 decode, cached handles, the expand layout) on this library's engine or the Ascend ops. Code written for
 ``deep_ep.ElasticBuffer`` runs unchanged: same constructor, methods, defaults, return tuples and layouts.
 
-What differs, by design:
-
-- Every rank is one scale-up rank: ``get_logical_domain_size()`` is ``(1, R)``, DeepEP's "direct" mode; there is no
-  hybrid forwarding, so ``allow_hybrid_mode``, ``sl_idx``, ``num_allocated_qps``, ``num_sms`` / ``num_qps`` (accepted,
-  checked to be ints >= 0) change nothing.
-- Rows are always in deterministic order (by source rank, then token; expand: by local expert, then source rank, then
-  token), so ``deterministic`` changes nothing either.
-- ``do_cpu_sync=False`` gives DeepEP's worst-case shapes; the rows past the real count (the tail) are unspecified in
-  ``recv_x`` / ``recv_sf`` (as DeepEP), 0 in the weights, -1 in ``recv_topk_idx`` and ``recv_src_metadata``. The
-  real total is ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``.
-- No separate communication stream: work runs in call order. ``async_with_compute_stream=True`` returns the call's
-  receive in the event (``event.current_stream_wait()`` or ``with event:`` completes it) when the output shapes are
-  known at the send (``do_cpu_sync=False`` or a cached handle); with ``do_cpu_sync=True`` the host waits for the
-  counts anyway and the call returns complete. Two calls may be in flight at once.
-- Buffer sizes (``num_bytes``, ``num_cpu_bytes``, ``num_max_tokens_per_rank`` / ``hidden`` / ``num_topk`` /
-  ``use_fp8_dispatch`` sizing) are accepted; the wire buffers grow on demand.
-- Timeouts: a failed peer is detected within ``timeout`` (as the legacy ``Buffer``: ``DEEP_EP_NPU_TIMEOUT``, else
-  30 s); ``num_cpu_timeout_secs`` / ``num_gpu_timeout_secs`` are accepted.
-
-Failures and bad input behave as in the legacy ``Buffer``: invalid input on any rank raises
-:class:`~deep_ep_npu.MoeDistributeError` (a ValueError, naming the parameter) on every rank before any payload moves,
-cached calls included (their status travels with the payload); a rank that exits or stops calling makes the others
-raise :class:`~deep_ep_npu.EPRankFailure` within about ``timeout``. There is no shrink mode (DeepEP V2 has none).
+What differs (README, "Coming from DeepEP V2"): every rank is one scale-up rank (DeepEP's direct mode) and rows are
+always in deterministic order; there are no streams, so ``async_with_compute_stream=True`` returns the receive in the
+event only when the shapes are known at the send (no CPU sync, or a cached handle); buffer sizes, hybrid-mode, QP and
+SM settings are accepted and change nothing. Invalid input on any rank raises :class:`~deep_ep_npu.MoeDistributeError`
+on every rank before any payload moves; a rank that exits or stops calling makes the others raise
+:class:`~deep_ep_npu.EPRankFailure` within ``timeout``. There is no shrink mode (DeepEP V2 has none).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .backends import BufferConfig, create_backend, resolve_backend_name
-from .elastic_params import validate_combine, validate_dispatch
-from .ep_handle import EPHandle
-from .errors import MoeDistributeError
-from .event import Completion, EventHandle, EventOverlap
-from .failure import resolve_timeout
-from .lifecycle import Destroyable
+from .backends import create_backend, resolve_backend_name
+from .core import elastic as v2
+from .core import rules
+from .core.call import CombineCall, DispatchCall
+from .errors import invalid
+from .handle import EPHandle, EventHandle, EventOverlap
 from .sizes import align
+from .transports.failure import resolve_timeout
 
 _MIB2 = 2 << 20
-_ENGINES = {"reference": "deep_ep_npu.backends.elastic_reference:ElasticReference",
-            "ascend": "deep_ep_npu.backends.elastic_ascend:ElasticAscend"}  # fmt: skip
+DISPATCH_OP, COMBINE_OP = "elastic_dispatch", "elastic_combine"
 
 
-class ElasticBuffer(Destroyable):
+class ElasticBuffer:
     """DeepEP V2's expert-parallel buffer (see the module docstring for what differs).
 
     Arguments:
         group: the EP ``ProcessGroup`` (required; the call is collective and ends with a barrier).
-        num_bytes: None, or bytes (a multiple of 2 MiB, ``get_buffer_size_hint``); accepted, sizing only.
-        num_cpu_bytes: a multiple of 2 MiB; accepted, unused (no Engram storage).
-        num_max_tokens_per_rank: N, the ``dispatch`` default (0: pass it to ``dispatch``); hidden, num_topk,
-            use_fp8_dispatch: sizing only.
-        deterministic, allow_hybrid_mode, prefer_overlap_with_compute, sl_idx, num_allocated_qps,
-            num_cpu_timeout_secs, num_gpu_timeout_secs: accepted, no-ops here (``prefer_overlap_with_compute`` only
-            changes ``get_theoretical_num_sms``).
+        num_bytes: None, or bytes (a multiple of 2 MiB, ``get_buffer_size_hint``); num_cpu_bytes: a multiple of
+            2 MiB (no Engram storage). num_max_tokens_per_rank: N, the ``dispatch`` default (0: pass it there).
+        hidden, num_topk, use_fp8_dispatch, deterministic, allow_hybrid_mode, sl_idx, num_allocated_qps,
+            num_cpu_timeout_secs, num_gpu_timeout_secs: accepted, no-ops here. prefer_overlap_with_compute: only
+            changes ``get_theoretical_num_sms``.
         allow_multiple_reduction: an expand combine sums a token's rows on the expert rank before sending (True), or
             sends every row (False; ``topk_weights`` must then be None).
         explicitly_destroy: the caller must call :meth:`destroy`.
@@ -87,20 +66,24 @@ class ElasticBuffer(Destroyable):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
         self.group, self.rank_idx, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
-        self.num_bytes, self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_bytes, num_max_tokens_per_rank, \
-            hidden, num_topk  # fmt: skip
+        self.num_bytes, self.num_max_tokens_per_rank = num_bytes, num_max_tokens_per_rank
+        self.hidden, self.num_topk = hidden, num_topk
         self.deterministic, self.allow_multiple_reduction = deterministic, allow_multiple_reduction
         self.prefer_overlap_with_compute, self.explicitly_destroy = prefer_overlap_with_compute, explicitly_destroy
         self.num_allocated_qps = num_allocated_qps or 17
         self.backend_name = resolve_backend_name(backend)
         # rows move by the group's collectives (start_dispatch / start_combine), never by a shared-memory window
-        config = BufferConfig(explicitly_destroy=explicitly_destroy, timeout=resolve_timeout(timeout),
-                              transport="collective")  # fmt: skip
-        self._backend = create_backend(self.backend_name, group, config)
-        module, _, cls = _ENGINES[self.backend_name].partition(":")
-        self._engine: Any = getattr(importlib.import_module(module), cls)(self._backend, self, allow_multiple_reduction)
-        self._destroyed = False
+        self._backend = create_backend(self.backend_name, group, timeout=resolve_timeout(timeout))
         self._backend.ep.barrier("ElasticBuffer.__init__")
+
+    def destroy(self) -> None:
+        """Release the buffer; needs ``explicitly_destroy=True``. A second call is a no-op; using the buffer afterwards
+        raises. Collective (see ``Backend.release``)."""
+        self._backend.release(self.explicitly_destroy, called=True)
+
+    def __del__(self) -> None:
+        if hasattr(self, "_backend"):
+            self._backend.release(self.explicitly_destroy, called=False)
 
     @property
     def rank(self) -> int:
@@ -149,15 +132,8 @@ class ElasticBuffer(Destroyable):
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """A barrier of the group's ranks, bounded by ``timeout`` (the arguments are accepted, no-ops)."""
-        self._check_alive()
+        self._backend.check_alive(self)
         self._backend.ep.barrier("barrier")
-
-    @staticmethod
-    def _event(completion: Completion, async_finish: bool, tensors: tuple) -> EventOverlap:
-        if async_finish:
-            return EventOverlap(completion, tensors)
-        completion.wait()
-        return EventOverlap(None)
 
     def dispatch(
         self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk_idx: torch.Tensor | None = None,
@@ -170,8 +146,10 @@ class ElasticBuffer(Destroyable):
         do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:  # fmt: skip
         """Send each token to the ranks hosting its experts (collective). R ranks, L = num_experts / R, T tokens,
-        N = num_max_tokens_per_rank, K top-k, ``a`` = expert_alignment, num_recv / num_expanded the received rows
-        (exact with CPU sync, else ``R * N`` / ``align(R * N * min(K, L) + (a - 1) * L, a)``).
+        N = num_max_tokens_per_rank, K top-k, ``a`` = expert_alignment, num_recv / num_expanded the received rows:
+        exact with CPU sync, else ``R * N`` / ``align(R * N * min(K, L) + (a - 1) * L, a)``, whose tail past the real
+        total (``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``) is unspecified in the rows (as DeepEP's), 0 in
+        the weights and -1 in ``recv_topk_idx`` and ``recv_src_metadata``.
 
         Arguments:
             x: `[T, hidden]` `torch.bfloat16` (`torch.float16` / `torch.float32` also), or the pre-quantized tuple
@@ -204,30 +182,52 @@ class ElasticBuffer(Destroyable):
                 row's weight); None without ``topk_weights``.
             handle: the :class:`EPHandle` (a cached call returns the same object). event: :class:`EventOverlap`.
         """
-        self._check_alive()
-        try:
-            d = validate_dispatch(locals(), num_ranks=self.num_ranks, default_num_max=self.num_max_tokens_per_rank,
-                                  owner=self)  # fmt: skip
-        except MoeDistributeError as err:
-            self._engine.reject_dispatch(err.code)
-            raise
-        d.num_sms = d.num_sms or self.get_theoretical_num_sms(d.num_experts, d.topk_idx.shape[1])  # as DeepEP
-        layout, early, completion = self._engine.dispatch(d)
-        async_finish = d.async_finish and d.sizes is not None
-        holder: list[EPHandle] = []
-
-        def finish() -> None:
-            holder.append(completion.wait())
-
-        event = self._event(Completion(finish), async_finish, ())
-        out, result_handle = layout.outputs, holder[0] if holder else early
-        assert result_handle is not None
-        recv_x = out["x"] if d.sf is None else (out["x"], out["sf"])
-        recv_topk_idx = out["topk_idx"]
-        if recv_topk_idx is not None and recv_topk_idx.dtype != d.topk_idx.dtype:
-            recv_topk_idx = recv_topk_idx.to(d.topk_idx.dtype)
-        weights = out["weights"] if d.topk_weights is not None else None
-        return recv_x, recv_topk_idx, weights, result_handle, event
+        self._backend.check_alive(self)
+        with self._backend.rejecting(DISPATCH_OP):
+            data, sf = v2.split_x(x)
+            rules.flag(do_handle_copy, "do_handle_copy")
+            rules.flag(do_expand, "do_expand")
+            rules.flag(do_zero_padding, "do_zero_padding")
+            rules.flag(use_tma_aligned_col_major_sf, "use_tma_aligned_col_major_sf")
+            if do_cpu_sync is not None:
+                rules.flag(do_cpu_sync, "do_cpu_sync")
+            if do_zero_padding and not do_expand:
+                why = "zeroes the expand layout's alignment padding: it needs do_expand=True"
+                raise invalid("do_zero_padding", why)
+            if handle is None:  # a fresh layout
+                h = None
+                experts = v2.experts_of(num_experts, self.num_ranks, self.rank_idx)
+                a = rules.count(1 if expert_alignment is None else expert_alignment, "expert_alignment", 1)
+                n = v2.num_max(num_max_tokens_per_rank, self.num_max_tokens_per_rank)
+                ids, expand, cpu_sync = topk_idx, do_expand, do_cpu_sync is not False
+            else:  # the cached handle's
+                h = v2.owned_handle(handle, self._backend)
+                experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
+                a, n = h.expert_alignment, h.num_max_tokens_per_rank
+                ids, expand, cpu_sync = h.topk_idx, h.do_expand, False
+            call = DispatchCall(
+                DISPATCH_OP, "expand", data, ids, experts, num_max=n, expert_scales=topk_weights, x_sf=sf,
+                recv_stats=cumulative_local_expert_recv_stats, alignment=a, do_expand=expand,
+                zero_padding=do_zero_padding, tma_sf=use_tma_aligned_col_major_sf, cpu_sync=cpu_sync, cached=h,
+                handle_copy=do_handle_copy, names=v2.NAMES,
+            )  # fmt: skip
+            if h is not None:
+                v2.cached(
+                    call, h, topk_idx, do_cpu_sync, num_experts, expert_alignment, num_max_tokens_per_rank, do_expand
+                )
+            call = rules.dispatch(call)
+            rules.flag(async_with_compute_stream, "async_with_compute_stream")
+            rules.flag(allocate_on_comm_stream, "allocate_on_comm_stream")
+            v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)
+        num_sms = num_sms or self.get_theoretical_num_sms(call.experts.num_moe_experts, call.expert_ids.shape[1])
+        inflight = self._backend.dispatch(call)
+        async_finish = async_with_compute_stream and not call.cpu_sync
+        out = inflight.value if async_finish else inflight.wait()
+        out.handle.num_sms = out.handle.num_sms or num_sms  # (as DeepEP: the dispatch's SMs)
+        recv_x = out.x if out.sf is None else (out.x, out.sf)
+        recv_topk_idx = None if out.topk_idx is None else out.topk_idx.to(call.expert_ids.dtype)
+        weights = out.weights if topk_weights is not None else None
+        return recv_x, recv_topk_idx, weights, out.handle, EventOverlap(inflight if async_finish else None)
 
     def combine(
         self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
@@ -254,12 +254,17 @@ class ElasticBuffer(Destroyable):
             combined_topk_weights: `[T, K]` `torch.float32` (0 for ``topk_idx == -1``), or None.
             event: :class:`EventOverlap`.
         """
-        self._check_alive()
-        try:
-            c = validate_combine(locals(), owner=self, allow_multiple_reduction=self.allow_multiple_reduction)
-        except MoeDistributeError as err:
-            self._engine.reject_combine(err.code)
-            raise
-        combined, combined_weights, completion = self._engine.combine(c)
-        event = self._event(completion, c.async_finish, (combined,))
-        return combined, combined_weights, event
+        self._backend.check_alive(self)
+        with self._backend.rejecting(COMBINE_OP):
+            rules.flag(async_with_compute_stream, "async_with_compute_stream")
+            v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)
+            h = v2.owned_handle(handle, self._backend)
+            experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
+            call = CombineCall(COMBINE_OP, "expand", x, h.topk_idx, experts, h, expert_scales=topk_weights)
+            call = v2.combine(call, self.allow_multiple_reduction, bias)
+        inflight = self._backend.combine(call)
+        combined, weights = inflight.value if isinstance(inflight.value, tuple) else (inflight.value, None)
+        if not async_with_compute_stream:
+            inflight.wait()
+            return combined, weights, EventOverlap(None)
+        return combined, weights, EventOverlap(inflight, (combined,))

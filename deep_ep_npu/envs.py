@@ -19,7 +19,7 @@ def hccl_buffsize_mb() -> int | None:
 
 def timeout_s() -> float | None:
     """``DEEP_EP_NPU_TIMEOUT``: seconds each collective wait of the ops and the Buffer may take before the peers
-    that did not take part are reported (:class:`deep_ep_npu.failure.EPRankFailure`); None when it is not set.
+    that did not take part are reported (:class:`deep_ep_npu.EPRankFailure`); None when it is not set.
     Raises ValueError when it is set but is not a positive (finite) number."""
     if not (value := os.environ.get("DEEP_EP_NPU_TIMEOUT")):
         return None
@@ -31,7 +31,7 @@ def timeout_s() -> float | None:
 
 def transport() -> str | None:
     """``DEEP_EP_NPU_TRANSPORT``: the default transport of a Buffer (``auto`` / ``shm`` / ``collective``), or None when
-    it is not set (checked where it is used: :func:`deep_ep_npu.engine.transport.resolve_transport_name`)."""
+    it is not set (checked where it is used: :func:`deep_ep_npu.transports.resolve_transport_name`)."""
     return os.environ.get("DEEP_EP_NPU_TRANSPORT") or None
 
 

@@ -19,6 +19,7 @@ import torch
 GROUP = 128
 NUM_CODES = 1 << 9  # 9 magnitude bits + 1 sign bit
 MIN_CLIP = 32.0  # log_amin >= log_amax - 32
+CODE_BYTES = GROUP // 4 * 5  # a group's 128 codes, 4 per 5 bytes
 
 
 def row_bytes(hidden: int) -> int:
@@ -27,10 +28,10 @@ def row_bytes(hidden: int) -> int:
 
 
 def _logs(amax: torch.Tensor, amin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log_amax, log_amin, cast) per group from fp32 ``amax`` / ``amin``."""
+    """(log_amin, step, cast) per group from fp32 ``amax`` / ``amin``."""
     log_amax = torch.log2(amax)
     log_amin = torch.maximum(torch.log2(amin), log_amax - MIN_CLIP)
-    return log_amax, log_amin, (log_amax < 0) & (log_amin < log_amax)
+    return log_amin, (log_amax - log_amin) / (NUM_CODES - 2), (log_amax < 0) & (log_amin < log_amax)
 
 
 def encode(rows: torch.Tensor) -> torch.Tensor:
@@ -40,8 +41,7 @@ def encode(rows: torch.Tensor) -> torch.Tensor:
     x = rows.view(n, groups, GROUP)
     mag = x.abs().float()
     amax, amin = mag.amax(dim=2), mag.amin(dim=2)
-    log_amax, log_amin, cast = _logs(amax, amin)
-    step = (log_amax - log_amin) / (NUM_CODES - 2)
+    log_amin, step, cast = _logs(amax, amin)
     step_inv = 1.0 / step
     fused = 2.0 - torch.log2((1.0 + torch.exp2(step)) * 0.5) * step_inv - log_amin * step_inv
     code = torch.floor(torch.clamp(torch.log2(mag) * step_inv.unsqueeze(2) + fused.unsqueeze(2), min=0))
@@ -51,8 +51,7 @@ def encode(rows: torch.Tensor) -> torch.Tensor:
     packed40 = quads[..., 0] | quads[..., 1] << 10 | quads[..., 2] << 20 | quads[..., 3] << 30  # 40 bits
     packed = torch.stack([(packed40 >> (8 * b)) & 0xFF for b in range(5)], dim=-1).to(torch.uint8)
     body = x.contiguous().view(torch.uint8).view(n, groups, 2 * GROUP).clone()
-    body[..., : GROUP // 4 * 5] = torch.where(cast.view(n, groups, 1), packed.view(n, groups, -1),
-                                             body[..., : GROUP // 4 * 5])  # fmt: skip
+    body[..., :CODE_BYTES] = torch.where(cast.view(n, groups, 1), packed.view(n, groups, -1), body[..., :CODE_BYTES])
     meta = torch.stack([amax, amin], dim=2).to(torch.bfloat16).view(torch.uint8).view(n, 4 * groups)
     return torch.cat([meta, body.view(n, 2 * hidden)], dim=1)
 
@@ -62,11 +61,10 @@ def decode(packed: torch.Tensor, hidden: int) -> torch.Tensor:
     n, groups = packed.shape[0], hidden // GROUP
     meta = packed[:, : 4 * groups].contiguous().view(torch.bfloat16).view(n, groups, 2).float()
     amax, amin = meta[..., 0], meta[..., 1]
-    log_amax, log_amin, cast = _logs(amax, amin)
-    step = (log_amax - log_amin) / (NUM_CODES - 2)
+    log_amin, step, cast = _logs(amax, amin)
     body = packed[:, 4 * groups :].contiguous().view(n, groups, 2 * GROUP)
     raw = body.view(torch.bfloat16).float()  # groups that were not cast
-    b = body[..., : GROUP // 4 * 5].view(n, groups, GROUP // 4, 5).to(torch.int64)
+    b = body[..., :CODE_BYTES].view(n, groups, GROUP // 4, 5).to(torch.int64)
     packed40 = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24 | b[..., 4] << 32
     value = torch.stack([(packed40 >> (10 * k)) & 0x3FF for k in range(4)], dim=-1).view(n, groups, GROUP)
     code, negative = value & (NUM_CODES - 1), (value >> 9).bool()

@@ -1,45 +1,32 @@
 """Opt-in timing of where dispatch/combine time goes, and the bytes the last calls put on the wire. Off by default:
-:func:`laps` then costs one flag check. Benchmarks call :func:`enable`, run, and read :func:`report` (mean µs per
-call of each named section: validation, layout, packing, collectives, unpacking)."""
+the engine then only reads :data:`enabled`. Benchmarks call :func:`enable`, run, and read :func:`report` (mean µs per
+call of each section: the send phase with this rank's own rows, the wait, the placement / reduction) and
+:func:`wire_stats`."""
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from typing import Any
 
-_enabled = False
+enabled = False  # read by the engine before it records anything
 _sections: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # name -> [total seconds, occurrences]
-_wire: dict[str, tuple[list[int], int, int]] = {}
 
 
 def enable() -> None:
-    global _enabled
-    _enabled = True
+    global enabled
+    enabled = True
 
 
 def disable() -> None:
-    global _enabled
-    _enabled = False
+    global enabled
+    enabled = False
 
 
-def _no_lap(name: str) -> None:
-    """What :func:`laps` returns while disabled."""
-
-
-def laps(prefix: str) -> Callable[[str], None]:
-    """``lap = laps("dispatch"); ...; lap("layout"); ...; lap("packing")``: each call records the time since the
-    previous one (or since ``laps``) under ``prefix.name``; a no-op while disabled."""
-    if not _enabled:
-        return _no_lap
-    last = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal last
-        now, section = time.perf_counter(), _sections[f"{prefix}.{name}"]
-        section[0], section[1], last = section[0] + (now - last), section[1] + 1, now
-
-    return lap
+def add(prefix: str, **seconds: float) -> None:
+    """Called by the engine while :data:`enabled`: one call's seconds in each of its sections."""
+    for name, value in seconds.items():
+        section = _sections[f"{prefix}.{name}"]
+        section[0], section[1] = section[0] + value, section[1] + 1
 
 
 def report(reset: bool = False) -> dict[str, float]:
@@ -50,16 +37,12 @@ def report(reset: bool = False) -> dict[str, float]:
     return out
 
 
-def record_wire(op: str, send_bytes_per_rank: Sequence[int], own_rank: int, header_bytes: int) -> None:
-    """Called by backends: payload bytes sent to each rank by the last ``op`` call, and header bytes per peer."""
-    _wire[op] = (list(send_bytes_per_rank), own_rank, header_bytes)
-
-
-def wire_stats(_buffer: object = None) -> dict:
-    """Bytes of the last dispatch and combine on this rank: ``{op}_send_bytes`` (payload per destination, self
-    included) and ``{op}_wire_bytes`` (what actually left this rank: payload to others + headers)."""
-    out: dict[str, object] = {}
-    for op, (per_rank, own, header) in _wire.items():
+def wire_stats(buffer: Any) -> dict:
+    """Bytes of the last dispatch and combine of ``buffer`` (a ``Buffer`` or ``ElasticBuffer`` on the reference
+    backend) on this rank: ``{op}_send_bytes`` (payload per destination, self included) and ``{op}_wire_bytes`` (what
+    left this rank: payload to others + headers)."""
+    engine, out = buffer._backend, {}
+    for op, (per_rank, header) in engine.wire.items():
         out[f"{op}_send_bytes"] = per_rank
-        out[f"{op}_wire_bytes"] = sum(per_rank) - per_rank[own] + header * (len(per_rank) - 1)
+        out[f"{op}_wire_bytes"] = sum(per_rank) - per_rank[engine.rank] + header * (len(per_rank) - 1)
     return out

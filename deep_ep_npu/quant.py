@@ -1,18 +1,11 @@
-"""Quantization numerics: Ascend's dispatch quant modes 2 / 3 / 4 (:class:`Quant`: per token int8 / fp8, per 128
-channels fp8, MX fp8 per 32 with e8m0 scales), combine's int8 per 8 elements, and DeepEP fp8 e4m3 (per 128 channels).
+"""Quantization numerics: Ascend's dispatch quant modes (:class:`Quant`: 2 per token int8 / fp8, 3 fp8 per 128
+channels, 4 MX fp8 per 32 with e8m0 scales), combine's int8 per 8 elements, DeepEP's fp8 e4m3 per 128 channels.
 
-All functions are pure and vectorized. Rounding is round-half-to-even (``torch.round``), as the NPU's ``rint``; for a
-float8 target, ``rint`` is the cast itself (round to the nearest float8, ties to even), after clamping to the
-target's largest finite value ``maxV`` (448 e4m3, 57344 e5m2, 127 int8). DeepEP's
-fp8: for every token and every group of 128 channels ``amax = max(max |x|, 1e-4)``, ``scale_inv = amax / 448`` (with
-``round_scale``: rounded up to a power of two), ``q = e4m3(x / scale_inv)``; dequantize with ``q * scale_inv``. With
-``use_ue8m0`` the (power-of-two) scales are stored as their 8-bit exponent (the float32 bits >> 23), four groups per
-`torch.int32` (group g in byte ``g % 4`` of int ``g // 4``).
-
-Non-finite input propagates through the scales, never through out-of-range data: a row (int8: a group) holding NaN
-or +-Inf gets a NaN / Inf scale and int8 data 0 there (int8 has no NaN: a plain cast would give -128), so it
-dequantizes to NaN; float8 data keeps NaN (a float8 value). Other rows are unaffected. Non-finite top-k weights
-propagate into the combined rows of their tokens (fp32 products), as on the NPU."""
+Pure and vectorized; rounding is half-to-even (the NPU's ``rint``; for float8 the cast itself) after clamping to the
+target's largest finite value (448 e4m3, 57344 e5m2, 127 int8). DeepEP's fp8, per token and 128 channels:
+``scale_inv = max(amax, 1e-4) / 448`` (``round_scale``: up to a power of two), ``q = e4m3(x / scale_inv)``; UE8M0
+packs the power-of-two scales' exponent bytes four per int32. Non-finite input propagates through the scales: a row
+(int8: a group) holding NaN / Inf gets a NaN / Inf scale and int8 data 0, so it dequantizes to NaN."""
 
 from __future__ import annotations
 
@@ -24,15 +17,11 @@ import torch
 MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # maxV of each target
 MX_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}  # exponent of the largest power of two below maxV
 E8M0 = torch.float8_e8m0fnu
+FP8_DTYPE, FP8_MAX, GROUP = torch.float8_e4m3fn, 448.0, 128  # DeepEP's fp8: e4m3 per 128 channels
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (q, scales)
 
 
-def per_token_int8(x: torch.Tensor, smooth_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ascend ``quant_mode=2`` into int8: :func:`per_token` with ``dtype=torch.int8``."""
-    return per_token(x, smooth_scales, torch.int8)
-
-
-def per_token(x: torch.Tensor, smooth_scales: torch.Tensor | None = None,
-              dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def per_token(x: torch.Tensor, smooth_scales: torch.Tensor | None = None, dtype: torch.dtype = torch.int8) -> Quantized:
     """Ascend ``quant_mode=2``: per-token dynamic quant with optional smoothing. ``xf = fp32(x) * smooth``;
     ``q = rint(xf * (maxV / amax))`` (clamped to ``+-maxV``; for float8 the rounding is the cast);
     ``scale = amax / maxV`` with ``amax = max |xf|`` over the row (true divisions). A row of zeros gives ``q = 0`` and
@@ -52,19 +41,21 @@ def per_token(x: torch.Tensor, smooth_scales: torch.Tensor | None = None,
     return q.clamp_(-MAX[dtype], MAX[dtype]).to(dtype), amax / vmax
 
 
+per_token_int8 = per_token  # Ascend ``quant_mode=2`` into int8 (per_token's default dtype)
+
+
 def _blocks(xf: torch.Tensor, size: int) -> torch.Tensor:
     """`[n, hidden]` fp32 as `[n, ceil(hidden / size), size]`, the last block zero-padded."""
     n, h = xf.shape
     return torch.nn.functional.pad(xf, (0, -h % size)).view(n, -(-h // size), size)
 
 
-def per_group_fp8(x: torch.Tensor, smooth_scales: torch.Tensor | None, dtype: torch.dtype,
-                  group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def per_group_fp8(x: torch.Tensor, smooth: torch.Tensor | None, dtype: torch.dtype, group: int = 128) -> Quantized:
     """Ascend ``quant_mode=3``: per ``group`` channels (the last group may be shorter) ``amax_g = max |xf_g|``,
     ``scale_g = amax_g / maxV``, ``q = cast(xf / scale_g)`` (true divisions; a zero group gives scale 0 and q 0), with
     ``xf = fp32(x) * smooth`` as in :func:`per_token`. Returns ``q`` `[n, hidden]` ``dtype`` (float8) and ``scale``
     `[n, ceil(hidden / group)]` `torch.float32` (dequantize: ``q * scale`` per group)."""
-    xf = x.float() if smooth_scales is None else x.float() * smooth_scales
+    xf = x.float() if smooth is None else x.float() * smooth
     xg = _blocks(xf, group)
     amax = xg.abs().amax(dim=-1)
     scale = amax / torch.full_like(amax, MAX[dtype])
@@ -74,7 +65,7 @@ def per_group_fp8(x: torch.Tensor, smooth_scales: torch.Tensor | None, dtype: to
     return q.to(dtype), scale
 
 
-def mx_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def mx_fp8(x: torch.Tensor, dtype: torch.dtype) -> Quantized:
     """Ascend ``quant_mode=4`` (MX) into float8: per 32-element block (the last may be shorter) the e8m0 code
     ``c = max(floor(log2 amax) + 127 - emax, 0)`` (emax 8 e4m3, 15 e5m2; 0 for an all-zero block, 0xFF for a block
     holding Inf / NaN), elements ``q = cast(clamp(x / 2^(c - 127), +-maxV))`` (exact power-of-two scaling; the cast
@@ -117,13 +108,13 @@ class Quant:
     def scale_bytes(self, hidden: int) -> int:
         return math.prod(self.scale_shape(hidden)) * self.scale_dtype.itemsize
 
-    def __call__(self, x: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, smooth: torch.Tensor | None = None) -> Quantized:
         if self.mode == 2:
             return per_token(x, smooth, self.dtype)
         return per_group_fp8(x, smooth, self.dtype) if self.mode == 3 else mx_fp8(x, self.dtype)
 
 
-def per_group_int8(x: torch.Tensor, group: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def per_group_int8(x: torch.Tensor, group: int = 8) -> Quantized:
     """Combine ``comm_quant_mode=2``: int8 with one scale per ``group`` consecutive elements, scale kept in x's dtype.
     ``scale = to_dtype(amax_g / 127)``; ``q = int8(rint(x / scale))``; dequantize with ``q * scale``. Groups of zeros
     give scale 0 and q 0. ``x``: `[num_tokens, hidden]` `torch.bfloat16` / `torch.float16` (`torch.float32` allowed),
@@ -136,11 +127,6 @@ def per_group_int8(x: torch.Tensor, group: int = 8) -> tuple[torch.Tensor, torch
     sf = scale.float().unsqueeze(-1)
     q = torch.where(sf > 0, torch.round(xg / torch.where(sf > 0, sf, torch.ones_like(sf))), torch.zeros_like(xg))
     return q.nan_to_num_(nan=0.0).clamp_(-127, 127).to(torch.int8).view(n, h), scale  # NaN: see the module doc
-
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-GROUP = 128
 
 
 def scale_for_fp8_(work: torch.Tensor, x: torch.Tensor, round_scale: bool = False) -> torch.Tensor:
@@ -159,33 +145,7 @@ def scale_for_fp8_(work: torch.Tensor, x: torch.Tensor, round_scale: bool = Fals
     return scale_inv
 
 
-def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows to e4m3 with one scale per 128 channels (``round_scale``: each rounded up to a power of two).
-    ``x``: `[num_tokens, hidden]` `torch.bfloat16` (any float dtype), ``hidden % 128 == 0``. Returns ``q``
-    `[num_tokens, hidden]` `torch.float8_e4m3fn` and ``scale_inv`` `[num_tokens, hidden // 128]` `torch.float32`
-    (dequantize: ``q * scale_inv`` per group)."""
-    work = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    scale_inv = scale_for_fp8_(work, x, round_scale)
-    return work.to(FP8_DTYPE), scale_inv
-
-
 def pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:
     """Power-of-two fp32 scales `[..., G]` (G % 4 == 0) to their exponent bytes packed as `[..., G // 4]` int32."""
     exponent = (scale_inv.contiguous().flatten().view(torch.int32) >> 23).to(torch.uint8)
     return exponent.view(torch.int32).view(*scale_inv.shape[:-1], scale_inv.shape[-1] // 4)
-
-
-def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_ue8m0`: `[..., G // 4]` int32 to `[..., G]` fp32 powers of two."""
-    exponent = packed.contiguous().flatten().view(torch.uint8).to(torch.int32)
-    return (exponent << 23).view(torch.float32).view(*packed.shape[:-1], packed.shape[-1] * 4)
-
-
-def per_token_cast_back(data: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
-    """Dequantize `[..., hidden]` 8-bit data with per-128-channel scales (fp32 `[..., hidden // 128]`, or UE8M0 int32
-    `[..., hidden // 512]`); returns `[..., hidden]` in ``out_dtype``."""
-    if scales.dtype == torch.int32:
-        scales = unpack_ue8m0(scales)
-    *lead, h = data.shape
-    xg = data.float().reshape(*lead, h // GROUP, GROUP) * scales.float().unsqueeze(-1)
-    return xg.reshape(*lead, h).to(out_dtype)

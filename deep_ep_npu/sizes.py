@@ -4,14 +4,11 @@ DeepEP's low-latency RDMA size hint."""
 from __future__ import annotations
 
 import math
-import os
-
-import torch
 
 from .errors import invalid, shape
 
 _MB = 1 << 20
-COMM_ALGS = ("", "fullmesh_v1", "fullmesh_v2")  # the formula's (ops-transformer's); the ops take npu_types.OP_COMM_ALGS
+COMM_ALGS = ("", "fullmesh_v1", "fullmesh_v2")  # the formula's; the ops take core.ascend.OP_COMM_ALGS
 
 
 def align(x: int, a: int) -> int:
@@ -37,14 +34,12 @@ def ccl_buffer_mb(num_bytes: int) -> int:
 def get_low_latency_ccl_buffer_size(world_size: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                     num_moe_expert: int, topk: int, num_shared_expert: int = 0,
                                     num_shared_expert_ranks: int = 0, comm_alg: str = "") -> int:  # fmt: skip
-    """The CCL buffer size, in MB, that low-latency dispatch + combine need (``HCCL_BUFFSIZE`` / ``hccl_buffer_size``).
-
-    Same checks and formula as ops-transformer's static ``MoeDistributeBuffer.get_low_latency_ccl_buffer_size``
-    (CANN 9.1+, the halved value): ``world_size`` in [2, 768], ``hidden`` in [1024, 8192], tokens in [1, 512],
-    experts in [1, 1024], ``topk`` in [1, 16], shared experts in [0, 4], ``L * W <= 2048`` with
-    ``L = num_moe_expert // (world_size - num_shared_expert_ranks)``, ``comm_alg`` in {"", fullmesh_v1, fullmesh_v2}.
-    Example: ``(W, 128, 7168, 256, 8)`` gives 479. Raises :class:`~deep_ep_npu.errors.MoeDistributeError` when an
-    argument is out of the ranges above (code 561002, or 161002 for ``comm_alg``)."""
+    """The CCL buffer size, in MB, that low-latency dispatch + combine need (``HCCL_BUFFSIZE`` / ``hccl_buffer_size``):
+    ops-transformer's static ``MoeDistributeBuffer.get_low_latency_ccl_buffer_size`` (CANN 9.1+, the halved value),
+    e.g. 479 for ``(W, 128, 7168, 256, 8)``. Raises :class:`~deep_ep_npu.errors.MoeDistributeError` as it does:
+    code 561002 for an argument out of its range (``world_size`` [2, 768], ``hidden`` [1024, 8192], tokens [1, 512],
+    experts [1, 1024], ``topk`` [1, 16], shared experts [0, 4]; ``L * W <= 2048`` with ``L = num_moe_expert //
+    (world_size - num_shared_expert_ranks)``), 161002 for ``comm_alg`` not in {"", fullmesh_v1, fullmesh_v2}."""
     tokens, shared_ranks = num_max_dispatch_tokens_per_rank, num_shared_expert_ranks
     for name, value, lo, hi in (
         ("world_size", world_size, 2, 768), ("num_max_dispatch_tokens_per_rank", tokens, 1, 512),
@@ -59,20 +54,6 @@ def get_low_latency_ccl_buffer_size(world_size: int, num_max_dispatch_tokens_per
     if num_local * world_size > 2048:
         raise shape("num_moe_expert", f"local experts x world size = {num_local * world_size} exceeds 2048")
     return ccl_buffer_mb(ccl_buffer_bytes(world_size, tokens, hidden, num_local, topk, num_shared_expert, comm_alg))
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    """The memory of ``device``: a GPU's / NPU's total, else the host's physical memory."""
-    if device.type in ("cuda", "npu"):
-        return int(getattr(torch, device.type).mem_get_info(device)[1])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_fits(num_bytes: int, device: torch.device, param: str, what: str) -> None:
-    """Raise :class:`~deep_ep_npu.errors.MoeDistributeError` (561002) naming ``param`` and the bytes needed when
-    ``num_bytes`` (``what``) exceed the memory of ``device``: a clear error instead of the allocator's."""
-    if num_bytes > (have := device_memory_bytes(device)):
-        raise shape(param, f"{what} needs {num_bytes} bytes, more than the {have} bytes of {device}")
 
 
 def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:

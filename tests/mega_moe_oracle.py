@@ -137,7 +137,7 @@ def dense_reference(case: Case, out_dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def assert_matches(got: torch.Tensor, ref: torch.Tensor, int8: bool) -> None:
-    """The documented tolerance (see tests/test_mega_moe.py): int8 >= 99% within 1 ulp and max error <= 2% of
+    """The documented tolerance (see tests/api/test_mega_moe.py): int8 >= 99% within 1 ulp and max error <= 2% of
     max |ref|; float weights rtol 1.6e-2, atol 1% of max |ref|."""
     assert got.dtype == ref.dtype and got.shape == ref.shape
     if got.numel() == 0:

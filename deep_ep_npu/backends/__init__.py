@@ -1,120 +1,113 @@
-"""Backends of :class:`deep_ep_npu.Buffer`: ``"reference"`` (torch.distributed), ``"ascend"`` (NPU ops); their ABC.
+"""The one backend interface every front-end uses (:class:`Backend`) and its implementations by name: ``"reference"``
+(:class:`deep_ep_npu.engine.exchange.Engine`) and ``"ascend"`` (:class:`.ascend.AscendBackend`, the real NPU ops;
+``torch_npu`` is imported only when it is created). ``dispatch`` / ``combine`` run a validated call's send phase and
+return its receive phase, an :class:`~deep_ep_npu.engine.exchange.InFlight` the front-end completes at once, at an
+event's wait or in a hook; ``reject(op, code)`` tells the peers that this rank rejected its input (they raise too)."""
 
-Backends register the import path of their class (``torch_npu`` is imported only when the Ascend backend is created).
-A backend, ``cls(group, config)``, runs the *send phase* of a validated DeepEP call (:mod:`deep_ep_npu.ll_params`) in
-``dispatch`` / ``combine`` and returns its *receive phase*, a :class:`~deep_ep_npu.event.Completion` the Buffer runs
-at once, at ``event.current_stream_wait()`` (``async_finish``) or in ``hook()`` (``return_recv_hook``);
-``dispatch_flat`` / ``combine_flat`` start ``npu_moe_distribute_dispatch_v2`` / ``combine_v2`` (``wait()`` returns the
-7 outputs / ``x``). Optional hooks: ``abort(op, code)`` (this rank rejected its ``op`` input, "dispatch" / "combine" /
-"dispatch_flat" / "combine_flat": the peers raise too), ``clean`` (reset communication state between two barriers),
-``destroy`` (release buffers).
-"""
+from __future__ import annotations
 
 import abc
-import dataclasses
+import contextlib
 import importlib
 import importlib.util
-from typing import Any, NamedTuple
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ..engine.workspace import Workspace
-from ..event import Completion
-from ..group import EPGroup
-from ..handle import LowLatencyHandle
-from ..ll_params import CombineArgs, DispatchArgs
-from ..params import CombineParams, DispatchParams
+from ..errors import MoeDistributeError
+from ..transports.collective import EPGroup
+from ..transports.failure import EPRankFailure
+
+if TYPE_CHECKING:
+    from ..core.call import FFN, CombineCall, DispatchCall
+    from ..engine.exchange import InFlight
 
 
-@dataclasses.dataclass(frozen=True)
-class BufferConfig:
-    """The Buffer's constructor arguments as a backend sees them (DeepEP names; see ``Buffer`` for which are used)."""
-
-    num_nvl_bytes: int = 0
-    num_rdma_bytes: int = 0
-    low_latency_mode: bool = False
-    num_qps_per_rank: int = 24
-    allow_nvlink_for_low_latency_mode: bool = True
-    allow_mnnvl: bool = False
-    explicitly_destroy: bool = False
-    enable_shrink: bool = False
-    ccl_buffer_size: int | None = None
-    timeout: float | None = None  # seconds per collective wait (deep_ep_npu.failure); None: env / default
-    transport: str = "auto"  # the reference backend's: "auto" / "shm" / "collective" (deep_ep_npu.engine.transport)
-
-
-class DispatchResult(NamedTuple):  # the tensors are allocated by the send phase and filled by ``completion``
-    recv_x: Any  # a tensor, or ``(data, scales)``
-    recv_count: torch.Tensor  # `[L]` int32
-    handle: LowLatencyHandle
-    completion: Completion  # the receive phase
-
-
-class CombineResult(NamedTuple):
-    combined_x: torch.Tensor  # `[T, hidden]`, filled by ``completion`` (the receive phase)
-    completion: Completion
-
-
-class LowLatencyBackend(abc.ABC):
-    """Moves tokens for the Buffer (see the module docstring). Subclasses set ``name`` and ``native_quant_format``
-    (``use_fp8=True``'s format)."""
+class Backend(abc.ABC):
+    """Runs the front-ends' calls on one group. ``native_quant_format``: what DeepEP's ``use_fp8=True`` means here."""
 
     name: str = ""
     native_quant_format: str = "fp8_e4m3"
 
-    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
-        self.group, self.config = group, config
+    def __init__(self, group: dist.ProcessGroup, *, timeout: float | None = None, enable_shrink: bool = False,
+                 transport: str = "collective", num_rdma_bytes: int = 0, ccl_buffer_size: int | None = None,
+                 reuse: bool = True) -> None:  # fmt: skip
+        """``timeout``: seconds per collective wait (None: ``DEEP_EP_NPU_TIMEOUT``, else 30 s); ``enable_shrink``:
+        continue on the survivors of a failure; ``transport`` / ``num_rdma_bytes``: how the engine moves rows and
+        its window's size; ``ccl_buffer_size``: the Ascend ops' CCL window (MB, None: sized by the first call);
+        ``reuse``: a buffer's tensors are reused (two calls in flight at most), else each call gets its own."""
+        self.group, self.transport_name, self.num_rdma_bytes = group, transport, num_rdma_bytes
+        self.ccl_buffer_size, self.reuse = ccl_buffer_size, reuse
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.mask = torch.zeros((self.num_ranks,), dtype=torch.int32)  # shrink mode: 1 = rank treated as absent
-        self.ep = EPGroup(group, self.mask, config.timeout, config.enable_shrink)  # bounded; shrink mode: survivors
-        self._ws = Workspace()  # the backend's buffers, grown on demand
-        self._buffer_idx = 0  # double-buffered communication buffers: flipped by every dispatch and combine
-
-    def _flip(self) -> int:
-        idx, self._buffer_idx = self._buffer_idx, self._buffer_idx ^ 1
-        return idx
-
-    def _zero_copy_buffer(self, idx: int, handle: LowLatencyHandle) -> torch.Tensor:
-        self._ws.device = handle.src_info.device
-        return self._ws.get(f"zero_copy{idx}", (*handle.src_info.shape, handle.hidden), torch.bfloat16)
-
-    def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """The `[L, R * N, hidden]` bfloat16 buffer the next ``zero_copy`` combine reads."""
-        return self._zero_copy_buffer(self._buffer_idx, handle)
+        self.ep = EPGroup(group, self.mask, timeout, enable_shrink)
+        self.released = False
 
     @abc.abstractmethod
-    def dispatch(self, args: DispatchArgs) -> DispatchResult: ...
+    def dispatch(self, call: DispatchCall) -> InFlight: ...
+
     @abc.abstractmethod
-    def combine(self, args: CombineArgs) -> CombineResult: ...
+    def combine(self, call: CombineCall) -> InFlight: ...
+
     @abc.abstractmethod
-    def dispatch_flat(self, params: DispatchParams) -> Completion: ...
+    def can_fuse(self, call: DispatchCall, ffn: FFN) -> bool:
+        """Whether this rank could run the fused call as one device op (every rank must agree before it does)."""
+
     @abc.abstractmethod
-    def combine_flat(self, params: CombineParams) -> Completion: ...
-    def abort(self, op: str, code: int) -> None: ...  # noqa: B027 - optional hooks: by default, nothing to do
-    def clean(self) -> None: ...  # noqa: B027
+    def mega_moe(self, call: DispatchCall, ffn: FFN, fused: bool) -> torch.Tensor:
+        """The fused call: one device op when ``fused`` (every rank's :meth:`can_fuse` was), else the pipeline."""
 
-    def destroy(self) -> None:
-        self._ws.clear()
+    @abc.abstractmethod
+    def reject(self, op: str, code: int, tp: EPGroup | None = None) -> None: ...
+
+    @contextlib.contextmanager
+    def rejecting(self, op: str, names: dict[str, str] | None = None, tp: EPGroup | None = None) -> Iterator[None]:
+        """A call's validation: a :class:`~deep_ep_npu.errors.MoeDistributeError` raised inside is told to the peers
+        (:meth:`reject`: they raise too), then raised here, its parameter renamed by ``names`` (the front-end's)."""
+        try:
+            yield
+        except MoeDistributeError as err:
+            self.reject(op, err.code, tp)
+            if names:
+                raise err.renamed(names) from None
+            raise
+
+    @abc.abstractmethod
+    def next_combine_buffer(self, handle: Any) -> torch.Tensor:
+        """The `[L, R * N, hidden]` bfloat16 buffer the next ``zero_copy`` masked combine of ``handle`` reads."""
+
+    @abc.abstractmethod
+    def clean(self) -> None: ...
+
+    @abc.abstractmethod
+    def destroy(self) -> None: ...
+
+    def release(self, explicitly_destroy: bool, called: bool) -> None:
+        """A front-end's ``destroy()`` (``called``) or deletion, with DeepEP's ``explicitly_destroy`` rule, once.
+        ``destroy()`` first waits (bounded) for the live peers, so none tears its group down mid-combine."""
+        if called and not explicitly_destroy:
+            raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
+        if self.released or explicitly_destroy != called:
+            return
+        self.released = True
+        if called:
+            with contextlib.suppress(EPRankFailure):
+                self.ep.barrier("destroy")
+        self.destroy()
+
+    def check_alive(self, front: object) -> None:
+        if self.released:
+            raise RuntimeError(f"this {type(front).__name__} was destroyed; create a new one")
 
 
-def map_no_expert(topk_idx: torch.Tensor, num_experts: int, zero_expert_num: int = 0) -> tuple[torch.Tensor, int]:
-    """Map DeepEP's ``-1`` ("no expert") in `[T, K]` int64 / int32 ``topk_idx`` onto Ascend zero experts (never sent,
-    add nothing in combine): slot k's ``-1`` becomes zero expert ``num_experts + zero_expert_num + k`` (distinct in a
-    row); the caller's copy/const expert ids (``>= num_experts + zero_expert_num``) shift up by K to make room.
-    Returns the `[T, K]` int32 ids for the ops and their zero_expert_num (``zero_expert_num + K``)."""
-    k, first_extra = topk_idx.shape[1], num_experts + zero_expert_num
-    ids = torch.where(topk_idx >= first_extra, topk_idx + k, topk_idx).to(torch.int32)
-    slot = torch.arange(k, dtype=torch.int32, device=ids.device).expand_as(ids)
-    return torch.where(ids < 0, first_extra + slot, ids), zero_expert_num + k
-
-
-_REGISTRY: dict[str, str | type[LowLatencyBackend]] = {
-    "reference": f"{__name__}.reference:ReferenceBackend", "ascend": f"{__name__}.ascend:AscendBackend"
+_REGISTRY: dict[str, str | type[Backend]] = {
+    "reference": "deep_ep_npu.engine.exchange:Engine", "ascend": f"{__name__}.ascend:AscendBackend"
 }  # fmt: skip
 
 
-def register_backend(name: str, target: str | type[LowLatencyBackend]) -> None:
+def register_backend(name: str, target: str | type[Backend]) -> None:
     """Register a backend class (or ``"module:Class"`` path) under ``name``; later registrations replace earlier."""
     _REGISTRY[name] = target
 
@@ -148,14 +141,14 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
-def create_backend(name: str, group, config: BufferConfig) -> LowLatencyBackend:
-    """Build the backend registered as ``name`` (after resolving ``"auto"``)."""
-    target = _REGISTRY[resolve_backend_name(name)]
+def create_backend(name: str, group: dist.ProcessGroup, **options: Any) -> Backend:
+    """Build the backend registered as ``name`` (after resolving ``"auto"``) with :class:`Backend`'s options."""
+    target: Any = _REGISTRY[resolve_backend_name(name)]
     if isinstance(target, str):
         module_name, _, cls_name = target.partition(":")
         target = getattr(importlib.import_module(module_name), cls_name)
-    return target(group, config)
+    return target(group, **options)
 
 
-__all__ = ["BufferConfig", "LowLatencyBackend", "available_backends", "create_backend", "map_no_expert",
-           "npu_available", "register_backend", "resolve_backend_name"]  # fmt: skip
+__all__ = ["Backend", "available_backends", "create_backend", "hccl_comm_name", "npu_available",
+           "register_backend", "resolve_backend_name"]  # fmt: skip

@@ -1,32 +1,30 @@
-"""How one row travels: a fixed number of bytes per row, so a receive buffer is indexed by row directly.
+"""How one row travels: a fixed size per row, so a receive buffer is indexed by row. A dispatch row (uint8,
+``row_bytes`` a multiple of 16)::
 
-Dispatch row (``uint8``, ``row_bytes`` a multiple of 16)::
+    [data: hidden x itemsize][scales][src token: int32][local expert per slot: num_slots x int32][weights fp32]
 
-    [data: hidden x itemsize][scales][src token: int32][local expert per slot: num_slots x int32][weights]
-
-Scales: none, fp32 per 128 channels (DeepEP fp8), or a :class:`~deep_ep_npu.quant.Quant`'s per row (mode 2: one
-fp32, 3: fp32 per 128 channels, 4: e8m0 bytes per 32). Slot ``j`` holds the destination's local expert that pair
-(token, j) goes to, or -1; ``weights`` (fp32 per slot, only when the caller gives top-k weights) travel with them.
-The receiver expands a row into one output row per slot that is not -1. float8 / int8 data and e8m0 scales travel
-as bytes (gloo cannot carry float8).
-Combine rows are the expert outputs in their dtype, int8 with one scale per 8 elements (``comm_quant_mode=2``), or
-MX fp8 with one e8m0 scale per 32 (``comm_quant_mode`` 3: e5m2, 4: e4m3).
-"""
+Scales: none, fp32 per 128 channels (DeepEP fp8) or a :class:`~deep_ep_npu.quant.Quant`'s. Slot ``j`` holds the
+receiver's local expert of pair (token, j), or -1; the receiver expands a row into one row per used slot. float8 /
+int8 data and e8m0 scales travel as bytes (gloo cannot carry float8)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .. import kernels as cpu_kernels
-from .. import logfmt
-from ..quant import FP8_DTYPE, GROUP, Quant, mx_dequant, pack_ue8m0, per_group_int8, scale_for_fp8_
-from ..sizes import align
+from .. import kernels
+from ..quant import FP8_DTYPE, GROUP, Quant, pack_ue8m0, scale_for_fp8_
+from .plan import Plan
 
 QUANTS = (None, "fp8_e4m3", "int8_per_token")
-LOGFMT = 10  # ReturnFormat's mode for DeepEP's LogFMT-10 (:mod:`deep_ep_npu.logfmt`)
-
-
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}  # dtypes in fingerprints
 INT8_PER_TOKEN = Quant(2, torch.int8)
+Parts = list[tuple[int, torch.Tensor]]  # received rows: (source rank, `[n, row_bytes]` uint8) in rank order
+
+
+def align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
 
 
 class RowFormat:
@@ -38,7 +36,6 @@ class RowFormat:
         self.hidden, self.quant, self.round_scale, self.num_slots = hidden, quant, round_scale, num_slots
         self.codec = INT8_PER_TOKEN if quant == "int8_per_token" else quant if isinstance(quant, Quant) else None
         self.data_dtype = dtype if quant is None else FP8_DTYPE if self.codec is None else self.codec.dtype
-        self.scale_dtype = torch.float32 if self.codec is None else self.codec.scale_dtype
         scale_bytes = self.codec.scale_bytes(hidden) if self.codec else 4 * hidden // GROUP if quant else 0
         self.data_bytes = hidden * self.data_dtype.itemsize
         self.scale_off = align(self.data_bytes, 4)
@@ -51,10 +48,8 @@ class RowFormat:
         words = [w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if self.data_bytes % w.itemsize == 0]
         self.word = words[0]  # copies move the widest integer words that tile the data, not bytes
 
-    # fmt: off
     def encode_into(self, out: torch.Tensor, x_rows: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                    weights: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:
-        # fmt: on
+                    weights: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:  # fmt: skip
         """Fill ``out`` `[n, row_bytes]` uint8 from ``x_rows`` `[n, hidden]`, ``token`` `[n]`, ``slot_expert``
         `[n, num_slots]` int32, ``weights`` `[n, num_slots]` fp32 (or None) and int8 ``smooth`` `[n, hidden]`."""
         data, scales = x_rows, None
@@ -71,7 +66,6 @@ class RowFormat:
 
     def _write_fields(self, out: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
                       weights: torch.Tensor | None) -> None:  # fmt: skip
-        """The rows' token, slot and (given) weight fields."""
         out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
         out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
         if weights is not None:
@@ -80,41 +74,34 @@ class RowFormat:
     def encode_gathered(self, out: torch.Tensor, x: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
                         weights: torch.Tensor | None, smooth: torch.Tensor | None = None,
                         remote: bool = False) -> None:  # fmt: skip
-        """:meth:`encode_into` of rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64); unquantized data is
-        gathered straight into ``out`` (one copy instead of a gather and a copy). ``remote``: another process reads
-        ``out`` (a peer's window)."""
-        if self.quant is not None:
-            fast = self.codec == INT8_PER_TOKEN and smooth is None
-            if fast and cpu_kernels.pack_int8(x, token, slot_expert, weights, out, self):
-                return None
-            fp8 = self.quant == "fp8_e4m3" and not self.round_scale and weights is None and smooth is None
-            if fp8 and cpu_kernels.pack_fp8(x, token, slot_expert, out, self):
-                return None
-            return self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
-        if weights is None and cpu_kernels.pack(x, token, slot_expert, out, self.token_off, self.slot_off, remote):
+        """:meth:`encode_into` of rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64); ``remote``: another
+        process reads ``out`` (a peer's window)."""
+        if self.quant is None:
+            return self.copy_rows(out, x, token, slot_expert, weights, remote)
+        int8 = self.codec == INT8_PER_TOKEN and smooth is None
+        fp8 = self.quant == "fp8_e4m3" and not self.round_scale and weights is None and smooth is None
+        if int8 and kernels.pack_int8(x, token, slot_expert, weights, out, self):
             return None
-        torch.index_select(x, 0, token, out=out[:, : self.data_bytes].view(self.data_dtype))
+        if not fp8 or not kernels.pack_fp8(x, token, slot_expert, out, self):
+            self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
+
+    def copy_rows(self, out: torch.Tensor, src: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
+                  weights: torch.Tensor | None, remote: bool = False) -> None:  # fmt: skip
+        """Rows ``src[token]`` (unquantized tokens `[T, hidden]`, or :meth:`encode_tokens`' rows) into ``out``, then
+        the token, ``slot_expert`` and ``weights`` fields: one gather, not a gather and a copy."""
+        if weights is None and kernels.pack(src, token, slot_expert, out, self.token_off, self.slot_off, remote):
+            return
+        torch.index_select(src, 0, token, out=out[:, : src.shape[1] * src.element_size()].view(src.dtype))
         self._write_fields(out, token, slot_expert, weights)
-        return None
 
     def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Every token of ``x`` `[T, hidden]` encoded once, `[T, row_bytes]` uint8 (data and scales; the token and
-        slot fields are placeholders): :meth:`encode_copies` makes the rows from it."""
+        slot fields are placeholders): :meth:`copy_rows` makes the rows from it (the same bytes as encoding them)."""
         t = x.shape[0]
         out = torch.empty((t, self.row_bytes), dtype=torch.uint8, device=x.device)
         table = torch.full((t, self.num_slots), -1, dtype=torch.int32, device=x.device)
         self.encode_gathered(out, x, torch.arange(t, device=x.device), table, None)
         return out
-
-    def encode_copies(self, out: torch.Tensor, encoded: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                      weights: torch.Tensor | None, remote: bool = False) -> None:  # fmt: skip
-        """:meth:`encode_gathered`'s rows from :meth:`encode_tokens`'s ``encoded``: the bytes of ``encoded[token]``,
-        then the token, ``slot_expert`` and ``weights`` fields (the same bytes as encoding the rows again)."""
-        fields = (self.token_off, self.slot_off, remote)
-        if weights is None and cpu_kernels.pack(encoded, token, slot_expert, out, *fields):
-            return
-        torch.index_select(encoded, 0, token, out=out)
-        self._write_fields(out, token, slot_expert, weights)
 
     def tokens(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[:, self.token_off : self.slot_off].view(torch.int32).view(-1)
@@ -148,41 +135,41 @@ class RowFormat:
         return rows[row, self.scale_off : self.scale_end]
 
 
-class ReturnFormat:
-    """A combine row for ``comm_quant_mode`` ``mode``: 0 the expert output in ``dtype``; 2 int8 + one ``dtype`` scale
-    per 8 elements; 3 / 4 MX fp8 (e5m2 / e4m3, :func:`~deep_ep_npu.quant.mx_fp8`) + one e8m0 byte per 32;
-    :data:`LOGFMT` DeepEP's LogFMT-10 of bf16 rows (decoded straight to fp32)."""
+def parse(fmt: RowFormat, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs that dispatch ``rows`` `[n, row_bytes]` uint8 carry: (row, slot, local expert), each `[P]` int64, in
+    row order."""
+    table = fmt.slot_experts(rows)
+    row, slot = (table >= 0).nonzero(as_tuple=True)
+    return row, slot, table[row, slot].long()
 
-    def __init__(self, hidden: int, dtype: torch.dtype, mode: int) -> None:
-        self.hidden, self.dtype, self.mode, self.quantized = hidden, dtype, int(mode), bool(mode)
-        self.mx = Quant(4, torch.float8_e5m2 if mode == 3 else torch.float8_e4m3fn) if mode in (3, 4) else None
-        scale_bytes = hidden // 8 * dtype.itemsize if self.mx is None else self.mx.scale_bytes(hidden)
-        self.row_bytes = hidden + scale_bytes if mode else hidden * dtype.itemsize
-        if self.mode == LOGFMT:
-            self.row_bytes = logfmt.row_bytes(hidden)
 
-    def encode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """``rows`` `[n, hidden]` into ``out`` `[n, row_bytes]` uint8."""
-        if not self.quantized:
-            out.view(self.dtype).copy_(rows)
-            return
-        if self.mode == LOGFMT:
-            out.copy_(logfmt.encode(rows))
-            return
-        q, scale = per_group_int8(rows) if self.mx is None else self.mx(rows)
-        out[:, : self.hidden].view(q.dtype).copy_(q)
-        out[:, self.hidden :].copy_(scale.contiguous().view(torch.uint8))
+def encoder(fmt: RowFormat, x: torch.Tensor, plan: Plan, weights: torch.Tensor | None,
+            smooth: torch.Tensor | None) -> Callable[[bool, int, torch.Tensor], None]:  # fmt: skip
+    """``encode(remote, d, out)``: the plan's rows for destination ``d`` of ``x`` `[T, hidden]` into ``out`` `[n,
+    row_bytes]` uint8 (``weights`` `[P]` fp32 per pair, ``smooth`` `[num_rows, hidden]` fp32 per row, or None;
+    ``remote``: a peer reads ``out``). Quantized rows without smoothing, when some token goes to more than one rank:
+    each token is quantized once per call (not once per rank it goes to) and its bytes are copied into its rows."""
+    shape, dev, w = (int(plan.row_token.numel()), fmt.num_slots), plan.token.device, None
+    slot_expert = plan.slot_expert
+    if slot_expert is None or slot_expert.shape != shape:  # per row and slot: the local expert, -1: unused slot
+        slot_expert = torch.full(shape, -1, dtype=torch.int32, device=dev)
+        slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
+    if weights is not None:  # per row and slot: the pair's weight
+        w = torch.zeros(shape, dtype=torch.float32, device=dev)
+        w[plan.row_of_pair, plan.slot] = weights
+    once = fmt.quant is not None and smooth is None and plan.row_token.numel() > x.shape[0]
+    encoded: list[torch.Tensor] = []
+    slices = plan.row_slices()
 
-    def decode_float(self, packed: torch.Tensor) -> torch.Tensor:
-        """`[n, row_bytes]` uint8 to `[n, hidden]` fp32 (a fresh tensor: callers scale it in place); quantized rows
-        are dequantized and rounded to ``dtype`` first, as the NPU receives them."""
-        if not self.quantized:
-            return packed.view(self.dtype).float()
-        if self.mode == LOGFMT:
-            return logfmt.decode(packed, self.hidden)
-        if self.mx is not None:
-            y = mx_dequant(packed[:, : self.hidden].view(self.mx.dtype), packed[:, self.hidden :])
-            return y.to(self.dtype).float()
-        q = packed[:, : self.hidden].view(torch.int8).float().view(-1, self.hidden // 8, 8)
-        scale = packed[:, self.hidden :].view(self.dtype).float().unsqueeze(-1)
-        return (q * scale).view(-1, self.hidden).to(self.dtype).float()
+    def encode(remote: bool, d: int, out: torch.Tensor) -> None:
+        rows = slices[d]
+        ww = None if w is None else w[rows]
+        if once:
+            if not encoded:
+                encoded.append(fmt.encode_tokens(x))
+            fmt.copy_rows(out, encoded[0], plan.row_token[rows], slot_expert[rows], ww, remote)
+        else:
+            sm = None if smooth is None else smooth[rows]
+            fmt.encode_gathered(out, x, plan.row_token[rows], slot_expert[rows], ww, sm, remote=remote)
+
+    return encode

@@ -1,19 +1,14 @@
 """The TP stage of the flat path (``tp_world_size`` 2): ``rsOut = ReduceScatterV(expand_x)``, then ``AllToAllV(rsOut)``
 over EP. A TP pair holds the same expert on both ranks (one routed expert per rank): each receives its own tokens over
 EP, both compute on the union (own rows first, then the peer's), and combine sums the two partial results of a row on
-the rank that received it. Every TP collective runs on the pair's bounded :class:`~deep_ep_npu.group.EPGroup`."""
+the rank that received it. Every TP collective runs on the pair's bounded ``EPGroup``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from ..ep_layout import EpLayout
 from ..errors import MoeDistributeError, shape
-from ..event import Completion
-from ..group import DTYPE_CODES, STATUS_OK, EPGroup
+from ..transports.collective import STATUS_OK, EPGroup
 
 TP_NAMES = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
 
@@ -37,7 +32,8 @@ def _swap(tp: EPGroup, tp_rank: int, send: torch.Tensor, num_recv: int) -> torch
     """Send `[n, B]` uint8 rows to the TP peer and receive its `[num_recv, B]`."""
     recv = torch.empty((num_recv, send.shape[1]), dtype=torch.uint8, device=send.device)
     recv_rows, send_rows = ([0, n] if tp_rank == 0 else [n, 0] for n in (num_recv, send.shape[0]))
-    tp.transfer(recv, send, recv_rows, send_rows, "TP exchange").wait()
+    if (pending := tp.transfer(recv, send, recv_rows, send_rows, "TP exchange")) is not None:
+        tp.wait(pending, "TP exchange")
     return recv
 
 
@@ -62,26 +58,3 @@ def tp_reduce_scatter(tp: EPGroup, tp_rank: int, expand_x: torch.Tensor, num_own
     peer = _swap(tp, tp_rank, expand_x[num_own : num_own + num_peer].contiguous().view(torch.uint8), num_own)
     peer = peer.view(expand_x.dtype).view(num_own, expand_x.shape[1])
     return (expand_x[:num_own].float() + peer.float()).to(expand_x.dtype)
-
-
-def with_tp_agreement(start: Callable[[Any], Completion], job: Any, layout: EpLayout, dtype: torch.dtype, quant: bool,
-                      after: Callable[[], bool] | None = None) -> Completion:  # fmt: skip
-    """``start(job)`` with the TP pair's agreement (then ``after()``) between the EP agreement and the payload (without
-    a TP pair: ``start(job)``)."""
-    if layout.tp is None:
-        return start(job)
-    told: list[bool] = []
-    fingerprint = (job.fmt.hidden, DTYPE_CODES[dtype] * 4 + 2 * quant, job.fmt.row_bytes, layout.num_moe_experts)
-
-    def before_send() -> bool:
-        told.append(True)
-        tp_agree(layout.tp, 0, job.op, fingerprint)
-        return after() if after is not None else False
-
-    job.before_send = before_send
-    try:
-        return start(job)
-    except MoeDistributeError as err:
-        if not told:
-            tp_agree(layout.tp, err.code, job.op)
-        raise

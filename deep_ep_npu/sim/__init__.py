@@ -1,43 +1,38 @@
 """An NPU stand-in: run code written against torch_npu's MoE distribute ops on CPU tensors over gloo.
 
-:func:`install` registers ``sys.modules["torch_npu"]``, a module with exactly these attributes:
-
-- ``npu_moe_distribute_dispatch_v2`` / ``npu_moe_distribute_combine_v2``: :mod:`deep_ep_npu.ops`'s
-  ``moe_distribute_dispatch_v2`` / ``moe_distribute_combine_v2`` (torch_npu's signatures, our engine);
-- ``npu_moe_distribute_dispatch_setup`` / ``_dispatch_teardown`` / ``_combine_setup`` / ``_combine_teardown``: the
-  ``deep_ep_npu.ops`` functions of the same names without ``npu_`` (looked up when accessed);
-- ``npu_format_cast(tensor, acl_format)``: returns ``tensor`` (there are no private NPU formats);
-- torch_npu's dtype constants as ints (:data:`deep_ep_npu.npu_types.TORCH_NPU_CONSTANTS`: ``int4``, ``hifloat8``,
-  ``float8_e5m2``, ``float8_e4m3fn``, ``float8_e8m0fnu``, ``float4_e2m1fn_x2``, ``float4_e1m2fn_x2``);
-- ``__version__`` ``"2.14.0+sim"``, ``SIMULATED = True``, ``device_type = "cpu"`` (the ops take CPU tensors).
-
-It also makes the line callers use to name a group work unchanged,
-``group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)``, returning :func:`hccl_comm_name`:
-``ProcessGroup._get_backend`` is patched for device type ``"npu"``, and for ``torch.device("npu")`` the privateuse1
-backend is named ``"npu"`` (only while it is unnamed) with hooks that report no device built or available, so c10d's
-device probe (``dist.barrier()``) keeps choosing the CPU. Neither can be undone in a process, so after
-:func:`uninstall` ``torch.device("npu")`` stays valid (do not load a real torch_npu later in that process), and
-``torch.accelerator.is_available()`` / ``torch.random.fork_rng()`` (which look for ``torch.npu``) raise. The ops
-accept the name (or the group, or its group name) as ``group_ep`` / ``group_tp``. The stand-in MegaMoE op
-``torch.ops._C_ascend.dispatch_ffn_combine`` is registered too (:mod:`deep_ep_npu.sim.fused`). ``torch.npu`` is not
-faked, so ``Buffer(backend="auto")`` keeps choosing the reference backend; pass ``backend="ascend"`` to run the
-Ascend backend's real code path on the stand-in.
+:func:`install` registers ``sys.modules["torch_npu"]``, a module with exactly these attributes: the
+``npu_moe_distribute_{dispatch,combine}_{v2,setup,teardown}`` ops (the :mod:`deep_ep_npu.ops` functions of the same
+names without ``npu_``), ``npu_format_cast(tensor, acl_format)`` (returns ``tensor``), torch_npu's dtype constants as
+ints (:data:`deep_ep_npu.core.platforms.TORCH_NPU_CONSTANTS`), ``__version__`` ``"2.14.0+sim"``, ``SIMULATED = True``
+and ``device_type = "cpu"``. It also registers the stand-in MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine``
+(:mod:`.fused`) and makes ``group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)`` return
+:func:`hccl_comm_name`, which the ops take as ``group_ep`` / ``group_tp``. For that ``torch.device("npu")`` becomes
+valid, which a process cannot undo: do not load a real torch_npu after :func:`uninstall`, and
+``torch.accelerator.is_available()`` / ``torch.random.fork_rng()`` raise. ``torch.npu`` is not faked, so
+``Buffer(backend="auto")`` keeps choosing the reference backend; ``backend="ascend"`` runs the Ascend backend's code.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import sys
 import types
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from ..group_names import register_comm_name, unregister_comm_name
+from ..core.platforms import TORCH_NPU_CONSTANTS
+from ..transports.names import register_comm_name, unregister_comm_name
 from . import fused
-from .module import make_module, name_npu_device, patched_get_backend
 
 __all__ = ["hccl_comm_name", "install", "installed", "uninstall"]
 
+VERSION = "2.14.0+sim"  # the torch_npu release whose op signatures deep_ep_npu.ops mirrors; "+sim": the stand-in
+_OP_NAMES = ("dispatch_v2", "combine_v2", "dispatch_setup", "dispatch_teardown", "combine_setup", "combine_teardown")
+OPS = {f"npu_moe_distribute_{op}": f"moe_distribute_{op}" for op in _OP_NAMES}
+"""torch_npu's name -> the :mod:`deep_ep_npu.ops` function it is, looked up at each attribute access."""
 _state: dict[str, Any] = {}  # while installed: "module", "get_backend" (ProcessGroup's original method)
 _comm_names: set[str] = set()
 
@@ -69,10 +64,14 @@ def install() -> types.ModuleType:
         where = getattr(current, "__file__", None) or getattr(current, "__spec__", None)
         msg = f"torch_npu is already imported ({where}); deep_ep_npu.sim would shadow it. On an NPU use the real one;"
         raise RuntimeError(f"{msg} elsewhere call sim.install() before anything imports torch_npu")
-    name_npu_device()
+    _name_npu_device()
     original = vars(dist.ProcessGroup)["_get_backend"]
-    dist.ProcessGroup._get_backend = patched_get_backend(original, hccl_comm_name)  # type: ignore[method-assign]
-    _state.update(module=make_module(), get_backend=original)
+
+    def _get_backend(group: dist.ProcessGroup, device: Any) -> Any:  # "npu": the stand-in's communicator names
+        return SimHcclBackend(group) if torch.device(device).type == "npu" else original(group, device)
+
+    dist.ProcessGroup._get_backend = _get_backend  # type: ignore[method-assign, assignment]
+    _state.update(module=_make_module(), get_backend=original)
     fused.register()
     sys.modules["torch_npu"] = _state["module"]
     return _state["module"]
@@ -91,3 +90,72 @@ def uninstall() -> None:
         unregister_comm_name(name)
     _comm_names.clear()
     _state.clear()
+
+
+def npu_format_cast(tensor: torch.Tensor, acl_format: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch_npu.npu_format_cast``: the stand-in has no private NPU memory formats; returns ``tensor`` itself."""
+    return tensor
+
+
+def _make_module() -> types.ModuleType:
+    """A fresh ``torch_npu`` module (its ``__spec__`` makes ``importlib.util.find_spec("torch_npu")`` find it)."""
+    mod = types.ModuleType("torch_npu", "deep_ep_npu.sim's torch_npu stand-in (MoE distribute ops on CPU tensors).")
+    mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None, origin="deep_ep_npu.sim")
+    names = sorted([*TORCH_NPU_CONSTANTS, *OPS, "npu_format_cast", "SIMULATED", "device_type"])
+
+    def __getattr__(name: str) -> Any:
+        if name not in OPS:
+            raise AttributeError(f"the torch_npu stand-in (deep_ep_npu.sim) has no {name!r}; it provides {names}")
+        fn = getattr(importlib.import_module("deep_ep_npu.ops"), OPS[name], None)
+        if fn is None:
+            raise AttributeError(f"torch_npu.{name}: deep_ep_npu.ops.{OPS[name]} does not exist in this version")
+        return fn
+
+    def __dir__() -> list[str]:
+        return sorted({*mod.__dict__, *OPS})
+
+    mod.__dict__.update(TORCH_NPU_CONSTANTS, __version__=VERSION, SIMULATED=True, device_type="cpu")
+    mod.__dict__.update(npu_format_cast=npu_format_cast, __getattr__=__getattr__, __dir__=__dir__)
+    return mod
+
+
+class SimHcclBackend:
+    """What ``group._get_backend(torch.device("npu"))`` returns while the stand-in is installed."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def get_hccl_comm_name(self, rankid: int, init_comm: bool = True) -> str:
+        """The group's :func:`hccl_comm_name`; ``rankid`` must be an int >= 0 (torch_npu only sanity-checks it),
+        ``init_comm`` is accepted (there is no communicator to create)."""
+        if isinstance(rankid, bool) or not isinstance(rankid, int) or rankid < 0:
+            raise ValueError(f"get_hccl_comm_name: rankid must be an int >= 0, got {rankid!r}")
+        return hccl_comm_name(self.group)
+
+
+def _name_npu_device() -> None:
+    """Make ``torch.device("npu")`` valid: name the privateuse1 backend ``"npu"`` (only while it is unnamed) and, if
+    torch has no hooks for it yet, register hooks that report no device built or available, so c10d's device probe
+    (``dist.barrier``, ``init_process_group`` without a backend) keeps choosing the CPU. Neither can be undone."""
+    name = torch._C._get_privateuse1_backend_name()
+    if name not in ("privateuseone", "npu"):
+        msg = f"torch's privateuse1 backend is already named {name!r}, so torch.device('npu') cannot work"
+        raise RuntimeError(f"{msg}; deep_ep_npu.sim needs a process without another custom device backend")
+    if name == "privateuseone":
+        torch.utils.rename_privateuse1_backend("npu")
+    try:
+        torch._C._get_accelerator()  # raises while the named backend has no hooks
+    except RuntimeError:
+        acc: Any = torch._C._acc  # type: ignore[attr-defined]
+
+        class NoDeviceHooks(acc.PrivateUse1Hooks):
+            def is_available(self) -> bool:
+                return False
+
+            def has_primary_context(self, device_index: int) -> bool:
+                return False
+
+            def is_built(self) -> bool:
+                return False
+
+        acc.register_python_privateuseone_hook(NoDeviceHooks())

@@ -1,40 +1,40 @@
 """The stand-in of vllm-ascend's fused MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine`` (CPU tensors).
 
-:func:`register` defines the op with vllm-ascend's schema (:data:`SCHEMA`: its argument names, order and defaults;
-``out`` and ``expert_token_nums`` carry the alias annotations ``Tensor(a!)`` / ``Tensor(b!)`` torch.library needs
-for mutated arguments that are also returned) and a CPU kernel, :func:`dispatch_ffn_combine`, that computes the op
-with our engine: the reference MegaMoE pipeline (:func:`deep_ep_npu.mega_moe.pipeline.run_reference`, numerics in
-:mod:`deep_ep_npu.mega_moe.ffn`) over the group ``group`` names (:func:`deep_ep_npu.group_names.resolve_group`: the
-``deep_ep_npu.sim.hccl_comm_name`` of a group, or its c10d group name). :func:`unregister` destroys the library.
-
-What the kernel takes, as the op does:
+:func:`register` defines the op with vllm-ascend's schema (:data:`SCHEMA`) and its CPU kernel,
+:func:`dispatch_ffn_combine`: the reference MegaMoE pipeline (:mod:`deep_ep_npu.engine.pipeline`, numerics in
+:mod:`deep_ep_npu.engine.ffn`) over the group ``group`` names (a :func:`deep_ep_npu.sim.hccl_comm_name`, or a c10d
+group name). What it takes, as the op:
 
 - ``x`` `[M, K]` `torch.bfloat16` / `torch.float16`, M <= 512; ``expert_idx`` `[M, topK]` `torch.int32`, ids in
   ``[0, E_local * W)`` (no -1); ``probs`` `[M, topK]` `torch.float32`; ``out`` `[M, K]` in x's dtype;
-  ``expert_token_nums`` `torch.int32` with E_local elements (e.g. `[E_local]` or `[1, E_local]`): set to the rows
-  each local expert received from all ranks (the kernel's last cumsum-over-sources row).
+  ``expert_token_nums`` `torch.int32` with E_local elements: set to the rows each local expert received.
 - weights: one-item lists ``[w1]`` `[E_local, K, 2N]` / ``[w2]`` `[E_local, N, K]`, or E_local-long lists of
   `[K, 2N]` / `[N, K]` (w1's 2N columns: gate, then up); either `torch.int8`, with ``scale1`` / ``scale2`` the int64
-  Fixpipe words of the fp32 per-channel scales (the fp32 bits as int32, widened; one `[E_local, 2N]` / `[E_local, K]`
-  tensor or E_local per-expert ones; decoded exactly by :func:`deep_ep_npu.mega_moe.ascend.fixpipe_scale_value`),
-  or x's dtype (scales unused). int32 (packed int4, the W4A8 kernel) is not simulated. ``bias1`` / ``bias2`` are
-  ignored: vllm-ascend's adapter passes them to the W4A8 kernel only.
-- ``x_active_mask`` `[M]` `torch.bool` or None: an inactive token is not dispatched (the kernel rewrites its ids to
-  E), its ids and probs are not checked and its output row is 0. ``swiglu_limit``: the SwiGLU clamp when > 0 (gate
-  <= L, |up| <= L); 0 or less: none; the schema default 1e6 clamps at 1e6. With float weights both are ignored, as
-  vllm-ascend's adapter does not pass them to ``aclnnDispatchFFNCombineBF16``.
+  Fixpipe words of the fp32 per-channel scales (`[E_local, 2N]` / `[E_local, K]`, whole or per expert; decoded by
+  :func:`deep_ep_npu.backends.ascend_mega.fixpipe_scale_value`), or x's dtype (scales unused). int32 (packed int4,
+  the W4A8 kernel) is not simulated; ``bias1`` / ``bias2`` are ignored (vllm-ascend passes them to W4A8 only).
+- ``x_active_mask`` `[M]` `torch.bool` or None: an inactive token is not dispatched, its ids and probs are not checked
+  and its output row is 0. ``swiglu_limit``: the SwiGLU clamp when > 0 (gate <= L, |up| <= L; 0 or less: none; the
+  schema default clamps at 1e6). With float weights both are ignored (vllm-ascend's bf16 adapter does not pass them).
 - ``max_output_size``: the routed-row workspace, >= M * topK.
 
-Errors raise :class:`deep_ep_npu.errors.MoeDistributeError` on every rank of the group: one agreement step first
-exchanges each rank's status and M (the largest M sizes the dispatch, as ``num_max_dispatch_tokens_per_rank``), then
-the pipeline's own validation and agreement run.
+Errors raise :class:`deep_ep_npu.errors.MoeDistributeError` on every rank: one agreement step first exchanges each
+rank's status and M (the largest M is ``num_max_dispatch_tokens_per_rank``), then the pipeline's own checks run.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..backends.ascend_mega import fixpipe_scale_value
+from ..core.call import FFN
+from ..core.rules import tensor as checked
+from ..engine.exchange import check_status, engine_for
+from ..engine.pipeline import run
 from ..errors import MoeDistributeError, invalid, shape
+from ..mega_moe import prepare
+from ..transports.collective import STATUS_OK
+from ..transports.names import resolve_group
 
 SCHEMA = (
     "dispatch_ffn_combine(Tensor x, Tensor[] weight1, Tensor[] weight2, Tensor expert_idx, Tensor[] scale1, "
@@ -69,7 +69,6 @@ def unregister() -> None:
 
 
 def registered() -> bool:
-    """True while this module's op is registered."""
     return bool(_LIBS)
 
 
@@ -89,8 +88,6 @@ def _stack(tensors: list[torch.Tensor], param: str, dtype: torch.dtype, inner: i
 
 def _scales(words: list[torch.Tensor], param: str, num_local: int, cols: int) -> torch.Tensor:
     """Int64 Fixpipe scale words -> `[E_local, cols]` `torch.float32` per-channel scales."""
-    from ..mega_moe.ascend import fixpipe_scale_value
-
     if any(w.dtype != torch.int64 for w in words) or not words:
         raise invalid(param, f"must be int64 Fixpipe scale words (got {[str(w.dtype) for w in words]})")
     flat = torch.cat([w.reshape(-1) for w in words])
@@ -104,9 +101,6 @@ def _inputs(x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Te
             expert_token_nums: torch.Tensor, x_active_mask: torch.Tensor | None, swiglu_limit: float,
             world_size: int) -> tuple:  # fmt: skip
     """Check the op's own rules; returns the MegaMoE arguments (ids -1 and probs 0 outside the mask)."""
-    from ..errors import tensor as checked
-    from ..mega_moe.params import FP32_MAX
-
     x = checked(x, "x", (torch.bfloat16, torch.float16), 2)
     if x.shape[0] > MAX_TOKENS:
         raise shape("x", f"has {x.shape[0]} tokens; the op takes at most {MAX_TOKENS} per rank")
@@ -139,7 +133,8 @@ def _inputs(x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Te
         bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
         raise shape("expert_idx", f"contains {bad}, allowed [0, {num_local * world_size}) (the op has no -1)")
     ids, probs = ids.long().masked_fill(~active.unsqueeze(1), -1), probs.masked_fill(~active.unsqueeze(1), 0.0)
-    limit = float(swiglu_limit) if wdt == torch.int8 and 0 < swiglu_limit <= FP32_MAX else 0.0
+    fp32_max = torch.finfo(torch.float32).max
+    limit = float(swiglu_limit) if wdt == torch.int8 and 0 < swiglu_limit <= fp32_max else 0.0
     return x, ids, probs, w1, w2, s1, s2, limit
 
 
@@ -151,33 +146,23 @@ def dispatch_ffn_combine(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The op's CPU kernel (the module docstring's semantics): writes ``out`` `[M, K]` (x's dtype) and
     ``expert_token_nums`` (`torch.int32`, E_local elements) and returns them. Collective over ``group``."""
-    from ..group import STATUS_OK, ep_group
-    from ..group_names import resolve_group
-    from ..mega_moe.api import agreed_args
-    from ..mega_moe.ascend import ReferenceMegaMoe
-    from ..mega_moe.pipeline import run_reference
-
-    ep = ep_group(resolve_group(group, "group"))
-    failure: MoeDistributeError | None = None
+    engine = engine_for(resolve_group(group, "group"))
+    ep = engine.ep
+    no_rows: list[list[int]] = [[] for _ in range(ep.num_ranks)]  # (no counts: the pipeline's calls send the rows)
     try:
         x, ids, probs, w1, w2, s1, s2, limit = _inputs(
             x, weight1, weight2, expert_idx, scale1, scale2, probs, out, expert_token_nums, x_active_mask,
             swiglu_limit, ep.num_ranks,
         )  # fmt: skip
     except MoeDistributeError as err:
-        failure = err
-    status = STATUS_OK if failure is None else failure.code
-    agreement = ep.start_agree(OP, status, [[] for _ in range(ep.num_ranks)], [x.shape[0]], device=x.device)()
-    if failure is not None:
-        raise failure
-    agreement.check(ep.rank, ())
-    args, _ = agreed_args(
-        ep, ReferenceMegaMoe(), x, ids, probs, w1, w2, w1_scale=s1, w2_scale=s2,
-        num_max_dispatch_tokens_per_rank=max([1, *(fp[0] for fp in agreement.shared)]),
-        num_experts=w1.shape[0] * ep.num_ranks, out_dtype=x.dtype, max_output_size=max_output_size,
-        swiglu_limit=limit,
-    )  # fmt: skip
-    counts = torch.zeros((args.num_local_experts,), dtype=torch.int64, device=x.device)
-    out.copy_(run_reference(args, counts))
+        ep.start_agree(OP, err.code, no_rows, [x.shape[0]], device=x.device)()
+        raise
+    agreement = ep.start_agree(OP, STATUS_OK, no_rows, [x.shape[0]], device=x.device)()
+    check_status(agreement)
+    ffn = FFN(w1, w2, s1, s2, x.dtype, limit, None, "expert", max_output_size)
+    num_max = max([1, *(fp[0] for fp in agreement.shared)])
+    call, ffn, _ = prepare(engine, x, ids, probs, ffn, num_max, w1.shape[0] * ep.num_ranks, None)
+    counts = torch.zeros((w1.shape[0],), dtype=torch.int64, device=x.device)
+    out.copy_(run(engine, call, ffn, counts))
     expert_token_nums.copy_(counts.view(expert_token_nums.shape))
     return out, expert_token_nums

@@ -1,7 +1,7 @@
 """The CPU kernels (:mod:`deep_ep_npu.kernels`) against the torch code they replace, bit for bit.
 
 The Buffer-level comparison (dispatch / combine results with and without the kernels, fp8 scales and fp32 combine
-included) is ``tests/test_transport.py::test_transports_are_bit_identical``; here each loop is checked on its own on
+included) is ``tests/transports/test_transport.py::test_transports_are_bit_identical``; here each loop is checked on its own on
 random inputs, edge cases included. The build and the loading: ``test_build.py``; argument checks:
 ``test_bindings.py``.
 """
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from deep_ep_npu import errors, kernels
+from deep_ep_npu.core import rules
 from deep_ep_npu.engine.plan import plan_topk
 
 pytestmark = pytest.mark.skipif(kernels.unavailable() == "DEEP_EP_NPU_CPU_KERNELS=0", reason="kernels turned off")
@@ -59,7 +60,7 @@ def test_id_check_agrees_with_the_torch_check(no_expert):
         fast = kernels.ids_ok(ids, -1 if no_expert else 0, e)
         try:
             with kernels.disabled():
-                errors.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
+                rules.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
             ok = True
         except errors.MoeDistributeError:
             ok = False
@@ -67,7 +68,7 @@ def test_id_check_agrees_with_the_torch_check(no_expert):
         verdicts.add(ok)
         if not fast:  # with the kernels on, a bad input still gets the torch check's error
             with pytest.raises(errors.MoeDistributeError):
-                errors.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
+                rules.expert_ids(ids, "topk_idx", e, t, 8, no_expert=no_expert)
     assert verdicts == {True, False}
 
 
@@ -131,8 +132,7 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
     """The flat layout's placement of two sources' rows (one of them this rank's) against Flat's torch code."""
     from types import SimpleNamespace
 
-    from deep_ep_npu.engine.dispatch import Incoming
-    from deep_ep_npu.engine.flat import Flat
+    from deep_ep_npu.engine.flat import _Flat
     from deep_ep_npu.engine.rows import RowFormat
     from deep_ep_npu.quant import Quant
 
@@ -146,8 +146,6 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
         fmt.encode_into(rows, torch.randn(n, hidden, generator=g).bfloat16(), torch.randperm(9, generator=g)[:n],
                         table, torch.rand(n, k, generator=g) if weights else None)  # fmt: skip
         blocks.append((src, rows))
-    remote = Incoming(torch.cat([b[1] for b in blocks[:2]]), [(0, 0, 7), (2, 7, 5)])
-    own = Incoming.from_one(blocks[2][1], 1)
     scale_width = fmt.scale_end - fmt.scale_off
     outs = {}
     for name in ("kernel", "torch"):
@@ -156,19 +154,20 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
         assist, expand_scales = torch.zeros(3 * cap, dtype=torch.int32), torch.zeros(cap)
         if name == "kernel":
             counts = torch.zeros((num_local, world), dtype=torch.int64)
-            num = kernels.place_flat(remote.sources() + own.sources(), fmt, scale_width, weights, counts,
-                                         expand_x, scales, assist, expand_scales)  # fmt: skip
+            num = kernels.place_flat(blocks, fmt, scale_width, weights, counts, expand_x, scales, assist,
+                                         expand_scales)  # fmt: skip
         else:
-            layout = SimpleNamespace(num_local_experts_here=num_local, world_size=world)
-            flat = SimpleNamespace(v=SimpleNamespace(layout=layout, x=expand_x, quant=quant), capacity=cap,
-                                   weights=weights)  # fmt: skip
-            num, counts = Flat._place(flat, fmt, remote, own, expand_x, scales, assist, expand_scales)
+            counts = torch.zeros((num_local, world), dtype=torch.int64)
+            flat = SimpleNamespace(fmt=fmt, c=SimpleNamespace(capacity=cap, quant=quant), source=expand_x,
+                                   expand_x=expand_x, scale_bytes=scales, assist=assist, expand_scales=expand_scales,
+                                   weights=torch.ones(1) if weights else None)  # fmt: skip
+            num = _Flat._place_torch(flat, blocks, counts)
         outs[name] = (num, counts, expand_x.view(torch.uint8), scales, assist, expand_scales)
     for a, b in zip(outs["kernel"], outs["torch"], strict=True):
         assert a == b if isinstance(a, int) else torch.equal(a, b)
     counts = torch.zeros((num_local, world), dtype=torch.int64)
     small = torch.zeros((4, hidden), dtype=fmt.data_dtype)
-    assert kernels.place_flat(own.sources(), fmt, scale_width, weights, counts, small, scales[:4], assist,
+    assert kernels.place_flat([blocks[2]], fmt, scale_width, weights, counts, small, scales[:4], assist,
                                   expand_scales) == -1  # more pairs than rows: only the counts  # fmt: skip
     assert int(counts.sum()) == int((blocks[2][1][:, fmt.slot_off : fmt.weight_off].view(torch.int32) >= 0).sum())
 

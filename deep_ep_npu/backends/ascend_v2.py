@@ -1,0 +1,93 @@
+"""DeepEP V2's layouts on the Ascend ops (the ``ascend`` backend's ``expand`` calls, see its module docstring): one
+``dispatch_v2`` whose ``expand_x`` and (source rank, token, slot) triples give both V2 layouts, placed exactly as
+the reference backend places them (:mod:`deep_ep_npu.engine.expand`); one ``combine_v2`` with unit weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.call import CombineCall, DispatchCall
+from ..engine import expand
+from ..engine.plan import make_plan
+from ..errors import invalid
+from ..handle import EPHandle
+from .ascend_ops import map_no_expert, pad_empty
+
+
+def dispatch(backend: Any, c: DispatchCall) -> Any:
+    """``c`` (an ``expand`` call) on ``backend``'s ops: :mod:`~deep_ep_npu.engine.expand`'s outputs, the handle in
+    them."""
+    if c.x_sf is not None:
+        why = "the pre-quantized (float8_e4m3fn, sf) tuple has no Ascend A2/A3 dispatch op (quant_mode 0 takes bf16 / "
+        raise invalid("x", why + "fp16 x): pass bf16 x, or use backend='reference'")
+    e, h = c.experts, c.cached
+    r, num_local, n, k, hidden = e.world_size, e.num_local, c.num_max, c.expert_ids.shape[1], c.x.shape[1]
+    x, topk_idx = pad_empty(c.x, c.expert_ids)
+    ids, zero_num = map_no_expert(topk_idx, e.num_moe_experts)
+    extra: dict[str, Any] = dict(quant_mode=0, global_bs=n * r, zero_expert_num=zero_num, expert_token_nums_type=1)
+    if c.expert_scales is not None:
+        extra["expert_scales"] = pad_empty(c.expert_scales, c.expert_ids)[0]
+    expand_x, _, assist, token_nums, ep_recv_counts, _, expand_scales = backend.ops.dispatch(
+        x, ids, e.num_moe_experts, n, num_local, **extra
+    )
+    counts = token_nums[:num_local].long()
+    num_pairs = int(counts.sum())
+    src, token, slot = assist.view(-1)[: 3 * num_pairs].view(num_pairs, 3).long().unbind(1)
+    expert = torch.repeat_interleave(torch.arange(num_local, device=counts.device), counts, output_size=num_pairs)
+    keys, row = torch.unique(src * n + token, sorted=True, return_inverse=True)  # tokens by (source, token)
+    slots = torch.full((keys.numel(), k), -1, dtype=torch.int32, device=counts.device)
+    slots[row, slot] = expert.to(torch.int32)
+    payload, sizes = expand.payload_of(c.x, None, k), expand.sizes_of(c, k)
+    rows_from = torch.bincount(keys // n, minlength=r).tolist()
+    place = h.state["placement"] if h else expand.make_placement(slots, rows_from, num_local, c.alignment, sizes)
+    x_rows = expand_x.new_empty((keys.numel(), hidden))
+    x_rows[row] = expand_x[:num_pairs]  # every copy of a token holds the same row
+    weights = torch.zeros((keys.numel(), k), dtype=torch.float32, device=counts.device)
+    if c.expert_scales is not None:
+        weights[row, slot] = expand_scales[:num_pairs].float()  # this rank's slots only (0 elsewhere)
+    token_ids = (keys % n).to(torch.int32) if h is None else None
+
+    def make_handle(out: Any, place: Any) -> EPHandle:
+        ids_long = c.expert_ids.long()
+        token, slot = (ids_long >= 0).nonzero(as_tuple=True)
+        ex = ids_long[token, slot]
+        plan = make_plan(token, slot, ex // num_local, ex % num_local, num_tokens=len(ids_long), num_ranks=r,
+                         rank=e.rank, num_local_experts=num_local, per_pair_rows=False)  # fmt: skip
+        return expand.new_handle(c, out, place, sizes, plan, dict(owner=backend, payload=payload))
+
+    out = expand.receive(c, payload, place, x_rows, None, weights, token_ids, None, make_handle)
+    assert out.handle is not None
+    sent = (ids, assist, ep_recv_counts)  # the op's combine arguments of these rows
+    out.handle.state["op"] = dict(sent=sent, zero_num=zero_num, row=row, slot=slot, num_op_rows=expand_x.shape[0])
+    return out
+
+
+def combine(backend: Any, c: CombineCall) -> torch.Tensor:
+    """``c`` (an ``expand`` call) on ``backend``'s ops: `[T, hidden]`."""
+    if c.expert_scales is not None:
+        why = "no Ascend combine op carries per-slot values back (no combined_topk_weights)"
+        raise invalid("topk_weights", why + ": pass None, or use backend='reference'")
+    if c.shared_expert_x and len(c.shared_expert_x) > 1:
+        why = "the Ascend combine adds one shared_expert_x: pass one bias (their sum)"
+        raise invalid("bias", why + ", or use backend='reference'")
+    h, x = c.handle, c.x
+    op, place = h.state["op"], h.state["placement"]
+    total, k = sum(place.rows_from), h.num_topk
+    meta = h.recv_src_metadata[:total]
+    row, slot = op["row"], op["slot"]
+    rows = torch.zeros((op["num_op_rows"], x.shape[1]), dtype=x.dtype, device=x.device)
+    if h.do_expand and not c.multiple_reduction:  # every expand row, in its own slot
+        rows[: row.numel()] = x.index_select(0, meta[row, 2 + slot].long())
+    else:  # one row per (token, rank), in the slot of its last expert here
+        partial = expand.reduce_expanded(x, meta[:, 2:]) if h.do_expand else x[:total]
+        last = torch.where(place.slots >= 0, torch.arange(k, device=x.device), -1).amax(dim=1)
+        is_last = (slot == last[row]).unsqueeze(1)
+        rows[: row.numel()] = torch.where(is_last, partial.index_select(0, row), 0)
+    ones = torch.ones((max(h.num_tokens, 1), k), dtype=torch.float32, device=x.device)
+    shared = pad_empty(c.shared_expert_x[0], h.topk_idx)[0] if c.shared_expert_x else None
+    global_bs = h.num_max_tokens_per_rank * backend.num_ranks
+    args = (rows, *op["sent"], ones, h.num_experts)
+    out = backend.ops.combine(*args, global_bs=global_bs, zero_expert_num=op["zero_num"], shared_expert_x=shared)
+    return out[: h.num_tokens]

@@ -1,0 +1,314 @@
+"""The engine: one dispatch and one combine for every layout (:mod:`.masked`, :mod:`.flat`, :mod:`.expand`) and
+transport; :class:`Engine` is the ``reference`` backend. The transport sends each rank its rows and a header (row
+count, row size, the fingerprint every rank must agree on) while this rank places its own; the receive checks the
+headers (a rejection or a disagreement raises the same error on every rank) and the layout places the rows. Combine
+is the same in reverse (:mod:`.reduce`). :class:`InFlight` is the one in-flight object (hooks, events, ``*_start``
+ops, ``comm_cmd_info`` wrap it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels, profiling
+from ..backends import Backend
+from ..core.call import FFN, CombineCall, DispatchCall
+from ..errors import MoeDistributeError, shape
+from ..transports import Check, Transport, create
+from ..transports.collective import STATUS_OK, Agreement, EPGroup
+from . import expand, flat, masked, pipeline, reduce
+from .plan import Plan
+from .rows import Parts, RowFormat, encoder
+from .tp import tp_agree
+
+FINGERPRINT = 16  # header words every layout may fill with what the ranks must agree on
+
+
+class InFlight:
+    """The receive phase of a call whose send phase ran: ``wait()`` runs ``finish`` once and returns ``value`` (the
+    call's outputs, allocated by the send phase and filled by the receive; ``finish``'s result when it returns one).
+    Later waits return the same value or re-raise the same error."""
+
+    def __init__(self, finish: Callable[[], Any] | None, value: Any = None) -> None:
+        self._finish, self.value = finish, value
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            try:
+                got = finish()
+            except BaseException as err:
+                self._error = err
+                raise
+            self.value = self.value if got is None else got
+        elif self._error is not None:
+            raise self._error
+        return self.value
+
+    __call__ = wait
+
+
+class Layout(Protocol):
+    """Where a dispatch's rows go (built by :mod:`.masked`, :mod:`.flat`, :mod:`.expand`'s ``layout(call, engine)``).
+    ``source`` `[T, *]`: what the rows encode; ``weights`` `[P]` fp32 per pair, ``smooth`` `[num_rows, H]` fp32 per
+    row, or None; ``known``: the rows each source sends here when already known (a cached layout); ``vectors``
+    (<= 2R words) and ``fingerprint`` (<= 16, named by ``names``): the header words every rank checks (more checks:
+    an optional ``check(agreement)``); ``agree_now``: the collective transport agrees in the send phase; ``tp``: the
+    TP stage (:class:`~.flat.TPStage`). Optional ``place_own(own_rows, encode)``: places the own rows in the send phase
+    (``encode()`` fills ``own_rows`` when they cannot come straight from the source)."""
+
+    plan: Plan
+    fmt: RowFormat
+    source: torch.Tensor
+    weights: torch.Tensor | None
+    smooth: torch.Tensor | None
+    known: list[int] | None
+    vectors: Sequence[int]
+    fingerprint: Sequence[int]
+    names: Sequence[str]
+    agree_now: bool
+    tp: Any
+
+    def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None: ...
+
+    def result(self) -> Any: ...
+
+
+def check_status(agreement: Agreement) -> None:
+    """Raise the same error on every rank if any rank rejected its input."""
+    if bad := [(r, s) for r, s in enumerate(agreement.status) if s != STATUS_OK]:
+        ranks = ", ".join(f"rank {r} (aclnn {s})" for r, s in bad)
+        raise MoeDistributeError(bad[0][1], "inputs", f"{agreement.op} aborted on every rank: rejected on {ranks}")
+
+
+def check_names(agreement: Agreement, ep: EPGroup, names: Sequence[str], offset: int) -> None:
+    """Raise the same error on every rank if the live ranks disagree on one of ``names`` (``shared[offset + i]``
+    is ``names[i]``)."""
+    for i, name in enumerate(names):
+        values = [fp[offset + i] for fp in agreement.shared]
+        if any(values[r] != values[ep.rank] for r in ep.live):
+            msg = f"{agreement.op}: ranks disagree on {name} (per rank: {values}); it must be the same on all ranks"
+            raise shape(name, msg)
+
+
+class Engine(Backend):
+    """The reference backend: DeepEP's, DeepEP V2's and the Ascend ops' semantics on any torch.distributed group and
+    device (every tensor it makes lives on the input's device). A buffer's engine: one host's shared-memory window
+    when possible, reused double-buffered tensors as DeepEP's; ``reuse=False``: the ops' engine of a group
+    (collective, its own tensors per call: any number in flight)."""
+
+    name = "reference"
+
+    def __init__(self, group: dist.ProcessGroup, **options: Any) -> None:
+        super().__init__(group, **options)
+        self.collective, self.window = create(self.ep, self.transport_name, self.num_rdma_bytes, self.reuse)
+        self.device, self._reused = torch.device("cpu"), dict[str, torch.Tensor]()  # (the call's input's device)
+        self.tag, self.result_set = 0, 0  # which wire scratch / dispatch result set the next call uses
+        self.wire: dict[str, tuple[list[int], int]] = {}  # the last call's bytes per destination, header bytes
+
+    @property
+    def transport(self) -> Transport:
+        """The buffer's transport: its window when it has one, else the collective one."""
+        return self.window or self.collective
+
+    def transport_for(self, device: torch.device, tp: bool = False) -> Transport:
+        """The window for CPU tensors without a TP stage (when the group has one), else the collective one."""
+        return self.window if self.window is not None and device.type == "cpu" and not tp else self.collective
+
+    def reused(self, name: str, shape_: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A view of the buffer's reused byte buffer ``name``, grown when a call needs more (dispatch results
+        alternate between two sets)."""
+        nbytes, buf = math.prod(shape_) * dtype.itemsize, self._reused.get(name)
+        if buf is None or buf.numel() < nbytes or buf.device != self.device:
+            buf = self._reused[name] = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=self.device)
+        return buf[:nbytes].view(dtype).view(shape_)
+
+    def scratch(self, name: str, shape_: tuple[int, ...], dtype: torch.dtype, job: int = 0) -> torch.Tensor:
+        """A buffer's reused tensor of this call's set (two alternate: at most two calls in flight; ``job``: of a
+        combine's later jobs); the ops' engine gives each call its own (any number in flight)."""
+        if not self.reuse:
+            return torch.empty(shape_, dtype=dtype, device=self.device)
+        return self.reused(f"{name}{self.tag}" if not job else f"{name}{self.tag}.{job}", shape_, dtype)
+
+    def reject(self, op: str, code: int, tp: EPGroup | None = None) -> None:
+        width = 1 + 2 * self.num_ranks + FINGERPRINT  # (:func:`header`'s words)
+        self.transport_for(torch.device("cpu"), tp is not None).reject(op, code, width)
+        if tp is not None and tp.num_ranks == 2:
+            tp_agree(tp, code, op)
+
+    def _run(self, start: Callable[[], InFlight]) -> InFlight:
+        """``start()`` (a send phase; its InFlight the receive). In shrink mode a rank failure in either phase shrinks
+        the group, rewinds the buffer indices (so a re-run writes the same result tensors) and runs it again."""
+        if not self.ep.enable_shrink:
+            return start()
+        state = (self.tag, self.result_set)
+
+        def rewind() -> None:
+            self.tag, self.result_set = state
+
+        first = [self.ep.retry(start, rewind)]
+        attempt = lambda: (first.pop() if first else self.ep.retry(start, rewind)).wait()  # noqa: E731
+        return InFlight(lambda: self.ep.retry(attempt, rewind), first[0].value)
+
+    def dispatch(self, call: DispatchCall) -> InFlight:
+        return self._run(lambda: self._dispatch(call))
+
+    def _layout(self, c: DispatchCall | CombineCall, what: str) -> Any:
+        """The layout module's ``what`` (``layout`` or ``combine_jobs``) of ``c``, for the next call's set of tensors
+        (it checks the call against a handle / capacity: a rejection is told to the peers)."""
+        self.tag ^= 1
+        self.device = c.x.device
+        with self.rejecting(c.op, tp=c.experts.tp):
+            return getattr(LAYOUTS[c.layout], what)(c, self)
+
+    def _dispatch(self, c: DispatchCall) -> InFlight:
+        layout: Layout = self._layout(c, "layout")
+        plan, fmt, me = layout.plan, layout.fmt, self.rank
+        encode = encoder(fmt, layout.source, plan, layout.weights, layout.smooth)
+        own_rows = self.scratch("dispatch_own", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
+
+        def own() -> None:  # placed now, while the rows travel (where the layout can)
+            place_own = getattr(layout, "place_own", lambda _, encode_own: encode_own())
+            place_own(own_rows, functools.partial(encode, False, me, own_rows))
+
+        def place(agreement: Agreement, parts: Parts, wait_ns: int) -> Any:
+            layout.place(parts, (me, own_rows), agreement, wait_ns)
+            return layout.result()
+
+        counts = [[n, k] for n, k in zip(plan.rows_per_dest, layout.known or [-1] * self.num_ranks, strict=True)]
+        more = getattr(layout, "check", None)
+        receive = self._exchange("dispatch", c.op, layout, counts, layout.vectors, encode, more, own, place)
+        return InFlight(receive, layout.result())
+
+    def combine(self, call: CombineCall) -> InFlight:
+        first: list[Any] = []  # a shrink-mode re-run writes the tensor the first attempt returned
+
+        def start() -> InFlight:
+            inflight = self._combine(call if not first else dataclasses.replace(call, out=first[0]))
+            first.append(inflight.value)
+            return inflight
+
+        return self._run(start)
+
+    def _combine(self, c: CombineCall) -> InFlight:
+        jobs: list[reduce.CombineJob] = self._layout(c, "combine_jobs")
+        receives = [self._combine_job(c, job, i) for i, job in enumerate(jobs)]  # (a peer's rejection stops the next)
+        outs = receives[0].value if len(receives) == 1 else tuple(receive.value for receive in receives)
+        return InFlight(lambda: [receive() for receive in receives] and outs, outs)
+
+    def _combine_job(self, c: CombineCall, job: reduce.CombineJob, i: int) -> InFlight:
+        plan, fmt, me = job.plan, job.fmt, self.rank
+        starts = [sum(job.rows_per_src[:q]) for q in range(self.num_ranks)]
+
+        def write(remote: bool, q: int, out: torch.Tensor) -> None:
+            rows = job.return_rows[starts[q] : starts[q] + job.rows_per_src[q]]
+            if fmt.quantized:
+                fmt.encode(job.source.index_select(0, rows), out)
+            elif not remote or not kernels.gather(job.source, rows, out.view(fmt.dtype)):
+                torch.index_select(job.source, 0, rows, out=out.view(fmt.dtype))
+
+        # own rows now, unless the TP stage changes the source first or the handle is inconsistent (check raises)
+        early = job.tp is None and job.rows_per_src[me] == plan.pairs_per_dest[me]
+        scratch = functools.partial(self.scratch, job=i)  # (the jobs' own rows are reduced before their receives)
+        own = functools.partial(reduce.reduce_own, job, scratch) if early else None
+        finish = functools.partial(reduce.reduce_remote, job, scratch)
+        more = functools.partial(reduce.check, job, self.ep)
+        counts, vectors = [[n, -1] for n in job.rows_per_src], (*job.rows_per_src, *plan.pairs_per_dest)
+        receive = self._exchange("combine", c.op, job, counts, vectors, write, more, own, finish)
+        return InFlight(receive, job.out)
+
+    def _exchange(self, kind: str, op: str, sender: Any, counts: list[list[int]], vectors: Sequence[int],
+                  write: Callable[[bool, int, torch.Tensor], None], more: Check | None, own: Callable[[], None] | None,
+                  finish: Callable[[Agreement, Parts, int], Any]) -> Callable[[], Any]:  # fmt: skip
+        """One exchange of ``sender`` (the layout or the combine job): send (``write(remote, d, out)``: the rows for
+        rank d; a TP pair's peer is told when the EP call fails before their agreement), check the headers (status,
+        ``more``, the fingerprint), run ``own()`` (if any) while the rows travel, and return the receive:
+        ``finish(agreement, parts, wait_ns)``, timed when :data:`deep_ep_npu.profiling.enabled`."""
+        started, tp, device, r = time.perf_counter(), sender.tp, sender.source.device, self.num_ranks
+        transport = self.transport_for(device, tp is not None)
+        shared = header(sender.fmt.row_bytes, vectors, sender.fingerprint, r)
+        self.wire[kind] = ([n * shared[0] for n, _ in counts], 8 * len(shared))  # (profiling.wire_stats)
+
+        def check(agreement: Agreement) -> None:
+            check_status(agreement)
+            if more is not None:
+                more(agreement)
+            check_names(agreement, self.ep, sender.names, 1 + 2 * r)
+
+        write_rows = functools.partial(write, transport is self.window)
+        try:
+            token = transport.send(op, counts, shared, write_rows, check, agree_now=sender.agree_now, device=device,
+                                   before_payload=None if tp is None else tp.before_payload)  # fmt: skip
+        except MoeDistributeError as err:
+            if tp is not None:
+                tp.abort(err.code)
+            raise
+        if own is not None:
+            own()
+        send_s = time.perf_counter() - started
+
+        def receive() -> Any:
+            called = time.perf_counter()
+            agreement, parts, wait_ns = transport.receive(token)
+            received = time.perf_counter()
+            try:
+                return finish(agreement, parts, wait_ns)
+            finally:
+                transport.done(token)
+                if profiling.enabled:
+                    profiling.add(kind, send=send_s, wait=received - called, place=time.perf_counter() - received)
+
+        return receive
+
+    def next_combine_buffer(self, handle: Any) -> torch.Tensor:
+        """The `[L, R * N, hidden]` bfloat16 buffer the next ``zero_copy`` combine of ``handle``'s layout reads."""
+        self.device = handle.src_info.device
+        return self.reused(f"zero_copy{self.tag ^ 1}", (*handle.src_info.shape, handle.hidden), torch.bfloat16)
+
+    def can_fuse(self, call: DispatchCall, ffn: FFN) -> bool:
+        """No: the engine runs the pipeline (:mod:`.pipeline`)."""
+        return False
+
+    def mega_moe(self, call: DispatchCall, ffn: FFN, fused: bool) -> torch.Tensor:
+        return pipeline.run(self, call, ffn)
+
+    def clean(self) -> None:
+        self.tag = self.result_set = 0
+
+    def destroy(self) -> None:
+        if self.window is not None:
+            self.window.close()
+        self.collective.close()
+        self._reused.clear()
+
+
+def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], num_ranks: int) -> list[int]:
+    """The shared header words of a call: the row size, up to 2R words of vectors, up to :data:`FINGERPRINT` words of
+    fingerprint, each part zero-padded."""
+    assert len(vectors) <= 2 * num_ranks and len(fingerprint) <= FINGERPRINT, "the layout's header words fit"
+    pad = [0] * (2 * num_ranks - len(vectors)) + list(fingerprint) + [0] * (FINGERPRINT - len(fingerprint))
+    return [row_bytes, *vectors, *pad]
+
+
+LAYOUTS = {"masked": masked, "flat": flat, "expand": expand}  # each module's layout(call, engine), combine_jobs
+_ENGINES: dict[int, Engine] = {}
+
+
+def engine_for(group: dist.ProcessGroup) -> Engine:
+    """The ops' engine of ``group`` (collective, no shrink, the default timeout), one per group per process."""
+    eng = _ENGINES.get(id(group))
+    if eng is None or eng.group is not group:
+        eng = _ENGINES[id(group)] = Engine(group, reuse=False)
+    return eng

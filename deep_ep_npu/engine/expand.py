@@ -1,0 +1,301 @@
+"""DeepEP V2's layouts (``ElasticBuffer``): one row per (source token, this rank), or with ``do_expand`` one per
+(token, local expert).
+
+A row's payload is raw bytes, ``[x | scale factors | top-k weights fp32]`` (:class:`Payload`): fp8 data and its
+scale factors arrive bit for bit. Non-expand rows: by source rank, then token. Expand rows: by local expert (expert
+``e``'s segment starts at ``align(psum[e - 1], expert_alignment)``), then (source rank, token). A cached handle keeps
+the :class:`Placement` and the send plan, so a cached dispatch places rows the same way with no count exchange.
+Combine returns one row per (token, rank) (expand: the token's rows summed in fp32 in top-k order, rounded once;
+every row without multiple reduction); the source adds in fp32 the bias, then the rows in the order of each rank's
+last top-k slot, and rounds once (DeepEP's reference order). ``topk_weights`` travel back the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core.call import CombineCall, DispatchCall
+from ..errors import shape
+from ..handle import EPHandle
+from ..transports.collective import Agreement
+from .plan import Plan, make_plan, plan_topk
+from .reduce import CombineJob
+from .rows import Parts, RowFormat, align
+
+X_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
+SF_DTYPE_CODES = {None: 0, torch.float32: 1, torch.int32: 2}
+MISMATCH = ("handle", "the handle of this layer's dispatch on every rank")
+NAMES = ("cached handle", "num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "scale-factor columns",
+         "scale-factor dtype", "num_topk", "row bytes")  # fmt: skip
+COMBINE_NAMES = ("num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "topk_weights given")
+
+
+class Payload:
+    """How a row's bytes split: ``x`` `[hidden]` in ``x_dtype``, ``sf`` `[sf_cols]` (4-byte ``sf_dtype``, or none),
+    the weights `[num_topk]` fp32 (zeros when the caller gave none); of x `[T, hidden]` and sf `[T, sf_cols]`."""
+
+    def __init__(self, x: torch.Tensor, sf: torch.Tensor | None, num_topk: int) -> None:
+        self.hidden, self.x_dtype, self.num_topk = x.shape[1], x.dtype, num_topk
+        self.sf_cols, self.sf_dtype = 0 if sf is None else sf.shape[1], None if sf is None else sf.dtype
+        self.x_bytes = self.hidden * self.x_dtype.itemsize
+        self.sf_end = self.x_bytes + 4 * self.sf_cols
+        self.num_bytes = self.sf_end + 4 * num_topk
+
+    def pack(self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
+        """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None)."""
+        w = weights if weights is not None else x.new_zeros((x.shape[0], self.num_topk), dtype=torch.float32)
+        return torch.cat([t.contiguous().view(torch.uint8) for t in (x, sf, w) if t is not None], dim=1)
+
+    def fields(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Views of ``rows`` `[n, >= num_bytes]` uint8: x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
+        sf = rows[:, self.x_bytes : self.sf_end].view(self.sf_dtype) if self.sf_dtype is not None else None
+        return rows[:, : self.x_bytes].view(self.x_dtype), sf, rows[:, self.sf_end : self.num_bytes].view(torch.float32)
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where one dispatch put its rows (kept by the handle; the same topk_idx places the same way). ``rows_from``:
+    rows per source rank (this rank's own included); ``slots`` `[num_recv, K]` int32: each received row's local
+    expert per top-k slot (-1: not here), rows in layout order; ``pair_row`` / ``pair_slot`` / ``pair_pos`` `[P]`
+    int64: each (row, slot) pair for this rank and its expand row; ``counts`` `[L]` int64: pairs per local expert
+    (``aligned``: rounded up to the alignment); ``num_rows`` / ``num_expanded``: the allocated rows (exact, or the
+    worst case without CPU sync)."""
+
+    rows_from: list[int]
+    slots: torch.Tensor
+    pair_row: torch.Tensor
+    pair_slot: torch.Tensor
+    pair_pos: torch.Tensor
+    counts: torch.Tensor
+    aligned: torch.Tensor
+    num_rows: int
+    num_expanded: int
+
+
+payload_of = Payload
+
+
+def make_placement(slots: torch.Tensor, rows_from: list[int], num_local: int, alignment: int,
+                   sizes: tuple[int, int] | None) -> Placement:  # fmt: skip
+    """The placement of received tokens in layout order: ``slots`` `[total, K]` int32 (each one's local expert per
+    slot, -1: not here), ``rows_from`` tokens per source rank; ``sizes``: the rows to allocate (None: exact)."""
+    pair_row, pair_slot = (slots >= 0).nonzero(as_tuple=True)
+    expert = slots[pair_row, pair_slot].long()
+    total, a = slots.shape[0], alignment
+    order = torch.argsort(expert * max(total, 1) + pair_row)  # by (local expert, row): rows are (source, token)
+    pair_row, pair_slot, expert = pair_row[order], pair_slot[order], expert[order]
+    counts = torch.bincount(expert, minlength=num_local)
+    aligned = (counts + a - 1) // a * a
+    start = aligned.cumsum(0) - aligned
+    pos = start[expert] + torch.arange(expert.numel(), device=expert.device) - (counts.cumsum(0) - counts)[expert]
+    num_rows, num_expanded = sizes or (total, int(aligned.sum()))
+    return Placement(rows_from, slots, pair_row, pair_slot, pos, counts, aligned, num_rows, num_expanded)
+
+
+class Outputs:
+    """A V2 dispatch's outputs (``ElasticBuffer.dispatch``'s, and the tensors of its ``handle``: ``metadata`` is
+    ``recv_src_metadata``, ``psum_per_rank`` / ``psum_per_expert`` / ``counts`` the prefix sums and counts)."""
+
+    def __init__(self, c: DispatchCall, p: Payload, num_rows: int, num_expanded: int) -> None:
+        dev, k, r, num_local = c.x.device, p.num_topk, c.experts.world_size, c.experts.num_local
+        rows = num_expanded if c.do_expand else num_rows
+        new = torch.zeros if c.zero_padding else torch.empty
+        self.sf = None
+        if p.sf_dtype is not None:  # TMA-aligned column-major scale factors: strides (1, align(rows, 4))
+            tma = new((p.sf_cols, -(-rows // 4) * 4), dtype=p.sf_dtype, device=dev).t()[:rows] if c.tma_sf else None
+            self.sf = tma if tma is not None else new((rows, p.sf_cols), dtype=p.sf_dtype, device=dev)
+        self.x = new((rows, p.hidden), dtype=p.x_dtype, device=dev)
+        self.weights = torch.zeros((rows,) if c.do_expand else (rows, k), dtype=torch.float32, device=dev)
+        self.topk_idx = None if c.do_expand else torch.full((rows, k), -1, dtype=torch.int64, device=dev)
+        self.metadata = torch.full((num_rows, k + 2), -1, dtype=torch.int32, device=dev)
+        self.psum_per_rank = torch.empty((r,), dtype=torch.int32, device=dev)
+        self.psum_per_expert = torch.empty((num_local,), dtype=torch.int32, device=dev)
+        self.counts = torch.empty((num_local,), dtype=torch.int32, device=dev)
+        self.handle: EPHandle | None = None
+
+
+def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
+    """The rows to allocate before the receive: a cached handle's, DeepEP's worst case without CPU sync (``R * N``
+    rows, ``align(R * N * min(K, L) + (a - 1) * L, a)`` expanded rows), else None (exact, known at the receive)."""
+    e, h, a = c.experts, c.cached, c.alignment
+    if h is not None:
+        return h.num_recv_tokens, h.num_expanded_tokens
+    rn = e.world_size * c.num_max
+    return None if c.cpu_sync else (rn, align(rn * min(num_topk, e.num_local) + (a - 1) * e.num_local, a))
+
+
+def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None, plan: Plan,
+               state: dict[str, Any]) -> EPHandle:  # fmt: skip
+    """The handle of a fresh dispatch (``plan``: its send plan; ``state``: what its backend keeps)."""
+    num_rows, num_expanded = sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
+    listed = [] if not c.cpu_sync or place is None else place.aligned.tolist()
+    dev = c.expert_ids.device  # slot_idx: each slot's row among the rows sent to its expert's rank (-1: no expert)
+    slot_idx = torch.full(c.expert_ids.shape, -1, dtype=torch.int32, device=dev)
+    base = torch.tensor([rows.start for rows in plan.row_slices()], device=dev)[plan.dest]
+    slot_idx[plan.token, plan.slot] = (plan.row_of_pair - base).to(torch.int32)
+    return EPHandle(
+        c.do_expand, c.experts.num_moe_experts, c.alignment, c.num_max, 0,
+        c.expert_ids.clone() if c.handle_copy else c.expert_ids, num_rows, num_expanded if c.do_expand else 0,
+        listed, out.psum_per_rank, out.psum_per_expert, out.counts, out.metadata, slot_idx, state,
+    )  # fmt: skip
+
+
+def receive(c: DispatchCall, p: Payload, place: Placement, x: torch.Tensor, sf: torch.Tensor | None,
+            weights: torch.Tensor, tokens: torch.Tensor | None, out: Outputs | None,
+            make_handle: Callable[[Outputs, Placement | None], EPHandle]) -> Outputs:  # fmt: skip
+    """Write the received tokens (x `[n, hidden]`, sf, weights `[n, K]`, in layout order) where ``place`` says into
+    ``out`` (None: allocated now) and, for a fresh layout (``tokens`` `[n]`: each row's source token), the handle's
+    tensors: source metadata, prefix sums, counts."""
+    out = out or Outputs(c, p, place.num_rows, place.num_expanded)
+    n, rows, dev = x.shape[0], place.pair_row, x.device
+    at: Any = place.pair_pos if c.do_expand else slice(n)  # expand: each pair's row, else the rows as they came
+    out.x[at] = x.index_select(0, rows) if c.do_expand else x
+    if sf is not None and out.sf is not None:
+        out.sf[at] = sf.index_select(0, rows) if c.do_expand else sf
+    out.weights[at] = weights[rows, place.pair_slot] if c.do_expand else weights
+    if out.topk_idx is not None:  # (not expand)
+        out.topk_idx[:n] = place.slots
+    if tokens is not None:
+        rows_from = torch.tensor(place.rows_from, device=dev)
+        sources = torch.arange(len(place.rows_from), dtype=torch.int32, device=dev)
+        src = sources.repeat_interleave(rows_from, output_size=n)
+        out.metadata[:n, 0], out.metadata[:n, 1] = src * c.num_max + tokens.to(torch.int32), src
+        if c.do_expand:
+            out.metadata[rows, 2 + place.pair_slot] = place.pair_pos.to(torch.int32)
+        psum = place.aligned.cumsum(0)
+        out.psum_per_rank.copy_(rows_from.cumsum(0))
+        out.psum_per_expert.copy_(psum - place.aligned + place.counts if c.do_expand else psum)
+        out.counts.copy_(place.counts)
+    if c.recv_stats is not None:
+        c.recv_stats += place.counts.to(c.recv_stats.dtype)
+    if out.handle is None:
+        out.handle = c.cached or make_handle(out, place)
+    out.handle.state["placement"] = place
+    return out
+
+
+class _Expand:
+    """The layout of one V2 dispatch (the :class:`~.exchange.Layout` protocol); :meth:`result` is its
+    :class:`Outputs` (None until allocated: with CPU sync, at the receive)."""
+
+    weights, smooth, tp, names, agree_now = None, None, None, NAMES, False
+
+    def __init__(self, c: DispatchCall, engine: Any) -> None:
+        e, h = c.experts, c.cached
+        self.c, self.ep = c, engine.ep
+        self.payload = p = payload_of(c.x, c.x_sf, c.expert_ids.shape[1])
+        if h is not None:
+            self.plan = h.state["plan"]
+        else:
+            no_mask = torch.zeros(e.world_size, dtype=torch.int32)
+            self.plan = plan_topk(c.expert_ids, e.num_local, e.world_size, e.rank, no_mask, per_pair_rows=False)
+        self.cached: Placement | None = None if h is None else h.state["placement"]
+        self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
+        self.source = p.pack(c.x, c.x_sf, c.expert_scales)
+        self.known = None if self.cached is None else list(self.cached.rows_from)
+        self.vectors = (*self.plan.rows_per_dest, *(self.known or [-1] * e.world_size))
+        self.fingerprint = (int(h is not None), c.num_max, e.num_moe_experts, p.hidden, X_DTYPE_CODES[p.x_dtype],
+                            p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
+        self.sizes = sizes_of(c, p.num_topk)
+        state = dict(owner=engine, plan=self.plan, payload=p)
+        self.make_handle = lambda out, place: new_handle(c, out, place, self.sizes, self.plan, state)
+        self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes)
+        if self.outputs is not None:
+            self.outputs.handle = h if h is not None else self.make_handle(self.outputs, None)
+
+    def result(self) -> Outputs | None:
+        return self.outputs
+
+    def check(self, agreement: Agreement) -> None:
+        """With every rank reusing a handle: the rows one rank sends another are what the other expects."""
+        r, shared, at = self.ep.num_ranks, agreement.shared, 1 + 2 * self.ep.num_ranks
+        if not all(fp[at] == 1 for fp in shared):
+            return  # (some ranks reuse a handle and others do not: "cached handle" differs)
+        live = self.ep.live
+        if bad := [(p, q) for p in live for q in live if p != q and shared[p][1 + q] != shared[q][1 + r + p]]:
+            (p, q), n = bad[0], len(bad)
+            why = f"rank {p}'s handle sends {shared[p][1 + q]} rows to rank {q}, whose handle expects"
+            fix = "every rank must pass the handle of the same dispatch"
+            raise shape("handle", f"{why} {shared[q][1 + r + p]} from it ({n} rank pairs differ): {fix}")
+
+    def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None:
+        by_src, r, c = dict([*parts, own]), self.ep.num_ranks, self.c
+        staged = torch.cat([by_src[s] for s in range(r) if s in by_src])  # by source, tokens ascending
+        place, tokens = self.cached, None
+        if place is None:
+            rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(r)]
+            num_local, tokens = c.experts.num_local, self.fmt.tokens(staged)
+            place = make_placement(self.fmt.slot_experts(staged), rows_from, num_local, c.alignment, self.sizes)
+        x, sf, weights = self.payload.fields(staged)
+        self.outputs = receive(c, self.payload, place, x, sf, weights, tokens, self.outputs, self.make_handle)
+
+
+layout = _Expand
+
+
+def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`[num_recv, hidden]` in x's dtype: each received token's expand rows (``slots`` `[num_recv, K]`, -1: none)
+    summed in fp32 in top-k order, rounded once."""
+    acc = torch.zeros((slots.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+    for j in range(slots.shape[1]):
+        row = (slots[:, j] >= 0).nonzero(as_tuple=True)[0]
+        acc.index_add_(0, row, x.index_select(0, slots[row, j].long()).float())
+    return acc.to(x.dtype)
+
+
+def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool) -> Plan:
+    """The source's view of the combine: per (token, rank) at the slot of the token's last expert there, or (no
+    multiple reduction) every dispatched pair; sorted as the expert ranks return the rows (cached in the handle)."""
+    key = "return_plan" if per_row else "pair_plan"
+    if key in h.state:
+        return h.state[key]
+    plan, num_tokens, r = h.state["plan"], h.num_tokens, num_ranks
+    pairs, num_local = (plan.token, plan.slot, plan.dest, plan.expert), h.num_experts // r
+    if per_row:
+        last = torch.full((num_tokens * r,), -1, dtype=torch.int64, device=plan.token.device)
+        last.scatter_reduce_(0, plan.token * r + plan.dest, plan.slot, "amax")
+        at = (last >= 0).nonzero(as_tuple=True)[0]
+        pairs, num_local = (at // r, last[at], at % r, torch.zeros_like(at)), 1
+    h.state[key] = out = make_plan(*pairs, num_tokens, r, rank, num_local, per_pair_rows=True)
+    return out
+
+
+def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
+    """The combine of a V2 dispatch's rows ``c.x`` (and of ``c.expert_scales``, the weights to send back)."""
+    h, x, rank, r = c.handle, c.x, c.experts.rank, c.experts.world_size
+    place: Placement = h.state["placement"]
+    total, num_tokens, hidden, dev = sum(place.rows_from), h.num_tokens, x.shape[1], x.device
+    per_row = not h.do_expand or c.multiple_reduction  # one returned row per (token, rank)
+    every_row = torch.arange(total, device=dev)
+    if per_row:
+        rows, rows_per_src = every_row, place.rows_from
+        source = reduce_expanded(x, h.recv_src_metadata[:total, 2:]) if h.do_expand else x
+    else:  # every expand row, by (source rank, local expert, token): the order the sources' pair plans expect
+        src = h.recv_src_metadata[place.pair_row, 1].long()  # (each received row's source rank)
+        expert = place.slots[place.pair_row, place.pair_slot].long()
+        order = torch.argsort(src * (h.num_experts // r) + expert, stable=True)
+        rows, rows_per_src, source = place.pair_pos[order], torch.bincount(src, minlength=r).tolist(), x
+    plan, extra, weighted = _return_plan(h, rank, r, per_row), None, c.expert_scales is not None
+    if c.shared_expert_x:  # the biases, first in the fp32 sum: at slot -1
+        tokens, bias = torch.arange(num_tokens, device=dev), sum(b.float() for b in c.shared_expert_x)
+        extra = (tokens, torch.full_like(tokens, -1), bias)
+    fingerprint = (h.num_max_tokens_per_rank, h.num_experts, hidden, X_DTYPE_CODES[x.dtype], int(weighted))
+    ones, out = torch.ones_like(plan.token, dtype=torch.float32), x.new_empty((num_tokens, hidden))
+    job = CombineJob(source, rows, list(rows_per_src), plan, ones, 0, out, fingerprint, COMBINE_NAMES, MISMATCH,
+                     by_slot=True, extra=extra, agree_now=True)  # fmt: skip
+    if c.expert_scales is None:
+        return [job]
+    w = c.expert_scales  # the weights travel back the same way, each slot from its expert's rank
+    if h.do_expand:
+        w_rows = torch.zeros((total, h.num_topk), dtype=torch.float32, device=dev)
+        w_rows[place.pair_row, place.pair_slot] = w[place.pair_pos]
+    else:
+        w_rows = w[:total].masked_fill(place.slots < 0, 0.0)
+    plan = _return_plan(h, rank, r, True)
+    ones, out = torch.ones_like(plan.token, dtype=torch.float32), w_rows.new_empty((num_tokens, h.num_topk))
+    w_job = dataclasses.replace(job, source=w_rows, return_rows=every_row, rows_per_src=list(place.rows_from),
+                                plan=plan, weights=ones, out=out, extra=None)  # fmt: skip
+    return [job, w_job]

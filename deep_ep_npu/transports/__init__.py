@@ -1,0 +1,72 @@
+"""How rows move between the ranks of an EP group: a :class:`Transport` moves bytes and signals and nothing else;
+which rows go where and what the header words mean is the engine's (:mod:`deep_ep_npu.engine.exchange`). Both
+transports give bit-identical results: :class:`~.collective.Collective` (torch.distributed: an all-to-all of the
+headers, then one of the rows) and :class:`~.window.Window` (a shared-memory window of the ranks of one host: rows
+written straight into the receivers' windows, headers sent on pipes; the send phase waits for no peer).
+
+One call, on every rank (``counts[d]``: the header words for rank ``d``, ``counts[d][0]`` the rows this rank writes
+for it and ``counts[d][1]`` the rows it expects from it when already known, else -1; ``shared``: words for every
+rank, ``shared[0]`` the row size in bytes)::
+
+    token = transport.send(op, counts, shared, write, check)  # write(d, out): d's rows into out [rows, row_bytes]
+    agreement, parts, wait_ns = transport.receive(token)   # parts: (source, its rows [n, row_bytes] uint8)
+    transport.done(token)                                  # the parts were read
+
+``check(agreement)`` raises (the same error on every rank) before any received row is used; a rank that rejected its
+input calls ``transport.reject(op, code, width)`` instead (``width``: the shared words), so the others raise too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from . import window
+from .collective import Agreement, Check, Collective, EPGroup, Write
+
+TRANSPORTS = ("auto", "shm", "collective")
+
+
+class Transport(Protocol):
+    """Moves rows and header words (see the module docstring); ``name``: ``"collective"`` or ``"shm"``."""
+
+    name: str
+    ep: EPGroup
+
+    def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
+             agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
+             device: torch.device | None = None) -> Any: ...  # fmt: skip
+    def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]: ...
+    def done(self, token: Any) -> None: ...
+    def reject(self, op: str, code: int, width: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def resolve_transport_name(name: str | None) -> str:
+    """``name``, else ``DEEP_EP_NPU_TRANSPORT``, else ``"auto"``; ValueError outside :data:`TRANSPORTS`."""
+    if name is None:
+        name = envs.transport() or "auto"
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport: must be one of {list(TRANSPORTS)}, got {name!r}")
+    return name
+
+
+def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Transport, Transport | None]:
+    """The collective transport of ``ep`` (``reuse``: its buffers alternate between two reused sets, else each call
+    gets its own) and, for ``name`` ``"auto"`` / ``"shm"``, its window (collective; ``window_bytes`` per rank, at least
+    :data:`~.window.DEFAULT_WINDOW_BYTES`) where every rank of a gloo group can share memory with every other, else
+    None ("auto") or ValueError ("shm")."""
+    collective = Collective(ep, reuse)
+    if name == "collective" or ep.num_ranks == 1:
+        return collective, None
+    backend = str(dist.get_backend(ep.group)).lower()
+    if "gloo" not in backend:
+        if name == "shm":
+            raise ValueError(f"transport: 'shm' needs a gloo (CPU) group, got backend {backend!r}; pass 'auto'")
+        return collective, None
+    nbytes = max(window_bytes, window.DEFAULT_WINDOW_BYTES)
+    return collective, window.create(ep, nbytes, required=name == "shm")
