@@ -47,7 +47,7 @@ def _trace(info):
         buffer = Buffer(info.group, transport=transport)
         for fp8 in (False, True):
             for _ in range(2):
-                dispatch = _files(lambda: got.update(d=buffer.low_latency_dispatch(x, idx, 8, 8, use_fp8=fp8)))
+                dispatch = _files(lambda b=buffer, f=fp8: got.update(d=b.low_latency_dispatch(x, idx, 8, 8, use_fp8=f)))
                 recv_x, _, handle, _, _ = got["d"]
                 y = recv_x if not fp8 else (recv_x[0].float() * recv_x[1].repeat_interleave(128, -1)).bfloat16()
                 combine = _files(lambda: buffer.low_latency_combine(y, idx, w, handle))  # noqa: B023
@@ -55,7 +55,9 @@ def _trace(info):
     for _ in range(2):
         dispatch = _files(lambda: got.update(o=moe_distribute_dispatch_v2(x, idx.int(), info.group, 2, info.rank, 8)))
         o = got["o"]
-        combine = _files(lambda: moe_distribute_combine_v2(o[0], idx.int(), o[2], o[4], w, info.group, 2, info.rank, 8))
+        combine = _files(
+            lambda o=o: moe_distribute_combine_v2(o[0], idx.int(), o[2], o[4], w, info.group, 2, info.rank, 8)
+        )
     out["ops"] = (dispatch, combine)
     return out
 

@@ -22,8 +22,8 @@ import torch
 
 from deep_ep_npu import Buffer, sim
 from deep_ep_npu import ops as ref_ops
-from deep_ep_npu.backends.ascend_ops import map_no_expert
 from deep_ep_npu.backends.ascend import elastic_info_from_mask
+from deep_ep_npu.backends.ascend_ops import map_no_expert
 from tests.deepep_utils import calc_diff
 from tests.distributed import parallel_launch
 

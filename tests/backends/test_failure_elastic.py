@@ -13,8 +13,8 @@ import torch
 
 from deep_ep_npu import Buffer
 from deep_ep_npu.backends.ascend import elastic_info_from_mask, remap_expert_ids
-from tests.distributed import parallel_launch
 from tests.backends.test_ascend_backend import E, K, N, _inputs, _install_sim, _run
+from tests.distributed import parallel_launch
 
 MASKED = 1
 

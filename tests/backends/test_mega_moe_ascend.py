@@ -13,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-
-from types import SimpleNamespace
 
 from deep_ep_npu.backends import available_backends, create_backend, resolve_backend_name
 from deep_ep_npu.backends.ascend import AscendBackend
@@ -31,9 +30,9 @@ from deep_ep_npu.backends.ascend_mega import (
 )
 from deep_ep_npu.core.call import FFN, DispatchCall, Experts
 from deep_ep_npu.sim import fused
+from tests.api.test_mega_moe import _run_fused
 from tests.distributed import parallel_launch
 from tests.mega_moe_oracle import Case, assert_matches, dense_reference, make_case
-from tests.api.test_mega_moe import _run_fused
 
 HAS_REAL_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None and not getattr(
     sys.modules.get("torch_npu"), "SIMULATED", False
@@ -55,7 +54,8 @@ def _args(*, int8=True, hidden=256, n=128, x_dtype=torch.bfloat16, out_dtype=tor
     wdt = torch.int8 if int8 else x_dtype
     experts = Experts(w, 1, num_local * w, num_local, num_local, w, 1, (0, 1), scales_experts=num_local * w)
     x, weights = torch.randn((m, hidden), generator=g).to(x_dtype), torch.rand((m, topk), generator=g)
-    call = DispatchCall("mega_moe", "flat", x, idx.long(), experts, num_max=8, x_active_mask=mask, expert_scales=weights)
+    ids = idx.long()
+    call = DispatchCall("mega_moe", "flat", x, ids, experts, num_max=8, x_active_mask=mask, expert_scales=weights)
     ffn = FFN(torch.zeros((num_local, hidden, 2 * n), dtype=wdt), torch.zeros((num_local, n, hidden), dtype=wdt),
               torch.rand((num_local, 2 * n)) if int8 else None, torch.rand((num_local, hidden)) if int8 else None,
               out_dtype, limit, 2, "expert", 32)  # fmt: skip

@@ -1,8 +1,8 @@
 """The CPU kernels (:mod:`deep_ep_npu.kernels`) against the torch code they replace, bit for bit.
 
 The Buffer-level comparison (dispatch / combine results with and without the kernels, fp8 scales and fp32 combine
-included) is ``tests/transports/test_transport.py::test_transports_are_bit_identical``; here each loop is checked on its own on
-random inputs, edge cases included. The build and the loading: ``test_build.py``; argument checks:
+included) is ``tests/transports/test_transport.py::test_transports_are_bit_identical``; here each loop is checked on
+its own on random inputs, edge cases included. The build and the loading: ``test_build.py``; argument checks:
 ``test_bindings.py``.
 """
 

@@ -296,5 +296,6 @@ def test_hierarchy_a3_size_limits(w, experts, hidden, text):
     a3 = types.SimpleNamespace(comm_alg="hierarchy", wait_stats=None, experts=types.SimpleNamespace(platform="a3", **e))
     with pytest.raises(MoeDistributeError, match=re.escape(text)):
         _hierarchy(a3, "x", hidden, None)
-    plain = types.SimpleNamespace(comm_alg="hierarchy", wait_stats=None, experts=types.SimpleNamespace(platform=None, **e))
+    experts = types.SimpleNamespace(platform=None, **e)
+    plain = types.SimpleNamespace(comm_alg="hierarchy", wait_stats=None, experts=experts)
     _hierarchy(plain, "x", hidden, None)  # only "a3"
