@@ -2,7 +2,8 @@
 which rows go where and what the header words mean is the engine's (:mod:`deep_ep_npu.engine.exchange`). Both
 transports give bit-identical results: :class:`~.collective.Collective` (torch.distributed: an all-to-all of the
 headers, then one of the rows) and :class:`~.window.Window` (a shared-memory window of the ranks of one host: rows
-written straight into the receivers' windows, headers sent on pipes; the send phase waits for no peer).
+written straight into the receivers' windows, headers sent on pipes; the send phase waits for no peer). A group on
+several hosts (:mod:`.hosts`) with peers on this one uses both in the same call: :class:`~.spanning.Spanning`.
 
 One call, on every rank (``counts[d]``: the header words for rank ``d``, ``counts[d][0]`` the rows this rank writes
 for it and ``counts[d][1]`` the rows it expects from it when already known, else -1; ``shared``: words for every
@@ -27,12 +28,14 @@ import torch.distributed as dist
 from .. import envs
 from . import window
 from .collective import Agreement, Check, Collective, EPGroup, Write
+from .spanning import Spanning
 
 TRANSPORTS = ("auto", "shm", "collective")
 
 
 class Transport(Protocol):
-    """Moves rows and header words (see the module docstring); ``name``: ``"collective"`` or ``"shm"``."""
+    """Moves rows and header words (see the module docstring); ``name``: ``"collective"``, ``"shm"`` or
+    ``"spanning"``."""
 
     name: str
     ep: EPGroup
@@ -57,9 +60,10 @@ def resolve_transport_name(name: str | None) -> str:
 
 def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Transport, Transport | None]:
     """The collective transport of ``ep`` (``reuse``: its buffers alternate between two reused sets, else each call
-    gets its own) and, for ``name`` ``"auto"`` / ``"shm"``, its window (collective; ``window_bytes`` per rank, at least
-    :data:`~.window.DEFAULT_WINDOW_BYTES`) where every rank of a gloo group can share memory with every other, else
-    None ("auto") or ValueError ("shm")."""
+    gets its own) and, for ``name`` ``"auto"`` / ``"shm"`` on a gloo group, its window transport (collective;
+    ``window_bytes`` per rank, at least :data:`~.window.DEFAULT_WINDOW_BYTES`): the window when every rank is on this
+    host, a :class:`Spanning` one when the group spans hosts and this one holds a peer ("auto" only; "shm" raises
+    ValueError), else None."""
     collective = Collective(ep, reuse)
     if name == "collective" or ep.num_ranks == 1:
         return collective, None
@@ -69,4 +73,7 @@ def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Tran
             raise ValueError(f"transport: 'shm' needs a gloo (CPU) group, got backend {backend!r}; pass 'auto'")
         return collective, None
     nbytes = max(window_bytes, window.DEFAULT_WINDOW_BYTES)
-    return collective, window.create(ep, nbytes, required=name == "shm")
+    win = window.create(ep, nbytes, required=name == "shm")
+    if win is None or len(win.peers) == ep.num_ranks - 1:
+        return collective, win
+    return collective, Spanning(win, Collective(ep, reuse, local=frozenset(win.peers)))

@@ -250,8 +250,9 @@ class Collective:
 
     name = "collective"
 
-    def __init__(self, ep: EPGroup, reuse: bool = True) -> None:
+    def __init__(self, ep: EPGroup, reuse: bool = True, local: frozenset[int] = frozenset()) -> None:
         self.ep, self.reuse, self._flip = ep, reuse, 0
+        self.local = local  # ranks whose rows go another way (a spanning transport's window): none travel here
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device: torch.device) -> torch.Tensor:
@@ -269,7 +270,8 @@ class Collective:
         self._flip ^= 1
         tag = self._flip
         finish_agree = ep.start_agree(op, STATUS_OK, counts, shared, device=dev)
-        rows = [0 if d == me else c[0] for d, c in enumerate(counts)]
+        skip = {me, *self.local}
+        rows = [0 if d in skip else c[0] for d, c in enumerate(counts)]
         send = self._buffer(f"send{tag}", sum(rows), row_bytes, dev)
 
         def write_all() -> None:
@@ -289,11 +291,11 @@ class Collective:
             agreement = finish_agree()
             self._join_started_peers(agreement)
             check(agreement)
-            return agreement, *start_payload([0 if s == me else c[0] for s, c in enumerate(agreement.counts)])
+            return agreement, *start_payload([0 if s in skip else c[0] for s, c in enumerate(agreement.counts)])
 
         write_all()
         if all(c[1] >= 0 for s, c in enumerate(counts) if s != me):  # every rank's rows known: start now
-            started = start_payload([0 if s == me else c[1] for s, c in enumerate(counts)])
+            started = start_payload([0 if s in skip else c[1] for s, c in enumerate(counts)])
             return lambda: (None, *started), finish_agree, check
         if agree_now:
             started_now = agree_and_start()
@@ -312,7 +314,7 @@ class Collective:
             check(agreement)
         parts, begin, masked = [], 0, self.ep.mask.tolist()
         for s, k in enumerate(recv_rows):
-            if s != self.ep.rank and not masked[s]:
+            if s != self.ep.rank and s not in self.local and not masked[s]:
                 parts.append((s, recv[begin : begin + k]))
             begin += k
         return agreement, parts, wait_ns
@@ -329,7 +331,7 @@ class Collective:
     def _join_started_peers(self, agreement: Agreement) -> None:
         """Join the payloads that peers who knew their counts started before the agreement, with zeros."""
         ep, me = self.ep, self.ep.rank
-        peers = [s for s, c in enumerate(agreement.counts) if s != me and c and c[1] >= 0]
+        peers = [s for s, c in enumerate(agreement.counts) if s != me and s not in self.local and c and c[1] >= 0]
         if not peers:
             return
         recv, send = [0] * ep.num_ranks, [0] * ep.num_ranks

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..errors import invalid
+from ..errors import MoeDistributeError, invalid
 from .collective import STATUS_OK, Agreement, Check, EPGroup, Write
 from .failure import EPRankFailure, agree_missing
 
@@ -59,6 +59,11 @@ class Call:
     started: float
 
 
+class PeerLost(Exception):
+    """A wait of a spanning transport's window failed (a peer on this host exited or hung): the collective part of the
+    call finds the missing ranks."""
+
+
 class _Peer:
     """What this rank holds of one peer: its window (uint8), the pipe to it, the pipe from it, and what it said."""
 
@@ -81,6 +86,7 @@ class Window:
     def __init__(self, ep: EPGroup, key: int, window: torch.Tensor, peers: dict[int, PeerParts]) -> None:
         self.ep, self.key, self.window, self.seq = ep, key, window, 0
         self.peers = {q: _Peer(*parts) for q, parts in peers.items()}
+        self.spanning = False  # part of a :class:`~.spanning.Spanning` transport: failures are agreed there
 
     def _region_rows(self, owner_bytes: int, row_bytes: int) -> int:
         return (owner_bytes - DATA_OFFSET) // 2 // self.ep.num_ranks // row_bytes
@@ -94,7 +100,8 @@ class Window:
         return window[begin : begin + rows * row_bytes].view(rows, row_bytes)
 
     def live_peers(self) -> list[int]:
-        return [p for p in self.ep.live if p != self.ep.rank]
+        """The live ranks of this window (this host's ranks but this one)."""
+        return [p for p in self.ep.live if p in self.peers]
 
     def begin(self, op: str) -> Call:
         self.seq += 1  # (every live rank starts the same calls in the same order)
@@ -123,37 +130,41 @@ class Window:
              device: torch.device | None = None) -> Any:  # fmt: skip
         # (agree_now is the collective transport's: here the headers come with the rows)
         assert before_payload is None, "the TP stage runs on the collective transport"
-        call, me, row_bytes = self.begin(op), self.ep.rank, shared[0]
+        if err := self.oversized(op, counts, shared):
+            self.reject(op, err.code, len(shared))
+            raise err
+        call = self.begin(op)
+        self.write(call, counts, shared, write)
+        return call, check, [STATUS_OK, *counts[self.ep.rank], *shared], len(counts[0])
+
+    def oversized(self, op: str, counts: list[list[int]], shared: list[int]) -> MoeDistributeError | None:
+        """The error of a call whose rows for a peer of this window exceed its region (``num_rdma_bytes``), or None."""
+        row_bytes = shared[0]
         sizes = [self.window.numel(), *(p.window.numel() for p in self.peers.values())]
         limit = min(self._region_rows(s, row_bytes) for s in sizes)  # rows per source in the smallest window
-        if bad := [(d, c[0]) for d, c in enumerate(counts) if d != me and c[0] > limit]:
-            dest, rows = max(bad, key=lambda b: b[1])
-            need = DATA_OFFSET + 2 * self.ep.num_ranks * rows * row_bytes
-            what = f"{op} sends {rows} rows of {row_bytes} bytes to rank {dest}, its window holds {limit}"
-            err = invalid("num_rdma_bytes", f"{what} per source; pass num_rdma_bytes >= {need} (shared-memory window)")
-            self.reject(op, err.code, len(shared), call)
-            raise err
+        if not (bad := [(d, counts[d][0]) for d in self.peers if counts[d][0] > limit]):
+            return None
+        dest, rows = max(bad, key=lambda b: b[1])
+        need = DATA_OFFSET + 2 * self.ep.num_ranks * rows * row_bytes
+        what = f"{op} sends {rows} rows of {row_bytes} bytes to rank {dest}, its window holds {limit}"
+        return invalid("num_rdma_bytes", f"{what} per source; pass num_rdma_bytes >= {need} (shared-memory window)")
+
+    def write(self, call: Call, counts: list[list[int]], shared: list[int], write: Write) -> None:
+        """The send phase of ``call``: each live peer's rows into its region (``write(d, out)``), then its header."""
         for d in self.live_peers():
             self.claim(call, d)
-            write(d, self.region(d, call, me, row_bytes, counts[d][0]))
+            write(d, self.region(d, call, self.ep.rank, shared[0], counts[d][0]))
             self.post(call, d, [STATUS_OK, *counts[d], *shared])
-        return call, check, [STATUS_OK, *counts[me], *shared], len(counts[0])
 
     def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]:
         call, check, own, width = token
         me, live = self.ep.rank, self.live_peers()
         try:
             t0 = time.perf_counter_ns()
-            self._wait(call, live, lambda p: call.seq in p.inbox)
-            if any(call.seq in self.peers[s].abandoned for s in live):  # its data came, but a peer gave the call up
-                self._fail(call)  # (it named the missing ranks in the store: learn them there)
+            headers = self.wait_headers(call, live)
             wait_ns = time.perf_counter_ns() - t0
             fill = [STATUS_OK] + [0] * (len(own) - 1)  # ranks removed by shrink mode
-            rows = [own if s == me else fill for s in range(self.ep.num_ranks)]
-            for s in live:  # (headers of calls this rank abandoned are never read: old ones are dropped)
-                peer = self.peers[s]
-                rows[s] = peer.inbox.pop(call.seq)
-                peer.inbox = {q: w for q, w in peer.inbox.items() if q > self.seq - STALE}
+            rows = [own if s == me else headers.get(s, fill) for s in range(self.ep.num_ranks)]
             agreement = Agreement([w[0] for w in rows], [w[1 : 1 + width] for w in rows],
                                   [tuple(w[1 + width :]) for w in rows], wait_ns // 1000, call.op)  # fmt: skip
             check(agreement)
@@ -163,6 +174,18 @@ class Window:
         row_bytes, masked = own[1 + width], self.ep.mask.tolist()
         parts = [(s, self.region(me, call, s, row_bytes, rows[s][1])) for s in live if not masked[s]]
         return agreement, parts, wait_ns
+
+    def wait_headers(self, call: Call, ranks: list[int]) -> dict[int, list[int]]:
+        """Wait (bounded) for the header of ``call`` from each of ``ranks`` and take them (source -> words)."""
+        self._wait(call, ranks, lambda p: call.seq in p.inbox)
+        if any(call.seq in self.peers[s].abandoned for s in ranks):  # its data came, but a peer gave the call up
+            self._fail(call)  # (it named the missing ranks in the store: learn them there)
+        headers = {}
+        for s in ranks:  # (headers of calls this rank abandoned are never read: old ones are dropped)
+            peer = self.peers[s]
+            headers[s] = peer.inbox.pop(call.seq)
+            peer.inbox = {q: w for q, w in peer.inbox.items() if q > self.seq - STALE}
+        return headers
 
     def done(self, token: Any) -> None:
         self.release(token[0])
@@ -222,6 +245,8 @@ class Window:
 
     def _fail(self, call: Call) -> NoReturn:
         ep, timeout = self.ep, self.ep.timeout
+        if self.spanning:  # the spanning transport's collective agreement (every rank takes part) finds who is missing
+            raise PeerLost(call.op)
         for peer in self.peers.values():  # a late peer whose data for this call is already here must not succeed
             self._send(peer, [FAIL, call.seq])
         heard = {ep.rank} | {s for s, p in self.peers.items() if any(q >= call.seq for q in p.inbox)}

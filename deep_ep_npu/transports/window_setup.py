@@ -1,8 +1,9 @@
 """Setting up the shared-memory windows of a group's ranks (:func:`setup`, collective): each rank creates its window
 (``memfd_create``: no name anywhere), binds an abstract unix socket (no file), exchanges its name through the group,
 sends each peer its window and the write end of a new pipe (``SCM_RIGHTS``), and checks the nonce each peer wrote at
-the start of its window. Ranks on different hosts (or network namespaces) cannot reach each other's sockets: the check
-fails on some rank and every rank learns it in the closing agreement. The windows' use: :mod:`.window`."""
+the start of its window. The first agreement also carries each rank's host key (:mod:`.hosts`): windows join the ranks
+of one host only (ranks on other hosts, or network namespaces, could not reach the sockets anyway); a failed exchange
+is seen by some rank and every rank learns it in the closing agreement. The windows' use: :mod:`.window`."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ import time
 import torch
 
 from .collective import STATUS_OK, EPGroup
+from .hosts import host_groups, host_key
 from .window import PeerParts, close_fds
 
 
 def setup(ep: EPGroup, nbytes: int, required: bool) -> tuple[int, torch.Tensor, dict[int, PeerParts]] | None:
     """The parts of ``ep``'s window transport (collective, bounded by ``ep.timeout``; ``nbytes`` per rank): its key,
-    this rank's window and its peers', or None when some rank cannot share memory with the others (then ValueError
-    if ``required``)."""
+    this rank's window and those of its peers on this host, or None when this rank has no such peer or some rank
+    cannot share memory with its host's (ValueError if ``required`` and the ranks are not all on one host)."""
 
     def agree(ok: bool, *words: int) -> list[tuple[int, ...]]:
         """Every rank's ``(ok, *words)``."""
@@ -39,12 +41,20 @@ def setup(ep: EPGroup, nbytes: int, required: bool) -> tuple[int, torch.Tensor, 
             why = ""
         except OSError as err:
             why = f"cannot bind a unix socket: {err}"
-    first = agree(not why, token, nbytes)
-    tokens = [fp[1] for fp in first]
-    if all(fp[0] for fp in first):
+    first = agree(not why, token, nbytes, host_key())
+    tokens, hosts = [fp[1] for fp in first], host_groups([fp[3] for fp in first])
+    local = next(h for h in hosts if me in h)
+    if required and len(hosts) > 1:
+        if sock is not None:
+            sock.close()
+        raise ValueError(f"transport: 'shm' needs every rank on one host; the ranks are on {len(hosts)} hosts "
+                         f"{hosts}; pass transport='auto' (the window within each host) or 'collective'")  # fmt: skip
+    if all(len(h) == 1 for h in hosts):
+        why = "every rank is alone on its host"
+    elif all(fp[0] for fp in first):
         assert sock is not None
         try:
-            exchange = _Exchange(sock, me, ep.num_ranks, tokens, [fp[2] for fp in first])
+            exchange = _Exchange(sock, me, local, tokens, [fp[2] for fp in first])
             exchange.send(ep.timeout)
         except (OSError, ValueError) as err:
             why = f"rank {me} could not send its window to its peers: {err}"
@@ -63,8 +73,8 @@ def setup(ep: EPGroup, nbytes: int, required: bool) -> tuple[int, torch.Tensor, 
     ok = [fp[0] for fp in agree(not why)]
     if exchange is not None:
         exchange.close(keep=all(ok))
-        if all(ok):
-            return tokens[0], exchange.window, exchange.peers
+        if all(ok) and exchange.peers:
+            return tokens[local[0]], exchange.window, exchange.peers
     if required:
         bad = [i for i, k in enumerate(ok) if not k]
         raise ValueError(f"transport: 'shm' needs every rank on one host with shared memory; ranks {bad} cannot "
@@ -85,15 +95,15 @@ class _Exchange:
     """This rank's window, sent with a pipe's write end to every peer (:meth:`send`), then the peers' windows mapped
     and checked (:meth:`receive`)."""
 
-    def __init__(self, sock: socket.socket, me: int, r: int, tokens: list[int], sizes: list[int]) -> None:
-        self.sock, self.me, self.r, self.tokens, self.sizes = sock, me, r, tokens, sizes
+    def __init__(self, sock: socket.socket, me: int, local: list[int], tokens: list[int], sizes: list[int]) -> None:
+        self.sock, self.me, self.local, self.tokens, self.sizes = sock, me, local, tokens, sizes
         self.fd = os.memfd_create("deep_ep_npu.window", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, sizes[me])
         self.window = _map(self.fd, sizes[me])
         self.window[:8].copy_(torch.tensor([tokens[me]], dtype=torch.int64).view(torch.uint8))
         self.in_fds: dict[int, int] = {}
         self.outbox: list[tuple[int, int]] = []  # (peer, the write end of its pipe) not sent yet
-        for q in range(r):
+        for q in local:
             if q != me:
                 self.in_fds[q], wr = os.pipe()
                 self.outbox.append((q, wr))
@@ -118,7 +128,7 @@ class _Exchange:
         """Map every peer's window (all peers have sent: their messages are queued). Raises ValueError when one is
         missing or wrong."""
         deadline = time.monotonic() + timeout
-        while len(self.peers) < self.r - 1:
+        while len(self.peers) < len(self.local) - 1:
             self._receive_one(deadline, deadline - time.monotonic())
         for _, out_fd, in_fd in self.peers.values():
             os.set_blocking(in_fd, False)
@@ -135,7 +145,7 @@ class _Exchange:
             poller.poll(max(1, int(wait * 1000)))
             return
         q, token = struct.unpack("<qq", msg)
-        if len(fds) != 2 or not 0 <= q < self.r or q == self.me or token != self.tokens[q]:
+        if len(fds) != 2 or q not in self.local or q == self.me or token != self.tokens[q]:
             raise ValueError(f"unexpected window message from rank {q}")
         their = _map(fds[0], self.sizes[q])
         os.close(fds[0])

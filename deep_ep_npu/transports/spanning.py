@@ -1,0 +1,86 @@
+"""The spanning transport: a group whose ranks sit on several hosts, with at least two on this one. In the same call
+the rows for this host's peers go through its shared-memory window (:class:`~.window.Window`, written straight into
+their regions) and the rows for the other hosts' ranks through torch.distributed (:class:`~.collective.Collective`,
+told to leave this host's peers out); the header words of every rank travel in the collective agreement, so the
+check, the errors and failure detection (who is missing, shrink) are the collective transport's, unchanged. The
+window's header to a peer only says that its rows are written. The send phase waits for no peer (as either
+transport's); the receive takes the agreement and the other hosts' rows, then this host's rows where they lie. The
+rows are the same bytes whichever way they travel: results are bit-identical to either transport alone."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .collective import Agreement, Check, Collective, Write
+from .failure import EPRankFailure
+from .window import Call, PeerLost, Window
+
+
+class Spanning:
+    """``window``: this host's ranks; ``collective``: the group's, built with ``local`` = the window's peers."""
+
+    name = "spanning"
+
+    def __init__(self, window: Window, collective: Collective) -> None:
+        assert collective.local == frozenset(window.peers), "the collective leaves the window's peers out"
+        self.window, self.collective, self.ep = window, collective, window.ep
+        window.spanning = True
+
+    def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
+             agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
+             device: torch.device | None = None) -> Any:  # fmt: skip
+        assert before_payload is None, "the TP stage runs on the collective transport"
+        if err := self.window.oversized(op, counts, shared):
+            self.reject(op, err.code, len(shared))
+            raise err
+        call, lost = self.window.begin(op), ""
+        try:
+            self.window.write(call, counts, shared, write)
+        except PeerLost:  # the agreement below fails on every rank (the peer is missing there too)
+            lost = f"a peer on this host stopped reading its window during {op}"
+        try:
+            token = self.collective.send(op, counts, shared, write, check, agree_now=agree_now, device=device)
+        except BaseException:
+            self.window.release(call)
+            raise
+        return call, token, lost
+
+    def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]:
+        call, collective_token, lost = token
+        try:
+            agreement, parts, wait_ns = self.collective.receive(collective_token)
+            if lost:
+                raise EPRankFailure((), call.op, self.ep.timeout, unknown=lost)
+            t0 = time.perf_counter_ns()
+            parts += self._local_parts(call, agreement)
+        except BaseException:
+            self.window.release(call)
+            raise
+        return agreement, sorted(parts, key=lambda part: part[0]), wait_ns + time.perf_counter_ns() - t0
+
+    def _local_parts(self, call: Call, agreement: Agreement) -> list[tuple[int, torch.Tensor]]:
+        """This host's rows of ``call``, once each live peer said they are written (they are: the peer wrote them
+        before it joined the agreement)."""
+        window, live, masked = self.window, self.window.live_peers(), self.ep.mask.tolist()
+        try:
+            window.wait_headers(call, live)
+        except PeerLost:
+            raise EPRankFailure((), call.op, self.ep.timeout, unknown="a peer on this host left its window") from None
+        row_bytes = agreement.shared[self.ep.rank][0]
+        return [(s, window.region(self.ep.rank, call, s, row_bytes, agreement.counts[s][0]))
+                for s in live if not masked[s]]  # fmt: skip
+
+    def done(self, token: Any) -> None:
+        self.window.release(token[0])
+
+    def reject(self, op: str, code: int, width: int) -> None:
+        self.window.reject(op, code, width)
+        self.collective.reject(op, code, width)
+
+    def close(self) -> None:
+        self.window.close()
+        self.collective.close()
