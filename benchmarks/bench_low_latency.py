@@ -257,12 +257,27 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="also report where our time goes")
     p.add_argument("--transport", choices=["auto", "shm", "collective"], default="auto",
                    help="the transport of 'ours' ('ours_collective' is always the collective one)")  # fmt: skip
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run on this many simulated hosts (root; --num-processes ranks each) against one host: "
+        "benchmarks/bench_hosts.py",
+    )
     p.add_argument("--sweep", choices=["none", "tokens", "ep"], default="none")
     p.add_argument("--json", help="write all records to this path")
     p.add_argument("--plot", help="write a latency plot (PNG) to this path (needs a sweep)")
     args = p.parse_args()
     if args.use_fp8:
         args.quant = "fp8"
+    if args.hosts:
+        from benchmarks.bench_hosts import run_hosts
+
+        record = run_hosts(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([record], f, indent=1)
+        return
     all_records = []
     if args.sweep == "tokens":
         configs = [dict(num_tokens=t) for t in (1, 8, 32, 128, 256, 512)]

@@ -93,8 +93,22 @@ class SimulatedHosts:
         """``argv`` run inside host ``host``: its network namespace, a new mount namespace with a fresh tmpfs on
         ``/dev/shm``, and a UTS namespace named ``simhost<host>``."""
         inner = f'mount -t tmpfs -o size=1g tmpfs /dev/shm && hostname simhost{host} && exec "$@"'
-        return ["ip", "netns", "exec", self.names[host], "unshare", "--mount", "--uts", "--propagation", "private",
-                "sh", "-c", inner, "sh", *argv]  # fmt: skip
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.names[host],
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            inner,
+            "sh",
+            *argv,
+        ]
 
     def start(self, host: int, argv: Sequence[str], **popen: Any) -> subprocess.Popen:
         """Start ``argv`` inside host ``host`` (its own process group: :meth:`kill_host` ends it all)."""
@@ -137,23 +151,32 @@ class SimulatedHosts:
             assert not left, f"simulated hosts left behind: {left}"
 
 
-def launch(hosts: SimulatedHosts, ranks_per_host: int, fn: Callable, *args: Any, timeout: float = 120.0,
-           pg_timeout: float = 60.0) -> list:  # fmt: skip
+def launch(
+    hosts: SimulatedHosts,
+    ranks_per_host: int,
+    fn: Callable,
+    *args: Any,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+) -> list:
     """Run ``fn(ProcessGroupInfo, *args)`` on ``len(hosts.names) * ranks_per_host`` gloo ranks spread over the hosts
     (see the module docstring); their results in rank order. RuntimeError with every failing rank's traceback,
     TimeoutError when a rank did not finish within ``timeout`` seconds (every agent is killed)."""
     import torch.distributed as dist
 
     world = len(hosts.names) * ranks_per_host
-    store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=pg_timeout))  # fmt: skip
+    store = dist.TCPStore(
+        "0.0.0.0", 0, world, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=pg_timeout)
+    )
     with tempfile.TemporaryDirectory(prefix="deep_ep_npu-hosts-") as tmp:
         spec = os.path.join(tmp, "spec.pkl")
         with open(spec, "wb") as f:
             pickle.dump((fn, args, world, ranks_per_host, hosts.gateway, store.port, pg_timeout, tmp), f)
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": REPO}
-        agents = [hosts.start(h, [sys.executable, "-m", "tests.hosts", spec, str(h)], env=env, cwd=REPO)
-                  for h in range(len(hosts.names))]  # fmt: skip
+        agents = [
+            hosts.start(h, [sys.executable, "-m", "tests.hosts", spec, str(h)], env=env, cwd=REPO)
+            for h in range(len(hosts.names))
+        ]
         deadline = time.monotonic() + timeout
         results: dict[int, tuple[bool, Any]] = {}
         while len(results) < world and time.monotonic() < deadline:

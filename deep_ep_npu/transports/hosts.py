@@ -30,8 +30,12 @@ def _inode(path: str) -> str:
 def host_identity() -> str:
     """What identifies this process's host: ``boot id|hostname|network namespace|/dev/shm`` (the last two as
     ``device:inode``; a part that cannot be read is empty)."""
-    parts = (_read("/proc/sys/kernel/random/boot_id"), socket.gethostname(), _inode("/proc/self/ns/net"),
-             _inode("/dev/shm"))  # fmt: skip
+    parts = (
+        _read("/proc/sys/kernel/random/boot_id"),
+        socket.gethostname(),
+        _inode("/proc/self/ns/net"),
+        _inode("/dev/shm"),
+    )
     return "|".join(parts)
 
 

@@ -30,9 +30,18 @@ class Spanning:
         self.window, self.collective, self.ep = window, collective, window.ep
         window.spanning = True
 
-    def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
-             agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
-             device: torch.device | None = None) -> Any:  # fmt: skip
+    def send(
+        self,
+        op: str,
+        counts: list[list[int]],
+        shared: list[int],
+        write: Write,
+        check: Check,
+        *,
+        agree_now: bool = False,
+        before_payload: Callable[[], bool] | None = None,
+        device: torch.device | None = None,
+    ) -> Any:
         assert before_payload is None, "the TP stage runs on the collective transport"
         if err := self.window.oversized(op, counts, shared):
             self.reject(op, err.code, len(shared))
@@ -71,8 +80,9 @@ class Spanning:
         except PeerLost:
             raise EPRankFailure((), call.op, self.ep.timeout, unknown="a peer on this host left its window") from None
         row_bytes = agreement.shared[self.ep.rank][0]
-        return [(s, window.region(self.ep.rank, call, s, row_bytes, agreement.counts[s][0]))
-                for s in live if not masked[s]]  # fmt: skip
+        return [
+            (s, window.region(self.ep.rank, call, s, row_bytes, agreement.counts[s][0])) for s in live if not masked[s]
+        ]
 
     def done(self, token: Any) -> None:
         self.window.release(token[0])

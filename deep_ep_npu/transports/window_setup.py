@@ -47,8 +47,10 @@ def setup(ep: EPGroup, nbytes: int, required: bool) -> tuple[int, torch.Tensor, 
     if required and len(hosts) > 1:
         if sock is not None:
             sock.close()
-        raise ValueError(f"transport: 'shm' needs every rank on one host; the ranks are on {len(hosts)} hosts "
-                         f"{hosts}; pass transport='auto' (the window within each host) or 'collective'")  # fmt: skip
+        raise ValueError(
+            f"transport: 'shm' needs every rank on one host; the ranks are on {len(hosts)} hosts "
+            f"{hosts}; pass transport='auto' (the window within each host) or 'collective'"
+        )
     if all(len(h) == 1 for h in hosts):
         why = "every rank is alone on its host"
     elif all(fp[0] for fp in first):
@@ -77,8 +79,10 @@ def setup(ep: EPGroup, nbytes: int, required: bool) -> tuple[int, torch.Tensor, 
             return tokens[local[0]], exchange.window, exchange.peers
     if required:
         bad = [i for i, k in enumerate(ok) if not k]
-        raise ValueError(f"transport: 'shm' needs every rank on one host with shared memory; ranks {bad} cannot "
-                         f"({why or 'see those ranks'}); pass transport='auto' or 'collective'")  # fmt: skip
+        raise ValueError(
+            f"transport: 'shm' needs every rank on one host with shared memory; ranks {bad} cannot "
+            f"({why or 'see those ranks'}); pass transport='auto' or 'collective'"
+        )
     return None
 
 
