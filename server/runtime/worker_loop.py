@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointError
+from .control import gather_replies, receive_own
 from .engine_config import EngineConfig
 from .placement import bind_device
 from .rendezvous import init_loopback_group
@@ -63,24 +64,18 @@ class PipeChannel(Channel):
 
 
 class GroupChannel(Channel):
-    """A torchrun rank > 0: rank 0 broadcasts every rank's plans over the gloo ``group``; replies are gathered to
-    rank 0 (:class:`~server.runtime.workers.TorchrunWorkers` is the other end)."""
+    """A torchrun rank > 0: rank 0 sends this rank its own plan over the gloo ``group``; replies are gathered to
+    rank 0 (:mod:`.control`; :class:`~server.runtime.workers.TorchrunWorkers` is the other end)."""
 
-    def __init__(self, group: Any, rank: int) -> None:
-        self.group, self.rank = group, rank
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
 
     def recv(self) -> tuple[str, Any]:
-        import torch.distributed as dist
-
-        msg: list[Any] = [None]
-        dist.broadcast_object_list(msg, src=0, group=self.group)
-        kind, plans = msg[0]
-        return kind, (plans[self.rank] if kind == "step" else None)
+        kind, payload = receive_own(self.group)
+        return kind, payload  # (a step's plan, this rank's alone)
 
     def send(self, kind: str, payload: Any) -> None:
-        import torch.distributed as dist
-
-        dist.gather_object((kind, payload), None, dst=0, group=self.group)
+        gather_replies(self.group, (kind, payload), self.world_size, self.rank)
 
 
 class StepFailed(Exception):

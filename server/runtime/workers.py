@@ -1,5 +1,5 @@
 """The driver's handle on the W workers, stepping them in lockstep: locally spawned processes (private pipes) or a
-``torchrun`` job (rank 0 = driver + worker 0; plans go out with ``broadcast_object_list`` over a gloo group)."""
+``torchrun`` job (rank 0 = driver + worker 0; each rank's plan goes to it alone over a gloo group: :mod:`.control`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
+from .control import gather_replies, send_each
 from .engine_config import EngineConfig
 from .placement import bind_device
 from .plan import StepPlan, StepResult
@@ -257,8 +258,8 @@ class TorchrunWorkers(WorkerGroup):
         self.dist = dist
         rank, self.world_size, self.control, self.worker, self._owns_group = _init_torchrun(args)
         assert rank == 0, "TorchrunWorkers runs on rank 0; call run_worker_from_env() on the other ranks"
-        ready: list[Any] = [None] * self.world_size  # ("ready", info) from each rank's serve_plans, ours first
-        dist.gather_object(("ready", self.worker.info), ready, dst=0, group=self.control)
+        # ("ready", info) from each rank's serve_plans, ours first
+        ready = gather_replies(self.control, ("ready", self.worker.info), self.world_size, 0) or []
         self.infos = [info for _, info in ready]
         self.lost = {}
         self.overlaps = False  # rank 0 is worker 0: a step runs inside submit()
@@ -266,10 +267,9 @@ class TorchrunWorkers(WorkerGroup):
         self._closed = False
 
     def submit(self, plans: list[StepPlan]) -> None:
-        self.dist.broadcast_object_list([("step", plans)], src=0, group=self.control)
+        send_each(self.control, {r: ("step", plan) for r, plan in enumerate(plans)})
         local = self.worker.execute(plans[0])
-        results: list[Any] = [None] * self.world_size
-        self.dist.gather_object(("ok", local), results, dst=0, group=self.control)
+        results = gather_replies(self.control, ("ok", local), self.world_size, 0) or []
         for kind, payload in results:
             if kind == "error":
                 raise WorkerError(payload)
@@ -290,7 +290,7 @@ class TorchrunWorkers(WorkerGroup):
         if self._closed:
             return
         self._closed = True
-        self.dist.broadcast_object_list([("stop", None)], src=0, group=self.control)
+        send_each(self.control, dict.fromkeys(range(self.world_size), ("stop", None)))
         self.worker.close()
         self.dist.destroy_process_group(self.control)
         if self._owns_group:
@@ -303,9 +303,9 @@ def run_worker_from_env(args: EngineConfig) -> None:
     import torch.distributed as dist
 
     args.check_placement()
-    rank, _, control, worker, owns_group = _init_torchrun(args)
+    rank, world_size, control, worker, owns_group = _init_torchrun(args)
     with contextlib.suppress(StepFailed):  # reported to rank 0 by serve_plans; this rank then leaves the job
-        serve_plans(worker, GroupChannel(control, rank))
+        serve_plans(worker, GroupChannel(control, rank, world_size))
     worker.close()
     dist.destroy_process_group(control)
     if owns_group:
