@@ -58,6 +58,14 @@ class ServerConfig(BaseModel):
     dist_backend: Literal["gloo", "nccl", "hccl"] = Field(
         "gloo", description="torch.distributed backend of the workers' EP group (control messages use gloo)"
     )
+    socket_ifname: str | None = Field(
+        None,
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.:@^,=-]+$",
+        description="network interface(s) the torchrun ranks' process groups use between hosts (sets "
+        "GLOO_SOCKET_IFNAME, HCCL_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in each rank; default: those variables as "
+        "set, else each library's own pick)",
+    )
     simulate_npu: bool = Field(
         False,
         description="install the NPU stand-in deep_ep_npu.sim in every worker: "

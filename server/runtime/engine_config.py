@@ -46,7 +46,8 @@ class EngineConfig:
     ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
     timeout; ``step_timeout_s`` how long one lockstep step (or a health ping) may take; ``elastic`` keep serving on
     the survivors of a lost worker (spawned workers); ``use_buffer_at_ep1`` EP 1 through a Buffer instead of the
-    in-process dispatch.
+    in-process dispatch; ``socket_ifname`` the network interface(s) of a torchrun rank's process groups
+    (``GLOO_SOCKET_IFNAME`` / ``HCCL_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; None: as the environment says).
     """
 
     model: str | None = None
@@ -74,6 +75,7 @@ class EngineConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     elastic: bool = False
     use_buffer_at_ep1: bool = False
+    socket_ifname: str | None = None
 
     def __post_init__(self) -> None:
         if self.moe_impl not in MOE_IMPLS:
@@ -156,6 +158,6 @@ class EngineConfig:
             block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling, worker_threads=config.worker_threads,
-            int8_experts=config.int8_experts,
+            int8_experts=config.int8_experts, socket_ifname=config.socket_ifname,
         )  # fmt: skip
         return cls(**{**values, **overrides})

@@ -23,6 +23,7 @@ from .worker import Worker
 from .worker_loop import GroupChannel, StepFailed, serve_plans, worker_main
 
 logger = logging.getLogger("server.engine")
+SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class WorkerError(RuntimeError):
@@ -229,15 +230,18 @@ class ProcessWorkers(WorkerGroup):
 
 
 def _init_torchrun(args: EngineConfig) -> tuple[int, int, Any, Worker, bool]:
-    """Bind device ``LOCAL_RANK`` (install the NPU stand-in with ``simulate_npu``), join the torchrun job's default
-    group on ``args.dist_backend`` (unless already joined: then its backend is the caller's), make the gloo control
-    group, build the shard."""
+    """Bind device ``LOCAL_RANK`` (install the NPU stand-in with ``simulate_npu``), set the socket interface
+    variables (``args.socket_ifname``), join the torchrun job's default group on ``args.dist_backend`` (unless
+    already joined: then its backend is the caller's), make the gloo control group, build the shard."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads_per_worker())
     device = bind_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), args.simulate_npu)
     owns_group = not dist.is_initialized()
+    if args.socket_ifname:  # read by gloo / HCCL / NCCL when they make their sockets: before any group exists
+        for name in SOCKET_IFNAME_VARIABLES:
+            os.environ[name] = args.socket_ifname
     if owns_group:
         dist.init_process_group(args.dist_backend, timeout=datetime.timedelta(seconds=args.dist_timeout_s))
     rank, world_size = dist.get_rank(), dist.get_world_size()

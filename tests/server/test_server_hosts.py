@@ -1,0 +1,139 @@
+"""Serving across simulated hosts (issue 28; :mod:`tests.hosts`): two hosts (network namespaces with their own
+address and a private ``/dev/shm``), one ``torchrun --nnodes 2 --nproc-per-node 2`` per host, rendezvous on host 0's
+address, the ranks' process groups on the hosts' interface (``--socket-ifname eth0``); rank 0 serves HTTP on host
+0's address and this machine asks through the real ``openai`` client. Greedy tokens equal the single-host EP 4
+server's (and transformers'). Teardown leaves no process, namespace, link or ``/dev/shm`` file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests import hosts
+from tests.server.test_models_ckpt import load_hf, make_checkpoint
+from tests.server.test_server_launch import ROOT, TORCHRUN, _descendants, _environ, _stop, start_healthy
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+HTTP_PORT, MASTER_PORT = 8000, 29500  # (each host has its own ports: nothing else listens there)
+
+
+def _log(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)  # type: ignore[attr-defined]
+    return proc.log.read()[-6000:]  # type: ignore[attr-defined]
+
+
+def start_nodes(sim: hosts.SimulatedHosts, per_host: int, server_args: list[str]) -> list[subprocess.Popen]:
+    """One torchrun per host (``per_host`` ranks each) running ``python -m server *server_args``; rank 0 on host 0
+    serves HTTP at ``sim.addresses[0]:HTTP_PORT``."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    nodes = []
+    for h in range(len(sim.names)):
+        cmd = [
+            TORCHRUN,
+            "--nnodes",
+            str(len(sim.names)),
+            "--node-rank",
+            str(h),
+            "--nproc-per-node",
+            str(per_host),
+            "--master-addr",
+            sim.addresses[0],
+            "--master-port",
+            str(MASTER_PORT),
+            "-m",
+            "server",
+            "--host",
+            sim.addresses[0],
+            "--port",
+            str(HTTP_PORT),
+            "--socket-ifname",
+            "eth0",
+            *server_args,
+        ]
+        log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the process
+        proc = sim.start(h, cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc.log = log  # type: ignore[attr-defined]
+        nodes.append(proc)
+    return nodes
+
+
+def wait_healthy(url: str, nodes: list[subprocess.Popen], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in nodes:
+            if p.poll() is not None:
+                raise RuntimeError(f"a node exited with {p.returncode}:\n" + "\n".join(_log(n) for n in nodes))
+        try:
+            if httpx.get(url + "/health", timeout=1, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError("the server on the simulated hosts was not healthy in time:\n" + "\n".join(map(_log, nodes)))
+
+
+def stop_rank0(nodes: list[subprocess.Popen]) -> list[int]:
+    """SIGTERM the HTTP rank (global rank 0): it tells the other ranks to stop and every torchrun exits; returns the
+    torchruns' exit codes (a node still running after 60 s is killed: code -9)."""
+    rank0 = [p for p in _descendants(nodes[0].pid) if _environ(p).get("RANK") == "0"]
+    assert len(rank0) == 1, rank0
+    os.kill(rank0[0], signal.SIGTERM)
+    codes = []
+    for node in nodes:
+        try:
+            codes.append(node.wait(timeout=60))
+        except subprocess.TimeoutExpired:
+            node.kill()
+            codes.append(node.wait())
+    return codes
+
+
+def _greedy(url: str, model: str) -> list[int]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60,
+                           http_client=httpx.Client(trust_env=False))  # fmt: skip
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = make_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("ckpt") / "ckpt"))
+    hf = load_hf(path)
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 8:].tolist()
+    return path, want
+
+
+def test_torchrun_two_hosts_equals_one_host(checkpoint):
+    path, want = checkpoint
+    args = ["--model", path, "--ep-size", "4", "--max-model-len", "64", "--log-level", "warning"]
+    (one,), one_url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", *args, "--port", str(port)]])
+    try:
+        single_host = _greedy(one_url, os.path.basename(path))
+    finally:
+        _stop([one])
+    sim = hosts.SimulatedHosts(2)
+    try:
+        nodes = start_nodes(sim, 2, args)
+        url = f"http://{sim.addresses[0]}:{HTTP_PORT}"
+        wait_healthy(url, nodes)
+        pids = set().union(*(_descendants(n.pid) for n in nodes))
+        got = _greedy(url, os.path.basename(path))
+        codes = stop_rank0(nodes)
+        assert codes == [0, 0], "\n".join(map(_log, nodes))
+    finally:
+        sim.close()
+    assert got == single_host == want
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "processes left behind"
