@@ -82,6 +82,20 @@ class SimulatedHosts:
                 _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+                # a lost host's peers' sockets give up at once (they would keep the namespace alive for minutes)
+                subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "sysctl",
+                        "-qw",
+                        "net.ipv4.tcp_orphan_retries=1",
+                        "net.ipv4.tcp_fin_timeout=1",
+                    ],
+                    check=True,
+                )
         except BaseException:
             self.close(check=False)
             raise
@@ -118,11 +132,14 @@ class SimulatedHosts:
         return proc
 
     def kill_host(self, host: int) -> None:
-        """Kill every process started in host ``host`` (a host that dies)."""
+        """Kill every process running in host ``host`` (a host that dies): every process of its network
+        namespace, whatever session it made for itself."""
+        pids = _ip("netns", "pids", self.names[host], check=False).split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
         for proc in self.procs:
-            if proc.host == host and proc.poll() is None:  # type: ignore[attr-defined]
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+            if proc.host == host:  # type: ignore[attr-defined]
                 proc.wait()
 
     def cut(self, host: int) -> None:
@@ -141,8 +158,9 @@ class SimulatedHosts:
         if anything is left."""
         for host in range(len(self.names)):
             self.kill_host(host)
-        for ns in self.names:
-            _ip("netns", "del", ns, check=False)  # (the veth pair goes with its namespace end)
+        for i, ns in enumerate(self.names):
+            _ip("link", "del", self.veth(i), check=False)  # (both ends: the namespace may outlive its name a while)
+            _ip("netns", "del", ns, check=False)
         _ip("link", "del", self.bridge, check=False)
         if check:
             deadline = time.monotonic() + 5

@@ -1,11 +1,14 @@
-"""The per-step control messages of a ``torchrun`` job, over its gloo control group: rank 0 sends each rank only its
-own message (:func:`send_each`: its plan, pickled, point to point: its length, then its bytes), so a step's control
-traffic into a rank is what that rank needs, not every rank's plans; the ranks' replies are gathered to rank 0
-(:func:`gather_replies`, each rank sending its own)."""
+"""The control messages of a ``torchrun`` job, point to point over its gloo control group: rank 0 sends each rank
+only its own message (:func:`send_each`: a step's plan, pickled: its length, then its bytes), so a step's control
+traffic into a rank is what that rank needs, not every rank's plans; each rank sends its reply to rank 0 alone
+(:func:`send_own`), and rank 0 waits for the replies at most a timeout (:func:`receive_each`: a rank that is gone or
+unreachable is reported, never waited for past the bound)."""
 
 from __future__ import annotations
 
+import datetime
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -13,44 +16,80 @@ import torch
 _LENGTH_TAG, _BODY_TAG = 1, 2
 
 
-def send_each(group: Any, messages: dict[int, Any]) -> None:
-    """Rank 0: send ``messages[r]`` to each rank ``r`` (group ranks; rank 0's own is not sent)."""
+def _post(group: Any, peer: int, message: Any) -> list[Any]:
+    """Start sending ``message`` to group rank ``peer``: its works and tensors (kept alive until done)."""
     import torch.distributed as dist
 
-    works = []
-    keep = []  # the tensors stay alive until their sends are done
+    body = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+    length = torch.tensor([body.numel()], dtype=torch.int64)
+    dst = dist.get_global_rank(group, peer)
+    return [
+        dist.isend(length, dst, group=group, tag=_LENGTH_TAG),
+        dist.isend(body, dst, group=group, tag=_BODY_TAG),
+        length,
+        body,
+    ]
+
+
+def _wait(work: Any, deadline: float | None) -> None:
+    """Wait for ``work`` until ``deadline`` (monotonic; None: as long as it takes)."""
+    if work is None:
+        return
+    if deadline is None:
+        work.wait()
+    else:
+        work.wait(timeout=datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+
+
+def send_each(group: Any, messages: dict[int, Any], timeout: float) -> dict[int, str]:
+    """Rank 0: send ``messages[r]`` to each rank ``r`` (group ranks > 0), each send bounded by ``timeout`` seconds;
+    the ranks it could not send to, with why."""
+    deadline, failed, posted = time.monotonic() + timeout, {}, {}
     for rank, message in messages.items():
-        if rank == 0:
-            continue
-        body = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-        length = torch.tensor([body.numel()], dtype=torch.int64)
-        keep += [length, body]
-        peer = dist.get_global_rank(group, rank)
-        works += [
-            dist.isend(length, peer, group=group, tag=_LENGTH_TAG),
-            dist.isend(body, peer, group=group, tag=_BODY_TAG),
-        ]
-    for work in works:
-        if work is not None:
-            work.wait()
+        try:
+            posted[rank] = _post(group, rank, message)
+        except RuntimeError as err:
+            failed[rank] = f"rank {rank} is unreachable ({str(err).splitlines()[0]})"
+    for rank, (length_work, body_work, *_) in posted.items():
+        try:
+            _wait(length_work, deadline)
+            _wait(body_work, deadline)
+        except RuntimeError as err:
+            failed[rank] = f"rank {rank} is unreachable ({str(err).splitlines()[0]})"
+    return failed
 
 
-def receive_own(group: Any) -> Any:
-    """A rank > 0: its next message from rank 0 (:func:`send_each`)."""
+def _receive(group: Any, src: int, deadline: float | None) -> Any:
     import torch.distributed as dist
 
-    source = dist.get_global_rank(group, 0)
+    source = dist.get_global_rank(group, src)
     length = torch.empty((1,), dtype=torch.int64)
-    dist.recv(length, source, group=group, tag=_LENGTH_TAG)
+    _wait(dist.irecv(length, source, group=group, tag=_LENGTH_TAG), deadline)
     body = torch.empty((int(length[0]),), dtype=torch.uint8)
-    dist.recv(body, source, group=group, tag=_BODY_TAG)
+    _wait(dist.irecv(body, source, group=group, tag=_BODY_TAG), deadline)
     return pickle.loads(body.numpy().tobytes())
 
 
-def gather_replies(group: Any, reply: Any, world_size: int, rank: int) -> list[Any] | None:
-    """Every rank's ``reply`` at rank 0 (rank order; None elsewhere)."""
-    import torch.distributed as dist
+def receive_own(group: Any) -> Any:
+    """A rank > 0: its next message from rank 0 (:func:`send_each`); waits as long as it takes."""
+    return _receive(group, 0, None)
 
-    replies: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(reply, replies, dst=0, group=group)
-    return replies
+
+def send_own(group: Any, message: Any) -> None:
+    """A rank > 0: send ``message`` to rank 0 (:func:`receive_each`)."""
+    for work in _post(group, 0, message)[:2]:
+        _wait(work, None)
+
+
+def receive_each(group: Any, ranks: list[int], timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
+    """Rank 0: the next message of each of ``ranks`` (group ranks > 0) within ``timeout`` seconds; the ranks that
+    sent none (gone, unreachable or too slow), with why."""
+    deadline, replies, failed = time.monotonic() + timeout, {}, {}
+    for rank in ranks:
+        try:
+            replies[rank] = _receive(group, rank, deadline)
+        except RuntimeError as err:
+            what = str(err).splitlines()[0]
+            late = time.monotonic() >= deadline
+            failed[rank] = f"rank {rank} did not answer within {timeout:g}s" if late else f"rank {rank}: {what}"
+    return replies, failed

@@ -45,8 +45,8 @@ class EngineConfig:
     ``unfused`` (dispatch -> experts -> combine) or ``fused`` (``Buffer.mega_moe``); ``launch`` ``spawn``,
     ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
     timeout; ``step_timeout_s`` how long one lockstep step (or a health ping) may take; ``elastic`` keep serving on
-    the survivors of a lost worker (spawned workers); ``use_buffer_at_ep1`` EP 1 through a Buffer instead of the
-    in-process dispatch; ``socket_ifname`` the network interface(s) of a torchrun rank's process groups
+    the survivors of a lost worker (spawned workers or torchrun ranks); ``use_buffer_at_ep1`` EP 1 through a Buffer
+    instead of the in-process dispatch; ``socket_ifname`` the network interface(s) of a torchrun rank's process groups
     (``GLOO_SOCKET_IFNAME`` / ``HCCL_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; None: as the environment says).
     """
 
@@ -105,8 +105,6 @@ class EngineConfig:
         if n < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={n} must be >= max_num_seqs={self.max_num_seqs}")
         object.__setattr__(self, "max_num_batched_tokens", n)
-        if self.elastic and self.use_torchrun:
-            raise ValueError("elastic=True needs spawned workers (launch='spawn'); torchrun jobs are not elastic")
 
     @property
     def capacity(self) -> int:
@@ -130,8 +128,9 @@ class EngineConfig:
 
     @property
     def comm_timeout_s(self) -> float | None:
-        """The Buffers' bound on each collective wait: ``step_timeout_s / 3`` when elastic, else the library's."""
-        return self.step_timeout_s / 3 if self.elastic else None
+        """The Buffers' bound on each collective wait: ``step_timeout_s / 3`` when elastic or under torchrun (rank 0
+        bounds each step by ``step_timeout_s``), else the library's."""
+        return self.step_timeout_s / 3 if self.elastic or self.use_torchrun else None
 
     def needs_group(self, world_size: int) -> bool:
         """Whether a worker of a ``world_size`` group joins a process group (EP 1 unfused runs without one)."""

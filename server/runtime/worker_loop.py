@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointError
-from .control import gather_replies, receive_own
+from .control import receive_own, send_own
 from .engine_config import EngineConfig
 from .placement import bind_device
 from .rendezvous import init_loopback_group
@@ -64,32 +64,32 @@ class PipeChannel(Channel):
 
 
 class GroupChannel(Channel):
-    """A torchrun rank > 0: rank 0 sends this rank its own plan over the gloo ``group``; replies are gathered to
-    rank 0 (:mod:`.control`; :class:`~server.runtime.workers.TorchrunWorkers` is the other end)."""
+    """A torchrun rank > 0: rank 0 sends this rank its own plan over the gloo ``group``, this rank replies to rank 0
+    alone (:mod:`.control`; :class:`~server.runtime.workers.TorchrunWorkers` is the other end)."""
 
-    def __init__(self, group: Any, rank: int, world_size: int) -> None:
-        self.group, self.rank, self.world_size = group, rank, world_size
+    def __init__(self, group: Any) -> None:
+        self.group = group
 
     def recv(self) -> tuple[str, Any]:
         kind, payload = receive_own(self.group)
-        return kind, payload  # (a step's plan, this rank's alone)
+        return kind, payload  # (a step's plan: this rank's alone)
 
     def send(self, kind: str, payload: Any) -> None:
-        gather_replies(self.group, (kind, payload), self.world_size, self.rank)
+        send_own(self.group, (kind, payload))
 
 
 class StepFailed(Exception):
     """A step raised; its traceback has been sent to the driver."""
 
 
-def serve_plans(worker: Worker, channel: Channel) -> None:
-    """The worker loop: report ready, then run each plan the driver sends until "stop". A failing step sends
-    ``("error", traceback)`` and raises :class:`StepFailed`."""
+def serve_plans(worker: Worker, channel: Channel) -> Any:
+    """The worker loop: report ready, then run each plan the driver sends until "stop" (returns its payload). A
+    failing step sends ``("error", traceback)`` and raises :class:`StepFailed`."""
     channel.send("ready", worker.info)
     while True:
         kind, payload = channel.recv()
         if kind == "stop":
-            return
+            return payload
         if kind == "ping":  # the driver's liveness probe
             channel.send("pong", None)
             continue

@@ -9,12 +9,13 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from .control import gather_replies, send_each
+from .control import receive_each, send_each
 from .engine_config import EngineConfig
 from .placement import bind_device
 from .plan import StepPlan, StepResult
@@ -252,8 +253,12 @@ def _init_torchrun(args: EngineConfig) -> tuple[int, int, Any, Worker, bool]:
 class TorchrunWorkers(WorkerGroup):
     """Rank 0 of a ``torchrun`` job: this process is worker 0; ranks > 0 run :func:`run_worker_from_env`.
 
-    A failing rank > 0 reports its traceback at the end of the step; one that fails inside a collective leaves its
-    peers waiting until the gloo timeout (``dist_timeout_s``), which then fails the step here.
+    Each step sends every live rank its plan and waits for its reply at most ``step_timeout_s`` (:mod:`.control`).
+    A rank that fails, exits, is unreachable (its host died or its link is cut) or does not answer in time fails the
+    group (:class:`WorkerError` naming it: the server answers 503 with the reason), or, with ``elastic``, is *lost*
+    (as :class:`ProcessWorkers`'s: no more plans, None results; the Buffers, ``enable_shrink``, regroup without it)
+    as long as rank 0 itself carries on. A lost rank is never taken back: rank 0 sends it nothing more, its next
+    collective with the survivors (who regrouped without it) fails and it exits; to rejoin, restart the job.
     """
 
     def __init__(self, args: EngineConfig) -> None:
@@ -262,22 +267,76 @@ class TorchrunWorkers(WorkerGroup):
         self.dist = dist
         rank, self.world_size, self.control, self.worker, self._owns_group = _init_torchrun(args)
         assert rank == 0, "TorchrunWorkers runs on rank 0; call run_worker_from_env() on the other ranks"
-        # ("ready", info) from each rank's serve_plans, ours first
-        ready = gather_replies(self.control, ("ready", self.worker.info), self.world_size, 0) or []
-        self.infos = [info for _, info in ready]
-        self.lost = {}
+        self.lost: dict[int, str] = {}
         self.overlaps = False  # rank 0 is worker 0: a step runs inside submit()
+        self.step_timeout_s, self.elastic = args.step_timeout_s, False  # a failure while starting fails the group
         self._done: list[list[StepResult | None]] = []
-        self._closed = False
+        self._closed = self._released = False
+        replies = self._exchange({}, args.dist_timeout_s)  # ("ready", info) from each rank's serve_plans
+        self.infos = [self.worker.info] + [replies[r] for r in range(1, self.world_size)]
+        self.elastic = args.elastic
+
+    def _live(self) -> list[int]:
+        return [r for r in range(1, self.world_size) if r not in self.lost]
+
+    def _exchange(self, messages: dict[int, Any], timeout_s: float, local: Callable[[], Any] | None = None) -> dict:
+        """Send ``messages`` (rank -> message), run ``local()`` meanwhile, and return every live rank's reply
+        payload (``local``'s as rank 0's); ranks that failed are lost or fail the group (:meth:`_failed`)."""
+        started = time.monotonic()
+        failed = send_each(self.control, messages, timeout_s)
+        replies: dict[int, Any] = {}
+        own_error: Exception | None = None
+        if local is not None:
+            try:
+                replies[0] = local()
+            except Exception as e:  # noqa: BLE001 - rank 0 is the driver: its own step failing fails the group
+                own_error = e  # (after the replies: a rank sending its error must find rank 0 listening)
+        left = max(1.0, timeout_s - (time.monotonic() - started))  # (a reply already sent is always taken)
+        got, late = receive_each(self.control, [r for r in self._live() if r not in failed], left)
+        failed |= late
+        for r, (kind, payload) in got.items():
+            if kind == "error":
+                last = payload.strip().splitlines()[-1] if payload.strip() else "no traceback"
+                failed[r] = f"rank {r} failed: {last}"  # (the traceback's last line: the error)
+            else:
+                replies[r] = payload
+        if own_error is not None:
+            self._stop()
+            why = f"worker 0 failed: {type(own_error).__name__}: {str(own_error).splitlines()[0]}"
+            raise WorkerError("; ".join([why, *(failed[r] for r in sorted(failed))])) from own_error
+        if failed:
+            self._failed(failed)
+        return replies
+
+    def _failed(self, failed: dict[int, str]) -> None:
+        """The ranks of ``failed`` (rank -> why) failed: lose them (elastic) or stop the job and raise."""
+        if not self.elastic:
+            self._stop()
+            raise WorkerError("; ".join(failed[r] for r in sorted(failed)))
+        for rank in sorted(failed):
+            logger.warning(
+                "elastic: EP rank %d is lost (%s); serving continues on ranks %s without its experts",
+                rank,
+                failed[rank],
+                [0, *(r for r in self._live() if r not in failed)],
+            )
+            self.lost[rank] = failed[rank]
+        # a lost rank still running (hung, or its link cut: delivered once the link is back) is told to leave
+        verdict = "rank 0 declared it lost ({}); restart the job to rejoin"
+        send_each(self.control, {r: ("stop", verdict.format(failed[r])) for r in failed}, 1.0)
+
+    def _stop(self) -> None:
+        """Tell every live rank to stop (bounded: a rank that cannot be told is left to its own failure)."""
+        if not self._closed:
+            self._closed = True
+            send_each(self.control, dict.fromkeys(self._live(), ("stop", None)), 5.0)
 
     def submit(self, plans: list[StepPlan]) -> None:
-        send_each(self.control, {r: ("step", plan) for r, plan in enumerate(plans)})
-        local = self.worker.execute(plans[0])
-        results = gather_replies(self.control, ("ok", local), self.world_size, 0) or []
-        for kind, payload in results:
-            if kind == "error":
-                raise WorkerError(payload)
-        self._done.append([payload for _, payload in results])
+        if self._closed:
+            raise WorkerError("the workers were shut down")
+        messages = {r: ("step", plans[r]) for r in self._live()}
+        replies = self._exchange(messages, self.step_timeout_s, lambda: self.worker.execute(plans[0]))
+        self._done.append([replies.get(r) for r in range(self.world_size)])
 
     def collect(self) -> list[StepResult | None]:
         return self._done.pop(0)
@@ -286,30 +345,48 @@ class TorchrunWorkers(WorkerGroup):
         return not self._closed
 
     def ping(self, timeout_s: float) -> None:
-        """Not checked between steps: a hung rank > 0 fails the next step after the gloo timeout."""
+        """Not checked between steps: a hung or lost rank fails (or, elastic, is lost at) the next step."""
         if self._closed:
             raise WorkerError("the workers were shut down")
 
     def shutdown(self) -> None:
-        if self._closed:
+        if self._closed and self._released:
             return
-        self._closed = True
-        send_each(self.control, dict.fromkeys(range(self.world_size), ("stop", None)))
-        self.worker.close()
-        self.dist.destroy_process_group(self.control)
+        self._stop()
+        self._released = True
+        with contextlib.suppress(Exception):  # (its Buffers' teardown waits for peers that may be gone: bounded)
+            self.worker.close()
+        with contextlib.suppress(Exception):
+            self.dist.destroy_process_group(self.control)
         if self._owns_group:
             self.dist.destroy_process_group()
 
 
 def run_worker_from_env(args: EngineConfig) -> None:
     """A ``torchrun`` rank > 0: check the placement, build the shard, run :func:`serve_plans` over the gloo control
-    group (this rank's plan from rank 0 each step) until told to stop or until a step fails (reported to rank 0)."""
+    group (this rank's plan from rank 0 each step) until told to stop. A failed step is reported to rank 0, whose
+    answer is a stop: the job stops, or this rank was lost (elastic; it says so). Either way it exits 0 without
+    tearing down (a non-zero exit would make torchrun stop its node's other ranks: rank 0 among them, which serves
+    on or answers 503 with the reason). A lost rank still running that hears of it later (hung, or its link
+    restored) exits 1 saying so."""
     import torch.distributed as dist
 
     args.check_placement()
-    rank, world_size, control, worker, owns_group = _init_torchrun(args)
-    with contextlib.suppress(StepFailed):  # reported to rank 0 by serve_plans; this rank then leaves the job
-        serve_plans(worker, GroupChannel(control, rank, world_size))
+    rank, _, control, worker, owns_group = _init_torchrun(args)
+    channel = GroupChannel(control)
+    try:
+        lost = serve_plans(worker, channel)
+        failed = False
+    except (StepFailed, RuntimeError):  # reported to rank 0 (if it could be): its answer (rank 0 gone: RuntimeError)
+        try:
+            lost = channel.recv()[1]
+        except RuntimeError as err:
+            lost = f"rank 0 is gone ({str(err).splitlines()[0]})"
+        failed = True
+    if lost or failed:  # its peers regrouped without it or are gone: no teardown
+        if lost:
+            print(f"EP rank {rank} leaves the job: {lost}", file=sys.stderr, flush=True)
+        os._exit(1 if lost and not failed else 0)
     worker.close()
     dist.destroy_process_group(control)
     if owns_group:

@@ -20,7 +20,15 @@ import torch
 
 from tests import hosts
 from tests.server.test_models_ckpt import load_hf, make_checkpoint
-from tests.server.test_server_launch import ROOT, TORCHRUN, _descendants, _environ, _stop, start_healthy
+from tests.server.test_server_launch import (
+    ROOT,
+    TORCHRUN,
+    _assert_all_exit,
+    _descendants,
+    _environ,
+    _stop,
+    start_healthy,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -98,6 +106,22 @@ def stop_rank0(nodes: list[subprocess.Popen]) -> list[int]:
     return codes
 
 
+def stop_after_loss(node: subprocess.Popen) -> None:
+    """Stop host 0 once host 1 is gone: SIGTERM the HTTP rank; once host 0's ranks have exited, its torchrun waits
+    in its exit barrier for the lost node's (torchrun's own ``exit_barrier_timeout``, 300 s, blocked in the store,
+    deaf to SIGTERM): it is killed, having nothing left to stop."""
+    ranks = [p for p in _descendants(node.pid) if _environ(p).get("RANK") is not None]
+    rank0 = [p for p in ranks if _environ(p).get("RANK") == "0"]
+    assert len(rank0) == 1, rank0
+    os.kill(rank0[0], signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while [p for p in ranks if os.path.exists(f"/proc/{p}")] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in ranks if os.path.exists(f"/proc/{p}")], "host 0's ranks did not exit:\n" + _log(node)
+    node.kill()
+    node.wait(timeout=30)
+
+
 def _greedy(url: str, model: str) -> list[int]:
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60,
                            http_client=httpx.Client(trust_env=False))  # fmt: skip
@@ -136,4 +160,65 @@ def test_torchrun_two_hosts_equals_one_host(checkpoint):
     finally:
         sim.close()
     assert got == single_host == want
-    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "processes left behind"
+    _assert_all_exit(pids)
+
+
+def _stream(url: str, model: str, on_chunk) -> tuple[list[float], str]:
+    """Stream a long greedy completion through the openai client; ``on_chunk(i)`` after each chunk. The chunks'
+    arrival times and the error that ended the stream ("" if it finished)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60,
+                           http_client=httpx.Client(trust_env=False))  # fmt: skip
+    times = []
+    try:
+        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=96, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        for i, _ in enumerate(stream):
+            times.append(time.monotonic())
+            on_chunk(i)
+    except openai.APIError as err:
+        return times, str(err)
+    return times, ""
+
+
+@pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "not-elastic"])
+def test_host_killed_mid_stream(checkpoint, elastic: bool):
+    """Host 1 (ranks 2, 3) is killed while rank 0 streams. ``--elastic``: the stream finishes, its longest gap
+    within 2 x the step timeout, and new requests are served by host 0; else the stream ends with the reason and
+    new requests get 503 naming the lost ranks. Either way nothing hangs and nothing is left behind."""
+    path, _ = checkpoint
+    step_timeout = 4.0
+    args = ["--model", path, "--ep-size", "4", "--max-model-len", "256", "--log-level", "warning",
+            "--step-timeout-s", str(step_timeout), *(["--elastic"] if elastic else [])]  # fmt: skip
+    sim = hosts.SimulatedHosts(2)
+    try:
+        nodes = start_nodes(sim, 2, args)
+        url = f"http://{sim.addresses[0]}:{HTTP_PORT}"
+        wait_healthy(url, nodes)
+        pids = set().union(*(_descendants(n.pid) for n in nodes))
+        killed: list[float] = []
+
+        def kill_at_third(i: int) -> None:
+            if i == 2:
+                sim.kill_host(1)
+                killed.append(time.monotonic())
+
+        times, error = _stream(url, os.path.basename(path), kill_at_third)
+        assert killed, "the stream ended before host 1 was killed"
+        http = httpx.Client(trust_env=False, timeout=60)
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        try:
+            after = http.post(url + "/v1/completions", json=body)
+            health = http.get(url + "/health")
+        except httpx.HTTPError as err:
+            raise AssertionError(f"host 0 stopped serving ({err}):\n{_log(nodes[0])[-2500:]}") from err
+        if elastic:
+            assert not error and len(times) == 96, (error, len(times))
+            assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 2 * step_timeout
+            assert after.status_code == 200 and health.status_code == 200, after.text
+        else:
+            assert "rank" in error and times[-1] - killed[0] < 2 * step_timeout, (error, times[-1] - killed[0])
+            assert after.status_code == 503 and "rank 2" in after.text, after.text
+        stop_after_loss(nodes[0])
+    finally:
+        sim.close()
+    _assert_all_exit(pids)
