@@ -7,6 +7,7 @@ server's (and transformers'). Teardown leaves no process, namespace, link or ``/
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -123,10 +124,16 @@ def stop_after_loss(node: subprocess.Popen) -> None:
 
 
 def _greedy(url: str, model: str) -> list[int]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60,
-                           http_client=httpx.Client(trust_env=False))  # fmt: skip
-    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
-                                    extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    client = openai.OpenAI(
+        base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60, http_client=httpx.Client(trust_env=False)
+    )
+    out = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
 
 
@@ -166,12 +173,14 @@ def test_torchrun_two_hosts_equals_one_host(checkpoint):
 def _stream(url: str, model: str, on_chunk) -> tuple[list[float], str]:
     """Stream a long greedy completion through the openai client; ``on_chunk(i)`` after each chunk. The chunks'
     arrival times and the error that ended the stream ("" if it finished)."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60,
-                           http_client=httpx.Client(trust_env=False))  # fmt: skip
+    client = openai.OpenAI(
+        base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60, http_client=httpx.Client(trust_env=False)
+    )
     times = []
     try:
-        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=96, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+        stream = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=96, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         for i, _ in enumerate(stream):
             times.append(time.monotonic())
             on_chunk(i)
@@ -187,8 +196,19 @@ def test_host_killed_mid_stream(checkpoint, elastic: bool):
     new requests get 503 naming the lost ranks. Either way nothing hangs and nothing is left behind."""
     path, _ = checkpoint
     step_timeout = 4.0
-    args = ["--model", path, "--ep-size", "4", "--max-model-len", "256", "--log-level", "warning",
-            "--step-timeout-s", str(step_timeout), *(["--elastic"] if elastic else [])]  # fmt: skip
+    args = [
+        "--model",
+        path,
+        "--ep-size",
+        "4",
+        "--max-model-len",
+        "256",
+        "--log-level",
+        "warning",
+        "--step-timeout-s",
+        str(step_timeout),
+        *(["--elastic"] if elastic else []),
+    ]
     sim = hosts.SimulatedHosts(2)
     try:
         nodes = start_nodes(sim, 2, args)
@@ -219,6 +239,50 @@ def test_host_killed_mid_stream(checkpoint, elastic: bool):
             assert "rank" in error and times[-1] - killed[0] < 2 * step_timeout, (error, times[-1] - killed[0])
             assert after.status_code == 503 and "rank 2" in after.text, after.text
         stop_after_loss(nodes[0])
+    finally:
+        sim.close()
+    _assert_all_exit(pids)
+
+
+def readme_commands(marker: str) -> list[list[str]]:
+    """The command lines of the README's bash block after ``marker`` (continuation lines joined, comments dropped)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = text[text.index(marker) :].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line.strip() for line in block.replace("\\\n", " ").splitlines()]
+    return [shlex.split(line) for line in lines if line and not line.startswith("#")]
+
+
+def test_a3_two_node_commands():
+    """README's two-node A3 commands (configs/ascend_a3_2nodes.yaml, the stand-in, small shapes) as written, one per
+    simulated host: node 0 answers a completion with the config's API key; SIGTERM to rank 0 stops both nodes."""
+    commands = readme_commands("tests/server/test_server_hosts.py::test_a3_two_node_commands")
+    assert len(commands) == 2 and all(c[0] == "torchrun" for c in commands), commands
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    sim = hosts.SimulatedHosts(2)
+    try:
+        nodes = []
+        for h, cmd in enumerate(commands):
+            argv = [TORCHRUN] + [a.replace("<node0>", sim.addresses[0]).replace("<ifname>", "eth0") for a in cmd[1:]]
+            log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the process
+            proc = sim.start(h, argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+            proc.log = log  # type: ignore[attr-defined]
+            nodes.append(proc)
+        url = f"http://{sim.addresses[0]}:8000"  # (the config's port)
+        wait_healthy(url, nodes)
+        pids = set().union(*(_descendants(n.pid) for n in nodes))
+        client = openai.OpenAI(
+            base_url=url + "/v1",
+            api_key="change-me",
+            max_retries=0,
+            timeout=60,
+            http_client=httpx.Client(trust_env=False),
+        )
+        out = client.completions.create(
+            model="a3-moe", prompt="Hello, Ascend!", max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+        )
+        assert len(out.choices[0].token_ids) == 8  # type: ignore[attr-defined]
+        assert stop_rank0(nodes) == [0, 0], "\n".join(map(_log, nodes))
     finally:
         sim.close()
     _assert_all_exit(pids)
