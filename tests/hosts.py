@@ -146,6 +146,10 @@ class SimulatedHosts:
         """Cut host ``host``'s link (its processes live on, unreachable)."""
         _ip("link", "set", self.veth(host), "down")
 
+    def uncut(self, host: int) -> None:
+        """Restore host ``host``'s link."""
+        _ip("link", "set", self.veth(host), "up")
+
     def leftovers(self) -> list[str]:
         """Namespaces, links and ``/dev/shm`` files of these hosts still present."""
         found = [n for n in _ip("netns", "list", check=False).split() if n.startswith(self.tag)]

@@ -2,12 +2,14 @@
 only its own message (:func:`send_each`: a step's plan, pickled: its length, then its bytes), so a step's control
 traffic into a rank is what that rank needs, not every rank's plans; each rank sends its reply to rank 0 alone
 (:func:`send_own`), and rank 0 waits for the replies at most a timeout (:func:`receive_each`: a rank that is gone or
-unreachable is reported, never waited for past the bound)."""
+unreachable is reported, never waited for past the bound). Rank 0 also posts its verdicts in the job's store
+(:func:`post_verdict`): a rank whose step failed reads there whether the job stops or it was lost
+(:func:`wait_verdict`), whatever became of its connection to rank 0."""
 
 from __future__ import annotations
 
-import datetime
 import pickle
+import threading
 import time
 from typing import Any
 
@@ -31,25 +33,51 @@ def _post(group: Any, peer: int, message: Any) -> list[Any]:
     ]
 
 
+class Late(RuntimeError):
+    """A send or receive did not complete in time (it is left pending: gloo's own timeout would close every
+    connection of the group, the live ranks' too)."""
+
+
 def _wait(work: Any, deadline: float | None) -> None:
-    """Wait for ``work`` until ``deadline`` (monotonic; None: as long as it takes)."""
+    """Wait for ``work`` until ``deadline`` (monotonic; None: as long as it takes); :class:`Late` past it."""
     if work is None:
         return
     if deadline is None:
         work.wait()
-    else:
-        work.wait(timeout=datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        return
+    done, error = threading.Event(), []
+
+    def run() -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            error.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="control-wait", daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise Late("not completed in time")
+    if error:
+        raise error[0]
 
 
-def send_each(group: Any, messages: dict[int, Any], timeout: float) -> dict[int, str]:
-    """Rank 0: send ``messages[r]`` to each rank ``r`` (group ranks > 0), each send bounded by ``timeout`` seconds;
-    the ranks it could not send to, with why."""
-    deadline, failed, posted = time.monotonic() + timeout, {}, {}
+def post_each(group: Any, messages: dict[int, Any]) -> tuple[dict[int, list[Any]], dict[int, str]]:
+    """Rank 0: start sending ``messages[r]`` to each rank ``r`` (group ranks > 0); the sends in flight (finish them
+    with :func:`finish_sends`) and the ranks that could not be sent to, with why."""
+    posted, failed = {}, {}
     for rank, message in messages.items():
         try:
             posted[rank] = _post(group, rank, message)
         except RuntimeError as err:
             failed[rank] = f"rank {rank} is unreachable ({str(err).splitlines()[0]})"
+    return posted, failed
+
+
+def finish_sends(posted: dict[int, list[Any]], timeout: float) -> dict[int, str]:
+    """Wait at most ``timeout`` seconds for the sends of :func:`post_each`; the ranks whose send did not complete
+    (a rank that does not take its message: gone, cut off, stopped), with why."""
+    deadline, failed = time.monotonic() + timeout, {}
     for rank, (length_work, body_work, *_) in posted.items():
         try:
             _wait(length_work, deadline)
@@ -57,6 +85,13 @@ def send_each(group: Any, messages: dict[int, Any], timeout: float) -> dict[int,
         except RuntimeError as err:
             failed[rank] = f"rank {rank} is unreachable ({str(err).splitlines()[0]})"
     return failed
+
+
+def send_each(group: Any, messages: dict[int, Any], timeout: float) -> dict[int, str]:
+    """Rank 0: send ``messages[r]`` to each rank ``r`` (group ranks > 0), all bounded by ``timeout`` seconds; the
+    ranks it could not send to, with why."""
+    posted, failed = post_each(group, messages)
+    return failed | finish_sends(posted, timeout)
 
 
 def _receive(group: Any, src: int, deadline: float | None) -> Any:
@@ -75,10 +110,12 @@ def receive_own(group: Any) -> Any:
     return _receive(group, 0, None)
 
 
-def send_own(group: Any, message: Any) -> None:
-    """A rank > 0: send ``message`` to rank 0 (:func:`receive_each`)."""
+def send_own(group: Any, message: Any, timeout: float) -> None:
+    """A rank > 0: send ``message`` to rank 0 (:func:`receive_each`), at most ``timeout`` seconds (:class:`Late`:
+    rank 0 did not take it, it is gone, cut off or gave up on this rank)."""
+    deadline = time.monotonic() + timeout
     for work in _post(group, 0, message)[:2]:
-        _wait(work, None)
+        _wait(work, deadline)
 
 
 def receive_each(group: Any, ranks: list[int], timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
@@ -91,5 +128,26 @@ def receive_each(group: Any, ranks: list[int], timeout: float) -> tuple[dict[int
         except RuntimeError as err:
             what = str(err).splitlines()[0]
             late = time.monotonic() >= deadline
-            failed[rank] = f"rank {rank} did not answer within {timeout:g}s" if late else f"rank {rank}: {what}"
+            failed[rank] = f"rank {rank} did not answer within {timeout:.3g}s" if late else f"rank {rank}: {what}"
     return replies, failed
+
+
+_VERDICT = "deep_ep_npu/server/verdict/"
+
+
+def post_verdict(store: Any, ranks: list[int], why: str) -> None:
+    """Rank 0: tell ``ranks`` (group ranks > 0) through ``store`` that they are out (``why``)."""
+    for rank in ranks:
+        store.set(f"{_VERDICT}{rank}", why)
+
+
+def wait_verdict(store: Any, rank: int, poll_s: float = 0.2) -> str:
+    """A rank > 0 whose step failed: wait for rank 0's verdict on it in ``store`` (retrying while the store cannot
+    be reached: a cut-off host learns it once its link is back)."""
+    while True:
+        try:
+            if store.check([f"{_VERDICT}{rank}"]):
+                return store.get(f"{_VERDICT}{rank}").decode()
+        except RuntimeError:
+            pass
+        time.sleep(poll_s)

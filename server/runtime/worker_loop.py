@@ -65,31 +65,32 @@ class PipeChannel(Channel):
 
 class GroupChannel(Channel):
     """A torchrun rank > 0: rank 0 sends this rank its own plan over the gloo ``group``, this rank replies to rank 0
-    alone (:mod:`.control`; :class:`~server.runtime.workers.TorchrunWorkers` is the other end)."""
+    alone, within ``reply_timeout_s`` (:mod:`.control`; :class:`~server.runtime.workers.TorchrunWorkers` is the other
+    end)."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    def __init__(self, group: Any, reply_timeout_s: float) -> None:
+        self.group, self.reply_timeout_s = group, reply_timeout_s
 
     def recv(self) -> tuple[str, Any]:
         kind, payload = receive_own(self.group)
         return kind, payload  # (a step's plan: this rank's alone)
 
     def send(self, kind: str, payload: Any) -> None:
-        send_own(self.group, (kind, payload))
+        send_own(self.group, (kind, payload), self.reply_timeout_s)
 
 
 class StepFailed(Exception):
     """A step raised; its traceback has been sent to the driver."""
 
 
-def serve_plans(worker: Worker, channel: Channel) -> Any:
-    """The worker loop: report ready, then run each plan the driver sends until "stop" (returns its payload). A
-    failing step sends ``("error", traceback)`` and raises :class:`StepFailed`."""
+def serve_plans(worker: Worker, channel: Channel) -> None:
+    """The worker loop: report ready, then run each plan the driver sends until "stop". A failing step sends
+    ``("error", traceback)`` and raises :class:`StepFailed`."""
     channel.send("ready", worker.info)
     while True:
         kind, payload = channel.recv()
         if kind == "stop":
-            return payload
+            return
         if kind == "ping":  # the driver's liveness probe
             channel.send("pong", None)
             continue

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from .control import receive_each, send_each
+from .control import finish_sends, post_each, post_verdict, receive_each, send_each, wait_verdict
 from .engine_config import EngineConfig
 from .placement import bind_device
 from .plan import StepPlan, StepResult
@@ -257,8 +257,9 @@ class TorchrunWorkers(WorkerGroup):
     A rank that fails, exits, is unreachable (its host died or its link is cut) or does not answer in time fails the
     group (:class:`WorkerError` naming it: the server answers 503 with the reason), or, with ``elastic``, is *lost*
     (as :class:`ProcessWorkers`'s: no more plans, None results; the Buffers, ``enable_shrink``, regroup without it)
-    as long as rank 0 itself carries on. A lost rank is never taken back: rank 0 sends it nothing more, its next
-    collective with the survivors (who regrouped without it) fails and it exits; to rejoin, restart the job.
+    as long as rank 0 itself carries on. A lost rank is never taken back: rank 0 sends it nothing more and posts
+    the verdict in the job's store, where a lost rank still running (hung, or cut off and reconnected) reads it
+    once its step fails, and leaves. To rejoin, restart the job.
     """
 
     def __init__(self, args: EngineConfig) -> None:
@@ -267,6 +268,7 @@ class TorchrunWorkers(WorkerGroup):
         self.dist = dist
         rank, self.world_size, self.control, self.worker, self._owns_group = _init_torchrun(args)
         assert rank == 0, "TorchrunWorkers runs on rank 0; call run_worker_from_env() on the other ranks"
+        self.store = dist.distributed_c10d._get_default_store()  # (torchrun's, on node 0)
         self.lost: dict[int, str] = {}
         self.overlaps = False  # rank 0 is worker 0: a step runs inside submit()
         self.step_timeout_s, self.elastic = args.step_timeout_s, False  # a failure while starting fails the group
@@ -283,7 +285,7 @@ class TorchrunWorkers(WorkerGroup):
         """Send ``messages`` (rank -> message), run ``local()`` meanwhile, and return every live rank's reply
         payload (``local``'s as rank 0's); ranks that failed are lost or fail the group (:meth:`_failed`)."""
         started = time.monotonic()
-        failed = send_each(self.control, messages, timeout_s)
+        posted, failed = post_each(self.control, messages)  # (not waited for: a cut-off rank would delay the step)
         replies: dict[int, Any] = {}
         own_error: Exception | None = None
         if local is not None:
@@ -291,8 +293,9 @@ class TorchrunWorkers(WorkerGroup):
                 replies[0] = local()
             except Exception as e:  # noqa: BLE001 - rank 0 is the driver: its own step failing fails the group
                 own_error = e  # (after the replies: a rank sending its error must find rank 0 listening)
-        left = max(1.0, timeout_s - (time.monotonic() - started))  # (a reply already sent is always taken)
-        got, late = receive_each(self.control, [r for r in self._live() if r not in failed], left)
+        left = lambda: max(1.0, timeout_s - (time.monotonic() - started))  # noqa: E731 - a reply sent is taken
+        failed |= finish_sends(posted, left())
+        got, late = receive_each(self.control, [r for r in self._live() if r not in failed], left())
         failed |= late
         for r, (kind, payload) in got.items():
             if kind == "error":
@@ -321,15 +324,15 @@ class TorchrunWorkers(WorkerGroup):
                 [0, *(r for r in self._live() if r not in failed)],
             )
             self.lost[rank] = failed[rank]
-        # a lost rank still running (hung, or its link cut: delivered once the link is back) is told to leave
-        verdict = "rank 0 declared it lost ({}); restart the job to rejoin"
-        send_each(self.control, {r: ("stop", verdict.format(failed[r])) for r in failed}, 1.0)
+        post_verdict(self.store, sorted(failed), "rank 0 declared it lost; restart the job to rejoin")
 
     def _stop(self) -> None:
-        """Tell every live rank to stop (bounded: a rank that cannot be told is left to its own failure)."""
+        """Tell every live rank to stop: in the store (a rank whose step failed reads it there) and on the control
+        group (bounded: a rank that cannot be told is left to its own failure)."""
         if not self._closed:
             self._closed = True
-            send_each(self.control, dict.fromkeys(self._live(), ("stop", None)), 5.0)
+            post_verdict(self.store, self._live(), "")
+            send_each(self.control, dict.fromkeys(self._live(), ("stop", None)), 1.0)
 
     def submit(self, plans: list[StepPlan]) -> None:
         if self._closed:
@@ -364,29 +367,22 @@ class TorchrunWorkers(WorkerGroup):
 
 def run_worker_from_env(args: EngineConfig) -> None:
     """A ``torchrun`` rank > 0: check the placement, build the shard, run :func:`serve_plans` over the gloo control
-    group (this rank's plan from rank 0 each step) until told to stop. A failed step is reported to rank 0, whose
-    answer is a stop: the job stops, or this rank was lost (elastic; it says so). Either way it exits 0 without
-    tearing down (a non-zero exit would make torchrun stop its node's other ranks: rank 0 among them, which serves
-    on or answers 503 with the reason). A lost rank still running that hears of it later (hung, or its link
-    restored) exits 1 saying so."""
+    group (this rank's plan from rank 0 each step) until told to stop. After a failed step (reported to rank 0 if it
+    can be) it waits for rank 0's verdict in the job's store: the job stops, or this rank was lost (it says so and
+    leaves; a cut-off rank learns it once its link is back). Either way it exits 0 without tearing down (its peers
+    may be gone; a non-zero exit would make torchrun stop its node's other ranks, rank 0 among them, which serves on
+    or answers 503)."""
     import torch.distributed as dist
 
     args.check_placement()
     rank, _, control, worker, owns_group = _init_torchrun(args)
-    channel = GroupChannel(control)
     try:
-        lost = serve_plans(worker, channel)
-        failed = False
-    except (StepFailed, RuntimeError):  # reported to rank 0 (if it could be): its answer (rank 0 gone: RuntimeError)
-        try:
-            lost = channel.recv()[1]
-        except RuntimeError as err:
-            lost = f"rank 0 is gone ({str(err).splitlines()[0]})"
-        failed = True
-    if lost or failed:  # its peers regrouped without it or are gone: no teardown
-        if lost:
-            print(f"EP rank {rank} leaves the job: {lost}", file=sys.stderr, flush=True)
-        os._exit(1 if lost and not failed else 0)
+        serve_plans(worker, GroupChannel(control, 2 * args.step_timeout_s))  # (rank 0 waits one step timeout)
+    except (StepFailed, RuntimeError):  # (RuntimeError: its connection to rank 0 failed)
+        why = wait_verdict(dist.distributed_c10d._get_default_store(), rank)
+        if why:
+            print(f"EP rank {rank} leaves the job: {why}", file=sys.stderr, flush=True)
+        os._exit(0)
     worker.close()
     dist.destroy_process_group(control)
     if owns_group:

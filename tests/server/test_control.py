@@ -32,13 +32,13 @@ def _exchange(info):
             got.append((replies, failed))
         else:
             got.append(control.receive_own(info.group))
-            control.send_own(info.group, ("ok", info.rank * 10 + step))
+            control.send_own(info.group, ("ok", info.rank * 10 + step), 10.0)
     if info.rank == 0:  # rank 2 sends nothing more: reported after the timeout
         t0 = time.monotonic()
         replies, failed = control.receive_each(info.group, [1, 2], 1.0)
         got.append((replies, sorted(failed), time.monotonic() - t0))
     elif info.rank == 1:
-        control.send_own(info.group, ("ok", "last"))
+        control.send_own(info.group, ("ok", "last"), 10.0)
     store = dist.distributed_c10d._get_default_store()  # (a timed-out pair is closed: no collective after it)
     if info.rank == 0:
         store.set("test/done", "1")
