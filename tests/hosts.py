@@ -61,10 +61,12 @@ class SimulatedHosts:
     """``n`` hosts (see the module docstring): host i is namespace ``names[i]``, address ``addresses[i]`` on
     interface ``eth0``; this machine reaches them at ``gateway`` (the bridge)."""
 
+    _made = 0
+
     def __init__(self, n: int) -> None:
-        pid = os.getpid()
-        self.tag = f"dep{pid % 100000:05d}"
-        self.subnet = f"10.{100 + pid % 100}.{(pid // 100) % 250}"
+        pid, SimulatedHosts._made = os.getpid(), SimulatedHosts._made + 1  # (several at once in one process)
+        self.tag = f"dep{pid % 100000:05d}{SimulatedHosts._made % 10}"
+        self.subnet = f"10.{100 + pid % 100}.{((pid // 100) * 10 + SimulatedHosts._made) % 250}"
         self.gateway = f"{self.subnet}.1"
         self.names = [f"{self.tag}h{i}" for i in range(n)]
         self.addresses = [f"{self.subnet}.{10 + i}" for i in range(n)]
@@ -180,9 +182,11 @@ def launch(
     *args: Any,
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
+    allow_exit: tuple[int, ...] = (),
 ) -> list:
     """Run ``fn(ProcessGroupInfo, *args)`` on ``len(hosts.names) * ranks_per_host`` gloo ranks spread over the hosts
-    (see the module docstring); their results in rank order. RuntimeError with every failing rank's traceback,
+    (see the module docstring); their results in rank order (None for the ranks of ``allow_exit`` that exited without
+    one: failure tests' victims). RuntimeError with every failing rank's traceback,
     TimeoutError when a rank did not finish within ``timeout`` seconds (every agent is killed)."""
     import torch.distributed as dist
 
@@ -201,10 +205,12 @@ def launch(
         ]
         deadline = time.monotonic() + timeout
         results: dict[int, tuple[bool, Any]] = {}
+        for r in allow_exit:
+            results.setdefault(r, (True, None))  # (replaced if it reports)
         while len(results) < world and time.monotonic() < deadline:
             for r in range(world):
                 path = os.path.join(tmp, f"rank{r}.pkl")
-                if r not in results and os.path.exists(path):
+                if (r not in results or r in allow_exit) and os.path.exists(path):
                     with open(path, "rb") as f:
                         results[r] = _loads(f.read())
             if all(a.poll() is not None for a in agents) and len(results) < world:

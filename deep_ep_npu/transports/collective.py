@@ -331,7 +331,8 @@ class Collective:
     def _join_started_peers(self, agreement: Agreement) -> None:
         """Join the payloads that peers who knew their counts started before the agreement, with zeros."""
         ep, me = self.ep, self.ep.rank
-        peers = [s for s, c in enumerate(agreement.counts) if s != me and s not in self.local and c and c[1] >= 0]
+        live, skip = set(ep.live), {me, *self.local}  # (a removed rank's zero row is no started payload)
+        peers = [s for s, c in enumerate(agreement.counts) if s in live and s not in skip and c and c[1] >= 0]
         if not peers:
             return
         recv, send = [0] * ep.num_ranks, [0] * ep.num_ranks

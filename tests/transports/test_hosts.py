@@ -16,7 +16,7 @@ import torch
 from tests import hosts
 from tests.distributed import parallel_launch
 
-N, HIDDEN, TOPK, EXPERTS = 8, 256, 3, 8
+N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 8, 1.0
 
 pytestmark = pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")
 
@@ -105,3 +105,83 @@ def _shm_refused(info):
 def test_shm_transport_refused_across_hosts(two_hosts):
     errors = hosts.launch(two_hosts, 2, _shm_refused, timeout=60)
     assert all("every rank on one host" in e and "[[0, 1], [2, 3]]" in e for e in errors), errors
+
+
+def _late_peer(info):
+    """Rank 3 (host 1) sleeps before each call; the other ranks' send phases (hook mode) return before it wakes."""
+    import time
+
+    import torch.distributed as dist
+
+    from deep_ep_npu import Buffer
+
+    buf = Buffer(info.group, timeout=20, explicitly_destroy=True)
+    x, idx, w = _inputs(info.rank, 0)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False)  # warm-up
+    buf.low_latency_combine(recv_x, idx, w, handle)
+    dist.barrier(group=info.group)
+    sends = []
+    for _ in range(2):
+        if info.rank == 3:
+            time.sleep(LATE_S)
+        t0 = time.monotonic()
+        recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False, return_recv_hook=True)
+        sends.append(time.monotonic() - t0)
+        hook()
+        if info.rank == 3:
+            time.sleep(LATE_S)
+        t0 = time.monotonic()
+        _, _, hook = buf.low_latency_combine(recv_x, idx, w, handle, return_recv_hook=True)
+        sends.append(time.monotonic() - t0)
+        hook()
+    name = buf._backend.transport.name
+    buf.destroy()
+    return name, sends
+
+
+def test_send_phase_waits_for_no_peer_across_hosts(two_hosts):
+    results = hosts.launch(two_hosts, 2, _late_peer, timeout=90)
+    for rank, (name, sends) in enumerate(results[:3]):
+        assert name == "spanning" and max(sends) < LATE_S / 4, (rank, name, sends)
+
+
+def _one_dies(info, transport: str = "auto"):
+    """Rank 3 (host 1, rank 2's window peer) dies before step 1; the survivors find it missing, mask it and keep
+    computing the oracle's results (:mod:`tests.transports.test_failure_shrink`'s experts and oracle)."""
+    import os
+
+    import torch.distributed as dist
+
+    from deep_ep_npu import Buffer
+    from tests.distributed import leave_together
+    from tests.transports import test_failure_shrink as shrink
+
+    buf = Buffer(info.group, enable_shrink=True, timeout=shrink.TIMEOUT, explicitly_destroy=True, transport=transport)
+    name, masks, masked = buf._backend.transport.name, [], set()
+    for step in range(3):
+        if step == 1 and info.rank == 3:
+            os._exit(0)  # (a host's process dies: no goodbye)
+        masked |= {3} if step >= 1 else set()
+        counts, combined = shrink._step(buf, info.rank, step)
+        want_counts, want = shrink._oracle(info.rank, step, masked)
+        assert torch.equal(counts, want_counts), (step, counts, want_counts)
+        err = (combined.float() - want.float()).abs().max().item()
+        assert err <= 1e-2 * max(1.0, want.float().abs().max().item()), (step, err)
+        mask = torch.zeros(shrink.W, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(mask)
+        masks.append(mask.nonzero().flatten().tolist())
+    leave_together(dist.distributed_c10d._get_default_store(), info.rank, shrink.W - 1)
+    buf.destroy()
+    return name, masks
+
+
+def test_shrink_across_three_hosts():
+    """3 simulated hosts x 2 ranks, shrink mode: rank 3 dies; every survivor (its window peer on host 1 included)
+    raises nothing, masks it and computes the oracle's results."""
+    sim = hosts.SimulatedHosts(3)
+    try:
+        results = hosts.launch(sim, 2, _one_dies, timeout=120, allow_exit=(3,))
+    finally:
+        sim.close()
+    for rank in (0, 1, 2, 4, 5):
+        assert results[rank] == ("spanning", [[], [3], [3]]), (rank, results[rank])
