@@ -31,12 +31,14 @@ from .two_stage import (
     moe_distribute_dispatch_setup,
     moe_distribute_dispatch_teardown,
 )
+from .update_expert import moe_update_expert
 
 __all__ = [
     "ACLNN_ERR_INNER_TILING_ERROR", "ACLNN_ERR_PARAM_INVALID", "ACLNN_ERR_PARAM_NULLPTR", "MoeDistributeError",
     "get_low_latency_ccl_buffer_size", "moe_distribute_combine_setup", "moe_distribute_combine_start",
     "moe_distribute_combine_teardown", "moe_distribute_combine_v2", "moe_distribute_dispatch_setup",
     "moe_distribute_dispatch_start", "moe_distribute_dispatch_teardown", "moe_distribute_dispatch_v2",
+    "moe_update_expert",
 ]  # fmt: skip
 DISPATCH, COMBINE = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
 _P = ParamSpec("_P")

@@ -1,15 +1,16 @@
 """An NPU stand-in: run code written against torch_npu's MoE distribute ops on CPU tensors over gloo.
 
 :func:`install` registers ``sys.modules["torch_npu"]``, a module with exactly these attributes: the
-``npu_moe_distribute_{dispatch,combine}_{v2,setup,teardown}`` ops (the :mod:`deep_ep_npu.ops` functions of the same
-names without ``npu_``), ``npu_format_cast(tensor, acl_format)`` (returns ``tensor``), torch_npu's dtype constants as
-ints (:data:`deep_ep_npu.core.platforms.TORCH_NPU_CONSTANTS`), ``__version__`` ``"2.14.0+sim"``, ``SIMULATED = True``
-and ``device_type = "cpu"``. It also registers the stand-in MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine``
-(:mod:`.fused`) and makes ``group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)`` return
-:func:`hccl_comm_name`, which the ops take as ``group_ep`` / ``group_tp``. For that ``torch.device("npu")`` becomes
-valid, which a process cannot undo: do not load a real torch_npu after :func:`uninstall`, and
-``torch.accelerator.is_available()`` / ``torch.random.fork_rng()`` raise. ``torch.npu`` is not faked, so
-``Buffer(backend="auto")`` keeps choosing the reference backend; ``backend="ascend"`` runs the Ascend backend's code.
+``npu_moe_distribute_{dispatch,combine}_{v2,setup,teardown}`` ops and ``npu_moe_update_expert`` (the
+:mod:`deep_ep_npu.ops` functions of the same names without ``npu_``), ``npu_format_cast(tensor, acl_format)``
+(returns ``tensor``), torch_npu's dtype constants as ints (:data:`deep_ep_npu.core.platforms.TORCH_NPU_CONSTANTS`),
+``__version__`` ``"2.14.0+sim"``, ``SIMULATED = True`` and ``device_type = "cpu"``. It also registers the stand-in
+MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine`` (:mod:`.fused`) and makes
+``group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)`` return :func:`hccl_comm_name`, which the ops take
+as ``group_ep`` / ``group_tp``. For that ``torch.device("npu")`` becomes valid, which a process cannot undo: do not
+load a real torch_npu after :func:`uninstall`, and ``torch.accelerator.is_available()`` / ``torch.random.fork_rng()``
+raise. ``torch.npu`` is not faked, so ``Buffer(backend="auto")`` keeps choosing the reference backend;
+``backend="ascend"`` runs the Ascend backend's code.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ __all__ = ["hccl_comm_name", "install", "installed", "uninstall"]
 
 VERSION = "2.14.0+sim"  # the torch_npu release whose op signatures deep_ep_npu.ops mirrors; "+sim": the stand-in
 _OP_NAMES = ("dispatch_v2", "combine_v2", "dispatch_setup", "dispatch_teardown", "combine_setup", "combine_teardown")
-OPS = {f"npu_moe_distribute_{op}": f"moe_distribute_{op}" for op in _OP_NAMES}
+OPS = {f"npu_moe_distribute_{op}": f"moe_distribute_{op}" for op in _OP_NAMES} | {
+    "npu_moe_update_expert": "moe_update_expert"
+}
 """torch_npu's name -> the :mod:`deep_ep_npu.ops` function it is, looked up at each attribute access."""
 _state: dict[str, Any] = {}  # while installed: "module", "get_backend" (ProcessGroup's original method)
 _comm_names: set[str] = set()
