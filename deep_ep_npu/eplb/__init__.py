@@ -4,6 +4,7 @@
 balancing")."""
 
 from .algorithm import balanced_packing, rebalance_experts, replicate_experts
+from .expert_map import ExpertMap
 from .placement import (
     balancedness,
     check_placement,
@@ -17,7 +18,7 @@ from .placement import (
 from .routing import BALANCE_BY_RANK, BALANCE_BY_TOKEN, eplb_table, pruned_mask, to_physical, update_expert
 
 __all__ = [
-    "BALANCE_BY_RANK", "BALANCE_BY_TOKEN", "balanced_packing", "balancedness", "check_placement", "default_placement",
-    "drop_ranks", "eplb_table", "maps", "placement_json", "pruned_mask", "rank_loads", "read_placement_json",
-    "rebalance_experts", "replicate_experts", "to_physical", "update_expert",
+    "BALANCE_BY_RANK", "BALANCE_BY_TOKEN", "ExpertMap", "balanced_packing", "balancedness", "check_placement",
+    "default_placement", "drop_ranks", "eplb_table", "maps", "placement_json", "pruned_mask", "rank_loads",
+    "read_placement_json", "rebalance_experts", "replicate_experts", "to_physical", "update_expert",
 ]  # fmt: skip
