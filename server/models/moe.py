@@ -177,9 +177,9 @@ class SparseMoE(nn.Module):
     """Router + EP dispatch/combine around :class:`LocalExperts` (+ the shared expert: DeepSeek-V3, GLM-4.5,
     Qwen2-MoE with its sigmoid gate)."""
 
-    def __init__(self, cfg: ModelConfig, comm: ExpertComm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: ExpertComm, moe_index: int = 0) -> None:
         super().__init__()
-        self.comm = comm
+        self.comm, self.moe_index, self.num_moe_layers = comm, moe_index, len(cfg.moe_layers)
         self.fused = comm.fused  # the fused path (comm.fused_moe) or dispatch -> experts -> combine, fixed here
         self._mega_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.fused and (cfg.expert_bias or cfg.swiglu_limit is not None):
@@ -197,13 +197,17 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, num_tokens_all_ranks: int | None = None) -> torch.Tensor:
         """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0);
         ``num_tokens_all_ranks``: the step's tokens over every EP rank, if known (see :meth:`ExpertComm.dispatch`)."""
-        topk_idx, topk_weights = getattr(self, self.router_name)(x)
+        logical, topk_weights = getattr(self, self.router_name)(x)
+        topk_idx = self.comm.to_physical(self.moe_index, logical)  # (a placement with replicas: slot ids)
         if self.fused:
             return self._fused(x, topk_idx, topk_weights)
         recv_rows, offsets, handle = self.comm.timed_dispatch(x, topk_idx, num_tokens_all_ranks)
         expert_out = self.experts(recv_rows, offsets)
         shared = (lambda: self._shared(x)) if self.shared_name is not None else None
         out, shared_out = self.comm.timed_combine(expert_out, topk_idx, topk_weights, handle, overlap=shared)
+        if self.comm.check_lost_ranks():  # a rank was lost during this layer: again, on the surviving replicas
+            return self.forward(x, num_tokens_all_ranks)
+        self.comm.record_load(self.moe_index, self.num_moe_layers, offsets)
         return out if shared_out is None else out + shared_out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:

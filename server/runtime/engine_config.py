@@ -46,7 +46,9 @@ class EngineConfig:
     ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
     timeout; ``step_timeout_s`` how long one lockstep step (or a health ping) may take; ``elastic`` keep serving on
     the survivors of a lost worker (spawned workers); ``use_buffer_at_ep1`` EP 1 through a Buffer instead of the
-    in-process dispatch.
+    in-process dispatch; expert load balancing (README "Expert load balancing"): ``num_redundant_experts`` extra
+    expert slots, ``expert_placement`` a static placement file (vllm-ascend's JSON), ``eplb`` rebalance every
+    ``eplb_interval`` steps from the load of the last ``eplb_window`` steps.
     """
 
     model: str | None = None
@@ -74,6 +76,11 @@ class EngineConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     elastic: bool = False
     use_buffer_at_ep1: bool = False
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None
+    eplb: bool = False
+    eplb_interval: int = 1000
+    eplb_window: int = 1000
 
     def __post_init__(self) -> None:
         if self.moe_impl not in MOE_IMPLS:
@@ -105,6 +112,26 @@ class EngineConfig:
         object.__setattr__(self, "max_num_batched_tokens", n)
         if self.elastic and self.use_torchrun:
             raise ValueError("elastic=True needs spawned workers (launch='spawn'); torchrun jobs are not elastic")
+        self._check_balancing()
+
+    def _check_balancing(self) -> None:
+        for name in ("eplb_interval", "eplb_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        r = self.num_redundant_experts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"num_redundant_experts={r!r} must be an integer >= 0")
+        balancing = bool(r or self.expert_placement or self.eplb)
+        if balancing and not self.needs_group(self.ep_size):
+            raise ValueError("num_redundant_experts / expert_placement / eplb need expert parallelism (ep_size > 1)")
+        if balancing and (self.moe_impl == "fused" or self.int8_experts):
+            raise ValueError("num_redundant_experts / expert_placement / eplb run the unfused float experts; "
+                             "drop moe_impl='fused' / int8_experts")  # fmt: skip
+        if self.expert_placement is not None:
+            from deep_ep_npu.eplb import read_placement_json
+
+            read_placement_json(self.expert_placement, self.ep_size)  # a bad file stops start-up here
 
     @property
     def capacity(self) -> int:
@@ -156,6 +183,8 @@ class EngineConfig:
             block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling, worker_threads=config.worker_threads,
-            int8_experts=config.int8_experts,
+            int8_experts=config.int8_experts, num_redundant_experts=config.num_redundant_experts,
+            expert_placement=config.expert_placement, eplb=config.eplb, eplb_interval=config.eplb_interval,
+            eplb_window=config.eplb_window,
         )  # fmt: skip
         return cls(**{**values, **overrides})
