@@ -11,6 +11,7 @@ expert ``e``'s in ``[offsets[e - 1], offsets[e])``, so the expert code is one gr
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 
 from deep_ep_npu.eplb import ExpertMap
+
+logger = logging.getLogger("server.moe")
 
 
 class CommStats:
@@ -273,6 +276,10 @@ class BufferComm(ExpertComm):
         if self.expert_map is None:
             return False
         self.expert_map, self.lost_experts = self.expert_map.without_ranks(self.lost_ranks)
+        dropped = {layer: lost for layer, lost in enumerate(self.lost_experts) if lost}
+        logger.warning("rank %d: EP ranks %s lost; their experts' tokens go to the surviving replicas; experts with "
+                       "no replica left (dropped), by MoE layer: %s", self.rank, sorted(self.lost_ranks),
+                       dropped or "none")  # fmt: skip
         return True
 
     def destroy(self) -> None:

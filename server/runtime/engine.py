@@ -215,6 +215,8 @@ class EPEngine(EngineCore):
             num_preemptions=new[0],
             prefix_cache_queries=new[1],
             prefix_cache_hits=new[2],
+            expert_loads={r: res.expert_load for r, res in enumerate(results) if res is not None and res.expert_load},
+            num_lost_experts=max((r.num_lost_experts for r in results if r is not None), default=0),
         )
 
     def _fail_lost_ranks(self) -> list[RequestDelta]:

@@ -139,6 +139,7 @@ class Worker:
             time.perf_counter() - t0, stats.dispatch, stats.combine)  # fmt: skip
         load = self.model.comm.take_load()  # rows each local expert slot received this step, per MoE layer
         result.expert_load = [] if load is None else load.sum(dim=1).tolist()
+        result.num_lost_experts = sum(len(lost) for lost in self.model.comm.lost_experts)
         if self.rebalancer is not None:  # at this step boundary, on every worker
             self.rebalancer.after_step(load)
         return result
