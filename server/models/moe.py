@@ -31,7 +31,9 @@ class Router(nn.Module):
     ``n_group`` groups by the sum of each group's top-2 -> top-k -> unbiased scores, renormalised iff
     ``norm_topk_prob`` (+1e-20) -> x ``routed_scaling_factor``.
     topk_softmax (gpt-oss): logits with the router's bias -> top-k -> softmax over the k kept logits.
-    The router's parameters are kept in fp32.
+    The router's parameters are kept in fp32. ``routing_skew`` s > 0 (load tests only, it changes the model):
+    each token's top-k experts are drawn without replacement with probability proportional to ``(e + 1) ** -s``
+    (Zipf; seeded, so runs repeat), weighted by their softmax probabilities renormalised.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -43,11 +45,25 @@ class Router(nn.Module):
         if cfg.scoring == "sigmoid":
             self.e_score_correction_bias: torch.Tensor
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+        self._skew: torch.Generator | None = None
+
+    def _zipf(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``routing_skew`` top-k (see the class doc) for ``logits`` `[num_tokens, E]` fp32."""
+        cfg = self.cfg
+        if self._skew is None:
+            self._skew = torch.Generator(logits.device).manual_seed(1234)
+        log_p = -cfg.routing_skew * torch.log(torch.arange(1, cfg.num_experts + 1, device=logits.device).float())
+        u = torch.rand(logits.shape, generator=self._skew, device=logits.device).clamp_(min=1e-20)
+        idx = torch.topk(log_p - torch.log(-torch.log(u)), cfg.num_experts_per_tok, dim=-1).indices  # Gumbel top-k
+        weights = torch.softmax(logits, dim=-1).gather(1, idx)
+        return idx, weights / weights.sum(dim=-1, keepdim=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` `[num_tokens, hidden]` -> topk_idx `[num_tokens, k]` `torch.int64`, topk_weights `torch.float32`."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.weight.float(), self.bias.float() if self.cfg.router_bias else None)
+        if cfg.routing_skew > 0:
+            return self._zipf(logits)
         if cfg.scoring == "topk_softmax":
             top, idx = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)
             return idx, torch.softmax(top, dim=-1)
