@@ -1,10 +1,11 @@
 """Redundant experts do not change the model: dispatch / combine on physical ids (logical ids mapped through an
 ExpertMap by npu_moe_update_expert's semantics) equal the no-redundancy run bit for bit, for random valid placements
 (replicas on any rank, two on one rank allowed), at EP 2 and 4, on the window and collective transports, through
-DeepEP's Buffer (combine in slot order), torch_npu's ops on the stand-in and the Buffer's Ascend backend on it. The
-experts are functions of (logical id, row) only; every rank builds every rank's inputs from seeds. The per-slot
-receive counts (cumulative_local_expert_recv_stats / expert_token_nums) summed per logical expert equal the routed
-pairs: the load statistics need no extra communication."""
+DeepEP's Buffer (combine in slot order), DeepEP V2's ElasticBuffer (expand layout, without multiple reduction, which
+pre-sums a token's rows per rank), torch_npu's ops on the stand-in and the Buffer's Ascend backend on it. The experts
+are functions of (logical id, row) only; every rank builds every rank's inputs from seeds. The per-slot receive
+counts (cumulative_local_expert_recv_stats / expert_token_nums) summed per logical expert equal the routed pairs:
+the load statistics need no extra communication."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import random
 import pytest
 import torch
 
-from deep_ep_npu import Buffer
+from deep_ep_npu import Buffer, ElasticBuffer
 from deep_ep_npu.eplb import ExpertMap, default_placement
 from tests.distributed import parallel_launch
 
@@ -55,6 +56,21 @@ def _buffer_run(info, buffer: Buffer, emap: ExpertMap, x, idx, weights, ascend: 
         out[j, :n] = _expert(logical, recv_x[j, :n]).to(out.dtype)
     kwargs = {} if ascend else {"slot_order": True}
     combined, _, _ = buffer.low_latency_combine(out, phys, weights, handle, **kwargs)
+    return combined, stats
+
+
+def _elastic_run(info, buffer, emap: ExpertMap, x, idx, weights):  # noqa: ANN001, ANN202
+    """DeepEP V2's expand layout: one row per (token, local slot), pre-weighted rows, summed by slot."""
+    phys = emap.to_physical(0, idx, info.rank)
+    stats = torch.zeros(emap.num_local, dtype=torch.int32)
+    recv_x, _, recv_w, handle, _ = buffer.dispatch(x, phys, weights, cumulative_local_expert_recv_stats=stats,
+                                                   num_experts=emap.num_physical, do_expand=True)  # fmt: skip
+    out, start = torch.zeros(recv_x.shape, dtype=torch.float32), 0
+    for logical, count in zip(emap.local_experts(0, info.rank), stats.tolist(), strict=True):
+        rows = slice(start, start + count)
+        out[rows] = _expert(logical, recv_x[rows]).float() * recv_w[rows].unsqueeze(1)
+        start += count
+    combined, _, _ = buffer.combine(out, handle)
     return combined, stats
 
 
@@ -102,6 +118,16 @@ def _rank(info, path: str, seeds: list[int], redundant: int):  # noqa: ANN001, A
             for emap in maps:
                 if path == "ops":
                     y, counts = _ops_run(info, emap, x, idx, weights)
+                elif path == "elastic":
+                    if "elastic" not in buffers:  # (multiple reduction pre-sums a token's rows per rank)
+                        buffers["elastic"] = ElasticBuffer(
+                            info.group,
+                            num_max_tokens_per_rank=N,
+                            hidden=H,
+                            allow_multiple_reduction=False,
+                            explicitly_destroy=True,
+                        )
+                    y, counts = _elastic_run(info, buffers["elastic"], emap, x, idx, weights)
                 else:
                     key = (transport, emap.num_physical)
                     if key not in buffers:
@@ -120,7 +146,7 @@ def _rank(info, path: str, seeds: list[int], redundant: int):  # noqa: ANN001, A
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("path", ["buffer", "ops", "ascend"])
+@pytest.mark.parametrize("path", ["buffer", "ops", "ascend", "elastic"])
 def test_redundant_placements_equal_no_redundancy(world_size: int, path: str) -> None:
     seeds = [1, 2]
     redundant = 4 if world_size == 2 else 8  # P = 12 (L = 6) / P = 16 (L = 4)
