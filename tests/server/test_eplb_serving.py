@@ -45,14 +45,26 @@ def test_redundancy_placement_and_eplb_keep_greedy_tokens(tmp_path) -> None:  # 
     assert redundant == base and placed == base and rebalanced == base
 
 
+def test_experts_need_not_divide_by_the_ep_size() -> None:
+    """9 experts at EP 2: refused without a placement, served with one redundant slot (P = 10), with the tokens of
+    the single-process run (every expert local)."""
+    nine = {**ENGINE, "random_model": {**MODEL, "num_experts": 9}}
+    with pytest.raises(ValueError, match="ep_size=2 must divide the model's num_experts=9"):
+        LLM(ep_size=2, **nine)
+    with LLM(ep_size=1, **nine) as llm:
+        local = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    with LLM(ep_size=2, num_redundant_experts=1, **nine) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == local
+
+
 def test_bad_placements_stop_start_up(tmp_path) -> None:  # noqa: ANN001
     import torch
 
     path = tmp_path / "p.json"
     path.write_text(json.dumps(placement_json(torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]] * 2), 2)))
-    with pytest.raises(RuntimeError, match="num_redundant_experts=4; make them agree"):
+    with pytest.raises(ValueError, match="num_redundant_experts=4; make them agree"):
         LLM(ep_size=2, **ENGINE, expert_placement=str(path), num_redundant_experts=4)
-    with pytest.raises(RuntimeError, match=r"must be a multiple of the EP size 2"):
+    with pytest.raises(ValueError, match=r"must be a multiple of the EP size 2"):
         LLM(ep_size=2, **ENGINE, num_redundant_experts=3)
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="expert placement .*bad.json"):
