@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 def _tokens(**kwargs: object) -> tuple[list[list[int]], LLM]:
-    llm = LLM(ep_size=2, **ENGINE, **kwargs)  # type: ignore[arg-type]
+    llm = LLM(ep_size=2, **{**ENGINE, **kwargs})  # type: ignore[arg-type]
     try:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)], llm
     finally:
@@ -43,6 +43,13 @@ def test_redundancy_placement_and_eplb_keep_greedy_tokens(tmp_path) -> None:  # 
     placed, _ = _tokens(expert_placement=str(path), num_redundant_experts=4)
     rebalanced, _ = _tokens(num_redundant_experts=2, eplb=True, eplb_interval=5, eplb_window=4)
     assert redundant == base and placed == base and rebalanced == base
+
+
+def test_on_the_npu_stand_in() -> None:
+    """The same on the Buffer's Ascend backend over deep_ep_npu.sim (torch_npu's _v2 ops, P = E + R experts)."""
+    npu = {"backend": "ascend", "simulate_npu": True}
+    base, _ = _tokens(**npu)
+    assert _tokens(**npu, num_redundant_experts=2, eplb=True, eplb_interval=4, eplb_window=4)[0] == base
 
 
 def test_experts_need_not_divide_by_the_ep_size() -> None:
