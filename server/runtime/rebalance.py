@@ -85,9 +85,10 @@ class Rebalancer:
         comm, emap = self.comm, self.comm.expert_map
         shape = (emap.num_layers, comm.num_local_experts)
         local = torch.stack(list(self.window)).sum(0) if self.window else torch.zeros(shape, dtype=torch.int64)
+        local = local.to(next(self.moe_layers[0].experts.parameters()).device)  # (NCCL / HCCL: on the device)
         gathered = [torch.empty_like(local) for _ in range(comm.num_ranks)]
         dist.all_gather(gathered, local, group=comm.group)
-        physical = torch.cat(gathered, dim=1)  # [layers, P]: rank r's slots at [r * L, (r + 1) * L)
+        physical = torch.cat(gathered, dim=1).cpu()  # [layers, P]: rank r's slots at [r * L, (r + 1) * L)
         weight = emap.load_per_logical(physical)
         phy2log, _, _ = rebalance_experts(weight, emap.num_physical, 1, 1, comm.num_ranks)
         moved = 0
