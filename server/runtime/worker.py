@@ -74,6 +74,7 @@ class Worker:
         budget, source = kv_budget_bytes(self.device, args.kv_cache_memory, args.gpu_memory_utilization,
                                          args.local_workers, cap, self._activation_peak)  # fmt: skip
         num_blocks = budget // block_bytes
+        self.model.comm.take_load()  # (the activation probe's forward is no load)
         # a pool under one full-length request is refused by the driver, which then stops this worker
         self.cache = PagedKVCache(cfg, max(num_blocks, 1), args.block_size, dtype, self.device)
         experts = [t for moe in self.model.moe_layers() for t in moe.expert_tensors()]
