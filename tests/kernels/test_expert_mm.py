@@ -97,3 +97,19 @@ def test_moe_experts_on_the_kernel_equal_the_grouped_matmul() -> None:
         slow = experts.grouped(x, offsets)
     assert torch.allclose(fast[:10].float(), slow[:10].float(), rtol=0.02, atol=0.01)
     assert experts.kernel(torch.randn(65, 128).bfloat16(), offsets) is None  # > 8 rows per expert: torch's
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_server_linear_on_the_kernel_matches_f_linear(rows: int) -> None:
+    """The server's ``linear`` (decode's dense projections): bf16 with at most 8 rows on the kernel, more rows on
+    torch's matmul; both within one bf16 ulp of the fp64 product; the kernel adds the bias after."""
+    from server.models.linear import linear
+
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((rows, 160), (48, 160), (48,)))
+    ref = x.double() @ w.double().T
+    y = linear(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 48)
+    assert ((y.double() - ref).abs() <= torch.finfo(torch.bfloat16).eps * ref.abs() + 1e-6).all()
+    if rows <= 8:  # (torch's matmul adds the bias before its one rounding)
+        assert torch.equal(linear(x, w, b), y + b)
