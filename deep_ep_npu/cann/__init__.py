@@ -1,6 +1,9 @@
 """CANN ops-transformer's torch extension (``cann_ops_transformer.ops`` / ``npu_ops_transformer.ops``) on our engine:
-:class:`MoeDistributeBuffer` over the V3 context ops. :mod:`deep_ep_npu.sim` installs these as those modules."""
+:class:`MoeDistributeBuffer` over the V3 context ops, CANN's own :class:`ElasticBuffer` (not DeepEP V2's
+:class:`deep_ep_npu.ElasticBuffer`; both exist) with its :class:`EPHandle`. :mod:`deep_ep_npu.sim` installs these
+as those modules."""
 
 from .buffer import MoeDistributeBuffer
+from .elastic import ElasticBuffer, EPHandle
 
-__all__ = ["MoeDistributeBuffer"]
+__all__ = ["EPHandle", "ElasticBuffer", "MoeDistributeBuffer"]

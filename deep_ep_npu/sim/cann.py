@@ -2,7 +2,8 @@
 ``npu_ops_transformer``, each a package whose ``ops`` module holds :mod:`deep_ep_npu.cann`'s front-ends, and their
 context ops under ``torch.ops.<package>`` (CPU kernels: :mod:`deep_ep_npu.ops.v3`):
 
-- ``cann_ops_transformer.ops``: ``MoeDistributeBuffer`` (re-exported by the package, as ``from .ops import *`` does);
+- ``cann_ops_transformer.ops``: ``MoeDistributeBuffer``, ``ElasticBuffer``, ``EPHandle`` (re-exported by the package,
+  as ``from .ops import *`` does);
   ``torch.ops.cann_ops_transformer.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine`` (the V3 schemas,
   dispatch ending with ``x_smooth_scales_dtype``).
 - ``npu_ops_transformer.ops``: ``MoeDistributeBuffer``, ``npu_moe_distribute_dispatch_v3`` /
@@ -52,7 +53,9 @@ def _dispatch_new(*args: Any, x_smooth_scales_dtype: Any = None, **kw: Any) -> t
 def _exports(package: str) -> dict[str, Any]:
     """What ``<package>.ops`` holds."""
     names: dict[str, Any] = {"MoeDistributeBuffer": cann.MoeDistributeBuffer}
-    if package == "npu_ops_transformer":
+    if package == "cann_ops_transformer":
+        names.update(ElasticBuffer=cann.ElasticBuffer, EPHandle=cann.EPHandle)
+    else:
         names.update(
             npu_moe_distribute_dispatch_v3=moe_distribute_dispatch_v3,
             npu_moe_distribute_combine_v3=moe_distribute_combine_v3,
