@@ -2,8 +2,8 @@
 ``npu_ops_transformer``, each a package whose ``ops`` module holds :mod:`deep_ep_npu.cann`'s front-ends, and their
 context ops under ``torch.ops.<package>`` (CPU kernels: :mod:`deep_ep_npu.ops.v3`):
 
-- ``cann_ops_transformer.ops``: ``MoeDistributeBuffer``, ``ElasticBuffer``, ``EPHandle`` (re-exported by the package,
-  as ``from .ops import *`` does);
+- ``cann_ops_transformer.ops``: ``MoeDistributeBuffer``, ``ElasticBuffer``, ``EPHandle``, ``mega_moe``,
+  ``get_symm_buffer_for_mega_moe`` (re-exported by the package, as ``from .ops import *`` does);
   ``torch.ops.cann_ops_transformer.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine`` (the V3 schemas,
   dispatch ending with ``x_smooth_scales_dtype``).
 - ``npu_ops_transformer.ops``: ``MoeDistributeBuffer``, ``npu_moe_distribute_dispatch_v3`` /
@@ -54,7 +54,12 @@ def _exports(package: str) -> dict[str, Any]:
     """What ``<package>.ops`` holds."""
     names: dict[str, Any] = {"MoeDistributeBuffer": cann.MoeDistributeBuffer}
     if package == "cann_ops_transformer":
-        names.update(ElasticBuffer=cann.ElasticBuffer, EPHandle=cann.EPHandle)
+        names.update(
+            ElasticBuffer=cann.ElasticBuffer,
+            EPHandle=cann.EPHandle,
+            mega_moe=cann.mega_moe,
+            get_symm_buffer_for_mega_moe=cann.get_symm_buffer_for_mega_moe,
+        )
     else:
         names.update(
             npu_moe_distribute_dispatch_v3=moe_distribute_dispatch_v3,
