@@ -156,3 +156,18 @@ def _vllm_v3(info, quant_mode: int):
 @pytest.mark.parametrize(("world_size", "quant_mode"), [(2, 2), (4, 0)])
 def test_vllm_ascend_v3_adapter_replay(world_size, quant_mode):
     assert parallel_launch(world_size, _vllm_v3, quant_mode, timeout=90) == [[True, True]] * world_size
+
+
+def _example(info):
+    sim.install()
+    from examples.cann_torch_ext import demo
+
+    return demo(info.group)
+
+
+def test_readme_cann_example_runs():
+    """examples/cann_torch_ext.py's ``demo`` (the README's "Coming from CANN's torch extension") on 2 gloo ranks: the
+    low-latency layer equals its oracle exactly, the weights come back, mega_moe gives (y, expert_token_nums)."""
+    lines = parallel_launch(2, _example, timeout=90)
+    assert all("low_latency: max err vs oracle 0;" in ln for ln in lines), lines
+    assert all("weights echoed True" in ln and "mega_moe: y (4, 1024)" in ln for ln in lines), lines
