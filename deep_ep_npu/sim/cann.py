@@ -7,8 +7,9 @@ context ops under ``torch.ops.<package>`` (CPU kernels: :mod:`deep_ep_npu.ops.v3
   ``torch.ops.cann_ops_transformer.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine`` (the V3 schemas,
   dispatch ending with ``x_smooth_scales_dtype``).
 - ``npu_ops_transformer.ops``: ``MoeDistributeBuffer``, ``npu_moe_distribute_dispatch_v3`` /
-  ``npu_moe_distribute_combine_v3``; ``torch.ops.npu_ops_transformer.npu_moe_distribute_dispatch_v3`` / ``_combine_v3``
-  (dispatch ending with ``scales_dtype``).
+  ``npu_moe_distribute_combine_v3`` and ``npu_moe_distribute_{dispatch,combine}_v2`` (torch_npu's schemas);
+  ``torch.ops.npu_ops_transformer.npu_moe_distribute_dispatch_v3`` / ``_combine_v3`` (dispatch ending with
+  ``scales_dtype``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .. import cann
+from .. import cann, ops
 from ..ops.v3 import moe_distribute_combine_v3, moe_distribute_dispatch_v3
 
 _D = (
@@ -60,8 +61,10 @@ def _exports(package: str) -> dict[str, Any]:
             mega_moe=cann.mega_moe,
             get_symm_buffer_for_mega_moe=cann.get_symm_buffer_for_mega_moe,
         )
-    else:
+    else:  # the old package also registered torch_npu's group-name _v2 ops
         names.update(
+            npu_moe_distribute_dispatch_v2=ops.moe_distribute_dispatch_v2,
+            npu_moe_distribute_combine_v2=ops.moe_distribute_combine_v2,
             npu_moe_distribute_dispatch_v3=moe_distribute_dispatch_v3,
             npu_moe_distribute_combine_v3=moe_distribute_combine_v3,
         )
@@ -71,7 +74,7 @@ def _exports(package: str) -> dict[str, Any]:
 def register() -> dict[str, types.ModuleType]:
     """Define the torch ops (idempotent) and return the package and ``ops`` modules by name, for ``sys.modules``."""
     if not _LIBS:
-        ops = {
+        schemas = {
             "cann_ops_transformer": (
                 ("npu_moe_distribute_dispatch", "x_smooth_scales_dtype", _dispatch_new),
                 ("npu_moe_distribute_combine", None, moe_distribute_combine_v3),
@@ -81,7 +84,7 @@ def register() -> dict[str, types.ModuleType]:
                 ("npu_moe_distribute_combine_v3", None, moe_distribute_combine_v3),
             ),
         }
-        for namespace, defs in ops.items():
+        for namespace, defs in schemas.items():
             lib = torch.library.Library(namespace, "FRAGMENT")
             _LIBS.append(lib)
             for name, last, fn in defs:

@@ -37,6 +37,7 @@ def _modules(info):
 
     assert cann_ops_transformer.MoeDistributeBuffer is MoeDistributeBuffer is old_ops.MoeDistributeBuffer
     assert old_ops.npu_moe_distribute_dispatch_v3 is ops.moe_distribute_dispatch_v3
+    assert old_ops.npu_moe_distribute_combine_v2 is ops.moe_distribute_combine_v2
     buf = MoeDistributeBuffer(info.group)
     x, ids, weights = _inputs(r, 4)
     ids = ids.int()
