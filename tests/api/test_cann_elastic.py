@@ -25,7 +25,7 @@ def _inputs(w: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         bs = N - r % 2
         x = torch.randn((bs, H), generator=g).bfloat16()
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(bs)]).int()
-        out.append((x, ids, torch.rand((bs, K), generator=g)))
+        out.append((x, ids, torch.rand((bs, K), generator=g), torch.rand((bs, 4), generator=g)))
     return out
 
 
@@ -42,7 +42,7 @@ def _run(info, data: bytes):
 
     assert ElasticBuffer is not deep_ep_npu.ElasticBuffer  # both exist
     w, r = info.world_size, info.rank
-    x, ids, weights = from_bytes(data)[r]
+    x, ids, weights, sf = from_bytes(data)[r]
     buf = ElasticBuffer(info.group, num_cpu_bytes=2 << 20, num_max_tokens_per_rank=N, hidden=H, num_topk=K)
     recv_x, none, recv_w, h = buf.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=E)
     experts = torch.repeat_interleave(torch.arange(E // w) + r * (E // w), h.num_recv_tokens_per_expert)
@@ -57,6 +57,8 @@ def _run(info, data: bytes):
         torch.equal(ww[:n], recv_w),
         torch.equal(wh.recv_src_metadata[:n], h.recv_src_metadata),
     )
+    # pre-quantized x: (fp8 e4m3fn data, fp32 scales) travel together
+    (qx, qsf), *_ = buf.dispatch((x.to(torch.float8_e4m3fn), sf), topk_idx=ids, num_experts=E)
     # cached: a new x lands at the same rows, no weights
     cx, _, cw, ch = buf.dispatch(x * 2, handle=h)
     cached = (ch is h, cw is None, torch.equal(cx, (recv_x.float() * 2).bfloat16()))
@@ -85,7 +87,9 @@ def _run(info, data: bytes):
     errors["destroyed"] = _raises(lambda: buf.dispatch(x, topk_idx=ids, num_experts=E))
     other.destroy()
     h = dataclasses.replace(h, v2=None)  # (the DeepEP V2 handle holds the group)
-    return to_bytes((recv_x, none, recv_w, h, combined, combined_w, worst, cached, fetched, errors))
+    return to_bytes(
+        (recv_x, none, recv_w, h, combined, combined_w, worst, cached, fetched, errors, qx.view(torch.uint8), qsf)
+    )
 
 
 def _raises(fn) -> str:
@@ -101,29 +105,34 @@ def test_cann_elastic_buffer(world_size):
     inputs = _inputs(world_size)
     results = [from_bytes(b) for b in parallel_launch(world_size, _run, to_bytes(inputs), timeout=90)]
     num_local = E // world_size
-    for r, (recv_x, none, recv_w, h, combined, combined_w, worst, cached, fetched, errors) in enumerate(results):
+    for r, (recv_x, none, recv_w, h, combined, combined_w, worst, cached, fetched, errors, qx, qsf) in enumerate(
+        results
+    ):
         # dispatch oracle: per local expert, per source rank, tokens ascending
-        rows, meta, weights, per_expert = [], [], [], []
+        rows, meta, weights, per_expert, scales = [], [], [], [], []
         for e in range(r * num_local, (r + 1) * num_local):
             count = 0
-            for src, (x, ids, w) in enumerate(inputs):
+            for src, (x, ids, w, sf) in enumerate(inputs):
                 to_me = [t for t in range(ids.shape[0]) if any(int(i) // num_local == r for i in ids[t])]
                 for t in range(ids.shape[0]):
                     hits = (ids[t] == e).nonzero().flatten().tolist()
                     if hits:
                         rows.append(x[t])
+                        scales.append(sf[t])
                         meta.append([src, t, hits[0], to_me.index(t)])
                         weights.append(float(w[t, hits[0]]))
                         count += 1
             per_expert.append(count)
         assert none is None and torch.equal(recv_x, torch.stack(rows)), r
+        fp8_rows = torch.stack(rows).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(qx, fp8_rows) and torch.equal(qsf, torch.stack(scales)), r
         assert h.recv_src_metadata.tolist() == meta and torch.equal(recv_w, torch.tensor(weights)), r
         assert h.num_recv_tokens_per_expert.tolist() == per_expert and h.num_recv_tokens_per_expert.dtype == torch.int64
         got_tokens = [
-            sum(any(int(i) // num_local == r for i in ids[t]) for t in range(ids.shape[0])) for _, ids, _ in inputs
+            sum(any(int(i) // num_local == r for i in ids[t]) for t in range(ids.shape[0])) for _, ids, *_ in inputs
         ]
         assert h.num_recv_tokens_per_rank.tolist() == got_tokens and h.num_recv_tokens == sum(got_tokens)
-        x, ids, w = inputs[r]
+        x, ids, w, _ = inputs[r]
         slots = [
             [
                 [

@@ -2,9 +2,9 @@
 checked against independent references in test_ops_extended / test_ops_platforms): the same inputs through
 ``moe_distribute_dispatch_v2`` -> an expert -> ``combine_v2``, through ``dispatch_v3`` / ``combine_v3`` with a
 context (new and old layout), and through ``MoeDistributeBuffer.low_latency_*`` (and its ``npu_`` spellings) give
-bit-equal outputs at EP 2, 4 and 8 (small) with quant modes 0 / 2 (smooth scales) / 4 / 5, 1D / 2D masks, shared-expert
-ranks, zero / copy / const experts, elastic_info, comm_quant_mode 2 and an empty expert_scales (plain sum). Then the
-context form's errors, on every rank before any communication.
+bit-equal outputs at EP 2, 4 and 8 (small) with quant modes 0 / 2 (smooth scales) / 3 / 4 / 5, 1D / 2D masks,
+shared-expert ranks, zero / copy / const experts, elastic_info, comm_quant_mode 2 and an empty expert_scales (plain
+sum). Then the context form's errors, on every rank before any communication.
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ CASES = {
     4: [
         (make_case(5, 4, sr=1, s=1, quant=True, smooth=True, mask="2d"), {"expert_scales": True}),
         (make_case(6, 4, table1=[0, 1, -1, 2], new_sr=0, quant=True, smooth=False), {}),
+        (make_case(9, 4, quant=False, hidden=32, mask="2d"), {"quant": {"quant_mode": 3, "y_dtype": E5M2}}),
         (make_case(7, 4, sr=2, s=2, special=(1, 0, 1), uneven=True), {"plain_sum": True, "old": True}),
     ],
     8: [(make_case(8, 8, sr=2, s=1, quant=True, smooth=True, mask="1d", max_bs=2, local=1), {"expert_scales": True})],
