@@ -1,7 +1,9 @@
 """CANN ops-transformer's ``mega_moe`` and ``get_symm_buffer_for_mega_moe`` (reference cann_torch_ext.md §4) on the
 MegaMoE pipeline (:mod:`deep_ep_npu.mega_moe`; numerics :mod:`deep_ep_npu.engine.ffn`). Weights: A16W16 (bf16 /
-fp16, ``dispatch_quant_mode`` 0) and A8W8-INT (int8 with uint64 Fixpipe scales whose low 32 bits are the fp32
-per-channel scale, ``dispatch_quant_mode`` 2); A8W4-INT (int4) and Ascend 950's fp8 / fp4 (MX) weights are refused
+fp16, ``dispatch_quant_mode`` 0), A8W8-INT (int8 with uint64 Fixpipe scales whose low 32 bits are the fp32
+per-channel scale, ``dispatch_quant_mode`` 2) and A8W4-INT (int4, 8 per int32 with the lowest nibble first, ND layout
+as ``npu_format_cast`` leaves it here; its ``l*_bias``, the kernel's ``8 * colsum(W)`` compensation for splitting the
+int8 activation, is not needed: the int8 x int4 products are exact); Ascend 950's fp8 / fp4 (MX) weights are refused
 (not simulated). All four activations; shared experts (Ascend 950's) are computed locally on every token, unweighted,
 in fp32 with the routed activation."""
 
@@ -22,7 +24,7 @@ from ..errors import MoeDistributeError, invalid, shape
 from ..ops.context import context_group, create_context
 
 ACTIVATION_PARAMS = {"swiglu": (), "swiglustep": (), "swigluoai": ("alpha", "beta"), "situglu": ("beta", "linear_beta")}
-WEIGHT_TYPES = {None: None, 258: torch.int8, 1: torch.int8, 15: torch.bfloat16, 5: torch.float16}
+WEIGHT_TYPES = (None, 258, 1, 285, 15, 5)  # ACL int8 / torch int8, ACL int4, torch bf16 / fp16
 
 
 @dataclasses.dataclass
@@ -120,9 +122,10 @@ def mega_moe(
     """dispatch -> GMM1 -> activation -> GMM2 -> combine (collective): ``y[t] = sum_k topk_weights[t, k] *
     FFN_{topk_ids[t, k]}(x[t]) + sum_s FFN_shared_s(x[t])``. ``x`` `[BS, H]` bf16 / fp16; ``topk_ids`` `[BS, K]`
     `torch.int32`; ``topk_weights`` `[BS, K]` fp32 (bf16 accepted); ``l1_weights`` / ``l2_weights``: E/W tensors
-    `[H, 2I]` / `[I, H]` (gate columns first), or one stacked `[E/W, H, 2I]` / `[E/W, I, H]`; int8 ones need
-    ``l1_weights_sf`` / ``l2_weights_sf`` (per expert `[2I]` / `[H]` uint64 or int64 Fixpipe words, or stacked);
-    biases must be None (A8W4 only). ``x_active_mask`` `[BS]` int8 / bool prefix (inactive rows: 0).
+    `[H, 2I]` / `[I, H]` (gate columns first; int4: `[H, 2I / 8]` / `[I, H / 8]` int32), or one stacked; int8 / int4
+    ones need ``l1_weights_sf`` / ``l2_weights_sf`` (per expert `[2I]` / `[H]` uint64 or int64 Fixpipe words, or
+    stacked); ``l1_bias`` / ``l2_bias`` (A8W4's compensation) are not used. ``x_active_mask`` `[BS]` int8 / bool
+    prefix (inactive rows: 0).
     ``activation`` / ``activation_clamp`` / ``activation_params``: :class:`~deep_ep_npu.engine.ffn.Activation`.
     ``shared_l1_weights`` `[S, 2I, H]` / ``shared_l2_weights`` `[S, H, I]` (x's dtype). Returns ``y`` `[BS, H]` in
     x's dtype and ``expert_token_nums`` `[E / W]` `torch.int32` (rows each local expert received)."""
@@ -132,8 +135,6 @@ def mega_moe(
         w1, s1 = _weights(l1_weights, l1_weights_sf, weight1_type, "l1_weights", b.dispatch_quant_mode)
         w2, s2 = _weights(l2_weights, l2_weights_sf, weight2_type, "l2_weights", b.dispatch_quant_mode)
         for name, value in (
-            ("l1_bias", l1_bias),
-            ("l2_bias", l2_bias),
             ("shared_l1_bias", shared_l1_bias),
             ("shared_l2_bias", shared_l2_bias),
             ("shared_l1_weights_sf", shared_l1_weights_sf),
@@ -141,7 +142,7 @@ def mega_moe(
         ):
             if value is not None:
                 raise invalid(
-                    name, "must be None: biases / shared scales belong to A8W4 / MXFP weights (not simulated)"
+                    name, "must be None: shared biases / scales belong to Ascend 950's MXFP weights (not simulated)"
                 )
         if (shared_l1_weights is None) != (shared_l2_weights is None):
             raise invalid("shared_l2_weights", "shared_l1_weights and shared_l2_weights go together")
@@ -173,15 +174,21 @@ def _activation(name: object, clamp: object, params: object) -> Activation:
 
 
 def _weights(ws: Any, sf: Any, wtype: Any, param: str, quant_mode: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A weight list as `[E/W, in, out]` and its fp32 scales `[E/W, out]` (int8) or None."""
+    """A weight list as `[E/W, in, out]` (int4 unpacked to int8) and its fp32 scales `[E/W, out]` (int8) or None."""
     if wtype not in WEIGHT_TYPES:
-        why = "285 int4 (A8W4) and Ascend 950's fp8 / fp4 (MX) weights are not simulated"
-        raise invalid(f"weight{param[1]}_type", f"got {wtype!r}; allowed None, 258 / 1 (int8), 15 / 5; {why}")
+        why = "Ascend 950's fp8 / fp4 (MX) weights are not simulated"
+        raise invalid(f"weight{param[1]}_type", f"got {wtype!r}; allowed None, 258 / 1 (int8), 285 (int4); {why}")
     if not isinstance(ws, list | tuple) or not ws or not all(isinstance(w, torch.Tensor) for w in ws):
         raise invalid(param, "must be a non-empty list of tensors (one per local expert, or one stacked)")
     w = ws[0] if len(ws) == 1 and ws[0].dim() == 3 else torch.stack(list(ws))
+    if wtype == 285 and w.dtype != torch.int32:
+        raise invalid(param, f"dtype {w.dtype}: weight type 285 (int4) takes int32 tensors holding 8 int4 each")
+    if w.dtype == torch.int32:  # A8W4: 8 int4 per int32, the lowest nibble first
+        nibbles = w.contiguous().view(torch.uint8)
+        w = torch.stack([nibbles & 15, nibbles >> 4], -1).flatten(-2).to(torch.int8)
+        w = torch.where(w > 7, w - 16, w)
     if w.dtype not in (torch.int8, torch.bfloat16, torch.float16):
-        raise invalid(param, f"dtype {w.dtype}: simulated are int8 (A8W8) and bf16 / fp16 (A16W16)")
+        raise invalid(param, f"dtype {w.dtype}: simulated are int8 (A8W8), int4 in int32 (A8W4), bf16 / fp16")
     if (w.dtype == torch.int8) != (quant_mode == 2):
         why = "int8 weights need dispatch_quant_mode 2, bf16 / fp16 ones 0 (Atlas A2 / A3)"
         raise invalid(param, f"{w.dtype} with sym_buffer.dispatch_quant_mode {quant_mode}: {why}")

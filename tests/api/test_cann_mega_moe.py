@@ -1,7 +1,7 @@
 """CANN's ``mega_moe`` / ``get_symm_buffer_for_mega_moe`` (``deep_ep_npu.cann``; ``cann_ops_transformer.ops`` under the
 sim): each activation against an fp32 FFN oracle written here (within bf16's rounding of h and of the activation),
 shared experts, ``x_active_mask``, ``expert_token_nums``; vllm-ascend's A3 MegaMoE backend replayed argument for
-argument (W8A8 and BF16) and equal bit for bit to ``deep_ep_npu.mega_moe`` on the same weights; bad input on every
+argument (W8A8, BF16 and W4A8) and equal bit for bit to ``deep_ep_npu.mega_moe`` on the same weights; bad input on every
 rank before any communication.
 """
 
@@ -67,6 +67,13 @@ def _uint64(scale: torch.Tensor) -> torch.Tensor:
     return scale.view(torch.int32).to(torch.int64).view(torch.uint64)
 
 
+def _pack_int4(w: torch.Tensor) -> list[torch.Tensor]:
+    """Per expert `[in, out]` int4 values -> `[in, out / 8]` int32, element j of a word in bits 4j..4j+3."""
+    nib = (w.to(torch.int32) & 15).reshape(*w.shape[:-1], -1, 8)
+    words = sum(nib[..., j].to(torch.int64) << (4 * j) for j in range(8))
+    return list(torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
+
+
 def _run(info, data: bytes):
     from deep_ep_npu import mega_moe as ours
     from deep_ep_npu import sim
@@ -110,20 +117,22 @@ def _run(info, data: bytes):
         dispatch_quant_out_dtype=258,
     )
     replay = {}
-    for quant, wtype, lim in ((2, 258, 0.7), (0, None, 0.0)):
+    int4 = (q1[local] >> 4, q2[local] >> 4)  # values in [-8, 7]
+    for quant, wtype, lim in ((2, 258, 0.7), (0, None, 0.0), (2, 285, 0.0)):
         sym.dispatch_quant_mode, sym.dispatch_quant_out_dtype = quant, (258 if quant else None)
         a, b = (q1[local], q2[local]) if quant else (w1[local], w2[local])
+        a, b = int4 if wtype == 285 else (a, b)
+        packed = [_pack_int4(a), _pack_int4(b)] if wtype == 285 else [list(a), list(b)]
+        bias = dict(l1_bias=[torch.ones(2 * I)] * (E // W), l2_bias=[torch.ones(H)] * (E // W)) if wtype == 285 else {}
         sf = dict(l1_weights_sf=[_uint64(s) for s in s1[local]], l2_weights_sf=[_uint64(s) for s in s2[local]])
         got = mega_moe(
             x,
             ids.to(torch.int32),
             weights.to(torch.float32),
-            list(a),
-            list(b),
+            *packed,
             sym,
             **(sf if quant else {}),
-            l1_bias=None,
-            l2_bias=None,
+            **(bias or dict(l1_bias=None, l2_bias=None)),
             x_active_mask=mask.contiguous(),
             activation_clamp=lim if lim > 0 else None,
             weight1_type=wtype,
@@ -144,17 +153,18 @@ def _run(info, data: bytes):
             swiglu_limit=lim,
             num_segments=1,
         )
-        replay[quant] = torch.equal(got[0], want) and got[1].dtype == torch.int32
+        replay[wtype] = torch.equal(got[0], want) and got[1].dtype == torch.int32
     lists = (list(w1[local]), list(w2[local]))
     errors = {
         "activation": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, activation="gelu")),
         "params": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, activation_params={"alpha": 1.0})),
         "int4": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, weight1_type=285)),
+        "fp4": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, weight1_type=296)),
         "fp8": op_error(
             lambda: mega_moe(x, ids, weights, [w.to(torch.float8_e4m3fn) for w in lists[0]], lists[1], buf)
         ),
         "int8_mode0": op_error(lambda: mega_moe(x, ids, weights, list(q1[local]), list(q2[local]), buf)),
-        "bias": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, l1_bias=[torch.zeros(2 * I)])),
+        "shared_bias": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, shared_l1_bias=[torch.zeros(2 * I)])),
         "ids": op_error(lambda: mega_moe(x, ids + E, weights, *lists, buf)),
     }
     return to_bytes((out, replay, errors))
@@ -179,14 +189,15 @@ def test_cann_mega_moe():
             assert y.dtype == torch.bfloat16 and not y[-1].any(), name
             torch.testing.assert_close(y.float(), want, rtol=0.03, atol=0.03 * float(want.abs().max()), msg=name)
             assert counts.tolist() == torch.bincount(all_ids.long().flatten(), minlength=E)[r * 2 : r * 2 + 2].tolist()
-        assert replay == {2: True, 0: True}, (r, replay)
+        assert replay == {258: True, None: True, 285: True}, (r, replay)
         for name, param in (
             ("activation", "activation"),
             ("params", "activation_params"),
-            ("int4", "weight1_type"),
+            ("int4", "l1_weights"),
+            ("fp4", "weight1_type"),
             ("fp8", "l1_weights"),
             ("int8_mode0", "l1_weights"),
-            ("bias", "l1_bias"),
+            ("shared_bias", "shared_l1_bias"),
             ("ids", "topk_idx"),
         ):
             assert errors[name] is not None and errors[name][1] == param, (r, name, errors[name])
