@@ -71,6 +71,7 @@ def _run(info, data: bytes):
     other = ElasticBuffer(info.group)
     errors |= {
         "ids": op_error(lambda: buf.dispatch(x, topk_idx=ids.long(), num_experts=E)),
+        "one_rank": op_error(lambda: buf.dispatch(x, topk_idx=ids.long() if r else ids, num_experts=E)),
         "align": op_error(lambda: buf.dispatch(x, topk_idx=ids, num_experts=E, expert_alignment=2)),
         "experts": op_error(lambda: buf.dispatch(x, topk_idx=ids, num_experts=2 * w + 1)),
         "bias": op_error(lambda: buf.combine(y, h, bias=x)),
@@ -168,6 +169,8 @@ def test_cann_elastic_buffer(world_size):
             ("too_big", "storage"),
         ):
             assert errors[name] is not None and errors[name][1] == param, (r, name, errors[name])
+        one = errors["one_rank"]  # rank 1's bad topk_idx: rank 0 raises too, naming rank 1
+        assert one is not None and (one[1] == "topk_idx" if r else "rejected on rank 1" in one[2]), (r, one)
 
 
 def test_cann_elastic_size_hints():

@@ -166,6 +166,7 @@ def _run(info, data: bytes):
         "int8_mode0": op_error(lambda: mega_moe(x, ids, weights, list(q1[local]), list(q2[local]), buf)),
         "shared_bias": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, shared_l1_bias=[torch.zeros(2 * I)])),
         "ids": op_error(lambda: mega_moe(x, ids + E, weights, *lists, buf)),
+        "one_rank": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, activation="gelu" if r else "swiglu")),
     }
     return to_bytes((out, replay, errors))
 
@@ -201,6 +202,8 @@ def test_cann_mega_moe():
             ("ids", "topk_idx"),
         ):
             assert errors[name] is not None and errors[name][1] == param, (r, name, errors[name])
+        one = errors["one_rank"]  # rank 1's bad activation: rank 0 raises too, naming rank 1
+        assert one is not None and (one[1] == "activation" if r else "rejected on rank 1" in one[2]), (r, one)
 
 
 @pytest.mark.parametrize("name", [a[0] for a in ACTS])

@@ -197,6 +197,10 @@ def _errors(info):
         "buffer_assist": op_error(
             lambda: buf.low_latency_combine(x, ids, None, None, torch.zeros(8, dtype=torch.int32), num_experts=8)
         ),
+        # one rank's bad input: every rank raises, the others naming the rank that rejected
+        "one_ccl": disp(ccl_buffer_size=1 << 20 if r == 1 else ccl),
+        "one_ctx": disp(peer_ctx[(r + 1) % w] if r == 2 else buf.context),
+        "one_buffer": op_error(lambda: buf.low_latency_dispatch(x, ids.float() if r == 3 else ids, 8)),
     }
     ctx_before = buf.context
     same = dist.new_group(list(range(w)))
@@ -225,12 +229,23 @@ ERRORS = {
 }
 
 
+ONE_RANK = {"one_ccl": (1, "ccl_buffer_size"), "one_ctx": (2, "context"), "one_buffer": (3, "topk_idx")}
+
+
 def test_v3_errors_on_every_rank():
     """Wrong context (a peer's, a subgroup's, garbage, dtype, length), ep_rank_id, ccl_buffer_size too small / above
     the context's, TP 2, hierarchy, bad ids (naming the op's and the Buffer's parameter), a Buffer update to another
-    world size, a missing assist_info: each a MoeDistributeError on every rank; then update_ctx works in place."""
+    world size, a missing assist_info: each a MoeDistributeError on every rank, also when one rank alone is wrong; then
+    update_ctx works in place."""
     for rank, got in enumerate(parallel_launch(4, _errors, timeout=90)):
         for name, (code, param, text) in ERRORS.items():
             err = got[name]
             assert err is not None and err[:2] == (code, param) and text in err[2], (rank, name, err)
+        for name, (bad, param) in ONE_RANK.items():
+            want = (param, "") if rank == bad else ("inputs", f"rejected on rank {bad}")
+            assert got[name] is not None and got[name][1] == want[0] and want[1] in got[name][2], (
+                rank,
+                name,
+                got[name],
+            )
     assert "bytes are needed" in got["too_small"][2]
