@@ -27,30 +27,14 @@ from .context import check_ccl, check_context, context_group
 DISPATCH_V3, COMBINE_V3 = "moe_distribute_dispatch_v3", "moe_distribute_combine_v3"
 _COMMON = ("context", "ep_world_size", "ep_rank_id", "moe_expert_num", "ccl_buffer_size", "expert_ids")
 DISPATCH_POSITIONAL = {*_COMMON, "x", "moe_distribute_dispatch_v2"}
-COMBINE_POSITIONAL = {
-    *_COMMON,
-    "expand_x",
-    "assist_info_for_combine",
-    "ep_send_counts",
-    "expert_scales",
-    "moe_distribute_combine_v2",
-}
+COMBINE_POSITIONAL = {*_COMMON, "expand_x", "assist_info_for_combine", "ep_send_counts", "expert_scales"}
+COMBINE_POSITIONAL.add("moe_distribute_combine_v2")
 
 
-def _group(
-    op: str,
-    context: Any,
-    ep_world_size: Any,
-    ep_rank_id: Any,
-    moe_expert_num: Any,
-    ccl_buffer_size: Any,
-    x: Any,
-    ids: Any,
-    kw: dict[str, Any],
-) -> Any:
+def _group(op: str, context: Any, sizes: tuple[Any, ...], x: Any, ids: Any, kw: dict[str, Any]) -> Any:
     """The group ``context`` names, after the context-form checks (told to its peers when one fails)."""
     group, have = context_group(context)
-    engine = engine_for(group)
+    engine, (ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size) = engine_for(group), sizes
     with engine.rejecting(op):
         check_context(context, group, ep_world_size, ep_rank_id)
         if kw.get("tp_world_size", 0) not in (0, 1):
@@ -114,7 +98,8 @@ def moe_distribute_dispatch_v3(
     from . import moe_distribute_dispatch_v2
 
     kw = {k: v for k, v in locals().items() if k not in DISPATCH_POSITIONAL}
-    group = _group(DISPATCH_V3, context, ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size, x, expert_ids, kw)
+    sizes = (ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size)
+    group = _group(DISPATCH_V3, context, sizes, x, expert_ids, kw)
     return moe_distribute_dispatch_v2(x, expert_ids, group, ep_world_size, ep_rank_id, moe_expert_num, **kw)
 
 
@@ -158,9 +143,8 @@ def moe_distribute_combine_v3(
     from . import moe_distribute_combine_v2
 
     kw = {k: v for k, v in locals().items() if k not in COMBINE_POSITIONAL}
-    group = _group(
-        COMBINE_V3, context, ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size, expand_x, expert_ids, kw
-    )
+    sizes = (ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size)
+    group = _group(COMBINE_V3, context, sizes, expand_x, expert_ids, kw)
     return moe_distribute_combine_v2(
         expand_x,
         expert_ids,
