@@ -1,11 +1,12 @@
 """CANN ops-transformer's ``mega_moe`` and ``get_symm_buffer_for_mega_moe`` (reference cann_torch_ext.md §4) on the
 MegaMoE pipeline (:mod:`deep_ep_npu.mega_moe`; numerics :mod:`deep_ep_npu.engine.ffn`). Weights: A16W16 (bf16 /
-fp16, ``dispatch_quant_mode`` 0), A8W8-INT (int8 with uint64 Fixpipe scales whose low 32 bits are the fp32
-per-channel scale, ``dispatch_quant_mode`` 2) and A8W4-INT (int4, 8 per int32 with the lowest nibble first, ND layout
-as ``npu_format_cast`` leaves it here; its ``l*_bias``, the kernel's ``8 * colsum(W)`` compensation for splitting the
-int8 activation, is not needed: the int8 x int4 products are exact); Ascend 950's fp8 / fp4 (MX) weights are refused
-(not simulated). All four activations; shared experts (Ascend 950's) are computed locally on every token, unweighted,
-in fp32 with the routed activation."""
+fp16, ``dispatch_quant_mode`` 0); A8W8-INT (int8 with uint64 Fixpipe scales whose low 32 bits are the fp32
+per-channel scale, ``dispatch_quant_mode`` 2); A8W4-INT (int4, 8 per int32 with the lowest nibble first, ND layout as
+``npu_format_cast`` leaves it here; its ``l*_bias``, the kernel's ``8 * colsum(W)`` compensation for splitting the
+int8 activation, is not needed: the int8 x int4 products are exact); Ascend 950's A8W8-FP (fp8 `[E/W, out, in]` with
+e8m0 scales per 32 inputs, ``dispatch_quant_mode`` 4: x and the activation output MX-quantized to
+``dispatch_quant_out_dtype`` and back, GMMs in fp32). fp4 weights are refused (not simulated). All four activations;
+shared experts (Ascend 950's) are computed locally on every token, unweighted, in fp32 with the routed activation."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ import torch.distributed as dist
 
 from .. import mega_moe as pipeline_front
 from ..core.call import FFN
+from ..core.platforms import resolve_dtype
 from ..engine import pipeline
 from ..engine.exchange import engine_for
 from ..engine.ffn import Activation
 from ..errors import MoeDistributeError, invalid, shape
 from ..ops.context import context_group, create_context
+from ..quant import mx_dequant, mx_fp8
 
 ACTIVATION_PARAMS = {"swiglu": (), "swiglustep": (), "swigluoai": ("alpha", "beta"), "situglu": ("beta", "linear_beta")}
-WEIGHT_TYPES = (None, 258, 1, 285, 15, 5)  # ACL int8 / torch int8, ACL int4, torch bf16 / fp16
+WEIGHT_TYPES = (None, 258, 1, 285, 15, 5, 291, 292, 23, 24)  # int8 (ACL / torch), int4, bf16, fp16, fp8 (ACL / torch)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclasses.dataclass
@@ -146,12 +150,21 @@ def mega_moe(
                 )
         if (shared_l1_weights is None) != (shared_l2_weights is None):
             raise invalid("shared_l2_weights", "shared_l1_weights and shared_l2_weights go together")
+        mx = (
+            resolve_dtype(b.dispatch_quant_out_dtype, "dispatch_quant_out_dtype")
+            if b.dispatch_quant_mode == 4
+            else None
+        )
+        if b.dispatch_quant_mode == 4 and mx not in FP8:
+            raise invalid("dispatch_quant_out_dtype", f"got {b.dispatch_quant_out_dtype!r}; MX mode 4 takes an fp8")
+        act, out_dtype = dataclasses.replace(act, requant=mx), getattr(x, "dtype", None)
+        x = mx_dequant(*mx_fp8(x, mx)) if mx is not None and isinstance(x, torch.Tensor) else x  # dispatch's MX
         mask = x_active_mask.bool() if isinstance(x_active_mask, torch.Tensor) else x_active_mask
         weights = topk_weights.float() if isinstance(topk_weights, torch.Tensor) else topk_weights
     except MoeDistributeError as err:
         pipeline_front._agree(engine, err.code, (0,) * len(pipeline_front.NAMES), False)
         raise
-    ffn = FFN(w1, w2, s1, s2, None, act, 1)
+    ffn = FFN(w1, w2, s1, s2, out_dtype, act, 1)
     call, ffn, _ = pipeline_front.prepare(
         engine, x, topk_ids, weights, ffn, b.num_max_tokens_per_rank, b.num_experts, mask
     )
@@ -174,34 +187,43 @@ def _activation(name: object, clamp: object, params: object) -> Activation:
 
 
 def _weights(ws: Any, sf: Any, wtype: Any, param: str, quant_mode: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A weight list as `[E/W, in, out]` (int4 unpacked to int8) and its fp32 scales `[E/W, out]` (int8) or None."""
+    """A weight list as `[E/W, in, out]` (int4 unpacked to int8, fp8 dequantized to fp32) and its fp32 scales
+    `[E/W, out]` (int8) or None."""
     if wtype not in WEIGHT_TYPES:
-        why = "Ascend 950's fp8 / fp4 (MX) weights are not simulated"
-        raise invalid(f"weight{param[1]}_type", f"got {wtype!r}; allowed None, 258 / 1 (int8), 285 (int4); {why}")
-    if not isinstance(ws, list | tuple) or not ws or not all(isinstance(w, torch.Tensor) for w in ws):
-        raise invalid(param, "must be a non-empty list of tensors (one per local expert, or one stacked)")
-    w = ws[0] if len(ws) == 1 and ws[0].dim() == 3 else torch.stack(list(ws))
+        why = "fp4 (MX) weights are not simulated"
+        raise invalid(f"weight{param[1]}_type", f"got {wtype!r}; allowed {WEIGHT_TYPES}; {why}")
+    w, name = _stacked(ws, param, 3), param.replace("weights", "weights_sf")
     if wtype == 285 and w.dtype != torch.int32:
         raise invalid(param, f"dtype {w.dtype}: weight type 285 (int4) takes int32 tensors holding 8 int4 each")
     if w.dtype == torch.int32:  # A8W4: 8 int4 per int32, the lowest nibble first
         nibbles = w.contiguous().view(torch.uint8)
         w = torch.stack([nibbles & 15, nibbles >> 4], -1).flatten(-2).to(torch.int8)
         w = torch.where(w > 7, w - 16, w)
+    if w.dtype in FP8:  # Ascend 950 A8W8-FP: `[E/W, out, in]`, e8m0 scales `[E/W, out, ceil(in / 64), 2]`
+        if quant_mode != 4:
+            raise invalid(param, f"{w.dtype} weights need sym_buffer.dispatch_quant_mode 4 (MX, Ascend 950)")
+        codes = _stacked(sf, name, 4).view(torch.uint8).flatten(-2)[..., : -(-w.shape[-1] // 32)]
+        scale = codes.view(torch.float8_e8m0fnu).float().repeat_interleave(32, -1)[..., : w.shape[-1]]
+        return (w.float() * scale).transpose(1, 2), None
     if w.dtype not in (torch.int8, torch.bfloat16, torch.float16):
-        raise invalid(param, f"dtype {w.dtype}: simulated are int8 (A8W8), int4 in int32 (A8W4), bf16 / fp16")
+        raise invalid(param, f"dtype {w.dtype}: simulated are int8, int4 in int32, fp8, bf16 / fp16")
     if (w.dtype == torch.int8) != (quant_mode == 2):
         why = "int8 weights need dispatch_quant_mode 2, bf16 / fp16 ones 0 (Atlas A2 / A3)"
         raise invalid(param, f"{w.dtype} with sym_buffer.dispatch_quant_mode {quant_mode}: {why}")
     if w.dtype != torch.int8:
         return w, None
-    name = param.replace("weights", "weights_sf")
-    if not isinstance(sf, list | tuple) or not sf or not all(isinstance(s, torch.Tensor) for s in sf):
-        raise invalid(name, "int8 weights need their uint64 Fixpipe scales (a list of tensors)")
-    words = sf[0] if len(sf) == 1 and sf[0].dim() == 2 else torch.stack(list(sf))
+    words = _stacked(sf, name, 2)
     if words.shape != (w.shape[0], w.shape[2]):
         raise shape(name, f"shape {tuple(words.shape)} must be (E/W, {w.shape[2]}) (one word per output channel)")
     low = words.contiguous().view(torch.int64).view(torch.int32)[..., 0::2]  # little-endian: the low word first
     return w, low.contiguous().view(torch.float32)
+
+
+def _stacked(ts: Any, param: str, dims: int) -> torch.Tensor:
+    """A list of per-expert tensors, or of one stacked (``dims`` dims), as one stacked tensor."""
+    if not isinstance(ts, list | tuple) or not ts or not all(isinstance(t, torch.Tensor) for t in ts):
+        raise invalid(param, "must be a non-empty list of tensors (one per local expert, or one stacked)")
+    return ts[0] if len(ts) == 1 and ts[0].dim() == dims else torch.stack(list(ts))
 
 
 def _shared(x: torch.Tensor, mask: Any, w1: torch.Tensor, w2: torch.Tensor, act: Activation) -> torch.Tensor:

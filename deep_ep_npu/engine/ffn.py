@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..quant import per_token_int8
+from ..quant import mx_dequant, mx_fp8, per_token_int8
 
 FP32_EXACT_INNER = (1 << 24) // (127 * 127)  # inner sizes keeping every int8 partial sum below 2^24 (fp32 exact)
 
@@ -51,8 +51,13 @@ class Activation:
     alpha: float = 1.702
     beta: float = 1.0
     linear_beta: float | None = None
+    requant: torch.dtype | None = None  # Ascend 950's MX weights: the output MX-quantized to this float8 and back
 
     def __call__(self, h: Tensor) -> Tensor:
+        out = self._gated(h)
+        return out if self.requant is None else mx_dequant(*mx_fp8(out, self.requant))
+
+    def _gated(self, h: Tensor) -> Tensor:
         gate, up = h.chunk(2, dim=-1)
         c = self.clamp or float("inf")
         g_c, u_c = gate.clamp(max=c), up.clamp(min=-c, max=c)

@@ -1,8 +1,8 @@
 """CANN's ``mega_moe`` / ``get_symm_buffer_for_mega_moe`` (``deep_ep_npu.cann``; ``cann_ops_transformer.ops`` under the
-sim): each activation against an fp32 FFN oracle written here (within bf16's rounding of h and of the activation),
-shared experts, ``x_active_mask``, ``expert_token_nums``; vllm-ascend's A3 MegaMoE backend replayed argument for
-argument (W8A8, BF16 and W4A8) and equal bit for bit to ``deep_ep_npu.mega_moe`` on the same weights; bad input on every
-rank before any communication.
+sim): each activation (and A8W8-FP's MX path) against an fp32 FFN oracle written here (within bf16's rounding of h
+and of the activation), shared experts, ``x_active_mask``, ``expert_token_nums``; vllm-ascend's A3 MegaMoE backend
+replayed argument for argument (W8A8, BF16 and W4A8) and equal bit for bit to ``deep_ep_npu.mega_moe`` on the same
+weights; bad input on every rank before any communication.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tests.distributed import op_error, parallel_launch
 from tests.ops_oracle import from_bytes, to_bytes
 
 W, E, H, I, K, N = 2, 4, 64, 32, 2, 5  # noqa: E741
+E4M3 = torch.float8_e4m3fn
 ACTS = [
     ("swiglu", 0.8, None),
     ("swiglustep", 0.5, None),
@@ -59,7 +60,26 @@ def _data():
         torch.randint(-127, 128, (E, I, H), generator=g).to(torch.int8),
     )
     s1, s2 = torch.rand((E, 2 * I), generator=g) / 2000 + 1e-4, torch.rand((E, H), generator=g) / 400 + 1e-4
-    return ranks, w1, w2, shared, (q1, q2, s1, s2)
+    f1, f2 = (w1.transpose(1, 2).float() * 8).to(E4M3), (w2.transpose(1, 2).float() * 8).to(E4M3)
+    c1 = torch.randint(122, 126, (E, 2 * I, -(-H // 64), 2), generator=g).to(torch.uint8)
+    c2 = torch.randint(122, 126, (E, H, -(-I // 64), 2), generator=g).to(torch.uint8)
+    return ranks, w1, w2, shared, (q1, q2, s1, s2), (f1, c1, f2, c2)
+
+
+def _mx_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """MX e4m3 round trip per 32 along the last dim (the docs' rule: scale 2^(floor(log2 amax) - 8))."""
+    blocks = v.reshape(*v.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent - 9), 1.0)
+    return ((blocks / scale).clamp(-448, 448).to(E4M3).float() * scale).reshape(v.shape)
+
+
+def _dequant(w: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """fp8 `[out, in]` times 2^(code - 127) per 32 inputs (codes `[out, ceil(in / 64), 2]`)."""
+    scale = torch.ldexp(
+        torch.ones_like(codes.reshape(w.shape[0], -1), dtype=torch.float32), codes.reshape(w.shape[0], -1).int() - 127
+    )
+    return w.float() * scale.repeat_interleave(32, -1)[:, : w.shape[1]]
 
 
 def _uint64(scale: torch.Tensor) -> torch.Tensor:
@@ -82,7 +102,7 @@ def _run(info, data: bytes):
     from cann_ops_transformer.ops import get_symm_buffer_for_mega_moe, mega_moe
 
     r = info.rank
-    ranks, w1, w2, (sh1, sh2), (q1, q2, s1, s2) = from_bytes(data)
+    ranks, w1, w2, (sh1, sh2), (q1, q2, s1, s2), fp8 = from_bytes(data)
     x, ids, weights = ranks[r]
     local = slice(r * E // W, (r + 1) * E // W)
     buf = get_symm_buffer_for_mega_moe(info.group, E, N, K, H, I)
@@ -154,6 +174,21 @@ def _run(info, data: bytes):
             num_segments=1,
         )
         replay[wtype] = torch.equal(got[0], want) and got[1].dtype == torch.int32
+    # Ascend 950's A8W8-FP: fp8 [E/W, out, in] weights with e8m0 scales [E/W, out, ceil(in / 64), 2]
+    f1, c1, f2, c2 = fp8
+    mx = get_symm_buffer_for_mega_moe(info.group, E, N, K, H, I, dispatch_quant_mode=4, dispatch_quant_out_dtype=292)
+    out["mxfp8"] = mega_moe(
+        x,
+        ids,
+        weights,
+        [f1[local]],
+        list(f2[local]),
+        mx,
+        l1_weights_sf=[c1[local]],
+        l2_weights_sf=list(c2[local]),
+        x_active_mask=mask,
+        activation_clamp=0.9,
+    )
     lists = (list(w1[local]), list(w2[local]))
     errors = {
         "activation": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, activation="gelu")),
@@ -173,7 +208,7 @@ def _run(info, data: bytes):
 
 def test_cann_mega_moe():
     data = _data()
-    ranks, w1, w2, (sh1, sh2), _ = data
+    ranks, w1, w2, (sh1, sh2), _, (f1, c1, f2, c2) = data
     results = [from_bytes(b) for b in parallel_launch(W, _run, to_bytes(data), timeout=120)]
     all_ids = torch.cat([ids[: ids.shape[0] - 1] for _, ids, _ in ranks])  # the masked last row routes nowhere
     for r, (out, replay, errors) in enumerate(results):
@@ -191,6 +226,15 @@ def test_cann_mega_moe():
             torch.testing.assert_close(y.float(), want, rtol=0.03, atol=0.03 * float(want.abs().max()), msg=name)
             assert counts.tolist() == torch.bincount(all_ids.long().flatten(), minlength=E)[r * 2 : r * 2 + 2].tolist()
         assert replay == {258: True, None: True, 285: True}, (r, replay)
+        y, counts = out["mxfp8"]  # oracle: MX(x) @ W1 -> swiglu (clamp 0.9) -> MX -> @ W2, in fp32
+        want = torch.zeros((x.shape[0], H))
+        for t in range(x.shape[0] - 1):
+            xq = _mx_e4m3(x[t : t + 1].float())
+            for k in range(K):
+                e = int(ids[t, k])
+                h = _act("swiglu", 0.9, None, xq @ _dequant(f1[e], c1[e]).T)
+                want[t] += weights[t, k] * (_mx_e4m3(h) @ _dequant(f2[e], c2[e]).T)[0]
+        torch.testing.assert_close(y.float(), want.bfloat16().float(), rtol=0.02, atol=0.01 * float(want.abs().max()))
         for name, param in (
             ("activation", "activation"),
             ("params", "activation_params"),
