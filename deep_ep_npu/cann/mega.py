@@ -29,6 +29,13 @@ from ..quant import mx_dequant, mx_fp8
 ACTIVATION_PARAMS = {"swiglu": (), "swiglustep": (), "swigluoai": ("alpha", "beta"), "situglu": ("beta", "linear_beta")}
 WEIGHT_TYPES = (None, 258, 1, 285, 15, 5, 291, 292, 23, 24)  # int8 (ACL / torch), int4, bf16, fp16, fp8 (ACL / torch)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+PIPELINE_NAMES = {
+    "num_max_dispatch_tokens_per_rank": "sym_buffer.num_max_tokens_per_rank",
+    "w1": "l1_weights",
+    "num_experts": "sym_buffer.num_experts",
+    "w2": "l2_weights",
+    "group world size": "sym_buffer.group",
+}
 
 
 @dataclasses.dataclass
@@ -165,9 +172,12 @@ def mega_moe(
         pipeline_front._agree(engine, err.code, (0,) * len(pipeline_front.NAMES), False)
         raise
     ffn = FFN(w1, w2, s1, s2, out_dtype, act, 1)
-    call, ffn, _ = pipeline_front.prepare(
-        engine, x, topk_ids, weights, ffn, b.num_max_tokens_per_rank, b.num_experts, mask
-    )
+    try:
+        call, ffn, _ = pipeline_front.prepare(
+            engine, x, topk_ids, weights, ffn, b.num_max_tokens_per_rank, b.num_experts, mask
+        )
+    except MoeDistributeError as err:  # (raised on every rank) in this API's names
+        raise err.renamed(PIPELINE_NAMES) from None
     counts = torch.zeros((call.experts.num_local,), dtype=torch.int64, device=x.device)
     y = pipeline.run(engine, call, ffn, counts)
     if shared_l1_weights is not None:

@@ -201,6 +201,9 @@ def _run(info, data: bytes):
         "int8_mode0": op_error(lambda: mega_moe(x, ids, weights, list(q1[local]), list(q2[local]), buf)),
         "shared_bias": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, shared_l1_bias=[torch.zeros(2 * I)])),
         "ids": op_error(lambda: mega_moe(x, ids + E, weights, *lists, buf)),
+        "num_experts": op_error(
+            lambda: mega_moe(x, ids, weights, *lists, get_symm_buffer_for_mega_moe(info.group, 5, N, K, H, I))
+        ),
         "one_rank": op_error(lambda: mega_moe(x, ids, weights, *lists, buf, activation="gelu" if r else "swiglu")),
     }
     return to_bytes((out, replay, errors))
@@ -244,6 +247,7 @@ def test_cann_mega_moe():
             ("int8_mode0", "l1_weights"),
             ("shared_bias", "shared_l1_bias"),
             ("ids", "topk_idx"),
+            ("num_experts", "sym_buffer.num_experts"),
         ):
             assert errors[name] is not None and errors[name][1] == param, (r, name, errors[name])
         one = errors["one_rank"]  # rank 1's bad activation: rank 0 raises too, naming rank 1
