@@ -145,16 +145,10 @@ def mega_moe(
         act = _activation(activation, activation_clamp, activation_params)
         w1, s1 = _weights(l1_weights, l1_weights_sf, weight1_type, "l1_weights", b.dispatch_quant_mode)
         w2, s2 = _weights(l2_weights, l2_weights_sf, weight2_type, "l2_weights", b.dispatch_quant_mode)
-        for name, value in (
-            ("shared_l1_bias", shared_l1_bias),
-            ("shared_l2_bias", shared_l2_bias),
-            ("shared_l1_weights_sf", shared_l1_weights_sf),
-            ("shared_l2_weights_sf", shared_l2_weights_sf),
-        ):
-            if value is not None:
-                raise invalid(
-                    name, "must be None: shared biases / scales belong to Ascend 950's MXFP weights (not simulated)"
-                )
+        extras = dict(shared_l1_bias=shared_l1_bias, shared_l2_bias=shared_l2_bias)
+        extras |= dict(shared_l1_weights_sf=shared_l1_weights_sf, shared_l2_weights_sf=shared_l2_weights_sf)
+        if given := [name for name, value in extras.items() if value is not None]:
+            raise invalid(given[0], "must be None: shared biases / scales go with 950's fp4 weights (not simulated)")
         if (shared_l1_weights is None) != (shared_l2_weights is None):
             raise invalid("shared_l2_weights", "shared_l1_weights and shared_l2_weights go together")
         mx = (
