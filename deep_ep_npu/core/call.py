@@ -36,6 +36,7 @@ class Experts:
     scales_experts: int = 0  # moe_expert_num as given (rows of smooth scales after the shared ones)
     platform: str | None = None  # strict's platform: None, "a3" or "a5"
     plain: bool = True  # routed experts only, EP rank = id // L (no shared-expert ranks, no elastic re-layout)
+    scales_shared: int = 0  # shared_expert_num as passed - S: leading smooth-scale rows also accepted, unused
 
 
 @dataclasses.dataclass

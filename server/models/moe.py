@@ -1,12 +1,14 @@
 """The routed MoE block: router -> ``dispatch`` -> this rank's experts on the grouped layout -> ``combine``
 (+ shared experts, computed while the combine is in flight).
 
-The experts run as one grouped matmul per projection (``torch._grouped_mm``): no loop over experts and no count read
-back on the host. Where that is not the fastest, or not there, they loop over the experts with rows after one read of
-the offsets: on the CPU when the step has at most one row per local expert on average (decode at small batch: a
-one-row product runs as ``torch.mv``, which reads the weights ~1.4x faster there; measured on the decode benchmark's
-experts, batch 1: 15.1 ms against 17.8 ms per step, batch 16: 85.7 against 81.7 ms with the grouped matmuls), on
-devices other than CUDA (bf16), and for int8 experts.
+Where they can, bf16 experts on the CPU run as :func:`deep_ep_npu.kernels.expert_mm.expert_mm`, at most
+``KERNEL_ROWS_PER_EXPERT`` rows per local expert on average (decode): it reads each expert's weights once, in one
+sequential stream per thread, ~2-3x faster than torch's matmuls there (benchmarks/bench_decode.py); above that
+(prefill) torch's are faster. Otherwise the experts run as one grouped matmul per projection
+(``torch._grouped_mm``): no loop over experts and no count read back on the host. Where that is not the fastest, or
+not there, they loop over the experts with rows after one read of the offsets: on the CPU when the step has at most
+one row per local expert on average (a one-row product runs as ``torch.mv``, which reads the weights ~1.4x faster
+than the grouped matmul there), on devices other than CUDA (bf16), and for int8 experts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from deep_ep_npu.kernels.expert_mm import expert_mm
 
 from .config import ModelConfig
 from .ep_comm import ExpertComm
@@ -87,6 +91,10 @@ class Router(nn.Module):
         return idx, weights * cfg.routed_scaling_factor
 
 
+KERNEL_ROWS_PER_EXPERT = 8
+"""The most rows per local expert, on average, for which the CPU experts run as ``expert_mm`` (see the module doc)."""
+
+
 def use_grouped_mm(recv_rows: torch.Tensor, num_experts: int) -> bool:
     """Whether the grouped matmuls run ``recv_rows`` `[num_rows, hidden]` (see the module doc): CUDA with bf16, or
     the CPU with more rows than experts."""
@@ -153,9 +161,21 @@ class LocalExperts(nn.Module):
     def forward(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``recv_rows`` `[num_rows, hidden]` grouped by ``offsets`` `[num_local_experts]` `torch.int32` ->
         `[num_rows, hidden]` (padding rows undefined)."""
+        if (out := self.kernel(recv_rows, offsets)) is not None:
+            return out
         if self.int8 is not None or not use_grouped_mm(recv_rows, offsets.shape[0]):
             return per_expert(recv_rows, offsets, self._expert)
         return self.grouped(recv_rows, offsets)
+
+    def kernel(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+        """The bf16 experts without biases as two ``expert_mm`` calls (arguments and result as :meth:`forward`), or
+        None where they do not run so (see the module doc)."""
+        if self.int8 is not None or hasattr(self, "b13") or recv_rows.shape[0] > KERNEL_ROWS_PER_EXPERT * len(offsets):
+            return None
+        if (h := expert_mm(recv_rows, self.w13, offsets)) is None:
+            return None
+        gate, up = h.split(self.intermediate, dim=-1)
+        return expert_mm(swiglu(gate, up, self.cfg).contiguous(), self.w2, offsets)
 
     def grouped(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The float experts as two grouped matmuls (arguments and result as :meth:`forward`)."""
