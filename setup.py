@@ -1,4 +1,4 @@
-"""Builds the CPU kernels (``deep_ep_npu/kernels/_cpu.c`` and ``loops.c``) into the extension module
+"""Builds the CPU kernels (``deep_ep_npu/kernels/_cpu.c``, ``loops.c`` and ``expert_mm.c``) into the extension module
 ``deep_ep_npu.kernels._cpu`` when the package is installed (``pip install .``, ``pip install -e .``); the rest of the
 package is described in ``pyproject.toml``. The build needs a C compiler (``$CC``, else the one Python was built
 with) and setuptools, nothing else: no torch headers. A failed build fails the installation with the compiler's
@@ -21,7 +21,7 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError
 
 KERNELS = pathlib.Path("deep_ep_npu/kernels")
-SOURCES = [str(KERNELS / "_cpu.c"), str(KERNELS / "loops.c")]
+SOURCES = [str(KERNELS / "_cpu.c"), str(KERNELS / "loops.c"), str(KERNELS / "expert_mm.c")]
 FLAGS = ["-O3", "-std=gnu11", "-fno-wrapv", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing"]
 
 

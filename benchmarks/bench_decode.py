@@ -14,6 +14,12 @@ the median over rounds of the round's ratio. The floor is the time to read one d
 
     .venv/bin/python benchmarks/bench_decode.py                       # EP 1 and 2, batch 1 and 16, transformers
     .venv/bin/python benchmarks/bench_decode.py --ep 2 --backend reference ascend --simulate-npu --no-transformers
+
+``--skew S``: Zipf-skewed routing (the config key ``routing_skew``: each token's top-k drawn with probability
+proportional to ``(e + 1) ** -S``, so the hot experts start on worker 0; no transformers rows) and, per EP size > 1,
+a second engine with EPLB (``--eplb-interval``, ``--num-redundant-experts``) in the same rounds: step times under
+skew before / after balancing, and each engine's balancedness (per MoE layer, mean / max over workers of the rows
+their experts received, summed over the measured steps; the mean over layers is printed).
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.hf_decode import HFDecode, make_checkpoint, prompts  # noqa: E402
 
 
-def ours_step_times(engine, token_ids: list[list[int]], num_new: int, tag: str) -> tuple[list[float], float]:  # noqa: ANN001
+def ours_step_times(engine, token_ids: list[list[int]], num_new: int, tag: str,  # noqa: ANN001
+                    loads: dict | None = None) -> tuple[list[float], float]:  # fmt: skip
     """Generate ``num_new`` tokens greedily after each prompt; returns when each step's tokens came out of
     ``engine.step()`` (``time.perf_counter``) and the share of the time the slowest worker spent in MoE dispatch +
-    combine."""
+    combine. ``loads`` (rank -> per MoE layer) gets each step's received expert rows added."""
     from server.engine_api import SamplingParams
 
     params = SamplingParams(max_tokens=num_new, temperature=0, ignore_eos=True)
@@ -48,6 +55,9 @@ def ours_step_times(engine, token_ids: list[list[int]], num_new: int, tag: str) 
         if any(d.new_token_ids for d in engine.step()):
             times.append(time.perf_counter())
         s = engine.last_step_stats()
+        for rank, per_layer in s.expert_loads.items() if loads is not None else ():
+            row = loads.setdefault(rank, [0] * len(per_layer))
+            loads[rank] = [a + b for a, b in zip(row, per_layer, strict=True)]
         comm += max((d + c for d, c in zip(s.dispatch_times, s.combine_times, strict=True)), default=0.0)
     return times, comm / (time.perf_counter() - t0)
 
@@ -72,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the baseline rows")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of the routing (0: the router's own)")
+    p.add_argument("--eplb-interval", type=int, default=16, help="with --skew: steps between EPLB rebalances")
+    p.add_argument("--num-redundant-experts", type=int, default=4, help="with --skew: the EPLB engines' R")
     args = p.parse_args(argv)
+    if args.skew:
+        args.transformers = False  # transformers' router is not skewed
 
     from server.runtime import EPEngine
 
@@ -83,16 +98,28 @@ def main(argv: list[str] | None = None) -> int:
                  num_experts_per_tok=args.top_k)  # fmt: skip
     ckpt = tempfile.TemporaryDirectory(prefix="bench_decode_")
     make_checkpoint(ckpt.name, dtype, seed=0, **sizes)
+    if args.skew:
+        with open(os.path.join(ckpt.name, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(ckpt.name, "config.json"), "w") as f:
+            json.dump({**config, "routing_skew": args.skew}, f)
     names = [(ep, b) for ep in args.ep for b in (args.backend if ep > 1 else args.backend[:1])]
+    if args.skew:
+        names += [(ep, b + " +eplb") for ep in args.ep if ep > 1 for b in args.backend]
     engines = {}
     hf = HFDecode(ckpt.name, dtype) if args.transformers else None
     results = []
     try:
         for ep, backend in names:
-            engines[ep, backend] = EPEngine(model=ckpt.name, ep_size=ep, dtype=args.dtype, backend=backend,
+            eplb = {}
+            if backend.endswith(" +eplb"):
+                eplb = dict(eplb=True, eplb_interval=args.eplb_interval, eplb_window=args.eplb_interval,
+                            num_redundant_experts=args.num_redundant_experts)  # fmt: skip
+            engines[ep, backend] = EPEngine(model=ckpt.name, ep_size=ep, dtype=args.dtype,
+                                            backend=backend.removesuffix(" +eplb"),
                                             max_num_seqs=max(args.batch), simulate_npu=args.simulate_npu,
                                             max_model_len=args.prompt_len + args.tokens + 8,
-                                            async_scheduling=args.async_scheduling)  # fmt: skip
+                                            async_scheduling=args.async_scheduling, **eplb)  # fmt: skip
         runs: dict[str, tuple] = {f"EP {ep} {backend}": ("ours", engines[ep, backend]) for ep, backend in names}
         if hf is not None:
             runs["transformers"] = ("hf", hf)
@@ -100,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             steps: dict[str, list[float]] = {name: [] for name in runs}  # every round's decode steps (seconds)
             tps: dict[str, list[float]] = {name: [] for name in runs}  # per round
             shares: dict[str, list[float]] = {name: [] for name in runs}
+            loads: dict[str, dict] = {name: {} for name in runs}  # rank -> rows per MoE layer
             floors: list[tuple[float, float]] = []  # per round: the floor (ms) and its bytes
             for r in range(args.repeats):
                 if hf is not None:
@@ -112,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     if kind == "hf":
                         times = impl.step_times(ids, args.tokens)
                     else:
-                        times, share = ours_step_times(impl, ids, args.tokens, f"b{batch}-r{r}")
+                        times, share = ours_step_times(impl, ids, args.tokens, f"b{batch}-r{r}", loads[name])
                         shares[name].append(share)
                     decode = [b - a for a, b in zip(times, times[1:], strict=False)][args.skip :]
                     steps[name] += decode
@@ -129,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["vs_transformers"] = statistics.median(ratios)
                 if floor_ms:
                     row["step_over_floor"] = row["step_ms"] / floor_ms
+                if len(loads[name]) > 1:
+                    columns = list(zip(*loads[name].values(), strict=True))
+                    row["balancedness"] = statistics.fmean(sum(c) / len(c) / max(c) for c in columns if max(c))
                 results.append(row)
                 print(_line(row), flush=True)
     finally:
@@ -150,6 +181,8 @@ def _line(row: dict) -> str:
     if row.get("floor_ms"):
         text += f"  floor {row['floor_ms']:.2f} ms ({row['floor_bytes'] / 1e6:.0f} MB), step/floor"
         text += f" {row['step_over_floor']:.2f}"
+    if "balancedness" in row:
+        text += f"  balancedness {row['balancedness']:.3f}"
     if row["dispatch_combine_share"]:
         text += f"  disp+comb {100 * row['dispatch_combine_share']:.0f}%"
     return text

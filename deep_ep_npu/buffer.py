@@ -163,7 +163,8 @@ class Buffer(AscendMethods):
     def low_latency_combine(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle | tuple,
         use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-        out: torch.Tensor | None = None, combine_wait_recv_cost_stats: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, combine_wait_recv_cost_stats: torch.Tensor | None = None, *,
+        slot_order: bool = False,
     ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:  # fmt: skip
         """Return expert outputs to their source ranks and reduce them there (DeepEP low-latency combine).
 
@@ -178,6 +179,9 @@ class Buffer(AscendMethods):
                 the caller) instead of ``x``.
             out: `[num_tokens, hidden]` in x's dtype, written in place and returned, or None.
             combine_wait_recv_cost_stats: `[R]` `torch.int64` or None, as dispatch's ``dispatch_wait_recv_cost_stats``.
+            slot_order: (ours) sum each token's rows in slot order (k ascending, as DeepEP's kernel) instead of own
+                experts first, then by source rank: the result is then bit for bit independent of where experts
+                live, e.g. of which replica ``topk_idx`` picked (README "Expert load balancing").
 
         Returns:
             combined_x: `[num_tokens, hidden]` in x's dtype: ``sum_k topk_weights[t, k] * expert_out[t, k]`` over
@@ -197,6 +201,7 @@ class Buffer(AscendMethods):
             call = rules.combine(CombineCall(
                 op, "masked", x, topk_idx, experts, h, expert_scales=topk_weights, comm_quant_mode=10 * use_logfmt,
                 zero_copy=zero_copy, out=out, wait_stats=combine_wait_recv_cost_stats, names=COMBINE_NAMES,
+                slot_order=rules.flag(slot_order, "slot_order"),
             ))  # fmt: skip
         inflight = self._backend.combine(call)
         event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (inflight.value,))

@@ -5,6 +5,7 @@ schedule: :mod:`deep_ep_npu.engine.pipeline`; the fused NPU op: :mod:`deep_ep_np
 from __future__ import annotations
 
 import struct
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -106,7 +107,10 @@ def prepare(backend: Backend, x: object, topk_idx: object, topk_weights: object,
     call = DispatchCall(OP, "flat", x_, ids, experts, num_max=n, x_active_mask=mask, expert_scales=weights)
     sizes = (experts.num_moe_experts, x_.shape[1], ffn.w2.shape[1], ids.shape[1])  # (E, K, N, topK)
     dtypes = (DTYPE_CODES[ffn.w1.dtype], DTYPE_CODES[ffn.out_dtype])
-    limit_bits = struct.unpack("<i", struct.pack("<f", ffn.swiglu_limit))[0]
+    limit = ffn.swiglu_limit  # a float, or CANN's Activation: agreed by the crc of its repr
+    limit_bits = (
+        zlib.crc32(repr(limit).encode()) >> 1 if callable(limit) else struct.unpack("<i", struct.pack("<f", limit))[0]
+    )
     fingerprint = (*sizes, *dtypes, n, ffn.num_segments, ("expert", "token").index(ffn.segment_by), limit_bits)
     return call, ffn, _agree(backend, STATUS_OK, fingerprint, backend.can_fuse(call, ffn))
 

@@ -82,6 +82,24 @@ def mx_fp8(x: torch.Tensor, dtype: torch.dtype) -> Quantized:
     return q.to(dtype), codes.view(E8M0)
 
 
+def mx_clip_fp8(x: torch.Tensor, dtype: torch.dtype) -> Quantized:
+    """Ascend ``quant_mode=5`` (MX_CLIP) into float8: per 32-element block ``m = max |x|``; the e8m0 code is
+    ``ceil(log2(max(m, 1e-4) * fp32(1 / maxV))) + 127`` (0 for an all-zero block, 0xFF for a block holding Inf / NaN),
+    so ``|x| / scale <= maxV``; elements ``cast(x * 2^(127 - code))`` (round to nearest even, saturating). Same
+    outputs as :func:`mx_fp8`."""
+    xg = _blocks(x.float(), 32)
+    amax = xg.abs().amax(dim=-1)
+    y = amax.clamp(min=1e-4) * torch.tensor(1.0 / MAX[dtype], dtype=torch.float32)
+    mant, exp = torch.frexp(y)  # y = mant * 2^exp, mant in [.5, 1): ceil(log2 y) = exp - (mant == .5)
+    code = (exp - (mant == 0.5).to(exp.dtype) + 127).clamp_(0, 254)
+    code = torch.where(amax == 0, 0, torch.where(torch.isfinite(amax), code, 255))
+    unscale = torch.where(code == 255, 127, 254 - code).to(torch.uint8).view(E8M0).float()
+    unscale = torch.where(code.unsqueeze(-1) == 255, float("nan"), unscale.unsqueeze(-1))
+    q = (xg * unscale).clamp_(-MAX[dtype], MAX[dtype]).flatten(1)[:, : x.shape[1]]
+    codes = torch.nn.functional.pad(code.to(torch.uint8), (0, code.shape[1] % 2))
+    return q.to(dtype), codes.view(E8M0)
+
+
 def mx_dequant(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """`[n, hidden]` fp32 ``q * 2^(c - 127)`` of :func:`mx_fp8`'s output (codes `[n, >= ceil(hidden / 32)]` e8m0)."""
     n, h = q.shape
@@ -91,19 +109,19 @@ def mx_dequant(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Quant:
-    """One Ascend dispatch quantization: ``mode`` 2 (:func:`per_token`), 3 (:func:`per_group_fp8`) or 4
-    (:func:`mx_fp8`, no smoothing) into ``dtype``; calling it gives ``(q, scales)``."""
+    """One Ascend dispatch quantization: ``mode`` 2 (:func:`per_token`), 3 (:func:`per_group_fp8`), 4
+    (:func:`mx_fp8`, no smoothing) or 5 (:func:`mx_clip_fp8`) into ``dtype``; calling it gives ``(q, scales)``."""
 
     mode: int
     dtype: torch.dtype
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        return E8M0 if self.mode == 4 else torch.float32
+        return E8M0 if self.mode >= 4 else torch.float32
 
     def scale_shape(self, hidden: int) -> tuple[int, ...]:
-        """Scales per row: `()` (mode 2), `[ceil(H / 128)]` (3), `[align2(ceil(H / 32))]` (4)."""
-        return {2: (), 3: (-(-hidden // 128),), 4: (-(-hidden // 64) * 2,)}[self.mode]
+        """Scales per row: `()` (mode 2), `[ceil(H / 128)]` (3), `[align2(ceil(H / 32))]` (4, 5)."""
+        return {2: (), 3: (-(-hidden // 128),)}.get(self.mode, (-(-hidden // 64) * 2,))
 
     def scale_bytes(self, hidden: int) -> int:
         return math.prod(self.scale_shape(hidden)) * self.scale_dtype.itemsize
@@ -111,7 +129,9 @@ class Quant:
     def __call__(self, x: torch.Tensor, smooth: torch.Tensor | None = None) -> Quantized:
         if self.mode == 2:
             return per_token(x, smooth, self.dtype)
-        return per_group_fp8(x, smooth, self.dtype) if self.mode == 3 else mx_fp8(x, self.dtype)
+        if self.mode == 3:
+            return per_group_fp8(x, smooth, self.dtype)
+        return mx_fp8(x, self.dtype) if self.mode == 4 else mx_clip_fp8(x, self.dtype)
 
 
 def per_group_int8(x: torch.Tensor, group: int = 8) -> Quantized:

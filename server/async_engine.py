@@ -281,6 +281,7 @@ class AsyncEngine:
         if m is not None:
             m.on_step(end - start, num_tokens, stats.dispatch_times, stats.combine_times)
             m.ep_ranks_lost.set(stats.num_lost_ranks)
+            m.on_expert_load(stats.expert_loads, stats.num_lost_experts)
             m.on_cache_stats(stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
                              stats.prefix_cache_hits)  # fmt: skip
         self._update_gauges()

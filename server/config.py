@@ -113,7 +113,17 @@ class ServerConfig(BaseModel):
     step_timeout_s: float = Field(30.0, gt=0, le=86400, description="a worker step (or health ping) slower than "
                                   "this marks the engine failed: /health 503, requests 503")  # fmt: skip
     elastic: bool = Field(False, description="keep serving on the surviving workers when one dies or hangs (its "
-                          "requests fail, its experts are dropped; logged, metric ep_ranks_lost)")  # fmt: skip
+                          "requests fail; its experts are dropped unless replicas live elsewhere, see "
+                          "--num-redundant-experts; logged, metrics ep_ranks_lost, experts_lost)")  # fmt: skip
+    num_redundant_experts: int = Field(0, ge=0, description="extra expert slots per MoE layer (E + R must divide by "
+                                       "ep-size; slot E + i starts as expert i mod E; see --eplb)")  # fmt: skip
+    expert_placement: str | None = Field(None, min_length=1, description="static expert placement: a JSON file in "
+                                         "vllm-ascend's format (layer_list / device_list / device_expert)")  # fmt: skip
+    eplb: bool = Field(False, description="expert-parallel load balancing: measure expert load, recompute the "
+                       "placement (DeepSeek's EPLB) every --eplb-interval steps, move expert weights while "
+                       "serving")  # fmt: skip
+    eplb_interval: int = Field(1000, ge=1, description="steps between EPLB rebalances")
+    eplb_window: int = Field(1000, ge=1, description="steps of expert load EPLB balances over (a sliding window)")
     chat_template: str | None = Field(
         None, min_length=1, description="chat template for /v1/chat/completions: a Jinja file, or the template "
         "itself (a value holding '{', '}' or a newline); replaces the checkpoint's (default: the checkpoint's)"

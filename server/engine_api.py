@@ -157,6 +157,8 @@ class StepStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    expert_loads: Mapping[int, Sequence[int]] = dataclasses.field(default_factory=dict)  # rank -> per MoE layer rows
+    num_lost_experts: int = 0  # (layer, expert) pairs left without a replica by lost ranks (elastic mode)
 
 
 class Tokenizer(abc.ABC):

@@ -6,7 +6,8 @@ One :class:`Metrics` per app, each with its own ``CollectorRegistry`` (no proces
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,6 +19,7 @@ _COMM_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+LOAD_WINDOW = 100  # engine steps the expert-load balancedness is measured over
 
 
 class Metrics:
@@ -72,6 +74,17 @@ class Metrics:
             "moe_combine_latency_seconds", "MoE combine time of one worker in one step (all MoE layers).", _COMM_BUCKETS
         )
         self.ep_ranks_lost = gauge("ep_ranks_lost", "EP workers lost in elastic mode (their experts are dropped).")
+        self.experts_lost = gauge("experts_lost", "(MoE layer, expert) pairs with no replica left on the surviving "
+                                  "workers (elastic mode): their tokens skip them.")  # fmt: skip
+        self._balancedness = Gauge(
+            PREFIX + "expert_load_balancedness", f"Per MoE layer: mean / max over EP workers of the rows their "
+            f"experts received in the last {LOAD_WINDOW} steps (1 = even).", ["model_name", "layer"], registry=r,
+        )  # fmt: skip
+        self._rank_load = Counter(
+            PREFIX + "expert_load", "Rows (token, expert pairs) an EP worker's experts received, all MoE layers.",
+            ["model_name", "rank"], registry=r,
+        )  # fmt: skip
+        self._load_window: collections.deque[Mapping[int, Sequence[int]]] = collections.deque(maxlen=LOAD_WINDOW)
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache blocks held by requests (1 = full), averaged "
                                     "over the workers.")  # fmt: skip
         self.num_preemptions = counter("num_preemptions", "Requests preempted (blocks released, recomputed later).")
@@ -109,6 +122,26 @@ class Metrics:
         self.num_preemptions.inc(num_preemptions)
         self.prefix_cache_queries.inc(prefix_cache_queries)
         self.prefix_cache_hits.inc(prefix_cache_hits)
+
+    def on_expert_load(self, loads: Mapping[int, Sequence[int]], num_lost_experts: int) -> None:
+        """One step's rows received per live worker (``loads``: rank -> per MoE layer) and the experts lost."""
+        self.experts_lost.set(num_lost_experts)
+        if not loads:
+            return
+        self._load_window.append(loads)
+        for rank, per_layer in loads.items():
+            self._rank_load.labels(self.model_name, str(rank)).inc(sum(per_layer))
+        ranks = sorted({rank for step in self._load_window for rank in step})
+        totals = [[0] * len(per_layer) for _ in ranks]
+        for step in self._load_window:
+            for i, rank in enumerate(ranks):
+                for layer, n in enumerate(step.get(rank, ())):
+                    totals[i][layer] += n
+        for layer in range(len(per_layer)):
+            column = [t[layer] for t in totals]
+            peak = max(column)
+            value = sum(column) / len(column) / peak if peak else 1.0
+            self._balancedness.labels(self.model_name, str(layer)).set(value)
 
     def set_queue_sizes(self, num_running: int, num_waiting: int) -> None:
         self.num_requests_running.set(num_running)

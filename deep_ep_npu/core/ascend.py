@@ -88,7 +88,7 @@ def experts(pg: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object, mo
         raise invalid("elastic_info", f"is only supported with tp_world_size <= 1, got tp_world_size {tw}")
     here = 1 if rank < sr else num_local
     out = Experts(w, rank, e, num_local, here, w, rank, tuple(range(w)), sr, effective, zero, copy, const, tw, tr,
-                  tp_group, e, plat, plain=not sr)  # fmt: skip
+                  tp_group, e, plat, plain=not sr, scales_shared=s - effective)  # fmt: skip
     return out if elastic_info is None else _elastic(out, elastic_info, s)
 
 
@@ -198,10 +198,13 @@ def dispatch(c: DispatchCall) -> DispatchCall:
     default = type(mode) is int and not mode and y_dtype is None and x_dtype is None and scales_dtype is None
     quant = None if default else dispatch_quant(mode, y_dtype, x_dtype, scales_dtype, x.dtype, e.platform)
     checks.one_of(c.expert_token_nums_type, "expert_token_nums_type", (0, 1))
-    rows, smooth = e.shared_expert_num + e.scales_experts, c.names.get("scales", "scales")
+    rows, smooth, unused = e.shared_expert_num + e.scales_experts, c.names.get("scales", "scales"), e.scales_shared
+    if c.scales is not None and unused and tuple(getattr(c.scales, "shape", ())) == (unused + rows, hidden):
+        rows += unused  # shared_expert_num as passed without shared-expert ranks: its rows are there, unused
     scales = checks.shaped(c.scales, smooth, torch.float32, (rows, hidden), "(S + moe_expert_num, H)")
-    if scales is not None and quant is not None and quant.mode == 4:
-        raise invalid(smooth, "quant_mode 4 (MX) takes no smooth scales: pass None")
+    scales = None if scales is None else scales[rows - e.shared_expert_num - e.scales_experts :]
+    if scales is not None and quant is not None and quant.mode >= 4:
+        raise invalid(smooth, f"quant_mode {quant.mode} (MX) takes no smooth scales: pass None")
     if e.tp is not None and quant is not None and quant.dtype != torch.int8:
         why = "does not combine with tp_world_size 2 (Atlas A3): no platform has both"
         raise invalid("quant_mode", f"{quant.mode} with y_dtype {quant.dtype} (Ascend 950) {why}")
@@ -237,8 +240,7 @@ def combine(c: CombineCall) -> CombineCall:
     assist = checks.tensor(assist, "assist_info_for_combine", (torch.int32,), 1)
     counts = checks.tensor(counts, "ep_send_counts", (torch.int32,), 1)
     weights = checks.tensor(c.expert_scales, "expert_scales", (torch.float32,), (1, 2))
-    if not weights.numel() and tuple(weights.shape) != (num_tokens, topk):  # Ascend 950: empty = a plain sum
-        platform_feature(plat, "expert_scales", "an empty tensor", ("a5",), "a (Bs, K) tensor")
+    if not weights.numel() and tuple(weights.shape) != (num_tokens, topk):  # empty: a plain sum (every platform)
         weights = torch.ones((num_tokens, topk), dtype=torch.float32, device=expand_x.device)
     checks.dims(weights, "expert_scales", (num_tokens, topk), "(Bs, K)")
     shared_x = checks.optional_tensor(c.shared_expert_x, "shared_expert_x", (expand_x.dtype,), (2, 3))

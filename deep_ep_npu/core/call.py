@@ -36,6 +36,7 @@ class Experts:
     scales_experts: int = 0  # moe_expert_num as given (rows of smooth scales after the shared ones)
     platform: str | None = None  # strict's platform: None, "a3" or "a5"
     plain: bool = True  # routed experts only, EP rank = id // L (no shared-expert ranks, no elastic re-layout)
+    scales_shared: int = 0  # shared_expert_num as passed - S: leading smooth-scale rows also accepted, unused
 
 
 @dataclasses.dataclass
@@ -97,7 +98,9 @@ class CombineCall(Call):
     1 (expand: a tuple of up to two biases); ``ori_x`` / ``const_expert_*``: the copy / const experts' inputs;
     ``comm_quant_mode``: the rows' wire format (0, 2 int8 per 8, 3 / 4 MX fp8, 10 DeepEP's LogFMT); ``zero_copy``:
     masked rows from the Buffer's combine buffer; ``out`` `[T, H]` or None; flat: ``num_rows`` own rows of ``x`` (then
-    ``num_peer`` TP peer rows); expand without ``multiple_reduction``: every expand row goes back as it is."""
+    ``num_peer`` TP peer rows); expand without ``multiple_reduction``: every expand row goes back as it is;
+    ``slot_order``: masked rows are summed per token in slot order (k ascending; the flat and expand layouts always
+    are), so the result does not depend on which rank holds an expert (replicas, :mod:`deep_ep_npu.eplb`)."""
 
     handle: Any
     shared_expert_x: Any = None
@@ -111,6 +114,7 @@ class CombineCall(Call):
     num_rows: int = 0
     num_peer: int = 0
     multiple_reduction: bool = True
+    slot_order: bool = False
 
 
 @dataclasses.dataclass

@@ -47,7 +47,7 @@ def resolve_dtype(value: object, param: str) -> torch.dtype | None:
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-Y_DTYPES = {2: (torch.int8, *FP8), 3: FP8, 4: FP8}  # quant_mode -> expand_x dtypes (y_dtype)
+Y_DTYPES = {2: (torch.int8, *FP8), 3: FP8, 4: FP8, 5: FP8}  # quant_mode -> expand_x dtypes (y_dtype)
 
 
 def hierarchy_rules(c: Any, x_param: str, hidden: int, mask: torch.Tensor | None) -> None:
@@ -85,11 +85,11 @@ def dispatch_quant(quant_mode: object, y_dtype: object, x_dtype: object, scales_
                    plat: str | None) -> Quant | None:  # fmt: skip
     """``quant_mode`` with ``y_dtype`` / ``x_dtype`` / ``scales_dtype`` (torch dtypes or torch_npu codes) for an x of
     ``dtype``: the :class:`Quant` to run, None for quant_mode 0."""
-    mode = checks.in_range(quant_mode, "quant_mode", 0, 4, code="param")  # 0 none, 2 per token, 3 per 128, 4 MX
+    mode = checks.in_range(quant_mode, "quant_mode", 0, 5, code="param")  # 0 none, 2 token, 3 per 128, 4 MX, 5 clip
     if mode == 1:
-        why = "not implemented, its rounding and saturation are undocumented; allowed 0, 2, 3 or 4"
+        why = "not implemented, its rounding and saturation are undocumented; allowed 0, 2, 3, 4 or 5"
         raise invalid("quant_mode", f"got 1 (static quant, Ascend 950): {why}")
-    if mode in (3, 4):
+    if mode >= 3:
         platform_feature(plat, "quant_mode", mode, ("a5",), "0 or 2")
     for name, value in (("y_dtype", y_dtype), ("x_dtype", x_dtype), ("scales_dtype", scales_dtype)):
         if value is not None:

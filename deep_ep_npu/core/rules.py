@@ -265,8 +265,10 @@ def ffn(f: FFN, x: torch.Tensor, num_local: int, topk: int, num_max: int, world_
     """The expert FFN of a fused call on ``x`` `[M, K]` (E_local = ``num_local``); see :class:`.call.FFN`."""
     hidden, num_tokens = x.shape[1], x.shape[0]
     limit = 0.0 if f.swiglu_limit is None else f.swiglu_limit
-    fp32_max = torch.finfo(torch.float32).max  # swiglu_limit is the fused op's fp32 attribute
-    if isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit <= fp32_max:
+    fp32_max = torch.finfo(torch.float32).max  # swiglu_limit is the fused op's fp32 attribute (or an Activation)
+    if callable(limit):  # an engine.ffn.Activation (CANN's mega_moe)
+        pass
+    elif isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit <= fp32_max:
         allowed = f"allowed None or a float in [0, {fp32_max:.4g}] (0: no clamp)"
         raise invalid("swiglu_limit", f"got {f.swiglu_limit!r}, {allowed}")
     if (f.w1_scale is None) != (f.w2_scale is None):
@@ -300,7 +302,8 @@ def ffn(f: FFN, x: torch.Tensor, num_local: int, topk: int, num_max: int, world_
     most = num_local if f.segment_by == "expert" else num_max
     segments = min(most, 2) if f.num_segments is None else f.num_segments  # 2: measured best on the CPU reference
     in_range(segments, "num_segments", 1, most)
-    return dataclasses.replace(f, w1=w1, w2=w2, out_dtype=out_dtype, swiglu_limit=float(limit),
+    limit = limit if callable(limit) else float(limit)
+    return dataclasses.replace(f, w1=w1, w2=w2, out_dtype=out_dtype, swiglu_limit=limit,
                                num_segments=segments, max_output_size=max_output)  # fmt: skip
 
 

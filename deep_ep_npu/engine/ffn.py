@@ -19,13 +19,14 @@ Float weights (``wd`` = their dtype): ``h = wd(fp32(x) @ fp32(w1))``, ``g = wd(s
 ``dispatch_ffn_combine`` kernel's; unconfirmed without an NPU: how the Fixpipe rounds ``acc * scale`` (here: fp64
 product, then fp32, then fp16)."""
 
+import dataclasses
 import itertools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..quant import per_token_int8
+from ..quant import mx_dequant, mx_fp8, per_token_int8
 
 FP32_EXACT_INNER = (1 << 24) // (127 * 127)  # inner sizes keeping every int8 partial sum below 2^24 (fp32 exact)
 
@@ -37,9 +38,45 @@ def int8_gmm(q: Tensor, w: Tensor, channel_scale: Tensor) -> Tensor:
     return (acc * channel_scale.double().unsqueeze(0)).float().half()
 
 
-def swiglu(h: Tensor, limit: float = 0.0) -> Tensor:
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """A gated activation of CANN's ``mega_moe`` on `[num_rows, 2N]` fp32 ``h`` (G = gate, the first N, U = up; c =
+    ``clamp``, +inf when 0; ``G_c = min(G, c)``, ``U_c = clip(U, -c, c)``): ``swiglu`` ``silu(G_c) * U_c``;
+    ``swiglustep`` ``min(silu(G), c) * U_c``; ``swigluoai`` ``G_c * sigmoid(alpha * G_c) * (U_c + beta)``;
+    ``situglu`` ``beta * tanh(G / beta) * sigmoid(G) * L(U)``, ``L(U) = U`` or ``linear_beta * tanh(U /
+    linear_beta)`` (clamp unused). Returns `[num_rows, N]` fp32."""
+
+    name: str = "swiglu"
+    clamp: float = 0.0
+    alpha: float = 1.702
+    beta: float = 1.0
+    linear_beta: float | None = None
+    requant: torch.dtype | None = None  # Ascend 950's MX weights: the output MX-quantized to this float8 and back
+
+    def __call__(self, h: Tensor) -> Tensor:
+        out = self._gated(h)
+        return out if self.requant is None else mx_dequant(*mx_fp8(out, self.requant))
+
+    def _gated(self, h: Tensor) -> Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        c = self.clamp or float("inf")
+        g_c, u_c = gate.clamp(max=c), up.clamp(min=-c, max=c)
+        if self.name == "swiglu":
+            return F.silu(g_c) * u_c
+        if self.name == "swiglustep":
+            return F.silu(gate).clamp(max=c) * u_c
+        if self.name == "swigluoai":
+            return g_c * torch.sigmoid(self.alpha * g_c) * (u_c + self.beta)
+        lin = up if self.linear_beta is None else self.linear_beta * torch.tanh(up / self.linear_beta)
+        return self.beta * torch.tanh(gate / self.beta) * torch.sigmoid(gate) * lin
+
+
+def swiglu(h: Tensor, limit: float | Activation = 0.0) -> Tensor:
     """``silu(gate) * up`` of `[num_rows, 2N]` `torch.float32` (gate first), with ``gate <= limit`` and
-    ``|up| <= limit`` when ``limit > 0``; returns `[num_rows, N]` fp32."""
+    ``|up| <= limit`` when ``limit > 0``; an :class:`Activation` instead of ``limit`` applies it. Returns
+    `[num_rows, N]` fp32."""
+    if isinstance(limit, Activation):
+        return limit(h)
     gate, up = h.chunk(2, dim=-1)
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
@@ -47,7 +84,7 @@ def swiglu(h: Tensor, limit: float = 0.0) -> Tensor:
 
 
 def int8_expert_ffn(q: Tensor, q_scale: Tensor, w1: Tensor, w1_scale: Tensor, w2: Tensor, w2_scale: Tensor,
-                    out_dtype: torch.dtype, swiglu_limit: float = 0.0) -> Tensor:  # fmt: skip
+                    out_dtype: torch.dtype, swiglu_limit: float | Activation = 0.0) -> Tensor:  # fmt: skip
     """One expert's int8 FFN on already-quantized rows (the module docstring's formula): q `[num_rows, hidden]`
     `torch.int8` with per-token scales q_scale `[num_rows]` `torch.float32`; w1 `[hidden, 2N]` / w2 `[N, hidden]`
     `torch.int8`; w1_scale `[2N]` / w2_scale `[hidden]` `torch.float32`. Returns y `[num_rows, hidden]` out_dtype."""
@@ -56,7 +93,9 @@ def int8_expert_ffn(q: Tensor, q_scale: Tensor, w1: Tensor, w1_scale: Tensor, w2
     return (int8_gmm(q2, w2, w2_scale).float() * s2.unsqueeze(1)).to(out_dtype)
 
 
-def float_expert_ffn(x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype, swiglu_limit: float = 0.0) -> Tensor:
+def float_expert_ffn(
+    x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype, swiglu_limit: float | Activation = 0.0
+) -> Tensor:
     """One expert's float FFN (the module docstring's formula, GMM1 and SwiGLU outputs rounded to the weights'
     dtype): x `[num_rows, hidden]`, w1 `[hidden, 2N]`, w2 `[N, hidden]` (each bf16 / fp16 / fp32); returns y
     `[num_rows, hidden]` with ``out_dtype``."""
@@ -67,7 +106,7 @@ def float_expert_ffn(x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype, 
 
 def grouped_ffn(expand_x: Tensor, dynamic_scales: Tensor, expert_token_nums: Tensor, experts: range, w1: Tensor,
                 w2: Tensor, w1_scale: Tensor | None, w2_scale: Tensor | None, out_dtype: torch.dtype,
-                swiglu_limit: float = 0.0) -> Tensor:  # fmt: skip
+                swiglu_limit: float | Activation = 0.0) -> Tensor:  # fmt: skip
     """GMM1 -> SwiGLU -> GMM2 over dispatch's expert-major rows for the local experts in ``experts`` (the others must
     have zero rows); returns y `[num_rows, hidden]` with ``out_dtype``, row-aligned with ``expand_x[:num_rows]``.
     expand_x `[A, hidden]` (`torch.int8` for int8 weights), dynamic_scales `[A]` `torch.float32` (int8 weights),

@@ -170,4 +170,4 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     fingerprint = (h.num_max_dispatch_tokens_per_rank, h.num_experts, hidden, DTYPE_CODES[c.x.dtype])
     on_wait = None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns))
     return [CombineJob(source.view(num_local * rn, hidden), rows, rows_per_src, plan, weights, wire, out, fingerprint,
-                       COMBINE_NAMES, MISMATCH, on_wait=on_wait)]  # fmt: skip
+                       COMBINE_NAMES, MISMATCH, by_slot=c.slot_order, on_wait=on_wait)]  # fmt: skip

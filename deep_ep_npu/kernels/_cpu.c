@@ -517,6 +517,26 @@ METHOD(gather) {
     Py_RETURN_NONE;
 }
 
+METHOD(expert_mm) {
+    const char *fn = "expert_mm";
+    Buf x, w, y, offs;
+    int64_t rows, E, N, K, threads;
+    if (!parse(fn, args, nargs, "T:x i:rows T:w i:E i:N i:K T:y T:offs i:threads", &x, &rows, &w, &E, &N, &K, &y,
+               &offs, &threads) ||
+        !holds(fn, "x", &x, size3(rows, K, 2)) || !holds(fn, "w", &w, size3(E, N, K * 2)) ||
+        !holds(fn, "y", &y, size3(rows, N, 2)) || !holds(fn, "offs", &offs, size3(E, 4, 1)))
+        return NULL;
+    const int32_t *o = (const int32_t *)offs.ptr;
+    for (int64_t e = 0; e < E; e++)
+        if (o[e] < (e ? o[e - 1] : 0) || o[e] > rows)
+            return PyErr_Format(PyExc_ValueError, "expert_mm(): offs[%lld] = %d is not in [offs[e - 1], %lld]",
+                                (long long)e, o[e], (long long)rows);
+    int done;
+    NOGIL(done = dep_expert_mm((const uint16_t *)x.ptr, (const uint16_t *)w.ptr, (uint16_t *)y.ptr, o, E, N, K,
+                               threads));
+    return PyBool_FromLong(done);
+}
+
 METHOD(place_scales) {
     const char *fn = "place_scales";
     Buf rows, pair_row, pair_pos, out;
@@ -699,6 +719,7 @@ static PyMethodDef methods[] = {
     ENTRY(pack_fp8, "dispatch rows in DeepEP's fp8 (see kernels.pack_fp8)"),
     ENTRY(to_e4m3, "the float -> e4m3fn cast (see kernels.to_e4m3)"),
     ENTRY(gather, "out[i] = x[index[i]] with streaming stores (see kernels.gather)"),
+    ENTRY(expert_mm, "the bf16 expert matmul of the grouped layout (see kernels.expert_mm)"),
     ENTRY(place_scales, "the masked layout's scales (see kernels.place_scales)"),
     ENTRY(place_pairs, "the masked placement of this rank's own pairs (see kernels.place_pairs)"),
     ENTRY(layout_range, "the masked layout's block table (see kernels.layout_range)"),

@@ -25,18 +25,22 @@ from ..errors import ACLNN_ERR_INNER_TILING_ERROR, ACLNN_ERR_PARAM_INVALID, ACLN
 from ..sizes import get_low_latency_ccl_buffer_size
 from ..transports.collective import EPGroup
 from ..transports.names import resolve_group
+from .context import create_context
 from .two_stage import (
     moe_distribute_combine_setup,
     moe_distribute_combine_teardown,
     moe_distribute_dispatch_setup,
     moe_distribute_dispatch_teardown,
 )
+from .update_expert import moe_update_expert
 
 __all__ = [
     "ACLNN_ERR_INNER_TILING_ERROR", "ACLNN_ERR_PARAM_INVALID", "ACLNN_ERR_PARAM_NULLPTR", "MoeDistributeError",
-    "get_low_latency_ccl_buffer_size", "moe_distribute_combine_setup", "moe_distribute_combine_start",
-    "moe_distribute_combine_teardown", "moe_distribute_combine_v2", "moe_distribute_dispatch_setup",
-    "moe_distribute_dispatch_start", "moe_distribute_dispatch_teardown", "moe_distribute_dispatch_v2",
+    "create_context", "get_low_latency_ccl_buffer_size", "moe_distribute_combine_setup",
+    "moe_distribute_combine_start", "moe_distribute_combine_teardown", "moe_distribute_combine_v2",
+    "moe_distribute_combine_v3", "moe_distribute_dispatch_setup", "moe_distribute_dispatch_start",
+    "moe_distribute_dispatch_teardown", "moe_distribute_dispatch_v2", "moe_distribute_dispatch_v3",
+    "moe_update_expert",
 ]  # fmt: skip
 DISPATCH, COMBINE = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
 _P = ParamSpec("_P")
@@ -85,7 +89,8 @@ def moe_distribute_dispatch_start(
         group_ep: the EP `ProcessGroup` or its group name (ep_world_size / ep_rank_id must match it).
         moe_expert_num: routed experts in total, divisible by W - SR.
         scales: `[S + moe_expert_num, H]` `torch.float32` smooth scales (row ``s``: shared expert s, ``S + e``:
-            routed expert e).
+            routed expert e); without shared-expert ranks also `[shared_expert_num + moe_expert_num, H]` (S as
+            passed, as torch_npu's tests give it: the leading rows are unused).
         x_active_mask: `[Bs]` bool (the active prefix) or `[Bs, K]` bool per pair; excluded rows / pairs are neither
             validated nor sent. A token goes to the shared experts if it is active (2D: has an active pair).
         expert_scales: `[Bs, K]` `torch.float32` top-k weights, carried to ``expand_scales`` (shared rows carry 1).
@@ -99,8 +104,9 @@ def moe_distribute_dispatch_start(
         expert_shard_type: 0 (shared experts on the first ranks); shared_expert_num in [0, 4].
         quant_mode: 0 none; 2 per token (:func:`~deep_ep_npu.quant.per_token`, ``xf = x * scales[row]`` with
             ``scales``); 3 (Ascend 950) float8 per 128 channels (:func:`~deep_ep_npu.quant.per_group_fp8`); 4 (Ascend
-            950) MX float8 per 32 elements, no ``scales`` (:func:`~deep_ep_npu.quant.mx_fp8`). 1 (static) is refused:
-            its rounding is undocumented.
+            950) MX float8 per 32 elements, no ``scales`` (:func:`~deep_ep_npu.quant.mx_fp8`); 5 (Ascend 950) MX_CLIP,
+            as 4 with the scale rounded up so no element saturates (:func:`~deep_ep_npu.quant.mx_clip_fp8`). 1
+            (static) is refused: its rounding is undocumented.
         global_bs: 0 (every rank has the same Bs) or max(Bs) * W. expert_token_nums_type: 1 counts, 0 their cumsum.
         comm_alg: "", "fullmesh" (Atlas A2), "fullmesh_v1", "fullmesh_v2" (K <= 12), "hierarchy" (Atlas A3) or "ccu"
             (in no v2 doc; sgl-kernel-npu passes it): all give fullmesh's layout and results here. "hierarchy" needs
@@ -109,7 +115,7 @@ def moe_distribute_dispatch_start(
         y_dtype, x_dtype, scales_dtype: (Ascend 950) a `torch.dtype` or a torch_npu dtype code (e.g.
             ``torch_npu.float8_e4m3fn`` = 292). y_dtype, expand_x's: None (x's; `torch.int8` with quant_mode 2),
             `torch.int8` / `torch.float8_e4m3fn` / `torch.float8_e5m2` with quant_mode 2, a float8 one (required)
-            with 3 / 4. x_dtype: None or x's dtype; scales_dtype: None or `torch.float32`.
+            with 3 / 4 / 5. x_dtype: None or x's dtype; scales_dtype: None or `torch.float32`.
         ccl_buffer_size: MB of CCL window available (None: unchecked); too small raises naming the size needed (the
             ops-transformer formula; fullmesh_v1's for "fullmesh", "hierarchy" and "ccu", which it does not cover).
         strict: False (what any platform accepts), True / "a3" (Atlas A3's limits: H in [1024, 8192], W in
@@ -120,7 +126,7 @@ def moe_distribute_dispatch_start(
         expand_x: `[A * max(tp_world_size, 1), H]` in y_dtype (not dequantized): rows by local expert, then source
             rank, then source token, the TP peer's after this rank's; zero past the received total.
         dynamic_scales: per-row dequant scales: quant_mode 2 `[A * max(tp, 1)]` `torch.float32`; 3
-            `[A, ceil(H / 128)]` `torch.float32`; 4 `[A, align2(ceil(H / 32))]` `torch.float8_e8m0fnu` (the padding
+            `[A, ceil(H / 128)]` `torch.float32`; 4 / 5 `[A, align2(ceil(H / 32))]` `torch.float8_e8m0fnu` (the padding
             entry is code 0); quant_mode 0 `[A * max(tp, 1)]` zeros (`[A * max(tp, 1), H]` when ``scales`` is given).
         assist_info_for_combine: `[max(Bs * K, A * 128)]` `torch.int32`; own row i holds (src EP rank, src token,
             top-k slot; ``K + s`` for shared expert s) at ``[3i : 3i + 3]``, the rest is zero.
@@ -180,8 +186,8 @@ def moe_distribute_combine_start(
             performance_info: as given to dispatch.
         assist_info_for_combine, ep_send_counts (dispatch's ``ep_recv_counts``), tp_send_counts (its
             ``tp_recv_counts``, required with tp_world_size 2): dispatch's `torch.int32` outputs, unchanged.
-        expert_scales: `[Bs, K]` `torch.float32` top-k weights, applied at the source rank; an empty tensor (Ascend
-            950) means weight 1 (a plain sum).
+        expert_scales: `[Bs, K]` `torch.float32` top-k weights, applied at the source rank; an empty tensor means
+            weight 1, a plain sum (every platform, Atlas A3 included).
         shared_expert_x: `[Bs, H]` (or `[a, b, H]` with a * b = Bs), expand_x's dtype: added with weight 1. Only
             when shared_expert_rank_num is 0.
         ori_x: `[Bs, H]`, expand_x's dtype: the tokens before dispatch; required iff copy or const experts exist.
@@ -237,3 +243,6 @@ def one_shot(start: Callable[_P, InFlight], name: str) -> Callable[_P, Any]:
 
 moe_distribute_dispatch_v2 = one_shot(moe_distribute_dispatch_start, DISPATCH)
 moe_distribute_combine_v2 = one_shot(moe_distribute_combine_start, COMBINE)
+
+
+from .v3 import moe_distribute_combine_v3, moe_distribute_dispatch_v3  # noqa: E402  (they call the _v2 ops)

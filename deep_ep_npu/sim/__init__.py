@@ -1,15 +1,20 @@
 """An NPU stand-in: run code written against torch_npu's MoE distribute ops on CPU tensors over gloo.
 
 :func:`install` registers ``sys.modules["torch_npu"]``, a module with exactly these attributes: the
-``npu_moe_distribute_{dispatch,combine}_{v2,setup,teardown}`` ops (the :mod:`deep_ep_npu.ops` functions of the same
-names without ``npu_``), ``npu_format_cast(tensor, acl_format)`` (returns ``tensor``), torch_npu's dtype constants as
-ints (:data:`deep_ep_npu.core.platforms.TORCH_NPU_CONSTANTS`), ``__version__`` ``"2.14.0+sim"``, ``SIMULATED = True``
-and ``device_type = "cpu"``. It also registers the stand-in MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine``
-(:mod:`.fused`) and makes ``group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)`` return
-:func:`hccl_comm_name`, which the ops take as ``group_ep`` / ``group_tp``. For that ``torch.device("npu")`` becomes
-valid, which a process cannot undo: do not load a real torch_npu after :func:`uninstall`, and
-``torch.accelerator.is_available()`` / ``torch.random.fork_rng()`` raise. ``torch.npu`` is not faked, so
-``Buffer(backend="auto")`` keeps choosing the reference backend; ``backend="ascend"`` runs the Ascend backend's code.
+``npu_moe_distribute_{dispatch,combine}_{v2,setup,teardown}`` ops and ``npu_moe_update_expert`` (the
+:mod:`deep_ep_npu.ops` functions of the same names without ``npu_``), ``npu_format_cast(tensor, acl_format)``
+(returns ``tensor``), torch_npu's dtype constants as ints (:data:`deep_ep_npu.core.platforms.TORCH_NPU_CONSTANTS`),
+``__version__`` ``"2.14.0+sim"``, ``SIMULATED = True`` and ``device_type = "cpu"``. It also registers the stand-in
+MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine`` (:mod:`.fused`) and makes
+``group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)`` return :func:`hccl_comm_name`, which the ops take
+as ``group_ep`` / ``group_tp``. For that ``torch.device("npu")`` becomes valid, which a process cannot undo: do not
+load a real torch_npu after :func:`uninstall`, and ``torch.accelerator.is_available()`` / ``torch.random.fork_rng()``
+raise. ``torch.npu`` is not faked, so ``Buffer(backend="auto")`` keeps choosing the reference backend;
+``backend="ascend"`` runs the Ascend backend's code (on CANN's context ops, as it does on an NPU where CANN's
+extension is installed, unless ``install(cann=False)``).
+
+With ``cann=True`` (the default) it also installs CANN ops-transformer's torch extension, ``cann_ops_transformer`` and
+``npu_ops_transformer`` with their ``ops`` modules and ``torch.ops`` context ops (:mod:`.cann`).
 """
 
 from __future__ import annotations
@@ -25,15 +30,18 @@ import torch.distributed as dist
 
 from ..core.platforms import TORCH_NPU_CONSTANTS
 from ..transports.names import register_comm_name, unregister_comm_name
+from . import cann as _cann
 from . import fused
 
 __all__ = ["hccl_comm_name", "install", "installed", "uninstall"]
 
 VERSION = "2.14.0+sim"  # the torch_npu release whose op signatures deep_ep_npu.ops mirrors; "+sim": the stand-in
 _OP_NAMES = ("dispatch_v2", "combine_v2", "dispatch_setup", "dispatch_teardown", "combine_setup", "combine_teardown")
-OPS = {f"npu_moe_distribute_{op}": f"moe_distribute_{op}" for op in _OP_NAMES}
+OPS = {f"npu_moe_distribute_{op}": f"moe_distribute_{op}" for op in _OP_NAMES} | {
+    "npu_moe_update_expert": "moe_update_expert"
+}
 """torch_npu's name -> the :mod:`deep_ep_npu.ops` function it is, looked up at each attribute access."""
-_state: dict[str, Any] = {}  # while installed: "module", "get_backend" (ProcessGroup's original method)
+_state: dict[str, Any] = {}  # while installed: "module", "get_backend" (ProcessGroup's original), "cann" (modules)
 _comm_names: set[str] = set()
 
 
@@ -53,9 +61,11 @@ def installed() -> bool:
     return "module" in _state and sys.modules.get("torch_npu") is _state["module"]
 
 
-def install() -> types.ModuleType:
-    """Register the stand-in as ``torch_npu`` and return it (idempotent). Raises RuntimeError when a real
-    ``torch_npu`` is already imported, or when torch's privateuse1 backend already has another name."""
+def install(cann: bool = True) -> types.ModuleType:
+    """Register the stand-in as ``torch_npu`` (and, with ``cann``, CANN's extension packages) and return it
+    (idempotent; ``cann`` counts on the first call). Raises RuntimeError when a real ``torch_npu`` (or, with
+    ``cann``, a real ``cann_ops_transformer`` / ``npu_ops_transformer``) is already imported, or when torch's
+    privateuse1 backend already has another name."""
     if installed():
         return _state["module"]
     uninstall()  # an earlier install whose module was removed from sys.modules by hand
@@ -64,6 +74,8 @@ def install() -> types.ModuleType:
         where = getattr(current, "__file__", None) or getattr(current, "__spec__", None)
         msg = f"torch_npu is already imported ({where}); deep_ep_npu.sim would shadow it. On an NPU use the real one;"
         raise RuntimeError(f"{msg} elsewhere call sim.install() before anything imports torch_npu")
+    if cann and (real := [p for p in _cann.PACKAGES if p in sys.modules]):
+        raise RuntimeError(f"{real} already imported; deep_ep_npu.sim would shadow it (use install(cann=False))")
     _name_npu_device()
     original = vars(dist.ProcessGroup)["_get_backend"]
 
@@ -71,21 +83,24 @@ def install() -> types.ModuleType:
         return SimHcclBackend(group) if torch.device(device).type == "npu" else original(group, device)
 
     dist.ProcessGroup._get_backend = _get_backend  # type: ignore[method-assign, assignment]
-    _state.update(module=_make_module(), get_backend=original)
+    _state.update(module=_make_module(), get_backend=original, cann=_cann.register() if cann else {})
     fused.register()
     sys.modules["torch_npu"] = _state["module"]
+    sys.modules.update(_state["cann"])
     return _state["module"]
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (idempotent): remove ``torch_npu``, restore ``ProcessGroup._get_backend``, unregister the
-    fused op and forget the communicator names. The ``"npu"`` device name stays (torch cannot undo it)."""
+    """Undo :func:`install` (idempotent): remove ``torch_npu`` (and CANN's packages), restore
+    ``ProcessGroup._get_backend``, unregister the fused and context ops and forget the communicator names. The
+    ``"npu"`` device name stays (torch cannot undo it)."""
     if not _state:
         return
     if sys.modules.get("torch_npu") is _state["module"]:
         del sys.modules["torch_npu"]
     dist.ProcessGroup._get_backend = _state["get_backend"]  # type: ignore[method-assign]
     fused.unregister()
+    _cann.unregister(_state.get("cann", {}))
     for name in _comm_names:
         unregister_comm_name(name)
     _comm_names.clear()

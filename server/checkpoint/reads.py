@@ -66,7 +66,7 @@ def checkpoint_reads(model: MoECausalLM) -> Iterator[tuple[torch.Tensor, Read]]:
             yield t.data, _fused_read(model, layer, which)
             continue
         inter = cfg.moe_intermediate_size
-        for j, e in enumerate(model.comm.local_expert_ids):
+        for j, e in enumerate(model.comm.local_experts(model.cfg.moe_layers.index(layer))):
             gate, up, down = model.expert_checkpoint_keys(layer, e)
             if which == "w13":
                 yield t.data[j, :inter], Read(gate, (inter, cfg.hidden_size))

@@ -52,6 +52,7 @@ def parse_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | Non
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(cfg, generation_config),
+        routing_skew=float(cfg.get("routing_skew", 0.0)),
     )
     return {**common, **_PARSERS[arch](cfg, common)}
 

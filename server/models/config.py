@@ -48,6 +48,7 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    routing_skew: float = 0.0  # load tests (ours, config key "routing_skew"): top-k drawn from Zipf(s) over experts
     # Experts.
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output x sigmoid(shared_expert_gate(x))

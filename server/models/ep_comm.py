@@ -11,11 +11,16 @@ expert ``e``'s in ``[offsets[e - 1], offsets[e])``, so the expert code is one gr
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from deep_ep_npu.eplb import ExpertMap
+
+logger = logging.getLogger("server.moe")
 
 
 class CommStats:
@@ -37,17 +42,60 @@ class ExpertComm(abc.ABC):
 
     fused: bool = False
 
-    def __init__(self, rank: int, num_ranks: int, num_experts: int, num_max_dispatch_tokens_per_rank: int) -> None:
-        if num_experts % num_ranks != 0:
-            raise ValueError(f"num_experts={num_experts} must be divisible by the EP size {num_ranks}")
+    def __init__(self, rank: int, num_ranks: int, num_experts: int, num_max_dispatch_tokens_per_rank: int,
+                 expert_map: ExpertMap | None = None) -> None:  # fmt: skip
+        if expert_map is None and num_experts % num_ranks != 0:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the EP size {num_ranks} (or add "
+                             "redundant slots: --num-redundant-experts / --expert-placement)")  # fmt: skip
+        if expert_map is not None and (expert_map.num_logical, expert_map.num_ranks) != (num_experts, num_ranks):
+            raise ValueError(f"the expert placement is for {expert_map.num_logical} experts on "
+                             f"{expert_map.num_ranks} ranks; the model has {num_experts} on {num_ranks}")  # fmt: skip
         self.rank, self.num_ranks, self.num_experts = rank, num_ranks, num_experts
-        self.num_local_experts = num_experts // num_ranks
+        self.expert_map = expert_map
+        self.num_physical = num_experts if expert_map is None else expert_map.num_physical
+        self.num_local_experts = self.num_physical // num_ranks
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.stats = CommStats()
+        self.load: torch.Tensor | None = None  # `[moe layers, num_local_experts]` int64: rows received per slot
+        self.lost_experts: list[list[int]] = []  # per MoE layer: experts with no replica left (lost ranks)
 
     @property
     def local_expert_ids(self) -> range:
         return range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
+
+    def local_experts(self, layer: int) -> list[int]:
+        """The logical expert of each of this rank's slots in MoE layer ``layer`` (-1: an empty slot)."""
+        if self.expert_map is None:
+            return list(self.local_expert_ids)
+        return self.expert_map.local_experts(layer, self.rank)
+
+    def to_physical(self, layer: int, topk_idx: torch.Tensor) -> torch.Tensor:
+        """``topk_idx`` `[num_tokens, k]` int64 logical ids -> the ids the exchange runs on (physical slots with a
+        placement: :meth:`deep_ep_npu.eplb.ExpertMap.to_physical`; else the same tensor)."""
+        self.check_lost_ranks()
+        return topk_idx if self.expert_map is None else self.expert_map.to_physical(layer, topk_idx, self.rank)
+
+    def check_lost_ranks(self) -> bool:
+        """Drop ranks that left the group from the placement (their slots' tokens go to the surviving replicas);
+        True if the placement changed. Only a Buffer in shrink mode loses ranks."""
+        return False
+
+    def set_expert_map(self, expert_map: ExpertMap) -> None:
+        """Switch to ``expert_map`` (same P and ranks) at a step boundary (EPLB), after the weights moved."""
+        assert self.expert_map is not None and expert_map.num_physical == self.num_physical
+        self.expert_map = expert_map
+
+    def record_load(self, layer: int, num_layers: int, offsets: torch.Tensor) -> None:
+        """Add the rows each local slot received (``offsets`` `[num_local_experts]` int32, cumulative: the
+        dispatch's receive counts, no extra communication) to :attr:`load` `[num_layers, num_local_experts]`."""
+        if self.load is None:
+            self.load = torch.zeros(num_layers, self.num_local_experts, dtype=torch.int64, device=offsets.device)
+        self.load[layer] += torch.diff(offsets, prepend=offsets.new_zeros(1))
+
+    def take_load(self) -> torch.Tensor | None:
+        """:attr:`load` on the CPU, then started afresh (None when no MoE layer ran since the last call)."""
+        out, self.load = self.load, None  # (made under inference mode: replaced, not zeroed)
+        return None if out is None else out.cpu()
 
     @abc.abstractmethod
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -139,16 +187,17 @@ class BufferComm(ExpertComm):
 
     def __init__(self, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
                  backend: str = "auto", enable_shrink: bool = False, timeout: float | None = None,
-                 fused: bool = False) -> None:  # fmt: skip
+                 fused: bool = False, expert_map: ExpertMap | None = None) -> None:  # fmt: skip
         import torch.distributed as dist
 
         from deep_ep_npu import Buffer
 
         super().__init__(
-            dist.get_rank(group), dist.get_world_size(group), num_experts, num_max_dispatch_tokens_per_rank
+            dist.get_rank(group), dist.get_world_size(group), num_experts, num_max_dispatch_tokens_per_rank, expert_map
         )
+        self.group, self.lost_ranks = group, set[int]()
         num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(
-            num_max_dispatch_tokens_per_rank, hidden, self.num_ranks, num_experts
+            num_max_dispatch_tokens_per_rank, hidden, self.num_ranks, self.num_physical
         )
         self.buffer = Buffer(
             group,
@@ -175,7 +224,7 @@ class BufferComm(ExpertComm):
         out = self.buffer.mega_moe(
             x, topk_idx, topk_weights, w1, w2,
             num_max_dispatch_tokens_per_rank=self.num_max_dispatch_tokens_per_rank,
-            num_experts=self.num_experts, out_dtype=x.dtype,
+            num_experts=self.num_physical, out_dtype=x.dtype,
         )  # fmt: skip
         self.stats.dispatch += time.perf_counter() - t0
         return out
@@ -183,7 +232,7 @@ class BufferComm(ExpertComm):
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                  num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
         recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
-            x, topk_idx, self.num_max_dispatch_tokens_per_rank, self.num_experts, use_fp8=False
+            x, topk_idx, self.num_max_dispatch_tokens_per_rank, self.num_physical, use_fp8=False
         )
         num_local, capacity, hidden = recv_x.shape
         senders = self.num_ranks * self.num_max_dispatch_tokens_per_rank
@@ -203,15 +252,35 @@ class BufferComm(ExpertComm):
         masked = expert_out.new_empty(shape[0] * shape[1] + 1, shape[2]).index_copy_(0, dst, expert_out)
         expert_out = masked[:-1].view(shape)  # DeepEP's masked layout; rows past each count are never read
         if overlap is None:
-            combined, _, _ = self.buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+            combined, _, _ = self.buffer.low_latency_combine(
+                expert_out, topk_idx, topk_weights, handle, slot_order=True
+            )
             return combined, None
         combined, _, hook = self.buffer.low_latency_combine(
-            expert_out, topk_idx, topk_weights, handle, return_recv_hook=True
+            expert_out, topk_idx, topk_weights, handle, return_recv_hook=True, slot_order=True
         )
         shared = overlap()
         assert hook is not None, "return_recv_hook=True returns the hook"
         hook()
         return combined, shared
+
+    def check_lost_ranks(self) -> bool:
+        if not self.buffer.enable_shrink:
+            return False
+        mask = torch.zeros(self.num_ranks, dtype=torch.int32)
+        self.buffer.low_latency_query_mask_buffer(mask)  # (ranks that failed stay masked)
+        failed = set(mask.nonzero().flatten().tolist())
+        if failed <= self.lost_ranks:
+            return False
+        self.lost_ranks |= failed
+        if self.expert_map is None:
+            return False
+        self.expert_map, self.lost_experts = self.expert_map.without_ranks(self.lost_ranks)
+        dropped = {layer: lost for layer, lost in enumerate(self.lost_experts) if lost}
+        logger.warning("rank %d: EP ranks %s lost; their experts' tokens go to the surviving replicas; experts with "
+                       "no replica left (dropped), by MoE layer: %s", self.rank, sorted(self.lost_ranks),
+                       dropped or "none")  # fmt: skip
+        return True
 
     def destroy(self) -> None:
         self.buffer.destroy()

@@ -29,7 +29,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32)
         self.is_moe = layer_idx in cfg.moe_layers
         self.mlp_name = cfg.moe_block if self.is_moe else "mlp"
-        mlp = SparseMoE(cfg, comm) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        moe_index = list(cfg.moe_layers).index(layer_idx) if self.is_moe else 0  # (the placement's layer)
+        mlp = SparseMoE(cfg, comm, moe_index) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         setattr(self, self.mlp_name, mlp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:

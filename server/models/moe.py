@@ -1,12 +1,14 @@
 """The routed MoE block: router -> ``dispatch`` -> this rank's experts on the grouped layout -> ``combine``
 (+ shared experts, computed while the combine is in flight).
 
-The experts run as one grouped matmul per projection (``torch._grouped_mm``): no loop over experts and no count read
-back on the host. Where that is not the fastest, or not there, they loop over the experts with rows after one read of
-the offsets: on the CPU when the step has at most one row per local expert on average (decode at small batch: a
-one-row product runs as ``torch.mv``, which reads the weights ~1.4x faster there; measured on the decode benchmark's
-experts, batch 1: 15.1 ms against 17.8 ms per step, batch 16: 85.7 against 81.7 ms with the grouped matmuls), on
-devices other than CUDA (bf16), and for int8 experts.
+Where they can, bf16 experts on the CPU run as :func:`deep_ep_npu.kernels.expert_mm.expert_mm`, at most
+``KERNEL_ROWS_PER_EXPERT`` rows per local expert on average (decode): it reads each expert's weights once, in one
+sequential stream per thread, ~2-3x faster than torch's matmuls there (benchmarks/bench_decode.py); above that
+(prefill) torch's are faster. Otherwise the experts run as one grouped matmul per projection
+(``torch._grouped_mm``): no loop over experts and no count read back on the host. Where that is not the fastest, or
+not there, they loop over the experts with rows after one read of the offsets: on the CPU when the step has at most
+one row per local expert on average (a one-row product runs as ``torch.mv``, which reads the weights ~1.4x faster
+than the grouped matmul there), on devices other than CUDA (bf16), and for int8 experts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from deep_ep_npu.kernels.expert_mm import expert_mm
 
 from .config import ModelConfig
 from .ep_comm import ExpertComm
@@ -31,7 +35,9 @@ class Router(nn.Module):
     ``n_group`` groups by the sum of each group's top-2 -> top-k -> unbiased scores, renormalised iff
     ``norm_topk_prob`` (+1e-20) -> x ``routed_scaling_factor``.
     topk_softmax (gpt-oss): logits with the router's bias -> top-k -> softmax over the k kept logits.
-    The router's parameters are kept in fp32.
+    The router's parameters are kept in fp32. ``routing_skew`` s > 0 (load tests only, it changes the model):
+    each token's top-k experts are drawn without replacement with probability proportional to ``(e + 1) ** -s``
+    (Zipf; seeded, so runs repeat), weighted by their softmax probabilities renormalised.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -43,11 +49,25 @@ class Router(nn.Module):
         if cfg.scoring == "sigmoid":
             self.e_score_correction_bias: torch.Tensor
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+        self._skew: torch.Generator | None = None
+
+    def _zipf(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``routing_skew`` top-k (see the class doc) for ``logits`` `[num_tokens, E]` fp32."""
+        cfg = self.cfg
+        if self._skew is None:
+            self._skew = torch.Generator(logits.device).manual_seed(1234)
+        log_p = -cfg.routing_skew * torch.log(torch.arange(1, cfg.num_experts + 1, device=logits.device).float())
+        u = torch.rand(logits.shape, generator=self._skew, device=logits.device).clamp_(min=1e-20)
+        idx = torch.topk(log_p - torch.log(-torch.log(u)), cfg.num_experts_per_tok, dim=-1).indices  # Gumbel top-k
+        weights = torch.softmax(logits, dim=-1).gather(1, idx)
+        return idx, weights / weights.sum(dim=-1, keepdim=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` `[num_tokens, hidden]` -> topk_idx `[num_tokens, k]` `torch.int64`, topk_weights `torch.float32`."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.weight.float(), self.bias.float() if self.cfg.router_bias else None)
+        if cfg.routing_skew > 0:
+            return self._zipf(logits)
         if cfg.scoring == "topk_softmax":
             top, idx = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)
             return idx, torch.softmax(top, dim=-1)
@@ -69,6 +89,10 @@ class Router(nn.Module):
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return idx, weights * cfg.routed_scaling_factor
+
+
+KERNEL_ROWS_PER_EXPERT = 8
+"""The most rows per local expert, on average, for which the CPU experts run as ``expert_mm`` (see the module doc)."""
 
 
 def use_grouped_mm(recv_rows: torch.Tensor, num_experts: int) -> bool:
@@ -137,9 +161,21 @@ class LocalExperts(nn.Module):
     def forward(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``recv_rows`` `[num_rows, hidden]` grouped by ``offsets`` `[num_local_experts]` `torch.int32` ->
         `[num_rows, hidden]` (padding rows undefined)."""
+        if (out := self.kernel(recv_rows, offsets)) is not None:
+            return out
         if self.int8 is not None or not use_grouped_mm(recv_rows, offsets.shape[0]):
             return per_expert(recv_rows, offsets, self._expert)
         return self.grouped(recv_rows, offsets)
+
+    def kernel(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+        """The bf16 experts without biases as two ``expert_mm`` calls (arguments and result as :meth:`forward`), or
+        None where they do not run so (see the module doc)."""
+        if self.int8 is not None or hasattr(self, "b13") or recv_rows.shape[0] > KERNEL_ROWS_PER_EXPERT * len(offsets):
+            return None
+        if (h := expert_mm(recv_rows, self.w13, offsets)) is None:
+            return None
+        gate, up = h.split(self.intermediate, dim=-1)
+        return expert_mm(swiglu(gate, up, self.cfg).contiguous(), self.w2, offsets)
 
     def grouped(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The float experts as two grouped matmuls (arguments and result as :meth:`forward`)."""
@@ -177,9 +213,9 @@ class SparseMoE(nn.Module):
     """Router + EP dispatch/combine around :class:`LocalExperts` (+ the shared expert: DeepSeek-V3, GLM-4.5,
     Qwen2-MoE with its sigmoid gate)."""
 
-    def __init__(self, cfg: ModelConfig, comm: ExpertComm) -> None:
+    def __init__(self, cfg: ModelConfig, comm: ExpertComm, moe_index: int = 0) -> None:
         super().__init__()
-        self.comm = comm
+        self.comm, self.moe_index, self.num_moe_layers = comm, moe_index, len(cfg.moe_layers)
         self.fused = comm.fused  # the fused path (comm.fused_moe) or dispatch -> experts -> combine, fixed here
         self._mega_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.fused and (cfg.expert_bias or cfg.swiglu_limit is not None):
@@ -197,13 +233,17 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, num_tokens_all_ranks: int | None = None) -> torch.Tensor:
         """``x`` `[num_tokens, hidden]` -> `[num_tokens, hidden]`, same dtype (num_tokens may be 0);
         ``num_tokens_all_ranks``: the step's tokens over every EP rank, if known (see :meth:`ExpertComm.dispatch`)."""
-        topk_idx, topk_weights = getattr(self, self.router_name)(x)
+        logical, topk_weights = getattr(self, self.router_name)(x)
+        topk_idx = self.comm.to_physical(self.moe_index, logical)  # (a placement with replicas: slot ids)
         if self.fused:
             return self._fused(x, topk_idx, topk_weights)
         recv_rows, offsets, handle = self.comm.timed_dispatch(x, topk_idx, num_tokens_all_ranks)
         expert_out = self.experts(recv_rows, offsets)
         shared = (lambda: self._shared(x)) if self.shared_name is not None else None
         out, shared_out = self.comm.timed_combine(expert_out, topk_idx, topk_weights, handle, overlap=shared)
+        if self.comm.check_lost_ranks():  # a rank was lost during this layer: again, on the surviving replicas
+            return self.forward(x, num_tokens_all_ranks)
+        self.comm.record_load(self.moe_index, self.num_moe_layers, offsets)
         return out if shared_out is None else out + shared_out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from ..tokenizer import load_tokenizer
 from .block_manager import KVCacheManager
 from .detokenizer import IncrementalDetokenizer, apply_token
 from .engine_config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, default_capacity
+from .expert_placement import build_expert_map, uses_placement
 from .kv_budget import check_fits, mib
 from .plan import StepResult
 from .scheduler import RankScheduler, Request
@@ -58,8 +59,11 @@ class EPEngine(EngineCore):
             if config.model is not None
             else ModelConfig.from_hf(random_hf_config(config.random_model))
         )
-        if not config.use_torchrun and cfg.num_experts % config.ep_size != 0:
-            raise ValueError(f"ep_size={config.ep_size} must divide the model's num_experts={cfg.num_experts}")
+        if uses_placement(config):  # a bad placement stops start-up here, before any worker starts
+            build_expert_map(config, cfg, config.ep_size)
+        elif not config.use_torchrun and cfg.num_experts % config.ep_size != 0:
+            raise ValueError(f"ep_size={config.ep_size} must divide the model's num_experts={cfg.num_experts} (or "
+                             "add redundant expert slots: --num-redundant-experts / --expert-placement)")  # fmt: skip
         self.config = config
         self.model_config = cfg
         block_bytes = bytes_per_block(cfg, config.block_size, DTYPES[config.dtype])
@@ -215,6 +219,8 @@ class EPEngine(EngineCore):
             num_preemptions=new[0],
             prefix_cache_queries=new[1],
             prefix_cache_hits=new[2],
+            expert_loads={r: res.expert_load for r, res in enumerate(results) if res is not None and res.expert_load},
+            num_lost_experts=max((r.num_lost_experts for r in results if r is not None), default=0),
         )
 
     def _fail_lost_ranks(self) -> list[RequestDelta]:

@@ -46,8 +46,11 @@ class EngineConfig:
     ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
     timeout; ``step_timeout_s`` how long one lockstep step (or a health ping) may take; ``elastic`` keep serving on
     the survivors of a lost worker (spawned workers or torchrun ranks); ``use_buffer_at_ep1`` EP 1 through a Buffer
-    instead of the in-process dispatch; ``socket_ifname`` the network interface(s) of a torchrun rank's process groups
-    (``GLOO_SOCKET_IFNAME`` / ``HCCL_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; None: as the environment says).
+    instead of the in-process dispatch; expert load balancing (README "Expert load balancing"):
+    ``num_redundant_experts`` extra expert slots, ``expert_placement`` a static placement file (vllm-ascend's JSON),
+    ``eplb`` rebalance every ``eplb_interval`` steps from the load of the last ``eplb_window`` steps;
+    ``socket_ifname`` the network interface(s) of a torchrun rank's process groups (``GLOO_SOCKET_IFNAME`` /
+    ``HCCL_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; None: as the environment says).
     """
 
     model: str | None = None
@@ -75,6 +78,11 @@ class EngineConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     elastic: bool = False
     use_buffer_at_ep1: bool = False
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None
+    eplb: bool = False
+    eplb_interval: int = 1000
+    eplb_window: int = 1000
     socket_ifname: str | None = None
 
     def __post_init__(self) -> None:
@@ -105,6 +113,26 @@ class EngineConfig:
         if n < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={n} must be >= max_num_seqs={self.max_num_seqs}")
         object.__setattr__(self, "max_num_batched_tokens", n)
+        self._check_balancing()
+
+    def _check_balancing(self) -> None:
+        for name in ("eplb_interval", "eplb_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        r = self.num_redundant_experts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"num_redundant_experts={r!r} must be an integer >= 0")
+        balancing = bool(r or self.expert_placement or self.eplb)
+        if balancing and not self.needs_group(self.ep_size):
+            raise ValueError("num_redundant_experts / expert_placement / eplb need expert parallelism (ep_size > 1)")
+        if balancing and (self.moe_impl == "fused" or self.int8_experts):
+            raise ValueError("num_redundant_experts / expert_placement / eplb run the unfused float experts; "
+                             "drop moe_impl='fused' / int8_experts")  # fmt: skip
+        if self.expert_placement is not None:
+            from deep_ep_npu.eplb import read_placement_json
+
+            read_placement_json(self.expert_placement, self.ep_size)  # a bad file stops start-up here
 
     @property
     def capacity(self) -> int:
@@ -157,6 +185,8 @@ class EngineConfig:
             block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling, worker_threads=config.worker_threads,
-            int8_experts=config.int8_experts, socket_ifname=config.socket_ifname,
+            int8_experts=config.int8_experts, num_redundant_experts=config.num_redundant_experts,
+            expert_placement=config.expert_placement, eplb=config.eplb, eplb_interval=config.eplb_interval,
+            eplb_window=config.eplb_window, socket_ifname=config.socket_ifname,
         )  # fmt: skip
         return cls(**{**values, **overrides})

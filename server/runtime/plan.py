@@ -53,3 +53,5 @@ class StepResult:
     combine_time: float
     logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[list[TokenLogprob | None] | None] = dataclasses.field(default_factory=list)
+    expert_load: list[int] = dataclasses.field(default_factory=list)  # per MoE layer: rows this rank's experts got
+    num_lost_experts: int = 0  # (MoE layer, expert) pairs with no replica left after lost ranks

@@ -22,8 +22,10 @@ from ..models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInpu
 from ..models.ep_comm import BufferComm, ExpertComm
 from ..models.kv_cache import bytes_per_block
 from .engine_config import EngineConfig
+from .expert_placement import build_expert_map
 from .kv_budget import kv_budget_bytes
 from .plan import PlanEntry, StepPlan, StepResult
+from .rebalance import Rebalancer
 from .request_sampler import RequestSampler
 
 __all__ = ["PlanEntry", "StepPlan", "StepResult", "Worker"]
@@ -57,7 +59,8 @@ class Worker:
                 return LocalComm(cfg.num_experts, n)
             return BufferComm(group, cfg.num_experts, n, cfg.hidden_size, backend=args.backend,
                               enable_shrink=args.elastic, timeout=args.comm_timeout_s,
-                              fused=args.moe_impl == "fused")  # fmt: skip
+                              fused=args.moe_impl == "fused",
+                              expert_map=build_expert_map(args, cfg, world_size))  # fmt: skip
 
         rss_before = _rss_bytes()
         self.model = load_model(args.model, comm_factory, args.dtype, args.seed, args.random_model, self.device)
@@ -71,6 +74,7 @@ class Worker:
         budget, source = kv_budget_bytes(self.device, args.kv_cache_memory, args.gpu_memory_utilization,
                                          args.local_workers, cap, self._activation_peak)  # fmt: skip
         num_blocks = budget // block_bytes
+        self.model.comm.take_load()  # (the activation probe's forward is no load)
         # a pool under one full-length request is refused by the driver, which then stops this worker
         self.cache = PagedKVCache(cfg, max(num_blocks, 1), args.block_size, dtype, self.device)
         experts = [t for moe in self.model.moe_layers() for t in moe.expert_tensors()]
@@ -90,6 +94,10 @@ class Worker:
             # the Buffer backend the MoE layers run on ("local": EP 1 without a Buffer, in-process dispatch)
             "moe_backend": self.model.comm.buffer.backend_name if isinstance(self.model.comm, BufferComm) else "local",
         }
+        self.rebalancer: Rebalancer | None = None
+        if args.eplb and isinstance(self.model.comm, BufferComm):
+            moe_layers = self.model.moe_layers()
+            self.rebalancer = Rebalancer(self.model.comm, moe_layers, args.eplb_interval, args.eplb_window)
         self._fallback = torch.Generator(self.device).manual_seed(args.seed * 7919 + rank)
         self._seqs: dict[int, _Seq] = {}
 
@@ -130,6 +138,11 @@ class Worker:
         stats = self.model.comm.stats
         result.forward_time, result.dispatch_time, result.combine_time = (
             time.perf_counter() - t0, stats.dispatch, stats.combine)  # fmt: skip
+        load = self.model.comm.take_load()  # rows each local expert slot received this step, per MoE layer
+        result.expert_load = [] if load is None else load.sum(dim=1).tolist()
+        result.num_lost_experts = sum(len(lost) for lost in self.model.comm.lost_experts)
+        if self.rebalancer is not None:  # at this step boundary, on every worker
+            self.rebalancer.after_step(load)
         return result
 
     def _sample(self, seqs: list[_Seq], inputs: list[SeqInput], logits: torch.Tensor) -> StepResult:

@@ -75,7 +75,7 @@ EXTRA = {
     # Buffer.low_latency_dispatch_flat: errors name the method's parameters, not the op's
     "flat_quant_mode": ("flat", "quant_mode", lambda v, a: a.kw.update(quant_mode=[1, 3, 5, -1][v])),
     "flat_smooth": ("flat", "smooth_scales",
-                    lambda v, a: a.kw.update(quant_mode=2, smooth_scales=torch.ones(E + 1 + v, H))),
+                    lambda v, a: a.kw.update(quant_mode=2, smooth_scales=torch.ones(E + 2 + v, H))),
     "flat_weights": ("flat", "topk_weights", lambda v, a: a.kw.update(topk_weights=[a.w.double(), a.w[:, :1]][v % 2])),
     "flat_mask": ("flat", "x_active_mask",
                   lambda v, a: a.kw.update(x_active_mask=torch.ones(a.x.shape[0] + 1 + v, dtype=torch.bool))),
@@ -271,7 +271,7 @@ def _run_case(info, buf: Buffer, case) -> None:
             elif name == "op_world_size":
                 world = W + 1 + v
             elif name == "op_quant_mode":
-                kw["quant_mode"] = [1, 5, -1, 6][v]
+                kw["quant_mode"] = [1, 7, -1, 6][v]
             elif name == "op_x_dtype":
                 x = x.to(torch.int32)
             elif name == "op_expert_num":

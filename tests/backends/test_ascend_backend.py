@@ -1,11 +1,11 @@
 """The Ascend backend.
 
 Sim tests (run everywhere): the backend runs its real torch_npu path on ``deep_ep_npu.sim`` (the stand-in
-``torch_npu``, whose ops are our engine over gloo), compared with the reference backend on identical inputs, with a spy
-on the stand-in's ops checking the argument mapping (torch_npu's own keywords only). The ops-transformer context path
-(``MoeDistributeBuffer``, which the sim does not provide) uses a recording stand-in with exactly the documented
-signatures (reference ascend_ops.md §4-§5: a wrong keyword is a TypeError) that computes with ``deep_ep_npu.ops``.
-Neither exercises an NPU.
+``torch_npu``, whose ops are our engine over gloo; ``install(cann=False)``), and its ops-transformer context path on
+the sim's ``cann_ops_transformer.ops.MoeDistributeBuffer`` (the V3 context ops; ``install()``), compared with the
+reference backend on identical inputs, with a spy on the stand-in's ops / Buffer methods checking the argument mapping
+(their own keywords only: the signatures are the documented ones, a wrong keyword is a TypeError). Neither exercises
+an NPU.
 
 Parity tests (marker ``npu``): ascend vs reference on identical inputs; skipped without torch_npu and an NPU.
 """
@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import sys
 import types
 
 import pytest
 import torch
 
 from deep_ep_npu import Buffer, sim
-from deep_ep_npu import ops as ref_ops
 from deep_ep_npu.backends.ascend import elastic_info_from_mask
 from deep_ep_npu.backends.ascend_ops import map_no_expert
 from tests.deepep_utils import calc_diff
@@ -41,9 +39,9 @@ def _record(calls: list, name: str, kwargs: dict) -> dict:
 
 
 def _install_sim(calls: list) -> types.ModuleType:
-    """``sim.install()``, with its two ``_v2`` ops wrapped to record their arguments into ``calls`` (by name, bound
-    to the real signature) and to refuse keywords torch_npu's ops lack."""
-    torch_npu = sim.install()
+    """``sim.install(cann=False)`` (the torch_npu path), with its two ``_v2`` ops wrapped to record their arguments
+    into ``calls`` (by name, bound to the real signature) and to refuse keywords torch_npu's ops lack."""
+    torch_npu = sim.install(cann=False)
     for op in ("dispatch", "combine"):
         real = getattr(torch_npu, f"npu_moe_distribute_{op}_v2")
 
@@ -56,53 +54,36 @@ def _install_sim(calls: list) -> types.ModuleType:
     return torch_npu
 
 
-def _context_standin(calls: list) -> tuple[types.ModuleType, types.ModuleType]:
-    """cann_ops_transformer.ops.MoeDistributeBuffer (CANN 9.1+ names; ascend_ops.md §4.1-§4.2)."""
+def _install_context(calls: list) -> None:
+    """``sim.install()`` (CANN's extension too), its ``cann_ops_transformer.ops.MoeDistributeBuffer`` replaced by a
+    subclass that records the constructor's ``ccl_buffer_size`` and the low-latency methods' arguments (by name)."""
+    sim.install()
+    import cann_ops_transformer.ops as ops_mod
 
-    class MoeDistributeBuffer:
+    real = ops_mod.MoeDistributeBuffer
+
+    class Recording(real):
         def __init__(self, group, ccl_buffer_size: int = 0, comm_alg: int = 0):
             calls.append(("init", {"ccl_buffer_size": ccl_buffer_size}))
-            self.group = group
+            super().__init__(group, ccl_buffer_size, comm_alg)
 
-        def low_latency_dispatch(
-            self, x, topk_idx, num_experts: int, *, quant_mode=0, comm_alg="", x_smooth_scale=None,
-            x_active_mask=None, topk_weights=None, zero_expert_num=0, copy_expert_num=0, const_expert_num=0,
-            elastic_info=None, expert_shard_type=0, shared_expert_num=1, shared_expert_rank_num=0,
-            expert_token_nums_type=1, num_max_dispatch_tokens_per_rank=0, y_dtype=None, x_dtype=None,
-            x_smooth_scales_dtype=None,
-        ):  # fmt: skip
-            kw = _record(calls, "dispatch", dict(locals()))
-            w = torch.distributed.get_world_size(self.group)
-            out = ref_ops.moe_distribute_dispatch_v2(
-                x, topk_idx, self.group, w, torch.distributed.get_rank(self.group), num_experts,
-                scales=x_smooth_scale, x_active_mask=x_active_mask, expert_scales=topk_weights, quant_mode=quant_mode,
-                global_bs=num_max_dispatch_tokens_per_rank * w, expert_token_nums_type=expert_token_nums_type,
-                zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-            )  # fmt: skip
-            del kw
-            return out[:5] + out[6:]
+        def low_latency_dispatch(self, *args, **kwargs):
+            _record(
+                calls,
+                "dispatch",
+                dict(inspect.signature(real.low_latency_dispatch).bind(self, *args, **kwargs).arguments),
+            )
+            return super().low_latency_dispatch(*args, **kwargs)
 
-        def low_latency_combine(
-            self, x, topk_idx, topk_weights, assist_info_for_combine, ep_send_counts, *, num_experts=0, comm_alg="",
-            comm_quant_mode=0, x_active_mask=None, expand_scales=None, shared_expert_x=None, elastic_info=None,
-            ori_x=None, const_expert_alpha_1=None, const_expert_alpha_2=None, const_expert_v=None, zero_expert_num=0,
-            copy_expert_num=0, const_expert_num=0, expert_shared_type=0, shared_expert_num=1,
-            shared_expert_rank_num=0, num_max_dispatch_tokens_per_rank=0,
-        ):  # fmt: skip
-            _record(calls, "combine", dict(locals()))
-            w = torch.distributed.get_world_size(self.group)
-            return ref_ops.moe_distribute_combine_v2(
-                x, topk_idx, assist_info_for_combine, ep_send_counts, topk_weights, self.group, w,
-                torch.distributed.get_rank(self.group), num_experts, x_active_mask=x_active_mask,
-                shared_expert_x=shared_expert_x, global_bs=num_max_dispatch_tokens_per_rank * w,
-                zero_expert_num=zero_expert_num, comm_quant_mode=comm_quant_mode,
-            )  # fmt: skip
+        def low_latency_combine(self, *args, **kwargs):
+            _record(
+                calls,
+                "combine",
+                dict(inspect.signature(real.low_latency_combine).bind(self, *args, **kwargs).arguments),
+            )
+            return super().low_latency_combine(*args, **kwargs)
 
-    pkg = types.ModuleType("cann_ops_transformer")
-    ops_mod = types.ModuleType("cann_ops_transformer.ops")
-    ops_mod.MoeDistributeBuffer = MoeDistributeBuffer
-    pkg.ops = ops_mod
-    return pkg, ops_mod
+    ops_mod.MoeDistributeBuffer = Recording
 
 
 def _inputs(rank: int, num_tokens: int):
@@ -171,10 +152,7 @@ CASES = [(use_fp8, overlap, zero_copy) for use_fp8 in (False, True)
 
 def _parity_with_standin(info, standin: str):
     calls: list = []
-    _install_sim(calls)
-    if standin == "context":
-        pkg, ops_mod = _context_standin(calls)
-        sys.modules["cann_ops_transformer"], sys.modules["cann_ops_transformer.ops"] = pkg, ops_mod
+    _install_context(calls) if standin == "context" else _install_sim(calls)
     ref = Buffer(info.group, backend="reference")
     npu = Buffer(info.group, backend="ascend", ccl_buffer_size=64, explicitly_destroy=True)
     assert npu._backend.ops_path == ("cann_ops_transformer" if standin == "context" else "torch_npu")
@@ -203,9 +181,8 @@ def _parity_with_standin(info, standin: str):
         assert combine["zero_expert_num"] == K
         if standin == "context" and cases == 0:  # the context is built once, with the Buffer's CCL size
             assert [kw for name, kw in calls if name == "init"] == [{"ccl_buffer_size": 64}]
-    if standin == "sim":
-        _flat_vs_ops(info, calls, ref, npu, x, topk_idx, weights)
-        _shrink_parity(info, calls, x, topk_idx, weights)
+    _flat_vs_ops(info, calls, ref, npu, x, topk_idx, weights)
+    _shrink_parity(info, calls, x, topk_idx, weights)
     npu.destroy()  # collective: a bounded barrier (c10d still picks the CPU with the "npu" device named)
     return len(CASES)
 
@@ -260,7 +237,7 @@ def _shrink_parity(info, calls: list, x, topk_idx, weights) -> None:
         _assert_same(a, b, num_tokens)
         if info.rank == masked:  # a masked rank receives nothing and its tokens go nowhere
             assert not b[0].any() and not b[5].any()
-        for name, kw in calls:
+        for name, kw in [c for c in calls if c[0] != "init"]:
             assert torch.equal(kw["elastic_info"][2], expected), name
     for buffer in (ref, npu):
         buffer.low_latency_clean_mask_buffer()
@@ -297,7 +274,7 @@ def _ccl_sources(info):
     _, topk_idx, _ = _inputs(info.rank, 4)
     x = torch.zeros((4, 4096), dtype=torch.bfloat16)
     # torch_npu path: HCCL_BUFFSIZE (read when the backend is created) bounds the shapes
-    sim.install()
+    sim.install(cann=False)
     os.environ["HCCL_BUFFSIZE"] = "2"
     buffer = Buffer(info.group, backend="ascend")
     del os.environ["HCCL_BUFFSIZE"]
@@ -305,8 +282,8 @@ def _ccl_sources(info):
         buffer.low_latency_dispatch(x, topk_idx, 128, E)
     # context path: the context is sized on the first call; a later call needing more is refused
     calls: list = []
-    pkg, ops_mod = _context_standin(calls)
-    sys.modules["cann_ops_transformer"], sys.modules["cann_ops_transformer.ops"] = pkg, ops_mod
+    sim.uninstall()
+    _install_context(calls)
     buffer = Buffer(info.group, backend="ascend")
     buffer.low_latency_dispatch(x[:, :1024], topk_idx, 8, E, use_fp8=False)
     with pytest.raises(ValueError, match="context was created on the first call") as err:

@@ -55,6 +55,9 @@ def golden(x: torch.Tensor, mode: int, dtype: torch.dtype, smooth: torch.Tensor 
     for b in blocks:
         amax = float(np.abs(b).max())
         code = 0 if amax == 0 else max(int(np.frexp(amax)[1]) - 1 + 127 - emax, 0)
+        if mode == 5 and amax:  # MX_CLIP: code = ceil(log2(max(amax, 1e-4) * fp32(1 / maxV))) + 127
+            y = float(np.float32(max(amax, 1e-4)) * np.float32(1 / vmax))
+            code = int(np.ceil(np.log2(y))) + 127
         codes.append(code)
         q.append(fp8_round(np.ldexp(b.astype(np.float64), 127 - code), dtype))
     return np.concatenate(q), np.array(codes + [0] * (len(codes) % 2), dtype=np.uint8)
@@ -89,11 +92,12 @@ def _dispatch_cases(info, x, ids, smooth, cases):
 QUANT_CASES = [  # (quant_mode, y_dtype as passed, smooth scales?), expected dtype
     ((2, None, True), torch.int8), ((2, E4M3, True), E4M3), ((2, 291, False), E5M2), ((3, 292, True), E4M3),
     ((3, E5M2, False), E5M2), ((4, 292, False), E4M3), ((4, E5M2, False), E5M2), ((4, 24, False), E4M3),
+    ((5, E4M3, False), E4M3), ((5, 291, False), E5M2),
 ]  # fmt: skip
 
 
 def test_950_quant_modes_two_ranks():
-    """quant_mode 2 (int8 / e4m3 / e5m2), 3 and 4 against the golden quantizers, row by row (H = 200: a partial
+    """quant_mode 2 (int8 / e4m3 / e5m2), 3, 4 and 5 against the golden quantizers, row by row (H = 200: a partial
     128-group and a partial 32-block; torch dtypes and torch_npu codes alike)."""
     g = torch.Generator().manual_seed(7)
     bs, hidden, w, e, k = 5, 200, 2, 4, 2
@@ -106,8 +110,8 @@ def test_950_quant_modes_two_ranks():
     per_dest = routed_rows([RankInput(x[r], ids[r]) for r in range(w)], Layout(w, e))
     for d, res in enumerate(map(from_bytes, results)):
         for ((mode, _, use_smooth), dtype), (data, scales, y_dt, s_dt) in zip(QUANT_CASES, res, strict=True):
-            assert y_dt == dtype and s_dt == (torch.float8_e8m0fnu if mode == 4 else torch.float32)
-            width = {2: (), 3: (2,), 4: (8,)}[mode]  # ceil(200 / 128) = 2; align2(ceil(200 / 32)) = 8
+            assert y_dt == dtype and s_dt == (torch.float8_e8m0fnu if mode >= 4 else torch.float32)
+            width = {2: (), 3: (2,), 4: (8,), 5: (8,)}[mode]  # ceil(200 / 128) = 2; align2(ceil(200 / 32)) = 8
             assert tuple(scales.shape) == (bs * w * min(2, k), *width)
             got = data.view(dtype).float().numpy()
             got_scales = scales.numpy()
@@ -249,6 +253,8 @@ def _errors(info):
         "h_a3_hidden": disp(x=torch.ones(4, 7200, dtype=torch.bfloat16), **h, **a3),
         "fp4": disp(quant_mode=4, y_dtype=296), "hif8": disp(y_dtype=290), "mode3_no_y": disp(quant_mode=3),
         "mode4_scales": disp(quant_mode=4, y_dtype=E4M3, scales=torch.ones(4, 1024)), "mode1": disp(quant_mode=1),
+        "mode5_scales": disp(quant_mode=5, y_dtype=E4M3, scales=torch.ones(4, 1024)),
+        "mode5_int8": disp(quant_mode=5, y_dtype=torch.int8), "a3_mode5": disp(quant_mode=5, y_dtype=E4M3, **a3),
         "rank_local": disp(quant_mode=4, y_dtype=296 if r else E4M3),
     }  # fmt: skip
 
@@ -256,7 +262,7 @@ def _errors(info):
 ERRORS = {  # name -> (code, param, text), on both ranks unless a pair is given
     "a3_mode3": (PARAM, "quant_mode", "Ascend 950 (A5) feature"), "a3_y_dtype": (PARAM, "y_dtype", "Ascend 950 (A5)"),
     "a3_x_dtype": (PARAM, "x_dtype", "Ascend 950 (A5)"), "a3_comm_quant4": (PARAM, "comm_quant_mode", "Ascend 950"),
-    "a3_empty_w": (PARAM, "expert_scales", "Ascend 950 (A5)"), "a3_fullmesh": (PARAM, "comm_alg", "Atlas A2"),
+    "a3_empty_w": None, "a3_fullmesh": (PARAM, "comm_alg", "Atlas A2"),
     "a3_ccu": (PARAM, "comm_alg", "no platform documents"), "a3_combine_v1": (PARAM, "comm_alg", "['', 'hierarchy']"),
     "a5_hierarchy": (PARAM, "comm_alg", "Atlas A3 feature"), "a5_tp": (PARAM, "tp_world_size", "Atlas A3"),
     "a5_elastic": (PARAM, "elastic_info", "Atlas A3"), "a5_combine_alg": (PARAM, "comm_alg", "allows ['']"),
@@ -268,6 +274,8 @@ ERRORS = {  # name -> (code, param, text), on both ranks unless a pair is given
     "h_a3_hidden": (SHAPE, "x.shape[1] (H)", "[1024, 7168]"), "fp4": (PARAM, "y_dtype", "fp4"),
     "hif8": (PARAM, "y_dtype", "hifloat8"), "mode3_no_y": (PARAM, "y_dtype", "float8_e4m3fn"),
     "mode4_scales": (PARAM, "scales", "MX"), "mode1": (PARAM, "quant_mode", "static"),
+    "mode5_scales": (PARAM, "scales", "quant_mode 5"), "mode5_int8": (PARAM, "y_dtype", "quant_mode 5 outputs"),
+    "a3_mode5": (PARAM, "quant_mode", "Ascend 950 (A5) feature"),
     "rank_local": [(PARAM, "inputs", "rejected on rank 1"), (PARAM, "y_dtype", "fp4")],
 }  # fmt: skip
 
@@ -299,3 +307,22 @@ def test_hierarchy_a3_size_limits(w, experts, hidden, text):
     experts = types.SimpleNamespace(platform=None, **e)
     plain = types.SimpleNamespace(comm_alg="hierarchy", wait_stats=None, experts=experts)
     _hierarchy(plain, "x", hidden, None)  # only "a3"
+
+
+def test_mx_clip_edge_blocks():
+    """quant_mode 5 (MX_CLIP) on edge blocks: all zero (code 0), below the 1e-4 floor, amax exactly maxV * 2^k (no
+    rounding up), just above it (one step up: nothing saturates), Inf (code 0xFF, NaN elements)."""
+    from deep_ep_npu.quant import mx_clip_fp8
+
+    for dtype in (E4M3, E5M2):
+        vmax = MAXV[dtype]
+        x = torch.zeros(5, 32)
+        x[1, 3], x[2, 0], x[3, 0], x[3, 1], x[4, 2] = 1e-7, vmax * 4, vmax * 4 * 1.01, 1.0, float("inf")
+        q, codes = mx_clip_fp8(x.bfloat16(), dtype)
+        codes = codes.view(torch.uint8)[:, 0].tolist()
+        assert codes[0] == 0 and codes[2] == 129 and codes[3] == 130 and codes[4] == 255, codes
+        for row in range(4):
+            want_q, want_codes = golden(x[row].bfloat16(), 5, dtype)
+            assert codes[row] == int(want_codes[0])
+            np.testing.assert_array_equal(q[row].float().numpy(), want_q)
+        assert (q[:4].float().abs() <= vmax).all() and q[4].float().isnan().all()

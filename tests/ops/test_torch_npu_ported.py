@@ -40,9 +40,9 @@ What each test ports, and what changed:
   (the 950 tiling takes only URMA; the default 0 is refused, asserted), ``y_dtype=torch.int8`` for quant_mode 2
   (without it torch_npu gives y x's dtype: asserted refused), the int8 expand_x is dequantized with dynamic_scales
   before the experts (it was cast to bf16), combine_setup gets ``comm_quant_mode=0`` (it passed the dispatch's 2: the
-  two-stage combine does not quantize; asserted refused). Smooth ``scales`` are `[E, H]` (the original passes
-  `[1 + E, H]` for ``shared_expert_num=1, shared_expert_rank_num=0``; our ops take ``S + E`` rows with the effective
-  S = 0). Here W 2 and 4, E 2W, Bs 4, H 1024, K 3, ``strict="a5"``; bf16, int8 without and with ``scales``. Checked
+  two-stage combine does not quantize; asserted refused). Smooth ``scales`` are the original's `[1 + E, H]` for
+  ``shared_expert_num=1, shared_expert_rank_num=0`` (row ``1 + e`` serves expert e; row 0, a shared expert's, is
+  unused). Here W 2 and 4, E 2W, Bs 4, H 1024, K 3, ``strict="a5"``; bf16, int8 without and with ``scales``. Checked
   exactly against goldens written here: y (pairs stable-sorted by expert, scale at byte Align32(H)), expand_idx,
   expand_x, dynamic_scales, assist[:W * L] (prefix sums) and the rest zero, expert_token_nums, the combined x; and
   against the one-shot ``_v2`` ops on the same inputs.
@@ -474,11 +474,16 @@ def _urma_case(g: torch.Generator, ep_world_size: int, quant_mode: int, is_dispa
         case["expert_ids"].append(torch.stack([torch.randperm(moe_expert_num, generator=g)[:k]
                                                for _ in range(bs)]).to(torch.int32))  # fmt: skip
         case["expert_scales"].append(torch.randn((bs, k), generator=g))
-    case["scales"] = torch.randn((moe_expert_num, h), generator=g) if is_dispatch_scales else None
+    case["scales"] = torch.randn((1 + moe_expert_num, h), generator=g) if is_dispatch_scales else None
     return case
 
 
-def _golden_y(x, expert_ids, quant_mode, scales, hs):
+def _smooth(case: dict, e: int) -> torch.Tensor | None:
+    """The smooth-scale row of routed expert e: ``scales[S + e]`` with S = 1 as passed (no shared-expert ranks)."""
+    return None if case["scales"] is None else case["scales"][1 + e]
+
+
+def _golden_y(x, expert_ids, quant_mode, case, hs):
     """dispatch_setup's y: pairs stable-sorted by expert id, each row its token (quantized with the pair's expert's
     smooth row; the fp32 scale at byte Align32(H)); Bs * (K + 1) rows, the rest zero. And expand_idx."""
     bs, k = expert_ids.shape
@@ -487,7 +492,7 @@ def _golden_y(x, expert_ids, quant_mode, scales, hs):
     h, at = x.shape[1], -(-x.shape[1] // 32) * 32
     for i, (pos, e) in enumerate(zip(order.tolist(), experts.tolist(), strict=True)):
         if quant_mode:
-            q, scale = quant_per_token(x[pos // k], None if scales is None else scales[e], torch.int8)
+            q, scale = quant_per_token(x[pos // k], _smooth(case, e), torch.int8)
             y[i, :h] = q
             y[i].view(torch.uint8)[at : at + 4] = torch.tensor([scale], dtype=torch.float32).view(torch.uint8)
         else:
@@ -515,7 +520,7 @@ def test_npu_moe_distribute_dispatch_combine_urma(ep_world_size):
         for rank in range(ep_world_size):
             got, want = results[rank][c], golden[rank]
             x, ids, ws = case["x"][rank], case["expert_ids"][rank], case["expert_scales"][rank]
-            y, expand_idx = _golden_y(x, ids, quant_mode, case["scales"], hs)
+            y, expand_idx = _golden_y(x, ids, quant_mode, case, hs)
             assert torch.equal(got["y"], y), f"case {c} rank {rank}: y"
             assert torch.equal(got["expand_idx"], expand_idx), f"case {c} rank {rank}: expand_idx"
             assert got["cmd"].shape == ((bs * (k + 1) + ep_world_size * local) * 16,), (c, rank)
@@ -524,8 +529,7 @@ def test_npu_moe_distribute_dispatch_combine_urma(ep_world_size):
             for i in range(n):
                 if quant_mode:
                     e_i = int(want["experts"][i])
-                    q, s = quant_per_token(want["rows"][i], None if case["scales"] is None else case["scales"][e_i],
-                                           torch.int8)  # fmt: skip
+                    q, s = quant_per_token(want["rows"][i], _smooth(case, e_i), torch.int8)
                     rows[i], scales[i] = q, s
                 else:
                     rows[i] = want["rows"][i]
@@ -546,7 +550,7 @@ def test_npu_moe_distribute_dispatch_combine_urma(ep_world_size):
                     e_j = int(ids[t, j])
                     row = x[t]
                     if quant_mode:
-                        q, s = quant_per_token(row, None if case["scales"] is None else case["scales"][e_j], torch.int8)
+                        q, s = quant_per_token(row, _smooth(case, e_j), torch.int8)
                         row = (q.float() * torch.tensor(s, dtype=torch.float32)).to(x.dtype)
                     parts.append((float(ws[t, j]), expert_ffn(row.unsqueeze(0), e_j, x.dtype)[0]))
                 want_out.append(weighted_sum(parts, h))

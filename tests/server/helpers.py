@@ -173,10 +173,11 @@ def wait_until(
 def stream_completion(url: str, body: dict, out: dict) -> None:
     """POST ``body`` to ``url``'s ``/v1/completions`` as a stream (SSE) and read it to the end (for a thread).
 
-    ``out`` gets ``status``, ``tokens`` (how many token ids arrived), ``finish`` (the last finish reason), ``error``
+    ``out`` gets ``status``, ``tokens`` (how many token ids arrived; ``token_ids`` the ids, when the body asks
+    for them), ``finish`` (the last finish reason), ``error``
     (an error event), ``done`` (``[DONE]`` was received) and ``broken`` (the ``httpx.HTTPError`` that cut the
     response, as a repr). ``out["first"]``, an Event (made if absent), is set at each chunk and at the end."""
-    out.update(tokens=0, finish=None, error=None, done=False, broken=None)
+    out.update(tokens=0, token_ids=[], finish=None, error=None, done=False, broken=None)
     first = out.setdefault("first", threading.Event())
     try:
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
@@ -190,6 +191,7 @@ def stream_completion(url: str, body: dict, out: dict) -> None:
                         out["error"] = event["error"]
                         continue
                     out["tokens"] += len(event["choices"][0]["token_ids"])
+                    out["token_ids"] += event["choices"][0]["token_ids"]
                     out["finish"] = event["choices"][0]["finish_reason"] or out["finish"]
                     first.set()
     except httpx.HTTPError as e:  # the server closed the connection mid-body

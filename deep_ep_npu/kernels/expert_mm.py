@@ -1,0 +1,33 @@
+"""The bf16 expert matmul of the grouped layout on the CPU (``expert_mm.c``): the MoE experts of a decode step read
+their weights once, one sequential stream per thread, at close to the memory's read rate."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import library
+
+
+def expert_mm(x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None) -> Tensor | None:
+    """``y[r] = x[r] @ w[e].T`` for the rows ``r`` of each expert ``e`` in the grouped layout, each sum in fp32
+    (products exact, sums in an order of the kernel's) rounded once to bf16; None where the kernel does not apply
+    (not bf16 CPU tensors, kernels off or not built, a CPU without AVX512-BF16), having done nothing.
+
+    Arguments:
+        x: `[rows, K]` `torch.bfloat16`, contiguous; expert ``e``'s rows are ``offsets[e - 1]:offsets[e]``.
+        w: `[E, N, K]` `torch.bfloat16`, contiguous.
+        offsets: `[E]` `torch.int32`, the cumulative row ends (non-decreasing, at most ``rows``).
+        threads: how many threads share the weight rows (default: ``torch.get_num_threads()``).
+
+    Returns:
+        `[rows, N]` `torch.bfloat16`; rows past ``offsets[-1]`` are undefined.
+    """
+    bf16 = x.dtype == w.dtype == torch.bfloat16 and offsets.dtype == torch.int32
+    if not bf16 or x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or offsets.shape != (w.shape[0],):
+        return None
+    if not all(t.is_cpu and t.is_contiguous() for t in (x, w, offsets)) or (lib := library()) is None:
+        return None
+    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
+    n = threads or torch.get_num_threads()
+    return y if lib.expert_mm(x, x.shape[0], w, w.shape[0], w.shape[1], w.shape[2], y, offsets, n) else None
