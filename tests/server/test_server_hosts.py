@@ -7,6 +7,7 @@ server's (and transformers'). Teardown leaves no process, namespace, link or ``/
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -338,6 +339,55 @@ def test_host_cut_off_then_back(checkpoint):
         assert http.post(url + "/v1/completions", json=body).status_code == 200
         lost = next(ln for ln in http.get(url + "/metrics").text.splitlines() if "ep_ranks_lost{" in ln)
         assert lost.endswith("} 2.0"), (lost, _log(nodes[0]))
+        stop_after_loss(nodes[0])
+    finally:
+        sim.close()
+    _assert_all_exit(pids)
+
+
+def test_lost_host_replicas_keep_every_expert(tmp_path):
+    """``--elastic`` with a placement that gives each host a copy of every expert (ranks 0, 1 and 2, 3 each hold
+    experts 0-3 and 4-7): host 1 killed mid-stream, the stream finishes, and new requests' greedy tokens equal the
+    model with every expert (single-process oracle); no expert is lost."""
+    import json
+
+    from deep_ep_npu.eplb import placement_json
+    from tests.server.test_eplb_failure import MODEL, oracle_greedy
+
+    rows = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7]] * MODEL["num_hidden_layers"])
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps(placement_json(rows, 4)))
+    args = [
+        "--random-model",
+        json.dumps(MODEL),
+        "--ep-size",
+        "4",
+        "--max-model-len",
+        "256",
+        "--log-level",
+        "warning",
+        "--step-timeout-s",
+        "4",
+        "--elastic",
+        "--expert-placement",
+        str(path),
+        "--num-redundant-experts",
+        "8",
+    ]
+    sim = hosts.SimulatedHosts(2)
+    try:
+        nodes = start_nodes(sim, 2, args)
+        url = f"http://{sim.addresses[0]}:{HTTP_PORT}"
+        wait_healthy(url, nodes)
+        pids = set().union(*(_descendants(n.pid) for n in nodes))
+        times, ended = _stream(url, "random-qwen3-moe", lambda i: i == 2 and sim.kill_host(1))
+        assert ended == "finished", ended
+        http = httpx.Client(trust_env=False, timeout=60)
+        body = {"prompt": [7, 3, 9, 1], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        got = http.post(url + "/v1/completions", json=body).json()["choices"][0]["token_ids"]
+        metrics = http.get(url + "/metrics").text
+        assert got == oracle_greedy([7, 3, 9, 1], 8), got
+        assert re.search(r"ep_ranks_lost\{[^}]*\} 2\.0", metrics) and re.search(r"experts_lost\{[^}]*\} 0\.0", metrics)
         stop_after_loss(nodes[0])
     finally:
         sim.close()

@@ -18,7 +18,7 @@ from tests.distributed import parallel_launch
 
 N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 8, 1.0
 
-pytestmark = pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
 
 
 @pytest.fixture(scope="module")
