@@ -4,7 +4,8 @@ from .engine import EPEngine
 from .engine_config import EngineConfig
 from .from_config import engine_from_config, run_torchrun_worker
 from .llm import LLM, CompletionOutput, RequestOutput
-from .workers import WorkerError, run_worker_from_env
+from .torchrun import run_worker_from_env
+from .workers import WorkerError
 
 __all__ = [
     "LLM",

@@ -8,9 +8,11 @@ unreachable is reported, never waited for past the bound). Rank 0 also posts its
 
 from __future__ import annotations
 
+import datetime
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,28 +40,39 @@ class Late(RuntimeError):
     connection of the group, the live ranks' too)."""
 
 
+class _Waiter:
+    """``work.wait()`` in a helper thread: :meth:`wait` may give up and try again (gloo's own timeout would close
+    every connection of the group, the live ranks' too)."""
+
+    def __init__(self, work: Any) -> None:
+        self.done, self.error = threading.Event(), list[RuntimeError]()
+        threading.Thread(target=self._run, args=(work,), name="control-wait", daemon=True).start()
+
+    def _run(self, work: Any) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            self.error.append(err)
+        finally:
+            self.done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the work completed within ``timeout`` seconds (its error raised)."""
+        if not self.done.wait(max(0.0, timeout)):
+            return False
+        if self.error:
+            raise self.error[0]
+        return True
+
+
 def _wait(work: Any, deadline: float | None) -> None:
     """Wait for ``work`` until ``deadline`` (monotonic; None: as long as it takes); :class:`Late` past it."""
     if work is None:
         return
     if deadline is None:
         work.wait()
-        return
-    done, error = threading.Event(), []
-
-    def run() -> None:
-        try:
-            work.wait()
-        except RuntimeError as err:
-            error.append(err)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="control-wait", daemon=True).start()
-    if not done.wait(max(0.0, deadline - time.monotonic())):
+    elif not _Waiter(work).wait(deadline - time.monotonic()):
         raise Late("not completed in time")
-    if error:
-        raise error[0]
 
 
 def post_each(group: Any, messages: dict[int, Any]) -> tuple[dict[int, list[Any]], dict[int, str]]:
@@ -105,9 +118,21 @@ def _receive(group: Any, src: int, deadline: float | None) -> Any:
     return pickle.loads(body.numpy().tobytes())
 
 
-def receive_own(group: Any) -> Any:
-    """A rank > 0: its next message from rank 0 (:func:`send_each`); waits as long as it takes."""
-    return _receive(group, 0, None)
+def receive_own(group: Any, verdict: Callable[[], str] | None = None, poll_s: float = 1.0) -> Any:
+    """A rank > 0: its next message from rank 0 (:func:`send_each`); waits as long as it takes, asking ``verdict()``
+    every ``poll_s`` seconds meanwhile: a non-empty answer (rank 0 gave up on this rank) raises :class:`Late`."""
+    import torch.distributed as dist
+
+    if verdict is None:
+        return _receive(group, 0, None)
+    length = torch.empty((1,), dtype=torch.int64)
+    waiter = _Waiter(dist.irecv(length, dist.get_global_rank(group, 0), group=group, tag=_LENGTH_TAG))
+    while not waiter.wait(poll_s):
+        if why := verdict():
+            raise Late(why)
+    body = torch.empty((int(length[0]),), dtype=torch.uint8)
+    _wait(dist.irecv(body, dist.get_global_rank(group, 0), group=group, tag=_BODY_TAG), None)
+    return pickle.loads(body.numpy().tobytes())
 
 
 def send_own(group: Any, message: Any, timeout: float) -> None:
@@ -141,13 +166,21 @@ def post_verdict(store: Any, ranks: list[int], why: str) -> None:
         store.set(f"{_VERDICT}{rank}", why)
 
 
+def read_verdict(store: Any, rank: int) -> str | None:
+    """Rank 0's verdict on ``rank`` in ``store`` ("": stop; a reason: lost), or None (none yet, or the store cannot
+    be reached)."""
+    try:
+        if store.check([f"{_VERDICT}{rank}"]):
+            return store.get(f"{_VERDICT}{rank}").decode()
+    except RuntimeError:
+        pass
+    return None
+
+
 def wait_verdict(store: Any, rank: int, poll_s: float = 0.2) -> str:
     """A rank > 0 whose step failed: wait for rank 0's verdict on it in ``store`` (retrying while the store cannot
-    be reached: a cut-off host learns it once its link is back)."""
-    while True:
-        try:
-            if store.check([f"{_VERDICT}{rank}"]):
-                return store.get(f"{_VERDICT}{rank}").decode()
-        except RuntimeError:
-            pass
+    be reached: a cut-off host learns it once its link is back; each try bounded by ``poll_s * 10``)."""
+    store.set_timeout(datetime.timedelta(seconds=poll_s * 10))  # (this rank leaves afterwards: its store only)
+    while (why := read_verdict(store, rank)) is None:
         time.sleep(poll_s)
+    return why

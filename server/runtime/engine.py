@@ -21,7 +21,8 @@ from .expert_placement import build_expert_map, uses_placement
 from .kv_budget import check_fits, mib
 from .plan import StepResult
 from .scheduler import RankScheduler, Request
-from .workers import ProcessWorkers, TorchrunWorkers, WorkerError, WorkerGroup
+from .torchrun import TorchrunWorkers
+from .workers import ProcessWorkers, WorkerError, WorkerGroup
 
 _T = TypeVar("_T")
 
@@ -34,7 +35,7 @@ class EPEngine(EngineCore):
     Takes one :class:`~server.runtime.engine_config.EngineConfig` (``EPEngine(config)``), or its fields as keywords
     (``EPEngine(model=..., ep_size=2)``), which are validated there. Launch ``spawn`` starts ``ep_size`` local
     workers; ``torchrun`` makes this process rank 0 of a torchrun job (worker 0, the others run
-    :func:`~server.runtime.workers.run_worker_from_env`). ``step_timeout_s`` is how long one lockstep step (or a
+    :func:`~server.runtime.torchrun.run_worker_from_env`). ``step_timeout_s`` is how long one lockstep step (or a
     health ping) may take before the engine declares the workers hung, stops them and fails (spawned workers; a dead
     worker is noticed at once); ``elastic`` (spawned workers) keeps serving on the survivors when a worker dies or
     hangs: its requests end with ``"error"``, its experts are dropped (the Buffers' shrink mode: tokens routed to

@@ -7,7 +7,7 @@ from typing import Any
 
 from .engine import EPEngine
 from .engine_config import EngineConfig
-from .workers import run_worker_from_env
+from .torchrun import run_worker_from_env
 
 
 def engine_from_config(config: Any) -> EPEngine:

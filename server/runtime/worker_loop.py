@@ -10,6 +10,7 @@ import os
 import queue
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,14 +66,15 @@ class PipeChannel(Channel):
 
 class GroupChannel(Channel):
     """A torchrun rank > 0: rank 0 sends this rank its own plan over the gloo ``group``, this rank replies to rank 0
-    alone, within ``reply_timeout_s`` (:mod:`.control`; :class:`~server.runtime.workers.TorchrunWorkers` is the other
+    alone, within ``reply_timeout_s``; while it waits for a plan it asks ``verdict()`` (rank 0's, in the store)
+    whether it was lost (:mod:`.control`; :class:`~server.runtime.torchrun.TorchrunWorkers` is the other
     end)."""
 
-    def __init__(self, group: Any, reply_timeout_s: float) -> None:
-        self.group, self.reply_timeout_s = group, reply_timeout_s
+    def __init__(self, group: Any, reply_timeout_s: float, verdict: Callable[[], str | None]) -> None:
+        self.group, self.reply_timeout_s, self.verdict = group, reply_timeout_s, verdict
 
     def recv(self) -> tuple[str, Any]:
-        kind, payload = receive_own(self.group)
+        kind, payload = receive_own(self.group, lambda: self.verdict() or "")
         return kind, payload  # (a step's plan: this rank's alone)
 
     def send(self, kind: str, payload: Any) -> None:
