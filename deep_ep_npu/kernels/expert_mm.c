@@ -16,6 +16,9 @@
 
 #define BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define MAX_THREADS 64
+#ifndef MIN_THREAD_BYTES
+#define MIN_THREAD_BYTES (4 << 20)
+#endif
 
 static inline uint16_t round_bf16(float f) { /* round to nearest even; a NaN stays a (quiet) NaN */
     uint32_t u;
@@ -89,8 +92,9 @@ int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32
     for (int64_t e = 0; e < E; e++)
         active += offs[e] > (e ? offs[e - 1] : 0) ? N : 0;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    threads = active / threads < 256 ? (active + 255) / 256 : threads; /* >= 256 rows each (~0.5 MB at K 1024) */
-    threads = threads < 1 ? 1 : threads;
+    /* a thread is worth its start (~0.1 ms in a VM) from MIN_THREAD_BYTES of weights on (~0.2 ms of reading) */
+    int64_t fit = active * K * 2 / MIN_THREAD_BYTES;
+    threads = fit < threads ? (fit < 1 ? 1 : fit) : threads;
     Job jobs[MAX_THREADS];
     pthread_t tids[MAX_THREADS];
     int64_t t = 0, seen = 0;

@@ -18,7 +18,8 @@ def expert_mm(x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None)
         x: `[rows, K]` `torch.bfloat16`, contiguous; expert ``e``'s rows are ``offsets[e - 1]:offsets[e]``.
         w: `[E, N, K]` `torch.bfloat16`, contiguous.
         offsets: `[E]` `torch.int32`, the cumulative row ends (non-decreasing, at most ``rows``).
-        threads: how many threads share the weight rows (default: ``torch.get_num_threads()``).
+        threads: at most this many threads share the weight rows, each taking at least 4 MiB of them (a thread's
+            start costs about as much as reading 2 MiB); default ``torch.get_num_threads()``.
 
     Returns:
         `[rows, N]` `torch.bfloat16`; rows past ``offsets[-1]`` are undefined.

@@ -31,13 +31,13 @@ def _ran(y: torch.Tensor | None) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "counts, n, k",
-    [([1] * 8 + [0] * 8, 64, 1024), ([2, 3, 0, 1], 96, 256), ([0, 5, 3], 7, 50), ([3, 0, 1, 2], 33, 130)]
+    [([1] * 8 + [0] * 8, 1024, 1024), ([2, 3, 0, 1], 96, 256), ([0, 5, 3], 7, 50), ([3, 0, 1, 2], 33, 130)]
     + [([0, 1], 4, 32)],
 )
 def test_expert_mm_is_the_exact_sum_rounded(counts: list[int], n: int, k: int) -> None:
     """Each output is the fp64 sum rounded to bf16 up to the fp32 sum's error (products are exact in fp32): within
     one bf16 ulp of the oracle, and equal to its rounding in nearly every element; K tails and empty experts
-    included; the thread count changes no bit."""
+    included; the thread count changes no bit (the first case has weights for 4 threads: 4 MiB each)."""
     x, w, offsets = _case(torch.Generator().manual_seed(len(counts) * k), counts, n, k)
     y = _ran(expert_mm(x, w, offsets, threads=1))
     rows = int(offsets[-1])
