@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--simulate-npu", action="store_true", help="install deep_ep_npu.sim in every worker")
     p.add_argument("--no-transformers", dest="transformers", action="store_false", help="skip the baseline rows")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: the engine's)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of the routing (0: the router's own)")
     p.add_argument("--eplb-interval", type=int, default=16, help="with --skew: steps between EPLB rebalances")
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                                             backend=backend.removesuffix(" +eplb"),
                                             max_num_seqs=max(args.batch), simulate_npu=args.simulate_npu,
                                             max_model_len=args.prompt_len + args.tokens + 8,
-                                            async_scheduling=args.async_scheduling, **eplb)  # fmt: skip
+                                            async_scheduling=args.async_scheduling,
+                                            worker_threads=args.worker_threads, **eplb)  # fmt: skip
         runs: dict[str, tuple] = {f"EP {ep} {backend}": ("ours", engines[ep, backend]) for ep, backend in names}
         if hf is not None:
             runs["transformers"] = ("hf", hf)
