@@ -10,17 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deep_ep_npu.kernels.expert_mm import expert_mm
+from deep_ep_npu.kernels.expert_mm import ROWS_PER_EXPERT, expert_mm
 
-KERNEL_ROWS = 8
-"""The most rows that run on ``expert_mm`` (above, torch's matmul is faster)."""
+_ROWS = [torch.tensor([n], dtype=torch.int32) for n in range(ROWS_PER_EXPERT + 1)]
+"""``expert_mm``'s offsets for one expert of ``n`` rows, made once (decode calls ``linear`` ~17 times a step)."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``: ``x`` `[rows, in]`, ``weight`` `[out, in]` -> `[rows, out]`, dtype of `x`."""
-    if x.dim() == 2 and x.shape[0] <= KERNEL_ROWS and x.device.type == "cpu":
-        rows = torch.tensor([x.shape[0]], dtype=torch.int32)
-        if (out := expert_mm(x, weight[None], rows)) is not None:
+    if x.dim() == 2 and x.shape[0] <= ROWS_PER_EXPERT and x.device.type == "cpu":
+        if (out := expert_mm(x, weight[None], _ROWS[x.shape[0]])) is not None:
             return out if bias is None else out + bias
         if x.shape[0] == 1:
             out = torch.mv(weight, x[0])[None]

@@ -2,7 +2,7 @@
 (+ shared experts, computed while the combine is in flight).
 
 Where they can, bf16 experts on the CPU run as :func:`deep_ep_npu.kernels.expert_mm.expert_mm`, at most
-``KERNEL_ROWS_PER_EXPERT`` rows per local expert on average (decode): it reads each expert's weights once, in one
+``ROWS_PER_EXPERT`` rows per local expert on average (decode): it reads each expert's weights once, in one
 sequential stream per thread, ~2-3x faster than torch's matmuls there (benchmarks/bench_decode.py); above that
 (prefill) torch's are faster. Otherwise the experts run as one grouped matmul per projection
 (``torch._grouped_mm``): no loop over experts and no count read back on the host. Where that is not the fastest, or
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deep_ep_npu.kernels.expert_mm import expert_mm
+from deep_ep_npu.kernels.expert_mm import ROWS_PER_EXPERT, expert_mm
 
 from .config import ModelConfig
 from .ep_comm import ExpertComm
@@ -89,10 +89,6 @@ class Router(nn.Module):
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return idx, weights * cfg.routed_scaling_factor
-
-
-KERNEL_ROWS_PER_EXPERT = 8
-"""The most rows per local expert, on average, for which the CPU experts run as ``expert_mm`` (see the module doc)."""
 
 
 def use_grouped_mm(recv_rows: torch.Tensor, num_experts: int) -> bool:
@@ -170,7 +166,7 @@ class LocalExperts(nn.Module):
     def kernel(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
         """The bf16 experts without biases as two ``expert_mm`` calls (arguments and result as :meth:`forward`), or
         None where they do not run so (see the module doc)."""
-        if self.int8 is not None or hasattr(self, "b13") or recv_rows.shape[0] > KERNEL_ROWS_PER_EXPERT * len(offsets):
+        if self.int8 is not None or hasattr(self, "b13") or recv_rows.shape[0] > ROWS_PER_EXPERT * len(offsets):
             return None
         if (h := expert_mm(recv_rows, self.w13, offsets)) is None:
             return None
