@@ -15,39 +15,12 @@ from ..ops.context import context_group, create_context
 from ..ops.v3 import moe_distribute_combine_v3, moe_distribute_dispatch_v3
 from ..sizes import get_low_latency_ccl_buffer_size
 
-DISPATCH_NAMES = {
-    "expert_ids": "topk_idx",
-    "moe_expert_num": "num_experts",
-    "scales": "x_smooth_scale",
-    "expert_scales": "topk_weights",
-    "global_bs": "num_max_dispatch_tokens_per_rank",
-    "scales_dtype": "x_smooth_scales_dtype",
-}
-OP_ARGS = {
-    "x_smooth_scale": "scales",
-    "topk_weights": "expert_scales",
-    "x_smooth_scales_dtype": "scales_dtype",
-    "num_max_dispatch_tokens_per_rank": "global_bs",
-    "expert_shared_type": "expert_shard_type",
-}
-COMBINE_POSITIONAL = (
-    "self",
-    "x",
-    "topk_idx",
-    "topk_weights",
-    "assist_info_for_combine",
-    "ep_send_counts",
-    "num_experts",
-    "weights",
-)
-COMBINE_NAMES = {
-    "expand_x": "x",
-    "expert_ids": "topk_idx",
-    "moe_expert_num": "num_experts",
-    "expert_scales": "topk_weights",
-    "expert_shard_type": "expert_shared_type",
-    "global_bs": "num_max_dispatch_tokens_per_rank",
-}
+DISPATCH_NAMES = {"expert_ids": "topk_idx", "moe_expert_num": "num_experts", "scales": "x_smooth_scale",
+                  "expert_scales": "topk_weights", "global_bs": "num_max_dispatch_tokens_per_rank",
+                  "scales_dtype": "x_smooth_scales_dtype"}  # fmt: skip
+COMBINE_NAMES = {"expand_x": "x", "expert_ids": "topk_idx", "moe_expert_num": "num_experts",
+                 "expert_scales": "topk_weights", "expert_shard_type": "expert_shared_type",
+                 "global_bs": "num_max_dispatch_tokens_per_rank"}  # fmt: skip
 
 
 class MoeDistributeBuffer:
@@ -109,11 +82,17 @@ class MoeDistributeBuffer:
         num_max_dispatch_tokens_per_rank * W`` (0: every rank has the same Bs) and no TP. Returns
         ``(expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts, expand_scales)``
         (the op's outputs without ``tp_recv_counts``)."""
-        kw = {OP_ARGS.get(k, k): v for k, v in locals().items() if k not in ("self", "x", "topk_idx", "num_experts")}
-        kw["global_bs"] *= self.world_size
         w, r, ccl = self.world_size, self.rank_id, self.ccl_buffer_size
         try:
-            out = moe_distribute_dispatch_v3(self.context, x, topk_idx, w, r, num_experts, ccl, **kw)
+            out = moe_distribute_dispatch_v3(
+                self.context, x, topk_idx, w, r, num_experts, ccl, scales=x_smooth_scale, x_active_mask=x_active_mask,
+                expert_scales=topk_weights, elastic_info=elastic_info, expert_shard_type=expert_shard_type,
+                shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
+                quant_mode=quant_mode, global_bs=num_max_dispatch_tokens_per_rank * w,
+                expert_token_nums_type=expert_token_nums_type, comm_alg=comm_alg, zero_expert_num=zero_expert_num,
+                copy_expert_num=copy_expert_num, const_expert_num=const_expert_num, y_dtype=y_dtype, x_dtype=x_dtype,
+                scales_dtype=x_smooth_scales_dtype,
+            )  # fmt: skip
         except MoeDistributeError as err:
             raise err.renamed(DISPATCH_NAMES) from None
         return (*out[:5], out[6])
@@ -150,13 +129,18 @@ class MoeDistributeBuffer:
         ``expert_shared_type`` (``expert_shard_type``) and ``global_bs = num_max_dispatch_tokens_per_rank * W``.
         Returns `[Bs, H]` in x's dtype."""
         weights = torch.empty((0,), dtype=torch.float32, device=x.device) if topk_weights is None else topk_weights
-        kw = {OP_ARGS.get(k, k): v for k, v in locals().items() if k not in COMBINE_POSITIONAL}
-        kw["global_bs"] *= self.world_size
-        args = (self.world_size, self.rank_id, num_experts, self.ccl_buffer_size)
+        w, r, ccl = self.world_size, self.rank_id, self.ccl_buffer_size
         try:
             return moe_distribute_combine_v3(
-                self.context, x, topk_idx, assist_info_for_combine, ep_send_counts, weights, *args, **kw
-            )
+                self.context, x, topk_idx, assist_info_for_combine, ep_send_counts, weights, w, r, num_experts, ccl,
+                x_active_mask=x_active_mask, expand_scales=expand_scales, shared_expert_x=shared_expert_x,
+                elastic_info=elastic_info, ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,
+                const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
+                expert_shard_type=expert_shared_type, shared_expert_num=shared_expert_num,
+                shared_expert_rank_num=shared_expert_rank_num, global_bs=num_max_dispatch_tokens_per_rank * w,
+                comm_quant_mode=comm_quant_mode, comm_alg=comm_alg, zero_expert_num=zero_expert_num,
+                copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
+            )  # fmt: skip
         except MoeDistributeError as err:
             raise err.renamed(COMBINE_NAMES) from None
 

@@ -25,38 +25,26 @@ from ..errors import invalid
 from .context import check_ccl, check_context, context_group
 
 DISPATCH_V3, COMBINE_V3 = "moe_distribute_dispatch_v3", "moe_distribute_combine_v3"
-_COMMON = ("context", "ep_world_size", "ep_rank_id", "moe_expert_num", "ccl_buffer_size", "expert_ids")
-DISPATCH_POSITIONAL = {*_COMMON, "x", "moe_distribute_dispatch_v2"}
-COMBINE_POSITIONAL = {*_COMMON, "expand_x", "assist_info_for_combine", "ep_send_counts", "expert_scales"}
-COMBINE_POSITIONAL.add("moe_distribute_combine_v2")
 
 
-def _group(op: str, context: Any, sizes: tuple[Any, ...], x: Any, ids: Any, kw: dict[str, Any]) -> Any:
-    """The group ``context`` names, after the context-form checks (told to its peers when one fails)."""
+def _group(op: str, context: Any, sizes: tuple[Any, ...], x: Any, ids: Any, tp_world_size: Any, global_bs: Any,
+           layout: dict[str, Any]) -> Any:  # fmt: skip
+    """The group ``context`` names, after the context-form checks (told to its peers when one fails). ``layout``: the
+    op's ``expert_shard_type``, ``shared_expert_num``, ``shared_expert_rank_num`` and ``comm_alg``."""
     group, have = context_group(context)
     engine, (ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size) = engine_for(group), sizes
     with engine.rejecting(op):
         check_context(context, group, ep_world_size, ep_rank_id)
-        if kw.get("tp_world_size", 0) not in (0, 1):
+        if tp_world_size not in (0, 1):
             why = "the context names no TP communicator (TP is reserved in the context ops); pass 0 or 1"
-            raise invalid("tp_world_size", f"got {kw['tp_world_size']!r}: {why}")
-        if kw.get("comm_alg", "") == "hierarchy":
+            raise invalid("tp_world_size", f"got {tp_world_size!r}: {why}")
+        if layout["comm_alg"] == "hierarchy":
             raise invalid("comm_alg", "'hierarchy' does not support the mc2 context mode; use '', fullmesh_v1 / v2")
-        names = ("expert_shard_type", "shared_expert_num", "shared_expert_rank_num", "comm_alg")
-        e = ascend.experts(group, ep_world_size, ep_rank_id, moe_expert_num, **{n: kw[n] for n in names if n in kw})
+        e = ascend.experts(group, ep_world_size, ep_rank_id, moe_expert_num, **layout)
         if all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (x, ids)):
-            max_bs = kw.get("global_bs", 0) // e.world_size if kw.get("global_bs", 0) else ids.shape[0]
-            check_ccl(
-                ccl_buffer_size,
-                have,
-                e.world_size,
-                max_bs,
-                x.shape[1],
-                e.num_local,
-                ids.shape[1],
-                e.shared_expert_num,
-                str(kw.get("comm_alg", "")),
-            )
+            max_bs = global_bs // e.world_size if global_bs else ids.shape[0]
+            check_ccl(ccl_buffer_size, have, e.world_size, max_bs, x.shape[1], e.num_local, ids.shape[1],
+                      e.shared_expert_num, str(layout["comm_alg"]))  # fmt: skip
     return group
 
 
@@ -97,10 +85,18 @@ def moe_distribute_dispatch_v3(
     expand_scales)``."""
     from . import moe_distribute_dispatch_v2
 
-    kw = {k: v for k, v in locals().items() if k not in DISPATCH_POSITIONAL}
     sizes = (ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size)
-    group = _group(DISPATCH_V3, context, sizes, x, expert_ids, kw)
-    return moe_distribute_dispatch_v2(x, expert_ids, group, ep_world_size, ep_rank_id, moe_expert_num, **kw)
+    layout: dict[str, Any] = dict(expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
+                                  shared_expert_rank_num=shared_expert_rank_num, comm_alg=comm_alg)  # fmt: skip
+    group = _group(DISPATCH_V3, context, sizes, x, expert_ids, tp_world_size, global_bs, layout)
+    return moe_distribute_dispatch_v2(
+        x, expert_ids, group, ep_world_size, ep_rank_id, moe_expert_num, scales=scales, x_active_mask=x_active_mask,
+        expert_scales=expert_scales, elastic_info=elastic_info, performance_info=performance_info,
+        tp_world_size=tp_world_size, tp_rank_id=tp_rank_id, quant_mode=quant_mode, global_bs=global_bs,
+        expert_token_nums_type=expert_token_nums_type, zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num, const_expert_num=const_expert_num, y_dtype=y_dtype, x_dtype=x_dtype,
+        scales_dtype=scales_dtype, **layout,
+    )  # fmt: skip
 
 
 def moe_distribute_combine_v3(
@@ -142,18 +138,16 @@ def moe_distribute_combine_v3(
     or an empty tensor for a plain sum. Returns x `[Bs, H]` in expand_x's dtype."""
     from . import moe_distribute_combine_v2
 
-    kw = {k: v for k, v in locals().items() if k not in COMBINE_POSITIONAL}
     sizes = (ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size)
-    group = _group(COMBINE_V3, context, sizes, expand_x, expert_ids, kw)
+    layout: dict[str, Any] = dict(expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
+                                  shared_expert_rank_num=shared_expert_rank_num, comm_alg=comm_alg)  # fmt: skip
+    group = _group(COMBINE_V3, context, sizes, expand_x, expert_ids, tp_world_size, global_bs, layout)
     return moe_distribute_combine_v2(
-        expand_x,
-        expert_ids,
-        assist_info_for_combine,
-        ep_send_counts,
-        expert_scales,
-        group,
-        ep_world_size,
-        ep_rank_id,
-        moe_expert_num,
-        **kw,
-    )
+        expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group, ep_world_size,
+        ep_rank_id, moe_expert_num, tp_send_counts=tp_send_counts, x_active_mask=x_active_mask,
+        expand_scales=expand_scales, shared_expert_x=shared_expert_x, elastic_info=elastic_info, ori_x=ori_x,
+        const_expert_alpha_1=const_expert_alpha_1, const_expert_alpha_2=const_expert_alpha_2,
+        const_expert_v=const_expert_v, performance_info=performance_info, tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id, global_bs=global_bs, comm_quant_mode=comm_quant_mode, zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num, const_expert_num=const_expert_num, **layout,
+    )  # fmt: skip
