@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import Backend, create_backend
-from .core import rules
+from .core import fused, rules
 from .core.call import FFN, DispatchCall
 from .engine.exchange import check_names, check_status, engine_for, header
 from .engine.rows import DTYPE_CODES
@@ -99,8 +99,8 @@ def prepare(backend: Backend, x: object, topk_idx: object, topk_weights: object,
         n = rules.in_range(num_max, "num_max_dispatch_tokens_per_rank", 1, MAX_TOKENS_PER_RANK)
         rules.in_range(num_experts, "num_experts", 1, 1 << 16)
         experts = rules.plain_experts(ep.num_ranks, ep.rank, num_experts, "num_experts")
-        x_, ids, weights, mask = rules.fused_tokens(x, topk_idx, topk_weights, x_active_mask, n, experts)
-        ffn = rules.ffn(ffn, x_, experts.num_local, ids.shape[1], n, ep.num_ranks)
+        x_, ids, weights, mask = fused.tokens(x, topk_idx, topk_weights, x_active_mask, n, experts)
+        ffn = fused.ffn(ffn, x_, experts.num_local, ids.shape[1], n, ep.num_ranks)
     except MoeDistributeError as err:
         _agree(backend, err.code, (0,) * len(NAMES), False)
         raise
