@@ -12,7 +12,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,8 @@ from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError, shape
 from ..transports import Check, Transport, create
 from ..transports.collective import STATUS_OK, Agreement, EPGroup
-from . import expand, flat, masked, pipeline, reduce
-from .plan import Plan
-from .rows import Parts, RowFormat, encoder
+from . import Layout, expand, flat, masked, pipeline, reduce
+from .rows import Parts, encoder
 from .tp import tp_agree
 
 FINGERPRINT = 16  # header words every layout may fill with what the ranks must agree on
@@ -58,32 +57,6 @@ class InFlight:
         return self.value
 
     __call__ = wait
-
-
-class Layout(Protocol):
-    """Where a dispatch's rows go (built by :mod:`.masked`, :mod:`.flat`, :mod:`.expand`'s ``layout(call, engine)``).
-    ``source`` `[T, *]`: what the rows encode; ``weights`` `[P]` fp32 per pair, ``smooth`` `[num_rows, H]` fp32 per
-    row, or None; ``known``: the rows each source sends here when already known (a cached layout); ``vectors``
-    (<= 2R words) and ``fingerprint`` (<= 16, named by ``names``): the header words every rank checks (more checks:
-    an optional ``check(agreement)``); ``agree_now``: the collective transport agrees in the send phase; ``tp``: the
-    TP stage (:class:`~.flat.TPStage`). Optional ``place_own(own_rows, encode)``: places the own rows in the send phase
-    (``encode()`` fills ``own_rows`` when they cannot come straight from the source)."""
-
-    plan: Plan
-    fmt: RowFormat
-    source: torch.Tensor
-    weights: torch.Tensor | None
-    smooth: torch.Tensor | None
-    known: list[int] | None
-    vectors: Sequence[int]
-    fingerprint: Sequence[int]
-    names: Sequence[str]
-    agree_now: bool
-    tp: Any
-
-    def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None: ...
-
-    def result(self) -> Any: ...
 
 
 def check_status(agreement: Agreement) -> None:

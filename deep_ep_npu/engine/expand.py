@@ -178,7 +178,7 @@ def receive(c: DispatchCall, p: Payload, place: Placement, x: torch.Tensor, sf: 
 
 
 class _Expand:
-    """The layout of one V2 dispatch (the :class:`~.exchange.Layout` protocol); :meth:`result` is its
+    """The layout of one V2 dispatch (the :class:`.Layout` protocol); :meth:`result` is its
     :class:`Outputs` (None until allocated: with CPU sync, at the receive)."""
 
     weights, smooth, tp, names, agree_now = None, None, None, NAMES, False

@@ -34,7 +34,7 @@ MISMATCH = ("assist_info_for_combine", "the expert_ids / x_active_mask used at d
 
 
 class _Flat:
-    """The layout of one flat dispatch (the :class:`~.exchange.Layout` protocol). :meth:`result` is the 7 outputs of
+    """The layout of one flat dispatch (the :class:`.Layout` protocol). :meth:`result` is the 7 outputs of
     :func:`deep_ep_npu.ops.moe_distribute_dispatch_v2`, allocated here, filled by :meth:`place`."""
 
     known, vectors, agree_now, names = None, (), True, NAMES

@@ -30,7 +30,7 @@ def exclusive_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 class _Masked:
-    """The layout of one dispatch (the :class:`~.exchange.Layout` protocol); its outputs (``Buffer``'s), filled in
+    """The layout of one dispatch (the :class:`.Layout` protocol); its outputs (``Buffer``'s), filled in
     place; the call's ``recv_stats`` `[L]` int32 and ``wait_stats`` `[R]` int64 (ns) accumulate."""
 
     known, vectors, agree_now, tp, weights, smooth, names = None, (), False, None, None, None, NAMES

@@ -31,7 +31,7 @@ class CombineJob:
     and expects disagree; ``extra``: local (token, slot, value `[n, hidden]` fp32) contributions (copy / const
     experts, V2's bias); ``addend`` `[T, hidden]` added last; ``active``: tokens ``[0, active)`` are written, the
     rest 0; ``on_wait``: the wait statistics; ``tp``: the TP stage (:class:`~.flat.TPStage`); ``agree_now``: as
-    :class:`~.exchange.Layout`'s; ``acc`` / ``own_y``: :func:`reduce_own`'s results."""
+    :class:`.Layout`'s; ``acc`` / ``own_y``: :func:`reduce_own`'s results."""
 
     source: torch.Tensor
     return_rows: torch.Tensor
