@@ -1,7 +1,8 @@
 """deep_ep_npu: DeepEP-compatible low-latency expert-parallel communication for Ascend NPUs, runnable anywhere (the
 layers: README "Architecture"). Imports only torch; torch_npu is imported only when the Ascend backend is created."""
 
-from .buffer import Buffer, Config
+from .buffer import Buffer
+from .buffer_normal import Config
 from .elastic import ElasticBuffer
 from .errors import MoeDistributeError
 from .handle import EPHandle, EventHandle, EventOverlap, FlatHandle, LowLatencyHandle, topk_idx_t

@@ -160,6 +160,3 @@ class AscendMethods:
             raise TypeError(f"mega_moe() got unexpected keyword arguments {sorted(kwargs)}")
         args = (x, topk_idx, topk_weights, ffn, num_max_dispatch_tokens_per_rank, num_experts, x_active_mask)
         return run_mega_moe(self._backend, *args)
-
-    # DeepEP's legacy Buffer beyond the low-latency calls: accepted, or the normal mode as far as it exists here
-    num_sms: int = 20
