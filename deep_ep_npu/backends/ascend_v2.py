@@ -39,7 +39,7 @@ def dispatch(backend: Any, c: DispatchCall) -> Any:
     keys, row = torch.unique(src * n + token, sorted=True, return_inverse=True)  # tokens by (source, token)
     slots = torch.full((keys.numel(), k), -1, dtype=torch.int32, device=counts.device)
     slots[row, slot] = expert.to(torch.int32)
-    payload, sizes = expand.payload_of(c.x, None, k), expand.sizes_of(c, k)
+    payload, sizes = expand.Payload(c.x, None, k), expand.sizes_of(c, k)
     rows_from = torch.bincount(keys // n, minlength=r).tolist()
     place = h.state["placement"] if h else expand.make_placement(slots, rows_from, num_local, c.alignment, sizes)
     x_rows = expand_x.new_empty((keys.numel(), hidden))

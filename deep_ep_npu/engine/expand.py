@@ -75,9 +75,6 @@ class Placement:
     num_expanded: int
 
 
-payload_of = Payload
-
-
 def make_placement(slots: torch.Tensor, rows_from: list[int], num_local: int, alignment: int,
                    sizes: tuple[int, int] | None) -> Placement:  # fmt: skip
     """The placement of received tokens in layout order: ``slots`` `[total, K]` int32 (each one's local expert per
@@ -186,7 +183,7 @@ class _Expand:
     def __init__(self, c: DispatchCall, engine: Any) -> None:
         e, h = c.experts, c.cached
         self.c, self.ep = c, engine.ep
-        self.payload = p = payload_of(c.x, c.x_sf, c.expert_ids.shape[1])
+        self.payload = p = Payload(c.x, c.x_sf, c.expert_ids.shape[1])
         if h is not None:
             self.plan = h.state["plan"]
         else:
