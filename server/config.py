@@ -91,7 +91,10 @@ class ServerConfig(BaseModel):
                                         "request's prefix")  # fmt: skip
     async_scheduling: bool = Field(True, description="plan step k+1 while the workers run step k (spawned workers)")
     worker_threads: int | None = Field(
-        None, ge=1, description="torch threads per worker (default: the CPUs available split over the local workers)"
+        None,
+        ge=1,
+        description="torch threads per worker (default: the CPUs available split over the local workers, "
+        "and one for a CPU worker's steps of at most 64 tokens)",
     )
     api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>' on /v1/*")
     served_model_name: str | None = Field(

@@ -40,7 +40,8 @@ class EngineConfig:
     or ``"4G"``: :func:`server.config.parse_bytes`) or else ``gpu_memory_utilization``
     (:mod:`server.runtime.kv_budget`), ``enable_prefix_caching``;
     ``async_scheduling`` plan step k+1 while the workers run step k (spawned workers); ``worker_threads`` torch
-    threads per worker (None: the CPUs this process may use, split over the local workers); ``int8_experts`` W8A8
+    threads per worker (None: the CPUs this process may use, split over the local workers, and one for a CPU
+    worker's steps of few tokens: :data:`server.runtime.worker.THREADED_STEP_TOKENS`); ``int8_experts`` W8A8
     routed experts; ``moe_impl``
     ``unfused`` (dispatch -> experts -> combine) or ``fused`` (``Buffer.mega_moe``); ``launch`` ``spawn``,
     ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
