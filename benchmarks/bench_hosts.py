@@ -11,6 +11,11 @@ Reported: ``r`` = window / collective on one host (median of same-iteration rati
 collective against its ideal ``(W - P) / (W - 1) + r (P - 1) / (W - 1)`` (each rank's ``W - 1`` peers: ``P - 1`` at
 window speed; 2 x 2: ``2/3 + r/3``) for dispatch, combine and the whole op (dispatch + combine); and the intra-host
 Buffer's time on the simulated hosts / on one host (1.0: the window's speed).
+
+Also timed in both launches, to show what the ideal assumes: gloo alone moving the payload of one dispatch + combine
+(``all_to_all_single`` of the bytes per destination that ``ours`` moved last) without the ``P - 1`` peers of a
+rank's host, over the same with them ("gloo far / all"): the part of gloo's time the window can take over is
+``1 - far / all``; the ideal takes it as ``(P - 1) / (W - 1)``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.baselines import A2AFloor
 from benchmarks.timing import time_interleaved
 
 
@@ -43,6 +49,19 @@ def _ops(buf: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, cfg: dic
     ]
 
 
+def _gloo(buf: Any, ops: list, group: dist.ProcessGroup, skip: list[int]) -> Any:
+    """gloo alone moving the payload of ``buf``'s last dispatch + combine (run ``ops`` once first) to every rank but
+    those of ``skip``."""
+    from deep_ep_npu import profiling
+
+    for op in ops:
+        op()
+    stats = profiling.wire_stats(buf)
+    floors = [A2AFloor([0 if r in skip else b for r, b in enumerate(stats[f"{op}_send_bytes"])], group)
+              for op in ("dispatch", "combine")]  # fmt: skip
+    return lambda: [floor() for floor in floors]
+
+
 def _rank(info: Any, cfg: dict, per_host: int) -> dict:
     from deep_ep_npu import Buffer
 
@@ -55,11 +74,13 @@ def _rank(info: Any, cfg: dict, per_host: int) -> dict:
     coll = Buffer(info.group, explicitly_destroy=True, transport="collective")
     pair = Buffer(mine, explicitly_destroy=True)
     fns = _ops(ours, x, idx, w, cfg) + _ops(coll, x, idx, w, cfg) + _ops(pair, x, idx, w, cfg)
+    host = hosts[info.rank // per_host]
+    fns += [_gloo(ours, fns[:2], info.group, skip) for skip in ([info.rank], host)]
     us = time_interleaved(fns, info.group, cfg["warmup"], cfg["iters"])  # (each host's pair at once)
     names = (ours._backend.transport.name, pair._backend.transport.name)
     for buf in (pair, coll, ours):
         buf.destroy()
-    return {"transports": names, "ours": us[:2], "collective": us[2:4], "pair": us[4:]}
+    return {"transports": names, "ours": us[:2], "collective": us[2:4], "pair": us[4:6], "gloo": us[6:]}
 
 
 def _paired(a: list[float], b: list[float]) -> float:
@@ -115,6 +136,9 @@ def run_hosts(args: Any) -> dict:
             }
         )
     record["rows"] = rows
+    record["gloo_far_over_all"] = {k: _paired(*run["gloo"][::-1]) for k, run in (("hosts", many), ("one_host", one))}
+    gloo_all, gloo_far = (statistics.median(t) for t in many["gloo"])
+    record["gloo_median_us"] = {"all": gloo_all, "far": gloo_far}
     print(
         f"{num_hosts} simulated hosts x {per} ranks, tokens={cfg['num_tokens']} hidden={cfg['hidden']} "
         f"topk={cfg['num_topk']} experts={cfg['num_experts']} quant={cfg['quant']}; transports {record['transports']}"
@@ -130,4 +154,7 @@ def run_hosts(args: Any) -> dict:
             f"{row['off_ideal']:+7.3f} {row['pair_hosts_over_one_host']:12.3f} {med['ours']:9.0f} "
             f"{med['collective']:9.0f}"
         )
+    far = record["gloo_far_over_all"]
+    print(f"gloo far / all (the payload without the host's peers / with): hosts {far['hosts']:.3f} ({gloo_far:.0f} / "
+          f"{gloo_all:.0f} us), one host {far['one_host']:.3f}; the ideal takes {ideal_share:.3f}")  # fmt: skip
     return record
