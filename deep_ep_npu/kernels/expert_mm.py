@@ -13,6 +13,17 @@ ROWS_PER_EXPERT = 8
 rows, still ahead at 8, behind from ~32 on (it reads the weights once but multiplies without blocking)."""
 
 
+_threads: int | None = None
+
+
+def set_num_threads(threads: int | None) -> None:
+    """The threads :func:`expert_mm` may use when its caller names none (None: ``torch.get_num_threads()``). A
+    process that runs torch's small ops on one thread can still read its weights on several: 2 threads read 23
+    GB/s here against 18 for one."""
+    global _threads
+    _threads = threads
+
+
 def expert_mm(x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None) -> Tensor | None:
     """``y[r] = x[r] @ w[e].T`` for the rows ``r`` of each expert ``e`` in the grouped layout, each sum in fp32
     (products exact, sums in an order of the kernel's) rounded once to bf16; None where the kernel does not apply
@@ -23,7 +34,7 @@ def expert_mm(x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None)
         w: `[E, N, K]` `torch.bfloat16`, contiguous.
         offsets: `[E]` `torch.int32`, the cumulative row ends (non-decreasing, at most ``rows``).
         threads: at most this many threads share the weight rows, each taking at least 4 MiB of them (a thread's
-            start costs about as much as reading 2 MiB); default ``torch.get_num_threads()``.
+            start costs about as much as reading 2 MiB); default :func:`set_num_threads`'s.
 
     Returns:
         `[rows, N]` `torch.bfloat16`; rows past ``offsets[-1]`` are undefined.
@@ -34,5 +45,5 @@ def expert_mm(x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None)
     if not all(t.is_cpu and t.is_contiguous() for t in (x, w, offsets)) or (lib := library()) is None:
         return None
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
-    n = threads or torch.get_num_threads()
+    n = threads or _threads or torch.get_num_threads()
     return y if lib.expert_mm(x, x.shape[0], w, w.shape[0], w.shape[1], w.shape[2], y, offsets, n) else None

@@ -17,7 +17,7 @@ from .forward_batch import ForwardBatch
 from .layers import RMSNorm
 from .linear import Linear
 from .paged_attention import paged_attention, write_kv
-from .qkv import QKVProjections, token_seq_lens
+from .qkv import QKVProjections
 from .rope import Rotary
 
 
@@ -88,7 +88,7 @@ class MLAttention(nn.Module):
         q_nope, q_rot = q.view(t, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, token_seq_lens(batch, self.rotary))
+        cos, sin = self.rotary.step_cos_sin(batch, x.dtype)
         q_rot = self.rotary.apply(q_rot, cos, sin)
         k_rot = self.rotary.apply(k_rot[:, None, :], cos, sin)[:, 0]
         (kv_cache,) = cache

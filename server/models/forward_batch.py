@@ -85,6 +85,7 @@ class ForwardBatch:
     sample_rows: torch.Tensor
     groups: list[AttentionGroup]
     num_tokens_all_ranks: int | None = None
+    memo: dict = dataclasses.field(default_factory=dict)  # what the layers compute once per step (rope's cos / sin)
 
     @property
     def num_tokens(self) -> int:

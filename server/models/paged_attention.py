@@ -46,6 +46,11 @@ def paged_attention(
         out: `[num_tokens, num_heads, v_dim]`, dtype of `q`.
     """
     num_tokens, num_heads, qk_dim = q.shape
+    if len(batch.groups) == 1 and batch.groups[0].rows.shape[1] == 1:  # decodes alone: row i is sequence i
+        group = batch.groups[0]
+        keys = k_cache[group.block_table].flatten(1, 2).transpose(1, 2)
+        values = v_cache[group.block_table].flatten(1, 2).transpose(1, 2)
+        return attend(q[:, :, None], keys, values, group.mask(window), scale, sinks)[:, :, 0]
     if any(group.padded for group in batch.groups):  # the padding queries' scratch row
         q = torch.cat((q, q.new_zeros(1, num_heads, qk_dim)))
     out = q.new_empty(q.shape[0], num_heads, v_cache.shape[-1])
@@ -79,7 +84,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
     group = heads // kv_heads  # query head h reads key/value head h // group
     scores = q.float().reshape(seqs, kv_heads, group * max_q, -1) @ k.float().transpose(-1, -2)
-    scores = (scores * scale).view(seqs, kv_heads, group, max_q, keys).masked_fill(~mask[:, :, None], float("-inf"))
+    scores = torch.where(mask[:, :, None], (scores * scale).view(seqs, kv_heads, group, max_q, keys), float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)
     else:

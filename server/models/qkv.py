@@ -22,18 +22,6 @@ if TYPE_CHECKING:
     from .forward_batch import ForwardBatch
 
 
-def token_seq_lens(batch: ForwardBatch, rotary: Rotary) -> torch.Tensor | None:
-    """Per token, its sequence's length at the end of its chunk (`[num_tokens]` `torch.int64`), for the ``dynamic``
-    rope type; None for the other types (they do not read it)."""
-    if rotary.rope.rope_type != "dynamic":
-        return None
-    lengths = batch.positions.new_zeros(batch.num_tokens + 1)  # + the scratch row padding queries point at
-    for group in batch.groups:
-        ends = group.query_pos.amax(dim=1, keepdim=True) + 1  # a chunk's last position (padding is 0) + 1
-        lengths[group.rows] = ends.expand_as(group.rows)
-    return lengths[:-1]
-
-
 class QKVProjections(nn.Module):
     """``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (+ ``q_norm`` / ``k_norm``) and the rotary embedding of layer
     ``layer_idx``; also what its attention reads: ``window`` (sliding layers: the last ``sliding_window`` positions,
@@ -73,5 +61,5 @@ class QKVProjections(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, token_seq_lens(batch, self.rotary))
+        cos, sin = self.rotary.step_cos_sin(batch, x.dtype)
         return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .forward_batch import ForwardBatch
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -169,6 +172,18 @@ class RopeConfig:
         return _mscale(self.factor, self.mscale_all_dim)
 
 
+def token_seq_lens(batch: ForwardBatch, rotary: Rotary) -> torch.Tensor | None:
+    """Per token, its sequence's length at the end of its chunk (`[num_tokens]` `torch.int64`), for the ``dynamic``
+    rope type; None for the other types (they do not read it)."""
+    if rotary.rope.rope_type != "dynamic":
+        return None
+    lengths = batch.positions.new_zeros(batch.num_tokens + 1)  # + the scratch row padding queries point at
+    for group in batch.groups:
+        ends = group.query_pos.amax(dim=1, keepdim=True) + 1  # a chunk's last position (padding is 0) + 1
+        lengths[group.rows] = ends.expand_as(group.rows)
+    return lengths[:-1]
+
+
 class Rotary(nn.Module):
     """Rotary embedding of the first ``rope.dim`` dims of each head (the rest pass through): ``rotate_half`` pairs
     (dims i and i + dim/2), or interleaved pairs (2i, 2i+1; DeepSeek), whose rotated dims come out evens then odds as
@@ -194,6 +209,15 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 
+    def step_cos_sin(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`cos_sin` at ``batch``'s positions as `[num_tokens, 1, dim]`, computed once per step and rope config
+        (the layers of a model share it)."""
+        key = ("rope", id(self.rope), dtype)
+        if key not in batch.memo:
+            cos, sin = self.cos_sin(batch.positions, dtype, token_seq_lens(batch, self))
+            batch.memo[key] = cos[:, None], sin[:, None]
+        return batch.memo[key]
+
     def _dynamic_freq(self, seq_len: torch.Tensor) -> torch.Tensor:
         """A sequence's frequencies: the initial ones up to ``max_position_embeddings`` tokens, then NTK-scaled."""
         if int(seq_len) <= self.rope.max_position_embeddings:
@@ -201,10 +225,10 @@ class Rotary(nn.Module):
         return self.rope.dynamic_inv_freq(seq_len).to(self.inv_freq.device)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """``x`` `[T, heads, head_dim]`, cos/sin `[T, dim]` -> rotated ``x``, same shape and dtype."""
+        """``x`` `[T, heads, head_dim]`, cos/sin `[T, 1, dim]` (:meth:`step_cos_sin`) -> rotated ``x``, same shape and
+        dtype."""
         dim = cos.shape[-1]
-        rot, rest = x[..., :dim], x[..., dim:]
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        rot, rest = (x, None) if dim == x.shape[-1] else (x[..., :dim], x[..., dim:])
         if self.interleave:
             c, s = cos[..., : dim // 2], sin[..., : dim // 2]
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
@@ -212,4 +236,4 @@ class Rotary(nn.Module):
         else:
             x1, x2 = rot[..., : dim // 2], rot[..., dim // 2 :]
             out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+        return out if rest is None else torch.cat((out, rest), dim=-1)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from deep_ep_npu.kernels import expert_mm
+
 from ..engine_api import NONFINITE_TOKEN
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInput
@@ -33,9 +35,9 @@ __all__ = ["PlanEntry", "StepPlan", "StepResult", "Worker"]
 
 THREADED_STEP_TOKENS = 64
 """A CPU worker's step of at most this many tokens runs torch on one thread (when ``worker_threads`` is not set): such
-a step reads weights, which one thread streams at about the memory's rate (21 of 23 GB/s here), and a second thread
-costs more in wake-ups than it gives back on the step's ~1000 small ops (measured in-process on the decode
-benchmark's model, 2 cores: batch 1 step 9.3 ms on one thread, 12 ms on two; a 32- or 64-token prefill equal, 128
+a step reads weights, which ``expert_mm`` does on all the worker's threads anyway, and a second torch thread costs
+more in wake-ups than it gives back on the step's ~1000 small ops (measured in-process on the decode benchmark's
+model, 2 cores: batch 1 step 9.3 ms with torch on one thread, 12 ms on two; a 32- or 64-token prefill equal, 128
 tokens 1.4x faster on two)."""
 
 
@@ -109,6 +111,7 @@ class Worker:
         self._fallback = torch.Generator(self.device).manual_seed(args.seed * 7919 + rank)
         threads = args.threads_per_worker()  # a step's torch threads: (<= THREADED_STEP_TOKENS tokens, more)
         self._step_threads = (1 if self.device.type == "cpu" and not args.worker_threads else threads, threads)
+        expert_mm.set_num_threads(threads)  # the weights' reads take every thread, whatever torch's
         self._seqs: dict[int, _Seq] = {}
 
     def _activation_peak(self) -> int:

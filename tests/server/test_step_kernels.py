@@ -34,14 +34,18 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return out
 
 
+# (cached tokens, new tokens): decodes and prefill chunks, one starting mid-block, one at position 0; decodes alone
+MIXED, DECODES = [(9, 1), (0, 7), (3, 1), (5, 6), (0, 1)], [(9, 1), (3, 1), (0, 1), (14, 1)]
+
+
 @pytest.mark.parametrize(("window", "with_sinks"), [(None, False), (5, False), (None, True), (3, True)])
-def test_paged_attention_matches_per_sequence_attention(window: int | None, with_sinks: bool) -> None:
+@pytest.mark.parametrize("shapes", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_paged_attention_matches_per_sequence_attention(window: int | None, with_sinks: bool,
+                                                        shapes: list[tuple[int, int]]) -> None:  # fmt: skip
     torch.manual_seed(0)
     num_blocks = 32
     k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, DIM)
     v_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, DIM)
-    # (cached tokens, new tokens): decodes and prefill chunks, one starting mid-block, one at position 0
-    shapes = [(9, 1), (0, 7), (3, 1), (5, 6), (0, 1)]
     order = torch.randperm(num_blocks).tolist()  # block tables scattered over the cache
     tables = [order[6 * i : 6 * i + 6] for i in range(len(shapes))]
     history = [(torch.randn(c, KV_HEADS, DIM), torch.randn(c, KV_HEADS, DIM)) for c, _ in shapes]
@@ -51,7 +55,8 @@ def test_paged_attention_matches_per_sequence_attention(window: int | None, with
         write_kv(v_cache, slots, v)
     seqs = [SeqInput(table, c, [0] * n) for (c, n), table in zip(shapes, tables, strict=True)]
     batch = ForwardBatch.build(seqs, BLOCK)
-    assert [g.rows.shape for g in batch.groups] == [(3, 1), (2, 7)]  # decodes, then the chunks padded to 7
+    expect = [(3, 1), (2, 7)] if shapes is MIXED else [(4, 1)]  # decodes, then the chunks padded to 7
+    assert [g.rows.shape for g in batch.groups] == expect
     num_tokens = sum(n for _, n in shapes)
     q = torch.randn(num_tokens, HEADS, DIM)
     k, v = torch.randn(num_tokens, KV_HEADS, DIM), torch.randn(num_tokens, KV_HEADS, DIM)
