@@ -537,6 +537,26 @@ METHOD(expert_mm) {
     return PyBool_FromLong(done);
 }
 
+METHOD(rms_norm) {
+    const char *fn = "rms_norm";
+    Buf x, w, y;
+    int64_t rows, H, w_fp32, round_first;
+    PyObject *eps_obj;
+    if (!parse(fn, args, nargs, "T:x i:rows i:H T:w i:w_fp32 i:round_first O:eps T:y", &x, &rows, &H, &w, &w_fp32,
+               &round_first, &eps_obj, &y) ||
+        !holds(fn, "x", &x, size3(rows, H, 2)) || !holds(fn, "w", &w, size3(H, w_fp32 ? 4 : 2, 1)) ||
+        !holds(fn, "y", &y, size3(rows, H, 2)))
+        return NULL;
+    if (round_first && w_fp32)
+        return PyErr_Format(PyExc_ValueError, "rms_norm(): round_first takes a bf16 weight");
+    double eps = PyFloat_AsDouble(eps_obj);
+    if (eps == -1.0 && PyErr_Occurred())
+        return NULL;
+    NOGIL(dep_rms_norm((const uint16_t *)x.ptr, rows, H, w.ptr, (int)w_fp32, (int)round_first, (float)eps,
+                       (uint16_t *)y.ptr));
+    Py_RETURN_NONE;
+}
+
 METHOD(place_scales) {
     const char *fn = "place_scales";
     Buf rows, pair_row, pair_pos, out;
@@ -720,6 +740,7 @@ static PyMethodDef methods[] = {
     ENTRY(to_e4m3, "the float -> e4m3fn cast (see kernels.to_e4m3)"),
     ENTRY(gather, "out[i] = x[index[i]] with streaming stores (see kernels.gather)"),
     ENTRY(expert_mm, "the bf16 expert matmul of the grouped layout (see kernels.expert_mm)"),
+    ENTRY(rms_norm, "RMSNorm of bf16 rows as transformers (see kernels.rms_norm)"),
     ENTRY(place_scales, "the masked layout's scales (see kernels.place_scales)"),
     ENTRY(place_pairs, "the masked placement of this rank's own pairs (see kernels.place_pairs)"),
     ENTRY(layout_range, "the masked layout's block table (see kernels.layout_range)"),

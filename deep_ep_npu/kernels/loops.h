@@ -1,4 +1,4 @@
-/* The CPU loops of loops.c and expert_mm.c (each documented there), called only by the checked bindings in _cpu.c. */
+/* The CPU loops of loops.c, expert_mm.c and rms_norm.c (each documented there), called only by the checked bindings in _cpu.c. */
 #ifndef DEP_LOOPS_H
 #define DEP_LOOPS_H
 #include <stdint.h>
@@ -46,4 +46,8 @@ void dep_to_e4m3(const float *x, int64_t n, uint8_t *out);
 /* expert_mm.c */
 int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32_t *offs, int64_t E, int64_t N,
                   int64_t K, int64_t threads);
+
+/* rms_norm.c */
+void dep_rms_norm(const uint16_t *x, int64_t rows, int64_t H, const void *w, int w_fp32, int round_first, float eps,
+                  uint16_t *y);
 #endif

@@ -1,0 +1,37 @@
+"""RMSNorm of bf16 rows on the CPU (``rms_norm.c``), as transformers computes it, in one call instead of eight torch
+ops (a decode step normalises ~17 times)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import library
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, round_first: bool = True) -> Tensor | None:
+    """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` in fp32, the product with ``weight`` taken after rounding the
+    normalised row to bf16 (``round_first``: HF's ``weight * x.to(bf16)``, a bf16 weight) or before (gpt-oss), each
+    result rounded once to bf16. Equal to those torch ops but for the order of the sum of squares (a row's mean may
+    move in its last fp32 bits). None where the kernel does not apply (not contiguous bf16 CPU rows, kernels off or
+    not built), having done nothing.
+
+    Arguments:
+        x: `[..., H]` `torch.bfloat16`, contiguous.
+        weight: `[H]` `torch.bfloat16` (or, without ``round_first``, `torch.float32`), contiguous.
+
+    Returns:
+        `[..., H]` `torch.bfloat16`.
+    """
+    wants = (torch.bfloat16,) if round_first else (torch.bfloat16, torch.float32)
+    if x.dtype != torch.bfloat16 or weight.dtype not in wants or weight.dim() != 1:
+        return None
+    h = weight.shape[0]
+    if x.shape[-1] != h or not (x.is_cpu and weight.is_cpu and x.is_contiguous() and weight.is_contiguous()):
+        return None
+    if (lib := library()) is None:
+        return None
+    y = torch.empty_like(x)
+    fp32 = int(weight.dtype == torch.float32)
+    lib.rms_norm(x, x.numel() // h if h else 0, h, weight, fp32, int(round_first), float(eps), y)
+    return y
