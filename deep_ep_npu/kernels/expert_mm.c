@@ -79,9 +79,70 @@ static void run(const Job *j) {
     }
 }
 
-static void *thread_main(void *job) {
-    run((const Job *)job);
+/* The helper threads, started on first use and kept (a thread's start costs ~50-80 us in a VM, a wake-up less): a call
+ * hands jobs 1.. to helpers 1.. and runs job 0 itself. One call at a time uses them; a concurrent call runs alone. A
+ * forked child starts with none. */
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER, call_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
+static int64_t pool_size, pool_round, pool_left, pool_n, pool_seen0[MAX_THREADS];
+static const Job *pool_jobs;
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_mu, NULL), pthread_mutex_init(&call_mu, NULL);
+    pthread_cond_init(&pool_go, NULL), pthread_cond_init(&pool_done, NULL);
+    pool_size = 0;
+}
+
+static void pool_register(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+static void *pool_main(void *arg) {
+    int64_t me = (int64_t)(intptr_t)arg;
+    pthread_mutex_lock(&pool_mu);
+    for (int64_t seen = pool_seen0[me];; seen = pool_round) {
+        while (pool_round == seen)
+            pthread_cond_wait(&pool_go, &pool_mu);
+        if (me < pool_n) {
+            const Job *job = &pool_jobs[me];
+            pthread_mutex_unlock(&pool_mu);
+            run(job);
+            pthread_mutex_lock(&pool_mu);
+            if (--pool_left == 0)
+                pthread_cond_signal(&pool_done);
+        }
+    }
     return NULL;
+}
+
+/* Runs jobs[0 .. n) on this thread and the helpers, returning when all are done. */
+static void run_all(const Job *jobs, int64_t n) {
+    int64_t shared = 1, pooled = n > 1 && pthread_mutex_trylock(&call_mu) == 0;
+    if (pooled) {
+        pthread_once(&pool_once, pool_register);
+        pthread_mutex_lock(&pool_mu);
+        for (pthread_t tid; pool_size + 1 < n; pool_size++) {
+            pool_seen0[pool_size + 1] = pool_round;
+            if (pthread_create(&tid, NULL, pool_main, (void *)(intptr_t)(pool_size + 1)) != 0)
+                break;
+            pthread_detach(tid);
+        }
+        shared = pool_size + 1 < n ? pool_size + 1 : n;
+        pool_left = shared - 1;
+        pool_jobs = jobs, pool_n = shared;
+        pool_round++;
+        pthread_cond_broadcast(&pool_go);
+        pthread_mutex_unlock(&pool_mu);
+    }
+    for (int64_t i = shared; i < n; i++) /* no helper for these: run them here */
+        run(&jobs[i]);
+    run(&jobs[0]);
+    if (pooled) {
+        pthread_mutex_lock(&pool_mu);
+        while (pool_left > 0)
+            pthread_cond_wait(&pool_done, &pool_mu);
+        pthread_mutex_unlock(&pool_mu);
+        pthread_mutex_unlock(&call_mu);
+    }
 }
 
 int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32_t *offs, int64_t E, int64_t N,
@@ -92,11 +153,10 @@ int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32
     for (int64_t e = 0; e < E; e++)
         active += offs[e] > (e ? offs[e - 1] : 0) ? N : 0;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    /* a thread is worth its start (~0.1 ms in a VM) from MIN_THREAD_BYTES of weights on (~0.2 ms of reading) */
+    /* a thread is worth its wake-up and its share of the split from MIN_THREAD_BYTES of weights on (~0.2 ms of reading) */
     int64_t fit = active * K * 2 / MIN_THREAD_BYTES;
     threads = fit < threads ? (fit < 1 ? 1 : fit) : threads;
     Job jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
     int64_t t = 0, seen = 0;
     for (int64_t i = 0; i < threads; i++) {
         int64_t begin = t, goal = active * (i + 1) / threads;
@@ -110,15 +170,7 @@ int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32
         }
         jobs[i] = (Job){x, w, y, offs, N, K, begin, i == threads - 1 ? E * N : t};
     }
-    int64_t started = 1;
-    for (; started < threads; started++)
-        if (pthread_create(&tids[started], NULL, thread_main, &jobs[started]) != 0)
-            break;
-    for (int64_t i = started; i < threads; i++) /* no thread left: run the rest here */
-        run(&jobs[i]);
-    run(&jobs[0]);
-    for (int64_t i = 1; i < started; i++)
-        pthread_join(tids[i], NULL);
+    run_all(jobs, threads);
     return 1;
 }
 #else

@@ -33,8 +33,9 @@ def expert_mm(x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None)
         x: `[rows, K]` `torch.bfloat16`, contiguous; expert ``e``'s rows are ``offsets[e - 1]:offsets[e]``.
         w: `[E, N, K]` `torch.bfloat16`, contiguous.
         offsets: `[E]` `torch.int32`, the cumulative row ends (non-decreasing, at most ``rows``).
-        threads: at most this many threads share the weight rows, each taking at least 4 MiB of them (a thread's
-            start costs about as much as reading 2 MiB); default :func:`set_num_threads`'s.
+        threads: at most this many threads share the weight rows, each taking at least 4 MiB of them (a wake-up and
+            an uneven split cost about as much as reading 2 MiB); default :func:`set_num_threads`'s. The kernel keeps
+            its helper threads between calls (one call at a time uses them; a concurrent call runs on its own).
 
     Returns:
         `[rows, N]` `torch.bfloat16`; rows past ``offsets[-1]`` are undefined.

@@ -113,3 +113,34 @@ def test_server_linear_on_the_kernel_matches_f_linear(rows: int) -> None:
     assert ((y.double() - ref).abs() <= torch.finfo(torch.bfloat16).eps * ref.abs() + 1e-6).all()
     if rows <= 8:  # (torch's matmul adds the bias before its one rounding)
         assert torch.equal(linear(x, w, b), y + b)
+
+
+def test_expert_mm_helpers_serve_concurrent_calls_and_a_forked_child() -> None:
+    """The kernel's kept helper threads: four Python threads calling at once (one uses the helpers, the others run
+    alone) and a child forked after the helpers started (it has none and starts its own) give the 1-thread bits."""
+    import os
+    import threading
+
+    g = torch.Generator().manual_seed(3)
+    x, w, offsets = _case(g, [1] * 16, 1024, 1024)  # 32 MiB of weights: 4 threads' worth
+    ref = _ran(expert_mm(x, w, offsets, threads=1))[: offsets[-1]]
+    results: list[bool] = []
+
+    def call() -> None:
+        results.extend(torch.equal(expert_mm(x, w, offsets, threads=4)[: offsets[-1]], ref) for _ in range(20))
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [True] * 80
+    pid = os.fork()
+    if pid == 0:  # the child: no helper threads survive the fork; it leaves here whatever happens
+        code = 3
+        try:
+            code = 0 if torch.equal(expert_mm(x, w, offsets, threads=4)[: offsets[-1]], ref) else 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
