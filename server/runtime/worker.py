@@ -36,7 +36,7 @@ __all__ = ["PlanEntry", "StepPlan", "StepResult", "Worker"]
 THREADED_STEP_TOKENS = 64
 """A CPU worker's step of at most this many tokens runs torch on one thread (when ``worker_threads`` is not set): such
 a step reads weights, which ``expert_mm`` does on all the worker's threads anyway, and a second torch thread costs
-more in wake-ups than it gives back on the step's ~1000 small ops (measured in-process on the decode benchmark's
+more in wake-ups than it gives back on the step's hundreds of small ops (measured in-process on the decode benchmark's
 model, 2 cores: batch 1 step 9.3 ms with torch on one thread, 12 ms on two; a 32- or 64-token prefill equal, 128
 tokens 1.4x faster on two)."""
 
