@@ -91,6 +91,14 @@ class Router(nn.Module):
         return idx, weights * cfg.routed_scaling_factor
 
 
+def fused_refusal(cfg: ModelConfig) -> str:
+    """Why ``moe_impl='fused'`` cannot run ``cfg``'s experts, or "" (the engine asks before it starts a worker)."""
+    if cfg.expert_bias or cfg.swiglu_limit is not None:
+        return (f"moe_impl='fused' (Buffer.mega_moe) runs plain SwiGLU experts without biases; {cfg.architecture}'s "
+                "experts need the unfused path (moe_impl='unfused')")  # fmt: skip
+    return ""
+
+
 def use_grouped_mm(recv_rows: torch.Tensor, num_experts: int) -> bool:
     """Whether the grouped matmuls run ``recv_rows`` `[num_rows, hidden]` (see the module doc): CUDA with bf16, or
     the CPU with more rows than experts."""
@@ -214,9 +222,8 @@ class SparseMoE(nn.Module):
         self.comm, self.moe_index, self.num_moe_layers = comm, moe_index, len(cfg.moe_layers)
         self.fused = comm.fused  # the fused path (comm.fused_moe) or dispatch -> experts -> combine, fixed here
         self._mega_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.fused and (cfg.expert_bias or cfg.swiglu_limit is not None):
-            raise ValueError(f"moe_impl='fused' (Buffer.mega_moe) runs plain SwiGLU experts without biases; "
-                             f"{cfg.architecture}'s experts need the unfused path (moe_impl='unfused')")  # fmt: skip
+        if self.fused and (why := fused_refusal(cfg)):
+            raise ValueError(why)
         self.router_name = cfg.router_name
         setattr(self, cfg.router_name, Router(cfg))
         self.experts = LocalExperts(cfg, comm.num_local_experts)

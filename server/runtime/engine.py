@@ -13,6 +13,7 @@ from ..engine_api import EngineCore, RequestDelta, SamplingParamError, SamplingP
 from ..loader import DTYPES, random_hf_config, read_config
 from ..models import ModelConfig
 from ..models.kv_cache import bytes_per_block
+from ..models.moe import fused_refusal
 from ..tokenizer import load_tokenizer
 from .block_manager import KVCacheManager
 from .detokenizer import IncrementalDetokenizer, apply_token
@@ -60,6 +61,8 @@ class EPEngine(EngineCore):
             if config.model is not None
             else ModelConfig.from_hf(random_hf_config(config.random_model))
         )
+        if config.moe_impl == "fused" and (why := fused_refusal(cfg)):
+            raise ValueError(why)
         if uses_placement(config):  # a bad placement stops start-up here, before any worker starts
             build_expert_map(config, cfg, config.ep_size)
         elif not config.use_torchrun and cfg.num_experts % config.ep_size != 0:

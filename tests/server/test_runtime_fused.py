@@ -27,3 +27,15 @@ def test_fused_moe_serving_matches_transformers(tmp_path, arch: str) -> None:
 def test_fused_rejects_int8_experts() -> None:
     with pytest.raises(ValueError, match="moe_impl='fused'"):
         LLM(model=None, ep_size=1, moe_impl="fused", int8_experts=True)
+
+
+def test_fused_refuses_biased_experts_before_any_worker_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss' experts (biases, clamped SwiGLU) cannot run fused: a clear error at start-up, no worker started."""
+    from server.runtime import engine
+
+    def no_workers(*args: object) -> None:
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(engine, "ProcessWorkers", no_workers)
+    with pytest.raises(ValueError, match="moe_impl='fused'.*gpt_oss's experts need the unfused path"):
+        LLM(model=None, random_model={"architecture": "gpt_oss"}, ep_size=2, moe_impl="fused")
