@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from deep_ep_npu import kernels
 from deep_ep_npu.eplb import ExpertMap
 
 logger = logging.getLogger("server.moe")
@@ -155,24 +156,26 @@ class LocalComm(ExpertComm):
 
     def __init__(self, num_experts: int, num_max_dispatch_tokens_per_rank: int) -> None:
         super().__init__(0, 1, num_experts, num_max_dispatch_tokens_per_rank)
+        self._experts: dict[torch.device, torch.Tensor] = {}  # arange(num_experts) per device, for the offsets
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                  num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
         experts = topk_idx.reshape(-1)
-        experts = torch.where(experts >= 0, experts, self.num_experts)
-        order = torch.argsort(experts, stable=True)
-        counts = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, experts, torch.ones_like(experts, dtype=torch.int32))
-        offsets = torch.cumsum(counts[:-1], 0, dtype=torch.int32)
+        experts, order = torch.sort(torch.where(experts >= 0, experts, self.num_experts), stable=True)
+        if x.device not in self._experts:
+            self._experts[x.device] = torch.arange(self.num_experts, device=x.device)
+        offsets = torch.searchsorted(experts, self._experts[x.device], right=True, out_int32=True)
         tokens = torch.div(order, topk_idx.shape[1], rounding_mode="floor")
-        return x[tokens], offsets, (order, tokens, experts[order] < self.num_experts)
+        return x[tokens], offsets, (order, tokens, experts < self.num_experts, offsets)
 
     def combine(self, expert_out, topk_idx, topk_weights, handle, overlap=None):  # noqa: ANN001
-        order, tokens, valid = handle
-        weights = topk_weights.reshape(-1)[order, None]
-        rows = torch.where(valid[:, None], expert_out.float() * weights, 0.0)  # padding rows may hold NaN
-        out = torch.zeros(topk_idx.shape[0], expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-        out.index_add_(0, tokens, rows)
+        order, tokens, valid, offsets = handle
+        weights = topk_weights.reshape(-1)[order]
+        out = torch.empty(topk_idx.shape[0], expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
+        n = int(offsets[-1]) if expert_out.is_cpu and len(offsets) else -1  # the valid pairs, first (sorted by expert)
+        if n < 0 or not kernels.accumulate(out, expert_out[:n], None, tokens[:n], weights[:n], zero_first=True):
+            rows = torch.where(valid[:, None], expert_out.float() * weights[:, None], 0.0)  # padding may hold NaN
+            out.zero_().index_add_(0, tokens, rows)
         return out.to(expert_out.dtype), (overlap() if overlap is not None else None)
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from deep_ep_npu import kernels
 from server.models import ForwardBatch, LocalComm, ModelConfig, SeqInput
 from server.models.moe import LocalExperts, per_expert, swiglu, use_grouped_mm
 from server.models.paged_attention import paged_attention, write_kv
@@ -111,3 +112,9 @@ def test_grouped_experts_match_each_experts_matmuls(architecture: str) -> None:
                 y = experts.w2[e] @ swiglu(h[:inter], h[inter:], cfg) + (0 if b2 is None else b2[e])
                 want += weights[t, j] * y
         torch.testing.assert_close(out[t], want, atol=1e-4, rtol=1e-4)
+    grouped[valid:] = float("nan")  # the pair without an expert: its row is never read
+    for dtype in (torch.float32, torch.bfloat16):  # the CPU kernel's weighted sum is torch's index_add_, bit for bit
+        fast, _ = comm.combine(grouped.to(dtype), topk_idx, weights, handle)
+        with kernels.disabled():
+            slow, _ = comm.combine(grouped.to(dtype), topk_idx, weights, handle)
+        assert fast.dtype == dtype and torch.equal(fast, slow) and not fast.isnan().any()
