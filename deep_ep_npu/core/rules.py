@@ -173,7 +173,8 @@ def activations(x: object, param: str = "x") -> torch.Tensor:
 
 
 def overlap_flags(async_finish: object, return_recv_hook: object) -> None:
-    if flag(async_finish, "async_finish") and flag(return_recv_hook, "return_recv_hook"):
+    finish, hook = flag(async_finish, "async_finish"), flag(return_recv_hook, "return_recv_hook")
+    if finish and hook:
         raise invalid("async_finish", "async_finish and return_recv_hook cannot both be True (pick one overlap style)")
 
 
