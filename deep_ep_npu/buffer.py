@@ -16,7 +16,7 @@ from .buffer_normal import NormalModeMethods
 from .core import rules
 from .core.call import CombineCall, DispatchCall
 from .errors import invalid
-from .handle import EventOverlap, LowLatencyHandle
+from .handle import EventHandle, EventOverlap, LowLatencyHandle
 from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
 from .transports import resolve_transport_name
 from .transports.failure import resolve_timeout
@@ -197,9 +197,10 @@ class Buffer(AscendMethods, NormalModeMethods):
         self._backend.ep.barrier("clean_low_latency_buffer")
 
     @staticmethod
-    def capture() -> Any:
-        """An already-complete event (there is no separate communication stream to capture)."""
-        return EventOverlap(None)
+    def capture() -> EventOverlap:
+        """DeepEP's ``EventOverlap(EventHandle())`` of the current stream (already complete: there is no separate
+        communication stream)."""
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def is_sm90_compiled() -> bool:

@@ -120,6 +120,8 @@ class EventHandle:
     def current_stream_wait(self) -> None:
         """Returns at once (nothing to wait for)."""
 
+    wait = current_stream_wait  # what an EventOverlap holding it calls
+
 
 class EventOverlap:
     """DeepEP's completion object for ``async_finish=True``. ``event``: anything with ``wait()`` (an

@@ -102,14 +102,7 @@ class Backend(abc.ABC):
             raise RuntimeError(f"this {type(front).__name__} was destroyed; create a new one")
 
 
-_REGISTRY: dict[str, str | type[Backend]] = {
-    "reference": "deep_ep_npu.engine.exchange:Engine", "ascend": f"{__name__}.ascend:AscendBackend"
-}  # fmt: skip
-
-
-def register_backend(name: str, target: str | type[Backend]) -> None:
-    """Register a backend class (or ``"module:Class"`` path) under ``name``; later registrations replace earlier."""
-    _REGISTRY[name] = target
+_REGISTRY = {"reference": "deep_ep_npu.engine.exchange:Engine", "ascend": f"{__name__}.ascend:AscendBackend"}
 
 
 def available_backends() -> list[str]:
@@ -143,12 +136,8 @@ def resolve_backend_name(name: str) -> str:
 
 def create_backend(name: str, group: dist.ProcessGroup, **options: Any) -> Backend:
     """Build the backend registered as ``name`` (after resolving ``"auto"``) with :class:`Backend`'s options."""
-    target: Any = _REGISTRY[resolve_backend_name(name)]
-    if isinstance(target, str):
-        module_name, _, cls_name = target.partition(":")
-        target = getattr(importlib.import_module(module_name), cls_name)
-    return target(group, **options)
+    module_name, _, cls_name = _REGISTRY[resolve_backend_name(name)].partition(":")
+    return getattr(importlib.import_module(module_name), cls_name)(group, **options)
 
 
-__all__ = ["Backend", "available_backends", "create_backend", "hccl_comm_name", "npu_available",
-           "register_backend", "resolve_backend_name"]  # fmt: skip
+__all__ = ["Backend", "available_backends", "create_backend", "hccl_comm_name", "npu_available", "resolve_backend_name"]

@@ -177,15 +177,10 @@ def tokens(
     what = " (moe + zero + copy + const experts)"
     num_ids = e.num_moe_experts + e.zero_expert_num + e.copy_expert_num + e.const_expert_num
     ids_ = checks.expert_ids(raw_ids, param, num_ids, num_tokens, max_k, no_expert, what, active).long()
-    checks.in_range(global_bs, "global_bs", 0, MAX_BS * w)
-    if global_bs:
-        if global_bs % w:
-            raise shape("global_bs", f"{global_bs} is not a multiple of ep_world_size {w} (pass max Bs x W)")
-        if num_tokens > global_bs // w:
-            raise shape("global_bs", f"{global_bs} / W = {global_bs // w} is below this rank's Bs {num_tokens}")
-        if plat and mask is not None and num_tokens * w != global_bs and not bool(mask.all()):
-            raise shape("x_active_mask", "must be all True when batch sizes differ across ranks (global_bs != Bs*W)")
-    return x, ids_, mask, global_bs or num_tokens * w
+    global_bs = checks.global_bs(global_bs, w, num_tokens, MAX_BS)
+    if plat and mask is not None and num_tokens * w != global_bs and not bool(mask.all()):
+        raise shape("x_active_mask", "must be all True when batch sizes differ across ranks (global_bs != Bs*W)")
+    return x, ids_, mask, global_bs
 
 
 def dispatch(c: DispatchCall) -> DispatchCall:

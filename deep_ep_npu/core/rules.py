@@ -71,6 +71,17 @@ def count(value: object, param: str, lo: int, code: str = "param") -> int:
     return value
 
 
+def global_bs(value: object, num_ranks: int, num_tokens: int, max_bs: int) -> int:
+    """``global_bs``: 0 (every rank has the same Bs) or max(Bs) * W (a multiple of W, at least this rank's Bs * W,
+    at most ``max_bs`` * W); returns global_bs_real, ``value or num_tokens * num_ranks``."""
+    g = in_range(value, "global_bs", 0, max_bs * num_ranks)
+    if g % num_ranks:
+        raise shape("global_bs", f"{g} is not a multiple of ep_world_size {num_ranks} (pass max Bs x W)")
+    if g and num_tokens > g // num_ranks:
+        raise shape("global_bs", f"{g} / W = {g // num_ranks} is below this rank's Bs {num_tokens}")
+    return g or num_tokens * num_ranks
+
+
 def one_of(value: object, param: str, allowed: Iterable[object], why: str = "") -> object:
     if value not in (allowed := tuple(allowed)):
         raise invalid(param, f"got {value!r}, allowed {list(allowed)}{'; ' + why if why else ''}")
@@ -162,7 +173,8 @@ def activations(x: object, param: str = "x") -> torch.Tensor:
 
 
 def overlap_flags(async_finish: object, return_recv_hook: object) -> None:
-    if flag(async_finish, "async_finish") and flag(return_recv_hook, "return_recv_hook"):
+    finish, hook = flag(async_finish, "async_finish"), flag(return_recv_hook, "return_recv_hook")
+    if finish and hook:
         raise invalid("async_finish", "async_finish and return_recv_hook cannot both be True (pick one overlap style)")
 
 

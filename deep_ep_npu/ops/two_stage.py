@@ -153,6 +153,7 @@ def moe_distribute_combine_setup(
         expand_x = rules.tensor(expand_x, "expand_x", ascend.NPU_ACT_DTYPES if strict else rules.ACT_DTYPES, 2)
         ids = rules.tensor(expert_ids, "expert_ids", (torch.int32,) if strict else rules.ID_DTYPES, 2)
         (bs, k), h = ids.shape, expand_x.shape[1]
+        global_bs_real = rules.global_bs(global_bs, e.world_size, bs, ascend.MAX_BS)
         check_setup(COMBINE_SETUP, strict, e, comm_type, None, bs, h, k, global_bs)
         rules.in_range(comm_quant_mode, "comm_quant_mode", 0, 2, code="param")
         rules.one_of(comm_quant_mode, "comm_quant_mode", (0,), "the two-stage combine does not quantize (only 0)")
@@ -162,7 +163,7 @@ def moe_distribute_combine_setup(
             raise shape("assist_info_for_combine", f"has {assist.numel()} entries, needs W * L = {w * num_local}")
         cum = assist[: w * num_local].long()
         blocks = cum.diff(prepend=cum.new_zeros(1))
-        capacity, total = (global_bs or bs * w) * min(num_local, k), int(cum[-1])
+        capacity, total = global_bs_real * min(num_local, k), int(cum[-1])
         if bool((blocks < 0).any()) or total > min(len(expand_x), capacity):
             sums = f"its first W * L = {w * num_local} entries must be dispatch_teardown's prefix sums"
             why = f"non-decreasing, at most expand_x's {len(expand_x)} rows and A = {capacity}"

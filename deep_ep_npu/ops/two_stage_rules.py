@@ -1,6 +1,8 @@
 """What the two-stage ops check beyond the one-shot ops' rules: a setup's arguments (:func:`check_setup`), and that a
 teardown repeats its setup's, found by the ``comm_cmd_info`` the setup returned (:func:`register` at the setup,
-:func:`lookup` at the teardown).
+:func:`lookup` at the teardown). Compared: torch_npu's keywords (:data:`KEYWORDS` and the quant mode), not ``strict``:
+the real ops take no such argument, so a teardown's ``strict`` only sets its own platform limits (dispatch_teardown's
+``expert_token_nums_type``).
 
 ``comm_cmd_info`` (`torch.int32`, opaque scratch on the NPU): ``[0]`` a marker, ``[1]`` the kind (1 dispatch,
 2 combine), ``[2]`` this process's tag, ``[3]`` the call's serial number, ``[4]`` W, ``[5]`` the rank, ``[16 : 16 + W]``

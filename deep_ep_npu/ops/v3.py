@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..core import ascend
+from ..core import ascend, rules
 from ..engine.exchange import engine_for
 from ..errors import invalid
 from .context import check_ccl, check_context, context_group
@@ -42,7 +42,7 @@ def _group(op: str, context: Any, sizes: tuple[Any, ...], x: Any, ids: Any, tp_w
             raise invalid("comm_alg", "'hierarchy' does not support the mc2 context mode; use '', fullmesh_v1 / v2")
         e = ascend.experts(group, ep_world_size, ep_rank_id, moe_expert_num, **layout)
         if all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (x, ids)):
-            max_bs = global_bs // e.world_size if global_bs else ids.shape[0]
+            max_bs = rules.global_bs(global_bs, e.world_size, ids.shape[0], ascend.MAX_BS) // e.world_size
             check_ccl(ccl_buffer_size, have, e.world_size, max_bs, x.shape[1], e.num_local, ids.shape[1],
                       e.shared_expert_num, str(layout["comm_alg"]))  # fmt: skip
     return group

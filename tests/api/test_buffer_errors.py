@@ -63,6 +63,8 @@ def _dispatch_case(buffer: Buffer, rank: int, case: str):
         num_experts = 2**40
     elif case == "hook_and_async" and bad:
         kwargs = {"use_fp8": False, "async_finish": True, "return_recv_hook": True}
+    elif case == "hook_type" and bad:  # checked with async_finish False too
+        kwargs = {"use_fp8": False, "return_recv_hook": 1}
     elif case == "ue8m0_without_round" and bad:
         kwargs = {"use_fp8": True, "use_ue8m0": True}
     elif case == "fp8_hidden" and bad:
@@ -119,6 +121,7 @@ _DISPATCH = {
     "huge_n": "num_max_dispatch_tokens_per_rank: recv_x (num_experts=8 x N=1099511627776 rows of hidden=256) needs",
     "huge_experts": "num_experts: recv_x (num_experts=1099511627776 x N=8 rows of hidden=256) needs",
     "hook_and_async": "cannot both be True",
+    "hook_type": "return_recv_hook: must be a bool, got int 1",
     "ue8m0_without_round": "requires round_scale=True",
     "fp8_hidden": "must be a multiple of 128",
     "stats_shape": "cumulative_local_expert_recv_stats",

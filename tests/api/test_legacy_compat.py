@@ -18,6 +18,10 @@ def test_top_level_names():
     assert topk_idx_t == torch.int64
     EventHandle().current_stream_wait()  # already complete
     assert isinstance(ElasticBuffer.capture(), EventHandle) and isinstance(Buffer.capture(), EventOverlap)
+    event = Buffer.capture()  # DeepEP's EventOverlap(EventHandle())
+    assert isinstance(event.event, EventHandle)
+    with event:
+        event.current_stream_wait()
     config = Config(num_sms=24)
     assert config.num_sms == 24 and config.get_nvl_buffer_size_hint(7168 * 2, 8) == 0
 

@@ -172,6 +172,8 @@ def _errors(info) -> dict:
     expect("wrong_kind", lambda: teardown(x, y1, ids, ccmd, name, w, rank, e))
     expect("combine_quant", lambda: ops.moe_distribute_combine_setup(rows, ids, out2[2], name, w, rank, e,
                                                                      comm_quant_mode=2 if rank else 0))  # fmt: skip
+    expect("combine_gbs", lambda: ops.moe_distribute_combine_setup(rows, ids, out2[2], name, w, rank, e,
+                                                                  global_bs=2 * w))  # fmt: skip
     weights = torch.ones((3, 2))
     comb_teardown = ops.moe_distribute_combine_teardown
     bad_idx = idx2.clone()
@@ -201,6 +203,8 @@ def test_two_stage_errors():
         assert "no longer in flight" in seen["stale"][2]
         assert "moe_distribute_combine_setup" in seen["wrong_kind"][2]
         assert seen["combine_quant"][0] == 161002
+        assert seen["combine_gbs"][:2] == (561002, "global_bs")  # 4 on every rank: 4 / W < Bs 3
+        assert "4 / W = 2 is below this rank's Bs 3" in seen["combine_gbs"][2]
         assert seen["idx"][1] == "expand_idx"
         assert torch.equal(seen["result"], seen["want"])
 

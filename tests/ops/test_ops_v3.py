@@ -201,6 +201,7 @@ def _errors(info):
         "one_ccl": disp(ccl_buffer_size=1 << 20 if r == 1 else ccl),
         "one_ctx": disp(peer_ctx[(r + 1) % w] if r == 2 else buf.context),
         "one_buffer": op_error(lambda: buf.low_latency_dispatch(x, ids.float() if r == 3 else ids, 8)),
+        "one_gbs": disp(global_bs="8" if r == 1 else 0),  # used for the CCL size check: validated first
     }
     ctx_before = buf.context
     same = dist.new_group(list(range(w)))
@@ -229,7 +230,8 @@ ERRORS = {
 }
 
 
-ONE_RANK = {"one_ccl": (1, "ccl_buffer_size"), "one_ctx": (2, "context"), "one_buffer": (3, "topk_idx")}
+ONE_RANK = {"one_ccl": (1, "ccl_buffer_size"), "one_ctx": (2, "context"), "one_buffer": (3, "topk_idx"),
+            "one_gbs": (1, "global_bs")}  # fmt: skip
 
 
 def test_v3_errors_on_every_rank():
