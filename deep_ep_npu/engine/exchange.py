@@ -23,6 +23,7 @@ from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError, shape
 from ..transports import Check, Transport, create
 from ..transports.collective import STATUS_OK, Agreement, EPGroup
+from ..transports.early import early_bytes
 from . import Layout, expand, flat, masked, pipeline, reduce
 from .rows import Parts, encoder
 from .tp import tp_agree
@@ -87,6 +88,7 @@ class Engine(Backend):
     def __init__(self, group: dist.ProcessGroup, **options: Any) -> None:
         super().__init__(group, **options)
         self.collective, self.window = create(self.ep, self.transport_name, self.num_rdma_bytes, self.reuse)
+        self.early_bytes = early_bytes(self.ep)  # (an early payload's bound: transports.early)
         self.device, self._reused = torch.device("cpu"), dict[str, torch.Tensor]()  # (the call's input's device)
         self.tag, self.result_set = 0, 0  # which wire scratch / dispatch result set the next call uses
         self.wire: dict[str, tuple[list[int], int]] = {}  # the last call's bytes per destination, header bytes
@@ -177,11 +179,12 @@ class Engine(Backend):
 
     def _combine(self, c: CombineCall) -> InFlight:
         jobs: list[reduce.CombineJob] = self._layout(c, "combine_jobs")
-        receives = [self._combine_job(c, job, i) for i, job in enumerate(jobs)]  # (a peer's rejection stops the next)
+        last = len(jobs) - 1  # (a peer's rejection stops the next: only the last job starts before its agreement)
+        receives = [self._combine_job(c, job, i, i == last) for i, job in enumerate(jobs)]
         outs = receives[0].value if len(receives) == 1 else tuple(receive.value for receive in receives)
         return InFlight(lambda: [receive() for receive in receives] and outs, outs)
 
-    def _combine_job(self, c: CombineCall, job: reduce.CombineJob, i: int) -> InFlight:
+    def _combine_job(self, c: CombineCall, job: reduce.CombineJob, i: int, last: bool) -> InFlight:
         plan, fmt, me = job.plan, job.fmt, self.rank
         starts = [sum(job.rows_per_src[:q]) for q in range(self.num_ranks)]
 
@@ -198,7 +201,11 @@ class Engine(Backend):
         own = functools.partial(reduce.reduce_own, job, scratch) if early else None
         finish = functools.partial(reduce.reduce_remote, job, scratch)
         more = functools.partial(reduce.check, job, self.ep)
-        counts, vectors = [[n, -1] for n in job.rows_per_src], (*job.rows_per_src, *plan.pairs_per_dest)
+        # the rows each source returns are known (the handle): the payload starts before the agreement (see
+        # transports.early), when every agreeing rank's rows fit the bound, the same on every rank (``capacity``)
+        known = last and job.tp is None and 0 < job.capacity * fmt.row_bytes <= self.early_bytes
+        counts = [[n, k if known else -1] for n, k in zip(job.rows_per_src, plan.pairs_per_dest, strict=True)]
+        vectors = (*job.rows_per_src, *plan.pairs_per_dest)
         receive = self._exchange("combine", c.op, job, counts, vectors, write, more, own, finish)
         return InFlight(receive, job.out)
 
@@ -219,6 +226,7 @@ class Engine(Backend):
             if more is not None:
                 more(agreement)
             check_names(agreement, self.ep, sender.names, 1 + 2 * r)
+            check_names(agreement, self.ep, ("row size in bytes",), 0)  # (known to match before any row is read)
 
         write_rows = functools.partial(write, transport is self.window)
         try:

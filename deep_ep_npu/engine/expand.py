@@ -192,7 +192,8 @@ class _Expand:
         self.cached: Placement | None = None if h is None else h.state["placement"]
         self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
         self.source = p.pack(c.x, c.x_sf, c.expert_scales)
-        self.known = None if self.cached is None else list(self.cached.rows_from)
+        past = 0 < engine.early_bytes < c.num_max * self.fmt.row_bytes  # (a rank's rows may pass the bound)
+        self.known = None if self.cached is None or past else list(self.cached.rows_from)
         self.vectors = (*self.plan.rows_per_dest, *(self.known or [-1] * e.world_size))
         self.fingerprint = (int(h is not None), c.num_max, e.num_moe_experts, p.hidden, X_DTYPE_CODES[p.x_dtype],
                             p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
@@ -283,6 +284,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     ones, out = torch.ones_like(plan.token, dtype=torch.float32), x.new_empty((num_tokens, hidden))
     job = CombineJob(source, rows, list(rows_per_src), plan, ones, 0, out, fingerprint, COMBINE_NAMES, MISMATCH,
                      by_slot=True, extra=extra, agree_now=True)  # fmt: skip
+    job.capacity = h.num_max_tokens_per_rank * min(h.num_topk, h.num_experts // r)  # (per source: N tokens)
     if c.expert_scales is None:
         return [job]
     w = c.expert_scales  # the weights travel back the same way, each slot from its expert's rank

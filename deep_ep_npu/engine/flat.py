@@ -184,6 +184,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     weights = pair_weights(plan, c.expert_scales, c.expert_ids.shape[1])
     job = CombineJob(x, rows, rows_per_src, plan, weights, c.comm_quant_mode, out, fingerprint, COMBINE_NAMES, MISMATCH,
                      by_slot=True, extra=extra, addend=addend, active=active, agree_now=True)  # fmt: skip
+    max_bs, k = c.global_bs // e.world_size or c.expert_ids.shape[0], c.expert_ids.shape[1]
+    job.capacity = max_bs * k  # (the rows one source returns: its tokens' pairs here)
     job.on_wait = partial(add_wait_time, c.wait_stats)
     if e.tp is not None:
 

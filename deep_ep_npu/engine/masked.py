@@ -169,5 +169,6 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     weights, wire, stats = c.expert_scales[plan.token, plan.slot], LOGFMT if c.comm_quant_mode else 0, c.wait_stats
     fingerprint = (h.num_max_dispatch_tokens_per_rank, h.num_experts, hidden, DTYPE_CODES[c.x.dtype])
     on_wait = None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns))
+    capacity = h.num_max_dispatch_tokens_per_rank * min(c.expert_ids.shape[1], num_local)  # (per source: N tokens)
     return [CombineJob(source.view(num_local * rn, hidden), rows, rows_per_src, plan, weights, wire, out, fingerprint,
-                       COMBINE_NAMES, MISMATCH, by_slot=c.slot_order, on_wait=on_wait)]  # fmt: skip
+                       COMBINE_NAMES, MISMATCH, by_slot=c.slot_order, on_wait=on_wait, capacity=capacity)]  # fmt: skip

@@ -31,7 +31,8 @@ class CombineJob:
     and expects disagree; ``extra``: local (token, slot, value `[n, hidden]` fp32) contributions (copy / const
     experts, V2's bias); ``addend`` `[T, hidden]` added last; ``active``: tokens ``[0, active)`` are written, the
     rest 0; ``on_wait``: the wait statistics; ``tp``: the TP stage (:class:`~.flat.TPStage`); ``agree_now``: as
-    :class:`.Layout`'s; ``acc`` / ``own_y``: :func:`reduce_own`'s results."""
+    :class:`.Layout`'s; ``capacity``: the most rows one rank returns another, the same on every rank when the calls
+    agree (0: not known; the rows then wait for the agreement); ``acc`` / ``own_y``: :func:`reduce_own`'s results."""
 
     source: torch.Tensor
     return_rows: torch.Tensor
@@ -50,6 +51,7 @@ class CombineJob:
     on_wait: Callable[[Agreement, int], None] | None = None
     tp: Any = None
     agree_now: bool = False
+    capacity: int = 0
     acc: torch.Tensor | None = None  # the reduction: `[T, hidden]` fp32 sum, own rows `[own pairs, hidden]` fp32
     own_y: torch.Tensor | None = None
 

@@ -8,9 +8,7 @@ drop the failed ranks' entries (0) on the way in and read zeros for them on the 
 
 :class:`Collective`: one all-to-all of the header words (the agreement), then one of the rows. The payload starts
 once the agreement is checked: in the send phase with ``agree_now``, else in the receive phase (deferred, so that
-every rank issues its payloads in call order); or at once when every rank already knows what it receives
-(``counts[d][1] >= 0``), the agreement then checked in the receive phase. A rank that does not know (a fresh call, or
-one that rejected its input) joins its peers' started payloads with zeros, so that every rank gets to raise.
+every rank issues its payloads in call order); or at once when this rank knows what it receives (:mod:`.early`).
 """
 
 from __future__ import annotations
@@ -24,11 +22,11 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
+from .early import OVER_BOUND, PAYLOAD, check_started, early_bytes, join_started
 from .failure import EPRankFailure, agree_missing, resolve_timeout
 
 _R = TypeVar("_R")
 STATUS_OK = 0
-PAYLOAD = "payload exchange"
 
 
 @dataclasses.dataclass
@@ -254,25 +252,28 @@ class Collective:
         self.ep, self.reuse, self._flip = ep, reuse, 0
         self.local = local  # ranks whose rows go another way (a spanning transport's window): none travel here
         self._buffers: dict[str, torch.Tensor] = {}
+        self.early_bytes = early_bytes(ep)  # (the bound of an early payload's rows per peer on gloo, else 0)
 
-    def _buffer(self, name: str, rows: int, row_bytes: int, device: torch.device) -> torch.Tensor:
-        buf, nbytes = self._buffers.get(name), rows * row_bytes
+    def _buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get(name)
         if not self.reuse or buf is None or buf.numel() < nbytes or buf.device != device:
             buf = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=device)
             if self.reuse:
                 self._buffers[name] = buf
-        return buf[:nbytes].view(rows, row_bytes)
+        return buf[:nbytes]
 
     def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
              agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
              device: torch.device | None = None) -> Any:  # fmt: skip
         ep, me, row_bytes, dev = self.ep, self.ep.rank, shared[0], device or self.ep.device
         self._flip ^= 1
-        tag = self._flip
-        finish_agree = ep.start_agree(op, STATUS_OK, counts, shared, device=dev)
-        skip = {me, *self.local}
+        tag, skip = self._flip, {me, *self.local}
         rows = [0 if d in skip else c[0] for d, c in enumerate(counts)]
-        send = self._buffer(f"send{tag}", sum(rows), row_bytes, dev)
+        early = all(c[1] >= 0 for s, c in enumerate(counts) if s != me)  # every rank's rows known: start now
+        bound = self.early_bytes if early else 0
+        over = max(rows) * row_bytes > bound > 0  # (the engine keeps known rows within it: every rank raises)
+        finish_agree = ep.start_agree(op, OVER_BOUND if over else STATUS_OK, counts, shared, device=dev)
+        send = self._buffer(f"send{tag}", sum(rows) * row_bytes, dev).view(sum(rows), row_bytes)
 
         def write_all() -> None:
             begin = 0
@@ -281,21 +282,30 @@ class Collective:
                     write(d, send[begin : begin + k])
                 begin += k
 
-        def start_payload(recv_rows: list[int]) -> tuple[list[int], torch.Tensor, Pending | None]:
+        def start_payload(posted: list[int]) -> tuple[list[int], torch.Tensor, Pending | None]:
+            """The rows, ``posted[s]`` bytes received from rank s (this rank's rows sent whole, or none if over)."""
             if before_payload is not None and before_payload():
                 write_all()  # (the rows changed: the TP stage)
-            recv = self._buffer(f"recv{tag}", sum(recv_rows), row_bytes, dev)
-            return recv_rows, recv, ep.transfer(recv, send, recv_rows, rows, PAYLOAD)
+            recv, sent = self._buffer(f"recv{tag}", sum(posted), dev), [0 if over else k * row_bytes for k in rows]
+            src = send.view(-1)[: sum(sent)]
+            return posted, recv, ep.all_to_all(recv, src, posted, sent, PAYLOAD) if ep.num_ranks > 1 else None
 
         def agree_and_start() -> tuple[Agreement, list[int], torch.Tensor, Pending | None]:
             agreement = finish_agree()
-            self._join_started_peers(agreement)
+            if joined := any(c[1] >= 0 for s, c in enumerate(agreement.counts) if s in ep.live and s != me):
+                join_started(agreement, ep, self.local)  # (peers that knew what they receive started already)
             check(agreement)
-            return agreement, *start_payload([0 if s in skip else c[0] for s, c in enumerate(agreement.counts)])
+            if joined:
+                check_started(agreement, ep, False)
+            return agreement, *start_payload(
+                [0 if s in skip else n * row_bytes for s, (n, *_) in enumerate(agreement.counts)]
+            )
 
         write_all()
-        if all(c[1] >= 0 for s, c in enumerate(counts) if s != me):  # every rank's rows known: start now
-            started = start_payload([0 if s in skip else c[1] for s, c in enumerate(counts)])
+        if early:  # (at the bound, from every live peer, on gloo; else the known sizes)
+            live = set(ep.live) - skip
+            exact = [0 if s in skip else c[1] * row_bytes for s, c in enumerate(counts)]
+            started = start_payload([bound * (s in live) for s in range(ep.num_ranks)] if bound else exact)
             return lambda: (None, *started), finish_agree, check
         if agree_now:
             started_now = agree_and_start()
@@ -304,41 +314,29 @@ class Collective:
 
     def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]:
         start, finish_agree, check = token
-        agreement, recv_rows, recv, pending = start()  # (a deferred agreement and payload start now)
+        agreement, posted, recv, pending = start()  # (a deferred agreement and payload start now)
         t0 = time.perf_counter_ns()
         if pending is not None:
             self.ep.wait(pending, PAYLOAD)
         wait_ns = time.perf_counter_ns() - t0
-        if agreement is None:  # the payload started with known counts: the agreement is checked now
+        if agreement is None:  # the payload started early: the agreement is checked now
             agreement = finish_agree()
             check(agreement)
-        parts, begin, masked = [], 0, self.ep.mask.tolist()
-        for s, k in enumerate(recv_rows):
+            if any(c[1] < 0 for s, c in enumerate(agreement.counts) if s in self.ep.live and s != self.ep.rank):
+                check_started(agreement, self.ep, True)
+        parts, begin, masked, row_bytes = [], 0, self.ep.mask.tolist(), agreement.shared[self.ep.rank][0]
+        for s, nbytes in enumerate(posted):  # (each rank's announced rows: within what was posted for it)
             if s != self.ep.rank and s not in self.local and not masked[s]:
-                parts.append((s, recv[begin : begin + k]))
-            begin += k
+                n = agreement.counts[s][0]
+                parts.append((s, recv[begin : begin + n * row_bytes].view(n, row_bytes)))
+            begin += nbytes
         return agreement, parts, wait_ns
 
     def done(self, token: Any) -> None:
         """Nothing to release: the buffers are the call's (or alternate)."""
 
     def reject(self, op: str, code: int, width: int) -> None:
-        self._join_started_peers(self.ep.start_agree(op, code, [[0, -1]] * self.ep.num_ranks, [0] * width)())
+        join_started(self.ep.start_agree(op, code, [[0, -1]] * self.ep.num_ranks, [0] * width)(), self.ep, self.local)
 
     def close(self) -> None:
         self._buffers.clear()
-
-    def _join_started_peers(self, agreement: Agreement) -> None:
-        """Join the payloads that peers who knew their counts started before the agreement, with zeros."""
-        ep, me = self.ep, self.ep.rank
-        live, skip = set(ep.live), {me, *self.local}  # (a removed rank's zero row is no started payload)
-        peers = [s for s, c in enumerate(agreement.counts) if s in live and s not in skip and c and c[1] >= 0]
-        if not peers:
-            return
-        recv, send = [0] * ep.num_ranks, [0] * ep.num_ranks
-        for s in peers:
-            width = agreement.shared[s][0] if agreement.shared[s] else 0
-            recv[s], send[s] = agreement.counts[s][0] * width, agreement.counts[s][1] * width
-        landing = torch.empty((sum(recv),), dtype=torch.uint8, device=ep.device)
-        zeros = torch.zeros((sum(send),), dtype=torch.uint8, device=ep.device)
-        ep.wait(ep.all_to_all(landing, zeros, recv, send, PAYLOAD), PAYLOAD)

@@ -94,6 +94,10 @@ def _combine_case(buffer: Buffer, rank: int, case: str):
     elif case == "other_topk" and bad:
         idx = idx.roll(1, dims=0)  # same tokens, other experts per token: the counts no longer match
         idx[:, 1] = -1
+    elif case == "other_dispatch":  # rank 1: the handle of a dispatch in which rank 0 sent it every token, so it
+        skew = torch.tensor([E - 2, E - 1]).expand(idx.shape) if rank == 0 else idx  # returns rank 0 more rows
+        other_x, _, other, _, _ = buffer.low_latency_dispatch(x, skew, N, E, use_fp8=False)  # than rank 0 expects
+        recv_x, handle = (other_x, other) if bad else (recv_x, handle)
     elif case == "bad_layout_range" and bad:
         handle = (handle[0], torch.full_like(handle[1], (1 << 40) | 3), *handle[2:])
     return buffer.low_latency_combine(recv_x, idx, w, handle, **kwargs)
@@ -134,6 +138,7 @@ _COMBINE = {
     "weights_dtype": "topk_weights: dtype torch.float64",
     "out_dtype": "out: dtype torch.float32",
     "other_topk": "pass the dispatch's handle and the same topk_idx",
+    "other_dispatch": "rank 1 would return 8 rows to rank 0, which dispatched",
     "bad_layout_range": "handle.layout_range",
 }
 _FLAT = {"flat_handle_none": "handle: must be the FlatHandle"}
@@ -152,7 +157,7 @@ def _errors_on(info, transport: str):
                 run(buffer, info.rank, case)
             text = str(err.value)
             # the offending rank names the problem; the others learn that a peer rejected its input
-            every = ("experts_not_divisible", "other_topk", "huge_n", "huge_experts")  # bad on every rank
+            every = ("experts_not_divisible", "other_topk", "other_dispatch", "huge_n", "huge_experts")  # on every rank
             agreed = "ranks disagree" in message or case in every
             if info.rank == 1 or agreed:
                 assert message in text, f"{case}: {text}"

@@ -110,9 +110,18 @@ def _errors(info):
     # another dispatch: rank 1 keeps its tokens (sends rank 0 none), rank 0 routes as before; rank 1 passes its
     # handle, rank 0 the first one, so rank 0 expects rows rank 1 does not send (found after the payload, on both)
     own = (torch.arange(K) + rank * (E // r)).expand(x.shape[0], K).contiguous()
-    skewed = buf.dispatch(x, own if rank == 1 else idx, num_experts=E)[3]
+    skewed_x, _, _, skewed, _ = buf.dispatch(x, own if rank == 1 else idx, num_experts=E)
     other_dispatch = dict(x=x, handle=skewed if rank == 1 else handle)
     seen["cross/other_dispatch"] = _error(lambda: buf.dispatch(**other_dispatch))
+    _good_round(buf, rank, r)
+    # the other way round, rank 1 sends rank 0 more rows than its handle expects (none): on gloo a longer message
+    # than the receive posted would abort rank 0, so the early payload's receive is posted at a bound
+    reversed_handles = dict(x=x, handle=skewed if rank == 0 else handle)
+    seen["cross/other_dispatch_reversed"] = _error(lambda: buf.dispatch(**reversed_handles))
+    _good_round(buf, rank, r)
+    # its combine: rank 0 returns rank 1 the rows of the first dispatch, more than rank 1's handle expects (none)
+    other_combine = dict(x=skewed_x, handle=skewed) if rank == 1 else dict(x=recv_x, handle=handle)
+    seen["cross/other_dispatch_combine"] = _error(lambda: buf.combine(**other_combine))
     _good_round(buf, rank, r)
     for name, make in COMBINE_CASES.items():
         # rank 0 passes weights: its combine runs a second exchange, which a rejection must stop before it starts
@@ -188,6 +197,10 @@ def test_errors_on_every_rank():
     assert results[1]["cross/one_foreign"][0] == "handle" and "rejected on rank 1" in results[0]["cross/one_foreign"][1]
     assert all(res["cross/other_dispatch"][0] == "handle" and "the handle of the same dispatch" in
                res["cross/other_dispatch"][1] for res in results)  # fmt: skip
+    assert all(res["cross/other_dispatch_reversed"][0] == "handle" and "rank 1's handle sends" in
+               res["cross/other_dispatch_reversed"][1] for res in results)  # fmt: skip
+    assert all(res["cross/other_dispatch_combine"][0] == "handle" and "rank 0 would return" in
+               res["cross/other_dispatch_combine"][1] for res in results)  # fmt: skip
 
 
 def _peer_stops(info, where: str):
