@@ -1,7 +1,7 @@
 /* The bf16 expert matmul of the grouped layout (see kernels.expert_mm): y[r] = x[r] @ w[e]^T for the rows r of each
  * expert e, fp32 sums rounded once to bf16. It exists because decode reads each expert's weights for one to a few
- * rows: the step is a weights read, and a weights read wants one sequential stream per thread, which
- * torch's grouped / per-expert matmuls do not give on the CPU (they read at ~half the rate; benchmarks/bench_decode.py).
+ * rows: the step is a weights read, and a weights read wants one sequential stream per thread, which torch's grouped /
+ * per-expert matmuls do not give on the CPU (they read at ~half the rate; benchmarks/bench_decode.py).
  * Each thread walks a contiguous range of weight rows (K contiguous values each) once, front to back, and takes the
  * dot product of each with every row of its expert: four fp32 accumulators per x row (columns k mod 128 in four
  * 32-wide lanes), AVX512-BF16 `vdpbf16ps`, then one horizontal sum. Only the AVX512-BF16 build exists: elsewhere
@@ -19,14 +19,6 @@
 #ifndef MIN_THREAD_BYTES
 #define MIN_THREAD_BYTES (4 << 20)
 #endif
-
-static inline uint16_t round_bf16(float f) { /* round to nearest even; a NaN stays a (quiet) NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 typedef struct {
     const uint16_t *x, *w;
@@ -63,9 +55,10 @@ BF16 static void weight_row(const uint16_t *w, int64_t K, const uint16_t *x, int
             a0 = _mm512_dpbf16_ps(a0, lanes(x0 + k, K - k), wv);
             b0 = _mm512_dpbf16_ps(b0, lanes(x1 + k, K - k), wv);
         }
-        y[r * N] = round_bf16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))));
+        y[r * N] = dep_f32_bf16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))));
         if (rows - r > 1)
-            y[(r + 1) * N] = round_bf16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3))));
+            y[(r + 1) * N] =
+                dep_f32_bf16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3))));
     }
 }
 
@@ -153,7 +146,7 @@ int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32
     for (int64_t e = 0; e < E; e++)
         active += offs[e] > (e ? offs[e - 1] : 0) ? N : 0;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    /* a thread is worth its wake-up and its share of the split from MIN_THREAD_BYTES of weights on (~0.2 ms of reading) */
+    /* a thread is worth its wake-up and its share of the split from MIN_THREAD_BYTES of weights (~0.2 ms of reading) */
     int64_t fit = active * K * 2 / MIN_THREAD_BYTES;
     threads = fit < threads ? (fit < 1 ? 1 : fit) : threads;
     Job jobs[MAX_THREADS];

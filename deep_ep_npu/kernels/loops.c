@@ -46,12 +46,7 @@ static void copies_done(void) {}
 #endif
 
 static inline float load_f32(float v) { return v; }
-static inline float load_bf16(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+static inline float load_bf16(uint16_t v) { return dep_bf16_f32(v); }
 
 /* add_T: acc += w * x; set_T: acc = 0 + w * x (as a sum from zeros: -0.0 becomes +0.0); fp32, each product rounded. */
 #define ROW_LOOPS(name, type, load)                                                                     \

@@ -1,7 +1,25 @@
-/* The CPU loops of loops.c, expert_mm.c and rms_norm.c (each documented there), called only by the checked bindings in _cpu.c. */
+/* The CPU loops of loops.c, expert_mm.c and rms_norm.c (each documented there), called only by the checked bindings
+ * in _cpu.c; and the bf16 conversions they share. */
 #ifndef DEP_LOOPS_H
 #define DEP_LOOPS_H
 #include <stdint.h>
+#include <string.h>
+
+/* bf16 <-> fp32: the widening is exact; the narrowing rounds to nearest even and keeps a NaN a (quiet) NaN. */
+static inline float dep_bf16_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t dep_f32_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 

@@ -5,24 +5,8 @@
  * differ from torch's in its last fp32 bits, which moves a rounded bf16 output by one step now and then. It exists
  * because the eight torch ops it replaces cost ~45 us per call in a decode step, the kernel ~5. */
 #include <math.h>
-#include <string.h>
 
 #include "loops.h"
-
-static inline float bf16_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_bf16(float f) { /* round to nearest even; a NaN stays a (quiet) NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 void dep_rms_norm(const uint16_t *x, int64_t rows, int64_t H, const void *w, int w_fp32, int round_first, float eps,
                   uint16_t *y) {
@@ -35,24 +19,26 @@ void dep_rms_norm(const uint16_t *x, int64_t rows, int64_t H, const void *w, int
         int64_t i = 0;
         for (; i + 16 <= H; i += 16)
             for (int j = 0; j < 16; j++) {
-                float v = bf16_f32(xr[i + j]);
+                float v = dep_bf16_f32(xr[i + j]);
                 part[j] += v * v;
             }
         for (; i < H; i++) {
-            float v = bf16_f32(xr[i]);
+            float v = dep_bf16_f32(xr[i]);
             part[i & 15] += v * v;
         }
         for (int j = 0; j < 16; j++)
             sum += part[j];
         float inv = 1.0f / sqrtf(sum / (float)H + eps);
         if (round_first)
-            for (i = 0; i < H; i++)
-                yr[i] = f32_bf16(bf16_f32(wb[i]) * bf16_f32(f32_bf16(bf16_f32(xr[i]) * inv)));
+            for (i = 0; i < H; i++) {
+                float n = dep_bf16_f32(dep_f32_bf16(dep_bf16_f32(xr[i]) * inv)); /* HF: x.to(bf16), then * w */
+                yr[i] = dep_f32_bf16(dep_bf16_f32(wb[i]) * n);
+            }
         else if (w_fp32)
             for (i = 0; i < H; i++)
-                yr[i] = f32_bf16(wf[i] * (bf16_f32(xr[i]) * inv));
+                yr[i] = dep_f32_bf16(wf[i] * (dep_bf16_f32(xr[i]) * inv));
         else
             for (i = 0; i < H; i++)
-                yr[i] = f32_bf16(bf16_f32(wb[i]) * (bf16_f32(xr[i]) * inv));
+                yr[i] = dep_f32_bf16(dep_bf16_f32(wb[i]) * (dep_bf16_f32(xr[i]) * inv));
     }
 }
