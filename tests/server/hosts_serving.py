@@ -3,6 +3,7 @@ address; the helpers of ``test_server_hosts*.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -16,12 +17,7 @@ import torch
 
 from tests import hosts
 from tests.server.test_models_ckpt import load_hf, make_checkpoint
-from tests.server.test_server_launch import (
-    ROOT,
-    TORCHRUN,
-    _descendants,
-    _environ,
-)
+from tests.server.test_server_launch import ROOT, TORCHRUN, _assert_all_exit, _descendants, _environ
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 HTTP_PORT, MASTER_PORT = 8000, 29500  # (each host has its own ports: nothing else listens there)
@@ -65,6 +61,27 @@ def start_nodes(sim: hosts.SimulatedHosts, per_host: int, server_args: list[str]
         proc.log = log  # type: ignore[attr-defined]
         nodes.append(proc)
     return nodes
+
+
+def ep4_args(*extra: str, max_model_len: int = 256) -> list[str]:
+    """The server arguments every host test starts with (EP 4 over the 2 x 2 ranks), then ``extra``."""
+    return ["--ep-size", "4", "--max-model-len", str(max_model_len), "--log-level", "warning", *extra]
+
+
+@contextlib.contextmanager
+def serving_on_two_hosts(server_args: list[str]):
+    """2 simulated hosts x 2 torchrun ranks serving ``server_args``, healthy: yields ``(sim, nodes, url)``. Then the
+    hosts are torn down and (when the body passed) every process the job started must have exited."""
+    sim = hosts.SimulatedHosts(2)
+    try:
+        nodes = start_nodes(sim, 2, server_args)
+        url = f"http://{sim.addresses[0]}:{HTTP_PORT}"
+        wait_healthy(url, nodes)
+        pids = set().union(*(_descendants(n.pid) for n in nodes))
+        yield sim, nodes, url
+    finally:
+        sim.close()
+    _assert_all_exit(pids)
 
 
 def wait_healthy(url: str, nodes: list[subprocess.Popen], timeout: float = 120.0) -> None:

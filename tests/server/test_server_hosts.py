@@ -18,12 +18,12 @@ import pytest
 
 from tests import hosts
 from tests.server.hosts_serving import (
-    HTTP_PORT,
     checkpoint_and_oracle,
+    ep4_args,
     greedy,
     node_log,
     readme_commands,
-    start_nodes,
+    serving_on_two_hosts,
     stop_rank0,
     wait_healthy,
 )
@@ -39,25 +39,17 @@ def checkpoint(tmp_path_factory):
 
 def test_torchrun_two_hosts_equals_one_host(checkpoint):
     path, want = checkpoint
-    args = ["--model", path, "--ep-size", "4", "--max-model-len", "64", "--log-level", "warning"]
+    args = ep4_args("--model", path, max_model_len=64)
     (one,), one_url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", *args, "--port", str(port)]])
     try:
         single_host = greedy(one_url, os.path.basename(path))
     finally:
         _stop([one])
-    sim = hosts.SimulatedHosts(2)
-    try:
-        nodes = start_nodes(sim, 2, args)
-        url = f"http://{sim.addresses[0]}:{HTTP_PORT}"
-        wait_healthy(url, nodes)
-        pids = set().union(*(_descendants(n.pid) for n in nodes))
+    with serving_on_two_hosts(args) as (_, nodes, url):
         got = greedy(url, os.path.basename(path))
         codes = stop_rank0(nodes)
         assert codes == [0, 0], "\n".join(map(node_log, nodes))
-    finally:
-        sim.close()
     assert got == single_host == want
-    _assert_all_exit(pids)
 
 
 def test_a3_two_node_commands():

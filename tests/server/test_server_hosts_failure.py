@@ -15,16 +15,15 @@ import torch
 
 from tests import hosts
 from tests.server.hosts_serving import (
-    HTTP_PORT,
     PROMPT,
     checkpoint_and_oracle,
+    ep4_args,
     node_log,
-    start_nodes,
+    serving_on_two_hosts,
     stop_after_loss,
     stream,
-    wait_healthy,
 )
-from tests.server.test_server_launch import _alive, _assert_all_exit, _descendants, _environ
+from tests.server.test_server_launch import _alive, _descendants, _environ
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
 
@@ -41,25 +40,8 @@ def test_host_killed_mid_stream(checkpoint, elastic: bool):
     new requests get 503 naming the lost ranks. Either way nothing hangs and nothing is left behind."""
     path, _ = checkpoint
     step_timeout = 4.0
-    args = [
-        "--model",
-        path,
-        "--ep-size",
-        "4",
-        "--max-model-len",
-        "256",
-        "--log-level",
-        "warning",
-        "--step-timeout-s",
-        str(step_timeout),
-        *(["--elastic"] if elastic else []),
-    ]
-    sim = hosts.SimulatedHosts(2)
-    try:
-        nodes = start_nodes(sim, 2, args)
-        url = f"http://{sim.addresses[0]}:{HTTP_PORT}"
-        wait_healthy(url, nodes)
-        pids = set().union(*(_descendants(n.pid) for n in nodes))
+    args = ep4_args("--model", path, "--step-timeout-s", str(step_timeout), *(["--elastic"] if elastic else []))
+    with serving_on_two_hosts(args) as (sim, nodes, url):
         killed: list[float] = []
 
         def kill_at_third(i: int) -> None:
@@ -84,9 +66,6 @@ def test_host_killed_mid_stream(checkpoint, elastic: bool):
             assert "rank" in error and times[-1] - killed[0] < 2 * step_timeout, (error, times[-1] - killed[0])
             assert after.status_code == 503 and "rank 2" in after.text, after.text
         stop_after_loss(nodes[0])
-    finally:
-        sim.close()
-    _assert_all_exit(pids)
 
 
 def test_host_cut_off_then_back(checkpoint):
@@ -95,25 +74,8 @@ def test_host_cut_off_then_back(checkpoint):
     leave) and host 0 still serves alone."""
     path, _ = checkpoint
     step_timeout = 4.0
-    args = [
-        "--model",
-        path,
-        "--ep-size",
-        "4",
-        "--max-model-len",
-        "256",
-        "--log-level",
-        "warning",
-        "--step-timeout-s",
-        str(step_timeout),
-        "--elastic",
-    ]
-    sim = hosts.SimulatedHosts(2)
-    try:
-        nodes = start_nodes(sim, 2, args)
-        url = f"http://{sim.addresses[0]}:{HTTP_PORT}"
-        wait_healthy(url, nodes)
-        pids = set().union(*(_descendants(n.pid) for n in nodes))
+    args = ep4_args("--model", path, "--step-timeout-s", str(step_timeout), "--elastic")
+    with serving_on_two_hosts(args) as (sim, nodes, url):
         host1 = [p for p in _descendants(nodes[1].pid) if _environ(p).get("RANK") is not None]
         cut: list[float] = []
 
@@ -140,9 +102,6 @@ def test_host_cut_off_then_back(checkpoint):
         lost = next(ln for ln in http.get(url + "/metrics").text.splitlines() if "ep_ranks_lost{" in ln)
         assert lost.endswith("} 2.0"), (lost, node_log(nodes[0]))
         stop_after_loss(nodes[0])
-    finally:
-        sim.close()
-    _assert_all_exit(pids)
 
 
 def test_lost_host_replicas_keep_every_expert(tmp_path):
@@ -155,29 +114,9 @@ def test_lost_host_replicas_keep_every_expert(tmp_path):
     rows = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7]] * MODEL["num_hidden_layers"])
     path = tmp_path / "placement.json"
     path.write_text(json.dumps(placement_json(rows, 4)))
-    args = [
-        "--random-model",
-        json.dumps(MODEL),
-        "--ep-size",
-        "4",
-        "--max-model-len",
-        "256",
-        "--log-level",
-        "warning",
-        "--step-timeout-s",
-        "4",
-        "--elastic",
-        "--expert-placement",
-        str(path),
-        "--num-redundant-experts",
-        "8",
-    ]
-    sim = hosts.SimulatedHosts(2)
-    try:
-        nodes = start_nodes(sim, 2, args)
-        url = f"http://{sim.addresses[0]}:{HTTP_PORT}"
-        wait_healthy(url, nodes)
-        pids = set().union(*(_descendants(n.pid) for n in nodes))
+    placed = ("--expert-placement", str(path), "--num-redundant-experts", "8")
+    args = ep4_args("--random-model", json.dumps(MODEL), "--step-timeout-s", "4", "--elastic", *placed)
+    with serving_on_two_hosts(args) as (sim, nodes, url):
         times, ended = stream(url, "random-qwen3-moe", lambda i: i == 2 and sim.kill_host(1))
         assert ended == "finished", ended
         http = httpx.Client(trust_env=False, timeout=60)
@@ -187,6 +126,3 @@ def test_lost_host_replicas_keep_every_expert(tmp_path):
         assert got == oracle_greedy([7, 3, 9, 1], 8), got
         assert re.search(r"ep_ranks_lost\{[^}]*\} 2\.0", metrics) and re.search(r"experts_lost\{[^}]*\} 0\.0", metrics)
         stop_after_loss(nodes[0])
-    finally:
-        sim.close()
-    _assert_all_exit(pids)

@@ -15,8 +15,10 @@ import torch
 
 from tests import hosts
 from tests.distributed import parallel_launch
+from tests.transports.test_transport import N
+from tests.transports.test_transport import _inputs as transport_inputs
 
-N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 8, 1.0
+EXPERTS, LATE_S = 8, 1.0
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
 
@@ -31,11 +33,7 @@ def two_hosts():
 
 
 def _inputs(rank: int, step: int):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x = (torch.randn((N - rank, HIDDEN), generator=g) * 3).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(x.shape[0])])
-    idx[0, 1] = -1
-    return x, idx, torch.rand(idx.shape, generator=g)
+    return transport_inputs(rank, step, EXPERTS)
 
 
 def _calls(info, transport: str):

@@ -25,10 +25,11 @@ from tests.distributed import parallel_launch
 N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 12, 1.0
 
 
-def _inputs(rank: int, step: int):
+def _inputs(rank: int, step: int, experts: int = EXPERTS):
+    """Rank ``rank``'s tokens (N - rank of them, bf16), top-k ids (one -1) and weights of call ``step``."""
     g = torch.Generator().manual_seed(100 * step + rank)
     x = (torch.randn((N - rank, HIDDEN), generator=g) * 3).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(x.shape[0])])
+    idx = torch.stack([torch.randperm(experts, generator=g)[:TOPK] for _ in range(x.shape[0])])
     idx[0, 1] = -1
     return x, idx, torch.rand(idx.shape, generator=g)
 
