@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .backends import create_backend, resolve_backend_name
 from .buffer_ascend import AscendMethods
-from .buffer_normal import NormalModeMethods
+from .buffer_normal import NormalModeMethods, host_nodes
 from .core import rules
 from .core.call import CombineCall, DispatchCall
 from .errors import invalid
@@ -78,6 +78,7 @@ class Buffer(AscendMethods, NormalModeMethods):
             self.backend_name, group, timeout=resolve_timeout(timeout), enable_shrink=enable_shrink,
             transport=transport, num_rdma_bytes=num_rdma_bytes, ccl_buffer_size=ccl_buffer_size,
         )  # fmt: skip
+        self.nodes = host_nodes(self._backend)  # (normal mode's intranode / internode form)
 
     def low_latency_dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -204,7 +205,8 @@ class Buffer(AscendMethods, NormalModeMethods):
 
     @staticmethod
     def is_sm90_compiled() -> bool:
-        return False
+        """True: DeepEP's SM90-only features (fp8 dispatch, UE8M0 scales) are available here."""
+        return True
 
     def get_comm_stream(self) -> None:
         """None: there is no communication stream (work runs in call order on the calling thread)."""

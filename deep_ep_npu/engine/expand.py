@@ -120,6 +120,8 @@ def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
     e, h, a = c.experts, c.cached, c.alignment
     if h is not None:
         return h.num_recv_tokens, h.num_expanded_tokens
+    if c.recv_rows:
+        return c.recv_rows, 0
     rn = e.world_size * c.num_max
     return None if c.cpu_sync else (rn, align(rn * min(num_topk, e.num_local) + (a - 1) * e.num_local, a))
 
@@ -244,10 +246,11 @@ def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return acc.to(x.dtype)
 
 
-def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool) -> Plan:
-    """The source's view of the combine: per (token, rank) at the slot of the token's last expert there, or (no
-    multiple reduction) every dispatched pair; sorted as the expert ranks return the rows (cached in the handle)."""
-    key = "return_plan" if per_row else "pair_plan"
+def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool, by_rank: bool = False) -> Plan:
+    """The source's view of the combine: per (token, rank) at the slot of the token's last expert there (``by_rank``:
+    at slot = the rank, so the sum goes by rank), or (no multiple reduction) every dispatched pair; sorted as the
+    expert ranks return the rows (cached in the handle)."""
+    key = "rank_plan" if by_rank else "return_plan" if per_row else "pair_plan"
     if key in h.state:
         return h.state[key]
     plan, num_tokens, r = h.state["plan"], h.num_tokens, num_ranks
@@ -256,7 +259,7 @@ def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool) -> Plan:
         last = torch.full((num_tokens * r,), -1, dtype=torch.int64, device=plan.token.device)
         last.scatter_reduce_(0, plan.token * r + plan.dest, plan.slot, "amax")
         at = (last >= 0).nonzero(as_tuple=True)[0]
-        pairs, num_local = (at // r, last[at], at % r, torch.zeros_like(at)), 1
+        pairs, num_local = (at // r, at % r if by_rank else last[at], at % r, torch.zeros_like(at)), 1
     h.state[key] = out = make_plan(*pairs, num_tokens, r, rank, num_local, per_pair_rows=True)
     return out
 
@@ -276,7 +279,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         expert = place.slots[place.pair_row, place.pair_slot].long()
         order = torch.argsort(src * (h.num_experts // r) + expert, stable=True)
         rows, rows_per_src, source = place.pair_pos[order], torch.bincount(src, minlength=r).tolist(), x
-    plan, extra, weighted = _return_plan(h, rank, r, per_row), None, c.expert_scales is not None
+    plan, extra, weighted = _return_plan(h, rank, r, per_row, c.by_rank), None, c.expert_scales is not None
     if c.shared_expert_x:  # the biases, first in the fp32 sum: at slot -1
         tokens, bias = torch.arange(num_tokens, device=dev), sum(b.float() for b in c.shared_expert_x)
         extra = (tokens, torch.full_like(tokens, -1), bias)
@@ -292,8 +295,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         w_rows = torch.zeros((total, h.num_topk), dtype=torch.float32, device=dev)
         w_rows[place.pair_row, place.pair_slot] = w[place.pair_pos]
     else:
-        w_rows = w[:total].masked_fill(place.slots < 0, 0.0)
-    plan = _return_plan(h, rank, r, True)
+        w_rows = w[:total] if c.raw_weights else w[:total].masked_fill(place.slots < 0, 0.0)
+    plan = _return_plan(h, rank, r, True, c.by_rank)
     ones, out = torch.ones_like(plan.token, dtype=torch.float32), w_rows.new_empty((num_tokens, h.num_topk))
     w_job = dataclasses.replace(job, source=w_rows, return_rows=every_row, rows_per_src=list(place.rows_from),
                                 plan=plan, weights=ones, out=out, extra=None)  # fmt: skip
