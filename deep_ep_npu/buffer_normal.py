@@ -128,7 +128,8 @@ class NormalModeMethods:
             topk_idx: `[T, K]` `torch.int64` / `torch.int32` (-1: none) and topk_weights `[T, K]` `torch.float32`,
                 both or neither; they must give the layout above.
             expert_alignment: ``num_recv_tokens_per_expert_list`` is rounded up to multiples of it.
-            num_worst_tokens: 0, or the rows to allocate (intranode only; at least what each rank receives): no list.
+            num_worst_tokens: 0, or the rows to allocate (at least what each rank receives; also across hosts, as
+                DeepEP before V2): the list is then empty.
             config: None or a :class:`Config` (checked; no effect). previous_event (an :class:`EventOverlap`),
                 allocate_on_comm_stream (needs previous_event and async_finish): accepted (no streams here).
             async_finish: return at once; ``event.current_stream_wait()`` completes the receive (the returned tensors
@@ -164,10 +165,6 @@ class NormalModeMethods:
             data, sf = v2.split_x(x)
             a = rules.count(expert_alignment, "expert_alignment", 1)
             worst = rules.count(num_worst_tokens, "num_worst_tokens", 0)
-            if worst and internode_:
-                raise invalid(
-                    "num_worst_tokens", f"must be 0 across hosts (as DeepEP's internode dispatch), got {worst}"
-                )
             lay = normal.layout(
                 data.shape[0],
                 r,
