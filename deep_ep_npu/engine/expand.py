@@ -151,10 +151,11 @@ def receive(c: DispatchCall, p: Payload, place: Placement, x: torch.Tensor, sf: 
     out = out or Outputs(c, p, place.num_rows, place.num_expanded)
     n, rows, dev = x.shape[0], place.pair_row, x.device
     at: Any = place.pair_pos if c.do_expand else slice(n)  # expand: each pair's row, else the rows as they came
-    out.x[at] = x.index_select(0, rows) if c.do_expand else x
-    if sf is not None and out.sf is not None:
-        out.sf[at] = sf.index_select(0, rows) if c.do_expand else sf
-    out.weights[at] = weights[rows, place.pair_slot] if c.do_expand else weights
+    if x.data_ptr() != out.x.data_ptr():  # (non-expand rows may already be in place: _Expand.place)
+        out.x[at] = x.index_select(0, rows) if c.do_expand else x
+        if sf is not None and out.sf is not None:
+            out.sf[at] = sf.index_select(0, rows) if c.do_expand else sf
+        out.weights[at] = weights[rows, place.pair_slot] if c.do_expand else weights
     if out.topk_idx is not None:  # (not expand)
         out.topk_idx[:n] = place.slots
     if tokens is not None:
@@ -195,8 +196,9 @@ class _Expand:
         self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
         self.source = p.pack(c.x, c.x_sf, c.expert_scales)
         past = 0 < engine.early_bytes < c.num_max * self.fmt.row_bytes  # (a rank's rows may pass the bound)
-        self.known = None if self.cached is None or past else list(self.cached.rows_from)
-        self.vectors = (*self.plan.rows_per_dest, *(self.known or [-1] * e.world_size))
+        expect = None if self.cached is None else list(self.cached.rows_from)  # (checked by every rank: check())
+        self.known = None if past else expect
+        self.vectors = (*self.plan.rows_per_dest, *(expect or [-1] * e.world_size))
         self.fingerprint = (int(h is not None), c.num_max, e.num_moe_experts, p.hidden, X_DTYPE_CODES[p.x_dtype],
                             p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
         self.sizes = sizes_of(c, p.num_topk)
@@ -223,13 +225,28 @@ class _Expand:
 
     def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None:
         by_src, r, c = dict([*parts, own]), self.ep.num_ranks, self.c
-        staged = torch.cat([by_src[s] for s in range(r) if s in by_src])  # by source, tokens ascending
+        got = [by_src[s] for s in range(r) if s in by_src]  # by source, tokens ascending
+        # non-expand: only the small token / slot fields are staged; the payload goes straight to the outputs
+        fields = slice(0 if c.do_expand else self.fmt.token_off, None)
+        staged = torch.cat([g[:, fields] for g in got])
         place, tokens = self.cached, None
         if place is None:
             rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(r)]
-            num_local, tokens = c.experts.num_local, self.fmt.tokens(staged)
-            place = make_placement(self.fmt.slot_experts(staged), rows_from, num_local, c.alignment, self.sizes)
-        x, sf, weights = self.payload.fields(staged)
+            head = staged[:, self.fmt.token_off - fields.start :].view(torch.int32)  # token, then the slots
+            tokens, num_local = head[:, 0], c.experts.num_local
+            place = make_placement(head[:, 1 : 1 + self.fmt.num_slots], rows_from, num_local, c.alignment, self.sizes)
+        if c.do_expand:
+            x, sf, weights = self.payload.fields(staged)
+        else:
+            self.outputs = out = self.outputs or Outputs(c, self.payload, place.num_rows, place.num_expanded)
+            begin = 0
+            for g in got:
+                x, sf, weights = self.payload.fields(g)
+                rows = slice(begin, begin := begin + g.shape[0])
+                out.x[rows], out.weights[rows] = x, weights
+                if sf is not None and out.sf is not None:
+                    out.sf[rows] = sf
+            x, sf, weights = out.x[:begin], None, out.weights[:begin]
         self.outputs = receive(c, self.payload, place, x, sf, weights, tokens, self.outputs, self.make_handle)
 
 
