@@ -127,7 +127,8 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
         op, n = "low_latency_dispatch", num_max_dispatch_tokens_per_rank
         with self._backend.rejecting(op):
             rules.overlap_flags(async_finish, return_recv_hook)
-            use_fp8, quant_format = ascend_quant(use_fp8, use_mxfp4, quant_mode, quant_format)
+            if quant_mode is not None or use_mxfp4 is not False:  # (DeepEP-Ascend's)
+                use_fp8, quant_format = ascend_quant(use_fp8, use_mxfp4, quant_mode, quant_format)
             quant = rules.deepep_quant(use_fp8, round_scale, use_ue8m0, quant_format, self._backend.native_quant_format)
             n = rules.count(n, "num_max_dispatch_tokens_per_rank", 1, code="shape")
             experts = rules.plain_experts(self.group_size, self.rank, num_experts, "num_experts")

@@ -4,10 +4,13 @@ goes first; only when no ``deep_ep`` is installed does ``import deep_ep`` give :
 (DeepEP's public names: ``Buffer``, ``Config``, ``ElasticBuffer``, ``EPHandle``, ``EventOverlap``, ``EventHandle``,
 ``topk_idx_t``; ``deep_ep.utils.event``).
 
-Why an import hook and not a ``deep_ep`` package of ours: a shipped ``deep_ep`` would shadow (or be shadowed by) a
-real DeepEP depending on install order; the hook can never shadow one, and an engine's worker processes get it by
-the same call (vLLM: the ``vllm.general_plugins`` entry point, :mod:`deep_ep_npu.alias.vllm_plugin`, runs in every
-process) or by ``DEEP_EP_NPU_AS_DEEP_EP=1`` with the ``deep-ep-npu-python`` start-up line (README)."""
+Why not a ``deep_ep`` package of ours on ``sys.path``: it would shadow (or be shadowed by) a real DeepEP depending on
+install order. The hook never can. Engines whose worker processes start fresh interpreters get it by one of:
+
+- vLLM: nothing to do, the ``vllm.general_plugins`` entry point (:mod:`.vllm_plugin`) calls :func:`install` in
+  every process vLLM starts;
+- any engine (SGLang): ``export PYTHONPATH=$(python -m deep_ep_npu.alias)`` puts a ``deep_ep`` on the path
+  (inherited by every child process) that loads an installed DeepEP when there is one and this library otherwise."""
 
 from __future__ import annotations
 

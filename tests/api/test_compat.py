@@ -115,3 +115,35 @@ def test_import_deep_ep_alias(tmp_path):
         print(getattr(deep_ep, "REAL", False))
     """
     assert _python(code, str(tmp_path)).splitlines() == ["False", "True"]  # a real DeepEP stays deep_ep
+
+
+def test_import_deep_ep_by_pythonpath(tmp_path):
+    folder = _python("import runpy; runpy.run_module('deep_ep_npu.alias', run_name='__main__')")
+    assert os.path.isdir(os.path.join(folder, "deep_ep"))
+    code = """
+        import deep_ep, deep_ep.utils.event, deep_ep_npu
+        print(deep_ep.Buffer is deep_ep_npu.Buffer, deep_ep.utils.event.EventOverlap is deep_ep_npu.EventOverlap)
+    """
+    assert _python(code, folder) == "True True"
+    real = tmp_path / "deep_ep"
+    real.mkdir()
+    (real / "__init__.py").write_text("REAL = True\n")
+    code = "import deep_ep; print(getattr(deep_ep, 'REAL', False), deep_ep.__file__.startswith(%r))" % str(tmp_path)
+    assert _python(code, os.pathsep.join((folder, str(tmp_path)))) == "True True"  # ours first on the path: defers
+
+
+def test_vllm_plugin_entry_point():
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        plugins = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
+    assert plugins == {"deep_ep_npu": "deep_ep_npu.alias.vllm_plugin:register"}
+    code = """
+        import importlib.util
+        from deep_ep_npu.alias.vllm_plugin import register
+        register()
+        spec = importlib.util.find_spec("deep_ep")  # vLLM's has_deep_ep()
+        import deep_ep, deep_ep_npu
+        print(spec is not None, deep_ep.Buffer is deep_ep_npu.Buffer)
+    """
+    assert _python(code) == "True True"
