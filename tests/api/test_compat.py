@@ -128,7 +128,7 @@ def test_import_deep_ep_by_pythonpath(tmp_path):
     real = tmp_path / "deep_ep"
     real.mkdir()
     (real / "__init__.py").write_text("REAL = True\n")
-    code = "import deep_ep; print(getattr(deep_ep, 'REAL', False), deep_ep.__file__.startswith(%r))" % str(tmp_path)
+    code = f"import deep_ep; print(getattr(deep_ep, 'REAL', False), deep_ep.__file__.startswith({str(tmp_path)!r}))"
     assert _python(code, os.pathsep.join((folder, str(tmp_path)))) == "True True"  # ours first on the path: defers
 
 
