@@ -13,7 +13,8 @@ import torch.distributed as dist
 from .backends import create_backend, resolve_backend_name
 from .buffer_ascend import AscendMethods
 from .buffer_compat import CompatMethods, ascend_quant
-from .buffer_normal import NormalModeMethods, host_nodes
+from .buffer_layout import host_nodes
+from .buffer_normal import NormalModeMethods
 from .core import rules
 from .core.call import CombineCall, DispatchCall
 from .errors import invalid
