@@ -174,3 +174,28 @@ def test_normal_mode_errors_every_rank(case):
     else:
         assert f"] {param}:" in messages[1], messages
         assert "dispatch aborted on every rank: rejected on rank 1" in messages[0], messages
+
+
+def _ascend(info):
+    from deep_ep_npu import sim
+
+    sim.install()
+    r, me = info.world_size, info.rank
+    x, idx, w = oracle.inputs(me, _tokens(me), H, K, E, 5)
+    per_rank, per_expert, in_rank = oracle.layout(idx, E, r)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    got = []
+    for backend in ("reference", "ascend"):  # the Ascend backend's code on the stand-in's ops
+        buffer = Buffer(info.group, backend=backend)
+        d = buffer.dispatch(x, **layout, topk_idx=idx, topk_weights=w)
+        combined = buffer.combine(d[0], d[4], bias=torch.ones_like(x))[0]
+        plain = buffer.dispatch(x, **layout)
+        got.append((*d[:3], d[3], combined, plain[0], buffer.combine(plain[0], plain[4])[0]))
+    sim.uninstall()
+    return all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(*got, strict=True))
+
+
+def test_normal_mode_on_the_npu_stand_in():
+    """The ascend backend (its ``expand`` path on the ops) equals the reference bit for bit in normal mode (bf16;
+    combine's ``topk_weights`` and a second bias have no Ascend op and raise there, naming the parameter)."""
+    assert all(parallel_launch(2, _ascend, timeout=120))
