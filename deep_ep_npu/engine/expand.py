@@ -44,10 +44,18 @@ class Payload:
         self.sf_end = self.x_bytes + 4 * self.sf_cols
         self.num_bytes = self.sf_end + 4 * num_topk
 
-    def pack(self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
-        """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None)."""
-        w = weights if weights is not None else x.new_zeros((x.shape[0], self.num_topk), dtype=torch.float32)
-        return torch.cat([t.contiguous().view(torch.uint8) for t in (x, sf, w) if t is not None], dim=1)
+    def pack(
+        self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None: 0),
+        into ``out`` when given (a reused buffer: no fresh pages per call)."""
+        out = torch.empty((x.shape[0], self.num_bytes), dtype=torch.uint8, device=x.device) if out is None else out
+        out[:, : self.x_bytes].view(self.x_dtype).copy_(x)
+        if sf is not None:
+            out[:, self.x_bytes : self.sf_end].view(sf.dtype).copy_(sf)
+        w = out[:, self.sf_end : self.num_bytes].view(torch.float32)
+        w.copy_(weights) if weights is not None else w.zero_()
+        return out
 
     def fields(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Views of ``rows`` `[n, >= num_bytes]` uint8: x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
@@ -194,7 +202,9 @@ class _Expand:
             self.plan = plan_topk(c.expert_ids, e.num_local, e.world_size, e.rank, no_mask, per_pair_rows=False)
         self.cached: Placement | None = None if h is None else h.state["placement"]
         self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
-        self.source = p.pack(c.x, c.x_sf, c.expert_scales)
+        self.source = p.pack(
+            c.x, c.x_sf, c.expert_scales, engine.scratch("expand_source", (len(c.x), p.num_bytes), torch.uint8)
+        )
         past = 0 < engine.early_bytes < c.num_max * self.fmt.row_bytes  # (a rank's rows may pass the bound)
         expect = None if self.cached is None else list(self.cached.rows_from)  # (checked by every rank: check())
         self.known = None if past else expect
