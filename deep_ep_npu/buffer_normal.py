@@ -133,7 +133,7 @@ class NormalModeMethods(LayoutMethods):
         shared = [list(w) for w in agreed.shared]
         if status:
             raise error
-        normal.counts(me, r, [tuple(w) for w in shared], agreed.status, DISPATCH_OP)
+        normal.counts(r, [tuple(w) for w in shared], agreed.status, DISPATCH_OP)
         assert lay is not None and call is not None
         num_local = lay.num_experts // r
         mine = lay.per_expert.view(r, num_local).tolist()  # (equal E everywhere: the widths match)

@@ -15,7 +15,7 @@ ID_DTYPES = (torch.int32, torch.int64)  # DeepEP's torch.int counts (int64 accep
 
 
 @dataclasses.dataclass
-class Layout:
+class Routing:
     """One rank's checked routing: ``is_token_in_rank`` `[T, R]` bool, ``per_rank`` `[R]`, ``per_expert`` `[E]`
     (int64), ``ids`` `[T, K]` int64: the top-k, or without one each token's destination ranks as ``rank * L`` (-1
     padding; K the most ranks a token goes to, at least 1)."""
@@ -69,7 +69,7 @@ def layout(
     num_tokens_per_expert: object,
     topk_idx: object,
     topk_weights: object,
-) -> Layout:
+) -> Routing:
     """A fresh dispatch's routing, checked: the counts must be the ones ``get_dispatch_layout`` gives for the same
     ``topk_idx`` (with it) or for ``is_token_in_rank`` (without); ``nodes``: the ranks of each host (internode when
     more than one: ``num_tokens_per_rdma_rank`` `[num_nodes]` is then required)."""
@@ -99,7 +99,7 @@ def layout(
         most = max(int(in_rank.sum(dim=1).max()) if num_tokens else 0, 1)
         dest = torch.where(in_rank, torch.arange(num_ranks, device=in_rank.device) * (e // num_ranks), -1)
         ids = dest.sort(dim=1, descending=True).values[:, :most]
-        return Layout(in_rank, per_rank.long(), per_expert.long(), ids, False)
+        return Routing(in_rank, per_rank.long(), per_expert.long(), ids, False)
     ids = rules.expert_ids(topk_idx, "topk_idx", e, num_tokens, 32, no_expert=True).long()
     rules.dims(
         rules.tensor(topk_weights, "topk_weights", (torch.float32,), 2),
@@ -113,10 +113,10 @@ def layout(
     if not torch.equal(per_expert.long(), counted):
         why = f"does not match topk_idx (e.g. expert {int((per_expert.long() != counted).nonzero()[0, 0])})"
         raise shape("num_tokens_per_expert", f"{why}: pass get_dispatch_layout(topk_idx, ...)'s")
-    return Layout(in_rank, per_rank.long(), per_expert.long(), ids, True)
+    return Routing(in_rank, per_rank.long(), per_expert.long(), ids, True)
 
 
-def counts(rank: int, num_ranks: int, words: list[tuple[int, ...]], status: list[int], op: str) -> None:
+def counts(num_ranks: int, words: list[tuple[int, ...]], status: list[int], op: str) -> None:
     """Raise the same error on every rank when a rank rejected its input or the ranks disagree: ``words[p]`` is rank
     p's ``(num_experts, num_tokens, num_worst_tokens, top-k width, *num_tokens_per_rank)``."""
     if bad := [(p, s) for p, s in enumerate(status) if s]:
