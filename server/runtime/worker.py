@@ -178,7 +178,10 @@ class Worker:
         if self.rebalancer is not None:
             self.rebalancer.discard()
         assert isinstance(self.model.comm, BufferComm), "only an EP group regroups"
-        self.model.comm.regroup(members)
+        try:
+            self.model.comm.regroup(members)
+        except RuntimeError as e:  # a member lost meanwhile (the group's rendezvous fails): the driver tries again
+            raise StepAborted(f"worker {self.rank}: regrouping on {members} failed: {e}") from e
         return self._run(rebalance=False) if rerun else None
 
     def _run(self, rebalance: bool) -> StepResult:
