@@ -17,7 +17,12 @@ pids+=($!)
 pids+=($!)
 .venv/bin/python -m server.router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000 &
 pids+=($!)
-until curl -sf http://127.0.0.1:8000/health >/dev/null; do sleep 1; done
+until curl -sf http://127.0.0.1:8000/health >/dev/null; do
+    for pid in "${pids[@]}"; do
+        kill -0 "$pid" 2>/dev/null || { echo "a server exited during start-up: see prefill.log, decode.log" >&2; exit 1; }
+    done
+    sleep 1
+done
 echo "router up on http://127.0.0.1:8000 (logs: prefill.log, decode.log); a request through it:" >&2
 curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
     -d '{"prompt": "Disaggregated serving", "max_tokens": 16, "temperature": 0}'
