@@ -11,15 +11,19 @@ from __future__ import annotations
 import torch
 
 from ..engine_api import SamplingParams, TokenLogprob
+from .grammar import RequestGrammar
 from .sampler import GREEDY_BELOW, TokenCounts, choose, make_generator, processed_logits, token_logprob
 
 
 class RequestSampler:
     """The sampling state of the request in one KV-cache slot."""
 
-    def __init__(self, params: SamplingParams, fallback: torch.Generator, vocab_size: int) -> None:
-        """``fallback``: the worker's generator (seeds requests without ``seed``; its device is the worker's)."""
+    def __init__(self, params: SamplingParams, fallback: torch.Generator, vocab_size: int,
+                 grammar: RequestGrammar | None = None) -> None:  # fmt: skip
+        """``fallback``: the worker's generator (seeds requests without ``seed``; its device is the worker's);
+        ``grammar``: the matcher of a constrained request (its mask goes on the logits before anything else)."""
         self.params = params
+        self.grammar = grammar
         self.generator = make_generator(params, fallback)
         device = fallback.device
         self.counts = TokenCounts.empty(vocab_size, device) if params.needs_history else None
@@ -34,7 +38,7 @@ class RequestSampler:
         p = self.params
         return (
             p.temperature < GREEDY_BELOW and not p.logit_bias and self.counts is None and p.logprobs is None
-            and not self.wants_all_logits and self.prompt_logprobs is None
+            and not self.wants_all_logits and self.prompt_logprobs is None and self.grammar is None
         )  # fmt: skip
 
     def mark_sampled(self) -> None:
@@ -65,8 +69,12 @@ class RequestSampler:
     def sample(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None, list[TokenLogprob | None] | None]:
         """Draw the next token from ``logits`` `[vocab]` with `torch.float32`; returns it, its log-probabilities
         (when asked for) and, on the first sample only, the prompt's log-probabilities (when asked for)."""
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
         processed = processed_logits(logits, self.params, self.counts)
         token = choose(processed, self.params, self.generator)
+        if self.grammar is not None:
+            self.grammar.accept(token)
         num_top = self.params.logprobs
         logprob = None if num_top is None else token_logprob(torch.log_softmax(processed, dim=-1), token, num_top)
         if self.counts is not None:

@@ -18,13 +18,15 @@ import torch
 
 from deep_ep_npu.kernels import expert_mm
 
-from ..engine_api import NONFINITE_TOKEN
+from ..engine_api import NONFINITE_TOKEN, SamplingParams
 from ..loader import DTYPES, load_model
+from ..tokenizer import load_tokenizer
 from ..models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInput
 from ..models.ep_comm import BufferComm, ExpertComm
 from ..models.kv_cache import bytes_per_block
 from .engine_config import EngineConfig
 from .expert_placement import build_expert_map
+from .grammar import WorkerGrammars
 from .kv_budget import kv_budget_bytes
 from .plan import PlanEntry, StepPlan, StepResult
 from .rebalance import Rebalancer
@@ -113,6 +115,17 @@ class Worker:
         self._step_threads = (1 if self.device.type == "cpu" and not args.worker_threads else threads, threads)
         expert_mm.set_num_threads(threads)  # the weights' reads take every thread, whatever torch's
         self._seqs: dict[int, _Seq] = {}
+        self._grammars: WorkerGrammars | None = None  # made by the first constrained request
+
+    def _sampler(self, params: SamplingParams) -> RequestSampler:
+        """A new request's sampling state (with its grammar's matcher when it is constrained)."""
+        grammar = None
+        if params.grammar is not None:
+            if self._grammars is None:
+                cfg = self.model.cfg
+                self._grammars = WorkerGrammars(load_tokenizer(self.args.model, cfg.eos_token_ids), cfg.vocab_size)
+            grammar = self._grammars.start(params.grammar)
+        return RequestSampler(params, self._fallback, self.model.cfg.vocab_size, grammar)
 
     def _activation_peak(self) -> int:
         """Bytes the device's allocator peaks at during a forward of the full capacity N (accelerators only; every
@@ -134,7 +147,7 @@ class Worker:
         seqs, inputs = [], []
         for e in plan.entries:
             if e.params is not None:
-                self._seqs[e.seq_id] = _Seq(RequestSampler(e.params, self._fallback, self.model.cfg.vocab_size))
+                self._seqs[e.seq_id] = _Seq(self._sampler(e.params))
             seq = self._seqs.get(e.seq_id)
             if seq is None:
                 raise ValueError(f"the plan names sequence {e.seq_id}, which this worker does not hold")
