@@ -4,13 +4,18 @@ logits row before sampling, and the matcher advanced by the token drawn.
 Only constrained requests reach this module; the others sample exactly as before (the plain greedy ones stay in the
 step's one batched argmax). Grammars arrive compiled and serialized (:class:`~server.engine_api.CompiledGrammar`);
 a worker deserializes each once (kept by key) against its own tokenizer info, built from the same tokenizer files as
-the driver's on the first constrained request.
+the driver's. Importing xgrammar and building that info takes a second or more, so a worker does it at start-up in
+a background thread at the lowest CPU priority: the first constrained request does not stall the engine's steps.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,21 +61,34 @@ class RequestGrammar:
 
 
 class WorkerGrammars:
-    """A worker's grammar engine: the tokenizer info (built on first use) and the deserialized grammars."""
+    """A worker's grammar engine: the tokenizer info (``load_tokenizer()`` read and turned into it in a background
+    thread from construction on) and the deserialized grammars."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, load_tokenizer: Callable[[], Tokenizer], vocab_size: int) -> None:
+        self.vocab_size = vocab_size
         self._info: Any = None
         self._no_control: torch.Tensor | None = None
+        self._error: BaseException | None = None
         self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._ready = threading.Thread(target=self._prepare, args=(load_tokenizer,), name="grammar-setup", daemon=True)
+        self._ready.start()
+
+    def _prepare(self, load_tokenizer: Callable[[], Tokenizer]) -> None:
+        with contextlib.suppress(OSError):  # this thread only: the steps keep their priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            self._info = tokenizer_info(load_tokenizer(), self.vocab_size)
+            self._no_control = no_control_mask(self._info)
+        except BaseException as e:  # noqa: BLE001 - raised by start(), on the worker's thread
+            self._error = e
 
     def start(self, grammar: CompiledGrammar) -> RequestGrammar:
-        """A fresh matcher at the start of ``grammar``."""
+        """A fresh matcher at the start of ``grammar`` (waits for the set-up thread the first time, if needed)."""
         import xgrammar as xgr
 
-        if self._info is None:
-            self._info = tokenizer_info(self.tokenizer, self.vocab_size)
-            self._no_control = no_control_mask(self._info)
+        self._ready.join()
+        if self._error is not None:
+            raise RuntimeError(f"structured output is unavailable on this worker: {self._error}") from self._error
         compiled = self._compiled.get(grammar.key)
         if compiled is None:
             compiled = xgr.CompiledGrammar.deserialize_json(grammar.data, self._info)

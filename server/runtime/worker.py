@@ -20,10 +20,10 @@ from deep_ep_npu.kernels import expert_mm
 
 from ..engine_api import NONFINITE_TOKEN, SamplingParams
 from ..loader import DTYPES, load_model
-from ..tokenizer import load_tokenizer
 from ..models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInput
 from ..models.ep_comm import BufferComm, ExpertComm
 from ..models.kv_cache import bytes_per_block
+from ..tokenizer import load_tokenizer
 from .engine_config import EngineConfig
 from .expert_placement import build_expert_map
 from .grammar import WorkerGrammars
@@ -115,16 +115,12 @@ class Worker:
         self._step_threads = (1 if self.device.type == "cpu" and not args.worker_threads else threads, threads)
         expert_mm.set_num_threads(threads)  # the weights' reads take every thread, whatever torch's
         self._seqs: dict[int, _Seq] = {}
-        self._grammars: WorkerGrammars | None = None  # made by the first constrained request
+        cfg = self.model.cfg
+        self._grammars = WorkerGrammars(lambda: load_tokenizer(args.model, cfg.eos_token_ids), cfg.vocab_size)
 
     def _sampler(self, params: SamplingParams) -> RequestSampler:
         """A new request's sampling state (with its grammar's matcher when it is constrained)."""
-        grammar = None
-        if params.grammar is not None:
-            if self._grammars is None:
-                cfg = self.model.cfg
-                self._grammars = WorkerGrammars(load_tokenizer(self.args.model, cfg.eos_token_ids), cfg.vocab_size)
-            grammar = self._grammars.start(params.grammar)
+        grammar = None if params.grammar is None else self._grammars.start(params.grammar)
         return RequestSampler(params, self._fallback, self.model.cfg.vocab_size, grammar)
 
     def _activation_peak(self) -> int:

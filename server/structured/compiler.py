@@ -44,6 +44,7 @@ class GrammarCache:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_threads: int = 2) -> None:
         self.tokenizer, self.vocab_size, self.max_threads = tokenizer, vocab_size, max_threads
         self._compiler: Any = None
+        self._has_stop = False
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
 
@@ -60,6 +61,11 @@ class GrammarCache:
 
                 info = tokenizer_info(self.tokenizer, self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
+                self._has_stop = bool(info.stop_token_ids)
+        if not self._has_stop:
+            raise GrammarError(spec.param, f"this model has no EOS token in its vocabulary (EOS ids "
+                               f"{self.tokenizer.eos_token_ids}, vocab_size {self.vocab_size}), so a constrained "
+                               "output could not end")  # fmt: skip
         start = time.perf_counter()
         compiled = CompiledGrammar(spec.key, self._compile(spec).serialize_json(), spec.kind in ("json", "json_object"))
         seconds = time.perf_counter() - start
