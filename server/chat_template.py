@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 BUILTIN_CHAT_TEMPLATE = (
     "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
     "{% for m in messages %}{{ m.role }}: {{ m.content }}"
-    "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n{% endfor %}"
+    "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )  # fmt: skip
 # Variables the server sets; chat_template_kwargs may not set them.

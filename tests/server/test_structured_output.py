@@ -13,9 +13,12 @@ import contextlib
 import json
 import re
 from collections.abc import Iterator
+from typing import Literal
 
 import httpx
 import jsonschema
+import openai
+import pydantic
 import pytest
 
 from tests.server.helpers import error_of
@@ -43,7 +46,13 @@ TOOLS = [
     {"type": "function", "function": {"name": "set_flag", "parameters": SCHEMAS[1]}},
 ]
 MESSAGES = [{"role": "user", "content": "hello world, how are you?"}]
-OPTIONS = {"step-timeout-s": 60, "max-model-len": 2048, "max-num-seqs": 8, "enable-auto-tool-choice": True, "tool-call-parser": "hermes"}
+OPTIONS = {
+    "step-timeout-s": 60,
+    "max-model-len": 2048,
+    "max-num-seqs": 8,
+    "enable-auto-tool-choice": True,
+    "tool-call-parser": "hermes",
+}
 
 
 @contextlib.contextmanager
@@ -223,3 +232,59 @@ def test_bad_structured_input_is_a_400_naming_the_field(server, body: dict, para
 def test_tools_on_completions_are_refused(server) -> None:
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "tools": TOOLS}, timeout=60)
     assert error_of(r, 400)["param"] == "tools"
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=6)
+    age: int = pydantic.Field(ge=0, le=120)
+    colour: Literal["red", "green", "blue"]
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=8)
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def test_openai_client_parse_and_tool_loop(server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    for seed in range(3):
+        done = client.chat.completions.parse(
+            model=model, messages=MESSAGES, response_format=Person, seed=seed, max_tokens=80
+        )
+        assert isinstance(done.choices[0].message.parsed, Person)
+        with client.chat.completions.stream(
+            model=model, messages=MESSAGES, response_format=Person, seed=seed, max_tokens=80
+        ) as stream:
+            assert isinstance(stream.get_final_completion().choices[0].message.parsed, Person)
+    tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    for streamed in (False, True):
+        messages: list = [{"role": "user", "content": "weather in Paris?"}]
+        kwargs = {
+            "model": model,
+            "tools": [tool],
+            "tool_choice": "required",
+            "max_tokens": 80,
+            "seed": 1,
+            "parallel_tool_calls": False,
+        }
+        if streamed:
+            with client.chat.completions.stream(messages=messages, **kwargs) as stream:
+                first = stream.get_final_completion()
+        else:
+            first = client.chat.completions.parse(messages=messages, **kwargs)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls"
+        (call,) = message.tool_calls
+        assert call.function.name == "get_weather" and isinstance(call.function.parsed_arguments, GetWeather)
+        messages += [
+            message.model_dump(exclude_none=True, exclude={"parsed"}),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'},
+        ]
+        answer = client.chat.completions.create(
+            model=model, messages=messages, tools=[tool], tool_choice="none", max_tokens=8, stream=streamed
+        )
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in answer) if streamed else answer.choices[0].message.content
+        )
+        assert isinstance(text, str)
