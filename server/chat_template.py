@@ -33,7 +33,7 @@ BUILTIN_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}"
     "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
-)  # fmt: skip
+)
 # Variables the server sets; chat_template_kwargs may not set them.
 RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "chat_template", "tokenize")
 _REASONING = ("reasoning_content", "thinking", "reasoning")

@@ -135,13 +135,17 @@ class ServerConfig(BaseModel):
         "auto", description="sampling defaults: 'auto' takes the checkpoint's generation_config.json values "
         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) as vLLM does; 'vllm' ignores them"
     )  # fmt: skip
-    enable_auto_tool_choice: bool = Field(False, description="serve tool_choice 'auto' (the default when a request "
-                                          "has tools): the model's own tool-call syntax is parsed by "
-                                          "--tool-call-parser")  # fmt: skip
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="serve tool_choice 'auto' (the default when a request "
+        "has tools): the model's own tool-call syntax is parsed by "
+        "--tool-call-parser",
+    )
     tool_call_parser: Literal["hermes", "deepseek_v3", "glm45", "openai"] | None = Field(
-        None, description="how tool_choice 'auto' reads tool calls from the output: hermes (Qwen2.5 / Qwen3 "
-        "<tool_call> JSON), deepseek_v3, glm45, openai (gpt-oss harmony)"
-    )  # fmt: skip
+        None,
+        description="how tool_choice 'auto' reads tool calls from the output: hermes (Qwen2.5 / Qwen3 "
+        "<tool_call> JSON), deepseek_v3, glm45, openai (gpt-oss harmony)",
+    )
     int8_experts: bool = Field(False, description="routed experts in int8 (per-channel weights, per-token dynamic "
                                "int8 activations: W8A8); W8A8 checkpoints keep their int8 values")  # fmt: skip
     moe_impl: Literal["unfused", "fused"] = Field(

@@ -92,9 +92,12 @@ class Metrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.nonfinite_logits = counter("nonfinite_logits", "Requests ended with an error: NaN or Inf logits.")
         self._structured = Counter(
-            PREFIX + "structured_output_requests", "Requests whose output a grammar constrains, by kind (json, "
-            "json_object, regex, choice, grammar; tool calls count as json).", ["model_name", "kind"], registry=r,
-        )  # fmt: skip
+            PREFIX + "structured_output_requests",
+            "Requests whose output a grammar constrains, by kind (json, "
+            "json_object, regex, choice, grammar; tool calls count as json).",
+            ["model_name", "kind"],
+            registry=r,
+        )
         self.grammar_compile_time = histogram(
             "grammar_compile_seconds", "Compiling a grammar (cache misses only; off the engine loop).", _LATENCY_BUCKETS
         )

@@ -65,8 +65,10 @@ def requested_specs(req: SamplingFields) -> list[GrammarSpec]:
         given += ["json_object"] if so.json_object else []
         if len(given) != 1:
             named = [{"json_schema": "json"}.get(g, g) for g in given]
-            raise _bad("structured_outputs", f"give exactly one of json, regex, choice, grammar, json_object; got "
-                       f"{named or 'none'}")  # fmt: skip
+            raise _bad(
+                "structured_outputs",
+                f"give exactly one of json, regex, choice, grammar, json_object; got {named or 'none'}",
+            )
         specs.append(_one_spec(given[0], getattr(so, given[0]), "structured_outputs"))
     for name in ("json_schema", "regex", "choice", "grammar"):
         value = getattr(req, f"guided_{'json' if name == 'json_schema' else name}")
@@ -92,8 +94,9 @@ def single_spec(specs: list[GrammarSpec]) -> GrammarSpec | None:
     return specs[0] if specs else None
 
 
-async def constrain(params: list[SamplingParams], spec: GrammarSpec | None,
-                    state: ServingState) -> list[SamplingParams]:  # fmt: skip
+async def constrain(
+    params: list[SamplingParams], spec: GrammarSpec | None, state: ServingState
+) -> list[SamplingParams]:
     """``params`` with ``spec`` compiled into them (in a thread: the event loop and the engine keep running)."""
     if spec is None:
         return params

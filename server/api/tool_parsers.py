@@ -75,8 +75,9 @@ def hermes(text: str, tools: ToolSchemas) -> ParsedCalls:
 _DS_BEGIN, _DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 _DS_CALL = re.compile(
     r"<｜tool▁call▁begin｜>\s*(?:function)?\s*<｜tool▁sep｜>\s*([^\n`]+?)\s*\n?\s*```(?:json)?\s*(.*?)\s*```\s*"
-    r"(?:<｜tool▁call▁end｜>|$)", re.S
-)  # fmt: skip
+    r"(?:<｜tool▁call▁end｜>|$)",
+    re.S,
+)
 
 
 def deepseek_v3(text: str, tools: ToolSchemas) -> ParsedCalls:
@@ -110,8 +111,9 @@ def glm45(text: str, tools: ToolSchemas) -> ParsedCalls:
 
 _OAI_CALL = re.compile(
     r"(?:<\|start\|>assistant)?<\|channel\|>\w+\s+to=functions\.([\w.\-]+)[^<]*(?:<\|constrain\|>\s*\w+\s*)?"
-    r"<\|message\|>(.*?)(?:<\|call\|>|<\|end\|>|$)", re.S
-)  # fmt: skip
+    r"<\|message\|>(.*?)(?:<\|call\|>|<\|end\|>|$)",
+    re.S,
+)
 _OAI_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", re.S)
 
 

@@ -65,9 +65,14 @@ class ToolCalling:
         if self.mode == "named":
             return GrammarSpec("json", json.dumps(self.schemas[self.name], sort_keys=True), "tool_choice")
         if self.mode == "required":
-            items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                      "parameters": schema},
-                      "required": ["name", "parameters"]} for name, schema in self.schemas.items()]  # fmt: skip
+            items = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                    "required": ["name", "parameters"],
+                }
+                for name, schema in self.schemas.items()
+            ]
             array = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
             if not self.parallel:
                 array["maxItems"] = 1
@@ -104,8 +109,9 @@ class ToolStream:
         self._named: ToolCall | None = None
         self.made_calls = False
 
-    def feed(self, piece: str, text: str, token_ids: list[int],
-             finish_reason: str | None) -> tuple[str | None, list[dict[str, Any]] | None]:  # fmt: skip
+    def feed(
+        self, piece: str, text: str, token_ids: list[int], finish_reason: str | None
+    ) -> tuple[str | None, list[dict[str, Any]] | None]:
         """The content and tool-call deltas for the next chunk, given its text ``piece`` and the output so far."""
         if self.calling.mode == "named":
             if not piece:
@@ -150,16 +156,21 @@ def tool_calling(req: ChatCompletionRequest, state: ServingState) -> ToolCalling
     parallel, tokenizer = req.parallel_tool_calls, state.tokenizer
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in schemas:
-            raise _bad("tool_choice.function.name", f"{choice.function.name!r} is not a declared tool (declared: "
-                       f"{sorted(schemas)})")  # fmt: skip
+            raise _bad(
+                "tool_choice.function.name",
+                f"{choice.function.name!r} is not a declared tool (declared: {sorted(schemas)})",
+            )
         return ToolCalling("named", schemas, parallel, tokenizer, name=choice.function.name)
     if choice == "required":
         return ToolCalling("required", schemas, parallel, tokenizer)
     if choice == "auto":
         config = state.config
         if not config.enable_auto_tool_choice or config.tool_call_parser is None:
-            raise _bad("tool_choice", '"auto" needs a server started with --enable-auto-tool-choice and '
-                       '--tool-call-parser (or send "required", "none" or a named tool)')  # fmt: skip
+            raise _bad(
+                "tool_choice",
+                '"auto" needs a server started with --enable-auto-tool-choice and '
+                '--tool-call-parser (or send "required", "none" or a named tool)',
+            )
         return ToolCalling("auto", schemas, parallel, tokenizer, parser=config.tool_call_parser)
     return None
 

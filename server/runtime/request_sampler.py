@@ -18,8 +18,9 @@ from .sampler import GREEDY_BELOW, TokenCounts, choose, make_generator, processe
 class RequestSampler:
     """The sampling state of the request in one KV-cache slot."""
 
-    def __init__(self, params: SamplingParams, fallback: torch.Generator, vocab_size: int,
-                 grammar: RequestGrammar | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, params: SamplingParams, fallback: torch.Generator, vocab_size: int, grammar: RequestGrammar | None = None
+    ) -> None:
         """``fallback``: the worker's generator (seeds requests without ``seed``; its device is the worker's);
         ``grammar``: the matcher of a constrained request (its mask goes on the logits before anything else)."""
         self.params = params

@@ -63,9 +63,12 @@ class GrammarCache:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
                 self._has_stop = bool(info.stop_token_ids)
         if not self._has_stop:
-            raise GrammarError(spec.param, f"this model has no EOS token in its vocabulary (EOS ids "
-                               f"{self.tokenizer.eos_token_ids}, vocab_size {self.vocab_size}), so a constrained "
-                               "output could not end")  # fmt: skip
+            raise GrammarError(
+                spec.param,
+                f"this model has no EOS token in its vocabulary (EOS ids "
+                f"{self.tokenizer.eos_token_ids}, vocab_size {self.vocab_size}), so a constrained "
+                "output could not end",
+            )
         start = time.perf_counter()
         compiled = CompiledGrammar(spec.key, self._compile(spec).serialize_json(), spec.kind in ("json", "json_object"))
         seconds = time.perf_counter() - start
@@ -98,5 +101,10 @@ class GrammarCache:
             raise GrammarError(spec.param, f"cannot compile this {_NAMES[spec.kind]}: {why}") from None
 
 
-_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list",
-          "grammar": "EBNF grammar"}  # fmt: skip
+_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice list",
+    "grammar": "EBNF grammar",
+}

@@ -34,8 +34,13 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
         if added.get("special") and added["id"] < len(encoded):
             encoded[added["id"]] = ""
     metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
-    return xgr.TokenizerInfo(encoded[:vocab_size], metadata["vocab_type"], vocab_size=vocab_size,
-                             stop_token_ids=stop, add_prefix_space=metadata["add_prefix_space"])  # fmt: skip
+    return xgr.TokenizerInfo(
+        encoded[:vocab_size],
+        metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stop,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
 
 
 def no_control_mask(info: Any) -> torch.Tensor:

@@ -29,16 +29,30 @@ from tests.server.test_server_failure import real_server
 SEEDS = range(20)
 TEMPERATURES = (0.0, 0.7, 1.0)
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                      "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
-     "required": ["name", "age", "tags"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["x", "y"]},
-                                      "point": {"type": "object", "properties": {"x": {"type": "integer",
-                                                "minimum": -9, "maximum": 9}}, "required": ["x"]}},
-     "required": ["ok", "kind", "point"]},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "kind": {"enum": ["x", "y"]},
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}},
+                "required": ["x"],
+            },
+        },
+        "required": ["ok", "kind", "point"],
+    },
     {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 3}, "minItems": 1, "maxItems": 4},
-]  # fmt: skip
+]
 REGEX = r"[a-f]{2,4}-\d{1,3}(\.[xyz])?"
 CHOICES = ["yes", "no", "maybe later", "ünïcode"]
 TOOLS = [
@@ -83,8 +97,12 @@ async def _post(c: httpx.AsyncClient, path: str, body: dict) -> tuple[str, list,
     if not body.get("stream"):
         choice = r.json()["choices"][0]
         if chat:
-            return choice["message"]["content"] or "", choice["message"].get("tool_calls") or [], \
-                choice["finish_reason"], choice["message"]  # fmt: skip
+            return (
+                choice["message"]["content"] or "",
+                choice["message"].get("tool_calls") or [],
+                choice["finish_reason"],
+                choice["message"],
+            )
         return choice["text"], [], choice["finish_reason"], choice
     text, calls, finish = "", {}, None
     for line in r.text.splitlines():
@@ -114,8 +132,7 @@ def _cases() -> list[tuple[str, str, dict]]:
             fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
             for stream in (False, True):
                 extra = {**base, "stream": stream}
-                cases.append(("json", "/v1/chat/completions",
-                              {**extra, "messages": MESSAGES, "response_format": fmt}))  # fmt: skip
+                cases.append(("json", "/v1/chat/completions", {**extra, "messages": MESSAGES, "response_format": fmt}))
                 cases.append(
                     ("json", "/v1/completions", {**extra, "prompt": "hello", "structured_outputs": {"json": schema}})
                 )
@@ -124,9 +141,19 @@ def _cases() -> list[tuple[str, str, dict]]:
                     if stream == (seed % 2 == 0)
                     else {"type": "function", "function": {"name": TOOLS[seed % 2]["function"]["name"]}}
                 )
-                cases.append(("tools", "/v1/chat/completions",
-                              {**extra, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice,
-                     "parallel_tool_calls": False}))  # fmt: skip
+                cases.append(
+                    (
+                        "tools",
+                        "/v1/chat/completions",
+                        {
+                            **extra,
+                            "messages": MESSAGES,
+                            "tools": TOOLS,
+                            "tool_choice": tool_choice,
+                            "parallel_tool_calls": False,
+                        },
+                    )
+                )
             cases.append(("regex", "/v1/completions", {**base, "prompt": "id:", "guided_regex": REGEX}))
             cases.append(
                 (
@@ -182,10 +209,14 @@ def test_every_constrained_output_is_valid(server) -> None:
 
 
 def test_unconstrained_greedy_is_unchanged_by_constrained_neighbours(server) -> None:
-    plain = [{"prompt": f"prompt {i} says", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-              "return_token_ids": True} for i in range(6)]  # fmt: skip
-    constrained = [{"prompt": "x", "max_tokens": 60, "temperature": 1.0, "seed": i,
-                    "structured_outputs": {"json": SCHEMAS[0]}} for i in range(6)]  # fmt: skip
+    plain = [
+        {"prompt": f"prompt {i} says", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        for i in range(6)
+    ]
+    constrained = [
+        {"prompt": "x", "max_tokens": 60, "temperature": 1.0, "seed": i, "structured_outputs": {"json": SCHEMAS[0]}}
+        for i in range(6)
+    ]
 
     async def run(bodies: list[dict]) -> list[dict]:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
@@ -199,29 +230,48 @@ def test_unconstrained_greedy_is_unchanged_by_constrained_neighbours(server) -> 
 
 def test_a_schema_longer_than_max_tokens_ends_with_length(server) -> None:
     long = {"type": "array", "items": {"enum": ["abcdef"]}, "minItems": 50}
-    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
-        "prompt": "x", "max_tokens": 20, "guided_json": long, "temperature": 0})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"prompt": "x", "max_tokens": 20, "guided_json": long, "temperature": 0},
+    )
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["text"].startswith('["abcdef", "')
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
-    ({"guided_choice": []}, "guided_choice"),
-    ({"guided_json": "{not json"}, "guided_json"),
-    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}], "tool_choice": "required"},
-     "tools.0.function.parameters"),
-    ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools.2.function.name"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}],
+                "tool_choice": "required",
+            },
+            "tools.0.function.parameters",
+        ),
+        ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools.2.function.name"),
+    ],
+)
 def test_bad_structured_input_is_a_400_naming_the_field(server, body: dict, param: str) -> None:
     r = httpx.post(
         server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **body}, timeout=60

@@ -31,17 +31,21 @@ def _glm(args: dict) -> str:
 
 
 def _harmony(args: dict) -> str:
-    return (f"<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
-            f"{json.dumps(args)}<|call|>")  # fmt: skip
+    return (
+        f"<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        f"{json.dumps(args)}<|call|>"
+    )
 
 
 CASES = {
     "hermes": ("Let me check.\n" + _hermes(PARIS) + "\n" + _hermes(ROME), "Let me check."),
-    "deepseek_v3": ("Let me check.<｜tool▁calls▁begin｜>" + _deepseek(PARIS) + _deepseek(ROME) + "<｜tool▁calls▁end｜>",
-                    "Let me check."),
+    "deepseek_v3": (
+        "Let me check.<｜tool▁calls▁begin｜>" + _deepseek(PARIS) + _deepseek(ROME) + "<｜tool▁calls▁end｜>",
+        "Let me check.",
+    ),
     "glm45": ("Let me check.\n" + _glm(PARIS) + "\n" + _glm(ROME), "Let me check."),
     "openai": ("<|channel|>analysis<|message|>need weather<|end|>" + _harmony(PARIS) + _harmony(ROME), None),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("parser", sorted(PARSERS))
@@ -70,11 +74,14 @@ def test_hermes_leaves_a_malformed_call_in_the_content() -> None:
 
 def test_template_sees_tools_and_call_arguments_as_objects() -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(PARIS)}}
-    messages = [ChatMessage.model_validate(m).for_template() for m in [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ]]  # fmt: skip
+    messages = [
+        ChatMessage.model_validate(m).for_template()
+        for m in [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    ]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == PARIS
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOLS["get_weather"]}}]
     text = ChatTemplate(BUILTIN_CHAT_TEMPLATE, "test").render(messages, {}, tools=tools)
