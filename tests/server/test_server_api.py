@@ -178,7 +178,7 @@ def _assert_error(r: httpx.Response, status: int, param: str | None = None, need
         ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "only best_of == n (1)"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ("/v1/completions", {"prompt": "x", "min_tokens": 2}, "min_tokens", "only 0"),
-        ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type", "'json_schema'"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
         ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed", "64-bit"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
         ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", "greater than or equal"),
