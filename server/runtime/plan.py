@@ -55,3 +55,4 @@ class StepResult:
     prompt_logprobs: list[list[TokenLogprob | None] | None] = dataclasses.field(default_factory=list)
     expert_load: list[int] = dataclasses.field(default_factory=list)  # per MoE layer: rows this rank's experts got
     num_lost_experts: int = 0  # (MoE layer, expert) pairs with no replica left after lost ranks
+    regroup: str = ""  # why the EP group must regroup although this step finished (its EPLB exchange failed)

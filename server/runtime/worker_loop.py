@@ -20,13 +20,14 @@ from .control import receive_own, send_own
 from .engine_config import EngineConfig
 from .placement import bind_device
 from .rendezvous import init_loopback_group
-from .worker import Worker
+from .worker import StepAborted, Worker
 
 
 class Channel(abc.ABC):
     """A worker's end of its control channel to the driver. Messages are ``(kind, payload)``: from the driver
-    ``("step", StepPlan)``, ``("ping", None)``, ``("stop", None)``; to it ``("ready", info)``, ``("ok", StepResult)``,
-    ``("pong", None)``, ``("error", traceback text)``."""
+    ``("step", StepPlan)``, ``("regroup", (members, rerun))``, ``("ping", None)``, ``("stop", None)``; to it
+    ``("ready", info)``, ``("ok", StepResult | None)``, ``("aborted", why)``, ``("pong", None)``, ``("error",
+    traceback text)``."""
 
     @abc.abstractmethod
     def recv(self) -> tuple[str, Any]:
@@ -86,8 +87,9 @@ class StepFailed(Exception):
 
 
 def serve_plans(worker: Worker, channel: Channel) -> None:
-    """The worker loop: report ready, then run each plan the driver sends until "stop". A failing step sends
-    ``("error", traceback)`` and raises :class:`StepFailed`."""
+    """The worker loop: report ready, then run each plan the driver sends until "stop". A step that a rank failure
+    interrupts sends ``("aborted", why)`` and the loop waits for the driver's ``("regroup", (members, rerun))``
+    (:meth:`Worker.regroup`); any other failing step sends ``("error", traceback)`` and raises :class:`StepFailed`."""
     channel.send("ready", worker.info)
     while True:
         kind, payload = channel.recv()
@@ -97,7 +99,10 @@ def serve_plans(worker: Worker, channel: Channel) -> None:
             channel.send("pong", None)
             continue
         try:
-            result = worker.execute(payload)
+            result = worker.execute(payload) if kind == "step" else worker.regroup(*payload)
+        except StepAborted as e:
+            channel.send("aborted", str(e))
+            continue
         except Exception as e:
             channel.send("error", f"worker {worker.rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
             raise StepFailed from e
