@@ -38,16 +38,26 @@ class RequestGrammar:
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.active = True  # False once the grammar is done (terminated, or a token it refused was forced)
 
+    @property
+    def constrains(self) -> bool:
+        """The next token is constrained (the grammar is active and not finished)."""
+        return self.active and not self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the allowed next tokens into row ``index`` of ``bitmask`` `[rows, ceil(vocab / 32)]` `torch.int32`
+        (xgrammar's layout)."""
+        self.matcher.fill_next_token_bitmask(bitmask, index)
+        if self.no_control is not None:
+            bitmask[index] &= self.no_control
+
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` `[vocab]` with `torch.float32`, a copy with every token the grammar does not allow next at
         -inf (the input itself when the grammar is no longer active)."""
-        if not self.active or self.matcher.is_terminated():
+        if not self.constrains:
             return logits
         import xgrammar as xgr
 
-        self.matcher.fill_next_token_bitmask(self._bitmask)
-        if self.no_control is not None:
-            self._bitmask[0] &= self.no_control
+        self.fill(self._bitmask, 0)
         out = logits.clone()
         xgr.apply_token_bitmask_inplace(out, self._bitmask[0].to(out.device), vocab_size=self.vocab_size)
         return out
@@ -58,6 +68,20 @@ class RequestGrammar:
             # only when every allowed logit was non-finite and a fallback token was taken: stop constraining
             logger.warning("the grammar refused sampled token %d; the rest of this output is unconstrained", token)
             self.active = False
+
+
+def mask_rows(logits: torch.Tensor, grammars: list[RequestGrammar | None], vocab_size: int) -> None:
+    """Mask, in place, each row of ``logits`` `[rows, vocab]` `torch.float32` whose entry of ``grammars`` constrains
+    its next token: one bitmask for the rows, filled per matcher, applied in one call."""
+    at = [i for i, g in enumerate(grammars) if g is not None and g.constrains]
+    if not at:
+        return
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+    for i in at:
+        grammars[i].fill(bitmask, i)  # type: ignore[union-attr]
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size, indices=at)
 
 
 class WorkerGrammars:

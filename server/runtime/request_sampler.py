@@ -34,17 +34,21 @@ class RequestSampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Its next token is the argmax of the raw logits and nothing else is asked for (no bias, no penalty, no
-        log-probabilities): the worker takes it in one batched argmax with the step's other such requests."""
+        """Its next token is the argmax of the raw logits (under its grammar's mask, when it has one) and nothing else
+        is asked for (no bias, no penalty, no log-probabilities): the worker takes it in one batched argmax with the
+        step's other such requests."""
         p = self.params
         return (
             p.temperature < GREEDY_BELOW and not p.logit_bias and self.counts is None and p.logprobs is None
-            and not self.wants_all_logits and self.prompt_logprobs is None and self.grammar is None
+            and not self.wants_all_logits and self.prompt_logprobs is None
         )  # fmt: skip
 
-    def mark_sampled(self) -> None:
-        """Its token was taken by the batched argmax (:attr:`plain_greedy`): what follows is output."""
+    def mark_sampled(self, token: int | None = None) -> None:
+        """Its ``token`` was taken by the batched argmax (:attr:`plain_greedy`; its grammar's mask applied, if it
+        has one; None: no token, the row was not finite): what follows is output."""
         self.sampled = True
+        if self.grammar is not None and token is not None:
+            self.grammar.accept(token)
 
     @property
     def wants_all_logits(self) -> bool:

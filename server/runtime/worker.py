@@ -28,7 +28,7 @@ from ..models.kv_cache import bytes_per_block
 from ..tokenizer import load_tokenizer
 from .engine_config import EngineConfig
 from .expert_placement import build_expert_map
-from .grammar import WorkerGrammars
+from .grammar import WorkerGrammars, mask_rows
 from .kv_budget import kv_budget_bytes
 from .plan import PlanEntry, StepPlan, StepResult
 from .rebalance import Rebalancer
@@ -218,8 +218,8 @@ class Worker:
 
     def _sample(self, seqs: list[_Seq], inputs: list[SeqInput], logits: torch.Tensor) -> StepResult:
         """Each sampling sequence's next token from ``logits`` `[num_rows, vocab]` `torch.float32` (rows as
-        :meth:`ForwardBatch.build` orders them): the plain greedy ones in one batched argmax, the others one by one
-        with their own parameters and generators."""
+        :meth:`ForwardBatch.build` orders them): the plain greedy ones in one batched argmax (constrained ones under
+        their grammars' masks), the others one by one with their own parameters and generators."""
         result = StepResult([], 0.0, 0.0, 0.0)
         finite = torch.isfinite(logits).all(dim=-1)  # a NaN / Inf row ends its request (NONFINITE_TOKEN), not token 0
         greedy: list[tuple[int, _Seq]] = []  # (logits row, sequence)
@@ -247,9 +247,11 @@ class Worker:
             result.prompt_logprobs.append(prompt_logprobs)
         if greedy:
             rows = torch.tensor([r for r, _ in greedy], dtype=torch.int64, device=logits.device)
-            picked = torch.where(finite[rows], logits[rows].argmax(dim=-1), NONFINITE_TOKEN).tolist()
+            candidates = logits[rows]  # (a copy) constrained rows masked by their grammars
+            mask_rows(candidates, [seq.sampler.grammar for _, seq in greedy], self.model.cfg.vocab_size)
+            picked = torch.where(finite[rows], candidates.argmax(dim=-1), NONFINITE_TOKEN).tolist()
             for at, (_, seq), token in zip(greedy_at, greedy, picked, strict=True):
-                seq.sampler.mark_sampled()
+                seq.sampler.mark_sampled(token if token >= 0 else None)
                 result.token_ids[at] = token
                 seq.last_token = max(token, 0)  # a non-finite row's request is ended by the driver
         return result
