@@ -13,6 +13,11 @@ bursts. The variants alternate for ``--repeats`` rounds; the report gives each r
 baseline) and their median and range.
 
     .venv/bin/python benchmarks/bench_structured.py                  # batch 16, 8 constrained, EP 2
+
+A second, in-process measurement isolates what the grammar adds to a step: one worker's sampling of a decode step
+(``Worker._sample``, the code the workers run) for ``--batch`` rows of random logits, with and without the
+``--constrained`` requests' grammars, ``--sample-steps`` steps each, alternating; the added microseconds per step
+against the engine's step time give the expected ratio without the noise of a shared machine.
 """
 
 from __future__ import annotations
@@ -46,6 +51,49 @@ def step_times(engine, prompts: list[list[int]], constrained: int, grammar, num_
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
+def sampling_cost(vocab_size: int, tokenizer, grammar, batch: int, constrained: int, steps: int) -> tuple[float, float]:  # noqa: ANN001
+    """Median seconds of one worker's ``_sample`` for a decode step of ``batch`` greedy rows: (none constrained,
+    ``constrained`` of them constrained). Each grammar is restarted when it completes."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from server.engine_api import SamplingParams
+    from server.models import SeqInput
+    from server.runtime.grammar import WorkerGrammars
+    from server.runtime.request_sampler import RequestSampler
+    from server.runtime.worker import Worker, _Seq
+
+    grammars = WorkerGrammars(lambda: tokenizer, vocab_size)
+    worker = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=vocab_size)))
+    fallback = torch.Generator().manual_seed(0)
+    plain = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+
+    def seqs(n: int) -> list:
+        out = []
+        for i in range(batch):
+            params = dataclasses.replace(plain, grammar=grammar) if i < n else plain
+            sampler = RequestSampler(params, fallback, vocab_size, grammars.start(grammar) if i < n else None)
+            sampler.sampled = True
+            out.append(_Seq(sampler))
+        return out
+
+    variants = {0: seqs(0), constrained: seqs(constrained)}
+    inputs = [SeqInput([0], 0, [1]) for _ in range(batch)]
+    times: dict[int, list[float]] = {0: [], constrained: []}
+    for _ in range(steps):
+        for n, group in variants.items():
+            logits = torch.randn(batch, vocab_size)
+            t0 = time.perf_counter()
+            Worker._sample(worker, group, inputs, logits)  # type: ignore[arg-type]
+            times[n].append(time.perf_counter() - t0)
+            for seq in group:
+                if seq.sampler.grammar is not None and not seq.sampler.grammar.constrains:
+                    seq.sampler.grammar = grammars.start(grammar)
+    return statistics.median(times[0]), statistics.median(times[constrained])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -56,6 +104,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--random-model", type=json.loads, default={}, help="JSON, e.g. '{\"hidden_size\": 256}'")
+    parser.add_argument("--sample-steps", type=int, default=2000)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
@@ -80,7 +129,8 @@ def main() -> None:
         for r in range(args.repeats + 1):  # round 0 warms up (worker grammar set-up, allocator)
             prompts = [[rng.randrange(32, 127) for _ in range(args.prompt_len)] for _ in range(args.batch)]
             tok_s = {}
-            for name, n in (("baseline", 0), ("constrained", args.constrained)):
+            order = [("baseline", 0), ("constrained", args.constrained)]
+            for name, n in order if r % 2 else order[::-1]:  # alternating which goes first
                 times = sorted(step_times(engine, prompts, n, grammar, args.tokens, f"{r}-{name}")[args.skip :])
                 tok_s[name] = (args.batch / statistics.median(times), args.batch / times[len(times) // 5])
             if r:
@@ -99,9 +149,34 @@ def main() -> None:
                 f"[{min(ratios):.3f}, {max(ratios):.3f}] over {len(ratios)} rounds"
             )
         print(f"grammar compiled in {compile_s * 1e3:.0f} ms")
+        plain_s, constrained_s = sampling_cost(
+            engine.vocab_size,
+            engine.tokenizer,
+            grammar,
+            args.batch // args.ep,
+            args.constrained // args.ep,
+            args.sample_steps,
+        )
+        base_step = statistics.median(args.batch / x["baseline"][1] for x in rounds)
+        added = constrained_s - plain_s
+        print(
+            f"one worker's sampling of a step ({args.batch // args.ep} rows): {plain_s * 1e6:.0f} us unconstrained, "
+            f"{constrained_s * 1e6:.0f} us with {args.constrained // args.ep} constrained: +{added * 1e6:.0f} us "
+            f"per step; against the baseline p20 step of {base_step * 1e3:.2f} ms, expected ratio "
+            f"{base_step / (base_step + added):.3f}"
+        )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "rounds": rounds, "compile_s": compile_s}, f, indent=1)
+                json.dump(
+                    {
+                        "args": vars(args),
+                        "rounds": rounds,
+                        "compile_s": compile_s,
+                        "sampling_s": [plain_s, constrained_s],
+                    },
+                    f,
+                    indent=1,
+                )
     finally:
         engine.shutdown()
 
