@@ -208,6 +208,34 @@ def test_every_constrained_output_is_valid(server) -> None:
     assert re.search(r"grammar_compile_seconds_count\{[^}]*\} [1-9]", metrics)
 
 
+GRAMMAR = 'root ::= "(" item ("," item)? ")" | "none"\nitem ::= [a-c] [a-c]? [0-9]?'
+GRAMMAR_RE = r"\([a-c][a-c]?[0-9]?(,[a-c][a-c]?[0-9]?)?\)|none"
+
+
+def test_json_object_and_ebnf_grammar_outputs_are_valid(server) -> None:
+    bodies = []
+    for seed in range(5):
+        for temperature in TEMPERATURES:
+            base = {"seed": seed, "temperature": temperature, "max_tokens": 120}
+            bodies.append(("/v1/completions", {**base, "prompt": "x", "structured_outputs": {"grammar": GRAMMAR}}))
+            bodies.append(("/v1/completions", {**base, "prompt": "x", "response_format": {"type": "json_object"}}))
+            bodies.append(
+                ("/v1/chat/completions", {**base, "messages": MESSAGES, "structured_outputs": {"json_object": True}})
+            )
+
+    async def run() -> list:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            return await asyncio.gather(*(_post(c, path, body) for path, body in bodies))
+
+    for (_, body), (text, _, finish, _) in zip(bodies, asyncio.run(run()), strict=True):
+        if "grammar" in body.get("structured_outputs", {}):
+            assert finish == "stop" and re.fullmatch(GRAMMAR_RE, text), text
+        elif finish == "stop":  # any JSON object: a long one may not finish within max_tokens
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert finish == "length" and text.startswith("{"), text
+
+
 def test_unconstrained_greedy_is_unchanged_by_constrained_neighbours(server) -> None:
     plain = [
         {"prompt": f"prompt {i} says", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
