@@ -79,8 +79,16 @@ def mask_rows(logits: torch.Tensor, grammars: list[RequestGrammar | None], vocab
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+    json_rows, no_control = [], None
     for i in at:
-        grammars[i].fill(bitmask, i)  # type: ignore[union-attr]
+        g = grammars[i]
+        assert g is not None
+        g.matcher.fill_next_token_bitmask(bitmask, i)
+        if g.no_control is not None:
+            json_rows.append(i)
+            no_control = g.no_control  # (one per worker)
+    if no_control is not None:  # one op for every JSON row
+        bitmask[json_rows] &= no_control
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size, indices=at)
 
 
