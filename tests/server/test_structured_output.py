@@ -63,7 +63,7 @@ MESSAGES = [{"role": "user", "content": "hello world, how are you?"}]
 OPTIONS = {
     "step-timeout-s": 60,
     "max-model-len": 2048,
-    "max-num-seqs": 8,
+    "max-num-seqs": 16,
     "enable-auto-tool-choice": True,
     "tool-call-parser": "hermes",
 }
@@ -191,7 +191,7 @@ def test_every_constrained_output_is_valid(server) -> None:
     cases = _cases()
 
     async def run() -> list:
-        limit = asyncio.Semaphore(16)
+        limit = asyncio.Semaphore(32)
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
 
             async def one(path: str, body: dict) -> tuple:
