@@ -256,6 +256,34 @@ def test_unconstrained_greedy_is_unchanged_by_constrained_neighbours(server) -> 
     assert [c["token_ids"] for c in alone] == [c["token_ids"] for c in mixed]
 
 
+def test_a_slow_schema_does_not_stall_other_requests(server) -> None:
+    """A schema that takes a second or more to compile (compiled in a thread): an unconstrained request sent after
+    it finishes first."""
+    fields = {
+        f"f{i}_{id(server)}": {
+            "type": "object",
+            "properties": {f"k{j}": {"type": ["string", "integer", "null"], "maxLength": 40} for j in range(4)},
+        }
+        for i in range(16)
+    }
+    slow = {"prompt": "x", "max_tokens": 4, "guided_json": {"type": "object", "properties": fields}}
+    fast = {"prompt": "y", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> list[float]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            start = asyncio.get_running_loop().time()
+
+            async def timed(body: dict, delay: float) -> float:
+                await asyncio.sleep(delay)
+                assert (await c.post("/v1/completions", json=body)).status_code == 200
+                return asyncio.get_running_loop().time() - start
+
+            return await asyncio.gather(timed(slow, 0.0), timed(fast, 0.05))
+
+    slow_done, fast_done = asyncio.run(run())
+    assert fast_done < slow_done
+
+
 def test_a_schema_longer_than_max_tokens_ends_with_length(server) -> None:
     long = {"type": "array", "items": {"enum": ["abcdef"]}, "minItems": 50}
     r = httpx.post(
