@@ -98,16 +98,26 @@ class ToolCalling:
         return (content if calls else text), calls
 
 
+# parsers whose calls start with a marker written as plain text: with them, "auto" streams the content up to it
+STREAMED_MARKERS = {"hermes": "<tool_call>", "glm45": "<tool_call>"}
+
+
 class ToolStream:
     """One streamed choice's tool calls, as OpenAI streams them: a call's first delta has its ``index``, ``id``,
     ``type`` and ``function.name``, later ones more ``function.arguments`` text. A named call streams its
-    arguments as they are generated; ``required`` and ``auto`` calls are known once the output is complete, so
-    their output (content and calls) comes in the last chunk."""
+    arguments as they are generated; ``required`` and ``auto`` calls are known once the output is complete, so they
+    come in the last chunk. ``auto`` with ``hermes`` or ``glm45`` streams the content as it comes until the text
+    could be a call's start marker (the rest follows at the end: more content when there was no call), with the
+    other parsers all content comes at the end."""
 
     def __init__(self, calling: ToolCalling) -> None:
         self.calling = calling
         self._named: ToolCall | None = None
         self.made_calls = False
+        self._marker = STREAMED_MARKERS.get(calling.parser or "") if calling.mode == "auto" else None
+        self._final = 0  # characters of the text final so far (the pieces seen)
+        self._emitted = 0  # characters of the text streamed as content
+        self._held = False  # a call marker was seen: the rest waits for the end
 
     def feed(
         self, piece: str, text: str, token_ids: list[int], finish_reason: str | None
@@ -120,11 +130,29 @@ class ToolStream:
                 self._named = ToolCall(self.calling.name, piece)
                 return None, [self._named.to_dict(0)]
             return None, [{"index": 0, "function": {"arguments": piece}}]
+        self._final += len(piece)
         if finish_reason is None:
-            return None, None
+            return self._stream_content(text), None
         content, calls = self.calling.message(text, token_ids, finish_reason)
         self.made_calls = bool(calls)
+        if self._emitted:  # content already streamed: the rest of it (none after a call's marker)
+            content = None if calls else text[self._emitted :] or None
         return content, [c.to_dict(i) for i, c in enumerate(calls)] or None
+
+    def _stream_content(self, text: str) -> str | None:
+        marker = self._marker
+        if marker is None or self._held:
+            return None
+        at = text.find(marker, self._emitted, self._final)
+        if at >= 0:
+            self._held = True
+            safe = at
+        else:  # hold back an end that could be the start of the marker
+            tail = text[max(self._emitted, self._final - len(marker) + 1) : self._final]
+            keep = next((len(tail) - i for i in range(len(tail)) if marker.startswith(tail[i:])), 0)
+            safe = self._final - keep
+        out, self._emitted = text[self._emitted : safe], max(self._emitted, safe)
+        return out or None
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         called = self._named is not None if self.calling.mode == "named" else self.made_calls

@@ -87,3 +87,38 @@ def test_template_sees_tools_and_call_arguments_as_objects() -> None:
     text = ChatTemplate(BUILTIN_CHAT_TEMPLATE, "test").render(messages, {}, tools=tools)
     assert text.startswith("tools: " + json.dumps(tools, ensure_ascii=False) + "\n")
     assert '"arguments": {"city": "Paris", "days": 2}' in text and "tool: sunny\n" in text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Let me check. " + _hermes(PARIS) + "\n" + _hermes(ROME),
+        "No call here, only <tool_ca text that looks like a marker's start.",
+        _hermes(ROME),
+        "Broken: <tool_call>{not json</tool_call> and more",
+    ],
+)
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_auto_stream_gives_the_content_and_calls_of_the_full_response(text: str, size: int) -> None:
+    from server.api.tools import ToolCalling, ToolStream
+    from server.tokenizer import ByteTokenizer
+
+    calling = ToolCalling("auto", {"get_weather": TOOLS["get_weather"]}, True, ByteTokenizer([256]), parser="hermes")
+    ids = list(text.encode()) + [256]
+    content, calls = calling.message(text, ids, "stop")
+    stream, streamed, deltas = ToolStream(calling), "", []
+    for end in range(size, len(text) + size, size):
+        final = end >= len(text)
+        piece, new = stream.feed(
+            text[end - size : end], text[:end], ids if final else ids[:end], "stop" if final else None
+        )
+        streamed += piece or ""
+        deltas += new or []
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+        (c.name, c.arguments) for c in calls
+    ]
+    if calls:  # the calls' text never leaks into the content
+        assert streamed.strip() == (content or "") and "<tool_call>" not in streamed
+    else:
+        assert streamed == text == content
+    assert stream.finish_reason("stop") == ("tool_calls" if calls else "stop")
