@@ -16,12 +16,15 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..engine_api import CompiledGrammar, Tokenizer
 from ..structured.vocab import no_control_mask, tokenizer_info
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger("server.runtime")
 GRAMMARS_KEPT = 64  # deserialized grammars a worker keeps (least recently used dropped first)
@@ -31,7 +34,7 @@ class RequestGrammar:
     """One request's matcher. ``no_control`` (JSON grammars): the bitmask word mask of tokens without raw control
     characters (:func:`~server.structured.vocab.no_control_mask`)."""
 
-    def __init__(self, matcher: Any, vocab_size: int, no_control: torch.Tensor | None) -> None:
+    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int, no_control: torch.Tensor | None) -> None:
         import xgrammar as xgr
 
         self.matcher, self.vocab_size, self.no_control = matcher, vocab_size, no_control
@@ -98,10 +101,10 @@ class WorkerGrammars:
 
     def __init__(self, load_tokenizer: Callable[[], Tokenizer], vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._info: Any = None
+        self._info: xgrammar.TokenizerInfo | None = None
         self._no_control: torch.Tensor | None = None
         self._error: BaseException | None = None
-        self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[str, xgrammar.CompiledGrammar] = collections.OrderedDict()
         self._ready = threading.Thread(target=self._prepare, args=(load_tokenizer,), name="grammar-setup", daemon=True)
         self._ready.start()
 
@@ -119,7 +122,7 @@ class WorkerGrammars:
         import xgrammar as xgr
 
         self._ready.join()
-        if self._error is not None:
+        if self._error is not None or self._info is None:
             raise RuntimeError(f"structured output is unavailable on this worker: {self._error}") from self._error
         compiled = self._compiled.get(grammar.key)
         if compiled is None:

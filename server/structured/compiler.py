@@ -15,11 +15,14 @@ import json
 import re
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine_api import CompiledGrammar, Tokenizer
 from .spec import GrammarError, GrammarSpec
 from .vocab import tokenizer_info
+
+if TYPE_CHECKING:
+    import xgrammar
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: "
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
@@ -43,7 +46,7 @@ class GrammarCache:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_threads: int = 2) -> None:
         self.tokenizer, self.vocab_size, self.max_threads = tokenizer, vocab_size, max_threads
-        self._compiler: Any = None
+        self._compiler: xgrammar.GrammarCompiler | None = None
         self._has_stop = False
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
@@ -78,8 +81,9 @@ class GrammarCache:
                 self._cache.popitem(last=False)
         return compiled, seconds
 
-    def _compile(self, spec: GrammarSpec) -> Any:
+    def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         c = self._compiler
+        assert c is not None
         try:
             if spec.kind == "json":
                 schema = json.loads(spec.source)

@@ -9,14 +9,17 @@ special. Ids up to the model's ``vocab_size`` (padded vocabularies) count as spe
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..engine_api import Tokenizer
 
+if TYPE_CHECKING:
+    import xgrammar
 
-def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.TokenizerInfo:
     """The ``xgrammar.TokenizerInfo`` of ``tokenizer`` for a model of ``vocab_size`` logits; its stop tokens are
     the tokenizer's EOS ids."""
     import xgrammar as xgr
@@ -43,7 +46,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
     )
 
 
-def no_control_mask(info: Any) -> torch.Tensor:
+def no_control_mask(info: xgrammar.TokenizerInfo) -> torch.Tensor:
     """`[ceil(vocab_size / 32)]` with `torch.int32`: xgrammar's bitmask layout, with the bit of every token whose
     text holds a raw control character (U+0000..U+001F) cleared (stop tokens kept). JSON never needs one (they are
     escaped in strings; whitespace between values is off), and xgrammar lets them into length-bounded strings,
