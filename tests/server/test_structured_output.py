@@ -134,7 +134,15 @@ def _cases() -> list[tuple[str, str, dict]]:
                 extra = {**base, "stream": stream}
                 cases.append(("json", "/v1/chat/completions", {**extra, "messages": MESSAGES, "response_format": fmt}))
                 cases.append(
-                    ("json", "/v1/completions", {**extra, "prompt": "hello", "structured_outputs": {"json": schema}})
+                    (
+                        "json",
+                        "/v1/completions",
+                        {
+                            **extra,
+                            "prompt": "hello",
+                            **({"response_format": fmt} if seed % 2 else {"structured_outputs": {"json": schema}}),
+                        },
+                    )
                 )
                 tool_choice = (
                     "required"
