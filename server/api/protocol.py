@@ -114,6 +114,10 @@ class SamplingFields(Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: xgrammar serves every request
+    # prefill/decode disaggregation (SGLang's fields; python -m server.router sets them)
+    bootstrap_host: str | None = Field(None, min_length=1)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | str | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -55,6 +55,17 @@ class RequestSampler:
         """The next prompt chunk needs the logits of each of its tokens (prompt log-probabilities)."""
         return self.prompt_logprobs is not None and not self.sampled
 
+    def resume(self, prompt_ids: list[int], first_token: int) -> None:
+        """Start from a prompt computed elsewhere (a prefill instance) and its first sampled token: what follows
+        is output (penalties count the prompt and that token, a grammar advances past it; prompt log-probabilities
+        came from there)."""
+        if self.counts is not None:
+            self.counts.add_prompt(prompt_ids)
+            self.counts.add_output(first_token)
+        if self.grammar is not None:  # the prefill instance sampled it under the same grammar
+            self.grammar.accept(first_token)
+        self.prompt_logprobs, self._previous_row, self.sampled = None, None, True
+
     def feed(self, token_ids: list[int], logits: torch.Tensor | None) -> None:
         """Record a chunk of input tokens. Before the first sample they are prompt tokens; ``logits``
         `[len(token_ids), vocab]` with `torch.float32` is their rows' logits when :attr:`wants_all_logits`."""

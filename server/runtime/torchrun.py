@@ -12,8 +12,19 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .control import finish_sends, post_each, post_verdict, read_verdict, receive_each, send_each, wait_verdict
+from .control import (
+    beat_in,
+    finish_sends,
+    post_each,
+    post_verdict,
+    read_beat,
+    read_verdict,
+    receive_each,
+    send_each,
+    wait_verdict,
+)
 from .engine_config import EngineConfig
+from .heartbeat import PATIENCE, Pulse, start_beating
 from .placement import bind_device
 from .plan import StepPlan, StepResult
 from .worker import StepAborted, Worker
@@ -63,6 +74,7 @@ class TorchrunWorkers(WorkerGroup):
         rank, self.world_size, self.control, self.worker, self._owns_group = _init_torchrun(args)
         assert rank == 0, "TorchrunWorkers runs on rank 0; call run_worker_from_env() on the other ranks"
         self.store = dist.distributed_c10d._get_default_store()  # (torchrun's, on node 0)
+        self._pulse = Pulse(lambda r: read_beat(self.store, r))
         self.lost: dict[int, str] = {}
         self.overlaps = False  # rank 0 is worker 0: a step runs inside submit()
         self.step_timeout_s, self.elastic = args.step_timeout_s, False  # a failure while starting fails the group
@@ -92,7 +104,9 @@ class TorchrunWorkers(WorkerGroup):
                 own_error = e  # (after the replies: a rank sending its error must find rank 0 listening)
         left = lambda: max(1.0, timeout_s - (time.monotonic() - started))  # noqa: E731 - a reply sent is taken
         failed |= finish_sends(posted, left())
-        got, late = receive_each(self.control, [r for r in self._live() if r not in failed], left())
+        got, late = receive_each(
+            self.control, [r for r in self._live() if r not in failed], left(), self._pulse.beating
+        )
         failed |= late
         for r, (kind, payload) in got.items():
             if kind == "error":
@@ -183,9 +197,11 @@ def run_worker_from_env(args: EngineConfig) -> None:
     args.check_placement()
     rank, _, control, worker, owns_group = _init_torchrun(args)
     store = dist.distributed_c10d._get_default_store()
-    channel = GroupChannel(control, 2 * args.step_timeout_s, lambda: read_verdict(store, rank))
+    start_beating(beat_in(store, rank))
+    # (replies bounded by what rank 0 waits at most: a regroup's 2 x the step timeout, as long as this rank beats)
+    channel = GroupChannel(control, 2 * PATIENCE * args.step_timeout_s, lambda: read_verdict(store, rank))
     try:
-        serve_plans(worker, channel)  # (replies bounded by 2 x the step timeout: rank 0 waits one)
+        serve_plans(worker, channel)
     except (StepFailed, RuntimeError):  # (RuntimeError: its connection to rank 0 failed, or it was lost meanwhile)
         why = wait_verdict(store, rank)
         if why:

@@ -19,6 +19,7 @@ import torch
 from deep_ep_npu import EPRankFailure
 from deep_ep_npu.kernels import expert_mm
 
+from ..disagg.transfer import KVPull, PullResult, TransferBackend, cache_tensors, make_backend, run_pull
 from ..engine_api import NONFINITE_TOKEN, SamplingParams
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInput
@@ -65,6 +66,7 @@ class _Step:
     seqs: list[_Seq]
     inputs: list[SeqInput]
     batch: ForwardBatch
+    pulls: list[PullResult]  # the plan's KV pulls (done once, before the first forward)
     result: StepResult | None = None  # set once sampled: a re-run keeps these tokens
 
 
@@ -134,6 +136,14 @@ class Worker:
         expert_mm.set_num_threads(threads)  # the weights' reads take every thread, whatever torch's
         self._seqs: dict[int, _Seq] = {}
         self._step: _Step | None = None
+        self.transfer: TransferBackend | None = None
+        if args.disaggregation_mode != "none":  # the cache is registered: prefill: read by decode workers
+            self.transfer = make_backend(args.transfer_backend, args.kv_transfer_host)
+            tensors = cache_tensors(self.cache.layers)
+            self.transfer.register(tensors)
+            self.info["kv_segment"] = self.transfer.segment
+            self.info["kv_bases"] = [t.data_ptr() for t in tensors]
+            self.info["kv_block_bytes"] = [t[0].numel() * t.element_size() for t in tensors]
         cfg = self.model.cfg
         self._grammars = WorkerGrammars(lambda: load_tokenizer(args.model, cfg.eos_token_ids), cfg.vocab_size)
 
@@ -161,10 +171,19 @@ class Worker:
             self.rebalancer.commit()
         for seq_id in plan.finished_seq_ids:
             self._seqs.pop(seq_id, None)
+        pulled: dict[int, KVPull] = {}
+        pull_results: list[PullResult] = []
+        if plan.pulls:
+            assert self.transfer is not None, "a KV pull needs --disaggregation-mode decode"
+            tensors = cache_tensors(self.cache.layers)
+            pulled = {p.seq_id: p for p in plan.pulls}
+            pull_results = [run_pull(self.transfer, tensors, self.cache.block_size, p) for p in plan.pulls]
         seqs, inputs = [], []
         for e in plan.entries:
             if e.params is not None:
                 self._seqs[e.seq_id] = _Seq(self._sampler(e.params))
+                if e.seq_id in pulled:  # its prompt was computed by a prefill instance, its first token sampled there
+                    self._seqs[e.seq_id].sampler.resume(pulled[e.seq_id].prompt_ids, pulled[e.seq_id].first_token)
             seq = self._seqs.get(e.seq_id)
             if seq is None:
                 raise ValueError(f"the plan names sequence {e.seq_id}, which this worker does not hold")
@@ -176,7 +195,7 @@ class Worker:
             seqs.append(seq)
             inputs.append(SeqInput(seq.block_table, e.start, tokens, e.sample, seq.sampler.wants_all_logits))
         batch = ForwardBatch.build(inputs, self.cache.block_size, self.device, plan.num_tokens_all_ranks)
-        self._step = _Step(seqs, inputs, batch)
+        self._step = _Step(seqs, inputs, batch, pull_results)
         return self._run(rebalance=True)
 
     def regroup(self, members: list[int], rerun: bool) -> StepResult | None:
@@ -187,7 +206,10 @@ class Worker:
         if self.rebalancer is not None:
             self.rebalancer.discard()
         assert isinstance(self.model.comm, BufferComm), "only an EP group regroups"
-        self.model.comm.regroup(members)
+        try:
+            self.model.comm.regroup(members)
+        except RuntimeError as e:  # a member lost meanwhile (the group's rendezvous fails): the driver tries again
+            raise StepAborted(f"worker {self.rank}: regrouping on {members} failed: {e}") from e
         return self._run(rebalance=False) if rerun else None
 
     def _run(self, rebalance: bool) -> StepResult:
@@ -206,6 +228,7 @@ class Worker:
         if step.result is not None:
             return step.result
         result = self._sample(step.seqs, step.inputs, logits)
+        result.pulls = step.pulls
         result.forward_time, result.dispatch_time, result.combine_time = (
             time.perf_counter() - t0, comm.stats.dispatch, comm.stats.combine)  # fmt: skip
         load = comm.take_load()  # rows each local expert slot received this step, per MoE layer
@@ -257,6 +280,8 @@ class Worker:
         return result
 
     def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
         destroy = getattr(self.model.comm, "destroy", None)
         if destroy is not None:
             destroy()

@@ -9,6 +9,7 @@ import abc
 import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from ..checkpoint import CheckpointError
 from .control import receive_own, send_own
 from .engine_config import EngineConfig
+from .heartbeat import start_beating
 from .placement import bind_device
 from .rendezvous import init_loopback_group
 from .worker import StepAborted, Worker
@@ -109,13 +111,15 @@ def serve_plans(worker: Worker, channel: Channel) -> None:
         channel.send("ok", result)
 
 
-def worker_main(rank: int, world_size: int, port: int, conn: Any, args: EngineConfig) -> None:
+def worker_main(rank: int, world_size: int, port: int, conn: Any, args: EngineConfig, beat: Any) -> None:
     """Process entry of a spawned worker: bind device ``rank`` (install the NPU stand-in with ``simulate_npu``),
     join the EP group (``args.dist_backend``), build the shard, :func:`serve_plans` over the pipe ``conn`` until
-    "stop" or until the driver's end closes. Any exception is sent to the driver with its traceback."""
+    "stop" or until the driver's end closes. Any exception is sent to the driver with its traceback. ``beat``: a
+    shared double (``multiprocessing.Value``) its heartbeat thread keeps at the time (:mod:`.heartbeat`)."""
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads_per_worker())
+    start_beating(lambda _: setattr(beat, "value", time.monotonic()))
     channel = PipeChannel(conn)
     try:
         device = bind_device(args.device, rank, args.simulate_npu)

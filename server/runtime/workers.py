@@ -13,6 +13,7 @@ from multiprocessing.connection import wait
 from typing import Any, NoReturn
 
 from .engine_config import EngineConfig
+from .heartbeat import PATIENCE, STALE_S
 from .plan import StepPlan, StepResult
 from .rendezvous import serve_loopback_store
 from .worker_loop import worker_main
@@ -70,9 +71,9 @@ class WorkerGroup(abc.ABC):
         a live replica. Anything else fails the group visibly (also after :data:`MAX_REGROUPS` tries)."""
         results = {r: payload for r, (kind, payload) in replies.items() if kind == "ok"}
         rerun = any(kind == "aborted" for kind, _ in replies.values())
+        why = [res.regroup for res in results.values() if res is not None and res.regroup]
         for attempt in range(MAX_REGROUPS + 1):
-            why = [p for kind, p in replies.values() if kind == "aborted"]
-            why += [res.regroup for res in results.values() if res is not None and res.regroup]
+            why += [p for kind, p in replies.values() if kind == "aborted"]
             newly_lost = set(self.lost) - self._regrouped
             if not why and not newly_lost:
                 return [None if r in self.lost else results[r] for r in range(self.world_size)]
@@ -83,7 +84,7 @@ class WorkerGroup(abc.ABC):
             logger.warning("elastic: EP workers %s regroup%s (%s)", members, " and run the step again" * rerun,
                            "; ".join(w.splitlines()[0] for w in why) or f"lost: {sorted(newly_lost)}")  # fmt: skip
             self._regrouped = frozenset(self.lost)
-            replies = self._regroup(members, rerun)
+            replies, why = self._regroup(members, rerun), []
             if rerun:
                 results = {r: payload for r, (kind, payload) in replies.items() if kind == "ok"}
         raise AssertionError("unreachable")
@@ -117,6 +118,7 @@ class ProcessWorkers(WorkerGroup):
         ctx.set_forkserver_preload(["torch", "server.runtime.worker_loop"])
         self.step_timeout_s = step_timeout_s
         self.conns, self.procs = [], []
+        self._beats: list[Any] = []  # per worker: a shared double, the time of its last heartbeat (time.monotonic)
         self.lost: dict[int, str] = {}
         self.world_size = world_size
         self.overlaps = not elastic  # (elastic: a step stands only once every worker answered; see _settle)
@@ -127,9 +129,10 @@ class ProcessWorkers(WorkerGroup):
             self._store, port = serve_loopback_store(world_size, args.dist_timeout_s)
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
+                self._beats.append(ctx.Value("d", time.monotonic(), lock=False))
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(rank, world_size, port, child, args),
+                    args=(rank, world_size, port, child, args, self._beats[-1]),
                     daemon=True,
                     name=f"ep-worker-{rank}",
                 )
@@ -175,7 +178,8 @@ class ProcessWorkers(WorkerGroup):
         """Every live worker's next reply ``(kind, payload)``, by rank (failed ones are lost or raise, see
         :meth:`_failed`); ``on_reply(rank, payload, num_replies)`` is called as each arrives."""
         replies: dict[int, Reply] = {}
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         while True:
             pending = {self.conns[r]: r for r in self._live() if r not in replies}
             if not pending:
@@ -185,8 +189,18 @@ class ProcessWorkers(WorkerGroup):
                 timeout=max(0.0, deadline - time.monotonic()),
             )
             if not ready:
-                ranks = sorted(pending.values())
-                self._failed(ranks, f"workers {ranks} did not answer within {timeout_s:g}s (hung?)")
+                now, ranks = time.monotonic(), sorted(pending.values())
+                stopped = [r for r in ranks if now - self._beats[r].value >= STALE_S]
+                if not stopped and now < start + PATIENCE * timeout_s:
+                    deadline = min(start + PATIENCE * timeout_s, now + 1.0)  # (slow, but beating)
+                    continue
+                if stopped:
+                    self._failed(stopped, f"workers {stopped} did not answer within {timeout_s:g}s (hung? their "
+                                 "heartbeat stopped)")  # fmt: skip
+                else:
+                    self._failed(ranks, f"workers {ranks} did not answer within {PATIENCE * timeout_s:g}s (still "
+                                 "beating)")  # fmt: skip
+                continue
             for obj in ready:
                 rank = pending.get(obj)  # type: ignore[call-overload]
                 if rank is None:  # a process sentinel: it died; its error message may still be in the pipe
