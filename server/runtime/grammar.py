@@ -4,16 +4,14 @@ logits row before sampling, and the matcher advanced by the token drawn.
 Only constrained requests reach this module; the others sample exactly as before (the plain greedy ones stay in the
 step's one batched argmax). Grammars arrive compiled and serialized (:class:`~server.engine_api.CompiledGrammar`);
 a worker deserializes each once (kept by key) against its own tokenizer info, built from the same tokenizer files as
-the driver's. Importing xgrammar and building that info takes a second or more, so a worker does it at start-up in
-a background thread at the lowest CPU priority: the first constrained request does not stall the engine's steps.
+the driver's. Importing xgrammar and building that info takes a second or more, so a worker does it in a background
+thread from its start: the first constrained request usually does not wait for it.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -109,8 +107,8 @@ class WorkerGrammars:
         self._ready.start()
 
     def _prepare(self, load_tokenizer: Callable[[], Tokenizer]) -> None:
-        with contextlib.suppress(OSError):  # this thread only: the steps keep their priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        # (not at a lower CPU priority: on a loaded machine a starved thread holding the GIL, or joined by the first
+        # constrained request, stalled this worker's steps past its peers' collective timeout)
         try:
             self._info = tokenizer_info(load_tokenizer(), self.vocab_size)
             self._no_control = no_control_mask(self._info)
