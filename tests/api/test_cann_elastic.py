@@ -1,5 +1,5 @@
 """CANN's own ``ElasticBuffer`` (``deep_ep_npu.cann``; ``cann_ops_transformer.ElasticBuffer`` under the sim) against an
-oracle written here from the kernels' semantics (reference cann_torch_ext.md §3): rows by local expert, then (source
+oracle written here from the kernels' semantics (CANN's ``elastic_buffer.cpp``): rows by local expert, then (source
 rank, token); ``recv_src_metadata`` ``[src_rank, src_token, k, slot]``; the per-token **unweighted** fp32 sum over k
 ascending with one cast; the weights echoed back. Also worst-case sizing without CPU sync, cached handles, Engram
 storage, the size hints, and bad input (on every rank). DeepEP V2's ``deep_ep_npu.ElasticBuffer`` stays importable.

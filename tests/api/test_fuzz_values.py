@@ -1,4 +1,4 @@
-"""Non-finite and huge values at every public entry point, on 2 ranks (the README's "Non-finite input" policy).
+"""Non-finite and huge values at every public entry point, on 2 ranks (docs/ops.md's "Non-finite input" policy).
 
 Hypothesis draws special values (NaN, +-Inf, +-3.3e38, the largest bf16 magnitudes) and where they go: some tokens'
 ``x`` entries and top-k weights, on either rank. Each example runs every entry point twice on the same routing:

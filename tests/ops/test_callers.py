@@ -1,5 +1,5 @@
-"""The call patterns of the engines that use torch_npu's MoE distribute ops, replayed on the NPU stand-in
-(``torch_npu = sim.install()`` in every gloo rank) with their exact keywords (``reference/torch_npu_ops.md`` §4),
+"""The call patterns of the engines that use torch_npu's MoE distribute ops, replayed on the NPU stand-in (``torch_npu =
+sim.install()`` in every gloo rank) with their exact keywords (vllm-ascend's ``token_dispatcher.py``, sgl-kernel-npu),
 against goldens written here (``tests/npu_golden.py``: init-routing sort, the documented quant formulas, fp32 sums).
 
 - vllm-ascend ``TokenDispatcherWithMC2`` (A3): the group named by ``device_group._get_backend(torch.device("npu"))

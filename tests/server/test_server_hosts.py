@@ -1,8 +1,8 @@
-"""Serving across simulated hosts (issue 28; :mod:`tests.hosts`): two hosts (network namespaces with their own
-address and a private ``/dev/shm``), one ``torchrun --nnodes 2 --nproc-per-node 2`` per host, rendezvous on host 0's
-address, the ranks' process groups on the hosts' interface (``--socket-ifname eth0``); rank 0 serves HTTP on host
-0's address and this machine asks through the real ``openai`` client. Greedy tokens equal the single-host EP 4
-server's (and transformers'); the README's two-node A3 commands run as written. Teardown leaves no process,
+"""Serving across simulated hosts (issue 28; :mod:`tests.hosts`): two hosts (network namespaces with their own address
+and a private ``/dev/shm``), one ``torchrun --nnodes 2 --nproc-per-node 2`` per host, rendezvous on host 0's address,
+the ranks' process groups on the hosts' interface (``--socket-ifname eth0``); rank 0 serves HTTP on host 0's address and
+this machine asks through the real ``openai`` client. Greedy tokens equal the single-host EP 4 server's (and
+transformers'); the two-node A3 commands of docs/serving-ascend.md run as written. Teardown leaves no process,
 namespace, link or ``/dev/shm`` file; a host lost while serving: ``test_server_hosts_failure.py``."""
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def test_torchrun_two_hosts_equals_one_host(checkpoint):
 
 
 def test_a3_two_node_commands():
-    """README's two-node A3 commands (configs/ascend_a3_2nodes.yaml, the stand-in, small shapes) as written, one per
-    simulated host: node 0 answers a completion with the config's API key; SIGTERM to rank 0 stops both nodes."""
+    """docs/serving-ascend.md's two-node A3 commands (configs/ascend_a3_2nodes.yaml, the stand-in, small shapes) as
+    written, one per simulated host: node 0 answers a completion with the config's API key; SIGTERM to rank 0 stops both
+    nodes."""
     commands = readme_commands("tests/server/test_server_hosts.py::test_a3_two_node_commands")
     assert len(commands) == 2 and all(c[0] == "torchrun" for c in commands), commands
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
