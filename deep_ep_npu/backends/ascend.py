@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..backends import InFlight
 from ..core.call import FFN, CombineCall, DispatchCall
-from ..engine.exchange import InFlight, engine_for
+from ..engine.exchange import engine_for
 from ..errors import invalid
 from ..handle import LowLatencyHandle
 from . import Backend, ascend_v2

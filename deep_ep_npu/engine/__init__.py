@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from ..transports.collective import Agreement
+    from ..transports.agreement import Agreement
     from .plan import Plan
     from .rows import Parts, RowFormat
 

@@ -16,12 +16,13 @@ from ..models.kv_cache import bytes_per_block
 from ..models.moe import fused_refusal
 from ..tokenizer import load_tokenizer
 from .block_manager import KVCacheManager
-from .detokenizer import IncrementalDetokenizer, apply_token
+from .detokenizer import IncrementalDetokenizer
 from .engine_config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, default_capacity
 from .expert_placement import build_expert_map, uses_placement
 from .kv_budget import check_fits, mib
 from .plan import StepResult
-from .scheduler import RankScheduler, Request
+from .request import Request, apply_token
+from .scheduler import RankScheduler
 from .torchrun import TorchrunWorkers
 from .workers import ProcessWorkers, WorkerError, WorkerGroup
 
