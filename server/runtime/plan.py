@@ -1,4 +1,5 @@
-"""What the driver sends a worker each step (:class:`StepPlan`) and what comes back (:class:`StepResult`)."""
+"""What a worker tells the driver once it is ready (:class:`WorkerInfo`), what the driver sends it each step
+(:class:`StepPlan`) and what comes back (:class:`StepResult`)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,23 @@ class StepResult:
     prompt_logprobs: list[list[TokenLogprob | None] | None] = dataclasses.field(default_factory=list)
     expert_load: list[int] = dataclasses.field(default_factory=list)  # per MoE layer: rows this rank's experts got
     num_lost_experts: int = 0  # (MoE layer, expert) pairs with no replica left after lost ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's ``("ready", info)`` report: memory (bytes: resident before loading, peak after; its experts', all
+    its weights' and its KV cache's), the KV cache's blocks and how its budget was chosen, its local experts, the
+    device it bound and the Buffer backend its MoE layers run on (``"local"``: EP 1, in-process dispatch)."""
+
+    rank: int
+    rss_before_load: int
+    peak_rss_after_load: int
+    expert_bytes: int
+    weight_bytes: int
+    kv_cache_bytes: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+    kv_budget_source: str
+    num_local_experts: int
+    device: str
+    moe_backend: str
