@@ -440,12 +440,16 @@ def _resolve_names(cases: list[dict]) -> None:
             case["y_dtype"] = TORCH_NPU_CONSTANTS[case["y_dtype"]]
 
 
+def _replayed(world_size: int, cases: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Each case with what every rank got replaying it (one launch of ``world_size`` ranks for all the cases)."""
+    results = parallel_launch(world_size, _run_callers, cases)
+    return [(case, [r[c] for r in results]) for c, case in enumerate(cases)]
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_vllm_ascend_mc2(world_size):
     cases = _vllm_cases(world_size)
-    results = parallel_launch(world_size, _run_callers, cases)
-    for c, case in enumerate(cases):
-        per_rank = [r[c] for r in results]
+    for case, per_rank in _replayed(world_size, cases):
         if case.get("expect_error"):
             for got in per_rank:
                 code, param, text = got["error"]
@@ -462,9 +466,7 @@ def test_vllm_ascend_mc2(world_size):
 def test_sgl_kernel_npu_ops_strategy(world_size):
     cases = _sgl_cases(world_size)
     _resolve_names(cases)
-    results = parallel_launch(world_size, _run_callers, cases)
-    for c, case in enumerate(cases):
-        per_rank = [r[c] for r in results]
+    for case, per_rank in _replayed(world_size, cases):
         if case.get("expect_error"):
             for got in per_rank:
                 code, param, text = got["error"]

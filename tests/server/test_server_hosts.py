@@ -18,7 +18,6 @@ import pytest
 
 from tests import hosts
 from tests.server.hosts_serving import (
-    checkpoint_and_oracle,
     ep4_args,
     greedy,
     node_log,
@@ -32,13 +31,8 @@ from tests.server.test_server_launch import ROOT, TORCHRUN, _assert_all_exit, _d
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return checkpoint_and_oracle(str(tmp_path_factory.mktemp("ckpt") / "ckpt"))
-
-
-def test_torchrun_two_hosts_equals_one_host(checkpoint):
-    path, want = checkpoint
+def test_torchrun_two_hosts_equals_one_host(hosts_checkpoint):
+    path, want = hosts_checkpoint
     args = ep4_args("--model", path, max_model_len=64)
     (one,), one_url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", *args, "--port", str(port)]])
     try:
