@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.engine_api import NONFINITE_ERROR, EngineCore, RequestDelta, SamplingParams
+from server.engine_api import NONFINITE_ERROR, EngineCore, KVTransferParams, RequestDelta, SamplingParams
 from server.metrics import Metrics
 
 _HEALTH_POLL_S = 1.0
@@ -39,12 +39,14 @@ class EngineOverloadedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class _Add:
-    """A command for the engine thread: add a request, then resolve ``accepted`` (None, or the engine's error)."""
+    """A command for the engine thread: add a request (``transfer``: its bootstrap room, disaggregation), then resolve
+    ``accepted`` (None, or the engine's error)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     accepted: asyncio.Future[None]
+    transfer: KVTransferParams | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +130,18 @@ class AsyncEngine:
         return len(self._requests)
 
     # ---- requests (asyncio side) ----
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          arrival: float | None = None) -> RequestHandle:  # fmt: skip
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float | None = None,
+        transfer: KVTransferParams | None = None,
+    ) -> RequestHandle:
         """Hand a request to the engine; returns its handle for :meth:`stream` once the engine accepted it.
 
-        ``arrival`` is the ``time.monotonic()`` at which the request arrived (TTFT and queue time count from it).
+        ``arrival`` is the ``time.monotonic()`` at which the request arrived (TTFT and queue time count from it);
+        ``transfer`` its bootstrap room (disaggregation).
         Raises ``ValueError`` if the engine rejects the input, :class:`EngineOverloadedError` when the queue is
         full, :class:`EngineDeadError` when the engine is down.
         """
@@ -150,7 +159,7 @@ class AsyncEngine:
         req = RequestHandle(request_id, asyncio.Queue(), arrival or time.monotonic(), len(prompt_token_ids))
         self._requests[request_id] = req
         accepted: asyncio.Future[None] = self._loop.create_future()
-        self._submit(_Add(request_id, prompt_token_ids, params, accepted))
+        self._submit(_Add(request_id, prompt_token_ids, params, accepted, transfer))
         try:
             await accepted
         except BaseException:
@@ -266,7 +275,10 @@ class AsyncEngine:
             self.engine.abort_request(command.request_id)
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            if command.transfer is None:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            else:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params, command.transfer)
         except (ValueError, TypeError) as e:
             self._call_soon(_resolve, command.accepted, e)
         else:
@@ -298,7 +310,8 @@ class AsyncEngine:
                         m.nonfinite_logits.inc()
             req.queue.put_nowait(delta)
         if m is not None:
-            m.on_step(end - start, num_tokens, stats.dispatch_times, stats.combine_times)
+            m.on_step(end - start, num_tokens, stats.num_batched_tokens, stats.dispatch_times, stats.combine_times)
+            m.on_kv_transfers(stats.kv_transfers)
             m.ep_ranks_lost.set(stats.num_lost_ranks)
             m.on_expert_load(stats.expert_loads, stats.num_lost_experts)
             m.on_cache_stats(stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,

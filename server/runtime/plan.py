@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..disagg.transfer import KVPull, PullResult
 from ..engine_api import SamplingParams, TokenLogprob
 
 
@@ -31,11 +32,13 @@ class PlanEntry:
 @dataclasses.dataclass
 class StepPlan:
     """A worker's step: its entries, the sequences it can forget (finished or aborted since its last plan), and
-    the step's token count summed over every worker (bounds what an MoE layer receives)."""
+    the step's token count summed over every worker (bounds what an MoE layer receives); a decode instance's
+    ``pulls`` read prompts' KV from prefill instances before the forward."""
 
     entries: list[PlanEntry]
     finished_seq_ids: list[int] = dataclasses.field(default_factory=list)
     num_tokens_all_ranks: int | None = None
+    pulls: list[KVPull] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -56,13 +59,17 @@ class StepResult:
     prompt_logprobs: list[list[TokenLogprob | None] | None] = dataclasses.field(default_factory=list)
     expert_load: list[int] = dataclasses.field(default_factory=list)  # per MoE layer: rows this rank's experts got
     num_lost_experts: int = 0  # (MoE layer, expert) pairs with no replica left after lost ranks
+    regroup: str = ""  # why the EP group must regroup although this step finished (its EPLB exchange failed)
+    pulls: list[PullResult] = dataclasses.field(default_factory=list)  # the plan's pulls, in order
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerInfo:
     """A worker's ``("ready", info)`` report: memory (bytes: resident before loading, peak after; its experts', all
     its weights' and its KV cache's), the KV cache's blocks and how its budget was chosen, its local experts, the
-    device it bound and the Buffer backend its MoE layers run on (``"local"``: EP 1, in-process dispatch)."""
+    device it bound and the Buffer backend its MoE layers run on (``"local"``: EP 1, in-process dispatch); with
+    disaggregation, where other instances read its KV cache (the transfer segment, each cache tensor's address and
+    bytes per block)."""
 
     rank: int
     rss_before_load: int
@@ -76,3 +83,6 @@ class WorkerInfo:
     num_local_experts: int
     device: str
     moe_backend: str
+    kv_segment: str = ""
+    kv_bases: list[int] = dataclasses.field(default_factory=list)
+    kv_block_bytes: list[int] = dataclasses.field(default_factory=list)
