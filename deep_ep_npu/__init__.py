@@ -1,5 +1,5 @@
 """deep_ep_npu: DeepEP-compatible low-latency expert-parallel communication for Ascend NPUs, runnable anywhere (the
-layers: README "Architecture"). Imports only torch; torch_npu is imported only when the Ascend backend is created."""
+layers: ``docs/architecture.md``). Imports only torch; torch_npu is imported only when the Ascend backend is created."""
 
 from .buffer import Buffer
 from .buffer_normal import Config

@@ -167,7 +167,7 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
             combine_wait_recv_cost_stats: `[R]` `torch.int64` or None, as dispatch's ``dispatch_wait_recv_cost_stats``.
             slot_order: (ours) sum each token's rows in slot order (k ascending, as DeepEP's kernel) instead of own
                 experts first, then by source rank: the result is then bit for bit independent of where experts
-                live, e.g. of which replica ``topk_idx`` picked (README "Expert load balancing").
+                live, e.g. of which replica ``topk_idx`` picked (``docs/eplb.md``).
 
         Returns:
             combined_x: `[num_tokens, hidden]` in x's dtype: ``sum_k topk_weights[t, k] * expert_out[t, k]`` over

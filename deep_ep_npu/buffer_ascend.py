@@ -10,10 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backends import Backend
-from .core import ascend, rules
+from .backends import Backend, InFlight
+from .core import ascend
 from .core.call import FFN, CombineCall, DispatchCall
-from .engine.exchange import InFlight
 from .errors import invalid
 from .handle import EventOverlap, FlatHandle
 from .mega_moe import run as run_mega_moe
@@ -90,7 +89,7 @@ class AscendMethods:
             if quant_mode not in (0, 2):
                 raise invalid("quant_mode", f"got {quant_mode!r}, allowed 0 or 2")
             experts = ascend.experts(self.group, self.group_size, self.rank, num_experts, **layout)
-            call = rules.dispatch(DispatchCall(
+            call = ascend.dispatch(DispatchCall(
                 FLAT_DISPATCH_OP, "flat", x, topk_idx, experts, global_bs=global_bs, x_active_mask=x_active_mask,
                 expert_scales=topk_weights, quant=(quant_mode, None, None, None), scales=smooth_scales,
                 expert_token_nums_type=expert_token_nums_type, ccl_buffer_size=self._backend.ccl_buffer_size,
@@ -128,7 +127,7 @@ class AscendMethods:
             kw = handle.op_kwargs
             layout = {k: v for k, v in kw.items() if k not in ("x_active_mask", "global_bs")}
             experts = ascend.experts(self.group, self.group_size, self.rank, handle.num_experts, combine=True, **layout)
-            call = rules.combine(CombineCall(
+            call = ascend.combine(CombineCall(
                 FLAT_COMBINE_OP, "flat", x, topk_idx, experts, (handle.assist_info_for_combine, handle.ep_recv_counts,
                 handle.tp_recv_counts), x_active_mask=kw["x_active_mask"], expert_scales=topk_weights,
                 shared_expert_x=shared_expert_x, ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,

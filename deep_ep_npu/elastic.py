@@ -2,7 +2,7 @@
 decode, cached handles, the expand layout) on this library's engine or the Ascend ops. Code written for
 ``deep_ep.ElasticBuffer`` runs unchanged: same constructor, methods, defaults, return tuples and layouts.
 
-What differs (README, "Coming from DeepEP V2"): every rank is one scale-up rank (DeepEP's direct mode) and rows are
+What differs (``docs/elastic-buffer.md``): every rank is one scale-up rank (DeepEP's direct mode) and rows are
 always in deterministic order; there are no streams, so ``async_with_compute_stream=True`` returns the receive in the
 event only when the shapes are known at the send (no CPU sync, or a cached handle); buffer sizes, hybrid-mode, QP and
 SM settings are accepted and change nothing. Invalid input on any rank raises :class:`~deep_ep_npu.MoeDistributeError`

@@ -125,7 +125,7 @@ class EventHandle:
 
 class EventOverlap:
     """DeepEP's completion object for ``async_finish=True``. ``event``: anything with ``wait()`` (an
-    :class:`~deep_ep_npu.engine.exchange.InFlight` receive, or a ``torch.cuda.Event`` / ``torch.npu.Event``), or None
+    :class:`~deep_ep_npu.backends.InFlight` receive, or a ``torch.cuda.Event`` / ``torch.npu.Event``), or None
     for a finished operation; ``extra_tensors``: kept alive until the wait (DeepEP's CUDA-graph-safe
     ``record_stream``)."""
 

@@ -16,7 +16,7 @@ from .core.call import FFN, DispatchCall
 from .engine.exchange import check_names, check_status, engine_for, header
 from .engine.rows import DTYPE_CODES
 from .errors import MoeDistributeError
-from .transports.collective import STATUS_OK
+from .transports.agreement import STATUS_OK
 from .transports.names import resolve_group
 
 OP = "mega_moe"

@@ -65,7 +65,7 @@ MUTANTS = [  # (name, file, original text, mutated text, tests that must fail)
      "uint32_t normal = (u + 0x80000u - ((uint32_t)(127 - 7) << 23)) >> 20;",
      ["tests/kernels/test_cpu_kernels.py::test_e4m3_cast_matches_torch"]),
     ("a late rank completes a call its peers gave up", "deep_ep_npu/transports/window.py",
-     "if any(call.seq in self.peers[s].abandoned for s in live):",
+     "if any(call.seq in self.peers[s].abandoned for s in ranks):",
      "if False:",
      ["tests/transports/test_failure_ops.py::test_a_late_rank_learns_it_was_excluded"]),
 ]  # fmt: skip

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the tests need into .venv (CPU torch 2.13.0, no accelerator; Mooncake's Transfer Engine and the
-# libibverbs1 / librdmacm1 it loads), lints and type-checks, runs the suite.
+# libibverbs1 / librdmacm1 it loads), lints, type-checks, builds the docs, runs the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
@@ -10,6 +10,10 @@ status=0
 .venv/bin/ruff check . || status=1
 .venv/bin/ruff format --check . || status=1
 .venv/bin/mypy deep_ep_npu server || status=1
+# The docs site: a broken link or anchor fails the build (mkdocs.yml: strict).
+site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site" || status=1
+rm -rf "$site"
 # pytest last, so that its summary is the closing line (CI reads it); its exit status wins if it fails.
 .venv/bin/python -m pytest -q "$@" || status=$?
 exit "$status"

@@ -37,6 +37,28 @@ class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting (the bounded queue is full); retry later (HTTP 503 + Retry-After)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    """A command for the engine thread: add a request (``transfer``: its bootstrap room, disaggregation), then resolve
+    ``accepted`` (None, or the engine's error)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    accepted: asyncio.Future[None]
+    transfer: KVTransferParams | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    """A command for the engine thread: abort a request (a no-op if the engine does not have it)."""
+
+    request_id: str
+
+
+_Command = _Add | _Abort
+
+
 @dataclasses.dataclass
 class RequestHandle:
     """An added request: its id and the queue its deltas arrive on (read it through :meth:`AsyncEngine.stream`)."""
@@ -69,7 +91,7 @@ class AsyncEngine:
         self.max_queue_len = max_queue_len
         self.metrics = metrics
         self._requests: dict[str, RequestHandle] = {}
-        self._commands: list[tuple] = []
+        self._commands: list[_Command] = []
         self._cond = threading.Condition()
         self._stop = False
         self._closed = False  # set by the engine thread when it exits; commands are then rejected
@@ -136,13 +158,13 @@ class AsyncEngine:
         assert self._loop is not None
         req = RequestHandle(request_id, asyncio.Queue(), arrival or time.monotonic(), len(prompt_token_ids))
         self._requests[request_id] = req
-        accepted = self._loop.create_future()
-        self._submit(("add", request_id, prompt_token_ids, params, accepted, transfer))
+        accepted: asyncio.Future[None] = self._loop.create_future()
+        self._submit(_Add(request_id, prompt_token_ids, params, accepted, transfer))
         try:
             await accepted
         except BaseException:
             self._requests.pop(request_id, None)
-            self._submit(("abort", request_id))  # no-op if the engine never took it
+            self._submit(_Abort(request_id))  # no-op if the engine never took it
             self._update_gauges()
             raise
         if self.metrics is not None:
@@ -154,7 +176,7 @@ class AsyncEngine:
         """Cancel a request: its stream ends now and the engine frees its slot at the next step (no-op if the
         request is unknown or finished)."""
         if self._requests.pop(request_id, None) is not None:
-            self._submit(("abort", request_id))
+            self._submit(_Abort(request_id))
             self._update_gauges()
 
     async def stream(self, handle: RequestHandle) -> AsyncIterator[list[RequestDelta]]:
@@ -187,7 +209,7 @@ class AsyncEngine:
             yield items
 
     # ---- engine thread ----
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: _Command) -> None:
         with self._cond:
             if not self._closed:
                 self._commands.append(command)
@@ -200,11 +222,11 @@ class AsyncEngine:
         assert self._loop is not None, "start() sets the loop before the engine thread runs"
         self._loop.call_soon_threadsafe(callback, *args)
 
-    def _reject(self, command: tuple) -> None:
+    def _reject(self, command: _Command) -> None:
         """Answer a command the engine thread will never apply (it has exited): an add fails with 503."""
-        if command[0] == "add":
+        if isinstance(command, _Add):
             why = _first_line(self._error) if self._error is not None else "the engine was shut down"
-            self._call_soon(_resolve, command[4], EngineDeadError(f"the engine is not running ({why})"))
+            self._call_soon(_resolve, command.accepted, EngineDeadError(f"the engine is not running ({why})"))
 
     def _run(self) -> None:
         try:
@@ -248,20 +270,19 @@ class AsyncEngine:
                 return
             self._call_soon(self._deliver, deltas, start, end, stats)
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "abort":
-            self.engine.abort_request(command[1])
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
             return
-        _, request_id, prompt_token_ids, params, accepted, transfer = command
         try:
-            if transfer is None:
-                self.engine.add_request(request_id, prompt_token_ids, params)
+            if command.transfer is None:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
             else:
-                self.engine.add_request(request_id, prompt_token_ids, params, transfer)
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params, command.transfer)
         except (ValueError, TypeError) as e:
-            self._call_soon(_resolve, accepted, e)
+            self._call_soon(_resolve, command.accepted, e)
         else:
-            self._call_soon(_resolve, accepted, None)
+            self._call_soon(_resolve, command.accepted, None)
 
     # ---- asyncio side: results ----
     def _deliver(self, deltas: list[RequestDelta], start: float, end: float, stats: Any) -> None:

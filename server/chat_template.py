@@ -1,4 +1,5 @@
-"""Chat templates rendered as transformers renders them (``reference/checkpoints.md`` §1).
+"""Chat templates rendered as transformers renders them
+(https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers/utils/chat_template_utils.py).
 
 Where a checkpoint's template is (:func:`checkpoint_template`): ``chat_template.jinja`` (plus named
 ``additional_chat_templates/<name>.jinja``) wins over ``tokenizer_config.json``'s ``chat_template`` (a string, or a

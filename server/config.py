@@ -2,7 +2,7 @@
 
 YAML keys are the long command-line option names (``max-num-seqs: 8``; ``max_num_seqs`` is accepted too). Unknown
 keys and bad values fail at start-up with a :class:`ConfigError` naming the key, the value and what is allowed.
-The option names of ``DESIGN.md`` §4 are a public contract; keep them.
+The option names (``docs/serving.md`` lists them) are a public contract; keep them.
 """
 
 from __future__ import annotations

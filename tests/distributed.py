@@ -205,3 +205,23 @@ def op_error(fn: Callable[[], object]) -> tuple[int, str, str] | None:
     except MoeDistributeError as err:
         return err.code, err.param, str(err)
     return None
+
+
+def assert_named(errors: dict[str, tuple[int, str, str] | None], expected: dict[str, str], rank: int,
+                 one_rank_param: str) -> None:  # fmt: skip
+    """Each case of ``expected`` (case -> parameter) raised on this ``rank`` naming its parameter (``errors``: the
+    case's :func:`op_error`), and case ``"one_rank"`` (rank 1's bad ``one_rank_param`` alone) raised on every rank:
+    on rank 1 naming the parameter, on rank 0 naming rank 1."""
+    for name, param in expected.items():
+        assert errors[name] is not None and errors[name][1] == param, (rank, name, errors[name])
+    one = errors["one_rank"]
+    assert one is not None and (one[1] == one_rank_param if rank else "rejected on rank 1" in one[2]), (rank, one)
+
+
+def lockstep(max_examples: int) -> Callable[[Callable], Callable]:
+    """Hypothesis settings for a property every rank runs at once on the same draws: derandomized, no database and
+    no shrinking (a failure stops every rank at once; shrinking on one rank would desync the others)."""
+    from hypothesis import HealthCheck, Phase, settings
+
+    return settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+                    phases=(Phase.generate,), suppress_health_check=list(HealthCheck))  # fmt: skip

@@ -83,7 +83,7 @@ def make_case(seed, tokens, hidden, n, topk, num_local, *, int8=True, x_dtype=to
 
 
 def oracle_quant(row: torch.Tensor) -> tuple[np.ndarray, float]:
-    """Per-token int8 (ascend_ops.md §2.5): s = 127 / amax, q = rint(x * s), scale = amax / 127; numpy fp32."""
+    """Per-token int8 (the aclnn V2 docs): s = 127 / amax, q = rint(x * s), scale = amax / 127; numpy fp32."""
     v = row.float().numpy()
     amax = np.float32(np.abs(v).max()) if v.size else np.float32(0)
     if amax == 0:

@@ -1,6 +1,7 @@
 """Goldens shared by the torch_npu ports (``test_torch_npu_ported.py``) and the caller replays (``test_callers.py``).
 
-Written from the documented formulas (``reference/ascend_ops.md`` §2.5 / §3.3, ``reference/torch_npu_ops.md`` §2 / §5),
+Written from the documented formulas (the aclnn ``MoeDistributeDispatchV2`` / ``CombineV2`` docs and
+torch_npu's, with its golden tests ``test/test_custom_ops/test_moe_distribute_*_v2.py``),
 the way torch_npu's own golden tests compute them: routing is ``npu_moe_init_routing``'s stable sort of the flat
 (token, slot) expert ids, quantization is recomputed per row with numpy / plain torch casts, and combine sums in fp32
 over the top-k slots in ascending order, then casts once. Nothing here imports ``deep_ep_npu``.

@@ -61,7 +61,7 @@ def random_rank_input(
 
 @dataclasses.dataclass
 class Layout:
-    """The expert layout the oracle assumes (ascend_ops.md §2.3): shared ranks first, then L experts per rank.
+    """The expert layout the oracle assumes (the aclnn V2 docs): shared ranks first, then L experts per rank.
 
     With ``table1`` (elastic_info's EP rank -> new rank, -1 = scaled out) the experts are laid over the new ranks.
     """

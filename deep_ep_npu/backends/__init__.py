@@ -1,8 +1,9 @@
 """The one backend interface every front-end uses (:class:`Backend`) and its implementations by name: ``"reference"``
 (:class:`deep_ep_npu.engine.exchange.Engine`) and ``"ascend"`` (:class:`.ascend.AscendBackend`, the real NPU ops;
 ``torch_npu`` is imported only when it is created). ``dispatch`` / ``combine`` run a validated call's send phase and
-return its receive phase, an :class:`~deep_ep_npu.engine.exchange.InFlight` the front-end completes at once, at an
-event's wait or in a hook; ``reject(op, code)`` tells the peers that this rank rejected its input (they raise too)."""
+return its receive phase, an :class:`InFlight` the front-end completes at once, at an event's wait or in a hook (the one
+in-flight object: hooks, events, ``*_start`` ops and ``comm_cmd_info`` wrap it); ``reject(op, code)`` tells the peers
+that this rank rejected its input (they raise too)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import abc
 import contextlib
 import importlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +23,35 @@ from ..transports.failure import EPRankFailure
 
 if TYPE_CHECKING:
     from ..core.call import FFN, CombineCall, DispatchCall
-    from ..engine.exchange import InFlight
+
+
+class InFlight:
+    """The receive phase of a call whose send phase ran: ``wait()`` runs ``finish`` once and returns ``value`` (the
+    call's outputs, allocated by the send phase and filled by the receive; ``finish``'s result when it returns one).
+    Later waits return the same value or re-raise the same error."""
+
+    def __init__(self, finish: Callable[[], Any] | None, value: Any = None) -> None:
+        self._finish, self.value = finish, value
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            try:
+                got = finish()
+            except BaseException as err:
+                self._error = err
+                raise
+            self.value = self.value if got is None else got
+        elif self._error is not None:
+            raise self._error
+        return self.value
+
+    __call__ = wait
 
 
 class Backend(abc.ABC):
@@ -141,4 +170,12 @@ def create_backend(name: str, group: dist.ProcessGroup, **options: Any) -> Backe
     return getattr(importlib.import_module(module_name), cls_name)(group, **options)
 
 
-__all__ = ["Backend", "available_backends", "create_backend", "hccl_comm_name", "npu_available", "resolve_backend_name"]
+__all__ = [
+    "Backend",
+    "InFlight",
+    "available_backends",
+    "create_backend",
+    "hccl_comm_name",
+    "npu_available",
+    "resolve_backend_name",
+]

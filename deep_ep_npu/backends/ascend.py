@@ -1,7 +1,8 @@
 """The ``ascend`` backend: the real MoE distribute ops (:mod:`.ascend_ops` finds them), every front-end's layout
-converted to and from the flat one (README, "Backends"); MegaMoE: :mod:`.ascend_mega`, V2's layouts: :mod:`.ascend_v2`.
-DeepEP's masked calls: ``global_bs = N * R``, index tensors (no host sync) move the flat rows into ``recv_x``
-`[L, R * N, hidden]` and back. Validation is local: a rejected rank raises, but peers wait in the op (HCCL timeout)."""
+converted to and from the flat one (``docs/buffer.md``, "Backends"); MegaMoE: :mod:`.ascend_mega`, V2's layouts:
+:mod:`.ascend_v2`. DeepEP's masked calls: ``global_bs = N * R``, index tensors (no host sync) move the flat rows into
+``recv_x`` `[L, R * N, hidden]` and back. Validation is local: a rejected rank raises, but peers wait in the op (HCCL
+timeout)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..backends import InFlight
 from ..core.call import FFN, CombineCall, DispatchCall
-from ..engine.exchange import InFlight, engine_for
+from ..engine.exchange import engine_for
 from ..errors import invalid
 from ..handle import LowLatencyHandle
 from . import Backend, ascend_v2

@@ -1,5 +1,5 @@
 """The ``ascend`` backend's MegaMoE: a fused call on vllm-ascend's fused op ``torch.ops._C_ascend.dispatch_ffn_combine``
-(aclnn ``DispatchFFNCombine`` / ``...BF16``; when it applies and how scales are passed: README, "Fused MegaMoE").
+(aclnn ``DispatchFFNCombine`` / ``...BF16``; when it applies and how scales are passed: ``docs/mega-moe.md``).
 Keywords only (an older schema without ``bias1/2`` fails loudly rather than shifts); ``swiglu_limit`` 0.0 is no clamp
 (the schema's default 1e6 clamps at 1e6). NPU parity is not tested."""
 

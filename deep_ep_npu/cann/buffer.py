@@ -1,7 +1,8 @@
 """CANN ops-transformer's ``MoeDistributeBuffer`` (``cann_ops_transformer.ops`` / ``npu_ops_transformer.ops``): a
 communication context (:mod:`deep_ep_npu.ops.context`) for one EP group and low-latency dispatch / combine over the V3
 context ops (:func:`~deep_ep_npu.ops.moe_distribute_dispatch_v3` / ``combine_v3``), which it maps its arguments onto
-(reference cann_torch_ext.md §2). Errors name this front-end's parameters (``topk_idx``, ``num_experts``, ...)."""
+(https://github.com/cannmirror/ops-transformer/blob/25fb6b9/torch_extension/cann_ops_transformer/ops/deep_ep.py). Errors
+name this front-end's parameters (``topk_idx``, ``num_experts``, ...)."""
 
 from __future__ import annotations
 

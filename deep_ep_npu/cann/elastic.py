@@ -1,10 +1,11 @@
-"""CANN ops-transformer's own ``ElasticBuffer`` (``cann_ops_transformer.ops``, Ascend 950; reference
-cann_torch_ext.md §3), distinct from DeepEP V2's :class:`deep_ep_npu.ElasticBuffer`, on which it runs (expand layout,
-every row returned, alignment 1). What the kernels do is followed where CANN's docs differ: ``combine`` sums a token's
-rows **unweighted** (fp32, ascending k, one cast) and echoes the weights back as ``combined_topk_weights`` (the docs
-say ``sum_k w * x``). Rows of a local expert come by (source rank, token). Engram: each rank's table
-``(num_entries, hidden)``; global index ``g`` reads row ``g % num_entries`` of rank ``g // num_entries``; here
-``engram_write`` gathers every rank's table (collective), ``engram_fetch`` then reads locally."""
+"""CANN ops-transformer's own ``ElasticBuffer`` (``cann_ops_transformer.ops``, Ascend 950;
+https://github.com/cannmirror/ops-transformer/blob/25fb6b9/torch_extension/cann_ops_transformer/ops/elastic_buffer.py),
+distinct from DeepEP V2's :class:`deep_ep_npu.ElasticBuffer`, on which it runs (expand layout, every row returned,
+alignment 1). What the kernels do is followed where CANN's docs differ: ``combine`` sums a token's rows **unweighted**
+(fp32, ascending k, one cast) and echoes the weights back as ``combined_topk_weights`` (the docs say ``sum_k w * x``).
+Rows of a local expert come by (source rank, token). Engram: each rank's table ``(num_entries, hidden)``; global index
+``g`` reads row ``g % num_entries`` of rank ``g // num_entries``; here ``engram_write`` gathers every rank's table
+(collective), ``engram_fetch`` then reads locally."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""CANN ops-transformer's ``mega_moe`` and ``get_symm_buffer_for_mega_moe`` (reference cann_torch_ext.md §4) on the
-MegaMoE pipeline (:mod:`deep_ep_npu.mega_moe`; numerics :mod:`deep_ep_npu.engine.ffn`). Weights: A16W16 (bf16 /
-fp16, ``dispatch_quant_mode`` 0); A8W8-INT (int8 with uint64 Fixpipe scales whose low 32 bits are the fp32
-per-channel scale, ``dispatch_quant_mode`` 2); A8W4-INT (int4, 8 per int32 with the lowest nibble first, ND layout as
-``npu_format_cast`` leaves it here; its ``l*_bias``, the kernel's ``8 * colsum(W)`` compensation for splitting the
-int8 activation, is not needed: the int8 x int4 products are exact); Ascend 950's A8W8-FP (fp8 `[E/W, out, in]` with
-e8m0 scales per 32 inputs, ``dispatch_quant_mode`` 4: x and the activation output MX-quantized to
-``dispatch_quant_out_dtype`` and back, GMMs in fp32). fp4 weights are refused (not simulated). All four activations;
-shared experts (Ascend 950's) are computed locally on every token, unweighted, in fp32 with the routed activation."""
+"""CANN ops-transformer's ``mega_moe`` and ``get_symm_buffer_for_mega_moe``
+(https://github.com/cannmirror/ops-transformer/blob/25fb6b9/torch_extension/cann_ops_transformer/ops/mega_moe.py) on the
+MegaMoE pipeline (:mod:`deep_ep_npu.mega_moe`; numerics :mod:`deep_ep_npu.engine.ffn`). Weights: A16W16 (bf16 / fp16,
+``dispatch_quant_mode`` 0); A8W8-INT (int8 with uint64 Fixpipe scales whose low 32 bits are the fp32 per-channel scale,
+``dispatch_quant_mode`` 2); A8W4-INT (int4, 8 per int32 with the lowest nibble first, ND layout as ``npu_format_cast``
+leaves it here; its ``l*_bias``, the kernel's ``8 * colsum(W)`` compensation for splitting the int8 activation, is not
+needed: the int8 x int4 products are exact); Ascend 950's A8W8-FP (fp8 `[E/W, out, in]` with e8m0 scales per 32 inputs,
+``dispatch_quant_mode`` 4: x and the activation output MX-quantized to ``dispatch_quant_out_dtype`` and back, GMMs in
+fp32). fp4 weights are refused (not simulated). All four activations; shared experts (Ascend 950's) are computed locally
+on every token, unweighted, in fp32 with the routed activation."""
 
 from __future__ import annotations
 

@@ -194,11 +194,7 @@ def deepep_quant(use_fp8: object, round_scale: object, use_ue8m0: object, quant_
 
 
 def dispatch(c: DispatchCall) -> DispatchCall:
-    """``c`` checked by the rules of its layout (flat: :func:`.ascend.dispatch`)."""
-    if c.layout == "flat":
-        from . import ascend
-
-        return ascend.dispatch(c)
+    """A masked or expand ``c`` checked (the flat layout's rules: :func:`.ascend.dispatch`)."""
     e, n, names, masked = c.experts, c.num_max, c.names, c.layout == "masked"
     x, ids = c.x, c.expert_ids  # (x checked by the front-end: V2 also takes a pre-quantized tuple)
     if c.cached is None:
@@ -249,10 +245,6 @@ def masked_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
 
 def combine(c: CombineCall) -> CombineCall:
     """A masked combine checked (flat: :func:`.ascend.combine`; expand: :func:`.elastic.combine`)."""
-    if c.layout == "flat":
-        from . import ascend
-
-        return ascend.combine(c)
     h, names = c.handle, c.names
     r, num_max, hidden = c.experts.world_size, h.num_max_dispatch_tokens_per_rank, h.hidden
     x = tensor(c.x, "x", ACT_DTYPES, 3)

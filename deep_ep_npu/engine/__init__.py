@@ -1,7 +1,7 @@
-"""The engine (README "Architecture"): :mod:`.exchange` (dispatch and combine, the ``reference`` backend), the layouts
-:mod:`.masked` (DeepEP), :mod:`.flat` (Ascend, its TP stage :mod:`.tp`) and :mod:`.expand` (DeepEP V2), :mod:`.plan`,
-:mod:`.rows`, :mod:`.reduce`, MegaMoE's :mod:`.pipeline` and :mod:`.ffn`; CPU loops in :mod:`deep_ep_npu.kernels`.
-Here: :class:`Layout`, the contract between the exchange and a layout."""
+"""The engine (``docs/architecture.md``): :mod:`.exchange` (dispatch and combine, the ``reference`` backend), the
+layouts :mod:`.masked` (DeepEP), :mod:`.flat` (Ascend, its TP stage :mod:`.tp`) and :mod:`.expand` (DeepEP V2),
+:mod:`.plan`, :mod:`.rows`, :mod:`.reduce`, MegaMoE's :mod:`.pipeline` and :mod:`.ffn`; CPU loops in
+:mod:`deep_ep_npu.kernels`. Here: :class:`Layout`, the contract between the exchange and a layout."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from ..transports.collective import Agreement
+    from ..transports.agreement import Agreement
     from .plan import Plan
     from .rows import Parts, RowFormat
 

@@ -2,8 +2,8 @@
 transport; :class:`Engine` is the ``reference`` backend. The transport sends each rank its rows and a header (row
 count, row size, the fingerprint every rank must agree on) while this rank places its own; the receive checks the
 headers (a rejection or a disagreement raises the same error on every rank) and the layout places the rows. Combine
-is the same in reverse (:mod:`.reduce`). :class:`InFlight` is the one in-flight object (hooks, events, ``*_start``
-ops, ``comm_cmd_info`` wrap it)."""
+is the same in reverse (:mod:`.reduce`). :class:`~deep_ep_npu.backends.InFlight` is the one in-flight object
+(hooks, events, ``*_start`` ops, ``comm_cmd_info`` wrap it)."""
 
 from __future__ import annotations
 
@@ -18,46 +18,18 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels, profiling
-from ..backends import Backend
+from ..backends import Backend, InFlight
 from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError, shape
 from ..transports import Check, Transport, create
-from ..transports.collective import STATUS_OK, Agreement, EPGroup
+from ..transports.agreement import STATUS_OK, Agreement
+from ..transports.collective import EPGroup
 from ..transports.early import early_bytes
 from . import Layout, expand, flat, masked, pipeline, reduce
 from .rows import Parts, encoder
 from .tp import tp_agree
 
 FINGERPRINT = 16  # header words every layout may fill with what the ranks must agree on
-
-
-class InFlight:
-    """The receive phase of a call whose send phase ran: ``wait()`` runs ``finish`` once and returns ``value`` (the
-    call's outputs, allocated by the send phase and filled by the receive; ``finish``'s result when it returns one).
-    Later waits return the same value or re-raise the same error."""
-
-    def __init__(self, finish: Callable[[], Any] | None, value: Any = None) -> None:
-        self._finish, self.value = finish, value
-        self._error: BaseException | None = None
-
-    @property
-    def done(self) -> bool:
-        return self._finish is None
-
-    def wait(self) -> Any:
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            try:
-                got = finish()
-            except BaseException as err:
-                self._error = err
-                raise
-            self.value = self.value if got is None else got
-        elif self._error is not None:
-            raise self._error
-        return self.value
-
-    __call__ = wait
 
 
 def check_status(agreement: Agreement) -> None:
@@ -88,7 +60,7 @@ class Engine(Backend):
     def __init__(self, group: dist.ProcessGroup, **options: Any) -> None:
         super().__init__(group, **options)
         self.collective, self.window = create(self.ep, self.transport_name, self.num_rdma_bytes, self.reuse)
-        self.early_bytes = early_bytes(self.ep)  # (an early payload's bound: transports.early)
+        self.early_bytes = early_bytes(self.ep.num_ranks, self.ep.device)  # (an early payload's bound)
         self.device, self._reused = torch.device("cpu"), dict[str, torch.Tensor]()  # (the call's input's device)
         self.tag, self.result_set = 0, 0  # which wire scratch / dispatch result set the next call uses
         self.wire: dict[str, tuple[list[int], int]] = {}  # the last call's bytes per destination, header bytes

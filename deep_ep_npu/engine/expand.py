@@ -20,7 +20,7 @@ import torch
 from ..core.call import CombineCall, DispatchCall
 from ..errors import shape
 from ..handle import EPHandle
-from ..transports.collective import Agreement
+from ..transports.agreement import Agreement
 from .plan import Plan, make_plan, plan_topk
 from .reduce import CombineJob
 from .rows import Parts, RowFormat, align

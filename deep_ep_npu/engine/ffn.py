@@ -1,4 +1,4 @@
-"""The expert FFN of the fused MegaMoE, as an exact numeric spec (GMM1 -> SwiGLU -> GMM2; README "Fused MegaMoE").
+"""The expert FFN of the fused MegaMoE, as an exact numeric spec (GMM1 -> SwiGLU -> GMM2; ``docs/mega-moe.md``).
 
 int8 weights (``w1_scale`` / ``w2_scale`` given), for the rows ``x`` of one local expert:
 

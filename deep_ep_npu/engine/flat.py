@@ -19,7 +19,7 @@ from ..core.ascend import OP_COMM_ALGS
 from ..core.call import CombineCall, DispatchCall, Experts
 from ..core.platforms import SCALAR_TYPE_CODE
 from ..errors import shape
-from ..transports.collective import STATUS_OK, Agreement
+from ..transports.agreement import STATUS_OK, Agreement
 from .plan import pair_weights, plan_call, smooth_rows
 from .reduce import CombineJob, special_contributions
 from .rows import DTYPE_CODES, Parts, RowFormat, parse

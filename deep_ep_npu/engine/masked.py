@@ -14,7 +14,7 @@ from .. import kernels
 from ..core.call import CombineCall, DispatchCall
 from ..errors import shape
 from ..handle import LowLatencyHandle
-from ..transports.collective import Agreement
+from ..transports.agreement import Agreement
 from .plan import plan_topk
 from .reduce import LOGFMT, CombineJob
 from .rows import DTYPE_CODES, QUANTS, Parts, RowFormat, parse

@@ -1,4 +1,4 @@
-"""The MegaMoE pipeline (README "Fused MegaMoE" draws it): the PTO MegaMoE kernel's stages over a backend's flat
+"""The MegaMoE pipeline (``docs/mega-moe.md`` draws it): the PTO MegaMoE kernel's stages over a backend's flat
 dispatch / combine, per segment of local experts (or of tokens, ``segment_by="token"``), each an independent chain
 (its pairs selected by a 2D ``x_active_mask``): dispatch (quant_mode 2 for int8 weights), the expert FFN (:mod:`.ffn`),
 combine (the top-k weighted sum in fp32), one final cast. One comm thread issues every collective in the same order

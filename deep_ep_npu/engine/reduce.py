@@ -17,7 +17,8 @@ from .. import kernels, logfmt
 from ..core.call import CombineCall
 from ..errors import shape
 from ..quant import Quant, mx_dequant, per_group_int8
-from ..transports.collective import Agreement, EPGroup
+from ..transports.agreement import Agreement
+from ..transports.collective import EPGroup
 from .plan import Plan
 from .rows import Parts
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import MoeDistributeError, shape
-from ..transports.collective import STATUS_OK, EPGroup
+from ..transports.agreement import STATUS_OK
+from ..transports.collective import EPGroup
 
 TP_NAMES = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
 

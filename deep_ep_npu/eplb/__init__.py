@@ -1,6 +1,6 @@
 """Expert-parallel load balancing: DeepSeek's placement algorithm (:mod:`.algorithm`), placements and their maps
 (:mod:`.placement`) and the logical -> physical id mapping of torch_npu's ``npu_moe_update_expert``
-(:mod:`.routing`). The exchange itself runs on physical ids with ``num_experts = P`` (README "Expert load
+(:mod:`.routing`). The exchange itself runs on physical ids with ``num_experts = P`` (``docs/eplb.md``
 balancing")."""
 
 from .algorithm import balanced_packing, rebalance_experts, replicate_experts

@@ -1,4 +1,5 @@
-"""DeepSeek's expert-parallel load balancer (EPLB), reimplemented from its description (``reference/eplb.md`` §1):
+"""DeepSeek's expert-parallel load balancer (EPLB), reimplemented from its description
+(https://github.com/deepseek-ai/EPLB):
 replicate the hottest experts onto redundant slots and pack the slots onto ranks so that every rank gets about the
 same load. Pure CPU tensor code, no communication; every rank computes the same result from the same ``weight``.
 

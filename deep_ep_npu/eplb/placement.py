@@ -1,5 +1,6 @@
 """Placements: which logical expert each physical slot holds (``phy2log``), the maps derived from it, the load each
-rank gets, and vllm-ascend's JSON form of a static placement (``reference/eplb.md`` §0, §3.3).
+rank gets, and vllm-ascend's JSON form of a static placement (its ``eplb_utils.py``,
+https://github.com/vllm-project/vllm-ascend/blob/182b75e/vllm_ascend/eplb/core/eplb_utils.py).
 
 Slot ``p`` of a layer with P slots over R ranks lives on rank ``p // (P / R)``, local slot ``p % (P / R)``; the
 exchange runs on slot ids with ``num_experts = P``. A slot of -1 holds nothing (a lost rank's slots).

@@ -1,4 +1,5 @@
-"""Logical -> physical expert ids by torch_npu's ``npu_moe_update_expert`` semantics (``reference/eplb.md`` §3.8),
+"""Logical -> physical expert ids by torch_npu's ``npu_moe_update_expert`` semantics
+(https://github.com/Ascend/op-plugin/blob/2ef21a0/docs/context/torch_npu-npu_moe_update_expert.md),
 and the EPLB table it reads. One implementation: :func:`deep_ep_npu.ops.moe_update_expert` (torch_npu's signature)
 and the serving layer both call :func:`to_physical`.
 """

@@ -48,6 +48,13 @@ static void copies_done(void) {}
 static inline float load_f32(float v) { return v; }
 static inline float load_bf16(uint16_t v) { return dep_bf16_f32(v); }
 
+/* The int32 at p (a row's token or slot field: any alignment). */
+static inline int32_t read_i32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* add_T: acc += w * x; set_T: acc = 0 + w * x (as a sum from zeros: -0.0 becomes +0.0); fp32, each product rounded. */
 #define ROW_LOOPS(name, type, load)                                                                     \
     WIDE static void add_##name(float *restrict acc, const type *restrict x, float w, int64_t n) {     \
@@ -133,8 +140,7 @@ int64_t dep_place(const uint8_t *rows, int64_t n, int64_t row_bytes, int64_t dat
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = rows + i * row_bytes;
         for (int64_t j = 0; j < num_slots; j++) {
-            int32_t e;
-            memcpy(&e, row + slot_off + 4 * j, sizeof e);
+            int32_t e = read_i32(row + slot_off + 4 * j);
             if (e < -1 || e >= num_local)
                 return -1;
             if (e >= 0 && pos[e] + ++added[e] > cap)
@@ -144,11 +150,9 @@ int64_t dep_place(const uint8_t *rows, int64_t n, int64_t row_bytes, int64_t dat
     int64_t k = 0;
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = rows + i * row_bytes;
-        int32_t token;
-        memcpy(&token, row + token_off, sizeof token);
+        int32_t token = read_i32(row + token_off);
         for (int64_t j = 0; j < num_slots; j++) {
-            int32_t e;
-            memcpy(&e, row + slot_off + 4 * j, sizeof e);
+            int32_t e = read_i32(row + slot_off + 4 * j);
             if (e < 0)
                 continue;
             int64_t flat = e * cap + pos[e]++;
@@ -376,8 +380,7 @@ int64_t dep_place_flat(const int64_t *block_addr, const int64_t *block_n, const 
             return -1;
         for (int64_t i = 0; i < block_n[b]; i++)
             for (int64_t j = 0; j < num_slots; j++) {
-                int32_t e;
-                memcpy(&e, rows + i * row_bytes + slot_off + 4 * j, sizeof e);
+                int32_t e = read_i32(rows + i * row_bytes + slot_off + 4 * j);
                 if (e < -1 || e >= num_local)
                     return -1;
                 if (e >= 0) {
@@ -400,11 +403,9 @@ int64_t dep_place_flat(const int64_t *block_addr, const int64_t *block_n, const 
         int64_t s = block_src[b];
         for (int64_t i = 0; i < block_n[b]; i++) {
             const uint8_t *row = rows + i * row_bytes;
-            int32_t token;
-            memcpy(&token, row + token_off, sizeof token);
+            int32_t token = read_i32(row + token_off);
             for (int64_t j = 0; j < num_slots; j++) {
-                int32_t e;
-                memcpy(&e, row + slot_off + 4 * j, sizeof e);
+                int32_t e = read_i32(row + slot_off + 4 * j);
                 if (e < 0)
                     continue;
                 int64_t p = cursor[e * num_ranks + s]++;
@@ -469,6 +470,50 @@ WIDE static void to_int8(int8_t *restrict q, const float *restrict v, float inv,
     }
 }
 
+/* One quantized dispatch row: v's `hidden` fp32 values as data and scales (at scale_off) into row. Returns 0, or -4
+ * when the row's scale is the torch code's to write (a NaN, for fp8 also an Inf: which NaN bits, torch chooses). */
+typedef int (*QuantRow)(uint8_t *row, const float *v, int64_t hidden, int64_t scale_off);
+
+/* The loop of the quantizing packers: row i of out ([n][row_bytes]) gets quant() of x's row row_token[i] as fp32,
+ * the token (int32) at token_off, slot_expert's row i ([n][k] int32) at slot_off and, when weights ([n][k] fp32) is
+ * given, its row i at weight_off. Returns 0; -2 for a dtype this build lacks, -3 out of memory, or quant's -4 (rows
+ * written so far are partial: the caller runs the torch code). */
+static int pack_quantized(QuantRow quant, const uint8_t *x, int dtype, int64_t hidden, const int64_t *row_token,
+                          const int32_t *slot_expert, const float *weights, int64_t n, int64_t k, uint8_t *out,
+                          int64_t row_bytes, int64_t scale_off, int64_t token_off, int64_t slot_off,
+                          int64_t weight_off) {
+    if (!dep_has_dtype(dtype))
+        return -2;
+    int64_t item = dtype == DTYPE_F32 ? 4 : 2;
+    float *v = malloc(sizeof(float) * (size_t)(hidden > 0 ? hidden : 1));
+    if (!v)
+        return -3;
+    int rc = 0;
+    for (int64_t i = 0; i < n && rc == 0; i++) {
+        uint8_t *row = out + i * row_bytes;
+        row_to_f32(v, x + row_token[i] * hidden * item, dtype, hidden);
+        rc = quant(row, v, hidden, scale_off);
+        if (rc == 0)
+            write_fields(row, row_token[i], slot_expert + i * k, k, token_off, slot_off);
+        if (rc == 0 && weights)
+            memcpy(row + weight_off, weights + i * k, sizeof(float) * (size_t)k);
+    }
+    free(v);
+    return rc;
+}
+
+/* Per-token int8: amax = max |v| (NaN: -4), data int8(clamp(nan_to_0(rint(v * (127 / amax))), -127, 127)) (the
+ * factor 0 unless amax > 0), one fp32 scale amax / 127. */
+static int quant_int8_row(uint8_t *row, const float *v, int64_t hidden, int64_t scale_off) {
+    float amax = abs_max(v, hidden);
+    if (amax != amax)
+        return -4;
+    to_int8((int8_t *)row, v, amax > 0.0f ? 127.0f / amax : 0.0f, hidden);
+    float scale = amax / 127.0f;
+    memcpy(row + scale_off, &scale, sizeof scale);
+    return 0;
+}
+
 /* Dispatch rows with per-token dynamic int8 quantization (Ascend quant_mode 2, no smoothing): row i of out
  * ([n][row_bytes]) gets q = int8(clamp(nan_to_0(rint(v * (127 / amax))), -127, 127)) of x's row row_token[i] (v: its
  * `hidden` values of `dtype` as fp32; amax = max |v|, NaN when a value is NaN; the factor is 0 unless amax > 0), the
@@ -479,30 +524,8 @@ WIDE static void to_int8(int8_t *restrict q, const float *restrict v, float inv,
 int dep_pack_int8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *row_token, const int32_t *slot_expert,
                   const float *weights, int64_t n, int64_t k, uint8_t *out, int64_t row_bytes, int64_t scale_off,
                   int64_t token_off, int64_t slot_off, int64_t weight_off) {
-    if (!dep_has_dtype(dtype))
-        return -2;
-    int64_t item = dtype == DTYPE_F32 ? 4 : 2;
-    float *v = malloc(sizeof(float) * (size_t)(hidden > 0 ? hidden : 1));
-    if (!v)
-        return -3;
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *src = x + row_token[i] * hidden * item;
-        uint8_t *row = out + i * row_bytes;
-        row_to_f32(v, src, dtype, hidden);
-        float amax = abs_max(v, hidden);
-        if (amax != amax) { /* a NaN: its bits in the scale are the torch code's to choose */
-            free(v);
-            return -4;
-        }
-        to_int8((int8_t *)row, v, amax > 0.0f ? 127.0f / amax : 0.0f, hidden);
-        float scale = amax / 127.0f;
-        memcpy(row + scale_off, &scale, sizeof scale);
-        write_fields(row, row_token[i], slot_expert + i * k, k, token_off, slot_off);
-        if (weights)
-            memcpy(row + weight_off, weights + i * k, sizeof(float) * (size_t)k);
-    }
-    free(v);
-    return 0;
+    return pack_quantized(quant_int8_row, x, dtype, hidden, row_token, slot_expert, weights, n, k, out, row_bytes,
+                          scale_off, token_off, slot_off, weight_off);
 }
 
 /* The masked layout's scales of placed pairs: pair i (row pair_row[i] of rows ([*][row_bytes]), flat position
@@ -554,6 +577,22 @@ WIDE static void to_e4m3_scaled(uint8_t *restrict q, const float *restrict w, fl
     }
 }
 
+/* DeepEP's fp8 per 128 channels: per group, amax = max |v| (NaN or Inf: -4) clamped to >= 1e-4, scale_inv =
+ * amax / 448, data e4m3(clamp(v / scale_inv, -448, 448)), the fp32 scale_inv at scale_off + 4 * group. */
+static int quant_fp8_row(uint8_t *row, const float *v, int64_t hidden, int64_t scale_off) {
+    for (int64_t g = 0; g < hidden / 128; g++) {
+        const float *w = v + 128 * g;
+        float amax = abs_max(w, 128);
+        if (!(amax <= 3.4028235e38f))
+            return -4;
+        amax = amax < 1e-4f ? 1e-4f : amax;
+        float scale = amax / 448.0f;
+        to_e4m3_scaled(row + 128 * g, w, scale, 128);
+        memcpy(row + scale_off + 4 * g, &scale, sizeof scale);
+    }
+    return 0;
+}
+
 /* Dispatch rows in DeepEP's fp8 (per 128 channels, scales not rounded): for each group of x's row row_token[i]
  * (values v as fp32, from `dtype`), amax = max |v| clamped to >= 1e-4, scale_inv = amax / 448; the data is
  * e4m3(clamp(v / scale_inv, -448, 448)) and the scale_inv (fp32, one per group) goes to scale_off; then the token
@@ -563,32 +602,8 @@ WIDE static void to_e4m3_scaled(uint8_t *restrict q, const float *restrict w, fl
 int dep_pack_fp8(const uint8_t *x, int dtype, int64_t hidden, const int64_t *row_token, const int32_t *slot_expert,
                  int64_t n, int64_t k, uint8_t *out, int64_t row_bytes, int64_t scale_off, int64_t token_off,
                  int64_t slot_off) {
-    if (!dep_has_dtype(dtype))
-        return -2;
-    int64_t item = dtype == DTYPE_F32 ? 4 : 2;
-    float *v = malloc(sizeof(float) * (size_t)(hidden > 0 ? hidden : 1));
-    if (!v)
-        return -3;
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *src = x + row_token[i] * hidden * item;
-        uint8_t *row = out + i * row_bytes;
-        row_to_f32(v, src, dtype, hidden);
-        for (int64_t g = 0; g < hidden / 128; g++) {
-            const float *w = v + 128 * g;
-            float amax = abs_max(w, 128);
-            if (!(amax <= 3.4028235e38f)) { /* NaN or Inf */
-                free(v);
-                return -4;
-            }
-            amax = amax < 1e-4f ? 1e-4f : amax;
-            float scale = amax / 448.0f;
-            to_e4m3_scaled(row + 128 * g, w, scale, 128);
-            memcpy(row + scale_off + 4 * g, &scale, sizeof scale);
-        }
-        write_fields(row, row_token[i], slot_expert + i * k, k, token_off, slot_off);
-    }
-    free(v);
-    return 0;
+    return pack_quantized(quant_fp8_row, x, dtype, hidden, row_token, slot_expert, NULL, n, k, out, row_bytes,
+                          scale_off, token_off, slot_off, 0);
 }
 
 /* e4m3fn bytes of n floats (the cast alone, for tests). */

@@ -1,6 +1,6 @@
-"""The communication context of CANN's V3 context ops (``Mc2MoeContext``, reference cann_torch_ext.md §2.3): an
-`int32` tensor naming one rank of one EP communicator, built by :func:`create_context` and read back by
-:func:`context_group`.
+"""The communication context of CANN's V3 context ops (``Mc2MoeContext``, CANN's
+``mc2/common/op_kernel/mc2_moe_context.h``): an `int32` tensor naming one rank of one EP communicator, built by
+:func:`create_context` and read back by :func:`context_group`.
 
 Layouts (little-endian, a u64 spans two int32, low word first): ``"old"`` (``update_context``, 2052 int32 = 8208 B:
 ``u64 epRankId`` @0, ``u64 kfcContextAddr`` @8, ``u64 epHcclBuffer[1024]`` @16) and ``"new"`` (``CommContextManager``,

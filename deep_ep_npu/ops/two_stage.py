@@ -9,10 +9,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..backends import InFlight
 from ..core import ascend, rules
 from ..core.ascend import platform
 from ..core.call import DispatchCall
-from ..engine.exchange import InFlight, check_names, check_status, engine_for, header
+from ..engine.exchange import check_names, check_status, engine_for, header
 from ..engine.rows import DTYPE_CODES
 from ..errors import null, shape
 from ..sizes import align
@@ -55,7 +56,7 @@ def moe_distribute_dispatch_setup(
         experts = ascend.experts(engine.group, ep_world_size, ep_rank_id, moe_expert_num, strict=strict,
                                  expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
                                  shared_expert_rank_num=shared_expert_rank_num)  # fmt: skip
-        call = rules.dispatch(DispatchCall(DISPATCH_SETUP, "flat", x, expert_ids, experts, global_bs=global_bs,
+        call = ascend.dispatch(DispatchCall(DISPATCH_SETUP, "flat", x, expert_ids, experts, global_bs=global_bs,
                                            x_active_mask=x_active_mask, quant=(quant_mode, y_dtype, None, None),
                                            scales=scales))  # fmt: skip
         (bs, k), h = call.expert_ids.shape, x.shape[1]

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
+from ..backends import InFlight
 from ..core import rules
 from ..core.ascend import PLATFORM_NAMES
 from ..core.call import Experts
-from ..engine.exchange import InFlight
 from ..errors import invalid, shape
 from ..sizes import align
 from ..transports.names import resolve_group

@@ -1,5 +1,7 @@
-"""torch_npu's ``npu_moe_update_expert`` (``reference/eplb.md`` §3.8): logical top-k ids -> physical ids through an
-EPLB table, before ``moe_distribute_dispatch_v2`` with ``moe_expert_num`` = the table's total replica count."""
+"""torch_npu's ``npu_moe_update_expert``
+(https://github.com/Ascend/op-plugin/blob/2ef21a0/docs/context/torch_npu-npu_moe_update_expert.md): logical top-k ids ->
+physical ids through an EPLB table, before ``moe_distribute_dispatch_v2`` with ``moe_expert_num`` = the table's total
+replica count."""
 
 from __future__ import annotations
 

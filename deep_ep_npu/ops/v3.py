@@ -23,6 +23,7 @@ from ..core import ascend, rules
 from ..engine.exchange import engine_for
 from ..errors import invalid
 from .context import check_ccl, check_context, context_group
+from .v2 import moe_distribute_combine_v2, moe_distribute_dispatch_v2
 
 DISPATCH_V3, COMBINE_V3 = "moe_distribute_dispatch_v3", "moe_distribute_combine_v3"
 
@@ -64,8 +65,6 @@ def moe_distribute_dispatch_v3(
     ``ccl_buffer_size`` in bytes (see the module docstring). Returns its 7 outputs
     ``(expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts,
     expand_scales)``."""
-    from . import moe_distribute_dispatch_v2
-
     sizes = (ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size)
     layout: dict[str, Any] = dict(expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
                                   shared_expert_rank_num=shared_expert_rank_num, comm_alg=comm_alg)  # fmt: skip
@@ -95,8 +94,6 @@ def moe_distribute_combine_v3(
     """``npu_moe_distribute_combine_v3``: :func:`~deep_ep_npu.ops.moe_distribute_combine_v2` on the communicator
     ``context`` names, ``ccl_buffer_size`` in bytes (module docstring). ``expert_scales`` `[Bs, K]` `torch.float32`,
     or an empty tensor for a plain sum. Returns x `[Bs, H]` in expand_x's dtype."""
-    from . import moe_distribute_combine_v2
-
     sizes = (ep_world_size, ep_rank_id, moe_expert_num, ccl_buffer_size)
     layout: dict[str, Any] = dict(expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
                                   shared_expert_rank_num=shared_expert_rank_num, comm_alg=comm_alg)  # fmt: skip

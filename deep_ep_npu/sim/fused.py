@@ -33,7 +33,7 @@ from ..engine.exchange import check_status, engine_for
 from ..engine.pipeline import run
 from ..errors import MoeDistributeError, invalid, shape
 from ..mega_moe import prepare
-from ..transports.collective import STATUS_OK
+from ..transports.agreement import STATUS_OK
 from ..transports.names import resolve_group
 
 SCHEMA = (

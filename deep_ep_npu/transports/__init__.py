@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from . import window
-from .collective import Agreement, Check, Collective, EPGroup, Write
+from . import window, window_setup
+from .agreement import Agreement, Check, Write
+from .collective import Collective, EPGroup
 from .spanning import Spanning
 
 TRANSPORTS = ("auto", "shm", "collective")
@@ -73,7 +74,7 @@ def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Tran
             raise ValueError(f"transport: 'shm' needs a gloo (CPU) group, got backend {backend!r}; pass 'auto'")
         return collective, None
     nbytes = max(window_bytes, window.DEFAULT_WINDOW_BYTES)
-    win = window.create(ep, nbytes, required=name == "shm")
+    win = window_setup.create(ep, nbytes, required=name == "shm")
     if win is None or len(win.peers) == ep.num_ranks - 1:
         return collective, win
     return collective, Spanning(win, Collective(ep, reuse, local=frozenset(win.peers)))

@@ -22,27 +22,11 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from .early import OVER_BOUND, PAYLOAD, check_started, early_bytes, join_started
+from .agreement import STATUS_OK, Agreement, Check, Write
+from .early import OVER_BOUND, PAYLOAD, check_started, early_bytes, started
 from .failure import EPRankFailure, agree_missing, resolve_timeout
 
 _R = TypeVar("_R")
-STATUS_OK = 0
-
-
-@dataclasses.dataclass
-class Agreement:
-    """What every source rank announced to this rank in one agreement step (lists indexed by source rank): its status
-    (0, or the aclnn code of its rejected input), its words for this rank, its shared words, and the wait (µs)."""
-
-    status: list[int]
-    counts: list[list[int]]
-    shared: list[tuple[int, ...]]
-    wait_us: int
-    op: str
-
-
-Write = Callable[[int, torch.Tensor], None]  # write(d, out): the rows for rank d into out [rows, row_bytes]
-Check = Callable[[Agreement], None]
 
 
 class _Monitor:
@@ -245,6 +229,22 @@ class EPGroup:
                 rewind()
 
 
+def join_started(agreement: Agreement, ep: EPGroup, local: frozenset[int]) -> bool:
+    """Join the payloads the peers started before the agreement, sending none on gloo (they posted the bound), else
+    zeros of the posted size; whether any had started."""
+    peers, bounded = started(agreement, ep.live, ep.rank), early_bytes(ep.num_ranks, ep.device) > 0
+    if not peers:
+        return False
+    recv, send = [0] * ep.num_ranks, [0] * ep.num_ranks
+    for s in (s for s in peers if s not in local):  # (this host's peers' rows go another way)
+        width = agreement.shared[s][0] if agreement.shared[s] else 0
+        recv[s], send[s] = agreement.counts[s][0] * width, 0 if bounded else agreement.counts[s][1] * width
+    landing = torch.empty((sum(recv),), dtype=torch.uint8, device=ep.device)
+    zeros = torch.zeros((sum(send),), dtype=torch.uint8, device=ep.device)
+    ep.wait(ep.all_to_all(landing, zeros, recv, send, PAYLOAD), PAYLOAD)
+    return True
+
+
 class Collective:
     """The collective transport. ``reuse``: the send / receive buffers alternate between two reused sets (at most two
     calls in flight, a buffer's rule), else each call gets its own."""
@@ -255,7 +255,7 @@ class Collective:
         self.ep, self.reuse, self._flip = ep, reuse, 0
         self.local = local  # ranks whose rows go another way (a spanning transport's window): none travel here
         self._buffers: dict[str, torch.Tensor] = {}
-        self.early_bytes = early_bytes(ep)  # (the bound of an early payload's rows per peer on gloo, else 0)
+        self.early_bytes = early_bytes(ep.num_ranks, ep.device)  # (an early payload's rows per peer on gloo, else 0)
 
     def _buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -299,7 +299,7 @@ class Collective:
                 join_started(agreement, ep, self.local)  # (peers that knew what they receive started already)
             check(agreement)
             if joined:
-                check_started(agreement, ep, False)
+                check_started(agreement, ep.live, ep.rank, False)
             return agreement, *start_payload(
                 [0 if s in skip else n * row_bytes for s, (n, *_) in enumerate(agreement.counts)]
             )
@@ -326,7 +326,7 @@ class Collective:
             agreement = finish_agree()
             check(agreement)
             if any(c[1] < 0 for s, c in enumerate(agreement.counts) if s in self.ep.live and s != self.ep.rank):
-                check_started(agreement, self.ep, True)
+                check_started(agreement, self.ep.live, self.ep.rank, True)
         parts, begin, masked, row_bytes = [], 0, self.ep.mask.tolist(), agreement.shared[self.ep.rank][0]
         for s, nbytes in enumerate(posted):  # (each rank's announced rows: within what was posted for it)
             if s != self.ep.rank and s not in self.local and not masked[s]:

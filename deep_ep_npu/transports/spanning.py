@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .collective import Agreement, Check, Collective, Write
+from .agreement import Agreement, Check, Write
+from .collective import Collective
 from .failure import EPRankFailure
 from .window import Call, PeerLost, Window
 

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MoeDistributeError, invalid
-from .collective import STATUS_OK, Agreement, Check, EPGroup, Write
+from .agreement import STATUS_OK, Agreement, Check, Write
+from .collective import EPGroup
 from .failure import EPRankFailure, agree_missing
 
 HEADER, DONE, BYE, FAIL = 1, 2, 3, 4  # message kinds
@@ -269,11 +270,3 @@ class Window:
             close_fds(peer.out_fd, peer.in_fd)
             peer.gone = "this rank closed the window"
         self.peers.clear()  # the peers' windows are unmapped once their tensors are freed
-
-
-def create(ep: EPGroup, nbytes: int, required: bool) -> Window | None:
-    """The window transport of ``ep``'s ranks (collective; see :func:`.window_setup.setup`), or None."""
-    from .window_setup import setup  # (it imports this module)
-
-    parts = setup(ep, nbytes, required)
-    return None if parts is None else Window(ep, *parts)

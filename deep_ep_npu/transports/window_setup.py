@@ -1,9 +1,10 @@
-"""Setting up the shared-memory windows of a group's ranks (:func:`setup`, collective): each rank creates its window
-(``memfd_create``: no name anywhere), binds an abstract unix socket (no file), exchanges its name through the group,
-sends each peer its window and the write end of a new pipe (``SCM_RIGHTS``), and checks the nonce each peer wrote at
-the start of its window. The first agreement also carries each rank's host key (:mod:`.hosts`): windows join the ranks
-of one host only (ranks on other hosts, or network namespaces, could not reach the sockets anyway); a failed exchange
-is seen by some rank and every rank learns it in the closing agreement. The windows' use: :mod:`.window`."""
+"""Setting up the shared-memory windows of a group's ranks (:func:`create` / :func:`setup`, collective): each rank
+creates its window (``memfd_create``: no name anywhere), binds an abstract unix socket (no file), exchanges its name
+through the group, sends each peer its window and the write end of a new pipe (``SCM_RIGHTS``), and checks the nonce
+each peer wrote at the start of its window. The first agreement also carries each rank's host key (:mod:`.hosts`):
+windows join the ranks of one host only (ranks on other hosts, or network namespaces, could not reach the sockets
+anyway); a failed exchange is seen by some rank and every rank learns it in the closing agreement. The windows' use:
+:mod:`.window`."""
 
 from __future__ import annotations
 
@@ -17,9 +18,16 @@ import time
 
 import torch
 
-from .collective import STATUS_OK, EPGroup
+from .agreement import STATUS_OK
+from .collective import EPGroup
 from .hosts import host_groups, host_key
-from .window import PeerParts, close_fds
+from .window import PeerParts, Window, close_fds
+
+
+def create(ep: EPGroup, nbytes: int, required: bool) -> Window | None:
+    """The window transport of ``ep``'s ranks (collective; see :func:`setup`), or None."""
+    parts = setup(ep, nbytes, required)
+    return None if parts is None else Window(ep, *parts)
 
 
 def setup(ep: EPGroup, nbytes: int, required: bool) -> tuple[int, torch.Tensor, dict[int, PeerParts]] | None:

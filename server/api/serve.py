@@ -83,9 +83,8 @@ def serve(config: ServerConfig) -> int:
 
 def _serving_line(config: ServerConfig, engine: object) -> str:
     """``serving MODEL on URL (EP n, backend, device)``: {url} is filled in once uvicorn has bound its socket."""
-    infos = getattr(engine, "worker_infos", None) or [{}]
-    backend = infos[0].get("moe_backend", config.backend)
-    device = infos[0].get("device", config.device)
+    infos = getattr(engine, "worker_infos", None)  # (an engine without workers, e.g. a test's, has none)
+    backend, device = (infos[0].moe_backend, infos[0].device) if infos else (config.backend, config.device)
     return f"serving {config.model_name} on {{url}} (EP {config.ep_size}, backend {backend}, device {device})"
 
 

@@ -1,4 +1,5 @@
-"""Which weight format a checkpoint uses (``reference/checkpoints.md`` §3.1), or why it cannot be served."""
+"""Which weight format a checkpoint uses (its ``quantization_config.quant_method``, or msmodelslim's
+``quant_model_description.json``), or why it cannot be served."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Quantized checkpoint formats: how a stored weight becomes the float weight the model runs
-(``reference/checkpoints.md`` §3).
+(DeepSeek-V3's ``README_WEIGHTS.md``, https://github.com/vllm-project/compressed-tensors, vllm-ascend's msmodelslim
+loader, transformers' ``integrations/mxfp4.py``).
 
 The rule is per tensor: a float tensor (F32 / F16 / BF16) is used as stored; a 1-byte one (F8_E4M3, F8_E5M2, I8) is
 a quantized weight, which the checkpoint's declared format dequantizes **on load, exactly** (in fp32, then cast to

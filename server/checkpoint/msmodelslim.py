@@ -1,4 +1,5 @@
-"""Ascend msmodelslim checkpoints (``quant_model_description.json``, ``reference/checkpoints.md`` §3.4).
+"""Ascend msmodelslim checkpoints (``quant_model_description.json``; vllm-ascend's
+https://github.com/vllm-project/vllm-ascend/tree/182b75e/vllm_ascend/quantization reads them).
 
 The description maps every tensor to its scheme: ``W8A8_DYNAMIC`` weights are dequantized on load, ``W = (W_q -
 weight_offset) * weight_scale`` per output channel (vllm-ascend runs them with per-token dynamic int8 activations,

@@ -1,4 +1,5 @@
-"""gpt-oss' MXFP4 routed experts (``quant_method: mxfp4``, ``reference/checkpoints.md`` §3.5), dequantized on load."""
+"""gpt-oss' MXFP4 routed experts (``quant_method: mxfp4``), dequantized on load as transformers' converter does
+(https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers/integrations/mxfp4.py)."""
 
 from __future__ import annotations
 

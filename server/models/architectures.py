@@ -1,8 +1,8 @@
 """The MoE families we serve: how each one's ``config.json`` maps onto :class:`~server.models.config.ModelConfig`.
 
-Values missing from a ``config.json`` take the defaults of that family's transformers config class (5.24); what a
-family cannot run here (a sliding window on Qwen / Mixtral, a ``hidden_act`` other than silu) is refused by name.
-``reference/checkpoints.md`` §4 lists the differences between the families.
+Values missing from a ``config.json`` take the defaults of that family's transformers config class (5.24); what a family
+cannot run here (a sliding window on Qwen / Mixtral, a ``hidden_act`` other than silu) is refused by name. Each family's
+transformers model code (https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers/models) is the spec.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from .quant import Int8Linear
 
 
 class Router(nn.Module):
-    """Top-k routing with the exact semantics of the HF class (``reference/serving.md`` §6, ``checkpoints.md`` §4).
+    """Top-k routing with the exact semantics of the HF class (each family's ``modeling_*.py`` in transformers 5.24).
 
     softmax (Qwen2/3-MoE, OLMoE, Mixtral): fp32 softmax -> top-k -> renormalise iff ``norm_topk_prob``.
     sigmoid (DeepSeek-V3, GLM-4.5): sigmoid -> + ``e_score_correction_bias`` (selection only) -> best ``topk_group`` of

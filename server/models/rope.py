@@ -1,4 +1,5 @@
-"""Rotary position embeddings with the scaling types of HF checkpoints (``reference/checkpoints.md`` §2).
+"""Rotary position embeddings with the scaling types of HF checkpoints
+(https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers/modeling_rope_utils.py).
 
 :class:`RopeConfig` reads ``rope_scaling`` / ``rope_parameters`` of a ``config.json`` as transformers 5.x does
 (``rope_scaling`` wins when both are set; the legacy key ``type`` is ``rope_type``); :class:`Rotary` turns it into
@@ -166,7 +167,7 @@ class RopeConfig:
     def mla_mscale(self) -> float:
         """DeepSeek-V3's softmax scale is multiplied by this twice: ``mscale(factor, mscale_all_dim)`` for a scaled
         rope with a non-zero ``mscale_all_dim`` (1.3689 for DeepSeek-V3 / R1: x1.8739), else 1
-        (``reference/checkpoints.md`` §2.5)."""
+        (https://github.com/deepseek-ai/DeepSeek-V3/blob/9b4e978/inference/model.py)."""
         if self.rope_type == "default" or not self.mscale_all_dim:
             return 1.0
         return _mscale(self.factor, self.mscale_all_dim)

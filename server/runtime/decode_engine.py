@@ -21,12 +21,11 @@ from typing import Any
 from ..disagg.fetch import Fetch
 from ..disagg.transfer import KVPull
 from ..engine_api import KVTransferParams, KVTransferStat, RequestDelta, SamplingParams, TokenLogprob
-from .detokenizer import apply_token
 from .engine import EPEngine
 from .engine_config import EngineConfig
 from .kv_layout import kv_layout
 from .plan import StepResult
-from .scheduler import Request
+from .request import Request, apply_token
 
 IDLE_WAIT_S = 0.02  # with nothing to step, how long step() waits for a prefill instance's answer
 

@@ -16,12 +16,13 @@ from ..models.kv_cache import bytes_per_block
 from ..models.moe import fused_refusal
 from ..tokenizer import load_tokenizer
 from .block_manager import KVCacheManager
-from .detokenizer import IncrementalDetokenizer, apply_token
+from .detokenizer import IncrementalDetokenizer
 from .engine_config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, default_capacity
 from .expert_placement import build_expert_map, uses_placement
 from .kv_budget import check_fits, mib
-from .plan import StepResult
-from .scheduler import RankScheduler, Request
+from .plan import StepResult, WorkerInfo
+from .request import Request, apply_token
+from .scheduler import RankScheduler
 from .torchrun import TorchrunWorkers
 from .workers import ProcessWorkers, WorkerError, WorkerGroup
 
@@ -81,15 +82,15 @@ class EPEngine(EngineCore):
         self.workers: WorkerGroup = TorchrunWorkers(config) if config.use_torchrun else ProcessWorkers(config)
         self._finalizer = weakref.finalize(self, self.workers.shutdown)
         self.ep_size = len(self.workers.infos)
-        smallest = min(self.workers.infos, key=lambda info: info["num_kv_blocks"])
+        smallest = min(self.workers.infos, key=lambda info: info.num_kv_blocks)
         try:
-            check_fits(smallest["num_kv_blocks"], config.block_size, block_bytes, config.max_model_len,
-                       f"worker {smallest['rank']}'s budget ({smallest['kv_budget_source']})")  # fmt: skip
+            check_fits(smallest.num_kv_blocks, config.block_size, block_bytes, config.max_model_len,
+                       f"worker {smallest.rank}'s budget ({smallest.kv_budget_source})")  # fmt: skip
         except ValueError:
             self.shutdown()
             raise
         self.schedulers = [
-            RankScheduler(KVCacheManager(info["num_kv_blocks"], config.block_size, config.enable_prefix_caching),
+            RankScheduler(KVCacheManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching),
                           config.max_num_seqs, config.capacity, config.max_model_len)
             for info in self.workers.infos
         ]  # fmt: skip
@@ -107,7 +108,7 @@ class EPEngine(EngineCore):
         self.ping_timeout_s = min(config.step_timeout_s, 5.0)
 
     @property
-    def worker_infos(self) -> list[dict]:
+    def worker_infos(self) -> list[WorkerInfo]:
         """Per worker: peak RSS after loading, expert/weight/KV-cache bytes, KV blocks, number of local experts."""
         return self.workers.infos
 

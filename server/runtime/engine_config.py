@@ -48,7 +48,7 @@ class EngineConfig:
     ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
     timeout; ``step_timeout_s`` how long one lockstep step (or a health ping) may take; ``elastic`` keep serving on
     the survivors of a lost worker (spawned workers or torchrun ranks); ``use_buffer_at_ep1`` EP 1 through a Buffer
-    instead of the in-process dispatch; expert load balancing (README "Expert load balancing"):
+    instead of the in-process dispatch; expert load balancing (``docs/eplb.md``):
     ``num_redundant_experts`` extra expert slots, ``expert_placement`` a static placement file (vllm-ascend's JSON),
     ``eplb`` rebalance every ``eplb_interval`` steps from the load of the last ``eplb_window`` steps;
     ``socket_ifname`` the network interface(s) of a torchrun rank's process groups (``GLOO_SOCKET_IFNAME`` /

@@ -1,4 +1,4 @@
-"""The serving layer's expert placement (README "Expert load balancing"): ``num_redundant_experts`` R extra slots
+"""The serving layer's expert placement (``docs/eplb.md``): ``num_redundant_experts`` R extra slots
 (vLLM's initial placement: slot ``E + i`` holds expert ``i % E``) or a static placement file in vllm-ascend's JSON
 format (``expert_placement``; given with R, the two must agree), as a :class:`deep_ep_npu.eplb.ExpertMap` over the
 model's MoE layers. Checked where the model config is known (every worker, before its weights load)."""

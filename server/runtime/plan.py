@@ -1,4 +1,5 @@
-"""What the driver sends a worker each step (:class:`StepPlan`) and what comes back (:class:`StepResult`)."""
+"""What a worker tells the driver once it is ready (:class:`WorkerInfo`), what the driver sends it each step
+(:class:`StepPlan`) and what comes back (:class:`StepResult`)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,28 @@ class StepResult:
     num_lost_experts: int = 0  # (MoE layer, expert) pairs with no replica left after lost ranks
     regroup: str = ""  # why the EP group must regroup although this step finished (its EPLB exchange failed)
     pulls: list[PullResult] = dataclasses.field(default_factory=list)  # the plan's pulls, in order
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's ``("ready", info)`` report: memory (bytes: resident before loading, peak after; its experts', all
+    its weights' and its KV cache's), the KV cache's blocks and how its budget was chosen, its local experts, the
+    device it bound and the Buffer backend its MoE layers run on (``"local"``: EP 1, in-process dispatch); with
+    disaggregation, where other instances read its KV cache (the transfer segment, each cache tensor's address and
+    bytes per block)."""
+
+    rank: int
+    rss_before_load: int
+    peak_rss_after_load: int
+    expert_bytes: int
+    weight_bytes: int
+    kv_cache_bytes: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+    kv_budget_source: str
+    num_local_experts: int
+    device: str
+    moe_backend: str
+    kv_segment: str = ""
+    kv_bases: list[int] = dataclasses.field(default_factory=list)
+    kv_block_bytes: list[int] = dataclasses.field(default_factory=list)

@@ -20,7 +20,7 @@ from .block_manager import BlockTable
 from .engine import EPEngine
 from .engine_config import EngineConfig
 from .kv_layout import kv_layout
-from .scheduler import Request
+from .request import Request
 
 
 class PrefillEngine(EPEngine):
@@ -82,9 +82,9 @@ class PrefillEngine(EPEngine):
                 else [None if p is None else dataclasses.asdict(p) for p in delta.prompt_logprobs],
                 "prompt_ids": req.token_ids[: req.prompt_len],
                 "worker": rank,
-                "segment": info["kv_segment"],
-                "bases": info["kv_bases"],
-                "block_bytes": info["kv_block_bytes"],
+                "segment": info.kv_segment,
+                "bases": info.kv_bases,
+                "block_bytes": info.kv_block_bytes,
                 "blocks": list(req.table.blocks),
             },
         )

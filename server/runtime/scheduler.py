@@ -17,53 +17,11 @@ planned past ``max_tokens`` or ``max_model_len`` counting that token.
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 from ..disagg.transfer import KVPull
-from ..engine_api import SamplingParams
-from .block_manager import BlockTable, KVCacheManager
-from .detokenizer import IncrementalDetokenizer
+from .block_manager import KVCacheManager
 from .plan import PlanEntry, StepPlan
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One request on its rank. ``token_ids`` is the prompt followed by the output so far; ``num_computed`` tokens
-    of it have their keys/values in the cache (or planned); ``num_inflight`` tokens are being sampled by steps whose
-    results have not arrived."""
-
-    request_id: str
-    seq_id: int
-    prompt_len: int
-    token_ids: list[int]
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    num_computed: int = 0
-    num_inflight: int = 0
-    started: bool = False  # the worker has this request's sampling params
-    finish_reason: str | None = None
-    table: BlockTable = dataclasses.field(default_factory=BlockTable)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-    @property
-    def num_pending(self) -> int:
-        """Tokens (in flight included) whose keys/values are not computed yet."""
-        return len(self.token_ids) + self.num_inflight - self.num_computed
-
-    def num_schedulable(self, max_model_len: int) -> int:
-        """Tokens it can run now: 1 in decode, else its known uncomputed tokens; 0 once its last token is planned
-        (``max_tokens`` or ``max_model_len`` reached, counting in-flight tokens)."""
-        total = len(self.token_ids) + self.num_inflight
-        if self.num_pending == 1:
-            return int(total - self.prompt_len < self.params.max_tokens and total < max_model_len)
-        return len(self.token_ids) - self.num_computed
+from .request import Request
 
 
 class RankScheduler:

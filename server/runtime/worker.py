@@ -31,7 +31,7 @@ from .engine_config import EngineConfig
 from .expert_placement import build_expert_map
 from .grammar import WorkerGrammars, mask_rows
 from .kv_budget import kv_budget_bytes
-from .plan import PlanEntry, StepPlan, StepResult
+from .plan import PlanEntry, StepPlan, StepResult, WorkerInfo
 from .rebalance import Rebalancer
 from .request_sampler import RequestSampler
 
@@ -110,22 +110,22 @@ class Worker:
         # a pool under one full-length request is refused by the driver, which then stops this worker
         self.cache = PagedKVCache(cfg, max(num_blocks, 1), args.block_size, dtype, self.device)
         experts = [t for moe in self.model.moe_layers() for t in moe.expert_tensors()]
-        self.info = {
-            "rank": rank,
-            "rss_before_load": rss_before,
-            "peak_rss_after_load": peak,
-            "expert_bytes": sum(t.numel() * t.element_size() for t in experts),
-            "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.info = WorkerInfo(
+            rank=rank,
+            rss_before_load=rss_before,
+            peak_rss_after_load=peak,
+            expert_bytes=sum(t.numel() * t.element_size() for t in experts),
+            weight_bytes=sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
             + sum(t.numel() * t.element_size() for moe in self.model.moe_layers() for t in moe._mega_weights or ()),
-            "kv_cache_bytes": self.cache.num_bytes(),
-            "num_kv_blocks": num_blocks,
-            "kv_bytes_per_block": block_bytes,
-            "kv_budget_source": source,
-            "num_local_experts": self.model.comm.num_local_experts,
-            "device": str(self.device),
+            kv_cache_bytes=self.cache.num_bytes(),
+            num_kv_blocks=num_blocks,
+            kv_bytes_per_block=block_bytes,
+            kv_budget_source=source,
+            num_local_experts=self.model.comm.num_local_experts,
+            device=str(self.device),
             # the Buffer backend the MoE layers run on ("local": EP 1 without a Buffer, in-process dispatch)
-            "moe_backend": self.model.comm.buffer.backend_name if isinstance(self.model.comm, BufferComm) else "local",
-        }
+            moe_backend=self.model.comm.buffer.backend_name if isinstance(self.model.comm, BufferComm) else "local",
+        )
         self.rebalancer: Rebalancer | None = None
         if args.eplb and isinstance(self.model.comm, BufferComm):
             moe_layers = self.model.moe_layers()
@@ -141,9 +141,12 @@ class Worker:
             self.transfer = make_backend(args.transfer_backend, args.kv_transfer_host)
             tensors = cache_tensors(self.cache.layers)
             self.transfer.register(tensors)
-            self.info["kv_segment"] = self.transfer.segment
-            self.info["kv_bases"] = [t.data_ptr() for t in tensors]
-            self.info["kv_block_bytes"] = [t[0].numel() * t.element_size() for t in tensors]
+            self.info = dataclasses.replace(
+                self.info,
+                kv_segment=self.transfer.segment,
+                kv_bases=[t.data_ptr() for t in tensors],
+                kv_block_bytes=[t[0].numel() * t.element_size() for t in tensors],
+            )
         cfg = self.model.cfg
         self._grammars = WorkerGrammars(lambda: load_tokenizer(args.model, cfg.eos_token_ids), cfg.vocab_size)
 

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from .engine_config import EngineConfig
 from .heartbeat import PATIENCE, STALE_S
-from .plan import StepPlan, StepResult
+from .plan import StepPlan, StepResult, WorkerInfo
 from .rendezvous import serve_loopback_store
 from .worker_loop import worker_main
 
@@ -31,7 +31,7 @@ class WorkerError(RuntimeError):
 
 
 class WorkerGroup(abc.ABC):
-    infos: list[dict]
+    infos: list[WorkerInfo]
     lost: dict[int, str]  # elastic mode: lost worker rank -> why
 
     overlaps: bool  # submit() returns while the workers run (the driver can plan the next step meanwhile)
@@ -144,11 +144,11 @@ class ProcessWorkers(WorkerGroup):
                         world_size, [p.pid for p in self.procs])  # fmt: skip
             started = time.monotonic()
 
-            def ready(rank: int, info: dict, num_ready: int) -> None:
+            def ready(rank: int, info: WorkerInfo, num_ready: int) -> None:
                 logger.info("EP worker %d ready (%d/%d) after %.1f s: %d local experts, %.1f MiB of weights, KV cache "
                             "%d blocks (%.1f MiB) on %s", rank, num_ready, world_size, time.monotonic() - started,
-                            info["num_local_experts"], info["weight_bytes"] / 2**20, info["num_kv_blocks"],
-                            info["kv_cache_bytes"] / 2**20, info["device"])  # fmt: skip
+                            info.num_local_experts, info.weight_bytes / 2**20, info.num_kv_blocks,
+                            info.kv_cache_bytes / 2**20, info.device)  # fmt: skip
 
             replies = self._collect(start_timeout_s, on_reply=ready)
             self.infos = [replies[r][1] for r in sorted(replies)]

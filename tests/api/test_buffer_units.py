@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deep_ep_npu import Buffer, EventOverlap, LowLatencyHandle, topk_idx_t
+from deep_ep_npu.backends import InFlight
 from deep_ep_npu.backends.ascend_ops import map_no_expert
-from deep_ep_npu.engine.exchange import InFlight
 from deep_ep_npu.quant import FP8_DTYPE, pack_ue8m0, scale_for_fp8_
 from tests.deepep_utils import calc_diff, fp8_e4m3_reference, per_token_cast_back
 from tests.distributed import parallel_launch

@@ -20,12 +20,12 @@ import zlib
 
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from deep_ep_npu import Buffer, MoeDistributeError
 from deep_ep_npu import ops as ep_ops
-from tests.distributed import parallel_launch
+from tests.distributed import lockstep, parallel_launch
 
 N, H, E, K, W = 8, 128, 8, 3, 2
 EXAMPLES_PER_CASE = 6
@@ -114,7 +114,6 @@ EXTRA = {
 LOCAL = {"td_cmd": "comm_cmd_info", "ctd_cmd": "comm_cmd_info"}  # teardown errors: local, the call can be redone
 CASES.update({name: (target, param, False) for name, (target, param, _) in EXTRA.items()})
 CASES.update({name: ("teardown", param, False) for name, param in LOCAL.items()})
-NO_SHRINK = (Phase.generate,)  # a failure stops both ranks at once: shrinking on one rank would desync the other
 
 
 @st.composite
@@ -380,14 +379,7 @@ def _fuzz(info):
     for i, name in enumerate(sorted(CASES)):  # every corruption kind, each with hypothesis-drawn ranks, sizes, values
         current[0] = bufs[i % 2]  # the kinds alternate between the two transports (the same on every rank)
 
-        @settings(
-            max_examples=EXAMPLES_PER_CASE,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            phases=NO_SHRINK,
-            suppress_health_check=list(HealthCheck),
-        )
+        @lockstep(EXAMPLES_PER_CASE)
         @given(cases(name))
         def check(case):
             _same_on_all_ranks(info, case)

@@ -1,4 +1,4 @@
-"""Non-finite and huge values at every public entry point, on 2 ranks (the README's "Non-finite input" policy).
+"""Non-finite and huge values at every public entry point, on 2 ranks (docs/ops.md's "Non-finite input" policy).
 
 Hypothesis draws special values (NaN, +-Inf, +-3.3e38, the largest bf16 magnitudes) and where they go: some tokens'
 ``x`` entries and top-k weights, on either rank. Each example runs every entry point twice on the same routing:
@@ -22,19 +22,18 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from deep_ep_npu import Buffer
 from deep_ep_npu import ops as ep_ops
-from tests.distributed import parallel_launch
+from tests.distributed import lockstep, parallel_launch
 
 N, H, E, K, W = 6, 256, 8, 3, 2
 L = E // W
 SPECIALS = [math.nan, math.inf, -math.inf, 3.3e38, -3.3e38]
 FP8 = torch.float8_e4m3fn
 EXAMPLES = 12
-NO_SHRINK = (Phase.generate,)  # a failure stops both ranks at once: shrinking on one rank would desync the other
 
 
 @st.composite
@@ -222,14 +221,7 @@ def _fuzz(info):
     entries = _entry_points(info, buf)
     ran = {name: 0 for name in entries} | {"with_nonfinite_x": 0, "with_special_weights": 0}
 
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        phases=NO_SHRINK,
-        suppress_health_check=list(HealthCheck),
-    )
+    @lockstep(EXAMPLES)
     @given(examples())
     def check(example):
         seed, x_specials, w_specials = example

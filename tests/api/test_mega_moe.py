@@ -4,7 +4,7 @@ The oracle (``tests/mega_moe_oracle.py``) recomputes ``out[t] = sum_k p[t,k] * F
 the documented formula, with its own quantization (numpy, round half to even), int64 integer matmuls and per-token
 loops; it imports nothing from ``deep_ep_npu``.
 
-Tolerance (documented in README "Fused MegaMoE"): the int8 path equals the oracle except where a last-ulp fp32
+Tolerance (documented in docs/mega-moe.md): the int8 path equals the oracle except where a last-ulp fp32
 difference (SiLU's vectorized vs scalar kernel, summation order) flips one int8 rounding of the SwiGLU output; such
 a flip moves the output by about one quantization step, so we require >= 99% of elements within one unit in the
 last place of ``out_dtype`` and every element within 2% of max |out| (measured: > 99.9% bit-equal). The

@@ -54,6 +54,16 @@ def _install_sim(calls: list) -> types.ModuleType:
     return torch_npu
 
 
+def _recorded(method, name: str, calls: list):  # noqa: ANN001, ANN202 - a method of CANN's MoeDistributeBuffer
+    """``method``, recording each call's arguments by name (:func:`_record`) as ``name`` in ``calls`` first."""
+
+    def wrapper(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        _record(calls, name, dict(inspect.signature(method).bind(self, *args, **kwargs).arguments))
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 def _install_context(calls: list) -> None:
     """``sim.install()`` (CANN's extension too), its ``cann_ops_transformer.ops.MoeDistributeBuffer`` replaced by a
     subclass that records the constructor's ``ccl_buffer_size`` and the low-latency methods' arguments (by name)."""
@@ -67,21 +77,8 @@ def _install_context(calls: list) -> None:
             calls.append(("init", {"ccl_buffer_size": ccl_buffer_size}))
             super().__init__(group, ccl_buffer_size, comm_alg)
 
-        def low_latency_dispatch(self, *args, **kwargs):
-            _record(
-                calls,
-                "dispatch",
-                dict(inspect.signature(real.low_latency_dispatch).bind(self, *args, **kwargs).arguments),
-            )
-            return super().low_latency_dispatch(*args, **kwargs)
-
-        def low_latency_combine(self, *args, **kwargs):
-            _record(
-                calls,
-                "combine",
-                dict(inspect.signature(real.low_latency_combine).bind(self, *args, **kwargs).arguments),
-            )
-            return super().low_latency_combine(*args, **kwargs)
+        low_latency_dispatch = _recorded(real.low_latency_dispatch, "dispatch", calls)
+        low_latency_combine = _recorded(real.low_latency_combine, "combine", calls)
 
     ops_mod.MoeDistributeBuffer = Recording
 

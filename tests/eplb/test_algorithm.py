@@ -1,6 +1,6 @@
-"""DeepSeek's EPLB (deep_ep_npu.eplb.rebalance_experts) against the published worked example (reference/eplb.md
-§1.4: DeepSeek's README, 2 layers, 12 experts, 4 groups, 16 replicas, 2 nodes x 8 GPUs) and the properties an EPLB
-implementation's tests check (§5)."""
+"""DeepSeek's EPLB (deep_ep_npu.eplb.rebalance_experts) against the published worked example (DeepSeek's README,
+https://github.com/deepseek-ai/EPLB: 2 layers, 12 experts, 4 groups, 16 replicas, 2 nodes x 8 GPUs) and the properties
+an EPLB implementation's tests check (vLLM's and SGLang's EPLB tests)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """torch_npu's npu_moe_update_expert (deep_ep_npu.ops.moe_update_expert, and torch_npu.npu_moe_update_expert in the
-stand-in) against the reference formulas of reference/eplb.md §3.8, element by element in Python (the OP test's
+stand-in) against the formulas of torch_npu's doc of the op, element by element in Python (the OP test's
 setup: 8 ranks, BS 128, K 8, 256 logical experts, F 5, both balance modes, pruning with a prefix active mask)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The call patterns of the engines that use torch_npu's MoE distribute ops, replayed on the NPU stand-in
-(``torch_npu = sim.install()`` in every gloo rank) with their exact keywords (``reference/torch_npu_ops.md`` §4),
+"""The call patterns of the engines that use torch_npu's MoE distribute ops, replayed on the NPU stand-in (``torch_npu =
+sim.install()`` in every gloo rank) with their exact keywords (vllm-ascend's ``token_dispatcher.py``, sgl-kernel-npu),
 against goldens written here (``tests/npu_golden.py``: init-routing sort, the documented quant formulas, fp32 sums).
 
 - vllm-ascend ``TokenDispatcherWithMC2`` (A3): the group named by ``device_group._get_backend(torch.device("npu"))
@@ -440,12 +440,16 @@ def _resolve_names(cases: list[dict]) -> None:
             case["y_dtype"] = TORCH_NPU_CONSTANTS[case["y_dtype"]]
 
 
+def _replayed(world_size: int, cases: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Each case with what every rank got replaying it (one launch of ``world_size`` ranks for all the cases)."""
+    results = parallel_launch(world_size, _run_callers, cases)
+    return [(case, [r[c] for r in results]) for c, case in enumerate(cases)]
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_vllm_ascend_mc2(world_size):
     cases = _vllm_cases(world_size)
-    results = parallel_launch(world_size, _run_callers, cases)
-    for c, case in enumerate(cases):
-        per_rank = [r[c] for r in results]
+    for case, per_rank in _replayed(world_size, cases):
         if case.get("expect_error"):
             for got in per_rank:
                 code, param, text = got["error"]
@@ -462,9 +466,7 @@ def test_vllm_ascend_mc2(world_size):
 def test_sgl_kernel_npu_ops_strategy(world_size):
     cases = _sgl_cases(world_size)
     _resolve_names(cases)
-    results = parallel_launch(world_size, _run_callers, cases)
-    for c, case in enumerate(cases):
-        per_rank = [r[c] for r in results]
+    for case, per_rank in _replayed(world_size, cases):
         if case.get("expect_error"):
             for got in per_rank:
                 code, param, text = got["error"]

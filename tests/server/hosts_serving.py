@@ -177,8 +177,9 @@ def stream(url: str, model: str, on_chunk) -> tuple[list[float], str]:
 
 
 def readme_commands(marker: str) -> list[list[str]]:
-    """The command lines of the README's bash block after ``marker`` (continuation lines joined, comments dropped)."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    """The command lines of docs/serving-ascend.md's bash block after ``marker`` (continuation lines joined, comments
+    dropped)."""
+    with open(os.path.join(ROOT, "docs", "serving-ascend.md"), encoding="utf-8") as f:
         text = f.read()
     block = text[text.index(marker) :].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = [line.strip() for line in block.replace("\\\n", " ").splitlines()]

@@ -56,7 +56,7 @@ def test_budget_of_four_requests_serves_32_concurrent_long_requests() -> None:
     options = {"kv-cache-memory": 4 * PER_REQUEST, "block-size": BLOCK, "max-model-len": MAX_LEN, "max-num-seqs": 16,
                "max-num-batched-tokens": 64, "random-model": {}}  # fmt: skip
     with real_server(**options) as srv:
-        assert [i["num_kv_blocks"] for i in srv.engine.worker_infos] == [4 * MAX_LEN // BLOCK] * 2
+        assert [i.num_kv_blocks for i in srv.engine.worker_infos] == [4 * MAX_LEN // BLOCK] * 2
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         served: dict[int, list[int]] = {}
 

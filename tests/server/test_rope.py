@@ -99,7 +99,7 @@ def test_deepseek_softmax_scale_equals_transformers(case: str) -> None:
     ref = DeepseekV3Attention(hf, 0).scaling
     mscale = _ours(params, top, head_dim=8).mla_mscale()
     assert 24**-0.5 * mscale * mscale == ref
-    if case == "yarn_deepseek_v3":  # the published DeepSeek-V3 / R1 factor (reference/checkpoints.md §2.6)
+    if case == "yarn_deepseek_v3":  # the published DeepSeek-V3 / R1 factor (DeepSeek-V3's config.json)
         assert math.isclose(mscale * mscale, 1.8739, abs_tol=1e-4)
 
 

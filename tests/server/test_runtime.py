@@ -46,7 +46,7 @@ def test_greedy_matches_transformers(qwen, ep_size: int) -> None:  # noqa: ANN00
         assert [o.outputs[0].token_ids for o in outs] == golden
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
         infos = llm.engine.worker_infos
-        assert [i["num_local_experts"] for i in infos] == [8 // ep_size] * ep_size
+        assert [i.num_local_experts for i in infos] == [8 // ep_size] * ep_size
     assert not any(p.is_alive() for p in llm.engine.workers.procs)
 
 
@@ -55,7 +55,7 @@ def test_greedy_matches_transformers_ep2_and_expert_memory_halves(qwen, llm_ep2)
     assert [o.outputs[0].token_ids for o in outs] == qwen[1]
     infos = llm_ep2.engine.worker_infos
     full_expert_bytes = 2 * 8 * 3 * 32 * 64 * 4  # 2 MoE layers x 8 experts x (gate, up, down) [32 x 64] fp32
-    assert [i["expert_bytes"] for i in infos] == [full_expert_bytes // 2] * 2
+    assert [i.expert_bytes for i in infos] == [full_expert_bytes // 2] * 2
 
 
 def test_batch_invariance(llm_ep2) -> None:  # noqa: ANN001

@@ -8,9 +8,10 @@ import torch
 
 from server.engine_api import SamplingParams
 from server.runtime.block_manager import BlockTable, KVCacheManager
-from server.runtime.detokenizer import IncrementalDetokenizer, apply_token
+from server.runtime.detokenizer import IncrementalDetokenizer
+from server.runtime.request import Request, apply_token
 from server.runtime.sampler import sample_one
-from server.runtime.scheduler import RankScheduler, Request
+from server.runtime.scheduler import RankScheduler
 from server.tokenizer import ByteTokenizer
 
 

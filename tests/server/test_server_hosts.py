@@ -1,8 +1,8 @@
-"""Serving across simulated hosts (issue 28; :mod:`tests.hosts`): two hosts (network namespaces with their own
-address and a private ``/dev/shm``), one ``torchrun --nnodes 2 --nproc-per-node 2`` per host, rendezvous on host 0's
-address, the ranks' process groups on the hosts' interface (``--socket-ifname eth0``); rank 0 serves HTTP on host
-0's address and this machine asks through the real ``openai`` client. Greedy tokens equal the single-host EP 4
-server's (and transformers'); the README's two-node A3 commands run as written. Teardown leaves no process,
+"""Serving across simulated hosts (issue 28; :mod:`tests.hosts`): two hosts (network namespaces with their own address
+and a private ``/dev/shm``), one ``torchrun --nnodes 2 --nproc-per-node 2`` per host, rendezvous on host 0's address,
+the ranks' process groups on the hosts' interface (``--socket-ifname eth0``); rank 0 serves HTTP on host 0's address and
+this machine asks through the real ``openai`` client. Greedy tokens equal the single-host EP 4 server's (and
+transformers'); the two-node A3 commands of docs/serving-ascend.md run as written. Teardown leaves no process,
 namespace, link or ``/dev/shm`` file; a host lost while serving: ``test_server_hosts_failure.py``."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import pytest
 
 from tests import hosts
 from tests.server.hosts_serving import (
-    checkpoint_and_oracle,
     ep4_args,
     greedy,
     node_log,
@@ -32,13 +31,8 @@ from tests.server.test_server_launch import ROOT, TORCHRUN, _assert_all_exit, _d
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return checkpoint_and_oracle(str(tmp_path_factory.mktemp("ckpt") / "ckpt"))
-
-
-def test_torchrun_two_hosts_equals_one_host(checkpoint):
-    path, want = checkpoint
+def test_torchrun_two_hosts_equals_one_host(hosts_checkpoint):
+    path, want = hosts_checkpoint
     args = ep4_args("--model", path, max_model_len=64)
     (one,), one_url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", *args, "--port", str(port)]])
     try:
@@ -53,8 +47,9 @@ def test_torchrun_two_hosts_equals_one_host(checkpoint):
 
 
 def test_a3_two_node_commands():
-    """README's two-node A3 commands (configs/ascend_a3_2nodes.yaml, the stand-in, small shapes) as written, one per
-    simulated host: node 0 answers a completion with the config's API key; SIGTERM to rank 0 stops both nodes."""
+    """docs/serving-ascend.md's two-node A3 commands (configs/ascend_a3_2nodes.yaml, the stand-in, small shapes) as
+    written, one per simulated host: node 0 answers a completion with the config's API key; SIGTERM to rank 0 stops both
+    nodes."""
     commands = readme_commands("tests/server/test_server_hosts.py::test_a3_two_node_commands")
     assert len(commands) == 2 and all(c[0] == "torchrun" for c in commands), commands
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

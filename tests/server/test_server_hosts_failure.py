@@ -16,7 +16,6 @@ import torch
 from tests import hosts
 from tests.server.hosts_serving import (
     PROMPT,
-    checkpoint_and_oracle,
     ep4_args,
     node_log,
     serving_on_two_hosts,
@@ -28,17 +27,12 @@ from tests.server.test_server_launch import _alive, _descendants, _environ
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return checkpoint_and_oracle(str(tmp_path_factory.mktemp("ckpt") / "ckpt"))
-
-
 @pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "not-elastic"])
-def test_host_killed_mid_stream(checkpoint, elastic: bool):
+def test_host_killed_mid_stream(hosts_checkpoint, elastic: bool):
     """Host 1 (ranks 2, 3) is killed while rank 0 streams. ``--elastic``: the stream finishes, its longest gap
     within 2 x the step timeout, and new requests are served by host 0; else the stream ends with the reason and
     new requests get 503 naming the lost ranks. Either way nothing hangs and nothing is left behind."""
-    path, _ = checkpoint
+    path, _ = hosts_checkpoint
     step_timeout = 4.0
     args = ep4_args("--model", path, "--step-timeout-s", str(step_timeout), *(["--elastic"] if elastic else []))
     with serving_on_two_hosts(args) as (sim, nodes, url):
@@ -68,11 +62,11 @@ def test_host_killed_mid_stream(checkpoint, elastic: bool):
         stop_after_loss(nodes[0])
 
 
-def test_host_cut_off_then_back(checkpoint):
+def test_host_cut_off_then_back(hosts_checkpoint):
     """``--elastic``: host 1's link is cut while rank 0 streams: the stream finishes (longest gap within 2 x the step
     timeout) and host 0 serves on; once the link is back, host 1's ranks are refused (told they were lost, they
     leave) and host 0 still serves alone."""
-    path, _ = checkpoint
+    path, _ = hosts_checkpoint
     step_timeout = 4.0
     args = ep4_args("--model", path, "--step-timeout-s", str(step_timeout), "--elastic")
     with serving_on_two_hosts(args) as (sim, nodes, url):

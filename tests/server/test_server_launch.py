@@ -185,9 +185,9 @@ A3_SMALL = ('{"architecture": "qwen3_moe", "hidden_size": 128, "moe_intermediate
 
 
 def test_ascend_a3_config_on_the_stand_in():
-    """README's laptop command: configs/ascend_a3.yaml (device npu, dist-backend hccl) with --simulate-npu and
-    small-shape overrides serves a completion (the Ascend backend on the NPU stand-in, on CPU over gloo) and stops
-    cleanly on SIGTERM."""
+    """docs/serving-ascend.md's laptop command: configs/ascend_a3.yaml (device npu, dist-backend hccl) with
+    --simulate-npu and small-shape overrides serves a completion (the Ascend backend on the NPU stand-in, on CPU over
+    gloo) and stops cleanly on SIGTERM."""
     (proc,), url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", "--config", "configs/ascend_a3.yaml",
                                                    "--simulate-npu", "--ep-size", "2", "--max-num-seqs", "8",
                                                    "--max-model-len", "512", "--port", str(port), "--random-model",

@@ -60,8 +60,8 @@ def test_ascend_sim_serves_the_reference_and_transformers_tokens(tmp_path, arch:
         got = {}
         for name, values in (("reference", REFERENCE), ("ascend", ASCEND_SIM)):
             tokens, infos = _serve_greedy({"model": path, "moe-impl": impl, **values}, PROMPTS)
-            assert [i["moe_backend"] for i in infos] == [name, name]
-            assert [i["device"] for i in infos] == ["cpu", "cpu"]
+            assert [i.moe_backend for i in infos] == [name, name]
+            assert [i.device for i in infos] == ["cpu", "cpu"]
             got[name] = tokens
         assert got["ascend"] == got["reference"], impl
         assert got["reference"] == golden, impl
@@ -73,7 +73,7 @@ def test_ascend_sim_fused_op_shapes_match_reference() -> None:
     values = {"dtype": "bfloat16", "moe-impl": "fused", "random-model": spec}
     ref, _ = _serve_greedy({**values, **REFERENCE}, PROMPTS[:2])
     sim, infos = _serve_greedy({**values, **ASCEND_SIM}, PROMPTS[:2])
-    assert [i["moe_backend"] for i in infos] == ["ascend", "ascend"]
+    assert [i.moe_backend for i in infos] == ["ascend", "ascend"]
     assert sim == ref
 
 
@@ -145,5 +145,5 @@ def test_cuda_nccl_serves_like_cpu(moe_impl: str) -> None:
     ep_sizes = [1, 2] if torch.cuda.device_count() >= 2 else [1]
     for ep in ep_sizes:
         gpu, infos = _serve_greedy({**values, "ep-size": ep, "device": "cuda", "dist-backend": "nccl"}, PROMPTS)
-        assert [i["device"] for i in infos] == [f"cuda:{r}" for r in range(ep)]
+        assert [i.device for i in infos] == [f"cuda:{r}" for r in range(ep)]
         assert gpu == cpu, ep

@@ -1,5 +1,5 @@
 """``deep_ep_npu.sim``: the torch_npu stand-in (install / uninstall, the module's attributes, communicator names as
-``group_ep`` / ``group_tp``, the vllm-ascend naming line) and the README example against an independent oracle.
+``group_ep`` / ``group_tp``, the vllm-ascend naming line) and the docs/sim.md example against an independent oracle.
 
 Every install runs in a ``parallel_launch`` child (the ``"npu"`` device name it sets cannot be undone in a process);
 the refusals, which change nothing, run in the test process. The Ascend backend on the sim: test_ascend_backend.py.
@@ -136,7 +136,7 @@ def test_install_refuses(monkeypatch):
 
 
 def _example(info):
-    """The README example's ``moe_layer`` (written against torch_npu) under sim.install()."""
+    """The docs/sim.md example's ``moe_layer`` (written against torch_npu) under sim.install()."""
     from examples.sim_torch_npu import moe_layer
 
     sim.install()

@@ -1,7 +1,7 @@
 """``deep_ep_npu.sim``'s CANN extension stand-in: ``cann_ops_transformer`` / ``npu_ops_transformer`` (modules, their
 ``ops`` modules, ``torch.ops.<package>`` context ops, install / uninstall), and vllm-ascend's V3 adapter
-(``MoeDistributeV3Adapter``, reference cann_torch_ext.md §6.1) replayed argument for argument against the ``_v2`` ops
-on the same inputs (bit for bit).
+(``MoeDistributeV3Adapter``, ``vllm_ascend/ops/fused_moe/moe_distribute_v3.py``) replayed argument for argument against
+the ``_v2`` ops on the same inputs (bit for bit).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _example(info):
 
 
 def test_readme_cann_example_runs():
-    """examples/cann_torch_ext.py's ``demo`` (the README's "Coming from CANN's torch extension") on 2 gloo ranks: the
+    """examples/cann_torch_ext.py's ``demo`` (docs/cann.md) on 2 gloo ranks: the
     low-latency layer equals its oracle exactly, the weights come back, mega_moe gives (y, expert_token_nums)."""
     lines = parallel_launch(2, _example, timeout=90)
     assert all("low_latency: max err vs oracle 0;" in ln for ln in lines), lines

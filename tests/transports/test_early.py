@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from deep_ep_npu import MoeDistributeError
-from deep_ep_npu.transports.collective import STATUS_OK, Agreement, Collective, EPGroup
+from deep_ep_npu.transports.agreement import STATUS_OK, Agreement
+from deep_ep_npu.transports.collective import Collective, EPGroup
 from tests.distributed import parallel_launch
 
 ROW = 16  # bytes per row

@@ -118,8 +118,8 @@ def _launch(scenario, *args) -> tuple[object, dict]:
 
 
 def _bound(how: str) -> float:
-    """Detection time (README: ~1.0 s after an exit, the grace; ~2.0 s for a hang, the timeout) plus a margin the
-    2-core machine meets; a grace stretched to the full timeout fails the exit bound."""
+    """Detection time (docs/failure-handling.md: ~1.0 s after an exit, the grace; ~2.0 s for a hang, the timeout) plus a
+    margin the 2-core machine meets; a grace stretched to the full timeout fails the exit bound."""
     grace = min(TIMEOUT, max(1.0, TIMEOUT / 10))
     return grace + 0.6 if how == "exit" else TIMEOUT + 0.8
 
@@ -139,7 +139,7 @@ def test_survivors_raise_naming_the_missing_rank(transport, where, how):
     for res in survivors.values():
         assert res.get("error") == (VICTIM,), res
         assert f"ranks [{VICTIM}]" in res["message"]
-        assert res["elapsed"] < _bound(how), res  # the README's figures: the grace (exit) or the timeout (hang)
+        assert res["elapsed"] < _bound(how), res  # the documented figures: the grace (exit) or the timeout (hang)
 
 
 @_each_failure_and_transport

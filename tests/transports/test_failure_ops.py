@@ -128,7 +128,7 @@ def _env_timeout(info):
 
 
 def test_timeout_from_the_environment_is_honoured():
-    """The default is the README's 30 s; a short one from the environment bounds a hang by it (plus the grace)."""
+    """The default is the documented 30 s; a short one from the environment bounds a hang by it (plus the grace)."""
     assert DEFAULT_TIMEOUT_S == 30.0
     elapsed, timeout, missing = parallel_launch(2, _env_timeout, timeout=60, allow_exit=(1,))[0]
     assert timeout == 1.5 and missing == (1,) and 1.4 <= elapsed <= 1.5 + 1.0 + 1.0, elapsed
