@@ -29,8 +29,9 @@ STREAM = {"prompt": [1, 2, 3], "max_tokens": 120, "temperature": 0, "ignore_eos"
 
 
 def _serve_with_faults(tmp_path, faults: str, *extra: str) -> tuple[list[dict], str, list[list[int]], str]:  # noqa: ANN001
-    """Four streams (stream i on worker i: least-loaded placement) on a server whose ranks meet ``faults``; then
-    ``/metrics``, two new requests' token ids and the server's log."""
+    """Four streams (stream i on worker i: least-loaded placement) on a server whose ranks meet ``faults`` (at step
+    40 or later: every stream has started by then, also on a loaded machine); then ``/metrics``, two new requests'
+    token ids and the server's log."""
     rows = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 0, 1, 2, 3]] * MODEL["num_hidden_layers"])
     path = tmp_path / "placement.json"
     path.write_text(json.dumps(placement_json(rows, 4)))
@@ -74,9 +75,9 @@ def _check(outs: list[dict], metrics: str, new: list[list[int]], log: str, lost:
 @pytest.mark.parametrize(
     ("faults", "lost"),
     [
-        ("1:dispatch:41", {1}),  # rank 1 gone at a dispatch: its peers fail there, or at the next collective
-        ("2:combine:41", {2}),  # rank 2 gone after its dispatch: its peers meet the failure in the combine
-        ("1:dispatch:41,3:regroup:1", {1, 3}),  # and rank 3 gone while the survivors regroup
+        ("1:dispatch:81", {1}),  # rank 1 gone at a dispatch: its peers fail there, or at the next collective
+        ("2:combine:81", {2}),  # rank 2 gone after its dispatch: its peers meet the failure in the combine
+        ("1:dispatch:81,3:regroup:1", {1, 3}),  # and rank 3 gone while the survivors regroup
     ],
     ids=["mid-dispatch", "mid-combine", "second-loss-while-regrouping"],
 )
@@ -85,9 +86,9 @@ def test_a_step_across_a_loss_is_run_again_on_the_survivors(tmp_path, faults: st
 
 
 def test_a_rank_lost_while_eplb_moves_weights(tmp_path) -> None:  # noqa: ANN001
-    """EPLB rebalances every 8 steps; rank 1 dies between the two MoE layers' weight moves of the first one: no rank
+    """EPLB rebalances every 40 steps; rank 1 dies between the two MoE layers' weight moves of the first one: no rank
     switches to the half-moved placement (the survivors keep the one every rank ran), nothing changes tokens."""
     outs, metrics, new, log = _serve_with_faults(
-        tmp_path, "1:move:2", "--eplb", "--eplb-interval", "8", "--eplb-window", "8"
+        tmp_path, "1:move:2", "--eplb", "--eplb-interval", "40", "--eplb-window", "40"
     )
     _check(outs, metrics, new, log, {1})
