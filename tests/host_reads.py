@@ -3,7 +3,8 @@ every torch entry point that copies a tensor's values to the host (a device-to-h
 error inside a graph capture) and records, for each call made while the innermost ``deep_ep_npu`` frame on the stack
 is library code, that frame as ``"path:line function (what)"``. Calls whose stack passes through one of the
 ``device`` path prefixes (relative to the package, e.g. ``"ops/"``: the NPU stand-in's op standing for a device
-kernel) are not library reads, nor are calls made from tests only.
+kernel) are not library reads, nor are calls made from tests only; a task that device code hands to a thread pool
+(``ThreadPoolExecutor.submit``) is device code too.
 
 Patched: ``Tensor.item`` / ``tolist`` / ``numpy`` / ``__bool__`` / ``__int__`` / ``__float__`` / ``__index__`` /
 ``__format__`` / ``nonzero`` / ``unique`` / ``masked_select``, ``torch.nonzero`` / ``unique`` / ``masked_select`` /
@@ -13,9 +14,11 @@ the values (or returns them to Python)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import pathlib
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +30,9 @@ LIB = str(pathlib.Path(deep_ep_npu.__file__).parent) + "/"
 _TENSOR = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__format__", "nonzero",
            "unique", "masked_select")  # fmt: skip
 _TORCH = ("nonzero", "unique", "masked_select", "equal", "allclose", "bincount", "argwhere", "unique_consecutive")
+
+
+_THREAD = threading.local()  # .device: this thread runs a task that device code submitted
 
 
 def _sized_by_values(*args: Any, **kwargs: Any) -> bool:
@@ -52,6 +58,8 @@ class HostReads(list[str]):
     def _where(self) -> str | None:
         """The innermost library frame of the current stack, or None (not library code, or inside ``device``)."""
         frame, found = sys._getframe(2), None
+        if getattr(_THREAD, "device", False):
+            return None
         while frame is not None:
             path = frame.f_code.co_filename
             if path.startswith(self.device):
@@ -73,7 +81,36 @@ class HostReads(list[str]):
         self._saved.append((owner, name, real))
         setattr(owner, name, spy)
 
+    def _patch_pool(self) -> None:
+        """Tasks submitted from device code run as device code (their thread's stack does not show it)."""
+        real = concurrent.futures.ThreadPoolExecutor.submit
+
+        def submit(pool: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+            device = self._under_device()
+
+            def run(*a: Any, **kw: Any) -> Any:
+                _THREAD.device = device
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    _THREAD.device = False
+
+            return real(pool, run, *args, **kwargs)
+
+        self._saved.append((concurrent.futures.ThreadPoolExecutor, "submit", real))
+        concurrent.futures.ThreadPoolExecutor.submit = submit  # type: ignore[method-assign]
+
+    def _under_device(self) -> bool:
+        """Whether the caller runs inside ``device`` code."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(self.device):
+                return True
+            frame = frame.f_back
+        return bool(getattr(_THREAD, "device", False))
+
     def __enter__(self) -> HostReads:
+        self._patch_pool()
         for name in _TENSOR:
             self._patch(torch.Tensor, name)
         for name in _TORCH:

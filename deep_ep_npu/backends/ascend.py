@@ -61,6 +61,7 @@ class AscendBackend(Backend):
         self.ws: dict[str, torch.Tensor] = {}
         self.tag = 0
         self._elastic: tuple[tuple[object, ...], torch.Tensor | None, int] | None = None  # (key, info, op experts)
+        self.agreed = set()
 
     def reject(self, op: str, code: int, tp: Any = None) -> None:
         """Nothing to tell: the ops validate locally (see the module docstring's limits)."""

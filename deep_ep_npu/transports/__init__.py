@@ -29,6 +29,7 @@ from .. import envs
 from . import window
 from .collective import Agreement, Check, Collective, EPGroup, Write
 from .spanning import Spanning
+from .staged import Staged
 
 TRANSPORTS = ("auto", "shm", "collective")
 
@@ -58,13 +59,13 @@ def resolve_transport_name(name: str | None) -> str:
     return name
 
 
-def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Transport, Transport | None]:
-    """The collective transport of ``ep`` (``reuse``: its buffers alternate between two reused sets, else each call
-    gets its own) and, for ``name`` ``"auto"`` / ``"shm"`` on a gloo group, its window transport (collective;
-    ``window_bytes`` per rank, at least :data:`~.window.DEFAULT_WINDOW_BYTES`): the window when every rank is on this
-    host, a :class:`Spanning` one when the group spans hosts and this one holds a peer ("auto" only; "shm" raises
-    ValueError), else None."""
-    collective = Collective(ep, reuse)
+def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Collective, Transport | None]:
+    """The collective transport of ``ep`` (one round on a gloo group, else :mod:`.staged`; ``reuse``: its buffers
+    alternate between two reused sets, else each call gets its own) and, for ``name`` ``"auto"`` / ``"shm"`` on a
+    gloo group, its window transport (collective; ``window_bytes`` per rank, at least
+    :data:`~.window.DEFAULT_WINDOW_BYTES`): the window when every rank is on this host, a :class:`Spanning` one when
+    the group spans hosts and this one holds a peer ("auto" only; "shm" raises ValueError), else None."""
+    collective = Collective(ep, reuse, staged=Staged(ep, reuse))
     if name == "collective" or ep.num_ranks == 1:
         return collective, None
     backend = str(dist.get_backend(ep.group)).lower()
@@ -76,4 +77,5 @@ def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Tran
     win = window.create(ep, nbytes, required=name == "shm")
     if win is None or len(win.peers) == ep.num_ranks - 1:
         return collective, win
-    return collective, Spanning(win, Collective(ep, reuse, local=frozenset(win.peers)))
+    local = frozenset(win.peers)
+    return collective, Spanning(win, Collective(ep, reuse, local, Staged(ep, reuse, local)))

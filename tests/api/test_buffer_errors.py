@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from deep_ep_npu import Buffer, MoeDistributeError
+from deep_ep_npu import Buffer, MoeDistributeError, envs
 from tests.distributed import parallel_launch
 
 N, H, E, K = 8, 256, 8, 2
@@ -180,6 +180,7 @@ _VALUES = ("idx_range", "idx_negative", "idx_duplicate")  # the checks that read
 
 def _errors_without_value_checks(info):
     os.environ["DEEP_EP_NPU_CHECK_VALUES"] = "0"
+    envs.check_values.cache_clear()  # (read once per process)
     return _errors_on(info, "collective", skip=_VALUES)
 
 

@@ -11,11 +11,12 @@ import os
 import pytest
 import torch
 
-from deep_ep_npu import Buffer, sim
+from deep_ep_npu import Buffer, envs, sim
 from deep_ep_npu.core import rules
 from deep_ep_npu.errors import MoeDistributeError
 from tests.distributed import parallel_launch
 from tests.host_reads import HostReads
+from tests.mega_moe_oracle import make_case
 
 N, H, E, K = 4, 256, 8, 3
 STAND_IN = ("ops/", "cann/", "sim/")  # the stand-in's ops: the NPU kernels
@@ -51,6 +52,20 @@ def _flat(buffer: Buffer, step: int, use_fp8: bool) -> torch.Tensor:
     return y
 
 
+def _policy(value: str) -> None:
+    """Set ``DEEP_EP_NPU_CHECK_VALUES`` (read once per process: the cached value is dropped)."""
+    os.environ["DEEP_EP_NPU_CHECK_VALUES"] = value
+    envs.check_values.cache_clear()
+
+
+@pytest.fixture
+def policy(monkeypatch):
+    """``policy(value)`` sets ``DEEP_EP_NPU_CHECK_VALUES`` for this test only."""
+    yield lambda value: (monkeypatch.setenv("DEEP_EP_NPU_CHECK_VALUES", value), envs.check_values.cache_clear())
+    monkeypatch.undo()
+    envs.check_values.cache_clear()
+
+
 def _steady_reads(info, cann: bool) -> dict[str, list[str]]:
     """Per front-end call: the library's host reads of its second call (first: warm-up) with checks off, masked and
     not; and the default policy's (CPU: checks on)."""
@@ -58,7 +73,7 @@ def _steady_reads(info, cann: bool) -> dict[str, list[str]]:
     buffer = Buffer(info.group, backend="ascend", enable_shrink=True)
     reads: dict[str, list[str]] = {}
     for policy in ("0", ""):
-        os.environ["DEEP_EP_NPU_CHECK_VALUES"] = policy
+        _policy(policy)
         for masked in (False, True):
             if masked:
                 buffer.low_latency_update_mask_buffer(1, True)
@@ -81,9 +96,9 @@ def _assert_reads(results: list[dict[str, list[str]]]) -> None:
         assert not on, f"rank {rank}: the value checks on CPU read nothing (the instrument misses them): {on}"
 
 
-def test_host_reads_sees_library_reads_only(monkeypatch):
+def test_host_reads_sees_library_reads_only(policy):
     """The instrument records a library frame's reads (each kind), not a test's, nor any below a ``device`` path."""
-    monkeypatch.setenv("DEEP_EP_NPU_CHECK_VALUES", "1")
+    policy("1")
     mask, ids = torch.tensor([True, True, False]), torch.tensor([[0, 1], [2, 2]])
     with HostReads() as reads:
         assert bool(mask.any()) and mask.sum().item() == 2 and ids.tolist()  # the test's own: not counted
@@ -95,7 +110,7 @@ def test_host_reads_sees_library_reads_only(monkeypatch):
     with HostReads(device=("core/",)) as below:
         rules.prefix_mask(mask, 3)
     assert not below
-    monkeypatch.setenv("DEEP_EP_NPU_CHECK_VALUES", "0")
+    policy("0")
     with HostReads() as off:
         rules.prefix_mask(mask, 3)
         rules.expert_ids(ids.int(), "topk_idx", 4, 2, 8, True, active=torch.ones((2, 2), dtype=torch.bool))
@@ -110,12 +125,37 @@ def test_ascend_buffer_steady_state_reads_nothing_on_context_ops():
     _assert_reads(parallel_launch(2, _steady_reads, True, timeout=120))
 
 
-def test_check_values_policy(monkeypatch):
+def test_check_values_policy(policy):
     """Unset: CPU tensors only; 1: everywhere; 0: nowhere; anything else is refused, naming the variable."""
     cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")  # (meta: a tensor off the host)
     for value, want in (("", (True, False)), ("1", (True, True)), ("0", (False, False))):
-        monkeypatch.setenv("DEEP_EP_NPU_CHECK_VALUES", value)
+        policy(value)
         assert (rules.values_checked(cpu), rules.values_checked(meta)) == want, value
-    monkeypatch.setenv("DEEP_EP_NPU_CHECK_VALUES", "yes")
+    policy("yes")
     with pytest.raises(ValueError, match="DEEP_EP_NPU_CHECK_VALUES: must be 0 or 1"):
         rules.values_checked(cpu)
+
+
+def _mega_reads(info) -> tuple[list[str], bool, torch.Tensor, torch.Tensor]:
+    """Buffer(backend="ascend").mega_moe on the stand-in's fused op, ids with -1 and a mask (int8): the second call's
+    host reads with checks off, whether it gave the first call's result, and the result beside the reference
+    backend's."""
+    sim.install()
+    _policy("0")
+    case = make_case(40, [6, 5], 128, 64, 3, 2, holes=0.2, inactive=[2, 1], swiglu_limit=0.5)
+    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
+    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max, swiglu_limit=0.5,
+              num_experts=case.num_local * info.world_size, x_active_mask=case.mask(info.rank))  # fmt: skip
+    npu, ref = Buffer(info.group, backend="ascend"), Buffer(info.group, backend="reference")
+    first = npu.mega_moe(x, idx, p, w1, w2, **kw)
+    with HostReads(device=STAND_IN) as seen:
+        again = npu.mega_moe(x, idx, p, w1, w2, **kw)
+    return list(seen), torch.equal(first, again), first, ref.mega_moe(x, idx, p, w1, w2, **kw)
+
+
+def test_ascend_mega_moe_steady_state_reads_nothing():
+    """The fused op takes the call (a -1 goes to an expert the token does not list, weight 0) after one agreement;
+    then no round and no host read, and the result is the reference pipeline's."""
+    for rank, (reads, same, fused, reference) in enumerate(parallel_launch(2, _mega_reads, timeout=120)):
+        assert not reads and same, (rank, reads)
+        assert torch.equal(fused, reference), rank
