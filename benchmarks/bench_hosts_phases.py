@@ -2,7 +2,8 @@
 collective one, on one host and on ``--hosts`` simulated hosts (:mod:`tests.hosts`, root), µs per call, mean over the
 ranks. The phases are timed by wrapping the transports' methods (this process only; the library is unchanged):
 ``send`` (the engine's send phase, with the agreement issue and the window write), ``agree issue`` / ``agree wait``
-(the header all-to-all), ``payload issue`` / ``payload wait`` (the rows' all-to-all), ``win write`` / ``win wait`` /
+(the header all-to-all; on gloo the one all-to-all of headers and rows), ``payload issue`` / ``payload wait`` (the
+rows' all-to-all, when it is a second round), ``win write`` / ``win wait`` /
 ``win release`` (the window's rows and header, the wait for its peers' headers, the "read" messages) and ``place``
 (the engine's placement / reduction). Dispatch and combine of both transports run interleaved, barrier-aligned.
 
@@ -43,12 +44,12 @@ def _timed(cls: type, name: str, label: Callable[..., str], spent: dict, current
 def _rank(info: Any, cfg: dict) -> dict:
     from benchmarks.bench_hosts import _inputs, _ops
     from deep_ep_npu import Buffer, profiling
-    from deep_ep_npu.transports import collective, window
+    from deep_ep_npu.transports import collective, early, window
 
     torch.set_num_threads(1)
     spent: dict = defaultdict(float)
     current: list = [None]
-    kind = lambda what: lambda _, __, op: f"payload {what}" if op == collective.PAYLOAD else f"agree {what}"  # noqa: E731
+    kind = lambda what: lambda _, __, op: f"payload {what}" if op == early.PAYLOAD else f"agree {what}"  # noqa: E731
     _timed(collective.EPGroup, "start", kind("issue"), spent, current)
     _timed(collective.EPGroup, "wait", kind("wait"), spent, current)
     for name, label in (("write", "win write"), ("wait_headers", "win wait"), ("release", "win release")):

@@ -1,8 +1,9 @@
 """How rows move between the ranks of an EP group: a :class:`Transport` moves bytes and signals and nothing else;
 which rows go where and what the header words mean is the engine's (:mod:`deep_ep_npu.engine.exchange`). Both
-transports give bit-identical results: :class:`~.collective.Collective` (torch.distributed: an all-to-all of the
-headers, then one of the rows) and :class:`~.window.Window` (a shared-memory window of the ranks of one host: rows
-written straight into the receivers' windows, headers sent on pipes; the send phase waits for no peer). A group on
+transports give bit-identical results: :class:`~.collective.Collective` (torch.distributed: on gloo one all-to-all
+of each rank's headers and rows; elsewhere, :mod:`.staged`, one of the headers, then one of the rows) and
+:class:`~.window.Window` (a shared-memory window of the ranks of one host: rows written straight into the receivers'
+windows, headers sent on pipes; the send phase waits for no peer). A group on
 several hosts (:mod:`.hosts`) with peers on this one uses both in the same call: :class:`~.spanning.Spanning`.
 
 One call, on every rank (``counts[d]``: the header words for rank ``d``, ``counts[d][0]`` the rows this rank writes
