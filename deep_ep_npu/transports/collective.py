@@ -14,8 +14,8 @@ every live rank (status, fingerprint, the layout's vectors: the same words on ev
 disagreement raises the same error everywhere) before any row is read. A rank whose rows for some peer would pass
 the bound sends headers only and says so (``spill``); once the headers are checked, every rank takes part in a second
 all-to-all of exact sizes carrying the spilled rows (issued in call order: :meth:`EPGroup.defer`). A call with a TP
-stage (its rows change between the agreement and the payload) and every call on another group take the two rounds of
-:class:`~.staged.Staged`: the agreement, then the payload.
+stage (its rows change between the agreement and the payload), every call on another group and device tensors on a
+gloo group take the two rounds of :class:`~.staged.Staged`: the agreement, then the payload.
 """
 
 from __future__ import annotations
@@ -275,8 +275,8 @@ class Collective:
     def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
              agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
              device: torch.device | None = None) -> Any:  # fmt: skip
-        if before_payload is not None or not self.early_bytes:  # (a TP stage; not gloo)
-            assert self.staged is not None, "a Collective that is not gloo or has a TP stage has a staged protocol"
+        if before_payload is not None or not self.early_bytes or device is not None and device.type != "cpu":
+            assert self.staged is not None, "a TP stage, a group that is not gloo, device rows: the staged protocol"
             return self.staged.send(op, counts, shared, write, check, agree_now=agree_now,
                                     before_payload=before_payload, device=device)  # fmt: skip
         ep, me, row_bytes = self.ep, self.ep.rank, shared[0]
