@@ -159,3 +159,28 @@ def test_ascend_mega_moe_steady_state_reads_nothing():
     for rank, (reads, same, fused, reference) in enumerate(parallel_launch(2, _mega_reads, timeout=120)):
         assert not reads and same, (rank, reads)
         assert torch.equal(fused, reference), rank
+
+
+def _v3_reads(info) -> tuple[list[str], list[str]]:
+    """MoeDistributeBuffer on the reference engine, checks off: the second dispatch + combine's host reads in the
+    front-end layers (the context ops and the Buffer: ``ops/``, ``cann/``) and in all library code."""
+    from deep_ep_npu.cann import MoeDistributeBuffer
+
+    _policy("0")
+    buffer = MoeDistributeBuffer(info.group)
+    x, _, weights = _inputs(info.rank, 0)
+    ids = torch.rand((N, E), generator=torch.Generator().manual_seed(info.rank)).topk(K).indices.int()
+    reads: list[str] = []
+    for _ in range(2):
+        with HostReads() as seen:
+            out = buffer.low_latency_dispatch(x, ids, E, topk_weights=weights, num_max_dispatch_tokens_per_rank=N)
+            buffer.low_latency_combine(out[0], ids, weights, out[2], out[4], num_experts=E)
+        reads = list(seen)
+    return [r for r in reads if r.startswith(("ops/", "cann/"))], reads
+
+
+def test_v3_context_front_end_reads_its_context_once():
+    """The V3 ops read their communication context once per context tensor (and per in-place change), not per call;
+    the reference engine below them still plans on the host (the instrument sees those reads)."""
+    for rank, (front_end, everything) in enumerate(parallel_launch(2, _v3_reads, timeout=120)):
+        assert not front_end and everything, (rank, front_end)
