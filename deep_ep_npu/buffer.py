@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from .backends import create_backend, resolve_backend_name
 from .buffer_ascend import AscendMethods
+from .buffer_compat import CompatMethods, ascend_quant
+from .buffer_layout import host_nodes
 from .buffer_normal import NormalModeMethods
 from .core import rules
 from .core.call import CombineCall, DispatchCall
@@ -27,7 +29,7 @@ NAMES = {"expert_ids": "topk_idx", "num_max": "num_max_dispatch_tokens_per_rank"
 COMBINE_NAMES = {**NAMES, "wait_stats": "combine_wait_recv_cost_stats"}
 
 
-class Buffer(AscendMethods, NormalModeMethods):
+class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
     """The low-latency expert-parallel communication buffer (DeepEP-compatible). Its calls are collective (every rank
     calls, also with 0 tokens): invalid input on any rank raises :class:`MoeDistributeError` (a ValueError) on every
     rank before any received row is placed (from ``hook()`` / the event when deferred); a rank that exits or stops
@@ -78,13 +80,15 @@ class Buffer(AscendMethods, NormalModeMethods):
             self.backend_name, group, timeout=resolve_timeout(timeout), enable_shrink=enable_shrink,
             transport=transport, num_rdma_bytes=num_rdma_bytes, ccl_buffer_size=ccl_buffer_size,
         )  # fmt: skip
+        self.nodes = host_nodes(self._backend)  # (normal mode's intranode / internode form)
 
     def low_latency_dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
         cumulative_local_expert_recv_stats: torch.Tensor | None = None,
         dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True, round_scale: bool = False,
         use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False, *,
-        quant_format: str | None = None,
+        quant_format: str | None = None, topk_weights: torch.Tensor | None = None, quant_mode: str | None = None,
+        use_mxfp4: bool = False,
     ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:  # fmt: skip
         """Send each token to the ranks hosting its experts (DeepEP low-latency dispatch). N =
         num_max_dispatch_tokens_per_rank, R ranks, L = num_experts / R local experts.
@@ -104,6 +108,10 @@ class Buffer(AscendMethods, NormalModeMethods):
             quant_format (keyword-only extension): ``"fp8_e4m3"`` (DeepEP's per-128-channel e4m3, the reference
                 default) or ``"int8_per_token"`` (Ascend A2/A3's per-token dynamic int8, ``q = rint(x * 127 / amax)``,
                 scale ``amax / 127``; the Ascend default). None: the backend's default.
+            topk_weights, quant_mode, use_mxfp4 (keyword-only: DeepEP-Ascend's, :mod:`deep_ep_npu.buffer_compat`):
+                `[num_tokens, num_topk]` `torch.float32` weights (checked; the ascend backend passes them to the ops as
+                their expand scales; combine's ``topk_weights`` weight the sum), ``quant_mode`` None or ``"int8"``
+                (= ``use_fp8=True, quant_format="int8_per_token"``), ``use_mxfp4`` False.
 
         Returns:
             recv_x: `[L, R * N, hidden]` in x's dtype, or with ``use_fp8`` ``(data, scales)``: data
@@ -120,13 +128,15 @@ class Buffer(AscendMethods, NormalModeMethods):
         op, n = "low_latency_dispatch", num_max_dispatch_tokens_per_rank
         with self._backend.rejecting(op):
             rules.overlap_flags(async_finish, return_recv_hook)
+            if quant_mode is not None or use_mxfp4 is not False:  # (DeepEP-Ascend's)
+                use_fp8, quant_format = ascend_quant(use_fp8, use_mxfp4, quant_mode, quant_format)
             quant = rules.deepep_quant(use_fp8, round_scale, use_ue8m0, quant_format, self._backend.native_quant_format)
             n = rules.count(n, "num_max_dispatch_tokens_per_rank", 1, code="shape")
             experts = rules.plain_experts(self.group_size, self.rank, num_experts, "num_experts")
             call = rules.dispatch(DispatchCall(
                 op, "masked", rules.activations(x), topk_idx, experts, num_max=n, quant=quant, round_scale=round_scale,
                 use_ue8m0=use_ue8m0, recv_stats=cumulative_local_expert_recv_stats,
-                wait_stats=dispatch_wait_recv_cost_stats, names=NAMES,
+                wait_stats=dispatch_wait_recv_cost_stats, expert_scales=topk_weights, names=NAMES,
             ))  # fmt: skip
             if self.num_rdma_bytes and (need := rdma_size_hint(n, x.shape[1], num_experts)) > self.num_rdma_bytes:
                 sizes = f"N={n}, hidden={x.shape[1]}, num_experts={num_experts}: {need} bytes needed"
@@ -204,7 +214,8 @@ class Buffer(AscendMethods, NormalModeMethods):
 
     @staticmethod
     def is_sm90_compiled() -> bool:
-        return False
+        """True: DeepEP's SM90-only features (fp8 dispatch, UE8M0 scales) are available here."""
+        return True
 
     def get_comm_stream(self) -> None:
         """None: there is no communication stream (work runs in call order on the calling thread)."""

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.engine_api import NONFINITE_ERROR, EngineCore, RequestDelta, SamplingParams
+from server.engine_api import NONFINITE_ERROR, EngineCore, KVTransferParams, RequestDelta, SamplingParams
 from server.metrics import Metrics
 
 _HEALTH_POLL_S = 1.0
@@ -108,11 +108,18 @@ class AsyncEngine:
         return len(self._requests)
 
     # ---- requests (asyncio side) ----
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          arrival: float | None = None) -> RequestHandle:  # fmt: skip
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float | None = None,
+        transfer: KVTransferParams | None = None,
+    ) -> RequestHandle:
         """Hand a request to the engine; returns its handle for :meth:`stream` once the engine accepted it.
 
-        ``arrival`` is the ``time.monotonic()`` at which the request arrived (TTFT and queue time count from it).
+        ``arrival`` is the ``time.monotonic()`` at which the request arrived (TTFT and queue time count from it);
+        ``transfer`` its bootstrap room (disaggregation).
         Raises ``ValueError`` if the engine rejects the input, :class:`EngineOverloadedError` when the queue is
         full, :class:`EngineDeadError` when the engine is down.
         """
@@ -130,7 +137,7 @@ class AsyncEngine:
         req = RequestHandle(request_id, asyncio.Queue(), arrival or time.monotonic(), len(prompt_token_ids))
         self._requests[request_id] = req
         accepted = self._loop.create_future()
-        self._submit(("add", request_id, prompt_token_ids, params, accepted))
+        self._submit(("add", request_id, prompt_token_ids, params, accepted, transfer))
         try:
             await accepted
         except BaseException:
@@ -245,9 +252,12 @@ class AsyncEngine:
         if command[0] == "abort":
             self.engine.abort_request(command[1])
             return
-        _, request_id, prompt_token_ids, params, accepted = command
+        _, request_id, prompt_token_ids, params, accepted, transfer = command
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params)
+            if transfer is None:
+                self.engine.add_request(request_id, prompt_token_ids, params)
+            else:
+                self.engine.add_request(request_id, prompt_token_ids, params, transfer)
         except (ValueError, TypeError) as e:
             self._call_soon(_resolve, accepted, e)
         else:
@@ -279,7 +289,8 @@ class AsyncEngine:
                         m.nonfinite_logits.inc()
             req.queue.put_nowait(delta)
         if m is not None:
-            m.on_step(end - start, num_tokens, stats.dispatch_times, stats.combine_times)
+            m.on_step(end - start, num_tokens, stats.num_batched_tokens, stats.dispatch_times, stats.combine_times)
+            m.on_kv_transfers(stats.kv_transfers)
             m.ep_ranks_lost.set(stats.num_lost_ranks)
             m.on_expert_load(stats.expert_loads, stats.num_lost_experts)
             m.on_cache_stats(stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,

@@ -142,6 +142,29 @@ class ServerConfig(BaseModel):
     )
     disable_docs: bool = Field(False, description="turn off /openapi.json and /docs (on by default; behind "
                                "api-key when one is set)")  # fmt: skip
+    disaggregation_mode: Literal["none", "prefill", "decode"] = Field(
+        "none",
+        description="prefill/decode disaggregation: 'prefill' computes prompts and first tokens and hands "
+        "their KV cache to decode instances; 'decode' receives it and decodes; 'none' colocates both (put "
+        "python -m server.router in front of the two kinds)",
+    )
+    disaggregation_transfer_backend: Literal["mooncake"] = Field(
+        "mooncake", description="what moves the KV cache between instances: Mooncake's Transfer Engine"
+    )
+    disaggregation_bootstrap_port: int = Field(
+        8998,
+        ge=0,
+        le=65535,
+        description="a prefill instance's bootstrap port, where decode instances learn where "
+        "a request's KV blocks are (0 = any free port)",
+    )
+    disaggregation_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="how long a prefill instance holds a request's KV blocks for its decode "
+        "instance (and a decode instance waits for its prefill instance) before giving up",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="uvicorn log level")
 
     @field_validator("chat_template")
@@ -167,6 +190,12 @@ class ServerConfig(BaseModel):
                 "npu and hccl then run as cpu and gloo)"
             )
         return self
+
+    @property
+    def transfer_host(self) -> str:
+        """The address the KV transfer engines and the bootstrap server bind: ``host``, or loopback when ``host``
+        is a wildcard (bind ``--host`` to the node's address on a cluster)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     @property
     def model_name(self) -> str:

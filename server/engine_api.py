@@ -140,6 +140,27 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class KVTransferParams:
+    """Where a disaggregated request's two halves meet (SGLang's request fields): the prefill instance's bootstrap
+    server at ``bootstrap_host:bootstrap_port`` and the request's ``bootstrap_room`` there."""
+
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: str
+
+
+@dataclasses.dataclass
+class KVTransferStat:
+    """One request's KV transfer: ``direction`` ``"send"`` (prefill side) or ``"recv"`` (decode side), the prompt
+    tokens and bytes moved and the seconds it took."""
+
+    direction: str
+    tokens: int
+    num_bytes: int
+    seconds: float
+
+
 @dataclasses.dataclass
 class StepStats:
     """What the last :meth:`EngineCore.step` did, for metrics: timings (seconds) of the whole step and, summed over
@@ -159,6 +180,8 @@ class StepStats:
     prefix_cache_hits: int = 0
     expert_loads: Mapping[int, Sequence[int]] = dataclasses.field(default_factory=dict)  # rank -> per MoE layer rows
     num_lost_experts: int = 0  # (layer, expert) pairs left without a replica by lost ranks (elastic mode)
+    num_batched_tokens: int = 0  # tokens the step's forward processed on all ranks (prefill chunks and decodes)
+    kv_transfers: Sequence[KVTransferStat] = ()  # KV transfers completed during the step (disaggregation)
 
 
 class Tokenizer(abc.ABC):
@@ -193,8 +216,15 @@ class EngineCore(abc.ABC):
     vocab_size: int | None = None  # the model's vocabulary size (None: unknown)
 
     @abc.abstractmethod
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; it joins the running batch at the next step. Raises ValueError for bad input."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        transfer: KVTransferParams | None = None,
+    ) -> None:
+        """Queue a request; it joins the running batch at the next step. Raises ValueError for bad input.
+        ``transfer``: the request's bootstrap room (a prefill or decode instance of a disaggregated deployment)."""
 
     @abc.abstractmethod
     def abort_request(self, request_id: str) -> None:
@@ -213,6 +243,11 @@ class EngineCore(abc.ABC):
 
     def last_step_stats(self) -> StepStats:
         return StepStats()
+
+    def disaggregation_info(self) -> dict | None:
+        """A disaggregated instance's role (``{"mode": "prefill", "bootstrap_host", "bootstrap_port"}`` or
+        ``{"mode": "decode"}``); None when colocated."""
+        return None
 
     def failure(self) -> str | None:
         """Why the engine is unhealthy (one line for clients), if it knows; None while healthy."""

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from server.engine_api import KVTransferStat
+
 PREFIX = "deep_ep_npu:"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -59,7 +61,11 @@ class Metrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per finished request.", _TOKEN_BUCKETS
         )
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens produced per engine step.", _TOKEN_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens one engine step processed (prefill chunks and decodes, all workers).",
+            _TOKEN_BUCKETS,
+        )
         self.engine_step_time = histogram("engine_step_seconds", "Wall time of one engine step.", _LATENCY_BUCKETS)
         self.token_step_time = histogram(
             "token_step_seconds", "Wall time of the engine step that produced each token (token-weighted).",
@@ -90,6 +96,31 @@ class Metrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (blocks released, recomputed later).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        directed = ["model_name", "direction"]
+        self._kv_transfer_tokens = Counter(
+            PREFIX + "kv_transfer_tokens",
+            "Prompt tokens whose KV cache was moved between instances (disaggregation), by direction (send / recv).",
+            directed,
+            registry=r,
+        )
+        self._kv_transfer_bytes = Counter(
+            PREFIX + "kv_transfer_bytes",
+            "KV-cache bytes moved between instances, by direction (send / recv).",
+            directed,
+            registry=r,
+        )
+        self._kv_transfer_time = Histogram(
+            PREFIX + "kv_transfer_seconds",
+            "Time of one request's KV transfer (recv: "
+            "the decode worker's read; send: the prefill side's answer to the "
+            "decode side's done).",
+            directed,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        for direction in ("send", "recv"):
+            self._kv_transfer_tokens.labels(model_name, direction)
+            self._kv_transfer_bytes.labels(model_name, direction)
         self.nonfinite_logits = counter("nonfinite_logits", "Requests ended with an error: NaN or Inf logits.")
         for reason in FINISH_REASONS:  # export every label value from the start, at 0
             self._success.labels(model_name, reason)
@@ -103,17 +134,25 @@ class Metrics:
         self.request_generation_tokens.observe(num_output_tokens)
         self.e2e_request_latency.observe(e2e_latency)
 
-    def on_step(self, step_time: float, num_tokens: int, dispatch_times: Sequence[float],
+    def on_step(self, step_time: float, num_tokens: int, num_batched_tokens: int, dispatch_times: Sequence[float],
                 combine_times: Sequence[float]) -> None:  # fmt: skip
+        """An engine step that produced ``num_tokens`` tokens and processed ``num_batched_tokens``."""
         self.engine_step_time.observe(step_time)
         for _ in range(num_tokens):
             self.token_step_time.observe(step_time)
-        self.iteration_tokens.observe(num_tokens)
+        if num_batched_tokens:
+            self.iteration_tokens.observe(num_batched_tokens)
         self.generation_tokens.inc(num_tokens)
         for t in dispatch_times:
             self.dispatch_latency.observe(t)
         for t in combine_times:
             self.combine_latency.observe(t)
+
+    def on_kv_transfers(self, transfers: Sequence[KVTransferStat]) -> None:
+        for t in transfers:
+            self._kv_transfer_tokens.labels(self.model_name, t.direction).inc(t.tokens)
+            self._kv_transfer_bytes.labels(self.model_name, t.direction).inc(t.num_bytes)
+            self._kv_transfer_time.labels(self.model_name, t.direction).observe(t.seconds)
 
     def on_cache_stats(self, kv_cache_usage: float, num_preemptions: int, prefix_cache_queries: int,
                        prefix_cache_hits: int) -> None:  # fmt: skip

@@ -90,13 +90,14 @@ class Backend(abc.ABC):
 
     def release(self, explicitly_destroy: bool, called: bool) -> None:
         """A front-end's ``destroy()`` (``called``) or deletion, with DeepEP's ``explicitly_destroy`` rule, once.
-        ``destroy()`` first waits (bounded) for the live peers, so none tears its group down mid-combine."""
+        ``destroy()`` first waits (bounded) for the live peers, so none tears its group down mid-combine; not after a
+        call raised :class:`EPRankFailure` (the group is broken: the peers it would wait for may be gone)."""
         if called and not explicitly_destroy:
             raise RuntimeError("destroy() needs explicitly_destroy=True at construction (else it runs on deletion)")
         if self.released or explicitly_destroy != called:
             return
         self.released = True
-        if called:
+        if called and not self.ep.broken:
             with contextlib.suppress(EPRankFailure):
                 self.ep.barrier("destroy")
         self.destroy()

@@ -32,9 +32,10 @@ class MoeDistributeBuffer:
     ``npu_low_latency_dispatch`` / ``npu_low_latency_combine`` (``npu_ops_transformer``)."""
 
     get_low_latency_ccl_buffer_size = staticmethod(get_low_latency_ccl_buffer_size)
+    context_layout = "new"  # (the old package's: "old", `[2052]`)
 
     def __init__(self, group: dist.ProcessGroup, ccl_buffer_size: int = 0, comm_alg: int = 0) -> None:
-        self.context = create_context(group)
+        self.context = create_context(group, self.context_layout)
         self._bind(group)
 
     def _bind(self, group: dist.ProcessGroup) -> None:
@@ -48,7 +49,7 @@ class MoeDistributeBuffer:
         if dist.get_world_size(new_group) != self.world_size:
             why = f"has {dist.get_world_size(new_group)} ranks; the world size must stay {self.world_size}"
             raise shape("new_group", why)
-        create_context(new_group, out=self.context)
+        create_context(new_group, self.context_layout, out=self.context)
         self._bind(new_group)
         return True
 

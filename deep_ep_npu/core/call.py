@@ -69,7 +69,9 @@ class DispatchCall(Call):
     :class:`~deep_ep_npu.quant.Quant`; ``scales`` `[S + E, H]` fp32 smooth scales; ``recv_stats`` `[L]` int32 gets
     the received rows per local expert added. Flat: ``capacity`` A (set by the rules). The ``expand`` layout's
     fields: ``x_sf`` (pre-quantized scale factors `[T, S]`), ``alignment``, ``do_expand``, ``zero_padding``,
-    ``tma_sf``, ``cpu_sync``, ``cached`` (a handle whose layout is reused), ``handle_copy``."""
+    ``tma_sf``, ``cpu_sync``, ``cached`` (a handle whose layout is reused), ``handle_copy``, ``recv_rows`` (the
+    non-expand rows to allocate at the send when known there, e.g. DeepEP normal mode's exact count or its
+    ``num_worst_tokens``; 0: ``cpu_sync`` decides)."""
 
     num_max: int = 0
     quant: Any = None
@@ -88,6 +90,7 @@ class DispatchCall(Call):
     cpu_sync: bool = True
     cached: Any = None
     handle_copy: bool = True
+    recv_rows: int = 0
 
 
 @dataclasses.dataclass
@@ -101,7 +104,9 @@ class CombineCall(Call):
     ``num_peer`` TP peer rows; -1: not read, the value checks were off); expand without ``multiple_reduction``: every
     expand row goes back as it is;
     ``slot_order``: masked rows are summed per token in slot order (k ascending; the flat and expand layouts always
-    are), so the result does not depend on which rank holds an expert (replicas, :mod:`deep_ep_npu.eplb`)."""
+    are), so the result does not depend on which rank holds an expert (replicas, :mod:`deep_ep_npu.eplb`); expand
+    (DeepEP's normal mode): ``by_rank`` sums each token's rows by source rank ascending (else by last top-k slot),
+    ``raw_weights`` returns ``expert_scales`` rows as given (else 0 where the slot's expert is not on that rank)."""
 
     handle: Any
     shared_expert_x: Any = None
@@ -116,6 +121,8 @@ class CombineCall(Call):
     num_peer: int = 0
     multiple_reduction: bool = True
     slot_order: bool = False
+    by_rank: bool = False
+    raw_weights: bool = False
 
 
 @dataclasses.dataclass

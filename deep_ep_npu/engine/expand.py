@@ -44,10 +44,18 @@ class Payload:
         self.sf_end = self.x_bytes + 4 * self.sf_cols
         self.num_bytes = self.sf_end + 4 * num_topk
 
-    def pack(self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
-        """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None)."""
-        w = weights if weights is not None else x.new_zeros((x.shape[0], self.num_topk), dtype=torch.float32)
-        return torch.cat([t.contiguous().view(torch.uint8) for t in (x, sf, w) if t is not None], dim=1)
+    def pack(
+        self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None: 0),
+        into ``out`` when given (a reused buffer: no fresh pages per call)."""
+        out = torch.empty((x.shape[0], self.num_bytes), dtype=torch.uint8, device=x.device) if out is None else out
+        out[:, : self.x_bytes].view(self.x_dtype).copy_(x)
+        if sf is not None:
+            out[:, self.x_bytes : self.sf_end].view(sf.dtype).copy_(sf)
+        w = out[:, self.sf_end : self.num_bytes].view(torch.float32)
+        w.copy_(weights) if weights is not None else w.zero_()
+        return out
 
     def fields(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Views of ``rows`` `[n, >= num_bytes]` uint8: x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
@@ -120,6 +128,8 @@ def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
     e, h, a = c.experts, c.cached, c.alignment
     if h is not None:
         return h.num_recv_tokens, h.num_expanded_tokens
+    if c.recv_rows:
+        return c.recv_rows, 0
     rn = e.world_size * c.num_max
     return None if c.cpu_sync else (rn, align(rn * min(num_topk, e.num_local) + (a - 1) * e.num_local, a))
 
@@ -149,10 +159,11 @@ def receive(c: DispatchCall, p: Payload, place: Placement, x: torch.Tensor, sf: 
     out = out or Outputs(c, p, place.num_rows, place.num_expanded)
     n, rows, dev = x.shape[0], place.pair_row, x.device
     at: Any = place.pair_pos if c.do_expand else slice(n)  # expand: each pair's row, else the rows as they came
-    out.x[at] = x.index_select(0, rows) if c.do_expand else x
-    if sf is not None and out.sf is not None:
-        out.sf[at] = sf.index_select(0, rows) if c.do_expand else sf
-    out.weights[at] = weights[rows, place.pair_slot] if c.do_expand else weights
+    if x.data_ptr() != out.x.data_ptr():  # (non-expand rows may already be in place: _Expand.place)
+        out.x[at] = x.index_select(0, rows) if c.do_expand else x
+        if sf is not None and out.sf is not None:
+            out.sf[at] = sf.index_select(0, rows) if c.do_expand else sf
+        out.weights[at] = weights[rows, place.pair_slot] if c.do_expand else weights
     if out.topk_idx is not None:  # (not expand)
         out.topk_idx[:n] = place.slots
     if tokens is not None:
@@ -191,10 +202,13 @@ class _Expand:
             self.plan = plan_topk(c.expert_ids, e.num_local, e.world_size, e.rank, no_mask, per_pair_rows=False)
         self.cached: Placement | None = None if h is None else h.state["placement"]
         self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
-        self.source = p.pack(c.x, c.x_sf, c.expert_scales)
+        self.source = p.pack(
+            c.x, c.x_sf, c.expert_scales, engine.scratch("expand_source", (len(c.x), p.num_bytes), torch.uint8)
+        )
         past = 0 < engine.early_bytes < c.num_max * self.fmt.row_bytes  # (a rank's rows may pass the bound)
-        self.known = None if self.cached is None or past else list(self.cached.rows_from)
-        self.vectors = (*self.plan.rows_per_dest, *(self.known or [-1] * e.world_size))
+        expect = None if self.cached is None else list(self.cached.rows_from)  # (checked by every rank: check())
+        self.known = None if past else expect
+        self.vectors = (*self.plan.rows_per_dest, *(expect or [-1] * e.world_size))
         self.fingerprint = (int(h is not None), c.num_max, e.num_moe_experts, p.hidden, X_DTYPE_CODES[p.x_dtype],
                             p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
         self.sizes = sizes_of(c, p.num_topk)
@@ -221,13 +235,28 @@ class _Expand:
 
     def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None:
         by_src, r, c = dict([*parts, own]), self.ep.num_ranks, self.c
-        staged = torch.cat([by_src[s] for s in range(r) if s in by_src])  # by source, tokens ascending
+        got = [by_src[s] for s in range(r) if s in by_src]  # by source, tokens ascending
+        # non-expand: only the small token / slot fields are staged; the payload goes straight to the outputs
+        fields = slice(0 if c.do_expand else self.fmt.token_off, None)
+        staged = torch.cat([g[:, fields] for g in got])
         place, tokens = self.cached, None
         if place is None:
             rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(r)]
-            num_local, tokens = c.experts.num_local, self.fmt.tokens(staged)
-            place = make_placement(self.fmt.slot_experts(staged), rows_from, num_local, c.alignment, self.sizes)
-        x, sf, weights = self.payload.fields(staged)
+            head = staged[:, self.fmt.token_off - fields.start :].view(torch.int32)  # token, then the slots
+            tokens, num_local = head[:, 0], c.experts.num_local
+            place = make_placement(head[:, 1 : 1 + self.fmt.num_slots], rows_from, num_local, c.alignment, self.sizes)
+        if c.do_expand:
+            x, sf, weights = self.payload.fields(staged)
+        else:
+            self.outputs = out = self.outputs or Outputs(c, self.payload, place.num_rows, place.num_expanded)
+            begin = 0
+            for g in got:
+                x, sf, weights = self.payload.fields(g)
+                rows = slice(begin, begin := begin + g.shape[0])
+                out.x[rows], out.weights[rows] = x, weights
+                if sf is not None and out.sf is not None:
+                    out.sf[rows] = sf
+            x, sf, weights = out.x[:begin], None, out.weights[:begin]
         self.outputs = receive(c, self.payload, place, x, sf, weights, tokens, self.outputs, self.make_handle)
 
 
@@ -244,10 +273,11 @@ def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return acc.to(x.dtype)
 
 
-def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool) -> Plan:
-    """The source's view of the combine: per (token, rank) at the slot of the token's last expert there, or (no
-    multiple reduction) every dispatched pair; sorted as the expert ranks return the rows (cached in the handle)."""
-    key = "return_plan" if per_row else "pair_plan"
+def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool, by_rank: bool = False) -> Plan:
+    """The source's view of the combine: per (token, rank) at the slot of the token's last expert there (``by_rank``:
+    at slot = the rank, so the sum goes by rank), or (no multiple reduction) every dispatched pair; sorted as the
+    expert ranks return the rows (cached in the handle)."""
+    key = "rank_plan" if by_rank else "return_plan" if per_row else "pair_plan"
     if key in h.state:
         return h.state[key]
     plan, num_tokens, r = h.state["plan"], h.num_tokens, num_ranks
@@ -256,7 +286,7 @@ def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool) -> Plan:
         last = torch.full((num_tokens * r,), -1, dtype=torch.int64, device=plan.token.device)
         last.scatter_reduce_(0, plan.token * r + plan.dest, plan.slot, "amax")
         at = (last >= 0).nonzero(as_tuple=True)[0]
-        pairs, num_local = (at // r, last[at], at % r, torch.zeros_like(at)), 1
+        pairs, num_local = (at // r, at % r if by_rank else last[at], at % r, torch.zeros_like(at)), 1
     h.state[key] = out = make_plan(*pairs, num_tokens, r, rank, num_local, per_pair_rows=True)
     return out
 
@@ -276,7 +306,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         expert = place.slots[place.pair_row, place.pair_slot].long()
         order = torch.argsort(src * (h.num_experts // r) + expert, stable=True)
         rows, rows_per_src, source = place.pair_pos[order], torch.bincount(src, minlength=r).tolist(), x
-    plan, extra, weighted = _return_plan(h, rank, r, per_row), None, c.expert_scales is not None
+    plan, extra, weighted = _return_plan(h, rank, r, per_row, c.by_rank), None, c.expert_scales is not None
     if c.shared_expert_x:  # the biases, first in the fp32 sum: at slot -1
         tokens, bias = torch.arange(num_tokens, device=dev), sum(b.float() for b in c.shared_expert_x)
         extra = (tokens, torch.full_like(tokens, -1), bias)
@@ -292,8 +322,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         w_rows = torch.zeros((total, h.num_topk), dtype=torch.float32, device=dev)
         w_rows[place.pair_row, place.pair_slot] = w[place.pair_pos]
     else:
-        w_rows = w[:total].masked_fill(place.slots < 0, 0.0)
-    plan = _return_plan(h, rank, r, True)
+        w_rows = w[:total] if c.raw_weights else w[:total].masked_fill(place.slots < 0, 0.0)
+    plan = _return_plan(h, rank, r, True, c.by_rank)
     ones, out = torch.ones_like(plan.token, dtype=torch.float32), w_rows.new_empty((num_tokens, h.num_topk))
     w_job = dataclasses.replace(job, source=w_rows, return_rows=every_row, rows_per_src=list(place.rows_from),
                                 plan=plan, weights=ones, out=out, extra=None)  # fmt: skip

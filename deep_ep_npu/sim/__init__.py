@@ -9,9 +9,11 @@ MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine`` (:mod:`.fused`) and make
 ``group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)`` return :func:`hccl_comm_name`, which the ops take
 as ``group_ep`` / ``group_tp``. For that ``torch.device("npu")`` becomes valid, which a process cannot undo: do not
 load a real torch_npu after :func:`uninstall`, and ``torch.accelerator.is_available()`` / ``torch.random.fork_rng()``
-raise. ``torch.npu`` is not faked, so ``Buffer(backend="auto")`` keeps choosing the reference backend;
+raise. ``torch.npu`` (and ``torch_npu.npu``) is :mod:`.npu_device`'s stand-in (streams, events, device calls as CPU
+no-ops; ``is_available()`` False), so ``Buffer(backend="auto")`` keeps choosing the reference backend;
 ``backend="ascend"`` runs the Ascend backend's code (on CANN's context ops, as it does on an NPU where CANN's
-extension is installed, unless ``install(cann=False)``).
+extension is installed, unless ``install(cann=False)``). The module also has torch_npu's local routing ops
+``npu_moe_init_routing_v2``, ``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` (:mod:`.routing`).
 
 With ``cann=True`` (the default) it also installs CANN ops-transformer's torch extension, ``cann_ops_transformer`` and
 ``npu_ops_transformer`` with their ``ops`` modules and ``torch.ops`` context ops (:mod:`.cann`).
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from ..core.platforms import TORCH_NPU_CONSTANTS
 from ..transports.names import register_comm_name, unregister_comm_name
 from . import cann as _cann
-from . import fused
+from . import fused, npu_device, routing
 
 __all__ = ["hccl_comm_name", "install", "installed", "uninstall"]
 
@@ -41,6 +43,7 @@ OPS = {f"npu_moe_distribute_{op}": f"moe_distribute_{op}" for op in _OP_NAMES} |
     "npu_moe_update_expert": "moe_update_expert"
 }
 """torch_npu's name -> the :mod:`deep_ep_npu.ops` function it is, looked up at each attribute access."""
+ROUTING = ("npu_moe_init_routing_v2", "npu_moe_token_permute", "npu_moe_token_unpermute")  # (:mod:`.routing`)
 _state: dict[str, Any] = {}  # while installed: "module", "get_backend" (ProcessGroup's original), "cann" (modules)
 _comm_names: set[str] = set()
 
@@ -86,6 +89,8 @@ def install(cann: bool = True) -> types.ModuleType:
     _state.update(module=_make_module(), get_backend=original, cann=_cann.register() if cann else {})
     fused.register()
     sys.modules["torch_npu"] = _state["module"]
+    if not hasattr(torch, "npu"):  # (a real torch_npu's is never replaced)
+        torch.npu = _state["npu"] = _state["module"].npu  # type: ignore[attr-defined]
     sys.modules.update(_state["cann"])
     return _state["module"]
 
@@ -99,6 +104,8 @@ def uninstall() -> None:
     if sys.modules.get("torch_npu") is _state["module"]:
         del sys.modules["torch_npu"]
     dist.ProcessGroup._get_backend = _state["get_backend"]  # type: ignore[method-assign]
+    if "npu" in _state and getattr(torch, "npu", None) is _state["npu"]:
+        del torch.npu  # type: ignore[attr-defined]
     fused.unregister()
     _cann.unregister(_state.get("cann", {}))
     for name in _comm_names:
@@ -116,7 +123,8 @@ def _make_module() -> types.ModuleType:
     """A fresh ``torch_npu`` module (its ``__spec__`` makes ``importlib.util.find_spec("torch_npu")`` find it)."""
     mod = types.ModuleType("torch_npu", "deep_ep_npu.sim's torch_npu stand-in (MoE distribute ops on CPU tensors).")
     mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None, origin="deep_ep_npu.sim")
-    names = sorted([*TORCH_NPU_CONSTANTS, *OPS, "npu_format_cast", "SIMULATED", "device_type"])
+    local = {name: getattr(routing, name) for name in ROUTING}
+    names = sorted([*TORCH_NPU_CONSTANTS, *OPS, *local, "npu", "npu_format_cast", "SIMULATED", "device_type"])
 
     def __getattr__(name: str) -> Any:
         if name not in OPS:
@@ -130,7 +138,8 @@ def _make_module() -> types.ModuleType:
         return sorted({*mod.__dict__, *OPS})
 
     mod.__dict__.update(TORCH_NPU_CONSTANTS, __version__=VERSION, SIMULATED=True, device_type="cpu")
-    mod.__dict__.update(npu_format_cast=npu_format_cast, __getattr__=__getattr__, __dir__=__dir__)
+    mod.__dict__.update(npu_format_cast=npu_format_cast, __getattr__=__getattr__, __dir__=__dir__, **local)
+    mod.npu = npu_device.module()  # type: ignore[attr-defined]
     return mod
 
 

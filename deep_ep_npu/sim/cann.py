@@ -5,8 +5,9 @@ context ops under ``torch.ops.<package>`` (CPU kernels: :mod:`deep_ep_npu.ops.v3
 - ``cann_ops_transformer.ops``: ``MoeDistributeBuffer``, ``ElasticBuffer``, ``EPHandle``, ``mega_moe``,
   ``get_symm_buffer_for_mega_moe`` (re-exported by the package, as ``from .ops import *`` does);
   ``torch.ops.cann_ops_transformer.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine`` (the V3 schemas,
-  dispatch ending with ``x_smooth_scales_dtype``).
-- ``npu_ops_transformer.ops``: ``MoeDistributeBuffer``, ``npu_moe_distribute_dispatch_v3`` /
+  dispatch ending with ``x_smooth_scales_dtype``) and ``npu_mega_moe`` (:mod:`.cann_mega`).
+- ``npu_ops_transformer.ops``: ``MoeDistributeBuffer`` (its context in the old layout, `[2052]`),
+  ``npu_moe_distribute_dispatch_v3`` /
   ``npu_moe_distribute_combine_v3`` and ``npu_moe_distribute_{dispatch,combine}_v2`` (torch_npu's schemas);
   ``torch.ops.npu_ops_transformer.npu_moe_distribute_dispatch_v3`` / ``_combine_v3`` (dispatch ending with
   ``scales_dtype``).
@@ -23,6 +24,8 @@ import torch
 
 from .. import cann, ops
 from ..ops.v3 import moe_distribute_combine_v3, moe_distribute_dispatch_v3
+from .cann_mega import SCHEMA as MEGA_SCHEMA
+from .cann_mega import OldMoeDistributeBuffer, npu_mega_moe
 
 _D = (
     "(Tensor context, Tensor x, Tensor expert_ids, int ep_world_size, int ep_rank_id, int moe_expert_num, "
@@ -54,6 +57,8 @@ def _dispatch_new(*args: Any, x_smooth_scales_dtype: Any = None, **kw: Any) -> t
 def _exports(package: str) -> dict[str, Any]:
     """What ``<package>.ops`` holds."""
     names: dict[str, Any] = {"MoeDistributeBuffer": cann.MoeDistributeBuffer}
+    if package == "npu_ops_transformer":  # (its context: the old layout)
+        names["MoeDistributeBuffer"] = OldMoeDistributeBuffer
     if package == "cann_ops_transformer":
         names.update(
             ElasticBuffer=cann.ElasticBuffer,
@@ -90,6 +95,9 @@ def register() -> dict[str, types.ModuleType]:
             for name, last, fn in defs:
                 lib.define(name + (_D.format(last) if last else _C))
                 lib.impl(name, fn, "CPU")
+            if namespace == "cann_ops_transformer":
+                lib.define(MEGA_SCHEMA)
+                lib.impl("npu_mega_moe", npu_mega_moe, "CPU")
     modules: dict[str, types.ModuleType] = {}
     for package in PACKAGES:
         pkg, ops_mod = types.ModuleType(package), types.ModuleType(f"{package}.ops")

@@ -104,6 +104,7 @@ class EPGroup:
             self.device = torch.device("cpu")
         self._deferred: list[tuple[Callable[[], Any], list[Any]]] = []  # see defer()
         self._draining = False
+        self.broken = False  # a call raised EPRankFailure (not recovered by shrinking): destroy() waits for no peer
 
     @property
     def failed(self) -> list[int]:
@@ -138,6 +139,7 @@ class EPGroup:
 
     def _fail(self, pending: Pending, op: str, cause: BaseException) -> NoReturn:
         mon, seq = pending.monitor, pending.seq
+        self.broken = True
         try:
             missing = agree_missing(mon.store, mon.rank, mon.size, f"{seq}/{pending.op}", pending.started,
                                     self.timeout, lambda r: mon.arrived(r, seq, pending.op))  # fmt: skip
@@ -239,6 +241,7 @@ class EPGroup:
             self.comm = group
         self.live = survivors
         self.mask[list(failure.missing_ranks)] = 1
+        self.broken = False
 
     def retry(self, step: Callable[[], _R], rewind: Callable[[], None]) -> _R:
         """``step()``; in shrink mode, a rank failure shrinks the group, calls ``rewind()`` and runs it again."""

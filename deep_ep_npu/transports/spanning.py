@@ -63,6 +63,7 @@ class Spanning:
         try:
             agreement, parts, wait_ns = self.collective.receive(collective_token)
             if lost:
+                self.ep.broken = True
                 raise EPRankFailure((), call.op, self.ep.timeout, unknown=lost)
             t0 = time.perf_counter_ns()
             parts += self._local_parts(call, agreement)
@@ -78,6 +79,7 @@ class Spanning:
         try:
             window.wait_headers(call, live)
         except PeerLost:
+            self.ep.broken = True
             raise EPRankFailure((), call.op, self.ep.timeout, unknown="a peer on this host left its window") from None
         row_bytes = agreement.shared[self.ep.rank][0]
         return [

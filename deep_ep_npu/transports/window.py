@@ -245,6 +245,7 @@ class Window:
 
     def _fail(self, call: Call) -> NoReturn:
         ep, timeout = self.ep, self.ep.timeout
+        ep.broken = True
         if self.spanning:  # the spanning transport's collective agreement (every rank takes part) finds who is missing
             raise PeerLost(call.op)
         for peer in self.peers.values():  # a late peer whose data for this call is already here must not succeed

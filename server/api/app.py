@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.api.disagg import make_disagg_router
 from server.api.errors import error_body, install_error_handlers
 from server.api.generation import generation_defaults
 from server.api.routes import make_router
@@ -103,5 +104,6 @@ def create_app(config: ServerConfig, engine: EngineCore, *, capacity: int | None
     app.state.serving = state
     install_error_handlers(app)
     app.include_router(make_router(state))
+    app.include_router(make_disagg_router(state))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     return app

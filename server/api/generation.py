@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from server.api import sse
+from server.api.disagg import transfer_params
 from server.api.errors import APIError, engine_error
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
 from server.api.responses import ResponseBuilder, Sample, SampleOutput
@@ -208,9 +209,10 @@ async def serve(http: Request, req: SamplingFields, samples: list[Sample], build
                 state: ServingState, arrival: float) -> Response:  # fmt: skip
     """Add every sample to the engine and answer (streamed when ``req.stream``)."""
     handles = []
+    transfers = transfer_params(req, state.config.disaggregation_mode, samples)
     try:
-        for s in samples:
-            handles.append(await state.engine.add_request(s.request_id, s.prompt_ids, s.params, arrival))
+        for s, transfer in zip(samples, transfers, strict=True):
+            handles.append(await state.engine.add_request(s.request_id, s.prompt_ids, s.params, arrival, transfer))
     except (EngineOverloadedError, EngineDeadError, ValueError, TypeError) as e:
         for s in samples[: len(handles)]:
             state.engine.abort(s.request_id)

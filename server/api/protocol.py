@@ -60,6 +60,10 @@ class SamplingFields(Lenient):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    # prefill/decode disaggregation (SGLang's fields; python -m server.router sets them)
+    bootstrap_host: str | None = Field(None, min_length=1)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | str | None = None
 
     @property
     def include_usage(self) -> bool:

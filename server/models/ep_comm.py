@@ -1,8 +1,8 @@
 """How an MoE layer moves tokens to its experts and back: one small ABC, two implementations.
 
 - :class:`LocalComm`: one rank holds every expert; sorts the (token, expert) pairs by expert in process.
-- :class:`BufferComm`: ``deep_ep_npu.Buffer`` low-latency dispatch/combine over a process group; DeepEP's masked
-  layout is packed into the grouped one on the device (no count is read back on the host).
+- :class:`~.buffer_comm.BufferComm`: ``deep_ep_npu.Buffer`` low-latency dispatch/combine over a process group;
+  DeepEP's masked layout is packed into the grouped one on the device (no count is read back on the host).
 
 Both hand the experts the grouped-GEMM layout (``torch._grouped_mm``'s): the received rows `[num_rows, hidden]`,
 expert ``e``'s in ``[offsets[e - 1], offsets[e])``, so the expert code is one grouped matmul per projection.
@@ -11,7 +11,6 @@ expert ``e``'s in ``[offsets[e - 1], offsets[e])``, so the expert code is one gr
 from __future__ import annotations
 
 import abc
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +19,6 @@ import torch
 
 from deep_ep_npu import kernels
 from deep_ep_npu.eplb import ExpertMap
-
-logger = logging.getLogger("server.moe")
 
 
 class CommStats:
@@ -59,6 +56,7 @@ class ExpertComm(abc.ABC):
         self.stats = CommStats()
         self.load: torch.Tensor | None = None  # `[moe layers, num_local_experts]` int64: rows received per slot
         self.lost_experts: list[list[int]] = []  # per MoE layer: experts with no replica left (lost ranks)
+        self.lost_ranks: set[int] = set()  # EP ranks this comm no longer exchanges with (elastic mode)
 
     @property
     def local_expert_ids(self) -> range:
@@ -73,13 +71,7 @@ class ExpertComm(abc.ABC):
     def to_physical(self, layer: int, topk_idx: torch.Tensor) -> torch.Tensor:
         """``topk_idx`` `[num_tokens, k]` int64 logical ids -> the ids the exchange runs on (physical slots with a
         placement: :meth:`deep_ep_npu.eplb.ExpertMap.to_physical`; else the same tensor)."""
-        self.check_lost_ranks()
         return topk_idx if self.expert_map is None else self.expert_map.to_physical(layer, topk_idx, self.rank)
-
-    def check_lost_ranks(self) -> bool:
-        """Drop ranks that left the group from the placement (their slots' tokens go to the surviving replicas);
-        True if the placement changed. Only a Buffer in shrink mode loses ranks."""
-        return False
 
     def set_expert_map(self, expert_map: ExpertMap) -> None:
         """Switch to ``expert_map`` (same P and ranks) at a step boundary (EPLB), after the weights moved."""
@@ -177,113 +169,3 @@ class LocalComm(ExpertComm):
             rows = torch.where(valid[:, None], expert_out.float() * weights[:, None], 0.0)  # padding may hold NaN
             out.zero_().index_add_(0, tokens, rows)
         return out.to(expert_out.dtype), (overlap() if overlap is not None else None)
-
-
-class BufferComm(ExpertComm):
-    """``deep_ep_npu.Buffer`` low-latency dispatch/combine over ``group`` (exact: ``use_fp8=False``).
-
-    ``enable_shrink`` / ``timeout`` go to the Buffer (a lost rank's experts are then dropped, see the Buffer).
-    With shared experts, combine is issued with ``return_recv_hook=True``: the send phase runs, the shared experts
-    are computed, then ``hook()`` receives (DeepEP's hook-based overlap). ``fused=True`` makes the MoE layers built
-    on it use :meth:`fused_moe` (``Buffer.mega_moe``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one call).
-    """
-
-    def __init__(self, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
-                 backend: str = "auto", enable_shrink: bool = False, timeout: float | None = None,
-                 fused: bool = False, expert_map: ExpertMap | None = None) -> None:  # fmt: skip
-        import torch.distributed as dist
-
-        from deep_ep_npu import Buffer
-
-        super().__init__(
-            dist.get_rank(group), dist.get_world_size(group), num_experts, num_max_dispatch_tokens_per_rank, expert_map
-        )
-        self.group, self.lost_ranks = group, set[int]()
-        num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(
-            num_max_dispatch_tokens_per_rank, hidden, self.num_ranks, self.num_physical
-        )
-        self.buffer = Buffer(
-            group,
-            num_rdma_bytes=num_rdma_bytes,
-            low_latency_mode=True,
-            num_qps_per_rank=self.num_local_experts,
-            explicitly_destroy=True,
-            backend=backend,
-            enable_shrink=enable_shrink,
-            timeout=timeout,
-        )
-        self.fused = fused
-
-    def fused_moe(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
-    ) -> torch.Tensor:
-        """``sum_k topk_weights[t, k] * FFN_e(x[t])`` via ``Buffer.mega_moe`` (timed as dispatch).
-
-        Arguments:
-            x: `[num_tokens, hidden]`; topk_idx `[num_tokens, num_topk]` int64; topk_weights `torch.float32`.
-            w1: `[num_local_experts, hidden, 2 * I]` (gate columns, then up); w2: `[num_local_experts, I, hidden]`.
-        """
-        t0 = time.perf_counter()
-        out = self.buffer.mega_moe(
-            x, topk_idx, topk_weights, w1, w2,
-            num_max_dispatch_tokens_per_rank=self.num_max_dispatch_tokens_per_rank,
-            num_experts=self.num_physical, out_dtype=x.dtype,
-        )  # fmt: skip
-        self.stats.dispatch += time.perf_counter() - t0
-        return out
-
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                 num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
-        recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
-            x, topk_idx, self.num_max_dispatch_tokens_per_rank, self.num_physical, use_fp8=False
-        )
-        num_local, capacity, hidden = recv_x.shape
-        senders = self.num_ranks * self.num_max_dispatch_tokens_per_rank
-        senders = senders if num_tokens_all_ranks is None else num_tokens_all_ranks
-        num_rows = min(num_local * capacity, senders * min(topk_idx.shape[1], num_local))
-        offsets = torch.cumsum(recv_count, 0, dtype=torch.int32)
-        row = torch.arange(num_rows, device=x.device)
-        expert = torch.searchsorted(offsets, row, right=True).clamp_(max=num_local - 1)
-        src = expert * capacity + row - (offsets - recv_count)[expert]
-        valid = row < offsets[-1]
-        rows = recv_x.reshape(-1, hidden).index_select(0, torch.where(valid, src, 0))
-        dst = torch.where(valid, src, num_local * capacity)  # padding rows go to a scratch row past the layout
-        return rows, offsets, (handle, dst, recv_x.shape)
-
-    def combine(self, expert_out, topk_idx, topk_weights, handle, overlap=None):  # noqa: ANN001
-        handle, dst, shape = handle
-        masked = expert_out.new_empty(shape[0] * shape[1] + 1, shape[2]).index_copy_(0, dst, expert_out)
-        expert_out = masked[:-1].view(shape)  # DeepEP's masked layout; rows past each count are never read
-        if overlap is None:
-            combined, _, _ = self.buffer.low_latency_combine(
-                expert_out, topk_idx, topk_weights, handle, slot_order=True
-            )
-            return combined, None
-        combined, _, hook = self.buffer.low_latency_combine(
-            expert_out, topk_idx, topk_weights, handle, return_recv_hook=True, slot_order=True
-        )
-        shared = overlap()
-        assert hook is not None, "return_recv_hook=True returns the hook"
-        hook()
-        return combined, shared
-
-    def check_lost_ranks(self) -> bool:
-        if not self.buffer.enable_shrink:
-            return False
-        mask = torch.zeros(self.num_ranks, dtype=torch.int32)
-        self.buffer.low_latency_query_mask_buffer(mask)  # (ranks that failed stay masked)
-        failed = set(mask.nonzero().flatten().tolist())
-        if failed <= self.lost_ranks:
-            return False
-        self.lost_ranks |= failed
-        if self.expert_map is None:
-            return False
-        self.expert_map, self.lost_experts = self.expert_map.without_ranks(self.lost_ranks)
-        dropped = {layer: lost for layer, lost in enumerate(self.lost_experts) if lost}
-        logger.warning("rank %d: EP ranks %s lost; their experts' tokens go to the surviving replicas; experts with "
-                       "no replica left (dropped), by MoE layer: %s", self.rank, sorted(self.lost_ranks),
-                       dropped or "none")  # fmt: skip
-        return True
-
-    def destroy(self) -> None:
-        self.buffer.destroy()

@@ -244,8 +244,6 @@ class SparseMoE(nn.Module):
         expert_out = self.experts(recv_rows, offsets)
         shared = (lambda: self._shared(x)) if self.shared_name is not None else None
         out, shared_out = self.comm.timed_combine(expert_out, topk_idx, topk_weights, handle, overlap=shared)
-        if self.comm.check_lost_ranks():  # a rank was lost during this layer: again, on the surviving replicas
-            return self.forward(x, num_tokens_all_ranks)
         self.comm.record_load(self.moe_index, self.num_moe_layers, offsets)
         return out if shared_out is None else out + shared_out
 

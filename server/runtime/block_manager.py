@@ -168,6 +168,15 @@ class KVCacheManager:
             parent = table.key_ids[-1] if table.key_ids else ROOT
             table.key_ids.append(self.pool.register(table.blocks[i], parent, tuple(token_ids[i * bs : (i + 1) * bs])))
 
+    def forget(self, table: BlockTable) -> None:
+        """Take ``table``'s blocks out of the prefix cache (their contents never arrived, e.g. a failed KV pull)."""
+        for block in table.blocks:
+            key = self.pool.key_of[block]
+            if key is not None and self.pool.cached.get(key) == block:
+                del self.pool.cached[key]
+            self.pool.key_of[block] = None
+        table.key_ids = []
+
     def free(self, table: BlockTable) -> None:
         """Release every block of ``table`` (cached ones stay cached until evicted) and empty it."""
         self.pool.release(table.blocks)

@@ -9,6 +9,7 @@ unreachable is reported, never waited for past the bound). Rank 0 also posts its
 from __future__ import annotations
 
 import datetime
+import functools
 import pickle
 import threading
 import time
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .heartbeat import PATIENCE
 
 _LENGTH_TAG, _BODY_TAG = 1, 2
 
@@ -65,14 +68,19 @@ class _Waiter:
         return True
 
 
-def _wait(work: Any, deadline: float | None) -> None:
-    """Wait for ``work`` until ``deadline`` (monotonic; None: as long as it takes); :class:`Late` past it."""
+def _wait(work: Any, deadline: float | None, beating: Callable[[], bool] | None = None, cap: float = 0.0) -> None:
+    """Wait for ``work`` until ``deadline`` (monotonic; None: as long as it takes); :class:`Late` past it, unless
+    ``beating()`` (the peer's heartbeat): then on, a second at a time, until ``cap``."""
     if work is None:
         return
     if deadline is None:
         work.wait()
-    elif not _Waiter(work).wait(deadline - time.monotonic()):
-        raise Late("not completed in time")
+        return
+    waiter = _Waiter(work)
+    while not waiter.wait(deadline - time.monotonic()):
+        if beating is None or time.monotonic() >= cap or not beating():
+            raise Late("not completed in time")
+        deadline = min(cap, time.monotonic() + 1.0)
 
 
 def post_each(group: Any, messages: dict[int, Any]) -> tuple[dict[int, list[Any]], dict[int, str]]:
@@ -107,14 +115,15 @@ def send_each(group: Any, messages: dict[int, Any], timeout: float) -> dict[int,
     return failed | finish_sends(posted, timeout)
 
 
-def _receive(group: Any, src: int, deadline: float | None) -> Any:
+def _receive(group: Any, src: int, deadline: float | None, beating: Callable[[], bool] | None = None,
+             cap: float = 0.0) -> Any:  # fmt: skip
     import torch.distributed as dist
 
     source = dist.get_global_rank(group, src)
     length = torch.empty((1,), dtype=torch.int64)
-    _wait(dist.irecv(length, source, group=group, tag=_LENGTH_TAG), deadline)
+    _wait(dist.irecv(length, source, group=group, tag=_LENGTH_TAG), deadline, beating, cap)
     body = torch.empty((int(length[0]),), dtype=torch.uint8)
-    _wait(dist.irecv(body, source, group=group, tag=_BODY_TAG), deadline)
+    _wait(dist.irecv(body, source, group=group, tag=_BODY_TAG), deadline, beating, cap)
     return pickle.loads(body.numpy().tobytes())
 
 
@@ -143,21 +152,42 @@ def send_own(group: Any, message: Any, timeout: float) -> None:
         _wait(work, deadline)
 
 
-def receive_each(group: Any, ranks: list[int], timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
-    """Rank 0: the next message of each of ``ranks`` (group ranks > 0) within ``timeout`` seconds; the ranks that
-    sent none (gone, unreachable or too slow), with why."""
-    deadline, replies, failed = time.monotonic() + timeout, {}, {}
+def receive_each(group: Any, ranks: list[int], timeout: float,
+                 beating: Callable[[int], bool] | None = None) -> tuple[dict[int, Any], dict[int, str]]:  # fmt: skip
+    """Rank 0: the next message of each of ``ranks`` (group ranks > 0) within ``timeout`` seconds (a rank for which
+    ``beating(rank)`` holds is waited for longer: :data:`~.heartbeat.PATIENCE` times ``timeout``); the ranks that
+    sent none (gone, unreachable, hung or too slow), with why."""
+    start = time.monotonic()
+    deadline, cap, replies, failed = start + timeout, start + PATIENCE * timeout, {}, {}
     for rank in ranks:
+        alive = None if beating is None else functools.partial(beating, rank)
         try:
-            replies[rank] = _receive(group, rank, deadline)
+            replies[rank] = _receive(group, rank, deadline, alive, cap)
         except RuntimeError as err:
             what = str(err).splitlines()[0]
-            late = time.monotonic() >= deadline
-            failed[rank] = f"rank {rank} did not answer within {timeout:.3g}s" if late else f"rank {rank}: {what}"
+            took = time.monotonic() - start
+            late = f"rank {rank} did not answer within {timeout:.3g}s"
+            if beating is not None:
+                late += " (its heartbeat stopped)" if took < PATIENCE * timeout else " (still beating)"
+            failed[rank] = late if took >= timeout else f"rank {rank}: {what}"
     return replies, failed
 
 
 _VERDICT = "deep_ep_npu/server/verdict/"
+_BEAT = "deep_ep_npu/server/beat/"
+
+
+def beat_in(store: Any, rank: int) -> Callable[[int], None]:
+    """A rank > 0's heartbeat writer (:func:`~.heartbeat.start_beating`): its counter in ``store``."""
+    return lambda n: store.set(f"{_BEAT}{rank}", str(n))
+
+
+def read_beat(store: Any, rank: int) -> int | None:
+    """Rank 0: ``rank``'s heartbeat counter in ``store`` (None: none yet, or unreadable)."""
+    try:
+        return int(store.get(f"{_BEAT}{rank}")) if store.check([f"{_BEAT}{rank}"]) else None
+    except RuntimeError:
+        return None
 
 
 def post_verdict(store: Any, ranks: list[int], why: str) -> None:

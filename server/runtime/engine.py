@@ -9,7 +9,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..engine_api import EngineCore, RequestDelta, SamplingParamError, SamplingParams, StepStats
+from ..engine_api import EngineCore, KVTransferParams, RequestDelta, SamplingParamError, SamplingParams, StepStats
 from ..loader import DTYPES, random_hf_config, read_config
 from ..models import ModelConfig
 from ..models.kv_cache import bytes_per_block
@@ -103,6 +103,7 @@ class EPEngine(EngineCore):
         self._counted = (0, 0, 0)  # preemptions, prefix-cache queries and hits reported so far
         self._error: str | None = None
         self._failed_ranks: set[int] = set()  # lost workers whose requests have been failed
+        self._num_batched = 0  # tokens submitted by the last step
         self.ping_timeout_s = min(config.step_timeout_s, 5.0)
 
     @property
@@ -110,7 +111,25 @@ class EPEngine(EngineCore):
         """Per worker: peak RSS after loading, expert/weight/KV-cache bytes, KV blocks, number of local experts."""
         return self.workers.infos
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        transfer: KVTransferParams | None = None,
+    ) -> None:
+        if transfer is not None:
+            raise ValueError(
+                "bootstrap_room: this server runs colocated (no --disaggregation-mode); send requests "
+                "without bootstrap fields"
+            )
+        req = self._new_request(request_id, prompt_token_ids, params)
+        rank = self._pick_rank(prompt_token_ids)
+        self.schedulers[rank].waiting.append(req)
+        self._requests[request_id] = (rank, req)
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """A checked new request (``ValueError`` / ``TypeError`` for bad input), on no rank yet."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already running")
         if not isinstance(params, SamplingParams):
@@ -129,11 +148,14 @@ class EPEngine(EngineCore):
                 f"prompt has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} leaves room for "
                 f"at most {self.max_model_len - 1}"
             )
-        rank = self._pick_rank(prompt_token_ids)
-        req = Request(request_id, next(self._seq_ids), len(prompt_token_ids), list(prompt_token_ids), params,
-                      IncrementalDetokenizer(self.tokenizer))  # fmt: skip
-        self.schedulers[rank].waiting.append(req)
-        self._requests[request_id] = (rank, req)
+        return Request(
+            request_id,
+            next(self._seq_ids),
+            len(prompt_token_ids),
+            list(prompt_token_ids),
+            params,
+            IncrementalDetokenizer(self.tokenizer),
+        )
 
     def _pick_rank(self, prompt_token_ids: list[int]) -> int:
         """The live rank with the fewest requests; among those, the one with the longest cached prefix."""
@@ -154,13 +176,15 @@ class EPEngine(EngineCore):
             if request_id in self._requests:
                 rank, req = self._requests.pop(request_id)
                 req.finish_reason = "abort"
-                self.schedulers[rank].remove(req)
-                deltas.append(RequestDelta(request_id, [], req.detokenizer.text, "abort", None, req.prompt_len,
-                                           req.num_output))  # fmt: skip
+                delta = RequestDelta(
+                    request_id, [], req.detokenizer.text, "abort", None, req.prompt_len, req.num_output
+                )
+                self._end(rank, req, delta)
+                deltas.append(delta)
         self._aborts.clear()
         scheduled = [s.schedule() for s in self.schedulers]
         plans = [plan for plan, _ in scheduled]
-        submitted = any(plan.entries for plan in plans)
+        submitted = any(plan.entries or plan.pulls for plan in plans)
         if submitted:
             total = sum(plan.num_tokens for plan in plans)
             for plan, sched in zip(plans, self.schedulers, strict=True):
@@ -168,6 +192,7 @@ class EPEngine(EngineCore):
                 plan.finished_seq_ids, sched.finished_seq_ids = sched.finished_seq_ids, []
             self._guard(lambda: self.workers.submit(plans))
             self._inflight.append([sampling for _, sampling in scheduled])
+        self._num_batched = sum(plan.num_tokens for plan in plans)
         results: list[StepResult | None] = []
         if self._inflight and (len(self._inflight) > self._pipeline_depth or not submitted):
             results = self._guard(self.workers.collect)
@@ -198,10 +223,14 @@ class EPEngine(EngineCore):
                     continue
                 delta = apply_token(req, token, self.max_model_len, logprob, prompt)
                 if delta.finish_reason is not None:
-                    self.schedulers[rank].remove(req)
+                    self._end(rank, req, delta)
                     del self._requests[req.request_id]
                 deltas.append(delta)
         return deltas
+
+    def _end(self, rank: int, req: Request, delta: RequestDelta) -> None:
+        """``req`` on ``rank`` ended as ``delta`` says: release it (a prefill instance parks its blocks instead)."""
+        self.schedulers[rank].remove(req)
 
     def _step_stats(self, step_time: float, results: list[StepResult | None]) -> StepStats:
         live = [s for r, s in enumerate(self.schedulers) if r not in self.workers.lost] or self.schedulers
@@ -225,6 +254,7 @@ class EPEngine(EngineCore):
             prefix_cache_hits=new[2],
             expert_loads={r: res.expert_load for r, res in enumerate(results) if res is not None and res.expert_load},
             num_lost_experts=max((r.num_lost_experts for r in results if r is not None), default=0),
+            num_batched_tokens=self._num_batched,
         )
 
     def _fail_lost_ranks(self) -> list[RequestDelta]:
@@ -239,9 +269,11 @@ class EPEngine(EngineCore):
                 if r == rank:
                     del self._requests[request_id]
                     req.finish_reason = "error"
-                    self.schedulers[rank].remove(req)
-                    deltas.append(RequestDelta(request_id, [], req.detokenizer.text, "error", error, req.prompt_len,
-                                               req.num_output))  # fmt: skip
+                    delta = RequestDelta(
+                        request_id, [], req.detokenizer.text, "error", error, req.prompt_len, req.num_output
+                    )
+                    self._end(rank, req, delta)
+                    deltas.append(delta)
         return deltas
 
     def has_unfinished_requests(self) -> bool:

@@ -14,6 +14,7 @@ from ..loader import DTYPES
 DEFAULT_STEP_TIMEOUT_S = 30.0
 MOE_IMPLS = ("unfused", "fused")
 LAUNCHES = ("auto", "spawn", "torchrun")
+DISAGGREGATION_MODES = ("none", "prefill", "decode")
 
 
 def default_capacity(max_num_seqs: int, max_num_batched_tokens: int | None = None) -> int:
@@ -51,7 +52,11 @@ class EngineConfig:
     ``num_redundant_experts`` extra expert slots, ``expert_placement`` a static placement file (vllm-ascend's JSON),
     ``eplb`` rebalance every ``eplb_interval`` steps from the load of the last ``eplb_window`` steps;
     ``socket_ifname`` the network interface(s) of a torchrun rank's process groups (``GLOO_SOCKET_IFNAME`` /
-    ``HCCL_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; None: as the environment says).
+    ``HCCL_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; None: as the environment says);
+    prefill/decode disaggregation (:mod:`server.disagg`): ``disaggregation_mode`` ``none`` / ``prefill`` /
+    ``decode``, ``transfer_backend`` (``mooncake``), ``bootstrap_port`` (a prefill instance's bootstrap server; 0:
+    any free port), ``disaggregation_timeout_s`` (how long parked KV waits for its decode instance, and a decode
+    instance for its prefill) and ``kv_transfer_host`` (the address the workers' transfer engines bind).
     """
 
     model: str | None = None
@@ -85,6 +90,12 @@ class EngineConfig:
     eplb_interval: int = 1000
     eplb_window: int = 1000
     socket_ifname: str | None = None
+    disaggregation_mode: str = "none"
+    transfer_backend: str = "mooncake"
+    bootstrap_port: int = 8998
+    disaggregation_timeout_s: float = 60.0
+    kv_transfer_host: str = "127.0.0.1"
+    model_name: str = "random-qwen3-moe"
 
     def __post_init__(self) -> None:
         if self.moe_impl not in MOE_IMPLS:
@@ -115,6 +126,12 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={n} must be >= max_num_seqs={self.max_num_seqs}")
         object.__setattr__(self, "max_num_batched_tokens", n)
         self._check_balancing()
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"disaggregation_mode={self.disaggregation_mode!r} must be one of {list(DISAGGREGATION_MODES)}"
+            )
+        if not self.disaggregation_timeout_s > 0:
+            raise ValueError(f"disaggregation_timeout_s={self.disaggregation_timeout_s!r} must be > 0 (seconds)")
 
     def _check_balancing(self) -> None:
         for name in ("eplb_interval", "eplb_window"):
@@ -189,5 +206,10 @@ class EngineConfig:
             int8_experts=config.int8_experts, num_redundant_experts=config.num_redundant_experts,
             expert_placement=config.expert_placement, eplb=config.eplb, eplb_interval=config.eplb_interval,
             eplb_window=config.eplb_window, socket_ifname=config.socket_ifname,
+            disaggregation_mode=config.disaggregation_mode,
+            transfer_backend=config.disaggregation_transfer_backend,
+            bootstrap_port=config.disaggregation_bootstrap_port,
+            disaggregation_timeout_s=config.disaggregation_timeout_s, kv_transfer_host=config.transfer_host,
+            model_name=config.model_name,
         )  # fmt: skip
         return cls(**{**values, **overrides})

@@ -5,14 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from .decode_engine import DecodeEngine
 from .engine import EPEngine
 from .engine_config import EngineConfig
+from .prefill_engine import PrefillEngine
 from .torchrun import run_worker_from_env
 
 
 def engine_from_config(config: Any) -> EPEngine:
-    """Start the engine (local workers, or rank 0 of a torchrun job) for a ``ServerConfig``."""
-    return EPEngine(EngineConfig.from_server_config(config))
+    """Start the engine (local workers, or rank 0 of a torchrun job) for a ``ServerConfig``: a prefill or decode
+    instance's under ``disaggregation-mode``."""
+    engine_config = EngineConfig.from_server_config(config)
+    if engine_config.disaggregation_mode == "prefill":
+        return PrefillEngine(engine_config)
+    if engine_config.disaggregation_mode == "decode":
+        return DecodeEngine(engine_config)
+    return EPEngine(engine_config)
 
 
 def run_torchrun_worker(config: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..disagg.transfer import KVPull, PullResult
 from ..engine_api import SamplingParams, TokenLogprob
 
 
@@ -30,11 +31,13 @@ class PlanEntry:
 @dataclasses.dataclass
 class StepPlan:
     """A worker's step: its entries, the sequences it can forget (finished or aborted since its last plan), and
-    the step's token count summed over every worker (bounds what an MoE layer receives)."""
+    the step's token count summed over every worker (bounds what an MoE layer receives); a decode instance's
+    ``pulls`` read prompts' KV from prefill instances before the forward."""
 
     entries: list[PlanEntry]
     finished_seq_ids: list[int] = dataclasses.field(default_factory=list)
     num_tokens_all_ranks: int | None = None
+    pulls: list[KVPull] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -55,3 +58,5 @@ class StepResult:
     prompt_logprobs: list[list[TokenLogprob | None] | None] = dataclasses.field(default_factory=list)
     expert_load: list[int] = dataclasses.field(default_factory=list)  # per MoE layer: rows this rank's experts got
     num_lost_experts: int = 0  # (MoE layer, expert) pairs with no replica left after lost ranks
+    regroup: str = ""  # why the EP group must regroup although this step finished (its EPLB exchange failed)
+    pulls: list[PullResult] = dataclasses.field(default_factory=list)  # the plan's pulls, in order

@@ -1,14 +1,17 @@
 """EPLB while serving (``--eplb``): every worker adds the rows its expert slots received each step (the dispatch's
 receive counts: :meth:`~server.models.ep_comm.ExpertComm.take_load`) to a sliding window of ``eplb_window`` steps;
 every ``eplb_interval`` steps all workers, at the same step boundary, gather the window (one all-gather), compute
-the same new placement (:func:`deep_ep_npu.eplb.rebalance_experts`, global policy), move the expert weights that
-change place point-to-point (:func:`move_expert_weights`) and switch the map. Workers run every step in lockstep, so
-every rank switches at the same step. Replicas are identical copies, so tokens do not change (slot-ordered combine).
+the same new placement (:func:`deep_ep_npu.eplb.rebalance_experts`, global policy) and move the expert weights that
+change place point-to-point (:func:`move_expert_weights`) into staging; the next step's plan commits them (weights,
+then map) on every rank at that step boundary, while a regroup (a rank failed, maybe during the move) drops them, so
+no rank ever runs a map whose weights did not all arrive, nor a map its peers do not run. Replicas are identical
+copies, so tokens do not change (slot-ordered combine).
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
 import logging
 import time
 from typing import Any
@@ -35,15 +38,13 @@ def _transfers(old: list[int], new: list[int], num_ranks: int) -> list[tuple[int
 
 
 def move_expert_weights(tensors: list[torch.Tensor], old: list[int], new: list[int], rank: int, num_ranks: int,
-                        group: Any) -> int:  # fmt: skip
-    """Rearrange this rank's slots of one MoE layer from placement ``old`` to ``new`` (phy2log rows, P entries):
-    ``tensors`` are its expert parameters, each `[num_local_experts, ...]`, rewritten in place. Experts already here
-    are copied locally; the others arrive point-to-point from a rank that holds them (``batch_isend_irecv`` over
-    ``group``). Returns the number of expert copies received."""
+                        group: Any, timeout_s: float) -> dict[int, list[torch.Tensor]]:  # fmt: skip
+    """What this rank's slots of one MoE layer hold under placement ``new`` where it differs from ``old`` (phy2log
+    rows, P entries): slot -> a copy of each of ``tensors`` (its expert parameters, each `[num_local_experts, ...]`,
+    left unchanged). Experts already here are copied locally; the others arrive point-to-point from a rank that
+    holds them (``batch_isend_irecv`` over ``group``, each wait at most ``timeout_s``: a peer lost meanwhile raises)."""
     per = len(old) // num_ranks
     mine_old, mine_new = old[rank * per : (rank + 1) * per], new[rank * per : (rank + 1) * per]
-    if mine_old == mine_new and old == new:
-        return 0
     ops, received = [], {}
     for e, src, dst in _transfers(old, new, num_ranks):
         if src == rank:
@@ -54,14 +55,12 @@ def move_expert_weights(tensors: list[torch.Tensor], old: list[int], new: list[i
             received[e] = [torch.empty_like(t[0]) for t in tensors]
             ops += [dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, src), group, tag=e) for buf in received[e]]
     for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-    for i, t in enumerate(tensors):
-        before = t.detach().clone()
-        for slot, e in enumerate(mine_new):
-            if e == mine_old[slot] or e < 0:
-                continue
-            t.data[slot].copy_(received[e][i] if e in received else before[mine_old.index(e)])
-    return len(received)
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    staged = {}
+    for slot, e in enumerate(mine_new):
+        if e != mine_old[slot] and e >= 0:
+            staged[slot] = received[e] if e in received else [t[mine_old.index(e)].detach().clone() for t in tensors]
+    return staged
 
 
 class Rebalancer:
@@ -72,32 +71,59 @@ class Rebalancer:
         self.window: collections.deque[torch.Tensor] = collections.deque(maxlen=window)
         self.steps = 0
         self.num_rebalances = 0
+        self._staged: tuple[ExpertMap, list[dict[int, list[torch.Tensor]]]] | None = None
 
-    def after_step(self, load: torch.Tensor | None) -> None:
-        """Record this step's per-slot load `[moe layers, num_local_experts]` int64 (None: no MoE layer ran) and
-        rebalance on every ``interval``-th step. Stops (logged) once a rank is lost: the survivors keep their map."""
+    def after_step(self, load: torch.Tensor | None, rebalance: bool = True) -> str:
+        """Record this step's per-slot load `[moe layers, num_local_experts]` int64 (None: no MoE layer ran) and,
+        on every ``interval``-th step (with ``rebalance``), stage a rebalance: the new placement and the weights it
+        moves, applied by :meth:`commit`. Stops (logged) once a rank is lost: the survivors keep their map. Returns
+        "" or, when the exchange failed (a peer lost meanwhile), why: nothing is staged and the group must regroup."""
         if load is not None:
             self.window.append(load)
         self.steps += 1
-        if self.steps % self.interval or self.comm.lost_ranks:
-            return
-        t0 = time.perf_counter()
-        comm, emap = self.comm, self.comm.expert_map
+        if self.steps % self.interval or self.comm.lost_ranks or not rebalance:
+            return ""
+        try:
+            self._staged = self._stage()
+        except RuntimeError as e:  # (EPRankFailure and the process group's own errors)
+            logger.warning("EPLB: rank %d could not rebalance at step %d: %s", self.comm.rank, self.steps, e)
+            return f"worker {self.comm.rank}: EPLB exchange failed: {e}"
+        return ""
+
+    def _stage(self) -> tuple[ExpertMap, list[dict[int, list[torch.Tensor]]]]:
+        comm, emap, timeout_s = self.comm, self.comm.expert_map, self.comm.timeout or 30.0
         shape = (emap.num_layers, comm.num_local_experts)
         local = torch.stack(list(self.window)).sum(0) if self.window else torch.zeros(shape, dtype=torch.int64)
         local = local.to(next(self.moe_layers[0].experts.parameters()).device)  # (NCCL / HCCL: on the device)
         gathered = [torch.empty_like(local) for _ in range(comm.num_ranks)]
-        dist.all_gather(gathered, local, group=comm.group)
+        dist.all_gather(gathered, local, group=comm.group, async_op=True).wait(datetime.timedelta(seconds=timeout_s))
         physical = torch.cat(gathered, dim=1).cpu()  # [layers, P]: rank r's slots at [r * L, (r + 1) * L)
         weight = emap.load_per_logical(physical)
         phy2log, _, _ = rebalance_experts(weight, emap.num_physical, 1, 1, comm.num_ranks)
-        moved = 0
+        staged = []
         for layer, moe in enumerate(self.moe_layers):
             tensors = list(moe.experts.parameters())
-            moved += move_expert_weights(tensors, emap.phy2log[layer].tolist(), phy2log[layer].tolist(), comm.rank,
-                                         comm.num_ranks, comm.group)  # fmt: skip
-        comm.set_expert_map(ExpertMap(phy2log, emap.num_logical, emap.num_ranks, emap.balance_mode))
+            staged.append(move_expert_weights(tensors, emap.phy2log[layer].tolist(), phy2log[layer].tolist(),
+                                              comm.rank, comm.num_ranks, comm.group, timeout_s))  # fmt: skip
+        return ExpertMap(phy2log, emap.num_logical, emap.num_ranks, emap.balance_mode), staged
+
+    def commit(self) -> None:
+        """Apply the staged rebalance (the driver's next step confirms that every rank staged it): the weights into
+        their slots, then the map. Every rank commits at the same step boundary."""
+        if self._staged is None:
+            return
+        t0, (emap, staged), self._staged = time.perf_counter(), self._staged, None
+        for moe, slots in zip(self.moe_layers, staged, strict=True):
+            for i, t in enumerate(moe.experts.parameters()):
+                for slot, copies in slots.items():
+                    t.data[slot].copy_(copies[i])
+        self.comm.set_expert_map(emap)
         self.window.clear()  # its counts were per slot of the old placement
         self.num_rebalances += 1
-        logger.info("EPLB: rank %d rebalanced %d MoE layers at step %d (%d experts received) in %.3f s", comm.rank,
+        moved = sum(len(slots) for slots in staged)
+        logger.info("EPLB: rank %d rebalanced %d MoE layers at step %d (%d slots changed) in %.3f s", self.comm.rank,
                     len(self.moe_layers), self.steps, moved, time.perf_counter() - t0)  # fmt: skip
+
+    def discard(self) -> None:
+        """Drop a staged rebalance (the driver regroups instead: some rank may not have staged it)."""
+        self._staged = None

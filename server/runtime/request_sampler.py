@@ -46,6 +46,14 @@ class RequestSampler:
         """The next prompt chunk needs the logits of each of its tokens (prompt log-probabilities)."""
         return self.prompt_logprobs is not None and not self.sampled
 
+    def resume(self, prompt_ids: list[int], first_token: int) -> None:
+        """Start from a prompt computed elsewhere (a prefill instance) and its first sampled token: what follows
+        is output (penalties count the prompt and that token; prompt log-probabilities came from there)."""
+        if self.counts is not None:
+            self.counts.add_prompt(prompt_ids)
+            self.counts.add_output(first_token)
+        self.prompt_logprobs, self._previous_row, self.sampled = None, None, True
+
     def feed(self, token_ids: list[int], logits: torch.Tensor | None) -> None:
         """Record a chunk of input tokens. Before the first sample they are prompt tokens; ``logits``
         `[len(token_ids), vocab]` with `torch.float32` is their rows' logits when :attr:`wants_all_logits`."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from ..disagg.transfer import KVPull
 from ..engine_api import SamplingParams
 from .block_manager import BlockTable, KVCacheManager
 from .detokenizer import IncrementalDetokenizer
@@ -76,6 +77,7 @@ class RankScheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.finished_seq_ids: list[int] = []  # removed since the last plan sent (the worker can forget them)
+        self.pulls: list[KVPull] = []  # KV to read before the next plan's forward (a decode instance)
 
     @property
     def num_requests(self) -> int:
@@ -83,7 +85,8 @@ class RankScheduler:
 
     def schedule(self) -> tuple[StepPlan, list[Request]]:
         """This step's plan and, in plan order, the request of each entry that samples a token."""
-        plan = StepPlan([])
+        plan = StepPlan([], pulls=self.pulls)
+        self.pulls = []
         sampling: list[Request] = []
         planned: set[int] = set()
         preempted: set[int] = set()
@@ -107,11 +110,24 @@ class RankScheduler:
             budget -= self._plan(plan, sampling, req, min(len(req.token_ids) - admitted, budget))
         return plan, sampling
 
-    def remove(self, req: Request) -> None:
-        """Drop a finished or aborted request and release its blocks."""
+    def admit_transferred(self, req: Request) -> int | None:
+        """A decode instance: give ``req`` (its prompt's KV to come from a prefill instance) blocks for its whole
+        prompt, running; returns how many prompt tokens its prefix cache already holds, or None (nothing changed)
+        when the blocks or a running slot are not there."""
+        if len(self.running) >= self.max_num_seqs:
+            return None
+        num_cached = self.kv.admit(req.table, req.token_ids, len(req.token_ids))
+        if num_cached is not None:
+            self.running.append(req)
+        return num_cached
+
+    def remove(self, req: Request, free_blocks: bool = True) -> None:
+        """Drop a finished or aborted request and release its blocks (``free_blocks`` False: the caller keeps
+        holding them, e.g. a prefill instance until its decode instance has pulled them)."""
         if req in self.running:
             self.kv.cache_full_blocks(req.table, req.token_ids, req.num_computed)
-            self.kv.free(req.table)
+            if free_blocks:
+                self.kv.free(req.table)
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)

@@ -10,15 +10,26 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
-from .control import finish_sends, post_each, post_verdict, read_verdict, receive_each, send_each, wait_verdict
+from .control import (
+    beat_in,
+    finish_sends,
+    post_each,
+    post_verdict,
+    read_beat,
+    read_verdict,
+    receive_each,
+    send_each,
+    wait_verdict,
+)
 from .engine_config import EngineConfig
+from .heartbeat import PATIENCE, Pulse, start_beating
 from .placement import bind_device
 from .plan import StepPlan, StepResult
-from .worker import Worker
+from .worker import StepAborted, Worker
 from .worker_loop import GroupChannel, StepFailed, serve_plans
-from .workers import WorkerError, WorkerGroup
+from .workers import Reply, WorkerError, WorkerGroup
 
 logger = logging.getLogger("server.engine")
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -50,10 +61,10 @@ class TorchrunWorkers(WorkerGroup):
     Each step sends every live rank its plan and waits for its reply at most ``step_timeout_s`` (:mod:`.control`).
     A rank that fails, exits, is unreachable (its host died or its link is cut) or does not answer in time fails the
     group (:class:`WorkerError` naming it: the server answers 503 with the reason), or, with ``elastic``, is *lost*
-    (as :class:`ProcessWorkers`'s: no more plans, None results; the Buffers, ``enable_shrink``, regroup without it)
-    as long as rank 0 itself carries on. A lost rank is never taken back: rank 0 sends it nothing more and posts
-    the verdict in the job's store, where a lost rank still running (hung, or cut off and reconnected) reads it
-    once its step fails, and leaves. To rejoin, restart the job.
+    (as :class:`ProcessWorkers`'s: no more plans, None results; the others regroup without it at that step boundary,
+    :meth:`WorkerGroup._settle`) as long as rank 0 itself carries on. A lost rank is never taken back: rank 0 sends
+    it nothing more and posts the verdict in the job's store, where a lost rank still running (hung, or cut off and
+    reconnected) reads it once its step fails, and leaves. To rejoin, restart the job.
     """
 
     def __init__(self, args: EngineConfig) -> None:
@@ -63,13 +74,14 @@ class TorchrunWorkers(WorkerGroup):
         rank, self.world_size, self.control, self.worker, self._owns_group = _init_torchrun(args)
         assert rank == 0, "TorchrunWorkers runs on rank 0; call run_worker_from_env() on the other ranks"
         self.store = dist.distributed_c10d._get_default_store()  # (torchrun's, on node 0)
+        self._pulse = Pulse(lambda r: read_beat(self.store, r))
         self.lost: dict[int, str] = {}
         self.overlaps = False  # rank 0 is worker 0: a step runs inside submit()
         self.step_timeout_s, self.elastic = args.step_timeout_s, False  # a failure while starting fails the group
         self._done: list[list[StepResult | None]] = []
         self._closed = self._released = False
         replies = self._exchange({}, args.dist_timeout_s)  # ("ready", info) from each rank's serve_plans
-        self.infos = [self.worker.info] + [replies[r] for r in range(1, self.world_size)]
+        self.infos = [self.worker.info] + [replies[r][1] for r in range(1, self.world_size)]
         self.elastic = args.elastic
 
     def _live(self) -> list[int]:
@@ -77,26 +89,31 @@ class TorchrunWorkers(WorkerGroup):
 
     def _exchange(self, messages: dict[int, Any], timeout_s: float, local: Callable[[], Any] | None = None) -> dict:
         """Send ``messages`` (rank -> message), run ``local()`` meanwhile, and return every live rank's reply
-        payload (``local``'s as rank 0's); ranks that failed are lost or fail the group (:meth:`_failed`)."""
+        ``(kind, payload)`` (``local``'s as rank 0's: ``("aborted", why)`` if it raised :class:`StepAborted`); ranks
+        that failed are lost or fail the group (:meth:`_failed`)."""
         started = time.monotonic()
         posted, failed = post_each(self.control, messages)  # (not waited for: a cut-off rank would delay the step)
         replies: dict[int, Any] = {}
         own_error: Exception | None = None
         if local is not None:
             try:
-                replies[0] = local()
+                replies[0] = ("ok", local())
+            except StepAborted as e:
+                replies[0] = ("aborted", str(e))
             except Exception as e:  # noqa: BLE001 - rank 0 is the driver: its own step failing fails the group
                 own_error = e  # (after the replies: a rank sending its error must find rank 0 listening)
         left = lambda: max(1.0, timeout_s - (time.monotonic() - started))  # noqa: E731 - a reply sent is taken
         failed |= finish_sends(posted, left())
-        got, late = receive_each(self.control, [r for r in self._live() if r not in failed], left())
+        got, late = receive_each(
+            self.control, [r for r in self._live() if r not in failed], left(), self._pulse.beating
+        )
         failed |= late
         for r, (kind, payload) in got.items():
             if kind == "error":
                 last = payload.strip().splitlines()[-1] if payload.strip() else "no traceback"
                 failed[r] = f"rank {r} failed: {last}"  # (the traceback's last line: the error)
             else:
-                replies[r] = payload
+                replies[r] = (kind, payload)
         if own_error is not None:
             self._stop()
             why = f"worker 0 failed: {type(own_error).__name__}: {str(own_error).splitlines()[0]}"
@@ -133,7 +150,16 @@ class TorchrunWorkers(WorkerGroup):
             raise WorkerError("the workers were shut down")
         messages = {r: ("step", plans[r]) for r in self._live()}
         replies = self._exchange(messages, self.step_timeout_s, lambda: self.worker.execute(plans[0]))
-        self._done.append([replies.get(r) for r in range(self.world_size)])
+        self._done.append(self._settle(replies))
+
+    def _regroup(self, members: list[int], rerun: bool) -> dict[int, Reply]:
+        messages = {r: ("regroup", (members, rerun)) for r in self._live()}
+        # (a new group, a new Buffer, maybe the step again: up to twice a step's bound)
+        return self._exchange(messages, 2 * self.step_timeout_s, lambda: self.worker.regroup(members, rerun))
+
+    def _fail_all(self, why: str) -> NoReturn:
+        self._stop()
+        raise WorkerError(why)
 
     def collect(self) -> list[StepResult | None]:
         return self._done.pop(0)
@@ -171,9 +197,11 @@ def run_worker_from_env(args: EngineConfig) -> None:
     args.check_placement()
     rank, _, control, worker, owns_group = _init_torchrun(args)
     store = dist.distributed_c10d._get_default_store()
-    channel = GroupChannel(control, 2 * args.step_timeout_s, lambda: read_verdict(store, rank))
+    start_beating(beat_in(store, rank))
+    # (replies bounded by what rank 0 waits at most: a regroup's 2 x the step timeout, as long as this rank beats)
+    channel = GroupChannel(control, 2 * PATIENCE * args.step_timeout_s, lambda: read_verdict(store, rank))
     try:
-        serve_plans(worker, channel)  # (replies bounded by 2 x the step timeout: rank 0 waits one)
+        serve_plans(worker, channel)
     except (StepFailed, RuntimeError):  # (RuntimeError: its connection to rank 0 failed, or it was lost meanwhile)
         why = wait_verdict(store, rank)
         if why:

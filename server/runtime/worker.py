@@ -16,12 +16,15 @@ from typing import Any
 
 import torch
 
+from deep_ep_npu import EPRankFailure
 from deep_ep_npu.kernels import expert_mm
 
+from ..disagg.transfer import KVPull, PullResult, TransferBackend, cache_tensors, make_backend, run_pull
 from ..engine_api import NONFINITE_TOKEN
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInput
-from ..models.ep_comm import BufferComm, ExpertComm
+from ..models.buffer_comm import BufferComm
+from ..models.ep_comm import ExpertComm
 from ..models.kv_cache import bytes_per_block
 from .engine_config import EngineConfig
 from .expert_placement import build_expert_map
@@ -30,7 +33,7 @@ from .plan import PlanEntry, StepPlan, StepResult
 from .rebalance import Rebalancer
 from .request_sampler import RequestSampler
 
-__all__ = ["PlanEntry", "StepPlan", "StepResult", "Worker"]
+__all__ = ["PlanEntry", "StepAborted", "StepPlan", "StepResult", "Worker"]
 
 
 THREADED_STEP_TOKENS = 64
@@ -53,6 +56,23 @@ class _Seq:
     last_token: int = -1  # the token sampled last (a placeholder entry's input)
 
 
+@dataclasses.dataclass
+class _Step:
+    """The step a worker ran last, kept until the next plan: the driver may have it run again
+    (:meth:`Worker.regroup`)."""
+
+    seqs: list[_Seq]
+    inputs: list[SeqInput]
+    batch: ForwardBatch
+    pulls: list[PullResult]  # the plan's KV pulls (done once, before the first forward)
+    result: StepResult | None = None  # set once sampled: a re-run keeps these tokens
+
+
+class StepAborted(Exception):
+    """A rank failure (``EPRankFailure``) interrupted this step's forward on this worker: nothing was sampled. The
+    driver decides who is left and has every survivor run the step again (:meth:`Worker.regroup`)."""
+
+
 class Worker:
     """The model shard of EP rank ``rank`` of ``world_size``, its KV cache and its sequences."""
 
@@ -68,9 +88,9 @@ class Worker:
             if not args.needs_group(world_size):
                 return LocalComm(cfg.num_experts, n)
             return BufferComm(group, cfg.num_experts, n, cfg.hidden_size, backend=args.backend,
-                              enable_shrink=args.elastic, timeout=args.comm_timeout_s,
-                              fused=args.moe_impl == "fused",
-                              expert_map=build_expert_map(args, cfg, world_size))  # fmt: skip
+                              timeout=args.comm_timeout_s, fused=args.moe_impl == "fused",
+                              expert_map=build_expert_map(args, cfg, world_size),
+                              num_moe_layers=len(cfg.moe_layers))  # fmt: skip
 
         rss_before = _rss_bytes()
         self.model = load_model(args.model, comm_factory, args.dtype, args.seed, args.random_model, self.device)
@@ -113,6 +133,15 @@ class Worker:
         self._step_threads = (1 if self.device.type == "cpu" and not args.worker_threads else threads, threads)
         expert_mm.set_num_threads(threads)  # the weights' reads take every thread, whatever torch's
         self._seqs: dict[int, _Seq] = {}
+        self._step: _Step | None = None
+        self.transfer: TransferBackend | None = None
+        if args.disaggregation_mode != "none":  # the cache is registered: prefill: read by decode workers
+            self.transfer = make_backend(args.transfer_backend, args.kv_transfer_host)
+            tensors = cache_tensors(self.cache.layers)
+            self.transfer.register(tensors)
+            self.info["kv_segment"] = self.transfer.segment
+            self.info["kv_bases"] = [t.data_ptr() for t in tensors]
+            self.info["kv_block_bytes"] = [t[0].numel() * t.element_size() for t in tensors]
 
     def _activation_peak(self) -> int:
         """Bytes the device's allocator peaks at during a forward of the full capacity N (accelerators only; every
@@ -127,14 +156,25 @@ class Worker:
         return torch.accelerator.max_memory_allocated(self.device) - before
 
     def execute(self, plan: StepPlan) -> StepResult:
-        t0 = time.perf_counter()
-        self.model.comm.stats.reset()
+        """Run ``plan``: its sequences' bookkeeping, the forward, the sampling (raises :class:`StepAborted` when a
+        rank failure interrupts the forward). A new plan confirms the EPLB rebalance staged at the last step."""
+        if self.rebalancer is not None:
+            self.rebalancer.commit()
         for seq_id in plan.finished_seq_ids:
             self._seqs.pop(seq_id, None)
+        pulled: dict[int, KVPull] = {}
+        pull_results: list[PullResult] = []
+        if plan.pulls:
+            assert self.transfer is not None, "a KV pull needs --disaggregation-mode decode"
+            tensors = cache_tensors(self.cache.layers)
+            pulled = {p.seq_id: p for p in plan.pulls}
+            pull_results = [run_pull(self.transfer, tensors, self.cache.block_size, p) for p in plan.pulls]
         seqs, inputs = [], []
         for e in plan.entries:
             if e.params is not None:
                 self._seqs[e.seq_id] = _Seq(RequestSampler(e.params, self._fallback, self.model.cfg.vocab_size))
+                if e.seq_id in pulled:  # its prompt was computed by a prefill instance, its first token sampled there
+                    self._seqs[e.seq_id].sampler.resume(pulled[e.seq_id].prompt_ids, pulled[e.seq_id].first_token)
             seq = self._seqs.get(e.seq_id)
             if seq is None:
                 raise ValueError(f"the plan names sequence {e.seq_id}, which this worker does not hold")
@@ -146,17 +186,48 @@ class Worker:
             seqs.append(seq)
             inputs.append(SeqInput(seq.block_table, e.start, tokens, e.sample, seq.sampler.wants_all_logits))
         batch = ForwardBatch.build(inputs, self.cache.block_size, self.device, plan.num_tokens_all_ranks)
-        torch.set_num_threads(self._step_threads[batch.num_tokens > THREADED_STEP_TOKENS])
-        logits = self.model(batch, self.cache)
-        result = self._sample(seqs, inputs, logits)
-        stats = self.model.comm.stats
+        self._step = _Step(seqs, inputs, batch, pull_results)
+        return self._run(rebalance=True)
+
+    def regroup(self, members: list[int], rerun: bool) -> StepResult | None:
+        """The driver's word after a failure (elastic mode), at a step boundary on every member: the MoE layers
+        continue on ``members`` (EP ranks; a staged EPLB rebalance is dropped) and, with ``rerun``, the last step
+        runs again on them. A step that finished here before keeps its sampled tokens (computed with every rank
+        that took part then; the re-run rewrites the same KV entries), one that did not is sampled now."""
+        if self.rebalancer is not None:
+            self.rebalancer.discard()
+        assert isinstance(self.model.comm, BufferComm), "only an EP group regroups"
+        try:
+            self.model.comm.regroup(members)
+        except RuntimeError as e:  # a member lost meanwhile (the group's rendezvous fails): the driver tries again
+            raise StepAborted(f"worker {self.rank}: regrouping on {members} failed: {e}") from e
+        return self._run(rebalance=False) if rerun else None
+
+    def _run(self, rebalance: bool) -> StepResult:
+        """The forward of :attr:`_step` and, the first time it completes, its sampling; raises :class:`StepAborted`
+        when a rank failure interrupts it. ``rebalance``: an EPLB rebalance due now may run (not on a re-run: the
+        ranks that finished before do not take part in it)."""
+        t0, step, comm = time.perf_counter(), self._step, self.model.comm
+        assert step is not None, "no step to run"
+        comm.stats.reset()
+        comm.take_load()  # (an interrupted attempt's partial counts)
+        torch.set_num_threads(self._step_threads[step.batch.num_tokens > THREADED_STEP_TOKENS])
+        try:
+            logits = self.model(step.batch, self.cache)
+        except EPRankFailure as e:
+            raise StepAborted(f"worker {self.rank}: {e}") from e
+        if step.result is not None:
+            return step.result
+        result = self._sample(step.seqs, step.inputs, logits)
+        result.pulls = step.pulls
         result.forward_time, result.dispatch_time, result.combine_time = (
-            time.perf_counter() - t0, stats.dispatch, stats.combine)  # fmt: skip
-        load = self.model.comm.take_load()  # rows each local expert slot received this step, per MoE layer
+            time.perf_counter() - t0, comm.stats.dispatch, comm.stats.combine)  # fmt: skip
+        load = comm.take_load()  # rows each local expert slot received this step, per MoE layer
         result.expert_load = [] if load is None else load.sum(dim=1).tolist()
-        result.num_lost_experts = sum(len(lost) for lost in self.model.comm.lost_experts)
+        result.num_lost_experts = sum(len(lost) for lost in comm.lost_experts)
         if self.rebalancer is not None:  # at this step boundary, on every worker
-            self.rebalancer.after_step(load)
+            result.regroup = self.rebalancer.after_step(load, rebalance)
+        step.result = result
         return result
 
     def _sample(self, seqs: list[_Seq], inputs: list[SeqInput], logits: torch.Tensor) -> StepResult:
@@ -198,6 +269,8 @@ class Worker:
         return result
 
     def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
         destroy = getattr(self.model.comm, "destroy", None)
         if destroy is not None:
             destroy()

@@ -9,6 +9,7 @@ import abc
 import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,15 +19,17 @@ import torch
 from ..checkpoint import CheckpointError
 from .control import receive_own, send_own
 from .engine_config import EngineConfig
+from .heartbeat import start_beating
 from .placement import bind_device
 from .rendezvous import init_loopback_group
-from .worker import Worker
+from .worker import StepAborted, Worker
 
 
 class Channel(abc.ABC):
     """A worker's end of its control channel to the driver. Messages are ``(kind, payload)``: from the driver
-    ``("step", StepPlan)``, ``("ping", None)``, ``("stop", None)``; to it ``("ready", info)``, ``("ok", StepResult)``,
-    ``("pong", None)``, ``("error", traceback text)``."""
+    ``("step", StepPlan)``, ``("regroup", (members, rerun))``, ``("ping", None)``, ``("stop", None)``; to it
+    ``("ready", info)``, ``("ok", StepResult | None)``, ``("aborted", why)``, ``("pong", None)``, ``("error",
+    traceback text)``."""
 
     @abc.abstractmethod
     def recv(self) -> tuple[str, Any]:
@@ -86,8 +89,9 @@ class StepFailed(Exception):
 
 
 def serve_plans(worker: Worker, channel: Channel) -> None:
-    """The worker loop: report ready, then run each plan the driver sends until "stop". A failing step sends
-    ``("error", traceback)`` and raises :class:`StepFailed`."""
+    """The worker loop: report ready, then run each plan the driver sends until "stop". A step that a rank failure
+    interrupts sends ``("aborted", why)`` and the loop waits for the driver's ``("regroup", (members, rerun))``
+    (:meth:`Worker.regroup`); any other failing step sends ``("error", traceback)`` and raises :class:`StepFailed`."""
     channel.send("ready", worker.info)
     while True:
         kind, payload = channel.recv()
@@ -97,20 +101,25 @@ def serve_plans(worker: Worker, channel: Channel) -> None:
             channel.send("pong", None)
             continue
         try:
-            result = worker.execute(payload)
+            result = worker.execute(payload) if kind == "step" else worker.regroup(*payload)
+        except StepAborted as e:
+            channel.send("aborted", str(e))
+            continue
         except Exception as e:
             channel.send("error", f"worker {worker.rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
             raise StepFailed from e
         channel.send("ok", result)
 
 
-def worker_main(rank: int, world_size: int, port: int, conn: Any, args: EngineConfig) -> None:
+def worker_main(rank: int, world_size: int, port: int, conn: Any, args: EngineConfig, beat: Any) -> None:
     """Process entry of a spawned worker: bind device ``rank`` (install the NPU stand-in with ``simulate_npu``),
     join the EP group (``args.dist_backend``), build the shard, :func:`serve_plans` over the pipe ``conn`` until
-    "stop" or until the driver's end closes. Any exception is sent to the driver with its traceback."""
+    "stop" or until the driver's end closes. Any exception is sent to the driver with its traceback. ``beat``: a
+    shared double (``multiprocessing.Value``) its heartbeat thread keeps at the time (:mod:`.heartbeat`)."""
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads_per_worker())
+    start_beating(lambda _: setattr(beat, "value", time.monotonic()))
     channel = PipeChannel(conn)
     try:
         device = bind_device(args.device, rank, args.simulate_npu)

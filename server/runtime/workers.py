@@ -10,14 +10,20 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, NoReturn
 
 from .engine_config import EngineConfig
+from .heartbeat import PATIENCE, STALE_S
 from .plan import StepPlan, StepResult
 from .rendezvous import serve_loopback_store
 from .worker_loop import worker_main
 
 logger = logging.getLogger("server.engine")
+
+MAX_REGROUPS = 3
+"""Regroups one step may take (a rank failing while the others regroup or run it again) before it fails the group."""
+
+Reply = tuple[str, Any]  # a worker's answer to a step or a regroup: ("ok", StepResult | None) or ("aborted", why)
 
 
 class WorkerError(RuntimeError):
@@ -44,6 +50,45 @@ class WorkerGroup(abc.ABC):
         self.submit(plans)
         return self.collect()
 
+    world_size: int
+    elastic: bool
+    _regrouped: frozenset[int] = frozenset()  # the lost ranks the live ones last regrouped without
+
+    @abc.abstractmethod
+    def _regroup(self, members: list[int], rerun: bool) -> dict[int, Reply]:
+        """Send every live worker ``("regroup", (members, rerun))`` and return the replies of those that answered
+        (the others are lost, or fail the group)."""
+
+    @abc.abstractmethod
+    def _fail_all(self, why: str) -> NoReturn:
+        """Stop every worker and raise :class:`WorkerError` with ``why``."""
+
+    def _settle(self, replies: dict[int, Reply]) -> list[StepResult | None]:
+        """A step's results from its replies. The step stands when every live worker finished it with the ranks it
+        started with. Otherwise (a rank failure interrupted a worker's forward, an EPLB exchange failed, or a rank
+        was lost), elastic mode has every live worker regroup on the live ranks at this step boundary and, if a
+        forward was interrupted, run the step again there: tokens are only ever sampled with every expert that has
+        a live replica. Anything else fails the group visibly (also after :data:`MAX_REGROUPS` tries)."""
+        results = {r: payload for r, (kind, payload) in replies.items() if kind == "ok"}
+        rerun = any(kind == "aborted" for kind, _ in replies.values())
+        why = [res.regroup for res in results.values() if res is not None and res.regroup]
+        for attempt in range(MAX_REGROUPS + 1):
+            why += [p for kind, p in replies.values() if kind == "aborted"]
+            newly_lost = set(self.lost) - self._regrouped
+            if not why and not newly_lost:
+                return [None if r in self.lost else results[r] for r in range(self.world_size)]
+            if not self.elastic or attempt == MAX_REGROUPS:
+                tried = f" (after {attempt} regroups)" if attempt else ""
+                self._fail_all("; ".join(why or [self.lost[r] for r in sorted(newly_lost)]) + tried)
+            members = [r for r in range(self.world_size) if r not in self.lost]
+            logger.warning("elastic: EP workers %s regroup%s (%s)", members, " and run the step again" * rerun,
+                           "; ".join(w.splitlines()[0] for w in why) or f"lost: {sorted(newly_lost)}")  # fmt: skip
+            self._regrouped = frozenset(self.lost)
+            replies, why = self._regroup(members, rerun), []
+            if rerun:
+                results = {r: payload for r, (kind, payload) in replies.items() if kind == "ok"}
+        raise AssertionError("unreachable")
+
     @abc.abstractmethod
     def is_alive(self) -> bool: ...
 
@@ -61,8 +106,9 @@ class ProcessWorkers(WorkerGroup):
 
     ``elastic``: once started, a worker that dies, hangs past the timeout or fails is *lost* instead of failing the
     group, as long as another one is left: it is killed, ``lost[rank]`` says why (logged as a warning), it gets no
-    more plans and its slot in :meth:`step`'s results is None. The survivors' Buffers (``enable_shrink``) regroup
-    without it and drop its experts.
+    more plans and its slot in :meth:`step`'s results is None. The survivors regroup without it at that step boundary
+    (:meth:`WorkerGroup._settle`): their experts' tokens go to surviving replicas, experts without one are dropped.
+    Steps are then not pipelined (``overlaps`` is False): a step stands only once every live worker answered.
     """
 
     def __init__(self, args: EngineConfig, start_timeout_s: float = 300.0) -> None:
@@ -72,8 +118,10 @@ class ProcessWorkers(WorkerGroup):
         ctx.set_forkserver_preload(["torch", "server.runtime.worker_loop"])
         self.step_timeout_s = step_timeout_s
         self.conns, self.procs = [], []
+        self._beats: list[Any] = []  # per worker: a shared double, the time of its last heartbeat (time.monotonic)
         self.lost: dict[int, str] = {}
-        self.overlaps = True
+        self.world_size = world_size
+        self.overlaps = not elastic  # (elastic: a step stands only once every worker answered; see _settle)
         self._num_inflight = 0
         self.elastic = False  # a failure while starting fails the group
         self._closed = False
@@ -81,9 +129,10 @@ class ProcessWorkers(WorkerGroup):
             self._store, port = serve_loopback_store(world_size, args.dist_timeout_s)
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
+                self._beats.append(ctx.Value("d", time.monotonic(), lock=False))
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(rank, world_size, port, child, args),
+                    args=(rank, world_size, port, child, args, self._beats[-1]),
                     daemon=True,
                     name=f"ep-worker-{rank}",
                 )
@@ -102,7 +151,7 @@ class ProcessWorkers(WorkerGroup):
                             info["kv_cache_bytes"] / 2**20, info["device"])  # fmt: skip
 
             replies = self._collect(start_timeout_s, on_reply=ready)
-            self.infos = [replies[r] for r in sorted(replies)]
+            self.infos = [replies[r][1] for r in sorted(replies)]
         except BaseException:
             self.shutdown()
             raise
@@ -125,11 +174,12 @@ class ProcessWorkers(WorkerGroup):
             self.conns[rank].close()
             self.lost[rank] = why.splitlines()[0]
 
-    def _collect(self, timeout_s: float, on_reply: Callable[[int, Any, int], None] | None = None) -> dict[int, Any]:
-        """Every live worker's next reply payload, by rank (failed ones are lost or raise, see :meth:`_failed`);
-        ``on_reply(rank, payload, num_replies)`` is called as each arrives."""
-        replies: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
+    def _collect(self, timeout_s: float, on_reply: Callable[[int, Any, int], None] | None = None) -> dict[int, Reply]:
+        """Every live worker's next reply ``(kind, payload)``, by rank (failed ones are lost or raise, see
+        :meth:`_failed`); ``on_reply(rank, payload, num_replies)`` is called as each arrives."""
+        replies: dict[int, Reply] = {}
+        start = time.monotonic()
+        deadline = start + timeout_s
         while True:
             pending = {self.conns[r]: r for r in self._live() if r not in replies}
             if not pending:
@@ -139,8 +189,18 @@ class ProcessWorkers(WorkerGroup):
                 timeout=max(0.0, deadline - time.monotonic()),
             )
             if not ready:
-                ranks = sorted(pending.values())
-                self._failed(ranks, f"workers {ranks} did not answer within {timeout_s:g}s (hung?)")
+                now, ranks = time.monotonic(), sorted(pending.values())
+                stopped = [r for r in ranks if now - self._beats[r].value >= STALE_S]
+                if not stopped and now < start + PATIENCE * timeout_s:
+                    deadline = min(start + PATIENCE * timeout_s, now + 1.0)  # (slow, but beating)
+                    continue
+                if stopped:
+                    self._failed(stopped, f"workers {stopped} did not answer within {timeout_s:g}s (hung? their "
+                                 "heartbeat stopped)")  # fmt: skip
+                else:
+                    self._failed(ranks, f"workers {ranks} did not answer within {PATIENCE * timeout_s:g}s (still "
+                                 "beating)")  # fmt: skip
+                continue
             for obj in ready:
                 rank = pending.get(obj)  # type: ignore[call-overload]
                 if rank is None:  # a process sentinel: it died; its error message may still be in the pipe
@@ -159,7 +219,7 @@ class ProcessWorkers(WorkerGroup):
                 if kind == "error":
                     self._failed([rank], payload)
                     continue
-                replies[rank] = payload
+                replies[rank] = (kind, payload)
                 if on_reply is not None:
                     on_reply(rank, payload, len(replies))
 
@@ -172,8 +232,15 @@ class ProcessWorkers(WorkerGroup):
     def collect(self) -> list[StepResult | None]:
         assert self._num_inflight > 0, "collect() without a submitted step"
         self._num_inflight -= 1
-        replies = self._collect(self.step_timeout_s)
-        return [replies.get(r) for r in range(len(self.conns))]
+        return self._settle(self._collect(self.step_timeout_s))
+
+    def _regroup(self, members: list[int], rerun: bool) -> dict[int, Reply]:
+        self._send_all({r: ("regroup", (members, rerun)) for r in self._live()})
+        return self._collect(2 * self.step_timeout_s)  # (a new group, a new Buffer, maybe the step again)
+
+    def _fail_all(self, why: str) -> NoReturn:
+        self._abort()
+        raise WorkerError(why)
 
     def is_alive(self) -> bool:
         return not self._closed and all(self.procs[r].is_alive() for r in self._live())

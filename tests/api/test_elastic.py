@@ -258,3 +258,22 @@ def test_elastic_port_on_the_npu_stand_in(world_size, num_experts, sync, multipl
     two biases have no op: they raise, checked too); bias added after the routed rows, as the op does."""
     results = parallel_launch(world_size, _port, num_experts, sync, multiple, "ascend", timeout=180)
     assert results == [8] * world_size
+
+
+def _cached_past_early_bound(info):
+    """A cached dispatch whose N x row bytes passes the early-payload bound (32 MiB on gloo) still checks and places:
+    the handle's expected rows were once sent as "unknown" (-1) there and every cached dispatch raised."""
+    from deep_ep_npu import ElasticBuffer
+
+    buffer = ElasticBuffer(info.group, num_max_tokens_per_rank=16384, explicitly_destroy=True)
+    g = torch.Generator().manual_seed(info.rank)
+    x = torch.randn((4, 1024), generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(4)])
+    recv_x, _, _, handle, _ = buffer.dispatch(x, idx, num_experts=8)
+    again = buffer.dispatch(x * 2, handle=handle)[0]
+    buffer.destroy()
+    return torch.equal(again, (recv_x.float() * 2).to(torch.bfloat16))
+
+
+def test_cached_dispatch_past_the_early_payload_bound():
+    assert all(parallel_launch(2, _cached_past_early_bound, timeout=120))

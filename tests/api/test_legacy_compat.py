@@ -1,6 +1,6 @@
 """The rest of what code imports from ``deep_ep``: the top-level names, the legacy Buffer's normal-mode surface
-(``Config``, ``get_dispatch_layout`` against a loop oracle, ``dispatch`` / ``combine`` pointing to ElasticBuffer)
-and ``get_comm_stream``."""
+(``Config`` with DeepEP's checks and size hints, ``get_dispatch_layout`` against a loop oracle; ``dispatch`` /
+``combine``: tests/api/test_normal_mode.py) and ``get_comm_stream``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_top_level_names():
     with event:
         event.current_stream_wait()
     config = Config(num_sms=24)
-    assert config.num_sms == 24 and config.get_nvl_buffer_size_hint(7168 * 2, 8) == 0
+    assert config.num_sms == 24 and config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
 
 
 def _normal_mode(info):
@@ -40,15 +40,31 @@ def _normal_mode(info):
     assert per_rdma is None and in_rank.dtype == torch.bool and torch.equal(in_rank, want_in_rank)
     assert per_rank.dtype == torch.int32 and per_rank.tolist() == want_in_rank.sum(dim=0).tolist()
     assert per_expert.tolist() == [int((topk_idx == e).sum()) for e in range(num_experts)]
-    messages = []
-    for method in (buffer.dispatch, buffer.combine):
-        with pytest.raises(NotImplementedError, match="ElasticBuffer") as err:
-            method(torch.zeros((2, 8)), topk_idx=topk_idx)
-        messages.append(str(err.value))
     assert buffer.get_comm_stream() is None and isinstance(Buffer.get_dispatch_config(r), Config)
-    return messages
+    return True
 
 
 def test_normal_mode_surface():
-    for messages in parallel_launch(2, _normal_mode, timeout=60):
-        assert messages[0].startswith("Buffer.dispatch:") and messages[1].startswith("Buffer.combine:")
+    assert all(parallel_launch(2, _normal_mode, timeout=60))
+
+
+def test_config_rules_and_hints():
+    """DeepEP's Config checks and size hints (its formulas, e.g. 7168-wide bf16 rows on 8 and 16 ranks)."""
+    with pytest.raises(ValueError, match="num_max_nvl_chunked_send_tokens"):
+        Config(20, 256, 256)
+    with pytest.raises(ValueError, match="num_max_rdma_chunked_send_tokens"):
+        Config(20, 6, 256, 200, 100)
+    assert Config(24, 8, 256, 16, 130).num_max_rdma_chunked_recv_tokens == 144  # rounded up as DeepEP's
+    config = Config(24, 6, 256, 6, 128)
+    channels, per_token = 12, 7168 * 2 + 8 + 128 * 12 + 128 * 4
+    assert (
+        config.get_nvl_buffer_size_hint(7168 * 2, 8)
+        == -(-(channels * 8 * 5 * 4 + channels * 8 * 256 * per_token) // 128) * 128
+    )
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    rdma = channels * 2 * 18 * 2 * 4 + channels * 2 * 132 * (per_token + 16) * 2  # (128 rounded up to 6's multiple)
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 16) == -(-rdma // 128) * 128
+    assert Buffer.get_dispatch_config(8) == Config(Buffer.num_sms, 6, 256, 6, 128)
+    assert Buffer.get_combine_config(2) == Config(Buffer.num_sms, 10, 256, 6, 128)
+    with pytest.raises(ValueError, match="unsupported number of EP ranks 3"):
+        Buffer.get_dispatch_config(3)

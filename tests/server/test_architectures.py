@@ -19,7 +19,7 @@ import torch
 
 from server.loader import load_model
 from server.models import LocalComm
-from server.models.ep_comm import BufferComm
+from server.models.buffer_comm import BufferComm
 from tests.distributed import parallel_launch
 from tests.server.paged import SlotCache
 from tests.server.test_models_ckpt import load_hf, make_checkpoint

@@ -41,11 +41,10 @@ def oracle_greedy(prompt: list[int], num_tokens: int) -> list[int]:
     return out
 
 
-def _kill_worker_1(options: dict) -> tuple[list[dict], str, list[list[int]]] | None:
+def _kill_worker_1(options: dict) -> tuple[list[dict], str, list[list[int]]]:
     """Four streams (one per worker), SIGKILL worker 1 after their first tokens; the streams, /metrics and three
-    new requests' token ids. None when a survivor was lost as well: the library's shrink mode can declare a
-    survivor failed when the survivors notice the loss in different collectives (window transport, EP >= 3; a
-    known race of the library, about 1 run in 20 here), which is not what this test is about."""
+    new requests' token ids. Only worker 1 is lost: the survivors may notice the loss in different collectives (or
+    one may finish its step first), but the driver alone decides who is lost."""
     with real_server(**options) as srv:
         outs = [{"first": threading.Event()} for _ in range(4)]
         threads = []
@@ -56,8 +55,7 @@ def _kill_worker_1(options: dict) -> tuple[list[dict], str, list[list[int]]] | N
         os.kill(srv.worker_pids[1], signal.SIGKILL)
         for t in threads:
             t.join(timeout=90)
-        if sorted(srv.engine.workers.lost) != [1]:
-            return None
+        assert sorted(srv.engine.workers.lost) == [1], srv.engine.workers.lost
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             metrics = c.get("/metrics").text
             body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -69,13 +67,11 @@ def test_replicas_keep_the_model_after_a_lost_rank(tmp_path) -> None:  # noqa: A
     rows = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 0, 1, 2, 3]] * 2)  # rank r and r + 2 hold copies
     path = tmp_path / "placement.json"
     path.write_text(json.dumps(placement_json(rows, 4)))
-    # a killed worker is found at once (its connections close); the long timeout (collectives: 20 s, so a 2 s
-    # grace for late survivors) keeps a survivor slowed by a loaded machine from being excluded as failed
-    options = {"elastic": True, "step-timeout-s": 60.0, "ep-size": 4, "random-model": MODEL,
+    # a killed worker is found at once (its connections close); a survivor slowed by a loaded machine makes the
+    # step run again at worst (never a lost survivor)
+    options = {"elastic": True, "step-timeout-s": 6.0, "ep-size": 4, "random-model": MODEL,
                "expert-placement": str(path), "num-redundant-experts": 8}  # fmt: skip
-    run = _kill_worker_1(options) or _kill_worker_1(options)  # (one retry: see _kill_worker_1)
-    assert run is not None, "a survivor was lost twice in a row"
-    outs, metrics, token_ids = run
+    outs, metrics, token_ids = _kill_worker_1(options)
     assert outs[1]["error"] is not None and "EP worker 1 was lost" in outs[1]["error"]["message"]
     for i in (0, 2, 3):
         assert (outs[i]["tokens"], outs[i]["finish"], outs[i]["error"]) == (300, "length", None), outs[i]

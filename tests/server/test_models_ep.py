@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from server.loader import load_model
-from server.models.ep_comm import BufferComm
+from server.models.buffer_comm import BufferComm
 from tests.distributed import parallel_launch
 from tests.server.paged import SlotCache
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint

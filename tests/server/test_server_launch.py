@@ -82,14 +82,15 @@ PORT_TAKEN = ("address already in use", "eaddrinuse", "failed to listen")  # a p
 
 
 def start_healthy(
-    make_cmds: Callable[[int, int], list[list[str]]], attempts: int = 3
+    make_cmds: Callable[[int, int], list[list[str]]], attempts: int = 3, env: dict[str, str] | None = None
 ) -> tuple[list[subprocess.Popen], str]:
-    """Start the processes ``make_cmds(http_port, master_port)`` gives and wait until HTTP is healthy; returns them
-    and the URL. The ports are picked free but closed before the server binds them, so another job may take one in
-    between: a launch that fails because its port is taken is retried on new ports."""
+    """Start the processes ``make_cmds(http_port, master_port)`` gives (``env``: added to their environment) and
+    wait until HTTP is healthy; returns them and the URL. The ports are picked free but closed before the server
+    binds them, so another job may take one in between: a launch that fails because its port is taken is retried on
+    new ports."""
     for attempt in range(attempts):
         port, master = free_port(), free_port()
-        procs = [_popen(cmd) for cmd in make_cmds(port, master)]
+        procs = [_popen(cmd, env) for cmd in make_cmds(port, master)]
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(url, procs)
@@ -115,9 +116,9 @@ def _stop(procs: list[subprocess.Popen], timeout: float = 30.0) -> list[int]:
     return codes
 
 
-def _popen(cmd: list[str]) -> subprocess.Popen:
+def _popen(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``cmd`` with its output in a temporary file (a pipe nobody reads could fill up and block it)."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log = log  # type: ignore[attr-defined]

@@ -35,7 +35,11 @@ def _modules(info):
     import npu_ops_transformer.ops as old_ops
     from cann_ops_transformer.ops import MoeDistributeBuffer
 
-    assert cann_ops_transformer.MoeDistributeBuffer is MoeDistributeBuffer is old_ops.MoeDistributeBuffer
+    assert cann_ops_transformer.MoeDistributeBuffer is MoeDistributeBuffer
+    assert issubclass(old_ops.MoeDistributeBuffer, MoeDistributeBuffer)  # the old package: the old context layout
+    old_buf = old_ops.MoeDistributeBuffer(info.group)
+    assert old_buf.context.dtype == torch.int32 and old_buf.context.shape == (2052,)
+    assert old_buf.update_ctx(info.group) and old_buf.context.shape == (2052,)
     assert old_ops.npu_moe_distribute_dispatch_v3 is ops.moe_distribute_dispatch_v3
     assert old_ops.npu_moe_distribute_combine_v2 is ops.moe_distribute_combine_v2
     buf = MoeDistributeBuffer(info.group)
@@ -43,7 +47,7 @@ def _modules(info):
     ids = ids.int()
     new, old = torch.ops.cann_ops_transformer, torch.ops.npu_ops_transformer
     a = new.npu_moe_distribute_dispatch(buf.context, x, ids, w, r, E, buf.ccl_buffer_size, quant_mode=2)
-    b = old.npu_moe_distribute_dispatch_v3(buf.context, x, ids, w, r, E, buf.ccl_buffer_size, quant_mode=2)
+    b = old.npu_moe_distribute_dispatch_v3(old_buf.context, x, ids, w, r, E, buf.ccl_buffer_size, quant_mode=2)
     c = ops.moe_distribute_dispatch_v2(x, ids, info.group, w, r, E, quant_mode=2)
     assert all(torch.equal(u, v) and torch.equal(u, t) for u, v, t in zip(a, b, c, strict=True))
     y = (a[0].float() * a[1][:, None]).bfloat16()

@@ -245,3 +245,26 @@ def test_store_host_failure_is_bounded(how):
         res = results[rank]
         assert res["error"] is not None and res["elapsed"] <= 2 * TIMEOUT + grace + 1.0, res
         assert "every rank is alive" not in res["error"], res
+
+
+def _destroy_after_failure(info, transport: str):
+    store = dist.distributed_c10d._get_default_store()
+    buf = Buffer(info.group, timeout=TIMEOUT, transport=transport, explicitly_destroy=True)
+    _step(buf, info.rank, 0)
+    if info.rank == VICTIM:
+        _fail("exit", store)
+    with pytest.raises(EPRankFailure):
+        _step(buf, info.rank, 1)
+    t0 = time.monotonic()
+    buf.destroy()
+    took = time.monotonic() - t0
+    leave_together(store, info.rank, W - 1)
+    return took
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_destroy_after_a_failure_waits_for_no_peer(transport):
+    """After a call raised ``EPRankFailure`` the group is broken: ``destroy()`` releases at once instead of waiting
+    (a barrier, then the missing-rank agreement: about the 1 s grace here) for peers that may be gone."""
+    _, survivors = _launch(_destroy_after_failure, transport)
+    assert all(took < 0.5 for took in survivors.values()), survivors
