@@ -25,12 +25,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .engine_api import Tokenizer
 
-# The byte-level tokenizer's template (random models, checkpoints without a tokenizer): one "role: content" line
-# per message, then "assistant:" when a generation prompt is asked for.
+# The byte-level tokenizer's template (random models, checkpoints without a tokenizer): the tools as one JSON line
+# when there are any, one "role: content" line per message (an assistant's tool calls as JSON after its content),
+# then "assistant:" when a generation prompt is asked for.
 BUILTIN_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
-)  # fmt: skip
+)
 # Variables the server sets; chat_template_kwargs may not set them.
 RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "chat_template", "tokenize")
 _REASONING = ("reasoning_content", "thinking", "reasoning")
@@ -160,10 +163,11 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], special_tokens: Mapping[str, str],
                add_generation_prompt: bool = True, continue_final_message: bool = False,
-               kwargs: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+               kwargs: Mapping[str, Any] | None = None,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:  # fmt: skip
         """The prompt text of ``messages``. ``continue_final_message`` leaves the last message open (transformers'
         marker method); ``kwargs`` are the request's ``chat_template_kwargs`` (those the template does not read are
-        dropped, as vLLM does)."""
+        dropped, as vLLM does); ``tools``: the request's tools in OpenAI's shape (None: none)."""
         import jinja2
 
         chat = [_message(m) for m in messages]
@@ -180,7 +184,7 @@ class ChatTemplate:
             chat[-1] = {**chat[-1], "content": last + _CONTINUE_TAG}
         variables = {**special_tokens, **{k: v for k, v in kwargs.items() if k in self.variables}}
         try:
-            text = self._template.render(messages=chat, tools=None, documents=None,
+            text = self._template.render(messages=chat, tools=list(tools) if tools else None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)  # fmt: skip
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError("messages", f"the chat template refused the conversation: {e}") from None

@@ -135,6 +135,17 @@ class ServerConfig(BaseModel):
         "auto", description="sampling defaults: 'auto' takes the checkpoint's generation_config.json values "
         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) as vLLM does; 'vllm' ignores them"
     )  # fmt: skip
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="serve tool_choice 'auto' (the default when a request "
+        "has tools): the model's own tool-call syntax is parsed by "
+        "--tool-call-parser",
+    )
+    tool_call_parser: Literal["hermes", "deepseek_v3", "glm45", "openai"] | None = Field(
+        None,
+        description="how tool_choice 'auto' reads tool calls from the output: hermes (Qwen2.5 / Qwen3 "
+        "<tool_call> JSON), deepseek_v3, glm45, openai (gpt-oss harmony)",
+    )
     int8_experts: bool = Field(False, description="routed experts in int8 (per-channel weights, per-token dynamic "
                                "int8 activations: W8A8); W8A8 checkpoints keep their int8 values")  # fmt: skip
     moe_impl: Literal["unfused", "fused"] = Field(
@@ -181,6 +192,8 @@ class ServerConfig(BaseModel):
     def _check_names(self) -> ServerConfig:
         if self.model is not None and not os.path.isdir(self.model):
             raise ValueError(f"model: {self.model!r} is not a directory (give a HF checkpoint dir or omit it)")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable-auto-tool-choice: needs --tool-call-parser (hermes, deepseek_v3, glm45, openai)")
         if self.int8_experts and self.moe_impl == "fused":
             raise ValueError("int8-experts: the fused MoE (moe-impl fused) runs float expert weights; use one")
         if self.simulate_npu and (self.device == "cuda" or self.dist_backend == "nccl"):

@@ -29,6 +29,17 @@ class SamplingParamError(ValueError):
         self.param = param
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar compiled for the served tokenizer (:mod:`server.structured`): ``key`` names it (its kind and
+    source: equal keys, equal grammars), ``data`` is xgrammar's serialized form, which the worker that samples the
+    request turns into a matcher. ``json`` marks JSON grammars (raw control characters are never allowed in them)."""
+
+    key: str
+    data: str
+    json: bool = False
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM's sampling parameter names. ``temperature == 0`` is greedy.
@@ -40,6 +51,8 @@ class SamplingParams:
     adds a bias (clamped to [-100, 100]) to a token id's logit; ``min_p`` in [0, 1] drops tokens whose probability
     is under ``min_p`` times the most likely one's. ``logprobs`` asks for the sampled token's log-probability and the
     ``logprobs`` most likely alternatives per generated token (0..20); ``prompt_logprobs`` the same per prompt token.
+    ``grammar`` constrains the output to a compiled grammar (structured output): each step only tokens the grammar
+    allows next can be sampled, and EOS only once the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -58,6 +71,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, allowed: str) -> None:
@@ -205,6 +219,10 @@ class Tokenizer(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def decode_with_special(self, token_ids: Sequence[int]) -> str:
+        """``token_ids`` as text with special tokens written out (tool-call parsers read their markers)."""
+        return self.decode(token_ids)
 
 
 class EngineCore(abc.ABC):

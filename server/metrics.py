@@ -122,8 +122,24 @@ class Metrics:
             self._kv_transfer_tokens.labels(model_name, direction)
             self._kv_transfer_bytes.labels(model_name, direction)
         self.nonfinite_logits = counter("nonfinite_logits", "Requests ended with an error: NaN or Inf logits.")
+        self._structured = Counter(
+            PREFIX + "structured_output_requests",
+            "Requests whose output a grammar constrains, by kind (json, "
+            "json_object, regex, choice, grammar; tool calls count as json).",
+            ["model_name", "kind"],
+            registry=r,
+        )
+        self.grammar_compile_time = histogram(
+            "grammar_compile_seconds", "Compiling a grammar (cache misses only; off the engine loop).", _LATENCY_BUCKETS
+        )
         for reason in FINISH_REASONS:  # export every label value from the start, at 0
             self._success.labels(model_name, reason)
+
+    def on_grammar(self, kind: str, compile_seconds: float) -> None:
+        """A request constrained by a ``kind`` grammar, compiled in ``compile_seconds`` (0: from the cache)."""
+        self._structured.labels(self.model_name, kind).inc()
+        if compile_seconds > 0:
+            self.grammar_compile_time.observe(compile_seconds)
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -92,6 +92,14 @@ class HFTokenizer(Tokenizer):
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
+    def decode_with_special(self, token_ids: Sequence[int]) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=False)
+
+    @property
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` read from ``tokenizer.json``."""
+        return self._tok
+
 
 # Files of tokenizers this server cannot read without a tokenizer.json (sentencepiece, tiktoken, slow BPE / WordPiece).
 OTHER_TOKENIZER_FILES = ("tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt", "vocab.txt",

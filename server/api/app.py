@@ -21,6 +21,7 @@ from server.chat_template import serving_template
 from server.config import ServerConfig
 from server.engine_api import EngineCore
 from server.metrics import Metrics
+from server.structured.compiler import GrammarCache
 
 logger = logging.getLogger("server.api")
 
@@ -85,8 +86,9 @@ def create_app(config: ServerConfig, engine: EngineCore, *, capacity: int | None
                     defaults)  # fmt: skip
     capacity = capacity or engine.max_num_seqs * config.ep_size
     async_engine = AsyncEngine(engine, capacity=capacity, max_queue_len=config.max_queue_len, metrics=metrics)
+    grammars = GrammarCache(engine.tokenizer, engine.vocab_size or 0)
     state = ServingState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
-                         model_name=config.model_name, max_model_len=engine.max_model_len,
+                         grammars=grammars, model_name=config.model_name, max_model_len=engine.max_model_len,
                          vocab_size=engine.vocab_size, chat=chat, chat_refusal=refusal,
                          generation_defaults=defaults)  # fmt: skip
 

@@ -23,6 +23,7 @@ from server.api.errors import APIError, engine_error
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
 from server.api.responses import ResponseBuilder, Sample, SampleOutput
 from server.api.state import ServingState
+from server.api.tools import template_tools
 from server.async_engine import EngineDeadError, EngineOverloadedError
 from server.chat_template import ChatTemplateError
 from server.engine_api import SamplingParamError, SamplingParams
@@ -74,9 +75,10 @@ def chat_prompt(
         raise APIError(400, state.chat_refusal, param="chat_template", code="chat_template_missing")
     tokenizer = state.tokenizer
     messages = [m.for_template() for m in req.messages or ()]
+    tools = template_tools(req) if isinstance(req, ChatCompletionRequest) else None
     try:
         text = state.chat.render(messages, tokenizer.special_tokens, req.add_generation_prompt,
-                                 req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
+                                 req.continue_final_message, req.chat_template_kwargs, tools)  # fmt: skip
     except ChatTemplateError as e:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
     ids = encode(functools.partial(tokenizer.encode, text, add_special_tokens=add_special_tokens), "messages")

@@ -2,12 +2,15 @@
 
 Values are validated strictly (no string-to-number coercion), so a bad type is a 400 naming the field. Fields this
 server does not know are accepted and ignored, as vLLM does (:func:`unknown_fields` lists them for a warning).
-Fields it knows but does not support (``tools``, ``response_format`` other than text, ``best_of`` > ``n``, ...)
-are accepted at their defaults and refused otherwise (:meth:`SamplingFields.unsupported`).
+Fields it knows but does not support (``functions``, ``best_of`` > ``n``, ...) are accepted at their defaults and
+refused otherwise (:meth:`SamplingFields.unsupported`). Structured output (``response_format``, vLLM's
+``structured_outputs`` and ``guided_*``) and tools are modelled here and turned into grammars by
+:mod:`server.api.structured` and :mod:`server.api.tools`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,8 +30,52 @@ class StreamOptions(Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Lenient):
+    """``response_format.json_schema``: OpenAI's ``name``, ``description``, ``schema`` and ``strict``."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Lenient):
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Lenient):
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (EBNF) or
+    ``json_object``."""
+
+    json_schema: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Lenient):
+    """A function tool; its ``parameters`` is a JSON schema of the arguments (absent: no arguments)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(Lenient):
+    name: str
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class SamplingFields(Lenient):
@@ -59,7 +106,14 @@ class SamplingFields(Lenient):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured output (server.api.structured): OpenAI's, vLLM's, and vLLM's older spellings
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: xgrammar serves every request
     # prefill/decode disaggregation (SGLang's fields; python -m server.router sets them)
     bootstrap_host: str | None = Field(None, min_length=1)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
@@ -81,8 +135,6 @@ class SamplingFields(Lenient):
             return "include_stop_str_in_output", "only false is supported"
         if not self.skip_special_tokens:
             return "skip_special_tokens", "only true is supported"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", f"only type 'text' is supported, got {self.response_format.type!r}"
         return None
 
 
@@ -95,8 +147,13 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    tools: Any = None  # refused: tools need the chat endpoint
+    tool_choice: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
+        for name in ("tools", "tool_choice"):
+            if getattr(self, name) is not None:
+                return name, "tool calling needs /v1/chat/completions (a chat template renders the tools)"
         if self.best_of is not None and self.best_of != self.num_samples:
             return "best_of", f"only best_of == n ({self.num_samples}) is supported, got {self.best_of}"
         if self.suffix:
@@ -121,11 +178,26 @@ class ChatMessage(Lenient):
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: text parts joined by newlines (as vLLM does for templates
-        that read ``content`` as a string), fields that are None left out."""
+        that read ``content`` as a string), fields that are None left out, an assistant's tool-call ``arguments``
+        given as JSON text turned into objects (as vLLM does: templates iterate over them)."""
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             out["content"] = "\n".join(part.text for part in self.content)
+        calls = out.get("tool_calls")
+        if isinstance(calls, list):
+            out["tool_calls"] = [_call_for_template(c) for c in calls]
         return out
+
+
+def _call_for_template(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatTemplateFields(Lenient):
@@ -149,20 +221,17 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calling is not supported (allowed: 'none', 'auto')"
         if self.functions:
-            return "functions", "function calling is not supported"
+            return "functions", "the deprecated functions are not supported; send tools"
         if self.function_call not in (None, "none", "auto"):
-            return "function_call", "function calling is not supported (allowed: 'none', 'auto')"
+            return "function_call", "the deprecated function_call is not supported; send tool_choice"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "needs logprobs: true"
         if self.chat_template is not None:

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from server.api.logprobs import LogprobFormatter
+from server.api.tools import ToolCalling
 from server.engine_api import SamplingParams, TokenLogprob
 
 
@@ -52,11 +53,14 @@ class ResponseBuilder:
     """Builds the response and the stream chunks of one completion or chat request.
 
     ``logprobs``: the request asked for the output's log-probabilities; ``prompt_logprobs``: for vLLM's
-    ``prompt_logprobs`` field (echoed completions put them into ``logprobs`` instead).
+    ``prompt_logprobs`` field (echoed completions put them into ``logprobs`` instead); ``tools``: how a chat
+    output becomes tool calls (:mod:`server.api.tools`).
     """
 
     def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool, formatter: LogprobFormatter,
-                 logprobs: bool = False, echo: bool = False, prompt_logprobs: bool = False) -> None:  # fmt: skip
+                 logprobs: bool = False, echo: bool = False, prompt_logprobs: bool = False,
+                 tools: ToolCalling | None = None) -> None:  # fmt: skip
+        self.tools = tools
         self.request_id, self.model, self.chat = request_id, model, chat
         self.return_token_ids, self.formatter = return_token_ids, formatter
         self.logprobs, self.echo, self.prompt_logprobs = logprobs, echo, prompt_logprobs
@@ -70,29 +74,39 @@ class ResponseBuilder:
         """The non-streaming response (choices in ``index`` order)."""
         choices = []
         for s, out in sorted(zip(samples, outputs, strict=True), key=lambda pair: pair[0].index):
+            finish_reason = out.finish_reason
             if self.chat:
-                choice: dict[str, Any] = {"index": s.index, "message": {"role": "assistant", "content": out.text}}
+                message: dict[str, Any] = {"role": "assistant", "content": out.text}
+                if self.tools is not None:
+                    content, calls = self.tools.message(out.text, out.token_ids, out.finish_reason)
+                    message.update(content=content, tool_calls=[c.to_dict() for c in calls])
+                    finish_reason = "tool_calls" if calls else finish_reason
+                choice: dict[str, Any] = {"index": s.index, "message": message}
             else:
                 choice = {"index": s.index, "text": s.echo_text + out.text}
             choice.update(logprobs=self._logprobs(s, out, out.token_ids, out.logprobs, 0, True),
-                          finish_reason=out.finish_reason)  # fmt: skip
+                          finish_reason=finish_reason)  # fmt: skip
             self._extras(choice, s, out, out.token_ids, True)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return self._envelope(obj, choices, usage=self.usage(samples, outputs))
 
-    def chunk(self, s: Sample, out: SampleOutput, piece: str, new_ids: list[int], new_logprobs: list[TokenLogprob],
-              offset: int, first: bool, include_usage: bool) -> dict:  # fmt: skip
+    def chunk(self, s: Sample, out: SampleOutput, piece: str | None, new_ids: list[int],
+              new_logprobs: list[TokenLogprob], offset: int, first: bool, include_usage: bool,
+              tool_calls: list[dict] | None = None, finish_reason: str | None = None) -> dict:  # fmt: skip
         """One streamed chunk of choice ``s``: ``piece`` of text, ``new_ids`` and their log-probabilities (text
-        offsets from ``offset``). A choice's first chunk carries the chat ``role``, the echoed prompt and, with
-        ``return_token_ids``, ``prompt_token_ids``."""
+        offsets from ``offset``), chat ``tool_calls`` deltas. A choice's first chunk carries the chat ``role``, the
+        echoed prompt and, with ``return_token_ids``, ``prompt_token_ids``. ``finish_reason``: the output's unless
+        given."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": piece} if first else {"content": piece}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": s.index, "delta": delta}
         else:
-            choice = {"index": s.index, "text": (s.echo_text if first else "") + piece}
+            choice = {"index": s.index, "text": (s.echo_text if first else "") + (piece or "")}
         choice.update(logprobs=self._logprobs(s, out, new_ids, new_logprobs, offset, first),
-                      finish_reason=out.finish_reason)  # fmt: skip
+                      finish_reason=finish_reason or out.finish_reason)  # fmt: skip
         self._extras(choice, s, out, new_ids, first)
         extra = {"usage": None} if include_usage else {}
         return self._envelope(self._chunk_object, [choice], **extra)

@@ -12,7 +12,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server.api import generation
+from server.api import generation, structured
 from server.api.errors import APIError, error_body
 from server.api.logprobs import LogprobFormatter
 from server.api.protocol import (
@@ -24,6 +24,7 @@ from server.api.protocol import (
 )
 from server.api.responses import ResponseBuilder
 from server.api.state import ServingState
+from server.api.tools import tool_calling
 
 
 def make_router(state: ServingState) -> APIRouter:
@@ -65,6 +66,7 @@ def make_router(state: ServingState) -> APIRouter:
         params = [generation.sampling_params(req, req.max_tokens, len(ids), generation.COMPLETION_DEFAULT_MAX_TOKENS,
                                              state, "prompt", req.logprobs, prompt_logprobs)
                   for ids, _ in prompts]  # fmt: skip
+        params = await structured.constrain(params, structured.single_spec(structured.requested_specs(req)), state)
         request_id, samples = generation.make_samples(prompts, params, chat=False, echo=req.echo)
         builder = ResponseBuilder(request_id, state.model_name, False, req.return_token_ids, formatter,
                                   logprobs=req.logprobs is not None, echo=req.echo,
@@ -75,15 +77,20 @@ def make_router(state: ServingState) -> APIRouter:
     async def chat_completions(req: ChatCompletionRequest, http: Request) -> Response:
         arrival = generation.now()
         check_request(req)
+        tools = tool_calling(req, state)
+        specs = structured.requested_specs(req)
+        tool_grammar = None if tools is None else tools.grammar()
+        spec = structured.single_spec(specs + ([tool_grammar] if tool_grammar is not None else []))
         prompt_ids = generation.chat_prompt(req, state, req.add_special_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = generation.sampling_params(req, requested, len(prompt_ids), None, state, "messages", logprobs,
                                             req.prompt_logprobs)  # fmt: skip
+        params = (await structured.constrain([params], spec, state))[0]
         request_id, samples = generation.make_samples([(prompt_ids, "")], [params], chat=True)
         builder = ResponseBuilder(request_id, state.model_name, True, req.return_token_ids, formatter,
-                                  logprobs=bool(req.logprobs),
-                                  prompt_logprobs=req.prompt_logprobs is not None)  # fmt: skip
+                                  logprobs=bool(req.logprobs), prompt_logprobs=req.prompt_logprobs is not None,
+                                  tools=tools)  # fmt: skip
         return await generation.serve(http, req, samples, builder, state, arrival)
 
     def model_card() -> dict:

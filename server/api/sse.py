@@ -15,6 +15,7 @@ from typing import Any
 from server.api.errors import error_body
 from server.api.responses import ResponseBuilder, Sample, SampleOutput
 from server.api.state import ServingState
+from server.api.tools import ToolStream
 from server.async_engine import EngineDeadError, RequestHandle
 from server.engine_api import RequestDelta, TokenLogprob
 
@@ -52,16 +53,21 @@ async def _choice(state: ServingState, s: Sample, handle: RequestHandle, out: Sa
     """Put choice ``s``'s chunks (as SSE text) on ``queue``; an error event ends the choice."""
     holdback = max((len(stop) for stop in s.params.stop_strings), default=1) - 1
     sent, offset, first = 0, 0, True
+    tools = None if builder.tools is None else ToolStream(builder.tools)
     async for batch in state.engine.stream(handle):
         new_ids, new_logprobs = apply(out, batch)
         if out.finish_reason == "error":
             await queue.put(_data(error_body(500, f"generation failed: {out.error}", code="generation_error")))
             return
         stable = len(out.text) if out.finish_reason else _stable_len(out.text, holdback)
-        piece = out.text[sent:stable]
+        piece: str | None = out.text[sent:stable]
         sent = max(sent, stable)
-        if piece or new_ids or out.finish_reason or first:
-            chunk = builder.chunk(s, out, piece, new_ids, new_logprobs, offset, first, include_usage)
+        calls, finish = None, None
+        if tools is not None:
+            piece, calls = tools.feed(piece or "", out.text, out.token_ids, out.finish_reason)
+            finish = tools.finish_reason(out.finish_reason)
+        if piece or calls or new_ids or out.finish_reason or first:
+            chunk = builder.chunk(s, out, piece, new_ids, new_logprobs, offset, first, include_usage, calls, finish)
             logprobs = chunk["choices"][0]["logprobs"]
             if logprobs is not None and "text_offset" in logprobs:
                 offset += sum(len(t) for t in logprobs["tokens"])

@@ -13,6 +13,7 @@ from server.chat_template import ChatTemplate
 from server.config import ServerConfig
 from server.engine_api import Tokenizer
 from server.metrics import Metrics
+from server.structured.compiler import GrammarCache
 
 logger = logging.getLogger("server.api")
 
@@ -23,6 +24,7 @@ class ServingState:
     engine: AsyncEngine
     tokenizer: Tokenizer
     metrics: Metrics
+    grammars: GrammarCache  # structured output: grammars compiled for the served tokenizer
     model_name: str
     max_model_len: int
     vocab_size: int | None = None  # None: unknown (token ids are then checked by the engine only)

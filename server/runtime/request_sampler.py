@@ -11,15 +11,20 @@ from __future__ import annotations
 import torch
 
 from ..engine_api import SamplingParams, TokenLogprob
+from .grammar import RequestGrammar
 from .sampler import GREEDY_BELOW, TokenCounts, choose, make_generator, processed_logits, token_logprob
 
 
 class RequestSampler:
     """The sampling state of the request in one KV-cache slot."""
 
-    def __init__(self, params: SamplingParams, fallback: torch.Generator, vocab_size: int) -> None:
-        """``fallback``: the worker's generator (seeds requests without ``seed``; its device is the worker's)."""
+    def __init__(
+        self, params: SamplingParams, fallback: torch.Generator, vocab_size: int, grammar: RequestGrammar | None = None
+    ) -> None:
+        """``fallback``: the worker's generator (seeds requests without ``seed``; its device is the worker's);
+        ``grammar``: the matcher of a constrained request (its mask goes on the logits before anything else)."""
         self.params = params
+        self.grammar = grammar
         self.generator = make_generator(params, fallback)
         device = fallback.device
         self.counts = TokenCounts.empty(vocab_size, device) if params.needs_history else None
@@ -29,17 +34,21 @@ class RequestSampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Its next token is the argmax of the raw logits and nothing else is asked for (no bias, no penalty, no
-        log-probabilities): the worker takes it in one batched argmax with the step's other such requests."""
+        """Its next token is the argmax of the raw logits (under its grammar's mask, when it has one) and nothing else
+        is asked for (no bias, no penalty, no log-probabilities): the worker takes it in one batched argmax with the
+        step's other such requests."""
         p = self.params
         return (
             p.temperature < GREEDY_BELOW and not p.logit_bias and self.counts is None and p.logprobs is None
             and not self.wants_all_logits and self.prompt_logprobs is None
         )  # fmt: skip
 
-    def mark_sampled(self) -> None:
-        """Its token was taken by the batched argmax (:attr:`plain_greedy`): what follows is output."""
+    def mark_sampled(self, token: int | None = None) -> None:
+        """Its ``token`` was taken by the batched argmax (:attr:`plain_greedy`; its grammar's mask applied, if it
+        has one; None: no token, the row was not finite): what follows is output."""
         self.sampled = True
+        if self.grammar is not None and token is not None:
+            self.grammar.accept(token)
 
     @property
     def wants_all_logits(self) -> bool:
@@ -48,10 +57,13 @@ class RequestSampler:
 
     def resume(self, prompt_ids: list[int], first_token: int) -> None:
         """Start from a prompt computed elsewhere (a prefill instance) and its first sampled token: what follows
-        is output (penalties count the prompt and that token; prompt log-probabilities came from there)."""
+        is output (penalties count the prompt and that token, a grammar advances past it; prompt log-probabilities
+        came from there)."""
         if self.counts is not None:
             self.counts.add_prompt(prompt_ids)
             self.counts.add_output(first_token)
+        if self.grammar is not None:  # the prefill instance sampled it under the same grammar
+            self.grammar.accept(first_token)
         self.prompt_logprobs, self._previous_row, self.sampled = None, None, True
 
     def feed(self, token_ids: list[int], logits: torch.Tensor | None) -> None:
@@ -73,8 +85,12 @@ class RequestSampler:
     def sample(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None, list[TokenLogprob | None] | None]:
         """Draw the next token from ``logits`` `[vocab]` with `torch.float32`; returns it, its log-probabilities
         (when asked for) and, on the first sample only, the prompt's log-probabilities (when asked for)."""
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
         processed = processed_logits(logits, self.params, self.counts)
         token = choose(processed, self.params, self.generator)
+        if self.grammar is not None:
+            self.grammar.accept(token)
         num_top = self.params.logprobs
         logprob = None if num_top is None else token_logprob(torch.log_softmax(processed, dim=-1), token, num_top)
         if self.counts is not None:

@@ -20,14 +20,16 @@ from deep_ep_npu import EPRankFailure
 from deep_ep_npu.kernels import expert_mm
 
 from ..disagg.transfer import KVPull, PullResult, TransferBackend, cache_tensors, make_backend, run_pull
-from ..engine_api import NONFINITE_TOKEN
+from ..engine_api import NONFINITE_TOKEN, SamplingParams
 from ..loader import DTYPES, load_model
 from ..models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInput
 from ..models.buffer_comm import BufferComm
 from ..models.ep_comm import ExpertComm
 from ..models.kv_cache import bytes_per_block
+from ..tokenizer import load_tokenizer
 from .engine_config import EngineConfig
 from .expert_placement import build_expert_map
+from .grammar import WorkerGrammars, mask_rows
 from .kv_budget import kv_budget_bytes
 from .plan import PlanEntry, StepPlan, StepResult
 from .rebalance import Rebalancer
@@ -142,6 +144,13 @@ class Worker:
             self.info["kv_segment"] = self.transfer.segment
             self.info["kv_bases"] = [t.data_ptr() for t in tensors]
             self.info["kv_block_bytes"] = [t[0].numel() * t.element_size() for t in tensors]
+        cfg = self.model.cfg
+        self._grammars = WorkerGrammars(lambda: load_tokenizer(args.model, cfg.eos_token_ids), cfg.vocab_size)
+
+    def _sampler(self, params: SamplingParams) -> RequestSampler:
+        """A new request's sampling state (with its grammar's matcher when it is constrained)."""
+        grammar = None if params.grammar is None else self._grammars.start(params.grammar)
+        return RequestSampler(params, self._fallback, self.model.cfg.vocab_size, grammar)
 
     def _activation_peak(self) -> int:
         """Bytes the device's allocator peaks at during a forward of the full capacity N (accelerators only; every
@@ -172,7 +181,7 @@ class Worker:
         seqs, inputs = [], []
         for e in plan.entries:
             if e.params is not None:
-                self._seqs[e.seq_id] = _Seq(RequestSampler(e.params, self._fallback, self.model.cfg.vocab_size))
+                self._seqs[e.seq_id] = _Seq(self._sampler(e.params))
                 if e.seq_id in pulled:  # its prompt was computed by a prefill instance, its first token sampled there
                     self._seqs[e.seq_id].sampler.resume(pulled[e.seq_id].prompt_ids, pulled[e.seq_id].first_token)
             seq = self._seqs.get(e.seq_id)
@@ -232,8 +241,8 @@ class Worker:
 
     def _sample(self, seqs: list[_Seq], inputs: list[SeqInput], logits: torch.Tensor) -> StepResult:
         """Each sampling sequence's next token from ``logits`` `[num_rows, vocab]` `torch.float32` (rows as
-        :meth:`ForwardBatch.build` orders them): the plain greedy ones in one batched argmax, the others one by one
-        with their own parameters and generators."""
+        :meth:`ForwardBatch.build` orders them): the plain greedy ones in one batched argmax (constrained ones under
+        their grammars' masks), the others one by one with their own parameters and generators."""
         result = StepResult([], 0.0, 0.0, 0.0)
         finite = torch.isfinite(logits).all(dim=-1)  # a NaN / Inf row ends its request (NONFINITE_TOKEN), not token 0
         greedy: list[tuple[int, _Seq]] = []  # (logits row, sequence)
@@ -261,9 +270,11 @@ class Worker:
             result.prompt_logprobs.append(prompt_logprobs)
         if greedy:
             rows = torch.tensor([r for r, _ in greedy], dtype=torch.int64, device=logits.device)
-            picked = torch.where(finite[rows], logits[rows].argmax(dim=-1), NONFINITE_TOKEN).tolist()
+            candidates = logits[rows]  # (a copy) constrained rows masked by their grammars
+            mask_rows(candidates, [seq.sampler.grammar for _, seq in greedy], self.model.cfg.vocab_size)
+            picked = torch.where(finite[rows], candidates.argmax(dim=-1), NONFINITE_TOKEN).tolist()
             for at, (_, seq), token in zip(greedy_at, greedy, picked, strict=True):
-                seq.sampler.mark_sampled()
+                seq.sampler.mark_sampled(token if token >= 0 else None)
                 result.token_ids[at] = token
                 seq.last_token = max(token, 0)  # a non-finite row's request is ended by the driver
         return result

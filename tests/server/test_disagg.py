@@ -186,3 +186,38 @@ def test_layout_mismatch_is_refused_at_the_handshake_naming_both_sides(deploymen
     assert isinstance(error, str)
     assert f"prefill instance 127.0.0.1:{info['bootstrap_port']} has model random-qwen3-moe" in error
     assert "block-size 16" in error and "the test's decode side has" in error and "block-size 32" in error
+
+
+def test_structured_output_through_the_router(deployment):
+    """The prefill instance samples the first token under the grammar, the decode instance goes on from it: every
+    output validates, and greedy ones equal the colocated server's."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "n"],
+    }
+    bodies = [
+        {"prompt": f"record {seed}:", "max_tokens": 60, "temperature": temperature, "seed": seed, "guided_json": schema}
+        for seed in range(4)
+        for temperature in (0.0, 1.0)
+    ]
+
+    def run(url: str) -> list[dict]:
+        async def main() -> list:
+            async with httpx.AsyncClient(timeout=120) as client:
+                rs = await asyncio.gather(*(client.post(url + "/v1/completions", json=b) for b in bodies))
+            return [r.json()["choices"][0] for r in rs]
+
+        return asyncio.run(main())
+
+    got, want = run(deployment["router"]), run(deployment["colocated"])
+    for body, choice, ref in zip(bodies, got, want, strict=True):
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["text"]), schema)
+        if body["temperature"] == 0:
+            assert choice["text"] == ref["text"]
