@@ -2,7 +2,8 @@
 collective one, on one host and on ``--hosts`` simulated hosts (:mod:`tests.hosts`, root), µs per call, mean over the
 ranks. The phases are timed by wrapping the transports' methods (this process only; the library is unchanged):
 ``send`` (the engine's send phase, with the agreement issue and the window write), ``agree issue`` / ``agree wait``
-(the header all-to-all), ``payload issue`` / ``payload wait`` (the rows' all-to-all), ``win write`` / ``win wait`` /
+(the header all-to-all; on gloo the one all-to-all of headers and rows), ``payload issue`` / ``payload wait`` (the
+rows' all-to-all, when it is a second round), ``win write`` / ``win wait`` /
 ``win release`` (the window's rows and header, the wait for its peers' headers, the "read" messages) and ``place``
 (the engine's placement / reduction). Dispatch and combine of both transports run interleaved, barrier-aligned.
 

@@ -1,9 +1,10 @@
 """The only place deep_ep_npu reads environment variables (read once, when a backend, a Buffer or a group's
-``EPGroup`` is created; never per call)."""
+``EPGroup`` is created, or on first use; never per call)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 
@@ -39,3 +40,16 @@ def cpu_kernels() -> bool:
     """``DEEP_EP_NPU_CPU_KERNELS``: ``0`` turns the CPU kernels off (:mod:`deep_ep_npu.kernels`: CPU tensors take the
     torch code); anything else, or unset, leaves them on."""
     return os.environ.get("DEEP_EP_NPU_CPU_KERNELS", "1").strip() != "0"
+
+
+@functools.cache
+def check_values() -> bool | None:
+    """``DEEP_EP_NPU_CHECK_VALUES``: whether the checks that read tensor values (ids in range, duplicate ids, counts,
+    masks) run: ``1`` on every device, ``0`` nowhere, unset (None) on CPU tensors only (on a GPU / NPU each would be
+    a device-to-host sync, and a capture error inside a graph). Read on first use (``check_values.cache_clear()``
+    reads it again). Raises ValueError for any other value."""
+    if not (value := os.environ.get("DEEP_EP_NPU_CHECK_VALUES", "").strip()):
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"DEEP_EP_NPU_CHECK_VALUES: must be 0 or 1 (or unset: CPU tensors only), got {value!r}")
+    return value == "1"

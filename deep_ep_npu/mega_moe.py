@@ -102,7 +102,8 @@ def prepare(backend: Backend, x: object, topk_idx: object, topk_weights: object,
         x_, ids, weights, mask = fused.tokens(x, topk_idx, topk_weights, x_active_mask, n, experts)
         ffn = fused.ffn(ffn, x_, experts.num_local, ids.shape[1], n, ep.num_ranks)
     except MoeDistributeError as err:
-        _agree(backend, err.code, (0,) * len(NAMES), False)
+        if not backend.agreed:  # (once a fingerprint is agreed, checks are local: the peers wait in the op)
+            _agree(backend, err.code, (0,) * len(NAMES), False)
         raise
     call = DispatchCall(OP, "flat", x_, ids, experts, num_max=n, x_active_mask=mask, expert_scales=weights)
     sizes = (experts.num_moe_experts, x_.shape[1], ffn.w2.shape[1], ids.shape[1])  # (E, K, N, topK)
@@ -112,7 +113,13 @@ def prepare(backend: Backend, x: object, topk_idx: object, topk_weights: object,
         zlib.crc32(repr(limit).encode()) >> 1 if callable(limit) else struct.unpack("<i", struct.pack("<f", limit))[0]
     )
     fingerprint = (*sizes, *dtypes, n, ffn.num_segments, ("expert", "token").index(ffn.segment_by), limit_bits)
-    return call, ffn, _agree(backend, STATUS_OK, fingerprint, backend.can_fuse(call, ffn))
+    can_fuse = backend.can_fuse(call, ffn)
+    if backend.agreed is not None and can_fuse and fingerprint in backend.agreed:
+        return call, ffn, True  # (every rank agreed to fuse this kind of call before: no round)
+    every_rank_fuses = _agree(backend, STATUS_OK, fingerprint, can_fuse)
+    if backend.agreed is not None and every_rank_fuses:
+        backend.agreed.add(fingerprint)
+    return call, ffn, every_rank_fuses
 
 
 def _agree(backend: Backend, status: int, fingerprint: tuple[int, ...], can_fuse: bool) -> bool:

@@ -55,7 +55,10 @@ class InFlight:
 
 
 class Backend(abc.ABC):
-    """Runs the front-ends' calls on one group. ``native_quant_format``: what DeepEP's ``use_fp8=True`` means here."""
+    """Runs the front-ends' calls on one group. ``native_quant_format``: what DeepEP's ``use_fp8=True`` means here;
+    ``agreed``: None when every call agrees with the peers before it runs (a rejection raises on every rank), else
+    (a backend whose inputs are checked locally, the ascend one) the fingerprints of the MegaMoE calls agreed once:
+    a later call with one of them runs without a round (:func:`deep_ep_npu.mega_moe.prepare`)."""
 
     name: str = ""
     native_quant_format: str = "fp8_e4m3"
@@ -73,6 +76,7 @@ class Backend(abc.ABC):
         self.mask = torch.zeros((self.num_ranks,), dtype=torch.int32)  # shrink mode: 1 = rank treated as absent
         self.ep = EPGroup(group, self.mask, timeout, enable_shrink)
         self.released = False
+        self.agreed: set[tuple[int, ...]] | None = None  # (local checks: the fused calls' agreed fingerprints)
 
     @abc.abstractmethod
     def dispatch(self, call: DispatchCall) -> InFlight: ...

@@ -62,6 +62,8 @@ class AscendBackend(Backend):
         self.ops_path = self.ops.path  # "cann_ops_transformer", "npu_ops_transformer" or "torch_npu"
         self.ws: dict[str, torch.Tensor] = {}
         self.tag = 0
+        self._elastic: tuple[tuple[object, ...], torch.Tensor | None, int] | None = None  # (key, info, op experts)
+        self.agreed = set()
 
     def reject(self, op: str, code: int, tp: Any = None) -> None:
         """Nothing to tell: the ops validate locally (see the module docstring's limits)."""
@@ -98,17 +100,27 @@ class AscendBackend(Backend):
         combined = self.ops.combine(c.x, ids, assist, counts, c.expert_scales, e.num_moe_experts, **kw)
         return combined if c.out is None else c.out.copy_(combined)
 
+    def elastic_info(self, num_local: int, device: torch.device) -> tuple[torch.Tensor | None, int]:
+        """The shrink mask's ``elastic_info`` on ``device`` (None when no rank is masked) and the op's expert count
+        (the live ranks' experts): built when the mask changes (``low_latency_update_mask_buffer`` /
+        ``clean_mask_buffer``, a failed rank: the host mask's version), the only time the mask is read."""
+        key = (self.mask._version, num_local, device)
+        if self._elastic is None or self._elastic[0] != key:
+            info = elastic_info_from_mask(self.mask, num_local)
+            experts = self.num_ranks * num_local if info is None else int(info[3])
+            self._elastic = key, None if info is None else info.to(device), experts
+        return self._elastic[1], self._elastic[2]
+
     def _masked_dispatch(self, c: DispatchCall) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
         if c.quant == "fp8_e4m3":
             raise invalid("quant_format", "fp8_e4m3 has no Ascend A2/A3 op; use_fp8 means int8_per_token here")
         r, num_local, n, hidden = self.num_ranks, c.experts.num_local, c.num_max, c.x.shape[1]
         x, topk_idx = pad_empty(c.x, c.expert_ids)
         # shrink mode: masked ranks scaled out; moe_expert_num stays E, the zero experts start after the E' live ones
-        op_experts, elastic = c.experts.num_moe_experts, elastic_info_from_mask(self.mask, num_local)
+        elastic, op_experts = self.elastic_info(num_local, x.device)
         kw: dict[str, Any] = {}
         if elastic is not None:
-            topk_idx = remap_expert_ids(topk_idx, elastic, num_local)
-            op_experts, kw["elastic_info"] = int(elastic[3]), elastic.to(x.device)
+            topk_idx, kw["elastic_info"] = remap_expert_ids(topk_idx, elastic, num_local), elastic
         ids, kw["zero_expert_num"] = map_no_expert(topk_idx, op_experts)
         kw["global_bs"] = n * r  # kw: the combine's too (elastic_info: the mask as it was at dispatch)
         perf = {} if c.wait_stats is None else {"performance_info": c.wait_stats}

@@ -30,7 +30,6 @@ def fixpipe_scale_value(words: torch.Tensor) -> torch.Tensor:
 def fused_op_blocker(call: DispatchCall, ffn: FFN) -> str | None:
     """Why this call cannot use the fused op (None if it can)."""
     x, wdt, mask = call.x.dtype, ffn.w1.dtype, call.x_active_mask
-    active = call.x.shape[0] if mask is None else int(mask.sum())
     if x not in FUSED_X_DTYPES:
         return f"x is {x}; the fused op takes {[str(d) for d in FUSED_X_DTYPES]}"
     if ffn.out_dtype != x:
@@ -41,25 +40,40 @@ def fused_op_blocker(call: DispatchCall, ffn: FFN) -> str | None:
         return f"K = {call.x.shape[1]} is not a multiple of {HIDDEN_ALIGN}"
     if ffn.w2.shape[1] % INTERMEDIATE_ALIGN:
         return f"N = {ffn.w2.shape[1]} is not a multiple of {INTERMEDIATE_ALIGN}"
-    if active and int(call.expert_ids[:active].min()) < 0:
-        return "topk_idx contains -1 in an active token; the fused op routes every pair"
-    if wdt != torch.int8 and (active < call.x.shape[0] or ffn.swiglu_limit > 0):
+    if call.expert_ids.shape[1] > call.experts.num_moe_experts:
+        return f"topK = {call.expert_ids.shape[1]} exceeds the {call.experts.num_moe_experts} experts"
+    if wdt != torch.int8 and (mask is not None or ffn.swiglu_limit > 0):
         return "the fused op's float-weight kernel ignores x_active_mask and swiglu_limit"
     return None
 
 
+def route_no_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[M, topK]` int64 ``ids`` (-1: no expert, topK <= ``num_experts``) with each -1 replaced by an expert the row
+    does not list (the n-th -1 of a row by the n-th such expert), on the device: the fused op routes every pair."""
+    none = ids < 0
+    listed = torch.zeros((ids.shape[0], num_experts), dtype=torch.int32, device=ids.device)
+    listed.scatter_add_(1, ids.clamp(min=0), (~none).to(torch.int32))
+    free_so_far = (listed == 0).to(torch.int64).cumsum(1)  # `[M, E]`: unlisted experts up to each id
+    nth = none.to(torch.int64).cumsum(1)  # `[M, topK]`: the slot's rank among the row's -1 (from 1)
+    return torch.where(none, torch.searchsorted(free_so_far, nth), ids)
+
+
 def fused_op_kwargs(call: DispatchCall, ffn: FFN, group_name: str,
                     prepare_weight: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:  # fmt: skip
-    """The keyword arguments of one fused-op call: one-item weight lists in the op's format, int32 ids."""
+    """The keyword arguments of one fused-op call: one-item weight lists in the op's format, int32 ids; a -1 (no
+    expert) goes to an expert the token does not list, with weight 0 (:func:`route_no_expert`: it adds 0, unless
+    that expert's output for the token is not finite)."""
     x, dev = call.x, call.x.device
+    probs = call.expert_scales.masked_fill(call.expert_ids < 0, 0.0)
+    ids = route_no_expert(call.expert_ids, call.experts.num_moe_experts).to(torch.int32)
     no_scale, no_bias = ([torch.empty((0,), dtype=dt, device=dev)] for dt in (torch.int64, torch.float32))
     scale1, scale2 = no_scale, no_scale
     if ffn.w1_scale is not None and ffn.w2_scale is not None:
         scale1, scale2 = [fixpipe_scale(ffn.w1_scale.to(dev))], [fixpipe_scale(ffn.w2_scale.to(dev))]
     return dict(
         x=x, weight1=[prepare_weight(ffn.w1.to(dev))], weight2=[prepare_weight(ffn.w2.to(dev))],
-        expert_idx=call.expert_ids.clamp(min=0).to(torch.int32), scale1=scale1, scale2=scale2, bias1=no_bias,
-        bias2=no_bias, probs=call.expert_scales, group=group_name, max_output_size=ffn.max_output_size,
+        expert_idx=ids, scale1=scale1, scale2=scale2, bias1=no_bias,
+        bias2=no_bias, probs=probs, group=group_name, max_output_size=ffn.max_output_size,
         out=torch.empty(tuple(x.shape), dtype=x.dtype, device=dev),
         expert_token_nums=torch.zeros((call.experts.num_local,), dtype=torch.int32, device=dev),
         x_active_mask=call.x_active_mask, swiglu_limit=ffn.swiglu_limit,

@@ -178,7 +178,7 @@ def tokens(
     num_ids = e.num_moe_experts + e.zero_expert_num + e.copy_expert_num + e.const_expert_num
     ids_ = checks.expert_ids(raw_ids, param, num_ids, num_tokens, max_k, no_expert, what, active).long()
     global_bs = checks.global_bs(global_bs, w, num_tokens, MAX_BS)
-    if plat and mask is not None and num_tokens * w != global_bs and not bool(mask.all()):
+    if plat and mask is not None and num_tokens * w != global_bs and checks.values_checked(mask) and not mask.all():
         raise shape("x_active_mask", "must be all True when batch sizes differ across ranks (global_bs != Bs*W)")
     return x, ids_, mask, global_bs
 
@@ -275,20 +275,28 @@ def combine(c: CombineCall) -> CombineCall:
     if counts.numel() < w * num_local * tp:
         need = f"W * L{' * 2' if tp == 2 else ''} = {w * num_local * tp}"
         raise shape("ep_send_counts", f"has {counts.numel()} entries, needs {need}")
-    num_rows, num_peer = int(counts[w * num_local - 1]), 0
     if e.tp_world_size == 2:
         tp_counts = checks.tensor(tp_counts, "tp_send_counts", (torch.int32,), 1)
         checks.dims(tp_counts, "tp_send_counts", (2,), "(tp_world_size,)")
-        num_peer = int(counts[2 * w * num_local - 1]) - num_rows
-        if int(tp_counts[e.tp_rank_id]) != num_rows or int(tp_counts[1 - e.tp_rank_id]) != num_peer:
+    num_rows = num_peer = -1  # (not read: the engine reads them, the Ascend op takes the tensors)
+    if checks.values_checked(counts):
+        num_rows, num_peer = sent_rows(e, counts)
+        if e.tp_world_size == 2 and tp_counts.tolist() != [num_rows, num_peer][:: 1 - 2 * e.tp_rank_id]:
             why = f"({num_rows} own rows, {num_peer} peer rows); pass dispatch's tp_recv_counts unchanged"
             raise shape("tp_send_counts", f"{tp_counts.tolist()} does not match ep_send_counts {why}")
-    capacity = recv_capacity(e, global_bs, topk)
-    if not (0 <= num_rows <= capacity and 0 <= num_peer <= capacity and num_rows + num_peer <= expand_x.shape[0]):
-        why = f"but expand_x has {expand_x.shape[0]} and A = {capacity}"
-        raise shape("ep_send_counts", f"total {num_rows} rows (+{num_peer} TP peer rows), {why}")
-    if assist.numel() < 3 * num_rows:
-        raise shape("assist_info_for_combine", f"has {assist.numel()} entries, needs 3 * {num_rows}")
+        capacity = recv_capacity(e, global_bs, topk)
+        if not (0 <= num_rows <= capacity and 0 <= num_peer <= capacity and num_rows + num_peer <= expand_x.shape[0]):
+            why = f"but expand_x has {expand_x.shape[0]} and A = {capacity}"
+            raise shape("ep_send_counts", f"total {num_rows} rows (+{num_peer} TP peer rows), {why}")
+        if assist.numel() < 3 * num_rows:
+            raise shape("assist_info_for_combine", f"has {assist.numel()} entries, needs 3 * {num_rows}")
     return dataclasses.replace(c, x=expand_x, expert_ids=ids, x_active_mask=mask, expert_scales=weights, ori_x=ori_x,
                                shared_expert_x=shared_x, wait_stats=perf, handle=(assist, counts, tp_counts), out=out,
                                num_rows=num_rows, num_peer=num_peer, global_bs=global_bs, **const)  # fmt: skip
+
+
+def sent_rows(e: Experts, counts: torch.Tensor) -> tuple[int, int]:
+    """The rows a flat combine returns (read from ``ep_send_counts``, a host read): this rank's, its TP peer's."""
+    num_local, w = e.num_local_here, e.world_size
+    num_rows = int(counts[w * num_local - 1])
+    return num_rows, int(counts[2 * w * num_local - 1]) - num_rows if e.tp_world_size == 2 else 0

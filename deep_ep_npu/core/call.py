@@ -101,7 +101,8 @@ class CombineCall(Call):
     1 (expand: a tuple of up to two biases); ``ori_x`` / ``const_expert_*``: the copy / const experts' inputs;
     ``comm_quant_mode``: the rows' wire format (0, 2 int8 per 8, 3 / 4 MX fp8, 10 DeepEP's LogFMT); ``zero_copy``:
     masked rows from the Buffer's combine buffer; ``out`` `[T, H]` or None; flat: ``num_rows`` own rows of ``x`` (then
-    ``num_peer`` TP peer rows); expand without ``multiple_reduction``: every expand row goes back as it is;
+    ``num_peer`` TP peer rows; -1: not read, the value checks were off); expand without ``multiple_reduction``: every
+    expand row goes back as it is;
     ``slot_order``: masked rows are summed per token in slot order (k ascending; the flat and expand layouts always
     are), so the result does not depend on which rank holds an expert (replicas, :mod:`deep_ep_npu.eplb`); expand
     (DeepEP's normal mode): ``by_rank`` sums each token's rows by source rank ascending (else by last top-k slot),

@@ -65,21 +65,18 @@ def tokens(x: object, topk_idx: object, topk_weights: object, x_active_mask: obj
     x = rules.activations(x)
     if (m := x.shape[0]) > num_max:
         raise shape("x", f"has {m} tokens, more than num_max_dispatch_tokens_per_rank = {num_max}")
-    mask, active = rules.optional_tensor(x_active_mask, "x_active_mask", (torch.bool,), 1), m
+    mask = rules.optional_tensor(x_active_mask, "x_active_mask", (torch.bool,), 1)
     if mask is not None:
         if mask.shape[0] != m:
             raise shape("x_active_mask", f"has {mask.shape[0]} entries; must have M = {m} (one per token)")
         mask = mask.to(x.device)
-        if (active := int(mask.sum())) and not bool(mask[:active].all()):
-            raise shape("x_active_mask", "must mark a prefix of active tokens (all True entries first)")
+        rules.prefix_mask(mask, m)
     ids = rules.tensor(topk_idx, "topk_idx", rules.ID_DTYPES, 2)
     if ids.shape[0] != m:
         raise shape("topk_idx", f"has {ids.shape[0]} rows but x has {m} tokens")
-    rules.expert_ids(ids[:active], "topk_idx", e.num_moe_experts, active, rules.MAX_TOPK, no_expert=True)  # active rows
+    active = None if mask is None else mask.unsqueeze(1).expand(ids.shape)
+    # rows outside the mask may hold anything: they route nowhere (-1) and weigh 0
+    idx = rules.expert_ids(ids, "topk_idx", e.num_moe_experts, m, rules.MAX_TOPK, True, active=active).long()
     weights = rules.tensor(topk_weights, "topk_weights", (torch.float32,), 2)
     rules.dims(weights, "topk_weights", (m, ids.shape[1]), "(M, topK)")
-    idx = ids.long()
-    if active < m:  # rows outside the mask may hold anything: they route nowhere and weigh 0
-        idx, weights = idx.clone(), weights.clone()
-        idx[active:], weights[active:] = -1, 0.0
-    return x, idx, weights, mask
+    return x, idx, weights if active is None else weights.masked_fill(~active, 0.0), mask

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import kernels
+from .. import envs, kernels
 from ..errors import invalid, null, shape
 from ..handle import LowLatencyHandle
 from ..sizes import align
@@ -104,31 +104,40 @@ def platform_feature(plat: str | None, param: str, value: object, owners: tuple[
     raise invalid(param, why + ("; accepted without strict" if not owners else ""))
 
 
-def prefix_mask(mask: torch.Tensor, num_tokens: int) -> int:
-    """How many tokens a 1D ``x_active_mask`` `[num_tokens]` bool marks active; it must mark a prefix."""
+def values_checked(t: torch.Tensor) -> bool:
+    """Whether the checks that read ``t``'s values run (:func:`deep_ep_npu.envs.check_values`: on CPU tensors unless
+    ``DEEP_EP_NPU_CHECK_VALUES=0``, on a device only with ``=1``). Without them a bad value is not reported: the
+    call's results are undefined (rows routed wrong or dropped, an indexing error on this rank, or the peers'
+    :class:`~deep_ep_npu.EPRankFailure` when this rank fails before the exchange)."""
+    policy = envs.check_values()
+    return t.device.type == "cpu" if policy is None else policy
+
+
+def prefix_mask(mask: torch.Tensor, num_tokens: int) -> None:
+    """A 1D ``x_active_mask`` `[num_tokens]` bool; it must mark a prefix (checked by :func:`values_checked`)."""
     if mask.shape[0] != num_tokens:
         raise shape("x_active_mask", f"1D mask has {mask.shape[0]} entries, expected Bs = {num_tokens}")
-    if (n := int(mask.sum())) and not bool(mask[:n].all()):
+    if values_checked(mask) and (n := int(mask.sum())) and not bool(mask[:n].all()):
         raise shape("x_active_mask", "a 1D mask must mark a prefix of active tokens (all True entries first)")
-    return n
 
 
 def expert_ids(ids: object, param: str, num_ids: int, num_tokens: int, max_topk: int, no_expert: bool,
                what: str = "", active: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The top-k rule: `[num_tokens, K]` int32 / int64, ``0 < K <= max_topk``, every id in ``[0, num_ids)`` (or -1,
     "no expert", when ``no_expert``), no id twice in a row. Checked on the given dtype, before any cast, and only
-    where ``active`` (`[num_tokens, K]` bool, None: everywhere) is True: excluded entries may hold anything."""
+    where ``active`` (`[num_tokens, K]` bool, None: everywhere) is True: excluded entries may hold anything. The ids'
+    values are checked only where :func:`values_checked` says (their shape and dtype always)."""
     t = tensor(ids, param, ID_DTYPES, 2)
     k = t.shape[1]
     if t.shape[0] != num_tokens:
         raise shape(param, f"has {t.shape[0]} rows but x has {num_tokens} tokens")
     if not 0 < k <= max_topk:
         raise shape(param, f"top-k (dim 1) is {k}, allowed (0, {max_topk}]")
-    if active is None and kernels.ids_ok(t, -1 if no_expert else 0, num_ids):  # (one pass; else as below)
-        return t
+    if not (checked := values_checked(t)) or active is None and kernels.ids_ok(t, -1 if no_expert else 0, num_ids):
+        return t if active is None else t.masked_fill(~active, -1)  # (ids_ok: one pass; else as below)
     if active is not None:  # excluded entries read -1: neither range-checked nor duplicates
         t = t.masked_fill(~active, -1)
-    if (vals := t if active is None else t[active]).numel():
+    if checked and (vals := t if active is None else t[active]).numel():
         lo, hi, floor = int(vals.min()), int(vals.max()), -1 if no_expert else 0
         if lo < floor or hi >= num_ids:
             allowed = f"[0, {num_ids}){what}" + (" or -1 (no expert)" if no_expert else "")

@@ -91,7 +91,10 @@ class Engine(Backend):
 
     def reject(self, op: str, code: int, tp: EPGroup | None = None) -> None:
         width = 1 + 2 * self.num_ranks + FINGERPRINT  # (:func:`header`'s words)
-        self.transport_for(torch.device("cpu"), tp is not None).reject(op, code, width)
+        if tp is not None:  # (the TP stage's call runs on the collective transport, its agreement first)
+            self.collective.reject(op, code, width, staged=True)
+        else:
+            self.transport_for(torch.device("cpu")).reject(op, code, width)
         if tp is not None and tp.num_ranks == 2:
             tp_agree(tp, code, op)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .. import kernels
+from ..core import ascend
 from ..core.ascend import OP_COMM_ALGS
 from ..core.call import CombineCall, DispatchCall, Experts
 from ..core.platforms import SCALAR_TYPE_CODE
@@ -168,7 +169,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     step, before the EP return)."""
     e, x, hidden = c.experts, c.x, c.x.shape[1]
     plan = plan_call(e, c.expert_ids, c.x_active_mask, engine.mask, True)
-    rows, rows_per_src = return_rows(c.handle[0], c.num_rows, engine.mask)
+    num_rows, num_peer = (c.num_rows, c.num_peer) if c.num_rows >= 0 else ascend.sent_rows(e, c.handle[1])
+    rows, rows_per_src = return_rows(c.handle[0], num_rows, engine.mask)
     extra, addend, active = None, c.shared_expert_x, None
     if c.x_active_mask is not None and c.x_active_mask.dim() == 1:
         active = int(c.x_active_mask.sum())  # only the active prefix is written (zero here; untouched on the NPU)
@@ -190,7 +192,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     if e.tp is not None:
 
         def reduce_scatter() -> bool:
-            job.source = tp_reduce_scatter(e.tp, e.tp_rank_id, x, c.num_rows, c.num_peer)
+            job.source = tp_reduce_scatter(e.tp, e.tp_rank_id, x, num_rows, num_peer)
             return True  # the rows to return changed: write them again
 
         job.tp = TPStage(e, c.op, x, bool(c.comm_quant_mode), job.fmt.row_bytes, reduce_scatter)

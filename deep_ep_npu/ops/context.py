@@ -26,6 +26,7 @@ LAYOUTS = {"old": 2052, "new": 4100}  # int32 elements
 MAX_RANKS = 1024
 _MB = 1 << 20
 _GROUPS: dict[int, tuple[weakref.ref[dist.ProcessGroup], int]] = {}  # key -> (group, CCL bytes)
+_READ: dict[int, tuple[weakref.ref[torch.Tensor], int, list[int]]] = {}  # id -> (context, version, its words)
 
 
 def default_ccl_bytes() -> int:
@@ -62,7 +63,7 @@ def context_group(context: object) -> tuple[dist.ProcessGroup, int]:
         raise invalid("context", f"must be a 1-D torch.int32 communication context, got {got}")
     if context.numel() not in LAYOUTS.values():
         raise shape("context", f"has {context.numel()} int32; a context has {sorted(LAYOUTS.values())} (old / new)")
-    word = int(context[2:4].cpu().view(torch.int64)[0])
+    word = _words(context)[1]
     entry = _GROUPS.get(word & 0xFFFFFFFF) if word >> 32 == CONTEXT_MAGIC else None
     group = entry[0]() if entry else None
     if entry is None or group is None:
@@ -71,12 +72,23 @@ def context_group(context: object) -> tuple[dist.ProcessGroup, int]:
     return group, entry[1]
 
 
+def _words(context: torch.Tensor) -> list[int]:
+    """The u64 words of ``context`` (up to its windows), read once per tensor and per in-place change (its version):
+    a device context is not read back on every call."""
+    seen = _READ.get(id(context))
+    if seen is None or seen[0]() is not context or seen[1] != context._version:
+        words = context[: 2 * (2 + MAX_RANKS)].cpu().view(torch.int64).tolist()
+        _READ[id(context)] = seen = (weakref.ref(context), context._version, words)
+        weakref.finalize(context, _READ.pop, id(context), None)
+    return seen[2]
+
+
 def check_context(context: torch.Tensor, group: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object) -> None:
     """``context`` holds its communicator's windows and was built for this rank; ``ep_world_size`` / ``ep_rank_id``
     match it."""
-    words = context.cpu().view(torch.int64)
-    key, w, rank, ctx_rank = int(words[1]) & 0xFFFFFFFF, group.size(), group.rank(), int(words[0]) & 0xFFFFFFFF
-    if not torch.equal(words[2 : 2 + w], (key << 32) + torch.arange(1, w + 1)) or words[2 + w : 2 + MAX_RANKS].any():
+    words = _words(context)
+    key, w, rank, ctx_rank = words[1] & 0xFFFFFFFF, group.size(), group.rank(), words[0] & 0xFFFFFFFF
+    if words[2 : 2 + w] != [(key << 32) + r for r in range(1, w + 1)] or any(words[2 + w : 2 + MAX_RANKS]):
         raise invalid("context", f"epHcclBuffer does not hold the {w} windows of its communicator")
     if ctx_rank != rank:
         raise shape("context", f"was built for rank {ctx_rank} of its communicator; this process is rank {rank}")

@@ -237,16 +237,17 @@ def moe_distribute_combine_teardown(
     rules.dims(idx, "expand_idx", (bs * k,), "(Bs * K,)")
     weights = rules.tensor(expert_scales, "expert_scales", (torch.float32,), 2)
     rules.dims(weights, "expert_scales", (bs, k), "(Bs, K)")
-    active, valid = bs, idx.view(bs, k) >= 0
+    valid = idx.view(bs, k) >= 0
     if (mask := rules.optional_tensor(x_active_mask, "x_active_mask", (torch.bool,), 1)) is not None:
-        active = rules.prefix_mask(mask, bs)
+        rules.prefix_mask(mask, bs)
         valid &= mask.unsqueeze(1)
     shared_x = rules.optional_tensor(shared_expert_x, "shared_expert_x", (expand_x.dtype,), (2, 3))
     if shared_x is not None and (shared_x.numel() != bs * h or shared_x.shape[-1] != h):
         raise shape("shared_expert_x", f"shape {tuple(shared_x.shape)} must be (Bs, H) or (a, b, H) with a*b = Bs")
     token, slot = valid.nonzero(as_tuple=True)
     expert, occurrence = ids[token, slot].long(), idx.view(bs, k)[token, slot].long()
-    if expert.numel() and ((lo := int(expert.min())) < 0 or (hi := int(expert.max())) >= e):
+    checked = rules.values_checked(expert) and expert.numel()
+    if checked and ((lo := int(expert.min())) < 0 or (hi := int(expert.max())) >= e):
         raise shape("expert_ids", f"a sent pair names expert {lo if lo < 0 else hi}, allowed [0, {e})")
     parts = call.wait()
     per_expert = torch.bincount(expert, minlength=e)
@@ -262,6 +263,7 @@ def moe_distribute_combine_teardown(
         acc.index_add_(0, token[slot == kk], rows[slot == kk])
     if shared_x is not None:
         acc.add_(shared_x.reshape(bs, h).float())
-    acc[active:] = 0.0
+    if mask is not None:
+        acc.masked_fill_(~mask.unsqueeze(1), 0.0)
     call.done()
     return acc.to(expand_x.dtype)

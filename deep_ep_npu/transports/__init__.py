@@ -1,8 +1,9 @@
 """How rows move between the ranks of an EP group: a :class:`Transport` moves bytes and signals and nothing else;
 which rows go where and what the header words mean is the engine's (:mod:`deep_ep_npu.engine.exchange`). Both
-transports give bit-identical results: :class:`~.collective.Collective` (torch.distributed: an all-to-all of the
-headers, then one of the rows) and :class:`~.window.Window` (a shared-memory window of the ranks of one host: rows
-written straight into the receivers' windows, headers sent on pipes; the send phase waits for no peer). A group on
+transports give bit-identical results: :class:`~.collective.Collective` (torch.distributed: on gloo one all-to-all
+of each rank's headers and rows; elsewhere, :mod:`.staged`, one of the headers, then one of the rows) and
+:class:`~.window.Window` (a shared-memory window of the ranks of one host: rows written straight into the receivers'
+windows, headers sent on pipes; the send phase waits for no peer). A group on
 several hosts (:mod:`.hosts`) with peers on this one uses both in the same call: :class:`~.spanning.Spanning`.
 
 One call, on every rank (``counts[d]``: the header words for rank ``d``, ``counts[d][0]`` the rows this rank writes
@@ -30,6 +31,7 @@ from . import window, window_setup
 from .agreement import Agreement, Check, Write
 from .collective import Collective, EPGroup
 from .spanning import Spanning
+from .staged import Staged
 
 TRANSPORTS = ("auto", "shm", "collective")
 
@@ -59,13 +61,13 @@ def resolve_transport_name(name: str | None) -> str:
     return name
 
 
-def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Transport, Transport | None]:
-    """The collective transport of ``ep`` (``reuse``: its buffers alternate between two reused sets, else each call
-    gets its own) and, for ``name`` ``"auto"`` / ``"shm"`` on a gloo group, its window transport (collective;
-    ``window_bytes`` per rank, at least :data:`~.window.DEFAULT_WINDOW_BYTES`): the window when every rank is on this
-    host, a :class:`Spanning` one when the group spans hosts and this one holds a peer ("auto" only; "shm" raises
-    ValueError), else None."""
-    collective = Collective(ep, reuse)
+def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Collective, Transport | None]:
+    """The collective transport of ``ep`` (one round on a gloo group, else :mod:`.staged`; ``reuse``: its buffers
+    alternate between two reused sets, else each call gets its own) and, for ``name`` ``"auto"`` / ``"shm"`` on a
+    gloo group, its window transport (collective; ``window_bytes`` per rank, at least
+    :data:`~.window.DEFAULT_WINDOW_BYTES`): the window when every rank is on this host, a :class:`Spanning` one when
+    the group spans hosts and this one holds a peer ("auto" only; "shm" raises ValueError), else None."""
+    collective = Collective(ep, reuse, staged=Staged(ep, reuse))
     if name == "collective" or ep.num_ranks == 1:
         return collective, None
     backend = str(dist.get_backend(ep.group)).lower()
@@ -77,4 +79,5 @@ def create(ep: EPGroup, name: str, window_bytes: int, reuse: bool) -> tuple[Tran
     win = window_setup.create(ep, nbytes, required=name == "shm")
     if win is None or len(win.peers) == ep.num_ranks - 1:
         return collective, win
-    return collective, Spanning(win, Collective(ep, reuse, local=frozenset(win.peers)))
+    local = frozenset(win.peers)
+    return collective, Spanning(win, Collective(ep, reuse, local, Staged(ep, reuse, local)))

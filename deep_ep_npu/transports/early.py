@@ -7,7 +7,7 @@ receiving process and a shorter one lands, every early receive is posted at :fun
 a rank sends its rows to each peer whole or, past that bound, none (announcing ``OVER_BOUND``, so that every rank
 raises): only the announced rows are read, after the agreement is checked. On other groups the receive is posted at the
 known size. A rank that did not know (a fresh call, or one that rejected its input) joins the started payloads
-(:func:`.collective.join_started`), so that every rank reaches the check; when the check passes though ranks disagree on
+(:func:`.staged.join_started`), so that every rank reaches the check; when the check passes though ranks disagree on
 starting early, every rank raises (:func:`check_started`)."""
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from deep_ep_npu import Buffer, MoeDistributeError
+from deep_ep_npu import Buffer, MoeDistributeError, envs
 from tests.distributed import parallel_launch
 
 N, H, E, K = 8, 256, 8, 2
@@ -148,11 +150,11 @@ def _error_cases(info):
     return [_errors_on(info, t) for t in ("shm", "collective")]
 
 
-def _errors_on(info, transport: str):
+def _errors_on(info, transport: str, skip: tuple[str, ...] = ()):
     buffer = Buffer(info.group, backend="reference", transport=transport)
     seen = {}
     for table, run in ((_DISPATCH, _dispatch_case), (_COMBINE, _combine_case), (_FLAT, _flat_case)):
-        for case, message in table.items():
+        for case, message in ((c, m) for c, m in table.items() if c not in skip):
             with pytest.raises(MoeDistributeError) as err:
                 run(buffer, info.rank, case)
             text = str(err.value)
@@ -171,6 +173,22 @@ def _errors_on(info, transport: str):
 def test_errors_reported_on_every_rank():
     results = parallel_launch(2, _error_cases, timeout=90)
     assert results[0] == results[1] == [sorted([*_DISPATCH, *_COMBINE, *_FLAT])] * 2  # shm, collective
+
+
+_VALUES = ("idx_range", "idx_negative", "idx_duplicate")  # the checks that read topk_idx's values
+
+
+def _errors_without_value_checks(info):
+    os.environ["DEEP_EP_NPU_CHECK_VALUES"] = "0"
+    envs.check_values.cache_clear()  # (read once per process)
+    return _errors_on(info, "collective", skip=_VALUES)
+
+
+def test_shape_errors_reported_with_value_checks_off():
+    """``DEEP_EP_NPU_CHECK_VALUES=0`` turns off the checks of topk_idx's values only: every other bad input (shapes,
+    dtypes, sizes, handles) still raises on every rank."""
+    want = sorted(c for c in [*_DISPATCH, *_COMBINE, *_FLAT] if c not in _VALUES)
+    assert parallel_launch(2, _errors_without_value_checks, timeout=90) == [want] * 2
 
 
 def _rdma_too_small(info):

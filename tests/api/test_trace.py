@@ -65,5 +65,5 @@ def _trace(info):
 def test_a_call_runs_through_few_files():
     traced = parallel_launch(2, _trace, timeout=120)[0]
     for name, (dispatch, combine) in traced.items():
-        assert len(dispatch) <= MAX_FILES, (name, "dispatch", dispatch)
+        assert len(dispatch) <= MAX_FILES, (name, "dispatch", " ".join(dispatch))
         assert len(combine) <= MAX_FILES, (name, "combine", combine)

@@ -157,3 +157,40 @@ def test_flat_dispatch_combine_on_cuda(groups, quant_mode):
     _check_oracle(want, 4)
     got = _run_flat("cuda", groups["cuda"], quant_mode)
     _assert_same(got, want)
+
+
+# ---- (d) a decode step captured in a CUDA graph ------------------------------------------------------------------
+def _step(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> tuple:
+    """dispatch -> the experts (``2 * rows``, on the device) -> combine: recv_count and the combined `[T, H]`."""
+    recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, N, E, use_fp8=False)
+    combined, _, _ = buffer.low_latency_combine((recv_x.float() * 2).to(torch.bfloat16), topk_idx, weights, handle)
+    return recv_count, combined
+
+
+@pytest.mark.xfail(
+    raises=RuntimeError,
+    strict=True,
+    reason="the reference engine still plans with host counts and agrees on headers before the rows (issue 36)",
+)
+def test_low_latency_step_replays_in_a_cuda_graph(groups):
+    """DeepEP's contract: Buffer dispatch -> expert -> combine on NCCL (reference backend) captured once in
+    ``torch.cuda.graph`` and replayed on new inputs copied into the captured tensors gives what the same calls give
+    eagerly (a second Buffer), which is the oracle's ``2 * x * sum(weights)``."""
+    static = [t.cuda() for t in _inputs(5)]
+    captured, eager = Buffer(groups["cuda"], backend="reference"), Buffer(groups["cuda"], backend="reference")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: the first call of a shape may allocate and set up
+        _step(captured, *static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_count, combined = _step(captured, *static)
+    for seed in (6, 7):
+        for t, new in zip(static, _inputs(seed), strict=True):
+            t.copy_(new)
+        graph.replay()
+        got = recv_count.clone(), combined.clone()
+        want = _step(eager, *static)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+        _check_oracle({"combined": got[1].cpu()}, seed)

@@ -85,8 +85,10 @@ def test_fused_op_kwargs_mapping(int8):
         "x", "weight1", "weight2", "expert_idx", "scale1", "scale2", "bias1", "bias2", "probs", "group",
         "max_output_size", "out", "expert_token_nums", "x_active_mask", "swiglu_limit",
     }  # fmt: skip
-    assert kw["x"] is call.x and kw["probs"] is call.expert_scales and kw["group"] == "hccl_comm_7"
-    assert kw["expert_idx"].dtype == torch.int32 and torch.equal(kw["expert_idx"].long(), idx.clamp(min=0))
+    assert kw["x"] is call.x and kw["group"] == "hccl_comm_7"
+    assert torch.equal(kw["probs"], call.expert_scales.masked_fill(idx < 0, 0.0))  # (-1: weight 0)
+    routed = torch.tensor([[0, 1]] * 6)  # a -1 goes to an expert its row does not list (masked rows: any)
+    assert kw["expert_idx"].dtype == torch.int32 and torch.equal(kw["expert_idx"].long(), routed)
     assert [t.shape for t in kw["weight1"]] == [ffn.w1.shape] and [t.shape for t in kw["weight2"]] == [ffn.w2.shape]
     assert len(marked) == 2 and marked[0] is ffn.w1 and marked[1] is ffn.w2  # both weights go through NZ casting
     if int8:
@@ -112,7 +114,11 @@ def test_fused_op_eligibility():
     assert "out_dtype" in fused_op_blocker(*_args(out_dtype=torch.float16))
     assert "128" in fused_op_blocker(*_args(hidden=192))
     assert "64" in fused_op_blocker(*_args(n=96))
-    assert "-1" in fused_op_blocker(*_args(idx=torch.tensor([[0, -1]] * 6)))
+    no_expert = _args(idx=torch.tensor([[0, -1], [-1, 3], [-1, -1]] * 2))  # -1: another expert, weight 0
+    assert fused_op_blocker(*no_expert) is None
+    kw = fused_op_kwargs(*no_expert, "comm", lambda w: w)
+    assert torch.equal(kw["expert_idx"].long(), torch.tensor([[0, 1], [0, 3], [0, 1]] * 2))
+    assert torch.equal(kw["probs"], no_expert[0].expert_scales.masked_fill(no_expert[0].expert_ids < 0, 0.0))
     assert "ignores" in fused_op_blocker(*_args(int8=False, idx=masked_idx, mask=mask))
     assert "ignores" in fused_op_blocker(*_args(int8=False, limit=7.0))
 

@@ -11,7 +11,8 @@ import torch
 
 from deep_ep_npu import MoeDistributeError
 from deep_ep_npu.transports.agreement import STATUS_OK, Agreement
-from deep_ep_npu.transports.collective import Collective, EPGroup
+from deep_ep_npu.transports.collective import EPGroup
+from deep_ep_npu.transports.staged import Staged
 from tests.distributed import parallel_launch
 
 ROW = 16  # bytes per row
@@ -22,7 +23,7 @@ def _rows(src: int, dest: int, n: int) -> torch.Tensor:
     return (torch.arange(n * ROW, dtype=torch.int64) + 64 * src + 8 * dest).remainder(251).to(torch.uint8).view(n, ROW)
 
 
-def _exchange(transport: Collective, sends: list[int], expects: list[int] | None, strict: bool):
+def _exchange(transport: Staged, sends: list[int], expects: list[int] | None, strict: bool):
     """One call: this rank sends ``sends[d]`` rows to rank d, expects ``expects[s]`` from rank s (None: not known);
     ``strict``: the check raises on a nonzero status or a count this rank did not expect."""
     me, r = transport.ep.rank, transport.ep.num_ranks
@@ -47,7 +48,7 @@ def _outcome(fn) -> str:
     return "ok"
 
 
-def _good(transport: Collective) -> bool:
+def _good(transport: Staged) -> bool:
     me, r = transport.ep.rank, transport.ep.num_ranks
     got = _exchange(transport, [2 + d for d in range(r)], [2 + me] * r, True)
     return all(torch.equal(got[s], _rows(s, me, 2 + me)) for s in range(r) if s != me)
@@ -55,7 +56,7 @@ def _good(transport: Collective) -> bool:
 
 def _cases(info, case: str):
     ep = EPGroup(info.group, timeout=20.0)
-    transport, me = Collective(ep), info.rank
+    transport, me = Staged(ep), info.rank
     if case == "longer":  # rank 1 sends rank 0 five rows, rank 0 expects two: nobody dies, rank 0's check raises
         sends, expects = ([0, 3], [0, 2]) if me == 0 else ([5, 0], [3, 0])
         out = _outcome(lambda: _exchange(transport, sends, expects, True))

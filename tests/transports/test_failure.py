@@ -161,8 +161,8 @@ def test_shrink_mode_continues_with_the_rank_masked(transport, where, how):
 
 
 def _payload_scenario(info, transport: str):
-    """The victim dies inside the send phase of a dispatch whose receive runs in ``hook()`` (collective: between
-    the header and the payload; shm: after writing its rows into the peers' windows, before any signal): the
+    """The victim dies inside the send phase of a dispatch whose receive runs in ``hook()`` (collective: before its
+    one all-to-all of headers and rows; shm: after writing its rows into the peers' windows, before any signal): the
     survivors' send phase returns, ``hook()`` hits the failure, shrinks, re-runs the dispatch and fills the tensors
     the first call returned."""
     from deep_ep_npu.transports.collective import EPGroup
@@ -175,7 +175,7 @@ def _payload_scenario(info, transport: str):
         issue = EPGroup.all_to_all
 
         def die_at_payload(self, *args):
-            if args[-1] == "payload exchange":
+            if args[-1] == "low_latency_dispatch":
                 os._exit(0)
             return issue(self, *args)
 

@@ -1,0 +1,186 @@
+"""DeepEP's low-latency contract on the ``ascend`` backend: after the first call of a shape (and of a shrink mask),
+steady-state calls make no host read of a tensor value in library code with value checks off
+(``DEEP_EP_NPU_CHECK_VALUES=0``), counted by :class:`tests.host_reads.HostReads` on the NPU stand-in (whose ops,
+``deep_ep_npu.ops`` / ``.cann`` / ``.sim``, stand for the device kernels and are not counted). With the default policy
+on CPU tensors the value checks run (the same instrument sees them: it can fail)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from deep_ep_npu import Buffer, envs, sim
+from deep_ep_npu.core import rules
+from deep_ep_npu.errors import MoeDistributeError
+from tests.distributed import parallel_launch
+from tests.host_reads import HostReads
+from tests.mega_moe_oracle import make_case
+
+N, H, E, K = 4, 256, 8, 3
+STAND_IN = ("ops/", "cann/", "sim/")  # the stand-in's ops: the NPU kernels
+
+
+def _inputs(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * rank + step)
+    x = torch.randn((N, H), generator=g).to(torch.bfloat16)
+    topk_idx = torch.rand((N, E), generator=g).topk(K, dim=1).indices
+    topk_idx[0, 1] = -1
+    return x, topk_idx, torch.rand((N, K), generator=g)
+
+
+def _low_latency(buffer: Buffer, step: int, use_fp8: bool) -> torch.Tensor:
+    x, topk_idx, weights = _inputs(buffer.rank, step)
+    fmt = "int8_per_token" if use_fp8 else None
+    recv_x, _, handle, _, hook = buffer.low_latency_dispatch(
+        x, topk_idx, N, E, use_fp8=use_fp8, quant_format=fmt, return_recv_hook=True
+    )
+    hook()
+    data = recv_x[0].float() * recv_x[1][:, :, :1] if use_fp8 else recv_x.float()
+    out, _, hook = buffer.low_latency_combine((data * 2).to(torch.bfloat16), topk_idx, weights, handle)
+    return out
+
+
+def _flat(buffer: Buffer, step: int, use_fp8: bool) -> torch.Tensor:
+    x, topk_idx, weights = _inputs(buffer.rank, step)
+    out, _, _ = buffer.low_latency_dispatch_flat(
+        x, topk_idx, N, E, topk_weights=weights, quant_mode=2 if use_fp8 else 0
+    )
+    rows = out.expand_x.float() * out.dynamic_scales[:, None] if use_fp8 else out.expand_x.float()
+    y, _, _ = buffer.low_latency_combine_flat((rows * 2).to(torch.bfloat16), topk_idx, weights, out.handle)
+    return y
+
+
+def _policy(value: str) -> None:
+    """Set ``DEEP_EP_NPU_CHECK_VALUES`` (read once per process: the cached value is dropped)."""
+    os.environ["DEEP_EP_NPU_CHECK_VALUES"] = value
+    envs.check_values.cache_clear()
+
+
+@pytest.fixture
+def policy(monkeypatch):
+    """``policy(value)`` sets ``DEEP_EP_NPU_CHECK_VALUES`` for this test only."""
+    yield lambda value: (monkeypatch.setenv("DEEP_EP_NPU_CHECK_VALUES", value), envs.check_values.cache_clear())
+    monkeypatch.undo()
+    envs.check_values.cache_clear()
+
+
+def _steady_reads(info, cann: bool) -> dict[str, list[str]]:
+    """Per front-end call: the library's host reads of its second call (first: warm-up) with checks off, masked and
+    not; and the default policy's (CPU: checks on)."""
+    sim.install(cann=cann)
+    buffer = Buffer(info.group, backend="ascend", enable_shrink=True)
+    reads: dict[str, list[str]] = {}
+    for policy in ("0", ""):
+        _policy(policy)
+        for masked in (False, True):
+            if masked:
+                buffer.low_latency_update_mask_buffer(1, True)
+            for name, call in (("low_latency", _low_latency), ("flat", _flat)):
+                for use_fp8 in (False, True):
+                    call(buffer, 0, use_fp8)
+                    with HostReads(device=STAND_IN) as seen:
+                        call(buffer, 1, use_fp8)
+                    reads[f"{name} fp8={use_fp8} masked={masked} checks={policy!r}"] = list(seen)
+            buffer.low_latency_clean_mask_buffer()
+    return reads
+
+
+def _assert_reads(results: list[dict[str, list[str]]]) -> None:
+    for rank, reads in enumerate(results):
+        off = {k: v for k, v in reads.items() if "checks='0'" in k}
+        assert off and not any(off.values()), f"rank {rank}: host reads with checks off: {off}"
+        # checks on (CPU): the flat combine reads its counts (the masked calls' id checks run in a native kernel)
+        on = [k for k, v in reads.items() if "flat" in k and "checks=''" in k and not any("core/" in r for r in v)]
+        assert not on, f"rank {rank}: the value checks on CPU read nothing (the instrument misses them): {on}"
+
+
+def test_host_reads_sees_library_reads_only(policy):
+    """The instrument records a library frame's reads (each kind), not a test's, nor any below a ``device`` path."""
+    policy("1")
+    mask, ids = torch.tensor([True, True, False]), torch.tensor([[0, 1], [2, 2]])
+    with HostReads() as reads:
+        assert bool(mask.any()) and mask.sum().item() == 2 and ids.tolist()  # the test's own: not counted
+        rules.prefix_mask(mask, 3)
+        with pytest.raises(MoeDistributeError, match="twice"):
+            rules.expert_ids(ids.int(), "topk_idx", 4, 2, 8, True, active=torch.ones((2, 2), dtype=torch.bool))
+    assert reads and all(r.startswith("core/rules.py:") for r in reads), reads
+    assert {"(__int__)", "(__bool__)", "(nonzero)", "(tolist)"} <= {r.split()[-1] for r in reads}, reads
+    with HostReads(device=("core/",)) as below:
+        rules.prefix_mask(mask, 3)
+    assert not below
+    policy("0")
+    with HostReads() as off:
+        rules.prefix_mask(mask, 3)
+        rules.expert_ids(ids.int(), "topk_idx", 4, 2, 8, True, active=torch.ones((2, 2), dtype=torch.bool))
+    assert not off
+
+
+def test_ascend_buffer_steady_state_reads_nothing_on_torch_npu_ops():
+    _assert_reads(parallel_launch(2, _steady_reads, False, timeout=120))
+
+
+def test_ascend_buffer_steady_state_reads_nothing_on_context_ops():
+    _assert_reads(parallel_launch(2, _steady_reads, True, timeout=120))
+
+
+def test_check_values_policy(policy):
+    """Unset: CPU tensors only; 1: everywhere; 0: nowhere; anything else is refused, naming the variable."""
+    cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")  # (meta: a tensor off the host)
+    for value, want in (("", (True, False)), ("1", (True, True)), ("0", (False, False))):
+        policy(value)
+        assert (rules.values_checked(cpu), rules.values_checked(meta)) == want, value
+    policy("yes")
+    with pytest.raises(ValueError, match="DEEP_EP_NPU_CHECK_VALUES: must be 0 or 1"):
+        rules.values_checked(cpu)
+
+
+def _mega_reads(info) -> tuple[list[str], bool, torch.Tensor, torch.Tensor]:
+    """Buffer(backend="ascend").mega_moe on the stand-in's fused op, ids with -1 and a mask (int8): the second call's
+    host reads with checks off, whether it gave the first call's result, and the result beside the reference
+    backend's."""
+    sim.install()
+    _policy("0")
+    case = make_case(40, [6, 5], 128, 64, 3, 2, holes=0.2, inactive=[2, 1], swiglu_limit=0.5)
+    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
+    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max, swiglu_limit=0.5,
+              num_experts=case.num_local * info.world_size, x_active_mask=case.mask(info.rank))  # fmt: skip
+    npu, ref = Buffer(info.group, backend="ascend"), Buffer(info.group, backend="reference")
+    first = npu.mega_moe(x, idx, p, w1, w2, **kw)
+    with HostReads(device=STAND_IN) as seen:
+        again = npu.mega_moe(x, idx, p, w1, w2, **kw)
+    return list(seen), torch.equal(first, again), first, ref.mega_moe(x, idx, p, w1, w2, **kw)
+
+
+def test_ascend_mega_moe_steady_state_reads_nothing():
+    """The fused op takes the call (a -1 goes to an expert the token does not list, weight 0) after one agreement;
+    then no round and no host read, and the result is the reference pipeline's."""
+    for rank, (reads, same, fused, reference) in enumerate(parallel_launch(2, _mega_reads, timeout=120)):
+        assert not reads and same, (rank, reads)
+        assert torch.equal(fused, reference), rank
+
+
+def _v3_reads(info) -> tuple[list[str], list[str]]:
+    """MoeDistributeBuffer on the reference engine, checks off: the second dispatch + combine's host reads in the
+    front-end layers (the context ops and the Buffer: ``ops/``, ``cann/``) and in all library code."""
+    from deep_ep_npu.cann import MoeDistributeBuffer
+
+    _policy("0")
+    buffer = MoeDistributeBuffer(info.group)
+    x, _, weights = _inputs(info.rank, 0)
+    ids = torch.rand((N, E), generator=torch.Generator().manual_seed(info.rank)).topk(K).indices.int()
+    reads: list[str] = []
+    for _ in range(2):
+        with HostReads() as seen:
+            out = buffer.low_latency_dispatch(x, ids, E, topk_weights=weights, num_max_dispatch_tokens_per_rank=N)
+            buffer.low_latency_combine(out[0], ids, weights, out[2], out[4], num_experts=E)
+        reads = list(seen)
+    return [r for r in reads if r.startswith(("ops/", "cann/"))], reads
+
+
+def test_v3_context_front_end_reads_its_context_once():
+    """The V3 ops read their communication context once per context tensor (and per in-place change), not per call;
+    the reference engine below them still plans on the host (the instrument sees those reads)."""
+    for rank, (front_end, everything) in enumerate(parallel_launch(2, _v3_reads, timeout=120)):
+        assert not front_end and everything, (rank, front_end)
