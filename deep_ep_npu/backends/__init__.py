@@ -73,7 +73,8 @@ class Backend(abc.ABC):
         self.group, self.transport_name, self.num_rdma_bytes = group, transport, num_rdma_bytes
         self.ccl_buffer_size, self.reuse = ccl_buffer_size, reuse
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
-        self.mask = torch.zeros((self.num_ranks,), dtype=torch.int32)  # shrink mode: 1 = rank treated as absent
+        with torch.inference_mode(False):  # (a normal tensor, whatever the caller's mode: its version tracks changes)
+            self.mask = torch.zeros((self.num_ranks,), dtype=torch.int32)  # shrink mode: 1 = rank treated as absent
         self.ep = EPGroup(group, self.mask, timeout, enable_shrink)
         self.released = False
         self.agreed: set[tuple[int, ...]] | None = None  # (local checks: the fused calls' agreed fingerprints)

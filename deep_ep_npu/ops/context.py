@@ -52,6 +52,7 @@ def create_context(group: dist.ProcessGroup, layout: str = "new", out: torch.Ten
     if out is None:
         return context
     out.copy_(context)
+    _READ.pop(id(out), None)  # (read again at its next use, also an inference tensor's)
     return out
 
 
@@ -73,12 +74,13 @@ def context_group(context: object) -> tuple[dist.ProcessGroup, int]:
 
 
 def _words(context: torch.Tensor) -> list[int]:
-    """The u64 words of ``context`` (up to its windows), read once per tensor and per in-place change (its version):
-    a device context is not read back on every call."""
-    seen = _READ.get(id(context))
-    if seen is None or seen[0]() is not context or seen[1] != context._version:
+    """The u64 words of ``context`` (up to its windows), read once per tensor and per in-place change (its version;
+    an inference tensor has none: it is read again only when :func:`create_context` rewrites it): a device context is
+    not read back on every call."""
+    seen, version = _READ.get(id(context)), -1 if context.is_inference() else context._version
+    if seen is None or seen[0]() is not context or seen[1] != version:
         words = context[: 2 * (2 + MAX_RANKS)].cpu().view(torch.int64).tolist()
-        _READ[id(context)] = seen = (weakref.ref(context), context._version, words)
+        _READ[id(context)] = seen = (weakref.ref(context), version, words)
         weakref.finalize(context, _READ.pop, id(context), None)
     return seen[2]
 

@@ -17,6 +17,30 @@ from tests.distributed import op_error, parallel_launch
 from tests.ops.test_ops_extended import make_case
 from tests.ops_oracle import expert_fn, from_bytes, to_bytes
 
+
+def _in_inference_mode(info, data: bytes):
+    """The V3 ops inside ``torch.inference_mode()`` (as a server's forward runs them): a context made there is an
+    inference tensor (it has no version counter); it is read once, and again after ``create_context(out=)``."""
+    from deep_ep_npu.cann import MoeDistributeBuffer
+    from deep_ep_npu.ops import create_context
+
+    buf = MoeDistributeBuffer(info.group, ccl_buffer_size=64, comm_alg=0)
+    ((case, extra),) = from_bytes(data)
+    want = _flow(info, case, "v2", None, buf, extra)
+    with torch.inference_mode():
+        ctx = create_context(info.group)
+        assert ctx.is_inference()
+        for rewrite in (False, False, True):
+            if rewrite:
+                create_context(info.group, out=ctx)
+            assert torch.equal(_flow(info, case, "v3", ctx, buf, extra)[1], want[1])
+    return True
+
+
+def test_v3_ops_in_inference_mode():
+    assert parallel_launch(2, _in_inference_mode, to_bytes(CASES[2][:1]), timeout=120) == [True, True]
+
+
 SHAPE, PARAM, NULL = 561002, 161002, 161001
 
 
