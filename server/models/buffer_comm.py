@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from deep_ep_npu import Buffer
 from deep_ep_npu.eplb import ExpertMap
+from deep_ep_npu.transports.failure import resolve_timeout
 
 from .ep_comm import ExpertComm
 
@@ -43,7 +44,8 @@ class BufferComm(ExpertComm):
         super().__init__(
             dist.get_rank(group), dist.get_world_size(group), num_experts, num_max_dispatch_tokens_per_rank, expert_map
         )
-        self.group, self.hidden, self.backend, self.timeout = group, hidden, backend, timeout
+        self.group, self.hidden, self.backend = group, hidden, backend
+        self.timeout = resolve_timeout(timeout)  # (None: the library's default, as the Buffer would take it)
         self.num_moe_layers = num_moe_layers
         self.members = list(range(self.num_ranks))  # the EP ranks the Buffer spans
         self._renumber: torch.Tensor | None = None  # `[P]` int64: slot -> the Buffer's slot (-1: a lost rank's)
@@ -75,7 +77,7 @@ class BufferComm(ExpertComm):
         for its peers); the other ranks' slots leave the placement, their experts' tokens go to surviving replicas,
         and experts left without one are dropped (:attr:`lost_experts`). Collective over ``members``."""
         assert self.rank in members and set(members) <= set(self.members), (self.rank, members, self.members)
-        num_layers = self.num_moe_layers
+        per = self.num_local_experts
         self.buffer.destroy()
         lost = set(range(self.num_ranks)) - set(members)
         if lost != self.lost_ranks:
@@ -83,18 +85,17 @@ class BufferComm(ExpertComm):
             if self.expert_map is not None:
                 self.expert_map, self.lost_experts = self.expert_map.without_ranks(lost)
             else:
-                per = self.num_local_experts
-                self.lost_experts = [sorted(e for r in lost for e in range(r * per, (r + 1) * per))] * num_layers
+                gone = sorted(e for r in lost for e in range(r * per, (r + 1) * per))
+                self.lost_experts = [gone] * self.num_moe_layers
             dropped = {layer: gone for layer, gone in enumerate(self.lost_experts) if gone}
             logger.warning("rank %d: EP ranks %s lost; their experts' tokens go to the surviving replicas; experts "
                            "with no replica left (dropped), by MoE layer: %s", self.rank, sorted(lost),
                            dropped or "none")  # fmt: skip
-        timeout = datetime.timedelta(seconds=self.timeout or 30.0)
+        timeout = datetime.timedelta(seconds=self.timeout)
         group = dist.new_group(ranks=members, timeout=timeout, use_local_synchronization=True)
         self.group, self.members = group, list(members)
         self.buffer = self._new_buffer(group)
         renumber = torch.full((self.num_physical,), -1, dtype=torch.int64)
-        per = self.num_local_experts
         for i, r in enumerate(members):
             renumber[r * per : (r + 1) * per] = torch.arange(i * per, (i + 1) * per)
         self._renumber = None if members == list(range(self.num_ranks)) else renumber

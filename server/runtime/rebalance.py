@@ -91,7 +91,7 @@ class Rebalancer:
         return ""
 
     def _stage(self) -> tuple[ExpertMap, list[dict[int, list[torch.Tensor]]]]:
-        comm, emap, timeout_s = self.comm, self.comm.expert_map, self.comm.timeout or 30.0
+        comm, emap, timeout_s = self.comm, self.comm.expert_map, self.comm.timeout
         shape = (emap.num_layers, comm.num_local_experts)
         local = torch.stack(list(self.window)).sum(0) if self.window else torch.zeros(shape, dtype=torch.int64)
         local = local.to(next(self.moe_layers[0].experts.parameters()).device)  # (NCCL / HCCL: on the device)
