@@ -2,13 +2,11 @@
 only its own message (:func:`send_each`: a step's plan, pickled: its length, then its bytes), so a step's control
 traffic into a rank is what that rank needs, not every rank's plans; each rank sends its reply to rank 0 alone
 (:func:`send_own`), and rank 0 waits for the replies at most a timeout (:func:`receive_each`: a rank that is gone or
-unreachable is reported, never waited for past the bound). Rank 0 also posts its verdicts in the job's store
-(:func:`post_verdict`): a rank whose step failed reads there whether the job stops or it was lost
-(:func:`wait_verdict`), whatever became of its connection to rank 0."""
+unreachable is reported, never waited for past the bound). Verdicts and heartbeats go through the job's store
+instead (:mod:`.job_store`), whatever became of a rank's connection to rank 0."""
 
 from __future__ import annotations
 
-import datetime
 import functools
 import pickle
 import threading
@@ -171,46 +169,3 @@ def receive_each(group: Any, ranks: list[int], timeout: float,
                 late += " (its heartbeat stopped)" if took < PATIENCE * timeout else " (still beating)"
             failed[rank] = late if took >= timeout else f"rank {rank}: {what}"
     return replies, failed
-
-
-_VERDICT = "deep_ep_npu/server/verdict/"
-_BEAT = "deep_ep_npu/server/beat/"
-
-
-def beat_in(store: Any, rank: int) -> Callable[[int], None]:
-    """A rank > 0's heartbeat writer (:func:`~.heartbeat.start_beating`): its counter in ``store``."""
-    return lambda n: store.set(f"{_BEAT}{rank}", str(n))
-
-
-def read_beat(store: Any, rank: int) -> int | None:
-    """Rank 0: ``rank``'s heartbeat counter in ``store`` (None: none yet, or unreadable)."""
-    try:
-        return int(store.get(f"{_BEAT}{rank}")) if store.check([f"{_BEAT}{rank}"]) else None
-    except RuntimeError:
-        return None
-
-
-def post_verdict(store: Any, ranks: list[int], why: str) -> None:
-    """Rank 0: tell ``ranks`` (group ranks > 0) through ``store`` that they are out (``why``)."""
-    for rank in ranks:
-        store.set(f"{_VERDICT}{rank}", why)
-
-
-def read_verdict(store: Any, rank: int) -> str | None:
-    """Rank 0's verdict on ``rank`` in ``store`` ("": stop; a reason: lost), or None (none yet, or the store cannot
-    be reached)."""
-    try:
-        if store.check([f"{_VERDICT}{rank}"]):
-            return store.get(f"{_VERDICT}{rank}").decode()
-    except RuntimeError:
-        pass
-    return None
-
-
-def wait_verdict(store: Any, rank: int, poll_s: float = 0.2) -> str:
-    """A rank > 0 whose step failed: wait for rank 0's verdict on it in ``store`` (retrying while the store cannot
-    be reached: a cut-off host learns it once its link is back; each try bounded by ``poll_s * 10``)."""
-    store.set_timeout(datetime.timedelta(seconds=poll_s * 10))  # (this rank leaves afterwards: its store only)
-    while (why := read_verdict(store, rank)) is None:
-        time.sleep(poll_s)
-    return why

@@ -26,19 +26,28 @@ PATIENCE = 4
 """A late worker that still beats is waited for up to this many times the step's bound, then fails it all the same."""
 
 
-def start_beating(write: Callable[[int], None]) -> None:
+def start_beating(write: Callable[[int], None]) -> Callable[[], None]:
     """Start this worker's heartbeat thread: ``write(n)`` with n = 1, 2, ... every :data:`BEAT_S` seconds (a failing
-    write is skipped: the driver then sees no beat)."""
+    write is skipped: the driver then sees no beat). Returns ``stop()``: the thread ends and is joined (call it
+    before the process tears down what ``write`` uses; a write in progress is waited for up to ``stop_s``)."""
+    stopping = threading.Event()
 
     def run() -> None:
         n = 0
-        while True:
+        while not stopping.is_set():
             n += 1
             with contextlib.suppress(Exception):
                 write(n)
-            time.sleep(BEAT_S)
+            stopping.wait(BEAT_S)
 
-    threading.Thread(target=run, name="heartbeat", daemon=True).start()
+    thread = threading.Thread(target=run, name="heartbeat", daemon=True)
+    thread.start()
+
+    def stop(stop_s: float = 5.0) -> None:
+        stopping.set()
+        thread.join(stop_s)
+
+    return stop
 
 
 class Pulse:

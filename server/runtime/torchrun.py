@@ -12,19 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .control import (
-    beat_in,
-    finish_sends,
-    post_each,
-    post_verdict,
-    read_beat,
-    read_verdict,
-    receive_each,
-    send_each,
-    wait_verdict,
-)
+from .control import finish_sends, post_each, receive_each, send_each
 from .engine_config import EngineConfig
 from .heartbeat import PATIENCE, Pulse, start_beating
+from .job_store import StoreLink, beat_in, post_verdict, read_beat, read_verdict, wait_verdict
 from .placement import bind_device
 from .plan import StepPlan, StepResult
 from .worker import StepAborted, Worker
@@ -32,6 +23,8 @@ from .worker_loop import GroupChannel, StepFailed, serve_plans
 from .workers import Reply, WorkerError, WorkerGroup
 
 logger = logging.getLogger("server.engine")
+STORE_CALL_S = 2.0
+"""Each heartbeat or verdict call on the job's store gives up after this long (and reconnects next time)."""
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -73,7 +66,7 @@ class TorchrunWorkers(WorkerGroup):
         self.dist = dist
         rank, self.world_size, self.control, self.worker, self._owns_group = _init_torchrun(args)
         assert rank == 0, "TorchrunWorkers runs on rank 0; call run_worker_from_env() on the other ranks"
-        self.store = dist.distributed_c10d._get_default_store()  # (torchrun's, on node 0)
+        self.store = StoreLink(dist.distributed_c10d._get_default_store(), STORE_CALL_S)  # (torchrun's, on node 0)
         self._pulse = Pulse(lambda r: read_beat(self.store, r))
         self.lost: dict[int, str] = {}
         self.overlaps = False  # rank 0 is worker 0: a step runs inside submit()
@@ -197,16 +190,18 @@ def run_worker_from_env(args: EngineConfig) -> None:
     args.check_placement()
     rank, _, control, worker, owns_group = _init_torchrun(args)
     store = dist.distributed_c10d._get_default_store()
-    start_beating(beat_in(store, rank))
+    stop_beating = start_beating(beat_in(StoreLink(store, STORE_CALL_S), rank))
+    verdicts = StoreLink(store, STORE_CALL_S)
     # (replies bounded by what rank 0 waits at most: a regroup's 2 x the step timeout, as long as this rank beats)
-    channel = GroupChannel(control, 2 * PATIENCE * args.step_timeout_s, lambda: read_verdict(store, rank))
+    channel = GroupChannel(control, 2 * PATIENCE * args.step_timeout_s, lambda: read_verdict(verdicts, rank))
     try:
         serve_plans(worker, channel)
     except (StepFailed, RuntimeError):  # (RuntimeError: its connection to rank 0 failed, or it was lost meanwhile)
-        why = wait_verdict(store, rank)
+        why = wait_verdict(verdicts, rank)
         if why:
             print(f"EP rank {rank} leaves the job: {why}", file=sys.stderr, flush=True)
         os._exit(0)
+    stop_beating()
     worker.close()
     dist.destroy_process_group(control)
     if owns_group:
