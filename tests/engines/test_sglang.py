@@ -1,0 +1,118 @@
+"""SGLang's released DeepEP token dispatcher (sglang 0.5.23, ``DeepEPDispatcher``, unmodified) on
+``deep_ep_npu.Buffer`` over 2 gloo ranks, in its ``normal``, ``low_latency`` and ``auto`` modes.
+
+SGLang runs its dispatcher's Ascend branch (``deepep._is_npu``, what SGLang computes at import on an NPU host, set
+after import: on this CPU host there is no NPU for ``is_npu()`` to find): the branch that passes DeepEP-Ascend's
+``topk_weights=`` to ``low_latency_dispatch``, picks quantization keywords from ``Buffer.dispatch``'s signature and
+hands normal mode's expert outputs straight to ``combine`` (its CUDA branch needs DeepGEMM's kernels there).
+Stubbed for the import only: ``torchvision`` (PyPI's build is CUDA's and cannot load beside CPU torch; only model
+configs SGLang imports at module level use it, after transformers was told it is absent). The dispatch / combine
+code runs as SGLang calls it; the test plays the experts on what ``dispatch`` returns (normal: received tokens with
+their local top-k ids and weights, weighted and summed per token; low latency: the [experts, tokens, H] batches
+with ``masked_m``, weighted by ``combine``) and checks the combined tokens against a dense single-process MoE.
+``auto`` switches normal -> low latency -> normal -> low latency by SGLang's ``is_extend_in_batch`` flag (prefill /
+decode batches), which makes it clean the low-latency buffer at each switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import parallel_launch
+
+from .support import assert_close, dense_moe, enter, expert, require, stub_packages, tokens
+
+HIDDEN, EXPERTS, TOPK, TOKENS = 256, 8, 3, 6
+
+
+def _experts_normal(out, rank: int, local: int) -> torch.Tensor:
+    """Normal mode: per received token, sum over its local top-k slots of weight * expert output (bf16 [M, H])."""
+    y = torch.zeros(out.hidden_states.shape, dtype=torch.float32)
+    for i in range(out.hidden_states.shape[0]):
+        for slot in range(out.topk_ids.shape[1]):
+            e = int(out.topk_ids[i, slot])
+            if e >= 0:
+                assert e < local
+                y[i] += out.topk_weights[i, slot] * expert(rank * local + e, out.hidden_states[i : i + 1])[0].float()
+    return y.to(torch.bfloat16)
+
+
+def _experts_ll(out, rank: int, local: int) -> torch.Tensor:
+    """Low latency: each local expert on its first ``masked_m`` rows ([local, tokens, H] bf16)."""
+    y = torch.zeros_like(out.hidden_states)
+    for le in range(local):
+        n = int(out.masked_m[le])
+        y[le, :n] = expert(rank * local + le, out.hidden_states[le, :n])
+    return y
+
+
+def _mode(info, mode: str) -> list[tuple[str, torch.Tensor]]:
+    from sglang.srt.layers import dp_attention
+    from sglang.srt.layers.moe.token_dispatcher import deepep
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.layers.moe.utils import DeepEPMode
+    from sglang.srt.runtime_context import get_context, get_resources
+
+    # its server arguments, published by its own test helper: as `--moe-a2a-backend deepep --deepep-mode MODE`
+    override = get_context().override_server_args(
+        moe_a2a_backend="deepep", deepep_mode=mode, deepep_dispatcher_output_dtype="bf16"
+    )
+    override.install()
+    get_resources().buffers.pop("deepep_ep_state", None)  # a new process as far as SGLang's buffer goes
+    local = EXPERTS // info.world_size
+    dispatcher = deepep.DeepEPDispatcher(
+        group=info.group,
+        router_topk=TOPK,
+        num_experts=EXPERTS,
+        num_local_experts=local,
+        hidden_size=HIDDEN,
+        params_dtype=torch.bfloat16,
+        deepep_mode=DeepEPMode(mode),
+        async_finish=True,
+        return_recv_hook=True,
+    )
+    x, ids, w = tokens(info.rank, TOKENS, HIDDEN, EXPERTS, TOPK)
+    results = []
+    for extend in {"normal": [True], "low_latency": [False], "auto": [True, False, True, False]}[mode]:
+        dp_attention.set_is_extend_in_batch(extend)  # prefill (normal) or decode (low latency) batch
+        topk = StandardTopKOutput(topk_weights=w, topk_ids=ids, router_logits=torch.zeros((TOKENS, EXPERTS)))
+        out = dispatcher.dispatch(x, topk)
+        if isinstance(out, deepep.DeepEPNormalDispatchOutput):
+            y = _experts_normal(out, info.rank, local)
+        else:
+            y = _experts_ll(out, info.rank, local)
+        results.append((type(out).__name__, dispatcher.combine((y, out.topk_ids, out.topk_weights))))
+    override.restore()
+    return results
+
+
+def _rank(info, path: str) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    enter(path)
+    from transformers.utils import import_utils
+
+    assert not import_utils.is_torchvision_available()  # cached: transformers keeps away from the stub below
+    stub_packages("torchvision")
+    from sglang.srt.layers.moe.token_dispatcher import deepep
+
+    deepep._is_npu = True  # SGLang's Ascend branch (see the module docstring)
+    return {mode: _mode(info, mode) for mode in ("normal", "low_latency", "auto")}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[list[tuple[str, torch.Tensor]]]]:
+    """One 2-rank launch for the three modes (importing SGLang is most of its time): mode -> per rank results."""
+    outs = parallel_launch(2, _rank, require("sglang"), timeout=300)
+    return {mode: [out[mode] for out in outs] for mode in outs[0]}
+
+
+@pytest.mark.parametrize(
+    "mode, kinds",
+    [("normal", ["Normal"]), ("low_latency", ["LL"]), ("auto", ["Normal", "LL", "Normal", "LL"])],
+)
+def test_sglang_deepep_dispatcher(runs, mode: str, kinds: list[str]):
+    for rank, results in enumerate(runs[mode]):
+        x, ids, w = tokens(rank, TOKENS, HIDDEN, EXPERTS, TOPK)
+        assert [name.removeprefix("DeepEP").removesuffix("DispatchOutput") for name, _ in results] == kinds
+        for step, (name, got) in enumerate(results):
+            want = dense_moe(x, ids, w, owners=2 if "Normal" in name else 1, experts=EXPERTS)
+            assert_close(got, want, f"rank {rank} {mode} step {step} ({name})")
