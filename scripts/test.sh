@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests need into .venv (CPU torch 2.13.0, no accelerator; Mooncake's Transfer Engine and the
-# libibverbs1 / librdmacm1 it loads) and the engines tests/engines runs (tests/engines/install.py), lints, type-checks, builds the docs, runs the suite.
+# libibverbs1 / librdmacm1 it loads) and the engines tests/engines runs (tests/engines/install.py), lints,
+# type-checks, builds the docs, runs the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh

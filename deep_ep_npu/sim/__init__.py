@@ -13,7 +13,8 @@ raise. ``torch.npu`` (and ``torch_npu.npu``) is :mod:`.npu_device`'s stand-in (s
 no-ops; ``is_available()`` False), so ``Buffer(backend="auto")`` keeps choosing the reference backend;
 ``backend="ascend"`` runs the Ascend backend's code (on CANN's context ops, as it does on an NPU where CANN's
 extension is installed, unless ``install(cann=False)``). The module also has torch_npu's local routing ops
-``npu_moe_init_routing_v2``, ``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` (:mod:`.routing`).
+``npu_moe_init_routing_v2``, ``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` (:mod:`.routing`), and
+``torch.histc`` counts integer tensors as on an NPU (:mod:`.histc`).
 
 With ``cann=True`` (the default) it also installs CANN ops-transformer's torch extension, ``cann_ops_transformer`` and
 ``npu_ops_transformer`` with their ``ops`` modules and ``torch.ops`` context ops (:mod:`.cann`).
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from ..core.platforms import TORCH_NPU_CONSTANTS
 from ..transports.names import register_comm_name, unregister_comm_name
 from . import cann as _cann
-from . import fused, npu_device, routing
+from . import fused, histc, npu_device, routing
 
 __all__ = ["hccl_comm_name", "install", "installed", "uninstall"]
 
@@ -88,6 +89,7 @@ def install(cann: bool = True) -> types.ModuleType:
     dist.ProcessGroup._get_backend = _get_backend  # type: ignore[method-assign, assignment]
     _state.update(module=_make_module(), get_backend=original, cann=_cann.register() if cann else {})
     fused.register()
+    histc.install()
     sys.modules["torch_npu"] = _state["module"]
     if not hasattr(torch, "npu"):  # (a real torch_npu's is never replaced)
         torch.npu = _state["npu"] = _state["module"].npu  # type: ignore[attr-defined]
@@ -107,6 +109,7 @@ def uninstall() -> None:
     if "npu" in _state and getattr(torch, "npu", None) is _state["npu"]:
         del torch.npu  # type: ignore[attr-defined]
     fused.unregister()
+    histc.uninstall()
     _cann.unregister(_state.get("cann", {}))
     for name in _comm_names:
         unregister_comm_name(name)

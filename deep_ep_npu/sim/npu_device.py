@@ -3,7 +3,8 @@ kernels, on the CPU. Work runs in call order on the calling thread, so streams a
 ``Stream`` / ``Event`` keep torch.cuda's methods (waits return at once, ``query()`` is True, ``elapsed_time``
 measures the CPU time between two records), ``stream(s)`` is a context manager, device calls (``synchronize``,
 ``set_device``, ``empty_cache``) are no-ops. ``is_available()`` is False and ``device_count()`` 0, so nothing picks an
-NPU device; ``current_device()`` is 0."""
+NPU device; ``current_device()`` is ``torch.device("cpu")`` (torch_npu's is the NPU's index, which torch resolves to
+that NPU: engines place tensors with ``device=torch.npu.current_device()``, and the stand-in's NPU is the CPU)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 import types
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 
 class Event:
@@ -118,7 +121,7 @@ def module() -> types.ModuleType:
         empty_cache=_noop,
         is_available=lambda: False,
         device_count=lambda: 0,
-        current_device=lambda: 0,
+        current_device=lambda: torch.device("cpu"),
         is_initialized=lambda: True,
         SIMULATED=True,
     )

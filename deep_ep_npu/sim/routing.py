@@ -9,10 +9,13 @@ torch_npu API pages; T tokens, K top-k, flat index ``t * K + k``):
   ``sorted_indices``; rows dropped by permute add 0; without probs, K = 1), accumulated in fp32, in the rows' dtype.
 - init_routing_v2: the (t, k) pairs with an expert id in ``active_expert_range`` (default ``[0, expert_num)``),
   sorted stably by id: ``expanded_x`` their tokens' rows (at most ``active_num`` when > 0); ``expanded_row_idx``
-  (``row_idx_type`` 0, gather) each expanded row's flat index, or (1, scatter) each flat index's expanded row (-1:
-  dropped); counts per expert of the range (``expert_tokens_num_type`` 0 cumsum, 1 count; int64);
-  ``expanded_scale``: ``scale[t]`` per row (``quant_mode`` -1), or the per-row dynamic int8 scale (``quant_mode`` 1,
-  ``expanded_x`` int8, ``scale`` then the optional smooth scales `[E or 1, H]`)."""
+  [T * K] (torch_npu's shape whatever the range keeps): (``row_idx_type`` 0, gather) each expanded row's flat index,
+  then the pairs left out (stably by id; what torch_npu leaves there is undocumented, and ``npu_moe_token_unpermute``
+  reads only the first ``permuted_tokens.shape[0]``: vllm-ascend's AllGather dispatcher pairs the two), or (1,
+  scatter) each flat index's expanded row (-1: dropped); counts per expert of the range
+  (``expert_tokens_num_type`` 0 cumsum, 1 count; int64); ``expanded_scale``: ``scale[t]`` per row (``quant_mode``
+  -1), or the per-row dynamic int8 scale (``quant_mode`` 1, ``expanded_x`` int8, ``scale`` then the optional smooth
+  scales `[E or 1, H]`)."""
 
 from __future__ import annotations
 
@@ -117,8 +120,11 @@ def npu_moe_init_routing_v2(
         rows, out_scale = per_token(rows, smooth)
     else:
         out_scale = scale.float()[order // k] if scale is not None else torch.empty((0,), dtype=torch.float32)
-    if row_idx_type == 0:
-        row_idx = src.to(torch.int32)
+    if row_idx_type == 0:  # [T * K], as torch_npu's: the expanded rows' flat indices, then every other pair's
+        rest = torch.ones(flat.numel(), dtype=torch.bool, device=x.device)
+        rest[src] = False
+        others = rest.nonzero(as_tuple=True)[0]
+        row_idx = torch.cat([src, others[torch.argsort(flat[others], stable=True)]]).to(torch.int32)
     else:
         row_idx = torch.full((flat.numel(),), -1, dtype=torch.int32, device=x.device)
         row_idx[src] = torch.arange(src.numel(), dtype=torch.int32, device=x.device)

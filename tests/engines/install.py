@@ -18,7 +18,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path.home() / ".cache" / "deep_ep_npu" / "engines"
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "vllm_ascend")
+BUILD_INFO = "__device_type__ = 'A3'\n"  # what vllm-ascend's setup.py generates for an A3 build
 
 
 def requirements(name: str) -> Path:
@@ -40,6 +41,35 @@ def _pip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
+def _unpack_sdist(spec: str, target: Path) -> str:
+    """Put the package folder of sdist ``spec`` (``name==version``) into ``target``; an error text or "".
+
+    pip prepares an sdist's metadata even to download it: vllm-ascend's needs ``setuptools_scm`` (installed beside
+    it in a scratch folder, no build isolation) and ``SOC_VERSION``."""
+    import os
+    import tarfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        tools = Path(scratch) / "tools"
+        done = _pip("install", "--target", str(tools), "setuptools_scm==9.2.2", "setuptools==80.9.0")
+        if done.returncode == 0:
+            env = dict(os.environ, PYTHONPATH=str(tools), SOC_VERSION="ascend910_9391")
+            cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "download", "--no-deps",
+                   "--no-build-isolation", "--no-binary", ":all:", "-d", scratch, spec]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            return f"pip download {spec} failed:\n{done.stderr[-4000:]}"
+        (archive,) = Path(scratch).glob("*.tar.gz")
+        package = spec.split("==")[0].replace("-", "_")
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name.split("/")[1:2] == [package]]
+            for m in members:
+                m.name = m.name.split("/", 1)[1]
+            tar.extractall(target, members=members, filter="data")
+        (target / package / "_build_info.py").write_text(BUILD_INFO)
+    return ""
+
+
 def install(name: str) -> bool:
     """Install engine ``name`` unless it is; True when it is installed."""
     target = folder(name)
@@ -52,6 +82,14 @@ def install(name: str) -> bool:
         shutil.rmtree(staging, ignore_errors=True)
         error_file(name).write_text(f"pip install -r {requirements(name).name} failed:\n{done.stderr[-4000:]}")
         return False
+    sdists = [line.split(":", 1)[1].strip() for line in requirements(name).read_text().splitlines()
+              if line.startswith("# sdist:")]  # fmt: skip
+    for spec in sdists:
+        why = _unpack_sdist(spec, staging)
+        if why:
+            shutil.rmtree(staging, ignore_errors=True)
+            error_file(name).write_text(why)
+            return False
     (staging / ".complete").touch()
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)

@@ -23,7 +23,9 @@ def npu():
 
 def test_torch_npu_device_stand_in(npu):
     assert torch.npu is npu.npu and not torch.npu.is_available() and torch.npu.device_count() == 0
-    assert torch.npu.current_device() == 0 and torch.npu.synchronize() is None
+    assert torch.npu.synchronize() is None
+    # engines place tensors on the current device (vllm-ascend's All2AllV dispatcher): the stand-in's NPU is the CPU
+    assert torch.tensor([1], device=torch.npu.current_device()).device == torch.device("cpu")
     s = torch.npu.Stream()
     start, end = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
     start.record()
@@ -37,6 +39,17 @@ def test_torch_npu_device_stand_in(npu):
         torch.npu.Event().elapsed_time(end)
     sim.uninstall()
     assert not hasattr(torch, "npu")
+
+
+def test_integer_histc(npu):
+    ids = torch.tensor([[3, 0], [3, 7], [1, 3]], dtype=torch.int32)  # expert ids, counted per expert
+    for counts in (torch.histc(ids, bins=8, min=0, max=8), ids.histc(bins=8, min=0, max=8)):
+        assert counts.dtype == torch.int32 and counts.tolist() == [1, 1, 0, 3, 0, 0, 0, 1]
+    assert torch.histc(ids.long(), bins=4, min=0, max=8).tolist() == [2, 3, 0, 1]
+    assert torch.equal(torch.histc(ids.float(), bins=8, min=0, max=8), torch.histc(ids.double(), 8, 0, 8).float())
+    sim.uninstall()
+    with pytest.raises(NotImplementedError, match="histogram"):  # CPU torch's own, restored
+        torch.histc(ids, bins=8, min=0, max=8)
 
 
 def _tokens(t: int = 6, k: int = 3, e: int = 5, h: int = 4):
@@ -85,7 +98,15 @@ def test_init_routing_v2(npu):
         expert_tokens_num_type=1,
         expert_tokens_num_flag=True,
     )
-    assert torch.equal(ex, torch.stack([x[i // k] for i in kept])) and row_idx.tolist() == kept
+    left = sorted((i for i in range(t * k) if i not in kept), key=lambda i: (flat[i], i))
+    assert torch.equal(ex, torch.stack([x[i // k] for i in kept])) and row_idx.tolist() == kept + left
+    # what vllm-ascend's AllGather dispatcher does with them: unpermute the expert rows by row_idx, probs [T, K]
+    probs = torch.rand((t, k))
+    out = npu.npu_moe_token_unpermute(ex, row_idx, probs)
+    want = torch.zeros((t, x.shape[1]))
+    for row, i in enumerate(kept):
+        want[i // k] += probs[i // k, i % k] * ex[row].float()
+    assert torch.equal(out, want.to(torch.bfloat16))
     assert counts.tolist() == [sum(flat[i] == e for i in kept) for e in range(lo, hi)]
     assert torch.equal(ex_scale, torch.stack([scale[i // k] for i in kept]))
     _, scatter, cumsum, _ = npu.npu_moe_init_routing_v2(x, ids, expert_num=5, row_idx_type=1, active_num=4)
