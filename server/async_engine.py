@@ -148,8 +148,9 @@ class AsyncEngine:
             if not finished:
                 self.abort(handle.request_id)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       arrival: float | None = None) -> AsyncIterator[list[RequestDelta]]:  # fmt: skip
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float | None = None
+    ) -> AsyncIterator[list[RequestDelta]]:
         """:meth:`add_request` then :meth:`stream`."""
         handle = await self.add_request(request_id, prompt_token_ids, params, arrival)
         async for items in self.stream(handle):
@@ -185,8 +186,9 @@ class AsyncEngine:
             m.on_kv_transfers(stats.kv_transfers)
             m.ep_ranks_lost.set(stats.num_lost_ranks)
             m.on_expert_load(stats.expert_loads, stats.num_lost_experts)
-            m.on_cache_stats(stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
-                             stats.prefix_cache_hits)  # fmt: skip
+            m.on_cache_stats(
+                stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
+            )
         self._update_gauges()
 
     def _fail_all(self, error: BaseException) -> None:

@@ -113,8 +113,9 @@ def send_each(group: Any, messages: dict[int, Any], timeout: float) -> dict[int,
     return failed | finish_sends(posted, timeout)
 
 
-def _receive(group: Any, src: int, deadline: float | None, beating: Callable[[], bool] | None = None,
-             cap: float = 0.0) -> Any:  # fmt: skip
+def _receive(
+    group: Any, src: int, deadline: float | None, beating: Callable[[], bool] | None = None, cap: float = 0.0
+) -> Any:
     import torch.distributed as dist
 
     source = dist.get_global_rank(group, src)
@@ -150,8 +151,9 @@ def send_own(group: Any, message: Any, timeout: float) -> None:
         _wait(work, deadline)
 
 
-def receive_each(group: Any, ranks: list[int], timeout: float,
-                 beating: Callable[[int], bool] | None = None) -> tuple[dict[int, Any], dict[int, str]]:  # fmt: skip
+def receive_each(
+    group: Any, ranks: list[int], timeout: float, beating: Callable[[int], bool] | None = None
+) -> tuple[dict[int, Any], dict[int, str]]:
     """Rank 0: the next message of each of ``ranks`` (group ranks > 0) within ``timeout`` seconds (a rank for which
     ``beating(rank)`` holds is waited for longer: :data:`~.heartbeat.PATIENCE` times ``timeout``); the ranks that
     sent none (gone, unreachable, hung or too slow), with why."""

@@ -67,14 +67,21 @@ class EPEngine(EngineCore):
         if uses_placement(config):  # a bad placement stops start-up here, before any worker starts
             build_expert_map(config, cfg, config.ep_size)
         elif not config.use_torchrun and cfg.num_experts % config.ep_size != 0:
-            raise ValueError(f"ep_size={config.ep_size} must divide the model's num_experts={cfg.num_experts} (or "
-                             "add redundant expert slots: --num-redundant-experts / --expert-placement)")  # fmt: skip
+            raise ValueError(
+                f"ep_size={config.ep_size} must divide the model's num_experts={cfg.num_experts} (or "
+                "add redundant expert slots: --num-redundant-experts / --expert-placement)"
+            )
         self.config = config
         self.model_config = cfg
         block_bytes = bytes_per_block(cfg, config.block_size, DTYPES[config.dtype])
         if config.kv_cache_memory is not None:  # refuse before starting any worker
-            check_fits(config.kv_cache_memory // block_bytes, config.block_size, block_bytes, config.max_model_len,
-                       f"kv-cache-memory {mib(config.kv_cache_memory)}")  # fmt: skip
+            check_fits(
+                config.kv_cache_memory // block_bytes,
+                config.block_size,
+                block_bytes,
+                config.max_model_len,
+                f"kv-cache-memory {mib(config.kv_cache_memory)}",
+            )
         self.tokenizer = load_tokenizer(config.model, cfg.eos_token_ids)
         self.max_model_len = config.max_model_len
         self.vocab_size = cfg.vocab_size
@@ -84,16 +91,25 @@ class EPEngine(EngineCore):
         self.ep_size = len(self.workers.infos)
         smallest = min(self.workers.infos, key=lambda info: info.num_kv_blocks)
         try:
-            check_fits(smallest.num_kv_blocks, config.block_size, block_bytes, config.max_model_len,
-                       f"worker {smallest.rank}'s budget ({smallest.kv_budget_source})")  # fmt: skip
+            check_fits(
+                smallest.num_kv_blocks,
+                config.block_size,
+                block_bytes,
+                config.max_model_len,
+                f"worker {smallest.rank}'s budget ({smallest.kv_budget_source})",
+            )
         except ValueError:
             self.shutdown()
             raise
         self.schedulers = [
-            RankScheduler(KVCacheManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching),
-                          config.max_num_seqs, config.capacity, config.max_model_len)
+            RankScheduler(
+                KVCacheManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching),
+                config.max_num_seqs,
+                config.capacity,
+                config.max_model_len,
+            )
             for info in self.workers.infos
-        ]  # fmt: skip
+        ]
         self._requests: dict[str, tuple[int, Request]] = {}
         self._seq_ids = itertools.count()
         self._aborts: list[str] = []
@@ -136,8 +152,11 @@ class EPEngine(EngineCore):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.n != 1:
-            raise SamplingParamError("n", f"the engine runs one sample per request, got {params.n}; add one request "
-                                     "per SamplingParams.for_sample(i)")  # fmt: skip
+            raise SamplingParamError(
+                "n",
+                f"the engine runs one sample per request, got {params.n}; add one request "
+                "per SamplingParams.for_sample(i)",
+            )
         vocab = self.model_config.vocab_size
         bad = [t for t in params.logit_bias or () if t >= vocab]
         if bad:

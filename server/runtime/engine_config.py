@@ -145,8 +145,10 @@ class EngineConfig:
         if balancing and not self.needs_group(self.ep_size):
             raise ValueError("num_redundant_experts / expert_placement / eplb need expert parallelism (ep_size > 1)")
         if balancing and (self.moe_impl == "fused" or self.int8_experts):
-            raise ValueError("num_redundant_experts / expert_placement / eplb run the unfused float experts; "
-                             "drop moe_impl='fused' / int8_experts")  # fmt: skip
+            raise ValueError(
+                "num_redundant_experts / expert_placement / eplb run the unfused float experts; "
+                "drop moe_impl='fused' / int8_experts"
+            )
         if self.expert_placement is not None:
             from deep_ep_npu.eplb import read_placement_json
 
@@ -194,22 +196,39 @@ class EngineConfig:
         ``simulate-npu`` the NPU's ``device`` / ``dist-backend`` (npu / hccl) run as cpu / gloo on the stand-in."""
         sim = config.simulate_npu
         values = dict(
-            model=config.model, ep_size=config.ep_size, dtype=config.dtype, backend=config.backend,
-            device="cpu" if sim else config.device, dist_backend="gloo" if sim else config.dist_backend,
+            model=config.model,
+            ep_size=config.ep_size,
+            dtype=config.dtype,
+            backend=config.backend,
+            device="cpu" if sim else config.device,
+            dist_backend="gloo" if sim else config.dist_backend,
             simulate_npu=sim,
-            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
-            random_model=dict(config.random_model) or None, step_timeout_s=config.step_timeout_s,
-            elastic=config.elastic, moe_impl=config.moe_impl, max_num_batched_tokens=config.max_num_batched_tokens,
-            block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
-            async_scheduling=config.async_scheduling, worker_threads=config.worker_threads,
-            int8_experts=config.int8_experts, num_redundant_experts=config.num_redundant_experts,
-            expert_placement=config.expert_placement, eplb=config.eplb, eplb_interval=config.eplb_interval,
-            eplb_window=config.eplb_window, socket_ifname=config.socket_ifname,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            random_model=dict(config.random_model) or None,
+            step_timeout_s=config.step_timeout_s,
+            elastic=config.elastic,
+            moe_impl=config.moe_impl,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_prefix_caching=config.enable_prefix_caching,
+            async_scheduling=config.async_scheduling,
+            worker_threads=config.worker_threads,
+            int8_experts=config.int8_experts,
+            num_redundant_experts=config.num_redundant_experts,
+            expert_placement=config.expert_placement,
+            eplb=config.eplb,
+            eplb_interval=config.eplb_interval,
+            eplb_window=config.eplb_window,
+            socket_ifname=config.socket_ifname,
             disaggregation_mode=config.disaggregation_mode,
             transfer_backend=config.disaggregation_transfer_backend,
             bootstrap_port=config.disaggregation_bootstrap_port,
-            disaggregation_timeout_s=config.disaggregation_timeout_s, kv_transfer_host=config.transfer_host,
+            disaggregation_timeout_s=config.disaggregation_timeout_s,
+            kv_transfer_host=config.transfer_host,
             model_name=config.model_name,
-        )  # fmt: skip
+        )
         return cls(**{**values, **overrides})

@@ -39,9 +39,13 @@ class RequestSampler:
         step's other such requests."""
         p = self.params
         return (
-            p.temperature < GREEDY_BELOW and not p.logit_bias and self.counts is None and p.logprobs is None
-            and not self.wants_all_logits and self.prompt_logprobs is None
-        )  # fmt: skip
+            p.temperature < GREEDY_BELOW
+            and not p.logit_bias
+            and self.counts is None
+            and p.logprobs is None
+            and not self.wants_all_logits
+            and self.prompt_logprobs is None
+        )
 
     def mark_sampled(self, token: int | None = None) -> None:
         """Its ``token`` was taken by the batched argmax (:attr:`plain_greedy`; its grammar's mask applied, if it

@@ -118,8 +118,9 @@ class RankScheduler:
         tokens = None if in_flight else req.token_ids[start : start + n]
         sample = start + n == len(req.token_ids) + req.num_inflight
         new_blocks, reset = req.table.take_new()
-        plan.entries.append(PlanEntry(req.seq_id, start, tokens, sample, None if req.started else req.params,
-                                      new_blocks, reset))  # fmt: skip
+        plan.entries.append(
+            PlanEntry(req.seq_id, start, tokens, sample, None if req.started else req.params, new_blocks, reset)
+        )
         req.started = True
         req.num_computed += n
         self.kv.cache_full_blocks(req.table, req.token_ids, req.num_computed)

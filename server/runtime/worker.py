@@ -89,10 +89,17 @@ class Worker:
         def comm_factory(cfg: ModelConfig) -> ExpertComm:
             if not args.needs_group(world_size):
                 return LocalComm(cfg.num_experts, n)
-            return BufferComm(group, cfg.num_experts, n, cfg.hidden_size, backend=args.backend,
-                              timeout=args.comm_timeout_s, fused=args.moe_impl == "fused",
-                              expert_map=build_expert_map(args, cfg, world_size),
-                              num_moe_layers=len(cfg.moe_layers))  # fmt: skip
+            return BufferComm(
+                group,
+                cfg.num_experts,
+                n,
+                cfg.hidden_size,
+                backend=args.backend,
+                timeout=args.comm_timeout_s,
+                fused=args.moe_impl == "fused",
+                expert_map=build_expert_map(args, cfg, world_size),
+                num_moe_layers=len(cfg.moe_layers),
+            )
 
         rss_before = _rss_bytes()
         self.model = load_model(args.model, comm_factory, args.dtype, args.seed, args.random_model, self.device)
@@ -103,8 +110,14 @@ class Worker:
         dtype, cfg = DTYPES[args.dtype], self.model.cfg
         block_bytes = bytes_per_block(cfg, args.block_size, dtype)
         cap = args.max_num_seqs * -(-args.max_model_len // args.block_size) * block_bytes
-        budget, source = kv_budget_bytes(self.device, args.kv_cache_memory, args.gpu_memory_utilization,
-                                         args.local_workers, cap, self._activation_peak)  # fmt: skip
+        budget, source = kv_budget_bytes(
+            self.device,
+            args.kv_cache_memory,
+            args.gpu_memory_utilization,
+            args.local_workers,
+            cap,
+            self._activation_peak,
+        )
         num_blocks = budget // block_bytes
         self.model.comm.take_load()  # (the activation probe's forward is no load)
         # a pool under one full-length request is refused by the driver, which then stops this worker
@@ -160,8 +173,9 @@ class Worker:
         rank runs it at start-up, so the MoE collectives match)."""
         n, bs = self.args.capacity, self.args.block_size
         scratch = PagedKVCache(self.model.cfg, -(-n // bs), bs, DTYPES[self.args.dtype], self.device)
-        batch = ForwardBatch.build([SeqInput(range(scratch.num_blocks), 0, [0] * n)], bs, self.device,
-                                   n * self.world_size)  # fmt: skip
+        batch = ForwardBatch.build(
+            [SeqInput(range(scratch.num_blocks), 0, [0] * n)], bs, self.device, n * self.world_size
+        )
         torch.accelerator.reset_peak_memory_stats(self.device)
         before = torch.accelerator.memory_allocated(self.device)
         self.model(batch, scratch)
@@ -233,7 +247,10 @@ class Worker:
         result = self._sample(step.seqs, step.inputs, logits)
         result.pulls = step.pulls
         result.forward_time, result.dispatch_time, result.combine_time = (
-            time.perf_counter() - t0, comm.stats.dispatch, comm.stats.combine)  # fmt: skip
+            time.perf_counter() - t0,
+            comm.stats.dispatch,
+            comm.stats.combine,
+        )
         load = comm.take_load()  # rows each local expert slot received this step, per MoE layer
         result.expert_load = [] if load is None else load.sum(dim=1).tolist()
         result.num_lost_experts = sum(len(lost) for lost in comm.lost_experts)
