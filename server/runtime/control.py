@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .heartbeat import PATIENCE
+from .heartbeat import PATIENCE, STALE_S
 
 _LENGTH_TAG, _BODY_TAG = 1, 2
 
@@ -68,13 +68,18 @@ class _Waiter:
 
 def _wait(work: Any, deadline: float | None, beating: Callable[[], bool] | None = None, cap: float = 0.0) -> None:
     """Wait for ``work`` until ``deadline`` (monotonic; None: as long as it takes); :class:`Late` past it, unless
-    ``beating()`` (the peer's heartbeat): then on, a second at a time, until ``cap``."""
+    ``beating()`` (the peer's heartbeat): then on, a second at a time, until ``cap``. Its heartbeat is first looked
+    at :data:`~.heartbeat.STALE_S` before ``deadline``, so one that stopped is known stale at ``deadline``."""
     if work is None:
         return
     if deadline is None:
         work.wait()
         return
     waiter = _Waiter(work)
+    if beating is not None:
+        if waiter.wait(deadline - STALE_S - time.monotonic()):
+            return
+        beating()
     while not waiter.wait(deadline - time.monotonic()):
         if beating is None or time.monotonic() >= cap or not beating():
             raise Late("not completed in time")
