@@ -71,7 +71,7 @@ def serve(config: ServerConfig) -> int:
             config.max_num_seqs,
             config.max_model_len,
         )
-        from server.runtime.workers import WorkerError
+        from server.runtime.workers.group import WorkerError
 
         try:
             engine = build_engine(config)

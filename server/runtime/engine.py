@@ -9,22 +9,22 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..engine_api import EngineCore, KVTransferParams, RequestDelta, SamplingParamError, SamplingParams, StepStats
-from ..loader import DTYPES, random_hf_config, read_config
-from ..models import ModelConfig
-from ..models.kv_cache import bytes_per_block
-from ..models.moe import fused_refusal
-from ..tokenizer import load_tokenizer
-from .block_manager import KVCacheManager
-from .detokenizer import IncrementalDetokenizer
-from .engine_config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, default_capacity
-from .expert_placement import build_expert_map, uses_placement
-from .kv_budget import check_fits, mib
-from .plan import StepResult, WorkerInfo
-from .request import Request, apply_token
-from .scheduler import RankScheduler
-from .torchrun import TorchrunWorkers
-from .workers import ProcessWorkers, WorkerError, WorkerGroup
+from server.engine_api import EngineCore, KVTransferParams, RequestDelta, SamplingParamError, SamplingParams, StepStats
+from server.loader import DTYPES, random_hf_config, read_config
+from server.models import ModelConfig
+from server.models.kv_cache import bytes_per_block
+from server.models.moe import fused_refusal
+from server.runtime.engine_config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, default_capacity
+from server.runtime.expert_placement import build_expert_map, uses_placement
+from server.runtime.scheduling.block_manager import KVCacheManager
+from server.runtime.scheduling.detokenizer import IncrementalDetokenizer
+from server.runtime.scheduling.kv_budget import check_fits, mib
+from server.runtime.scheduling.plan import StepResult, WorkerInfo
+from server.runtime.scheduling.request import Request, apply_token
+from server.runtime.scheduling.scheduler import RankScheduler
+from server.runtime.workers.group import ProcessWorkers, WorkerError, WorkerGroup
+from server.runtime.workers.torchrun import TorchrunWorkers
+from server.tokenizer import load_tokenizer
 
 _T = TypeVar("_T")
 
@@ -37,14 +37,15 @@ class EPEngine(EngineCore):
     Takes one :class:`~server.runtime.engine_config.EngineConfig` (``EPEngine(config)``), or its fields as keywords
     (``EPEngine(model=..., ep_size=2)``), which are validated there. Launch ``spawn`` starts ``ep_size`` local
     workers; ``torchrun`` makes this process rank 0 of a torchrun job (worker 0, the others run
-    :func:`~server.runtime.torchrun.run_worker_from_env`). ``step_timeout_s`` is how long one lockstep step (or a
-    health ping) may take before the engine declares the workers hung, stops them and fails (spawned workers; a dead
-    worker is noticed at once); ``elastic`` (spawned workers) keeps serving on the survivors when a worker dies or
-    hangs: its requests end with ``"error"``, its experts are dropped (the Buffers' shrink mode: tokens routed to
-    them get nothing from them), the loss is logged and counted in :class:`StepStats`; the Buffers' collective
-    timeout is then ``step_timeout_s / 3``. The device / backend combination is checked
+    :func:`~server.runtime.workers.torchrun.run_worker_from_env`). ``step_timeout_s`` is how long one lockstep step
+    (or a health ping) may take before the engine declares the workers hung, stops them and fails (a dead worker is
+    noticed at once); ``elastic`` keeps serving on the survivors when a worker dies, hangs or is cut off: its
+    requests end with ``"error"``, the survivors regroup at the step boundary and run the interrupted step again
+    without it (:meth:`~server.runtime.workers.group.WorkerGroup._settle`), its experts are dropped unless replicas
+    live elsewhere, the loss is logged and counted in :class:`StepStats`; the Buffers' collective timeout is then
+    ``step_timeout_s / 3``. The device / backend combination is checked
     (:meth:`EngineConfig.check_placement`) before any worker starts, and the KV cache's size once they have loaded
-    their weights (:mod:`server.runtime.kv_budget`; a ``ValueError`` says what fits and what was asked).
+    their weights (:mod:`server.runtime.scheduling.kv_budget`; a ``ValueError`` says what fits and what was asked).
 
     With ``async_scheduling`` (spawned workers) :meth:`step` plans and submits step k+1, then collects step k: the
     workers run k+1 while the driver turns k's tokens into text and plans k+2.

@@ -8,8 +8,8 @@ import dataclasses
 import os
 from typing import Any
 
-from ..config import parse_bytes
-from ..loader import DTYPES
+from server.config import parse_bytes
+from server.loader import DTYPES
 
 DEFAULT_STEP_TIMEOUT_S = 30.0
 MOE_IMPLS = ("unfused", "fused")
@@ -34,15 +34,15 @@ class EngineConfig:
     ``model`` an HF checkpoint dir or None for the random model ``random_model`` (spec for
     :func:`server.loader.random_hf_config`) from ``seed``; ``ep_size`` workers; ``dtype`` float32/bfloat16/float16;
     ``backend`` the ``deep_ep_npu.Buffer`` backend; ``device`` / ``dist_backend`` / ``simulate_npu`` where the workers
-    run (:mod:`server.runtime.placement`); ``max_num_seqs`` (per worker) and ``max_model_len``;
+    run (:mod:`server.runtime.workers.placement`); ``max_num_seqs`` (per worker) and ``max_model_len``;
     ``max_num_batched_tokens`` the per-step token capacity N of each worker, also the MoE Buffers'
     ``num_max_dispatch_tokens_per_rank`` (None: ``max(max_num_seqs, 64)``, filled in here; longer prefills are
     chunked); the paged KV cache: ``block_size`` tokens per block, ``kv_cache_memory`` bytes per worker (an int,
     or ``"4G"``: :func:`server.config.parse_bytes`) or else ``gpu_memory_utilization``
-    (:mod:`server.runtime.kv_budget`), ``enable_prefix_caching``;
+    (:mod:`server.runtime.scheduling.kv_budget`), ``enable_prefix_caching``;
     ``async_scheduling`` plan step k+1 while the workers run step k (spawned workers); ``worker_threads`` torch
     threads per worker (None: the CPUs this process may use, split over the local workers, and one for a CPU
-    worker's steps of few tokens: :data:`server.runtime.worker.THREADED_STEP_TOKENS`); ``int8_experts`` W8A8
+    worker's steps of few tokens: :data:`server.runtime.workers.worker.THREADED_STEP_TOKENS`); ``int8_experts`` W8A8
     routed experts; ``moe_impl``
     ``unfused`` (dispatch -> experts -> combine) or ``fused`` (``Buffer.mega_moe``); ``launch`` ``spawn``,
     ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
@@ -186,7 +186,7 @@ class EngineConfig:
 
     def check_placement(self) -> None:
         """Refuse a device / backend combination that cannot run on this machine (before any worker starts)."""
-        from .placement import check_placement
+        from server.runtime.workers.placement import check_placement
 
         check_placement(self.device, self.dist_backend, self.backend, self.simulate_npu, self.local_workers)
 

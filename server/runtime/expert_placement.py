@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from deep_ep_npu.eplb import ExpertMap, default_placement, read_placement_json
-
-from ..models.config import ModelConfig
+from server.models.config import ModelConfig
 
 
 def uses_placement(args: Any) -> bool:

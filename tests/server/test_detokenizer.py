@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from server.engine_api import Tokenizer
-from server.runtime.detokenizer import IncrementalDetokenizer
+from server.runtime.scheduling.detokenizer import IncrementalDetokenizer
 from server.tokenizer import ByteTokenizer, HFTokenizer
 
 TEXTS = ["héllo wörld, ça va? 日本語のテキスト 🙂 " * 3, "the quick brown fox jumps over the lazy dog " * 5]

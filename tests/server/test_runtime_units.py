@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from server.engine_api import SamplingParams
-from server.runtime.block_manager import BlockTable, KVCacheManager
-from server.runtime.detokenizer import IncrementalDetokenizer
-from server.runtime.request import Request, apply_token
-from server.runtime.sampler import sample_one
-from server.runtime.scheduler import RankScheduler
+from server.runtime.sampling.sampler import sample_one
+from server.runtime.scheduling.block_manager import BlockTable, KVCacheManager
+from server.runtime.scheduling.detokenizer import IncrementalDetokenizer
+from server.runtime.scheduling.request import Request, apply_token
+from server.runtime.scheduling.scheduler import RankScheduler
 from server.tokenizer import ByteTokenizer
 
 
@@ -135,7 +135,7 @@ def test_sampler_greedy_top_k_top_p_and_seed() -> None:
 
 
 def test_sampler_min_p_bias_penalties_and_logprobs() -> None:
-    from server.runtime.request_sampler import RequestSampler
+    from server.runtime.sampling.request_sampler import RequestSampler
 
     logits = torch.tensor([1.0, 3.0, 2.9, -5.0, 0.0])
     gen = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
@@ -159,7 +159,7 @@ def test_sampler_min_p_bias_penalties_and_logprobs() -> None:
 
 
 def test_sample_seeds_and_prompt_logprobs_across_chunks() -> None:
-    from server.runtime.request_sampler import RequestSampler
+    from server.runtime.sampling.request_sampler import RequestSampler
 
     assert [SamplingParams(seed=2**64 - 2, n=3).for_sample(i).seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
     assert SamplingParams(n=3).for_sample(2).seed is None and SamplingParams(n=3).for_sample(2).n == 1
@@ -178,7 +178,7 @@ def test_sample_seeds_and_prompt_logprobs_across_chunks() -> None:
 def test_kv_cache_memory_spellings_and_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
     from server.cli import parse_config
     from server.config import parse_bytes
-    from server.runtime import kv_budget
+    from server.runtime.scheduling import kv_budget
 
     assert [parse_bytes(v) for v in ("4G", "4g", "4GiB", "4GB", "1k", "1K", "1.5M", 123)] == [
         4 * 2**30, 4 * 10**9, 4 * 2**30, 4 * 10**9, 1000, 1024, int(1.5 * 2**20), 123

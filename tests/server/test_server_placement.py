@@ -23,8 +23,8 @@ from server.api import create_app
 from server.api.serve import build_engine
 from server.cli import main as cli_main
 from server.config import ConfigError, build_config
-from server.runtime import placement
 from server.runtime.engine_config import EngineConfig
+from server.runtime.workers import placement
 from tests.server.helpers import UvicornThread
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..engine_api import NONFINITE_ERROR, NONFINITE_TOKEN, RequestDelta, SamplingParams, TokenLogprob
-from .block_manager import BlockTable
-from .detokenizer import IncrementalDetokenizer
+from server.engine_api import NONFINITE_ERROR, NONFINITE_TOKEN, RequestDelta, SamplingParams, TokenLogprob
+from server.runtime.scheduling.block_manager import BlockTable
+from server.runtime.scheduling.detokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass(eq=False)

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any, NoReturn
 
-from .engine_config import EngineConfig
-from .heartbeat import PATIENCE, STALE_S
-from .plan import StepPlan, StepResult, WorkerInfo
-from .rendezvous import serve_loopback_store
-from .worker_loop import worker_main
+from server.runtime.engine_config import EngineConfig
+from server.runtime.scheduling.plan import StepPlan, StepResult, WorkerInfo
+from server.runtime.workers.heartbeat import PATIENCE, STALE_S
+from server.runtime.workers.rendezvous import serve_loopback_store
+from server.runtime.workers.worker_loop import worker_main
 
 logger = logging.getLogger("server.engine")
 
@@ -119,7 +119,7 @@ class ProcessWorkers(WorkerGroup):
         """``args.ep_size`` workers; ``args.step_timeout_s`` bounds each step and ping, ``args.elastic`` as above."""
         world_size, step_timeout_s, elastic = args.ep_size, args.step_timeout_s, args.elastic
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "server.runtime.worker_loop"])
+        ctx.set_forkserver_preload(["torch", "server.runtime.workers.worker_loop"])
         self.step_timeout_s = step_timeout_s
         self.conns, self.procs = [], []
         self._beats: list[Any] = []  # per worker: a shared double, the time of its last heartbeat (time.monotonic)

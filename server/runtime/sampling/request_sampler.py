@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from ..engine_api import SamplingParams, TokenLogprob
-from .grammar import RequestGrammar
-from .sampler import GREEDY_BELOW, TokenCounts, choose, make_generator, processed_logits, token_logprob
+from server.engine_api import SamplingParams, TokenLogprob
+from server.runtime.sampling.grammar import RequestGrammar
+from server.runtime.sampling.sampler import (
+    GREEDY_BELOW,
+    TokenCounts,
+    choose,
+    make_generator,
+    processed_logits,
+    token_logprob,
+)
 
 
 class RequestSampler:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .heartbeat import PATIENCE, STALE_S
+from server.runtime.workers.heartbeat import PATIENCE, STALE_S
 
 _LENGTH_TAG, _BODY_TAG = 1, 2
 

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ..engine_api import SamplingParams, TokenLogprob
+from server.engine_api import SamplingParams, TokenLogprob
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING_EPS)
 
