@@ -24,8 +24,9 @@ def bpe(tmp_path_factory) -> HFTokenizer:  # noqa: ANN001
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"])  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
     raw.train_from_iterator(TEXTS, trainer)
     path = tmp_path_factory.mktemp("bpe")
     raw.save(str(path / "tokenizer.json"))

@@ -52,8 +52,12 @@ def test_chunked_prefill_decode_first_and_blocks() -> None:
 def test_preemption_when_blocks_run_out() -> None:
     """Two requests, blocks for 5 tokens: the later one is preempted (blocks released, back to the head of the
     queue) and recomputed from its prompt and output when the first one finishes."""
-    s = RankScheduler(KVCacheManager(num_blocks=5, block_size=1, enable_prefix_caching=False), max_num_seqs=2,
-                      num_max_tokens=8, max_model_len=5)  # fmt: skip
+    s = RankScheduler(
+        KVCacheManager(num_blocks=5, block_size=1, enable_prefix_caching=False),
+        max_num_seqs=2,
+        num_max_tokens=8,
+        max_model_len=5,
+    )
     a, b = _request("a", [1, 2], 0), _request("b", [3], 1)
     s.waiting.extend([a, b])
     plan, _ = s.schedule()
@@ -152,8 +156,14 @@ def test_sampler_min_p_bias_penalties_and_logprobs() -> None:
     assert [t for t, _ in logprob.top] == [2, 1] and [v for _, v in logprob.top] == pytest.approx(
         [float(want[2]), float(want[1])], abs=1e-6
     )
-    for param, value in [("presence_penalty", 2.5), ("min_p", -0.1), ("repetition_penalty", 0.0), ("logprobs", 21),
-                         ("n", 0), ("logit_bias", {-1: 1.0})]:  # fmt: skip
+    for param, value in [
+        ("presence_penalty", 2.5),
+        ("min_p", -0.1),
+        ("repetition_penalty", 0.0),
+        ("logprobs", 21),
+        ("n", 0),
+        ("logit_bias", {-1: 1.0}),
+    ]:
         with pytest.raises(ValueError, match=f"^{param}: "):
             SamplingParams(**{param: value})
 
@@ -181,14 +191,22 @@ def test_kv_cache_memory_spellings_and_budgets(monkeypatch: pytest.MonkeyPatch) 
     from server.runtime.scheduling import kv_budget
 
     assert [parse_bytes(v) for v in ("4G", "4g", "4GiB", "4GB", "1k", "1K", "1.5M", 123)] == [
-        4 * 2**30, 4 * 10**9, 4 * 2**30, 4 * 10**9, 1000, 1024, int(1.5 * 2**20), 123
-    ]  # fmt: skip
+        4 * 2**30,
+        4 * 10**9,
+        4 * 2**30,
+        4 * 10**9,
+        1000,
+        1024,
+        int(1.5 * 2**20),
+        123,
+    ]
     with pytest.raises(ValueError, match="byte count"):
         parse_bytes("4 apples")
     assert parse_config(["--kv-cache-memory", "2G"]).kv_cache_memory == 2 * 2**30
     assert kv_budget.kv_budget_bytes(torch.device("cpu"), 5000, 0.9, 2, 10**9, lambda: 0) == (
-        5000, "kv-cache-memory 0.0 MiB"
-    )  # fmt: skip
+        5000,
+        "kv-cache-memory 0.0 MiB",
+    )
     budget, why = kv_budget.kv_budget_bytes(torch.device("cpu"), None, 0.9, 2, 12345, lambda: 0)
     assert budget == 12345 and "capped at max-num-seqs" in why  # host memory far above the cap
     small, _ = kv_budget.kv_budget_bytes(torch.device("cpu"), None, 1e-9, 1, 10**15, lambda: 0)

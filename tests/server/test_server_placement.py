@@ -42,8 +42,14 @@ def _serve_greedy(values: dict, prompts: list[list[int]]) -> tuple[list[list[int
     out = []
     with UvicornThread(create_app(config, engine)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         for prompt in prompts:
-            body = {"model": config.model_name, "prompt": prompt, "max_tokens": STEPS, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            body = {
+                "model": config.model_name,
+                "prompt": prompt,
+                "max_tokens": STEPS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             out.append(r.json()["choices"][0]["token_ids"])
