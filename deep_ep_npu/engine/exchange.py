@@ -49,6 +49,32 @@ def check_names(agreement: Agreement, ep: EPGroup, names: Sequence[str], offset:
             raise shape(name, msg)
 
 
+class ResultPool:
+    """New tensors for calls' results (:meth:`take`): a CPU result of :attr:`min_bytes` or more reuses the memory of
+    an earlier one whose every tensor and view is gone (a caching allocator, as a GPU's: a fresh page costs a page
+    fault, more than the copy that fills it); at most :attr:`max_blocks` blocks are kept."""
+
+    min_bytes, max_blocks = 1 << 20, 8
+
+    def __init__(self) -> None:
+        self.blocks: list[torch.UntypedStorage] = []
+
+    def take(self, shape_: tuple[int, ...], dtype: torch.dtype, device: torch.device, zeros: bool) -> torch.Tensor:
+        nbytes = math.prod(shape_) * dtype.itemsize
+        if device.type != "cpu" or nbytes < self.min_bytes:
+            return (torch.zeros if zeros else torch.empty)(shape_, dtype=dtype, device=device)
+        free = [s for s in self.blocks if torch._C._storage_Use_Count(s._cdata) == 1]  # (held by this list only)
+        block = next((s for s in free if nbytes <= s.nbytes() <= 2 * nbytes), None)
+        if block is None:
+            if len(self.blocks) >= self.max_blocks and free:
+                self.blocks.remove(free[0])
+            block = torch.empty((nbytes,), dtype=torch.uint8).untyped_storage()
+            if len(self.blocks) < self.max_blocks:
+                self.blocks.append(block)
+        out = torch.empty((0,), dtype=torch.uint8).set_(block)[:nbytes].view(dtype).view(shape_)
+        return out.zero_() if zeros else out
+
+
 class Engine(Backend):
     """The reference backend: DeepEP's, DeepEP V2's and the Ascend ops' semantics on any torch.distributed group and
     device (every tensor it makes lives on the input's device). A buffer's engine: one host's shared-memory window
@@ -62,6 +88,7 @@ class Engine(Backend):
         self.collective, self.window = create(self.ep, self.transport_name, self.num_rdma_bytes, self.reuse)
         self.early_bytes = early_bytes(self.ep.num_ranks, self.ep.device)  # (an early payload's bound)
         self.device, self._reused = torch.device("cpu"), dict[str, torch.Tensor]()  # (the call's input's device)
+        self.results = ResultPool()
         self.tag, self.result_set = 0, 0  # which wire scratch / dispatch result set the next call uses
         self.wire: dict[str, tuple[list[int], int]] = {}  # the last call's bytes per destination, header bytes
 
@@ -81,6 +108,10 @@ class Engine(Backend):
         if buf is None or buf.numel() < nbytes or buf.device != self.device:
             buf = self._reused[name] = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=self.device)
         return buf[:nbytes].view(dtype).view(shape_)
+
+    def fresh(self, shape_: tuple[int, ...], dtype: torch.dtype, zeros: bool = False) -> torch.Tensor:
+        """A new tensor for a call's result on the call's device (``zeros``: zero-filled; :class:`ResultPool`)."""
+        return self.results.take(shape_, dtype, self.device, zeros)
 
     def scratch(self, name: str, shape_: tuple[int, ...], dtype: torch.dtype, job: int = 0) -> torch.Tensor:
         """A buffer's reused tensor of this call's set (two alternate: at most two calls in flight; ``job``: of a
@@ -248,6 +279,7 @@ class Engine(Backend):
             self.window.close()
         self.collective.close()
         self._reused.clear()
+        self.results.blocks.clear()
 
 
 def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], num_ranks: int) -> list[int]:

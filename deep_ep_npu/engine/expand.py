@@ -31,6 +31,8 @@ MISMATCH = ("handle", "the handle of this layer's dispatch on every rank")
 NAMES = ("cached handle", "num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "scale-factor columns",
          "scale-factor dtype", "num_topk", "row bytes")  # fmt: skip
 COMBINE_NAMES = ("num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "topk_weights given")
+Fresh = Callable[[tuple[int, ...], torch.dtype, bool], torch.Tensor]
+"""``fresh(shape, dtype, zeros)``: a new result tensor (:meth:`~deep_ep_npu.engine.exchange.Engine.fresh`)."""
 
 
 class Payload:
@@ -104,7 +106,7 @@ class Outputs:
     """A V2 dispatch's outputs (``ElasticBuffer.dispatch``'s, and the tensors of its ``handle``: ``metadata`` is
     ``recv_src_metadata``, ``psum_per_rank`` / ``psum_per_expert`` / ``counts`` the prefix sums and counts)."""
 
-    def __init__(self, c: DispatchCall, p: Payload, num_rows: int, num_expanded: int) -> None:
+    def __init__(self, c: DispatchCall, p: Payload, num_rows: int, num_expanded: int, fresh: Fresh | None) -> None:
         dev, k, r, num_local = c.x.device, p.num_topk, c.experts.world_size, c.experts.num_local
         rows = num_expanded if c.do_expand else num_rows
         new = torch.zeros if c.zero_padding else torch.empty
@@ -112,7 +114,8 @@ class Outputs:
         if p.sf_dtype is not None:  # TMA-aligned column-major scale factors: strides (1, align(rows, 4))
             tma = new((p.sf_cols, -(-rows // 4) * 4), dtype=p.sf_dtype, device=dev).t()[:rows] if c.tma_sf else None
             self.sf = tma if tma is not None else new((rows, p.sf_cols), dtype=p.sf_dtype, device=dev)
-        self.x = new((rows, p.hidden), dtype=p.x_dtype, device=dev)
+        x = None if fresh is None else fresh((rows, p.hidden), p.x_dtype, c.zero_padding)
+        self.x = new((rows, p.hidden), dtype=p.x_dtype, device=dev) if x is None else x
         self.weights = torch.zeros((rows,) if c.do_expand else (rows, k), dtype=torch.float32, device=dev)
         self.topk_idx = None if c.do_expand else torch.full((rows, k), -1, dtype=torch.int64, device=dev)
         self.metadata = torch.full((num_rows, k + 2), -1, dtype=torch.int32, device=dev)
@@ -152,11 +155,12 @@ def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tu
 
 def receive(c: DispatchCall, p: Payload, place: Placement, x: torch.Tensor, sf: torch.Tensor | None,
             weights: torch.Tensor, tokens: torch.Tensor | None, out: Outputs | None,
-            make_handle: Callable[[Outputs, Placement | None], EPHandle]) -> Outputs:  # fmt: skip
+            make_handle: Callable[[Outputs, Placement | None], EPHandle],
+            fresh: Fresh | None = None) -> Outputs:  # fmt: skip
     """Write the received tokens (x `[n, hidden]`, sf, weights `[n, K]`, in layout order) where ``place`` says into
     ``out`` (None: allocated now) and, for a fresh layout (``tokens`` `[n]`: each row's source token), the handle's
     tensors: source metadata, prefix sums, counts."""
-    out = out or Outputs(c, p, place.num_rows, place.num_expanded)
+    out = out or Outputs(c, p, place.num_rows, place.num_expanded, fresh)
     n, rows, dev = x.shape[0], place.pair_row, x.device
     at: Any = place.pair_pos if c.do_expand else slice(n)  # expand: each pair's row, else the rows as they came
     if x.data_ptr() != out.x.data_ptr():  # (non-expand rows may already be in place: _Expand.place)
@@ -213,8 +217,10 @@ class _Expand:
                             p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
         self.sizes = sizes_of(c, p.num_topk)
         state = dict(owner=engine, plan=self.plan, payload=p)
-        self.make_handle = lambda out, place: new_handle(c, out, place, self.sizes, self.plan, state)
-        self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes)
+        sizes, plan = self.sizes, self.plan  # (a closure over self would make a cycle: results freed late)
+        self.make_handle = lambda out, place: new_handle(c, out, place, sizes, plan, state)
+        self.fresh: Fresh = engine.fresh
+        self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes, self.fresh)
         if self.outputs is not None:
             self.outputs.handle = h if h is not None else self.make_handle(self.outputs, None)
 
@@ -248,7 +254,8 @@ class _Expand:
         if c.do_expand:
             x, sf, weights = self.payload.fields(staged)
         else:
-            self.outputs = out = self.outputs or Outputs(c, self.payload, place.num_rows, place.num_expanded)
+            sizes = (place.num_rows, place.num_expanded)
+            self.outputs = out = self.outputs or Outputs(c, self.payload, *sizes, self.fresh)
             begin = 0
             for g in got:
                 x, sf, weights = self.payload.fields(g)
@@ -257,7 +264,8 @@ class _Expand:
                 if sf is not None and out.sf is not None:
                     out.sf[rows] = sf
             x, sf, weights = out.x[:begin], None, out.weights[:begin]
-        self.outputs = receive(c, self.payload, place, x, sf, weights, tokens, self.outputs, self.make_handle)
+        made = self.make_handle
+        self.outputs = receive(c, self.payload, place, x, sf, weights, tokens, self.outputs, made, self.fresh)
 
 
 layout = _Expand
@@ -311,7 +319,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         tokens, bias = torch.arange(num_tokens, device=dev), sum(b.float() for b in c.shared_expert_x)
         extra = (tokens, torch.full_like(tokens, -1), bias)
     fingerprint = (h.num_max_tokens_per_rank, h.num_experts, hidden, X_DTYPE_CODES[x.dtype], int(weighted))
-    ones, out = torch.ones_like(plan.token, dtype=torch.float32), x.new_empty((num_tokens, hidden))
+    ones, out = torch.ones_like(plan.token, dtype=torch.float32), engine.fresh((num_tokens, hidden), x.dtype)
     job = CombineJob(source, rows, list(rows_per_src), plan, ones, 0, out, fingerprint, COMBINE_NAMES, MISMATCH,
                      by_slot=True, extra=extra, agree_now=True)  # fmt: skip
     job.capacity = h.num_max_tokens_per_rank * min(h.num_topk, h.num_experts // r)  # (per source: N tokens)
