@@ -144,7 +144,8 @@ class NormalModeMethods(LayoutMethods):
         if not lay.with_topk:  # every rank's routing as wide as the widest (each token's ranks, then -1)
             ids = torch.nn.functional.pad(ids, (0, max(w[3] for w in shared) - ids.shape[1]), value=-1)
         num_max = max(max(w[1] for w in shared), 1)
-        call = dataclasses.replace(call, expert_ids=ids, num_max=num_max, recv_rows=rows)
+        recv_from = tuple(int(n) for n in sent[:, me].tolist())
+        call = dataclasses.replace(call, expert_ids=ids, num_max=num_max, recv_rows=rows, recv_from=recv_from)
         with self._backend.rejecting(DISPATCH_OP, v2.NAMES):
             inflight = self._backend.dispatch(call)
         out, channels = inflight.value, (config.num_sms if config else self.num_sms) // 2

@@ -158,6 +158,8 @@ class Engine(Backend):
         layout: Layout = self._layout(c, "layout")
         plan, fmt, me = layout.plan, layout.fmt, self.rank
         encode = encoder(fmt, layout.source, plan, layout.weights, layout.smooth)
+        if (fields := getattr(layout, "fields", None)) is not None:  # (the row bytes past the source's)
+            encode = functools.partial(_then, encode, fields)
         own_rows = self.scratch("dispatch_own", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
 
         def own() -> None:  # placed now, while the rows travel (where the layout can)
@@ -280,6 +282,12 @@ class Engine(Backend):
         self.collective.close()
         self._reused.clear()
         self.results.blocks.clear()
+
+
+def _then(encode: Callable[[bool, int, torch.Tensor], None], fields: Callable[[int, torch.Tensor], None],
+          remote: bool, d: int, out: torch.Tensor) -> None:  # fmt: skip
+    encode(remote, d, out)
+    fields(d, out)
 
 
 def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], num_ranks: int) -> list[int]:

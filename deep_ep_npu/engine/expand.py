@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..core.call import CombineCall, DispatchCall
 from ..errors import shape
 from ..handle import EPHandle
 from ..transports.agreement import Agreement
 from .plan import Plan, make_plan, plan_topk
 from .reduce import CombineJob
-from .rows import Parts, RowFormat, align
+from .rows import Parts, RowFormat, align, slot_table
 
 X_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 SF_DTYPE_CODES = {None: 0, torch.float32: 1, torch.int32: 2}
@@ -46,23 +47,22 @@ class Payload:
         self.sf_end = self.x_bytes + 4 * self.sf_cols
         self.num_bytes = self.sf_end + 4 * num_topk
 
-    def pack(
-        self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None: 0),
-        into ``out`` when given (a reused buffer: no fresh pages per call)."""
-        out = torch.empty((x.shape[0], self.num_bytes), dtype=torch.uint8, device=x.device) if out is None else out
-        out[:, : self.x_bytes].view(self.x_dtype).copy_(x)
+    def tail(self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
+        """`[T, num_bytes - x_bytes]` uint8: each token's bytes after its x row, from sf `[T, sf_cols]` and weights
+        `[T, K]` fp32 (None: 0); the rows' x bytes are gathered straight from x `[T, hidden]`."""
+        out = torch.zeros((x.shape[0], self.num_bytes - self.x_bytes), dtype=torch.uint8, device=x.device)
         if sf is not None:
-            out[:, self.x_bytes : self.sf_end].view(sf.dtype).copy_(sf)
-        w = out[:, self.sf_end : self.num_bytes].view(torch.float32)
-        w.copy_(weights) if weights is not None else w.zero_()
+            out[:, : self.sf_end - self.x_bytes].view(sf.dtype).copy_(sf)
+        if weights is not None:
+            out[:, self.sf_end - self.x_bytes :].view(torch.float32).copy_(weights)
         return out
 
-    def fields(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Views of ``rows`` `[n, >= num_bytes]` uint8: x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
-        sf = rows[:, self.x_bytes : self.sf_end].view(self.sf_dtype) if self.sf_dtype is not None else None
-        return rows[:, : self.x_bytes].view(self.x_dtype), sf, rows[:, self.sf_end : self.num_bytes].view(torch.float32)
+    def fields(self, rows: torch.Tensor, at: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Views of ``rows`` `[n, >= num_bytes - at]` uint8 (their bytes from ``at`` on; ``at`` = x_bytes: no x):
+        x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
+        sf = rows[:, self.x_bytes - at : self.sf_end - at].view(self.sf_dtype) if self.sf_dtype is not None else None
+        weights = rows[:, self.sf_end - at : self.num_bytes - at].view(torch.float32)
+        return rows[:, : self.x_bytes - at].view(self.x_dtype), sf, weights
 
 
 @dataclasses.dataclass
@@ -206,9 +206,9 @@ class _Expand:
             self.plan = plan_topk(c.expert_ids, e.num_local, e.world_size, e.rank, no_mask, per_pair_rows=False)
         self.cached: Placement | None = None if h is None else h.state["placement"]
         self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
-        self.source = p.pack(
-            c.x, c.x_sf, c.expert_scales, engine.scratch("expand_source", (len(c.x), p.num_bytes), torch.uint8)
-        )
+        self.source = c.x.contiguous().view(torch.uint8)  # the rows' x bytes: gathered straight into the send rows
+        self.tail, self.slots = p.tail(c.x, c.x_sf, c.expert_scales), slot_table(self.plan, p.num_topk)
+        self.own_placed = False
         past = 0 < engine.early_bytes < c.num_max * self.fmt.row_bytes  # (a rank's rows may pass the bound)
         expect = None if self.cached is None else list(self.cached.rows_from)  # (checked by every rank: check())
         self.known = None if past else expect
@@ -226,6 +226,36 @@ class _Expand:
 
     def result(self) -> Outputs | None:
         return self.outputs
+
+    def fields(self, d: int, out: torch.Tensor) -> None:
+        """The sf and weight bytes of the rows for rank d (``out`` `[n, row_bytes]` uint8; x, token and slots are
+        the encoder's)."""
+        if out.shape[1] > self.fmt.token_off:  # (no tail bytes: none to write)
+            token = self.plan.row_token[self.plan.row_slices()[d]]
+            out[:, self.payload.x_bytes : self.payload.num_bytes] = self.tail.index_select(0, token)
+
+    def place_own(self, own_rows: torch.Tensor, encode: Callable[[], None]) -> None:
+        """This rank's own rows straight from x into the outputs at their final rows, when the rows each source sends
+        here are known (DeepEP normal mode's count round, a cached handle) and the outputs allocated; ``own_rows``
+        then gets only the token and slot fields. Else ``encode()``."""
+        c, plan, me, out = self.c, self.plan, self.ep.rank, self.outputs
+        rows_from = list(c.recv_from) if c.recv_from else None if self.cached is None else self.cached.rows_from
+        n = plan.rows_per_dest[me]
+        if c.do_expand or out is None or rows_from is None or rows_from[me] != n:
+            return encode()
+        lo = sum(rows_from[:me])
+        if lo + n > out.x.shape[0]:
+            return encode()
+        rows = plan.row_slices()[me]
+        token, x, at = plan.row_token[rows], self.c.x, slice(lo, lo + n)
+        if not (x.is_contiguous() and kernels.gather(x, token, out.x[at])):
+            torch.index_select(x, 0, token, out=out.x[at])
+        _, sf, weights = self.payload.fields(self.tail.index_select(0, token), self.payload.x_bytes)
+        out.weights[at] = weights
+        if sf is not None and out.sf is not None:
+            out.sf[at] = sf
+        self.fmt.write_fields(own_rows, token, self.slots[rows], None)
+        self.own_placed = True
 
     def check(self, agreement: Agreement) -> None:
         """With every rank reusing a handle: the rows one rank sends another are what the other expects."""
@@ -257,9 +287,11 @@ class _Expand:
             sizes = (place.num_rows, place.num_expanded)
             self.outputs = out = self.outputs or Outputs(c, self.payload, *sizes, self.fresh)
             begin = 0
-            for g in got:
-                x, sf, weights = self.payload.fields(g)
+            for s, g in ((s, by_src[s]) for s in range(r) if s in by_src):
                 rows = slice(begin, begin := begin + g.shape[0])
+                if s == self.ep.rank and self.own_placed:
+                    continue
+                x, sf, weights = self.payload.fields(g)
                 out.x[rows], out.weights[rows] = x, weights
                 if sf is not None and out.sf is not None:
                     out.sf[rows] = sf
