@@ -124,6 +124,11 @@ def reduce_remote(job: CombineJob, scratch: Scratch, agreement: Agreement, recei
         reduce_own(job, scratch)
     plan, fmt, acc, parts = job.plan, job.fmt, job.acc, [rows for _, rows in received]
     assert acc is not None
+    direct = job.own_y is None and job.addend is None and job.active is None
+    if job.by_slot and direct and _sum_by_slot(job, job.out, parts, into_out=True):
+        if job.on_wait is not None:
+            job.on_wait(agreement, wait_ns)
+        return
     if job.by_slot:  # slot after slot, ascending
         if job.own_y is not None or not _sum_by_slot(job, acc, parts):
             _sum_by_slot_torch(job, acc, parts, scratch)
@@ -146,16 +151,21 @@ def reduce_remote(job: CombineJob, scratch: Scratch, agreement: Agreement, recei
         job.on_wait(agreement, wait_ns)
 
 
-def _sum_by_slot(job: CombineJob, acc: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+def _sum_by_slot(job: CombineJob, acc: torch.Tensor, parts: list[torch.Tensor], into_out: bool = False) -> bool:
     """The by-slot sum in one pass over the rows where they are (``kernels.accumulate_rows``), rounded as the torch
-    code's; False (nothing done) where the kernel does not apply."""
+    code's; ``into_out``: each token's sum straight into ``acc`` = ``job.out``, rounded once to its dtype
+    (``kernels.sum_tokens``: the pairs by token, slots ascending). False (nothing done) where the kernel does not
+    apply."""
     plan, own, dev = job.plan, job.plan.own_pairs, job.source.device
     y_at = torch.arange(plan.token.numel(), device=dev)  # pair -> its row: own rows, then the parts'
     y_at[: own.start] += own.stop - own.start
     y_at[own] -= own.start
     order = torch.argsort(plan.slot, stable=True)
+    if into_out:
+        order = order[torch.argsort(plan.token[order], stable=True)]
     rows = [(job.source, job.return_rows[job.own_rows]), *((p.view(job.fmt.dtype), None) for p in parts)]
-    return kernels.accumulate_rows(acc, rows, y_at[order], plan.token[order], job.weights[order])
+    summed = kernels.sum_tokens if into_out else kernels.accumulate_rows
+    return summed(acc, rows, y_at[order], plan.token[order], job.weights[order])
 
 
 def _sum_by_slot_torch(job: CombineJob, acc: torch.Tensor, parts: list[torch.Tensor], scratch: Scratch) -> None:

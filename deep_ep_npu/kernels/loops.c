@@ -125,6 +125,57 @@ int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t
     return 0;
 }
 
+/* Rows of fp32 sums into out's dtype: bf16 rounds to nearest even with every NaN as 0xFFFF (torch's CPU cast). */
+WIDE static void store_bf16(uint16_t *restrict out, const float *restrict acc, int64_t n) {
+    for (int64_t h = 0; h < n; h++) {
+        uint32_t u;
+        memcpy(&u, &acc[h], sizeof u);
+        uint16_t r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        out[h] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0xffffu : r;
+    }
+}
+
+/* out[t] = the fp32 sum of weight[i] * x_i over the pairs i with token[i] == t, in order (each product rounded; the
+ * first added to 0), rounded once to out's dtype (fp32 or bf16); 0 for a token without pairs. The same values as
+ * dep_accumulate with zero_first into fp32 and a cast, in one pass over out (no fp32 [num_tokens][hidden]): token
+ * must be non-decreasing. x_i: `hidden` values of `dtype` at address addr[i]. Returns 0; -1 when a token is outside
+ * [0, num_tokens) or out of order (nothing written); -2 for a dtype this build lacks; -3 out of memory. */
+int dep_sum_tokens(uint8_t *out, int out_dtype, int64_t num_tokens, int64_t hidden, int dtype, const int64_t *addr,
+                   const int64_t *token, const float *weight, int64_t n) {
+    if (!dep_has_dtype(dtype) || (out_dtype != DTYPE_F32 && out_dtype != DTYPE_BF16))
+        return -2;
+    for (int64_t i = 0; i < n; i++)
+        if (token[i] < 0 || token[i] >= num_tokens || (i && token[i] < token[i - 1]))
+            return -1;
+    float *acc = out_dtype == DTYPE_F32 ? NULL : malloc(sizeof(float) * (size_t)(hidden + 1));
+    if (out_dtype != DTYPE_F32 && !acc)
+        return -3;
+    int64_t i = 0, item = out_dtype == DTYPE_F32 ? 4 : 2;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        uint8_t *o = out + t * hidden * item;
+        float *a = acc ? acc : (float *)o;
+        if (i >= n || token[i] != t) {
+            memset(o, 0, (size_t)(hidden * item));
+            continue;
+        }
+        for (int first = 1; i < n && token[i] == t; i++, first = 0) {
+            const uint8_t *row = (const uint8_t *)(uintptr_t)addr[i];
+            if (dtype == DTYPE_BF16)
+                (first ? set_bf16 : add_bf16)(a, (const uint16_t *)row, weight[i], hidden);
+            else if (dtype == DTYPE_F32)
+                (first ? set_f32 : add_f32)(a, (const float *)row, weight[i], hidden);
+#ifdef __FLT16_MAX__
+            else
+                (first ? set_f16 : add_f16)(a, (const _Float16 *)row, weight[i], hidden);
+#endif
+        }
+        if (acc)
+            store_bf16((uint16_t *)o, acc, hidden);
+    }
+    free(acc);
+    return 0;
+}
+
 /* Expand n dispatch rows of one source into the masked layout: for each row i in order and each slot j in order
  * whose local expert e (int32 at row + slot_off + 4 j) is >= 0, the row's first data_bytes go to row pos[e] of
  * expert e of recv ([num_local][cap][data_bytes]), the row's token (int32 at row + token_off) to

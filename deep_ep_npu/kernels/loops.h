@@ -27,6 +27,8 @@ int dep_has_dtype(int dtype);
 int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t *base, int64_t stride, int dtype,
                    const int64_t *index, const int64_t *addr, const int64_t *token, const float *weight, int64_t n,
                    int zero_first);
+int dep_sum_tokens(uint8_t *out, int out_dtype, int64_t num_tokens, int64_t hidden, int dtype, const int64_t *addr,
+                   const int64_t *token, const float *weight, int64_t n);
 int64_t dep_place(const uint8_t *rows, int64_t n, int64_t row_bytes, int64_t data_bytes, int64_t token_off,
                   int64_t slot_off, int64_t num_slots, int64_t num_local, int64_t cap, int64_t num_ranks, int64_t src,
                   uint8_t *recv, int32_t *src_info, int64_t *pos, int64_t *counts, int64_t *pair_row,
