@@ -189,44 +189,56 @@ class Engine(Backend):
         jobs: list[reduce.CombineJob] = self._layout(c, "combine_jobs")
         last = len(jobs) - 1  # (a peer's rejection stops the next: only the last job starts before its agreement)
         receives = [self._combine_job(c, job, i, i == last) for i, job in enumerate(jobs)]
-        outs = receives[0].value if len(receives) == 1 else tuple(receive.value for receive in receives)
-        return InFlight(lambda: [receive() for receive in receives] and outs, outs)
+        outs = [out for job in jobs for out in (job.out, *(rider.out for rider in job.riders))]
+        value = outs[0] if len(outs) == 1 else tuple(outs)
+        return InFlight(lambda: [receive() for receive in receives] and value, value)
 
     def _combine_job(self, c: CombineCall, job: reduce.CombineJob, i: int, last: bool) -> InFlight:
-        plan, fmt, me = job.plan, job.fmt, self.rank
+        plan, me, group = job.plan, self.rank, [job, *job.riders]  # (riders: columns after the job's in each row)
         starts = [sum(job.rows_per_src[:q]) for q in range(self.num_ranks)]
+        ends = [sum(j.fmt.row_bytes for j in group[: k + 1]) for k in range(len(group))]
+        columns = [slice(end - j.fmt.row_bytes, end) for j, end in zip(group, ends, strict=True)]
 
         def write(remote: bool, q: int, out: torch.Tensor) -> None:
-            rows = job.return_rows[starts[q] : starts[q] + job.rows_per_src[q]]
-            if fmt.quantized:
-                fmt.encode(job.source.index_select(0, rows), out)
-            elif not remote or not kernels.gather(job.source, rows, out.view(fmt.dtype)):
-                torch.index_select(job.source, 0, rows, out=out.view(fmt.dtype))
+            for j, cols in zip(group, columns, strict=True):
+                rows, dst, fmt = j.return_rows[starts[q] : starts[q] + j.rows_per_src[q]], out[:, cols], j.fmt
+                if fmt.quantized:
+                    fmt.encode(j.source.index_select(0, rows), dst)
+                elif not remote or not kernels.gather(j.source, rows, dst.view(fmt.dtype)):
+                    torch.index_select(j.source, 0, rows, out=dst.view(fmt.dtype))
 
         # own rows now, unless the TP stage changes the source first or the handle is inconsistent (check raises)
         early = job.tp is None and job.rows_per_src[me] == plan.pairs_per_dest[me]
-        scratch = functools.partial(self.scratch, job=i)  # (the jobs' own rows are reduced before their receives)
-        own = functools.partial(reduce.reduce_own, job, scratch) if early else None
-        finish = functools.partial(reduce.reduce_remote, job, scratch)
+        scratches = [functools.partial(self.scratch, job=i + 100 * k) for k in range(len(group))]  # (own rows first)
+
+        def own() -> None:
+            for j, scratch in zip(group, scratches, strict=True):
+                reduce.reduce_own(j, scratch)
+
+        def finish(agreement: Agreement, parts: Parts, wait_ns: int) -> None:
+            for j, scratch, cols in zip(group, scratches, columns, strict=True):
+                reduce.reduce_remote(j, scratch, agreement, [(q, p[:, cols]) for q, p in parts], wait_ns)
+
         more = functools.partial(reduce.check, job, self.ep)
         # the rows each source returns are known (the handle): the payload starts before the agreement (see
         # transports.early), when every agreeing rank's rows fit the bound, the same on every rank (``capacity``)
-        known = last and job.tp is None and 0 < job.capacity * fmt.row_bytes <= self.early_bytes
+        known = last and job.tp is None and 0 < job.capacity * ends[-1] <= self.early_bytes
         counts = [[n, k if known else -1] for n, k in zip(job.rows_per_src, plan.pairs_per_dest, strict=True)]
         vectors = (*job.rows_per_src, *plan.pairs_per_dest)
-        receive = self._exchange("combine", c.op, job, counts, vectors, write, more, own, finish)
+        receive = self._exchange("combine", c.op, job, counts, vectors, write, more, own if early else None, finish,
+                                 ends[-1])  # fmt: skip
         return InFlight(receive, job.out)
 
     def _exchange(self, kind: str, op: str, sender: Any, counts: list[list[int]], vectors: Sequence[int],
                   write: Callable[[bool, int, torch.Tensor], None], more: Check | None, own: Callable[[], None] | None,
-                  finish: Callable[[Agreement, Parts, int], Any]) -> Callable[[], Any]:  # fmt: skip
+                  finish: Callable[[Agreement, Parts, int], Any], row_bytes: int = 0) -> Callable[[], Any]:  # fmt: skip
         """One exchange of ``sender`` (the layout or the combine job): send (``write(remote, d, out)``: the rows for
         rank d; a TP pair's peer is told when the EP call fails before their agreement), check the headers (status,
         ``more``, the fingerprint), run ``own()`` (if any) while the rows travel, and return the receive:
         ``finish(agreement, parts, wait_ns)``, timed when :data:`deep_ep_npu.profiling.enabled`."""
         started, tp, device, r = time.perf_counter(), sender.tp, sender.source.device, self.num_ranks
         transport = self.transport_for(device, tp is not None)
-        shared = header(sender.fmt.row_bytes, vectors, sender.fingerprint, r)
+        shared = header(row_bytes or sender.fmt.row_bytes, vectors, sender.fingerprint, r)
         self.wire[kind] = ([n * shared[0] for n, _ in counts], 8 * len(shared))  # (profiling.wire_stats)
 
         def check(agreement: Agreement) -> None:

@@ -86,12 +86,18 @@ class Placement:
 
 
 def make_placement(slots: torch.Tensor, rows_from: list[int], num_local: int, alignment: int,
-                   sizes: tuple[int, int] | None) -> Placement:  # fmt: skip
+                   sizes: tuple[int, int] | None, pairs: bool = True) -> Placement:  # fmt: skip
     """The placement of received tokens in layout order: ``slots`` `[total, K]` int32 (each one's local expert per
-    slot, -1: not here), ``rows_from`` tokens per source rank; ``sizes``: the rows to allocate (None: exact)."""
+    slot, -1: not here), ``rows_from`` tokens per source rank; ``sizes``: the rows to allocate (None: exact);
+    without ``pairs`` (non-expand rows: only the counts are read) the pair tensors are empty."""
+    total, a = slots.shape[0], alignment
+    if not pairs:
+        counts = torch.bincount(slots.flatten().long() + 1, minlength=num_local + 1)[1:]
+        aligned, none = (counts + a - 1) // a * a, torch.empty((0,), dtype=torch.int64, device=slots.device)
+        num_rows, num_expanded = sizes or (total, int(aligned.sum()))
+        return Placement(rows_from, slots, none, none, none, counts, aligned, num_rows, num_expanded)
     pair_row, pair_slot = (slots >= 0).nonzero(as_tuple=True)
     expert = slots[pair_row, pair_slot].long()
-    total, a = slots.shape[0], alignment
     order = torch.argsort(expert * max(total, 1) + pair_row)  # by (local expert, row): rows are (source, token)
     pair_row, pair_slot, expert = pair_row[order], pair_slot[order], expert[order]
     counts = torch.bincount(expert, minlength=num_local)
@@ -280,7 +286,8 @@ class _Expand:
             rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(r)]
             head = staged[:, self.fmt.token_off - fields.start :].view(torch.int32)  # token, then the slots
             tokens, num_local = head[:, 0], c.experts.num_local
-            place = make_placement(head[:, 1 : 1 + self.fmt.num_slots], rows_from, num_local, c.alignment, self.sizes)
+            slots = head[:, 1 : 1 + self.fmt.num_slots]
+            place = make_placement(slots, rows_from, num_local, c.alignment, self.sizes, c.do_expand)
         if c.do_expand:
             x, sf, weights = self.payload.fields(staged)
         else:
@@ -366,5 +373,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     plan = _return_plan(h, rank, r, True, c.by_rank)
     ones, out = torch.ones_like(plan.token, dtype=torch.float32), w_rows.new_empty((num_tokens, h.num_topk))
     w_job = dataclasses.replace(job, source=w_rows, return_rows=every_row, rows_per_src=list(place.rows_from),
-                                plan=plan, weights=ones, out=out, extra=None)  # fmt: skip
+                                plan=plan, weights=ones, out=out, extra=None, riders=[])  # fmt: skip
+    if per_row and not job.fmt.quantized and job.fmt.row_bytes % 16 == 0:  # the weights ride in the rows of x
+        job.riders.append(w_job)
+        return [job]
     return [job, w_job]

@@ -236,9 +236,11 @@ def to_e4m3(x: Tensor) -> Tensor | None:
 
 
 def gather(x: Tensor, index: Tensor, out: Tensor) -> bool:
-    """``out[i] = x[index[i]]`` (``x`` `[rows, *]`, ``out`` `[n, *]` contiguous, ``index`` `[n]` int64 < rows) with
-    streaming stores (rows another process reads). IndexError for an index outside ``x``."""
-    if not _cpu(x, index, out) or index.dtype != I64 or x.dtype != out.dtype or x.dim() != 2:
+    """``out[i] = x[index[i]]`` (``x`` `[rows, *]`, ``out`` `[n, *]` with contiguous rows, any row stride, ``index``
+    `[n]` int64 < rows) with streaming stores (rows another process reads). IndexError for an index outside ``x``."""
+    if not _cpu(x, index) or index.dtype != I64 or x.dtype != out.dtype or x.dim() != 2 or not out.is_cpu:
+        return False
+    if out.dim() != 2 or out.stride(1) != 1 or out.stride(0) < out.shape[1]:
         return False
     if out.shape != (index.numel(), x.shape[1]) or (lib := library()) is None:
         return False

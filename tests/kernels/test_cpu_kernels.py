@@ -300,3 +300,6 @@ def test_gather_matches_index_select():
         out = torch.empty(31, width, dtype=torch.bfloat16)
         assert kernels.gather(src, index, out)
         assert torch.equal(out, src[index])
+        wide = torch.zeros(31, width + 24, dtype=torch.bfloat16)  # the first columns of wider rows (a wire row)
+        assert kernels.gather(src, index, wide[:, :width])
+        assert torch.equal(wide[:, :width], src[index]) and not wide[:, width:].any()
