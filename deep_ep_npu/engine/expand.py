@@ -236,7 +236,7 @@ class _Expand:
     def fields(self, d: int, out: torch.Tensor) -> None:
         """The sf and weight bytes of the rows for rank d (``out`` `[n, row_bytes]` uint8; x, token and slots are
         the encoder's)."""
-        if out.shape[1] > self.fmt.token_off:  # (no tail bytes: none to write)
+        if self.payload.num_bytes > self.payload.x_bytes:
             token = self.plan.row_token[self.plan.row_slices()[d]]
             out[:, self.payload.x_bytes : self.payload.num_bytes] = self.tail.index_select(0, token)
 
