@@ -1,9 +1,10 @@
 /* The engine's per-call loops on CPU tensors, each one pass: the plan, the id check, row packing (with per-token
  * int8 or DeepEP fp8 quantization), the masked placement, scales and block table, the flat placement, combine's
- * return rows and gather, the weighted fp32 reduction and the slot-ordered one. Results are bit-identical to the
- * torch code they replace: products, divisions and sums rounded one by one, in the same order (built with
- * -ffp-contract=off: no fused multiply-add; -fno-trapping-math lets branch-free selects vectorize and changes no
- * value; setup.py). The loops trust their arguments: only _cpu.c calls them, after checking every buffer. */
+ * return rows and gather, the weighted fp32 reduction, the slot-ordered one and the token-ordered one written into
+ * the output. Results are bit-identical to the torch code they replace: products, divisions and sums rounded one
+ * by one, in the same order (built with -ffp-contract=off: no fused multiply-add; -fno-trapping-math lets
+ * branch-free selects vectorize and changes no value; setup.py). The loops trust their arguments: only _cpu.c
+ * calls them, after checking every buffer. */
 #include "loops.h"
 
 #include <stdlib.h>
