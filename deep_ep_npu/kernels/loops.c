@@ -138,9 +138,10 @@ WIDE static void store_bf16(uint16_t *restrict out, const float *restrict acc, i
 
 /* out[t] = the fp32 sum of weight[i] * x_i over the pairs i with token[i] == t, in order (each product rounded; the
  * first added to 0), rounded once to out's dtype (fp32 or bf16); 0 for a token without pairs. The same values as
- * dep_accumulate with zero_first into fp32 and a cast, in one pass over out (no fp32 [num_tokens][hidden]): token
- * must be non-decreasing. x_i: `hidden` values of `dtype` at address addr[i]. Returns 0; -1 when a token is outside
- * [0, num_tokens) or out of order (nothing written); -2 for a dtype this build lacks; -3 out of memory. */
+ * dep_accumulate with zero_first into fp32 and a cast, in one pass over out (no fp32 [num_tokens][hidden]; each
+ * token's rows are summed a chunk of channels at a time): token must be non-decreasing. x_i: `hidden` values of
+ * `dtype` at address addr[i]. Returns 0; -1 when a token is outside [0, num_tokens) or out of order (nothing
+ * written); -2 for a dtype this build lacks. */
 int dep_sum_tokens(uint8_t *out, int out_dtype, int64_t num_tokens, int64_t hidden, int dtype, const int64_t *addr,
                    const int64_t *token, const float *weight, int64_t n) {
     if (!dep_has_dtype(dtype) || (out_dtype != DTYPE_F32 && out_dtype != DTYPE_BF16))
@@ -148,32 +149,38 @@ int dep_sum_tokens(uint8_t *out, int out_dtype, int64_t num_tokens, int64_t hidd
     for (int64_t i = 0; i < n; i++)
         if (token[i] < 0 || token[i] >= num_tokens || (i && token[i] < token[i - 1]))
             return -1;
-    float *acc = out_dtype == DTYPE_F32 ? NULL : malloc(sizeof(float) * (size_t)(hidden + 1));
-    if (out_dtype != DTYPE_F32 && !acc)
-        return -3;
-    int64_t i = 0, item = out_dtype == DTYPE_F32 ? 4 : 2;
+    enum { CHUNK = 512 }; /* each token's sum in chunks of fp32 that stay in registers / L1 */
+    float acc[CHUNK];
+    int64_t i = 0, item = out_dtype == DTYPE_F32 ? 4 : 2, in = dtype == DTYPE_F32 ? 4 : 2;
     for (int64_t t = 0; t < num_tokens; t++) {
         uint8_t *o = out + t * hidden * item;
-        float *a = acc ? acc : (float *)o;
-        if (i >= n || token[i] != t) {
+        int64_t begin = i;
+        while (i < n && token[i] == t)
+            i++;
+        if (begin == i) {
             memset(o, 0, (size_t)(hidden * item));
             continue;
         }
-        for (int first = 1; i < n && token[i] == t; i++, first = 0) {
-            const uint8_t *row = (const uint8_t *)(uintptr_t)addr[i];
-            if (dtype == DTYPE_BF16)
-                (first ? set_bf16 : add_bf16)(a, (const uint16_t *)row, weight[i], hidden);
-            else if (dtype == DTYPE_F32)
-                (first ? set_f32 : add_f32)(a, (const float *)row, weight[i], hidden);
+        for (int64_t h = 0; h < hidden; h += CHUNK) {
+            int64_t m = hidden - h < CHUNK ? hidden - h : CHUNK;
+            for (int64_t j = begin; j < i; j++) {
+                const uint8_t *x = (const uint8_t *)(uintptr_t)addr[j] + h * in;
+                int first = j == begin;
+                if (dtype == DTYPE_BF16)
+                    (first ? set_bf16 : add_bf16)(acc, (const uint16_t *)x, weight[j], m);
+                else if (dtype == DTYPE_F32)
+                    (first ? set_f32 : add_f32)(acc, (const float *)x, weight[j], m);
 #ifdef __FLT16_MAX__
-            else
-                (first ? set_f16 : add_f16)(a, (const _Float16 *)row, weight[i], hidden);
+                else
+                    (first ? set_f16 : add_f16)(acc, (const _Float16 *)x, weight[j], m);
 #endif
+            }
+            if (out_dtype == DTYPE_BF16)
+                store_bf16((uint16_t *)o + h, acc, m);
+            else
+                memcpy(o + h * 4, acc, sizeof(float) * (size_t)m);
         }
-        if (acc)
-            store_bf16((uint16_t *)o, acc, hidden);
     }
-    free(acc);
     return 0;
 }
 

@@ -133,7 +133,7 @@ def test_sum_tokens_matches_accumulate_rows_and_the_cast(dtype, out_dtype):
     rounded once to out's dtype, bit for bit as accumulate_rows into fp32 and torch's cast (NaN, zeros, no pairs)."""
     g = torch.Generator().manual_seed(6)
     for trial in range(12):
-        tokens, hidden, k = 11, 72, 3
+        tokens, hidden, k = 11, (72, 1100)[trial % 2], 3  # (the kernel sums 512 channels at a time)
         token, slot = (t.flatten() for t in torch.meshgrid(torch.arange(tokens), torch.arange(k), indexing="ij"))
         keep = torch.rand(token.numel(), generator=g) < 0.6
         token, slot, n = token[keep], slot[keep], int(keep.sum())
