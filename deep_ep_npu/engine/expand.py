@@ -299,7 +299,9 @@ class _Expand:
                 if s == self.ep.rank and self.own_placed:
                     continue
                 x, sf, weights = self.payload.fields(g)
-                out.x[rows], out.weights[rows] = x, weights
+                if not kernels.gather(x, torch.arange(len(x), device=x.device), out.x[rows]):
+                    out.x[rows] = x
+                out.weights[rows] = weights
                 if sf is not None and out.sf is not None:
                     out.sf[rows] = sf
             x, sf, weights = out.x[:begin], None, out.weights[:begin]

@@ -236,11 +236,12 @@ def to_e4m3(x: Tensor) -> Tensor | None:
 
 
 def gather(x: Tensor, index: Tensor, out: Tensor) -> bool:
-    """``out[i] = x[index[i]]`` (``x`` `[rows, *]`, ``out`` `[n, *]` with contiguous rows, any row stride, ``index``
-    `[n]` int64 < rows) with streaming stores (rows another process reads). IndexError for an index outside ``x``."""
-    if not _cpu(x, index) or index.dtype != I64 or x.dtype != out.dtype or x.dim() != 2 or not out.is_cpu:
+    """``out[i] = x[index[i]]`` (``x`` `[rows, *]` and ``out`` `[n, *]` with contiguous rows, any row stride:
+    e.g. the first columns of wider rows; ``index`` `[n]` int64 < rows) with streaming stores (rows another process
+    reads, or rows past this core's cache). IndexError for an index outside ``x``."""
+    if not _cpu(index) or index.dtype != I64 or x.dtype != out.dtype or not (x.is_cpu and out.is_cpu):
         return False
-    if out.dim() != 2 or out.stride(1) != 1 or out.stride(0) < out.shape[1]:
+    if any(t.dim() != 2 or t.stride(1) != 1 or t.stride(0) < t.shape[1] for t in (x, out)):
         return False
     if out.shape != (index.numel(), x.shape[1]) or (lib := library()) is None:
         return False

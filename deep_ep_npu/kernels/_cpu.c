@@ -532,19 +532,22 @@ METHOD(to_e4m3) {
 
 METHOD(gather) {
     const char *fn = "gather";
-    Buf x, index;
-    Rows out; /* (rows may be strided: the first columns of wider rows) */
+    Buf index;
+    Rows x, out; /* (rows may be strided: the first columns of wider rows) */
     int64_t x_rows, row_bytes, n;
-    if (!parse(fn, args, nargs, "T:x i:x_rows i:row_bytes T:index i:n R:out", &x, &x_rows, &row_bytes, &index, &n,
+    if (!parse(fn, args, nargs, "R:x i:x_rows i:row_bytes T:index i:n R:out", &x, &x_rows, &row_bytes, &index, &n,
                &out) ||
-        !holds(fn, "x", &x, size3(x_rows, row_bytes, 1)) || !holds(fn, "index", &index, size3(n, 8, 1)))
+        !holds(fn, "index", &index, size3(n, 8, 1)))
         return NULL;
+    if (x_rows < 0 || x.rows < x_rows || x.row_bytes < row_bytes || (x_rows > 1 && x.stride < row_bytes))
+        return PyErr_Format(PyExc_ValueError, "%s(): x holds fewer than %lld rows of %lld bytes", fn,
+                            (long long)x_rows, (long long)row_bytes);
     if (n < 0 || out.rows < n || out.row_bytes < row_bytes || (n > 1 && out.stride < row_bytes))
         return PyErr_Format(PyExc_ValueError, "%s(): out holds fewer than %lld rows of %lld bytes", fn, (long long)n,
                             (long long)row_bytes);
     if (!inside((const int64_t *)index.ptr, n, x_rows))
         return PyErr_Format(PyExc_IndexError, "gather: a row index is outside [0, %lld)", (long long)x_rows);
-    NOGIL(dep_gather(x.ptr, row_bytes, (const int64_t *)index.ptr, n, (uint8_t *)out.ptr, out.stride));
+    NOGIL(dep_gather(x.ptr, x.stride, row_bytes, (const int64_t *)index.ptr, n, (uint8_t *)out.ptr, out.stride));
     Py_RETURN_NONE;
 }
 

@@ -342,10 +342,10 @@ void dep_pack(const uint8_t *x, int64_t data_bytes, const int64_t *row_token, co
 }
 
 /* Row i of out ([n][row_bytes]) = row index[i] of x ([*][row_bytes]), with streaming stores. */
-void dep_gather(const uint8_t *x, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out,
+void dep_gather(const uint8_t *x, int64_t x_stride, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out,
                 int64_t out_stride) {
     for (int64_t i = 0; i < n; i++)
-        copy_row(out + i * out_stride, x + index[i] * row_bytes, row_bytes);
+        copy_row(out + i * out_stride, x + index[i] * x_stride, row_bytes);
     copies_done();
 }
 

@@ -40,7 +40,7 @@ int64_t dep_plan(const int64_t *ids, int64_t T, int64_t K, int64_t L, int64_t R,
                  int32_t *slot_expert, int64_t *scratch, int64_t *rows_out);
 void dep_pack(const uint8_t *x, int64_t data_bytes, const int64_t *row_token, const int32_t *slot_expert, int64_t n,
               int64_t k, uint8_t *out, int64_t row_bytes, int64_t token_off, int64_t slot_off, int streaming);
-void dep_gather(const uint8_t *x, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out,
+void dep_gather(const uint8_t *x, int64_t x_stride, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out,
                 int64_t out_stride);
 void dep_layout_range(const int64_t *counts, int64_t num_local, int64_t num_ranks, int64_t me, int64_t *layout_range,
                       int32_t *recv_count);

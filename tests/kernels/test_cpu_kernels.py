@@ -303,3 +303,5 @@ def test_gather_matches_index_select():
         wide = torch.zeros(31, width + 24, dtype=torch.bfloat16)  # the first columns of wider rows (a wire row)
         assert kernels.gather(src, index, wide[:, :width])
         assert torch.equal(wide[:, :width], src[index]) and not wide[:, width:].any()
+        assert kernels.gather(x[:, :width], index, out)  # from the first columns of wider rows (a window's)
+        assert torch.equal(out, src[index])
