@@ -54,8 +54,21 @@ def _unpack_sdist(spec: str, target: Path) -> str:
         done = _pip("install", "--target", str(tools), "setuptools_scm==9.2.2", "setuptools==80.9.0")
         if done.returncode == 0:
             env = dict(os.environ, PYTHONPATH=str(tools), SOC_VERSION="ascend910_9391")
-            cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "download", "--no-deps",
-                   "--no-build-isolation", "--no-binary", ":all:", "-d", scratch, spec]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "--disable-pip-version-check",
+                "-q",
+                "download",
+                "--no-deps",
+                "--no-build-isolation",
+                "--no-binary",
+                ":all:",
+                "-d",
+                scratch,
+                spec,
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             return f"pip download {spec} failed:\n{done.stderr[-4000:]}"
@@ -82,8 +95,11 @@ def install(name: str) -> bool:
         shutil.rmtree(staging, ignore_errors=True)
         error_file(name).write_text(f"pip install -r {requirements(name).name} failed:\n{done.stderr[-4000:]}")
         return False
-    sdists = [line.split(":", 1)[1].strip() for line in requirements(name).read_text().splitlines()
-              if line.startswith("# sdist:")]  # fmt: skip
+    sdists = [
+        line.split(":", 1)[1].strip()
+        for line in requirements(name).read_text().splitlines()
+        if line.startswith("# sdist:")
+    ]
     for spec in sdists:
         why = _unpack_sdist(spec, staging)
         if why:

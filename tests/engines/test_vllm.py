@@ -32,8 +32,13 @@ def _ll(info, ep, x, ids, w, asynchronous: bool) -> torch.Tensor:
 
     local = EXPERTS // info.world_size
     manager = DeepEPLLAll2AllManager(ep.cpu_group)
-    kwargs = dict(max_num_tokens_per_dp_rank=MAX_TOKENS, token_hidden_size=HIDDEN, num_ep_ranks=info.world_size,
-                  num_global_experts=EXPERTS, num_local_experts=local)  # fmt: skip
+    kwargs = dict(
+        max_num_tokens_per_dp_rank=MAX_TOKENS,
+        token_hidden_size=HIDDEN,
+        num_ep_ranks=info.world_size,
+        num_global_experts=EXPERTS,
+        num_local_experts=local,
+    )
     buffer = manager.get_handle(kwargs)
     pf = DeepEPLLPrepareAndFinalize(buffer, max_tokens_per_rank=MAX_TOKENS, num_dispatchers=info.world_size)
     args = (x, w, ids, EXPERTS, None, False, FUSED_MOE_UNQUANTIZED_CONFIG)

@@ -48,9 +48,17 @@ def _dispatch_input(x, ids, w, expert_map, mask):
     from vllm_ascend.ops.fused_moe.moe_runtime_args import build_fused_experts_input, build_token_dispatch_input
     from vllm_ascend.quantization.quant_type import QuantType
 
-    fused = build_fused_experts_input(hidden_states=x, topk_weights=w, topk_ids=ids, w1=[], w2=[],
-                                      quant_type=QuantType.NONE, dynamic_eplb=False, expert_map=expert_map,
-                                      mc2_mask=mask)  # fmt: skip
+    fused = build_fused_experts_input(
+        hidden_states=x,
+        topk_weights=w,
+        topk_ids=ids,
+        w1=[],
+        w2=[],
+        quant_type=QuantType.NONE,
+        dynamic_eplb=False,
+        expert_map=expert_map,
+        mc2_mask=mask,
+    )
     return build_token_dispatch_input(fused_experts_input=fused)
 
 
@@ -92,8 +100,8 @@ def _rank(info, path: str) -> dict[str, torch.Tensor]:
                 mc2 = td.TokenDispatcherWithMC2(**kwargs)
                 mask = torch.ones(TOKENS, dtype=torch.bool)
                 out = mc2.token_dispatch(_dispatch_input(x, ids, w, expert_map, mask))
-                results[f"mc2 {device_type.name}"] = mc2.token_combine(_experts(out, info.rank, local),
-                                                                       out.combine_metadata)  # fmt: skip
+                y = _experts(out, info.rank, local)
+                results[f"mc2 {device_type.name}"] = mc2.token_combine(y, out.combine_metadata)
 
             a2a = td.TokenDispatcherWithAll2AllV(**kwargs)
             out = a2a.token_dispatch(_dispatch_input(x, ids, w, expert_map, None))
