@@ -92,6 +92,15 @@ def tokens(rank: int, n: int, hidden: int, experts: int, k: int) -> tuple[torch.
     return x, ids, torch.rand((n, k), generator=g)
 
 
+def fp8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [n, H] bf16 as DeepEP's fp8 dispatch carries it, dequantized: per token and 128 channels ``s = max(amax,
+    1e-4) / 448``, ``q = e4m3(x / s)``, returned as ``q * s`` in bf16 [n, H]."""
+    blocks = x.float().view(x.shape[0], -1, 128)
+    scale = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / 448
+    q = (blocks / scale).to(torch.float8_e4m3fn)
+    return (q.float() * scale).view(x.shape).to(torch.bfloat16)
+
+
 def dense_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, owners: int = 1, experts: int = 0):
     """sum_k weights[t, k] * expert(ids[t, k], x[t]) for each token, in fp32, returned as bf16 [n, H].
 

@@ -5,11 +5,13 @@ TP 2, so that its EP group spans both ranks; ``VLLM_DIST_IDENT`` set as vLLM's `
 the arguments vLLM's factories pass, ``DeepEPLLAll2AllManager`` + ``DeepEPLLPrepareAndFinalize`` (low latency) and
 ``DeepEPHTAll2AllManager`` + ``DeepEPHTPrepareAndFinalize`` (high throughput, DeepEP's normal mode); on CPU vLLM
 never builds them itself (its ``CpuCommunicator`` has no DeepEP path). ``prepare`` / ``finalize`` and their async
-forms run as vLLM calls them; the test plays the experts (``tests.engines.support.expert``) on what ``prepare``
-returns, as vLLM's fused-experts kernel would: LL on the [experts, tokens, H] batches and ``expert_num_tokens``, HT
-on the received tokens with their global top-k ids and weights, weighting and summing them itself
-(``TopKWeightAndReduceNoOP``: vLLM's CPU build has no ``moe_sum`` kernel for ``TopKWeightAndReduceContiguous``).
-Nothing is stubbed. The result is checked against a dense single-process MoE over the same tokens."""
+forms run as vLLM calls them (LL also with fp8 dispatch: block-128 fp8 weights, so vLLM keeps DeepEP's fp8 tokens and
+scales). The test plays the experts (``tests.engines.support.expert``) on what ``prepare`` returns, as vLLM's
+fused-experts kernel would: LL on the [experts, tokens, H] batches and ``expert_num_tokens``, HT on the received
+tokens with their global top-k ids and weights, weighting and summing them itself (``TopKWeightAndReduceNoOP``:
+vLLM's CPU build has no ``moe_sum`` kernel for ``TopKWeightAndReduceContiguous``). Nothing is stubbed. The result is
+checked against a dense single-process MoE over the same tokens (for fp8, over the tokens quantized and dequantized
+by DeepEP's rule, written in the test)."""
 
 from __future__ import annotations
 
@@ -19,14 +21,14 @@ import torch
 
 from tests.distributed import parallel_launch
 
-from .support import assert_close, dense_moe, enter, expert, require, tokens
+from .support import assert_close, dense_moe, enter, expert, fp8_blocks, require, tokens
 
 HIDDEN, EXPERTS, TOPK, TOKENS, MAX_TOKENS = 2048, 8, 3, 5, 8  # 2048: the smallest hidden vLLM's DeepEP LL allows
 
 
-def _ll(info, ep, x, ids, w, asynchronous: bool) -> torch.Tensor:
+def _ll(info, ep, x, ids, w, asynchronous: bool, fp8: bool = False) -> torch.Tensor:
     from vllm.distributed.device_communicators.all2all import DeepEPLLAll2AllManager
-    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG, fp8_w8a8_moe_quant_config
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import DeepEPLLPrepareAndFinalize
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
 
@@ -40,14 +42,22 @@ def _ll(info, ep, x, ids, w, asynchronous: bool) -> torch.Tensor:
         num_local_experts=local,
     )
     buffer = manager.get_handle(kwargs)
-    pf = DeepEPLLPrepareAndFinalize(buffer, max_tokens_per_rank=MAX_TOKENS, num_dispatchers=info.world_size)
-    args = (x, w, ids, EXPERTS, None, False, FUSED_MOE_UNQUANTIZED_CONFIG)
+    pf = DeepEPLLPrepareAndFinalize(
+        buffer, max_tokens_per_rank=MAX_TOKENS, num_dispatchers=info.world_size, use_fp8_dispatch=fp8
+    )
+    # fp8: block-quantized fp8 weights (block 128), so vLLM keeps DeepEP's fp8 tokens and scales as they arrive
+    ones = torch.ones(1)
+    quant = fp8_w8a8_moe_quant_config(ones, ones, block_shape=[128, 128]) if fp8 else FUSED_MOE_UNQUANTIZED_CONFIG
+    args = (x, w, ids, EXPERTS, None, False, quant)
     if asynchronous:
         hook, receiver = pf.prepare_async(*args)
         hook()
-        recv, _, meta, _, _ = receiver()
+        recv, scales, meta, _, _ = receiver()
     else:
-        recv, _, meta, _, _ = pf.prepare(*args)
+        recv, scales, meta, _, _ = pf.prepare(*args)
+    if fp8:  # the experts dequantize (fp8 [L, T, H] times fp32 scales [L, T, H / 128])
+        assert recv.dtype == torch.float8_e4m3fn and scales.shape == (*recv.shape[:2], HIDDEN // 128)
+        recv = (recv.float() * scales.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
     y = torch.zeros_like(recv)
     for le in range(local):
         n = int(meta.expert_num_tokens[le])
@@ -105,11 +115,12 @@ def _rank(info, path: str) -> dict:
         try:
             ep = parallel_state.get_ep_group()
             assert ep.world_size == info.world_size
-            return {
+            out = {
                 f"{kind} {'async' if asynchronous else 'sync'}": fn(info, ep, x, ids, w, asynchronous)
                 for kind, fn in (("ll", _ll), ("ht", _ht))
                 for asynchronous in (False, True)
             }
+            return out | {"ll fp8 async": _ll(info, ep, x, ids, w, True, fp8=True)}
         finally:
             parallel_state.destroy_model_parallel()
 
@@ -119,5 +130,6 @@ def test_vllm_deepep_ll_and_ht():
     for rank, got in enumerate(outs):
         x, ids, w = tokens(rank, TOKENS, HIDDEN, EXPERTS, TOPK)
         for case, out in got.items():
-            want = dense_moe(x, ids, w, owners=2 if case.startswith("ht") else 1, experts=EXPERTS)
+            sent = fp8_blocks(x) if "fp8" in case else x
+            want = dense_moe(sent, ids, w, owners=2 if case.startswith("ht") else 1, experts=EXPERTS)
             assert_close(out, want, f"rank {rank} {case}")
