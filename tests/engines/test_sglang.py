@@ -1,19 +1,28 @@
 """SGLang's released DeepEP token dispatcher (sglang 0.5.23, ``DeepEPDispatcher``, unmodified) on
-``deep_ep_npu.Buffer`` over 2 gloo ranks, in its ``normal``, ``low_latency`` and ``auto`` modes.
+``deep_ep_npu.Buffer`` over 2 gloo ranks, in its ``normal``, ``low_latency`` and ``auto`` modes, on both of its
+platform branches (module globals SGLang sets at import, set here after import: this CPU host has neither device):
 
-SGLang runs its dispatcher's Ascend branch (``deepep._is_npu``, what SGLang computes at import on an NPU host, set
-after import: on this CPU host there is no NPU for ``is_npu()`` to find): the branch that passes DeepEP-Ascend's
-``topk_weights=`` to ``low_latency_dispatch``, picks quantization keywords from ``Buffer.dispatch``'s signature and
-hands normal mode's expert outputs straight to ``combine`` (its CUDA branch needs DeepGEMM's kernels there).
+- Ascend (``deepep._is_npu``): passes DeepEP-Ascend's ``topk_weights=`` to ``low_latency_dispatch``, picks
+  quantization keywords from ``Buffer.dispatch``'s signature, hands normal mode's expert outputs straight to
+  ``combine``, ``expert_alignment=1``;
+- CUDA with DeepGEMM (``deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM``, without which its normal-mode combine raises):
+  DeepEP's own keywords, ``expert_alignment=128``; ``torch.cuda.get_device_properties`` answers an H100's SM count
+  (it only sizes a warning).
+
 Stubbed for the import only: ``torchvision`` (PyPI's build is CUDA's and cannot load beside CPU torch; only model
-configs SGLang imports at module level use it, after transformers was told it is absent). The dispatch / combine
-code runs as SGLang calls it; the test plays the experts on what ``dispatch`` returns (normal: received tokens with
-their local top-k ids and weights, weighted and summed per token; low latency: the [experts, tokens, H] batches
-with ``masked_m``, weighted by ``combine``) and checks the combined tokens against a dense single-process MoE.
-``auto`` switches normal -> low latency -> normal -> low latency by SGLang's ``is_extend_in_batch`` flag (prefill /
-decode batches), which makes it clean the low-latency buffer at each switch."""
+configs SGLang imports at module level use it, after transformers was told it is absent). Server arguments come from
+SGLang's own test helper (``override_server_args``: ``--moe-a2a-backend deepep --deepep-mode MODE``, bf16 dispatch).
+The dispatch / combine code runs as SGLang calls it; the test plays the experts on what ``dispatch`` returns (normal:
+received tokens with their local top-k ids and weights, weighted and summed per token, and
+``num_recv_tokens_per_expert`` checked against the alignment; low latency: the [experts, tokens, H] batches with
+``masked_m``, weighted by ``combine``) and checks the combined tokens against a dense single-process MoE. ``auto``
+switches normal -> low latency -> normal -> low latency by SGLang's ``is_extend_in_batch`` flag (prefill / decode
+batches), which makes it clean the low-latency buffer at each switch."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +32,7 @@ from tests.distributed import parallel_launch
 from .support import assert_close, dense_moe, enter, expert, require, stub_packages, tokens
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 256, 8, 3, 6
+_H100 = SimpleNamespace(multi_processor_count=132)  # what the CUDA branch reads of the GPU (a warning's threshold)
 
 
 def _experts_normal(out, rank: int, local: int) -> torch.Tensor:
@@ -46,7 +56,14 @@ def _experts_ll(out, rank: int, local: int) -> torch.Tensor:
     return y
 
 
-def _mode(info, mode: str) -> list[tuple[str, torch.Tensor]]:
+def _counts_ok(out, alignment: int) -> bool:
+    """Normal mode's ``num_recv_tokens_per_expert``: each local expert's received tokens, rounded up to
+    ``expert_alignment``."""
+    exact = [int((out.topk_ids == e).sum()) for e in range(len(out.num_recv_tokens_per_expert))]
+    return list(out.num_recv_tokens_per_expert) == [-(-n // alignment) * alignment for n in exact]
+
+
+def _mode(info, mode: str, alignment: int) -> list[tuple[str, torch.Tensor]]:
     from sglang.srt.layers import dp_attention
     from sglang.srt.layers.moe.token_dispatcher import deepep
     from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -78,6 +95,7 @@ def _mode(info, mode: str) -> list[tuple[str, torch.Tensor]]:
         topk = StandardTopKOutput(topk_weights=w, topk_ids=ids, router_logits=torch.zeros((TOKENS, EXPERTS)))
         out = dispatcher.dispatch(x, topk)
         if isinstance(out, deepep.DeepEPNormalDispatchOutput):
+            assert _counts_ok(out, alignment), (out.num_recv_tokens_per_expert, out.topk_ids)
             y = _experts_normal(out, info.rank, local)
         else:
             y = _experts_ll(out, info.rank, local)
@@ -92,27 +110,36 @@ def _rank(info, path: str) -> dict[str, list[tuple[str, torch.Tensor]]]:
 
     assert not import_utils.is_torchvision_available()  # cached: transformers keeps away from the stub below
     stub_packages("torchvision")
+    from sglang.srt.layers import deep_gemm_wrapper
     from sglang.srt.layers.moe.token_dispatcher import deepep
 
-    deepep._is_npu = True  # SGLang's Ascend branch (see the module docstring)
-    return {mode: _mode(info, mode) for mode in ("normal", "low_latency", "auto")}
+    results = {}
+    for branch in ("ascend", "cuda"):  # see the module docstring
+        deepep._is_npu = branch == "ascend"
+        deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM = branch == "cuda"
+        with mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: _H100):
+            for mode in ("normal", "low_latency", "auto"):
+                results[f"{branch} {mode}"] = _mode(info, mode, alignment=128 if branch == "cuda" else 1)
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[list[tuple[str, torch.Tensor]]]]:
-    """One 2-rank launch for the three modes (importing SGLang is most of its time): mode -> per rank results."""
+    """One 2-rank launch for both branches and the three modes (importing SGLang is most of its time):
+    "BRANCH MODE" -> per rank results."""
     outs = parallel_launch(2, _rank, require("sglang"), timeout=300)
-    return {mode: [out[mode] for out in outs] for mode in outs[0]}
+    return {case: [out[case] for out in outs] for case in outs[0]}
 
 
+@pytest.mark.parametrize("branch", ["ascend", "cuda"])
 @pytest.mark.parametrize(
     "mode, kinds",
     [("normal", ["Normal"]), ("low_latency", ["LL"]), ("auto", ["Normal", "LL", "Normal", "LL"])],
 )
-def test_sglang_deepep_dispatcher(runs, mode: str, kinds: list[str]):
-    for rank, results in enumerate(runs[mode]):
+def test_sglang_deepep_dispatcher(runs, branch: str, mode: str, kinds: list[str]):
+    for rank, results in enumerate(runs[f"{branch} {mode}"]):
         x, ids, w = tokens(rank, TOKENS, HIDDEN, EXPERTS, TOPK)
         assert [name.removeprefix("DeepEP").removesuffix("DispatchOutput") for name, _ in results] == kinds
         for step, (name, got) in enumerate(results):
             want = dense_moe(x, ids, w, owners=2 if "Normal" in name else 1, experts=EXPERTS)
-            assert_close(got, want, f"rank {rank} {mode} step {step} ({name})")
+            assert_close(got, want, f"rank {rank} {branch} {mode} step {step} ({name})")
