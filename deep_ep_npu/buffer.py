@@ -59,12 +59,22 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-        low_latency_mode: bool = False, num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
-        allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, *,
-        backend: str = "auto", ccl_buffer_size: int | None = None, timeout: float | None = None,
+        self,
+        group: dist.ProcessGroup | None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        *,
+        backend: str = "auto",
+        ccl_buffer_size: int | None = None,
+        timeout: float | None = None,
         transport: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if group is None:
             raise ValueError("group: a torch.distributed ProcessGroup is required (deep_ep_npu has no mpi4py comm)")
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -77,19 +87,35 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
         self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode = num_nvl_bytes, num_rdma_bytes, low_latency_mode
         self.explicitly_destroy, self.enable_shrink = explicitly_destroy, enable_shrink
         self._backend = create_backend(
-            self.backend_name, group, timeout=resolve_timeout(timeout), enable_shrink=enable_shrink,
-            transport=transport, num_rdma_bytes=num_rdma_bytes, ccl_buffer_size=ccl_buffer_size,
-        )  # fmt: skip
+            self.backend_name,
+            group,
+            timeout=resolve_timeout(timeout),
+            enable_shrink=enable_shrink,
+            transport=transport,
+            num_rdma_bytes=num_rdma_bytes,
+            ccl_buffer_size=ccl_buffer_size,
+        )
         self.nodes = host_nodes(self._backend)  # (normal mode's intranode / internode form)
 
     def low_latency_dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
         cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-        dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True, round_scale: bool = False,
-        use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False, *,
-        quant_format: str | None = None, topk_weights: torch.Tensor | None = None, quant_mode: str | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        *,
+        quant_format: str | None = None,
+        topk_weights: torch.Tensor | None = None,
+        quant_mode: str | None = None,
         use_mxfp4: bool = False,
-    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:  # fmt: skip
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Callable[[], None] | None]:
         """Send each token to the ranks hosting its experts (DeepEP low-latency dispatch). N =
         num_max_dispatch_tokens_per_rank, R ranks, L = num_experts / R local experts.
 
@@ -133,11 +159,23 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
             quant = rules.deepep_quant(use_fp8, round_scale, use_ue8m0, quant_format, self._backend.native_quant_format)
             n = rules.count(n, "num_max_dispatch_tokens_per_rank", 1, code="shape")
             experts = rules.plain_experts(self.group_size, self.rank, num_experts, "num_experts")
-            call = rules.dispatch(DispatchCall(
-                op, "masked", rules.activations(x), topk_idx, experts, num_max=n, quant=quant, round_scale=round_scale,
-                use_ue8m0=use_ue8m0, recv_stats=cumulative_local_expert_recv_stats,
-                wait_stats=dispatch_wait_recv_cost_stats, expert_scales=topk_weights, names=NAMES,
-            ))  # fmt: skip
+            call = rules.dispatch(
+                DispatchCall(
+                    op,
+                    "masked",
+                    rules.activations(x),
+                    topk_idx,
+                    experts,
+                    num_max=n,
+                    quant=quant,
+                    round_scale=round_scale,
+                    use_ue8m0=use_ue8m0,
+                    recv_stats=cumulative_local_expert_recv_stats,
+                    wait_stats=dispatch_wait_recv_cost_stats,
+                    expert_scales=topk_weights,
+                    names=NAMES,
+                )
+            )
             if self.num_rdma_bytes and (need := rdma_size_hint(n, x.shape[1], num_experts)) > self.num_rdma_bytes:
                 sizes = f"N={n}, hidden={x.shape[1]}, num_experts={num_experts}: {need} bytes needed"
                 why = f"{self.num_rdma_bytes} bytes is too small for {sizes} (Buffer.get_low_latency_rdma_size_hint)"
@@ -147,11 +185,20 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
         return (*inflight.value, event, hook)  # recv_x, recv_count, handle, event, hook
 
     def low_latency_combine(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle | tuple,
-        use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-        out: torch.Tensor | None = None, combine_wait_recv_cost_stats: torch.Tensor | None = None, *,
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle | tuple,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+        *,
         slot_order: bool = False,
-    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:  # fmt: skip
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
         """Return expert outputs to their source ranks and reduce them there (DeepEP low-latency combine).
 
         Arguments:
@@ -184,11 +231,23 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
                 raise invalid("use_logfmt", "use_logfmt and zero_copy cannot both be True (as DeepEP); pick one")
             h = rules.masked_handle(handle, self.group_size)
             experts = rules.plain_experts(self.group_size, self.rank, h.num_experts, "handle.num_experts")
-            call = rules.combine(CombineCall(
-                op, "masked", x, topk_idx, experts, h, expert_scales=topk_weights, comm_quant_mode=10 * use_logfmt,
-                zero_copy=zero_copy, out=out, wait_stats=combine_wait_recv_cost_stats, names=COMBINE_NAMES,
-                slot_order=rules.flag(slot_order, "slot_order"),
-            ))  # fmt: skip
+            call = rules.combine(
+                CombineCall(
+                    op,
+                    "masked",
+                    x,
+                    topk_idx,
+                    experts,
+                    h,
+                    expert_scales=topk_weights,
+                    comm_quant_mode=10 * use_logfmt,
+                    zero_copy=zero_copy,
+                    out=out,
+                    wait_stats=combine_wait_recv_cost_stats,
+                    names=COMBINE_NAMES,
+                    slot_order=rules.flag(slot_order, "slot_order"),
+                )
+            )
         inflight = self._backend.combine(call)
         event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (inflight.value,))
         return inflight.value, event, hook

@@ -55,12 +55,25 @@ class AscendMethods:
     rank: int
 
     def low_latency_dispatch_flat(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int, *,
-        topk_weights: torch.Tensor | None = None, quant_mode: int = 0, smooth_scales: torch.Tensor | None = None,
-        x_active_mask: torch.Tensor | None = None, expert_token_nums_type: int = 1, shared_expert_num: int = 1,
-        shared_expert_rank_num: int = 0, zero_expert_num: int = 0, copy_expert_num: int = 0,
-        const_expert_num: int = 0, async_finish: bool = False, return_recv_hook: bool = False,
-    ) -> tuple[FlatDispatchOutput, Any, Callable[[], None] | None]:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        *,
+        topk_weights: torch.Tensor | None = None,
+        quant_mode: int = 0,
+        smooth_scales: torch.Tensor | None = None,
+        x_active_mask: torch.Tensor | None = None,
+        expert_token_nums_type: int = 1,
+        shared_expert_num: int = 1,
+        shared_expert_rank_num: int = 0,
+        zero_expert_num: int = 0,
+        copy_expert_num: int = 0,
+        const_expert_num: int = 0,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[FlatDispatchOutput, Any, Callable[[], None] | None]:
         """Dispatch into the flat Ascend layout (``npu_moe_distribute_dispatch_v2`` semantics, A3 fullmesh). Returns
         ``(output, event, hook)``: a :class:`FlatDispatchOutput`, an :class:`EventOverlap`, the receive hook or None.
 
@@ -82,19 +95,33 @@ class AscendMethods:
         n = num_max_dispatch_tokens_per_rank
         global_bs = n * self.group_size if isinstance(n, int) else n
         layout: dict[str, Any] = dict(
-            shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
-            zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-        )  # fmt: skip
+            shared_expert_num=shared_expert_num,
+            shared_expert_rank_num=shared_expert_rank_num,
+            zero_expert_num=zero_expert_num,
+            copy_expert_num=copy_expert_num,
+            const_expert_num=const_expert_num,
+        )
         with self._backend.rejecting(FLAT_DISPATCH_OP, FLAT_NAMES):
             if quant_mode not in (0, 2):
                 raise invalid("quant_mode", f"got {quant_mode!r}, allowed 0 or 2")
             experts = ascend.experts(self.group, self.group_size, self.rank, num_experts, **layout)
-            call = ascend.dispatch(DispatchCall(
-                FLAT_DISPATCH_OP, "flat", x, topk_idx, experts, global_bs=global_bs, x_active_mask=x_active_mask,
-                expert_scales=topk_weights, quant=(quant_mode, None, None, None), scales=smooth_scales,
-                expert_token_nums_type=expert_token_nums_type, ccl_buffer_size=self._backend.ccl_buffer_size,
-                names=FLAT_NAMES,
-            ))  # fmt: skip
+            call = ascend.dispatch(
+                DispatchCall(
+                    FLAT_DISPATCH_OP,
+                    "flat",
+                    x,
+                    topk_idx,
+                    experts,
+                    global_bs=global_bs,
+                    x_active_mask=x_active_mask,
+                    expert_scales=topk_weights,
+                    quant=(quant_mode, None, None, None),
+                    scales=smooth_scales,
+                    expert_token_nums_type=expert_token_nums_type,
+                    ccl_buffer_size=self._backend.ccl_buffer_size,
+                    names=FLAT_NAMES,
+                )
+            )
         inflight = self._backend.dispatch(call)
         _, _, assist, _, ep_recv, tp_recv, expand_scales = inflight.value
         keywords = dict(layout, x_active_mask=x_active_mask, global_bs=global_bs)
@@ -103,12 +130,22 @@ class AscendMethods:
         return FlatDispatchOutput(inflight, handle), event, hook
 
     def low_latency_combine_flat(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: FlatHandle, *,
-        shared_expert_x: torch.Tensor | None = None, ori_x: torch.Tensor | None = None,
-        const_expert_alpha_1: torch.Tensor | None = None, const_expert_alpha_2: torch.Tensor | None = None,
-        const_expert_v: torch.Tensor | None = None, comm_quant_mode: int = 0, out: torch.Tensor | None = None,
-        async_finish: bool = False, return_recv_hook: bool = False,
-    ) -> tuple[torch.Tensor, Any, Callable[[], None] | None]:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: FlatHandle,
+        *,
+        shared_expert_x: torch.Tensor | None = None,
+        ori_x: torch.Tensor | None = None,
+        const_expert_alpha_1: torch.Tensor | None = None,
+        const_expert_alpha_2: torch.Tensor | None = None,
+        const_expert_v: torch.Tensor | None = None,
+        comm_quant_mode: int = 0,
+        out: torch.Tensor | None = None,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[torch.Tensor, Any, Callable[[], None] | None]:
         """Combine flat expert outputs (``npu_moe_distribute_combine_v2`` semantics). Returns ``(combined_x, event,
         hook)``, combined_x `[T, hidden]` in x's dtype (filled once the receive ran).
 
@@ -127,23 +164,48 @@ class AscendMethods:
             kw = handle.op_kwargs
             layout = {k: v for k, v in kw.items() if k not in ("x_active_mask", "global_bs")}
             experts = ascend.experts(self.group, self.group_size, self.rank, handle.num_experts, combine=True, **layout)
-            call = ascend.combine(CombineCall(
-                FLAT_COMBINE_OP, "flat", x, topk_idx, experts, (handle.assist_info_for_combine, handle.ep_recv_counts,
-                handle.tp_recv_counts), x_active_mask=kw["x_active_mask"], expert_scales=topk_weights,
-                shared_expert_x=shared_expert_x, ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,
-                const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
-                comm_quant_mode=comm_quant_mode, global_bs=kw["global_bs"], out=out, names=FLAT_COMBINE_NAMES,
-            ))  # fmt: skip
+            call = ascend.combine(
+                CombineCall(
+                    FLAT_COMBINE_OP,
+                    "flat",
+                    x,
+                    topk_idx,
+                    experts,
+                    (handle.assist_info_for_combine, handle.ep_recv_counts, handle.tp_recv_counts),
+                    x_active_mask=kw["x_active_mask"],
+                    expert_scales=topk_weights,
+                    shared_expert_x=shared_expert_x,
+                    ori_x=ori_x,
+                    const_expert_alpha_1=const_expert_alpha_1,
+                    const_expert_alpha_2=const_expert_alpha_2,
+                    const_expert_v=const_expert_v,
+                    comm_quant_mode=comm_quant_mode,
+                    global_bs=kw["global_bs"],
+                    out=out,
+                    names=FLAT_COMBINE_NAMES,
+                )
+            )
         inflight = self._backend.combine(call)
         event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (inflight.value,))
         return inflight.value, event, hook
 
     def mega_moe(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-        *, w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-        num_max_dispatch_tokens_per_rank: int, num_experts: int, out_dtype: torch.dtype | None = None,
-        x_active_mask: torch.Tensor | None = None, swiglu_limit: float | None = None, **kwargs: Any,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        w1_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        out_dtype: torch.dtype | None = None,
+        x_active_mask: torch.Tensor | None = None,
+        swiglu_limit: float | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine in one pipelined call on this Buffer's group and backend:
         :func:`deep_ep_npu.mega_moe.mega_moe` less ``group`` / ``backend`` (it documents every argument; its extra
         keywords ``max_output_size``, ``num_segments``, ``segment_by`` are accepted). x: `[M, K]` `torch.bfloat16` /

@@ -49,20 +49,38 @@ class ElasticBuffer:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, num_bytes: int | None = None, num_cpu_bytes: int = 0,
-        num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False,
-        deterministic: bool = False, allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
-        prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
-        num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False, *,
-        backend: str = "auto", timeout: float | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        group: dist.ProcessGroup,
+        num_bytes: int | None = None,
+        num_cpu_bytes: int = 0,
+        num_max_tokens_per_rank: int = 0,
+        hidden: int = 0,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        deterministic: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+        prefer_overlap_with_compute: bool = True,
+        sl_idx: int = 3,
+        num_allocated_qps: int = 0,
+        num_cpu_timeout_secs: int = 300,
+        num_gpu_timeout_secs: int = 100,
+        explicitly_destroy: bool = False,
+        *,
+        backend: str = "auto",
+        timeout: float | None = None,
+    ) -> None:
         if group is None:
             raise ValueError("group: a torch.distributed ProcessGroup is required")
         for name, value in (("num_bytes", num_bytes), ("num_cpu_bytes", num_cpu_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value % _MIB2):
                 raise ValueError(f"{name}: must be an int multiple of 2 MiB ({_MIB2}), got {value!r}")
-        for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden),
-                            ("num_topk", num_topk), ("num_allocated_qps", num_allocated_qps)):  # fmt: skip
+        for name, value in (
+            ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+            ("hidden", hidden),
+            ("num_topk", num_topk),
+            ("num_allocated_qps", num_allocated_qps),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
         self.group, self.rank_idx, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
@@ -90,9 +108,15 @@ class ElasticBuffer:
         return self.rank_idx
 
     @staticmethod
-    def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
-                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
-                             allow_multiple_reduction: bool = True) -> int:  # fmt: skip
+    def get_buffer_size_hint(
+        group: dist.ProcessGroup,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+    ) -> int:
         """Bytes of buffer these shapes need, by DeepEP's direct-mode model, 2 MiB-aligned: dispatch receives
         ``R * N`` tokens (bf16 ``2 * hidden`` bytes, or fp8 ``hidden`` + ``ceil(hidden / 32)`` 4-byte scale packs,
         plus 12 bytes per top-k entry and 8 of metadata), combine ``min(R, K) * N`` bf16 rows (``K * N`` without
@@ -103,9 +127,15 @@ class ElasticBuffer:
         return align(max(r * num_max_tokens_per_rank * token, combine_rows * 2 * hidden), _MIB2)
 
     def get_theoretical_num_sms(
-        self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0, rdma_gbs: float = 0, nvlink_gbs: float = 0,
-        sm_read_gbs: float = 200, sm_write_gbs: float = 50,
-    ) -> int:  # fmt: skip
+        self,
+        num_experts: int,
+        num_topk: int,
+        num_scaleout_topk: int = 0,
+        rdma_gbs: float = 0,
+        nvlink_gbs: float = 0,
+        sm_read_gbs: float = 200,
+        sm_write_gbs: float = 50,
+    ) -> int:
         """A constant here (no SMs to share): 20, or 64 with ``prefer_overlap_with_compute=False`` (DeepEP's floor
         then); even and >= 4 as DeepEP's. Stored in the handle as ``num_sms``; changes nothing."""
         return 20 if self.prefer_overlap_with_compute else 64
@@ -136,15 +166,27 @@ class ElasticBuffer:
         self._backend.ep.barrier("barrier")
 
     def dispatch(
-        self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk_idx: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-        num_experts: int | None = None, num_max_tokens_per_rank: int | None = None,
-        expert_alignment: int | None = None, num_sms: int = 0, num_qps: int = 0,
-        previous_event: EventHandle | None = None, previous_event_before_epilogue: EventHandle | None = None,
-        async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
-        handle: EPHandle | None = None, do_handle_copy: bool = True, do_cpu_sync: bool | None = None,
-        do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False,
-    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:  # fmt: skip
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        num_experts: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        expert_alignment: int | None = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: EventHandle | None = None,
+        previous_event_before_epilogue: EventHandle | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        handle: EPHandle | None = None,
+        do_handle_copy: bool = True,
+        do_cpu_sync: bool | None = None,
+        do_expand: bool = False,
+        do_zero_padding: bool = False,
+        use_tma_aligned_col_major_sf: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
         """Send each token to the ranks hosting its experts (collective). R ranks, L = num_experts / R, T tokens,
         N = num_max_tokens_per_rank, K top-k, ``a`` = expert_alignment, num_recv / num_expanded the received rows:
         exact with CPU sync, else ``R * N`` / ``align(R * N * min(K, L) + (a - 1) * L, a)``, whose tail past the real
@@ -206,11 +248,24 @@ class ElasticBuffer:
                 a, n = h.expert_alignment, h.num_max_tokens_per_rank
                 ids, expand, cpu_sync = h.topk_idx, h.do_expand, False
             call = DispatchCall(
-                DISPATCH_OP, "expand", data, ids, experts, num_max=n, expert_scales=topk_weights, x_sf=sf,
-                recv_stats=cumulative_local_expert_recv_stats, alignment=a, do_expand=expand,
-                zero_padding=do_zero_padding, tma_sf=use_tma_aligned_col_major_sf, cpu_sync=cpu_sync, cached=h,
-                handle_copy=do_handle_copy, names=v2.NAMES,
-            )  # fmt: skip
+                DISPATCH_OP,
+                "expand",
+                data,
+                ids,
+                experts,
+                num_max=n,
+                expert_scales=topk_weights,
+                x_sf=sf,
+                recv_stats=cumulative_local_expert_recv_stats,
+                alignment=a,
+                do_expand=expand,
+                zero_padding=do_zero_padding,
+                tma_sf=use_tma_aligned_col_major_sf,
+                cpu_sync=cpu_sync,
+                cached=h,
+                handle_copy=do_handle_copy,
+                names=v2.NAMES,
+            )
             if h is not None:
                 v2.cached(
                     call, h, topk_idx, do_cpu_sync, num_experts, expert_alignment, num_max_tokens_per_rank, do_expand
@@ -230,11 +285,18 @@ class ElasticBuffer:
         return recv_x, recv_topk_idx, weights, out.handle, EventOverlap(inflight if async_finish else None)
 
     def combine(
-        self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
-        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, num_sms: int = 0, num_qps: int = 0,
-        previous_event: EventHandle | None = None, previous_event_before_epilogue: EventHandle | None = None,
-        async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        handle: EPHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: EventHandle | None = None,
+        previous_event_before_epilogue: EventHandle | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Return rows to their source ranks and sum them there (collective): no weights are applied.
 
         Arguments:

@@ -139,8 +139,9 @@ class EventOverlap:
         self.extra_tensors = None
 
     @staticmethod
-    def of(inflight: Any, async_finish: bool, return_recv_hook: bool,
-           tensors: tuple = ()) -> tuple[EventOverlap, Callable[[], Any] | None]:  # fmt: skip
+    def of(
+        inflight: Any, async_finish: bool, return_recv_hook: bool, tensors: tuple = ()
+    ) -> tuple[EventOverlap, Callable[[], Any] | None]:
         """DeepEP's two overlap styles over a receive (an ``InFlight``): a hook, an event, or neither (the receive
         runs now); returns ``(event, hook)``."""
         if return_recv_hook:

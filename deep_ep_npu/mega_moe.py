@@ -27,12 +27,25 @@ NAMES = ("num_experts", "hidden", "N", "topk", "weight dtype", "out_dtype", "num
 
 
 def mega_moe(
-    group: dist.ProcessGroup | str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-    w1: torch.Tensor, w2: torch.Tensor, *, w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-    num_max_dispatch_tokens_per_rank: int, num_experts: int, out_dtype: torch.dtype | None = None,
-    max_output_size: int | None = None, num_segments: int | None = None, segment_by: str = "expert",
-    x_active_mask: torch.Tensor | None = None, swiglu_limit: float | None = None, backend: str = "reference",
-) -> torch.Tensor:  # fmt: skip
+    group: dist.ProcessGroup | str,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    out_dtype: torch.dtype | None = None,
+    max_output_size: int | None = None,
+    num_segments: int | None = None,
+    segment_by: str = "expert",
+    x_active_mask: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    backend: str = "reference",
+) -> torch.Tensor:
     """Fused expert-parallel MoE layer: ``out[t] = sum_k topk_weights[t, k] * FFN_{topk_idx[t, k]}(x[t])``.
 
     Every rank of ``group`` calls this together (a rank with no tokens passes ``M = 0``); rank r hosts the experts
@@ -83,14 +96,30 @@ def mega_moe(
     return run(impl, x, topk_idx, topk_weights, ffn, num_max_dispatch_tokens_per_rank, num_experts, x_active_mask)
 
 
-def run(backend: Backend, x: object, topk_idx: object, topk_weights: object, ffn: FFN, num_max: object,
-        num_experts: object, x_active_mask: object) -> torch.Tensor:  # fmt: skip
+def run(
+    backend: Backend,
+    x: object,
+    topk_idx: object,
+    topk_weights: object,
+    ffn: FFN,
+    num_max: object,
+    num_experts: object,
+    x_active_mask: object,
+) -> torch.Tensor:
     """:func:`mega_moe` on ``backend``'s group: :func:`prepare`, then the backend runs it."""
     return backend.mega_moe(*prepare(backend, x, topk_idx, topk_weights, ffn, num_max, num_experts, x_active_mask))
 
 
-def prepare(backend: Backend, x: object, topk_idx: object, topk_weights: object, ffn: FFN, num_max: object,
-            num_experts: object, x_active_mask: object) -> tuple[DispatchCall, FFN, bool]:  # fmt: skip
+def prepare(
+    backend: Backend,
+    x: object,
+    topk_idx: object,
+    topk_weights: object,
+    ffn: FFN,
+    num_max: object,
+    num_experts: object,
+    x_active_mask: object,
+) -> tuple[DispatchCall, FFN, bool]:
     """Validate (on every rank) and agree (every rank raises if any rank's input is invalid or the ranks disagree);
     returns the call, its FFN and whether every rank can run it as the fused op."""
     ep = backend.ep

@@ -15,8 +15,15 @@ def align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def ccl_buffer_bytes(world_size: int, num_max_dispatch_tokens_per_rank: int, hidden: int, num_local_experts: int,
-                     topk: int, num_shared_expert: int = 0, comm_alg: str = "") -> int:  # fmt: skip
+def ccl_buffer_bytes(
+    world_size: int,
+    num_max_dispatch_tokens_per_rank: int,
+    hidden: int,
+    num_local_experts: int,
+    topk: int,
+    num_shared_expert: int = 0,
+    comm_alg: str = "",
+) -> int:
     """Minimum bytes of the two CCL windows (dispatch + combine, x2) for these shapes, no range checks:
     ``2 * (bs * disp_tok * W * L + bs * comb_tok * (topk + S)) + 1 MiB`` with ``disp_tok = align512(align32(2H) + 44)``
     (``ceil(.../480)*512`` for fullmesh_v2), ``comb_tok = align512(2H)``."""
@@ -31,9 +38,16 @@ def ccl_buffer_mb(num_bytes: int) -> int:
     return align(math.ceil(num_bytes / _MB), 2) // 2
 
 
-def get_low_latency_ccl_buffer_size(world_size: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
-                                    num_moe_expert: int, topk: int, num_shared_expert: int = 0,
-                                    num_shared_expert_ranks: int = 0, comm_alg: str = "") -> int:  # fmt: skip
+def get_low_latency_ccl_buffer_size(
+    world_size: int,
+    num_max_dispatch_tokens_per_rank: int,
+    hidden: int,
+    num_moe_expert: int,
+    topk: int,
+    num_shared_expert: int = 0,
+    num_shared_expert_ranks: int = 0,
+    comm_alg: str = "",
+) -> int:
     """The CCL buffer size, in MB, that low-latency dispatch + combine need (``HCCL_BUFFSIZE`` / ``hccl_buffer_size``):
     ops-transformer's static ``MoeDistributeBuffer.get_low_latency_ccl_buffer_size`` (CANN 9.1+, the halved value),
     e.g. 479 for ``(W, 128, 7168, 256, 8)``. Raises :class:`~deep_ep_npu.errors.MoeDistributeError` as it does:
@@ -42,10 +56,14 @@ def get_low_latency_ccl_buffer_size(world_size: int, num_max_dispatch_tokens_per
     (world_size - num_shared_expert_ranks)``), 161002 for ``comm_alg`` not in {"", fullmesh_v1, fullmesh_v2}."""
     tokens, shared_ranks = num_max_dispatch_tokens_per_rank, num_shared_expert_ranks
     for name, value, lo, hi in (
-        ("world_size", world_size, 2, 768), ("num_max_dispatch_tokens_per_rank", tokens, 1, 512),
-        ("hidden", hidden, 1024, 8192), ("num_moe_expert", num_moe_expert, 1, 1024), ("topk", topk, 1, 16),
-        ("num_shared_expert", num_shared_expert, 0, 4), ("num_shared_expert_ranks", shared_ranks, 0, world_size - 1),
-    ):  # fmt: skip
+        ("world_size", world_size, 2, 768),
+        ("num_max_dispatch_tokens_per_rank", tokens, 1, 512),
+        ("hidden", hidden, 1024, 8192),
+        ("num_moe_expert", num_moe_expert, 1, 1024),
+        ("topk", topk, 1, 16),
+        ("num_shared_expert", num_shared_expert, 0, 4),
+        ("num_shared_expert_ranks", shared_ranks, 0, world_size - 1),
+    ):
         if not lo <= value <= hi:
             raise shape(name, f"got {value}, allowed [{lo}, {hi}]")
     if comm_alg not in COMM_ALGS:

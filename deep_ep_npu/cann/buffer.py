@@ -87,14 +87,31 @@ class MoeDistributeBuffer:
         w, r, ccl = self.world_size, self.rank_id, self.ccl_buffer_size
         try:
             out = moe_distribute_dispatch_v3(
-                self.context, x, topk_idx, w, r, num_experts, ccl, scales=x_smooth_scale, x_active_mask=x_active_mask,
-                expert_scales=topk_weights, elastic_info=elastic_info, expert_shard_type=expert_shard_type,
-                shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
-                quant_mode=quant_mode, global_bs=num_max_dispatch_tokens_per_rank * w,
-                expert_token_nums_type=expert_token_nums_type, comm_alg=comm_alg, zero_expert_num=zero_expert_num,
-                copy_expert_num=copy_expert_num, const_expert_num=const_expert_num, y_dtype=y_dtype, x_dtype=x_dtype,
+                self.context,
+                x,
+                topk_idx,
+                w,
+                r,
+                num_experts,
+                ccl,
+                scales=x_smooth_scale,
+                x_active_mask=x_active_mask,
+                expert_scales=topk_weights,
+                elastic_info=elastic_info,
+                expert_shard_type=expert_shard_type,
+                shared_expert_num=shared_expert_num,
+                shared_expert_rank_num=shared_expert_rank_num,
+                quant_mode=quant_mode,
+                global_bs=num_max_dispatch_tokens_per_rank * w,
+                expert_token_nums_type=expert_token_nums_type,
+                comm_alg=comm_alg,
+                zero_expert_num=zero_expert_num,
+                copy_expert_num=copy_expert_num,
+                const_expert_num=const_expert_num,
+                y_dtype=y_dtype,
+                x_dtype=x_dtype,
                 scales_dtype=x_smooth_scales_dtype,
-            )  # fmt: skip
+            )
         except MoeDistributeError as err:
             raise err.renamed(DISPATCH_NAMES) from None
         return (*out[:5], out[6])
@@ -134,15 +151,34 @@ class MoeDistributeBuffer:
         w, r, ccl = self.world_size, self.rank_id, self.ccl_buffer_size
         try:
             return moe_distribute_combine_v3(
-                self.context, x, topk_idx, assist_info_for_combine, ep_send_counts, weights, w, r, num_experts, ccl,
-                x_active_mask=x_active_mask, expand_scales=expand_scales, shared_expert_x=shared_expert_x,
-                elastic_info=elastic_info, ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,
-                const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
-                expert_shard_type=expert_shared_type, shared_expert_num=shared_expert_num,
-                shared_expert_rank_num=shared_expert_rank_num, global_bs=num_max_dispatch_tokens_per_rank * w,
-                comm_quant_mode=comm_quant_mode, comm_alg=comm_alg, zero_expert_num=zero_expert_num,
-                copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-            )  # fmt: skip
+                self.context,
+                x,
+                topk_idx,
+                assist_info_for_combine,
+                ep_send_counts,
+                weights,
+                w,
+                r,
+                num_experts,
+                ccl,
+                x_active_mask=x_active_mask,
+                expand_scales=expand_scales,
+                shared_expert_x=shared_expert_x,
+                elastic_info=elastic_info,
+                ori_x=ori_x,
+                const_expert_alpha_1=const_expert_alpha_1,
+                const_expert_alpha_2=const_expert_alpha_2,
+                const_expert_v=const_expert_v,
+                expert_shard_type=expert_shared_type,
+                shared_expert_num=shared_expert_num,
+                shared_expert_rank_num=shared_expert_rank_num,
+                global_bs=num_max_dispatch_tokens_per_rank * w,
+                comm_quant_mode=comm_quant_mode,
+                comm_alg=comm_alg,
+                zero_expert_num=zero_expert_num,
+                copy_expert_num=copy_expert_num,
+                const_expert_num=const_expert_num,
+            )
         except MoeDistributeError as err:
             raise err.renamed(COMBINE_NAMES) from None
 

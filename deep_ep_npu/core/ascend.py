@@ -36,11 +36,26 @@ def platform(strict: object) -> str | None:
     raise invalid("strict", f"got {strict!r}; allowed False, True (= 'a3'), 'a3' (Atlas A3) or 'a5' (Ascend 950)")
 
 
-def experts(pg: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object, moe_expert_num: object, *,
-            strict: object = False, expert_shard_type: object = 0, shared_expert_num: object = 1,
-            shared_expert_rank_num: object = 0, zero_expert_num: object = 0, copy_expert_num: object = 0,
-            const_expert_num: object = 0, comm_alg: object = "", tp_world_size: object = 0, tp_rank_id: object = 0,
-            tp: object = None, elastic_info: object = None, combine: bool = False) -> Experts:  # fmt: skip
+def experts(
+    pg: dist.ProcessGroup,
+    ep_world_size: object,
+    ep_rank_id: object,
+    moe_expert_num: object,
+    *,
+    strict: object = False,
+    expert_shard_type: object = 0,
+    shared_expert_num: object = 1,
+    shared_expert_rank_num: object = 0,
+    zero_expert_num: object = 0,
+    copy_expert_num: object = 0,
+    const_expert_num: object = 0,
+    comm_alg: object = "",
+    tp_world_size: object = 0,
+    tp_rank_id: object = 0,
+    tp: object = None,
+    elastic_info: object = None,
+    combine: bool = False,
+) -> Experts:
     """The experts of an op call on group ``pg`` (``tp()``: the TP pair's EPGroup, resolved once the TP keywords
     passed): every expert keyword checked (no communication)."""
     plat = platform(strict)
@@ -87,8 +102,28 @@ def experts(pg: dist.ProcessGroup, ep_world_size: object, ep_rank_id: object, mo
     if elastic_info is not None and tw > 1:
         raise invalid("elastic_info", f"is only supported with tp_world_size <= 1, got tp_world_size {tw}")
     here = 1 if rank < sr else num_local
-    out = Experts(w, rank, e, num_local, here, w, rank, tuple(range(w)), sr, effective, zero, copy, const, tw, tr,
-                  tp_group, e, plat, plain=not sr, scales_shared=s - effective)  # fmt: skip
+    out = Experts(
+        w,
+        rank,
+        e,
+        num_local,
+        here,
+        w,
+        rank,
+        tuple(range(w)),
+        sr,
+        effective,
+        zero,
+        copy,
+        const,
+        tw,
+        tr,
+        tp_group,
+        e,
+        plat,
+        plain=not sr,
+        scales_shared=s - effective,
+    )
     return out if elastic_info is None else _elastic(out, elastic_info, s)
 
 
@@ -129,10 +164,17 @@ def _elastic(e: Experts, elastic_info: object, shared_expert_num: int) -> Expert
         raise shape("elastic_info", f"Table2 {table2} must be the inverse of Table1 {table1}")
     logical, num_local = table1[e.rank], new_e // (new_w - new_sr)
     return dataclasses.replace(
-        e, num_moe_experts=new_e, num_local=num_local, num_local_here=1 if 0 <= logical < new_sr else num_local,
-        logical_world_size=new_w, logical_rank=logical, ep_rank_of=tuple(table2), shared_expert_rank_num=new_sr,
-        shared_expert_num=_effective_shared(shared_expert_num, new_sr, new_w), plain=False,
-    )  # fmt: skip
+        e,
+        num_moe_experts=new_e,
+        num_local=num_local,
+        num_local_here=1 if 0 <= logical < new_sr else num_local,
+        logical_world_size=new_w,
+        logical_rank=logical,
+        ep_rank_of=tuple(table2),
+        shared_expert_rank_num=new_sr,
+        shared_expert_num=_effective_shared(shared_expert_num, new_sr, new_w),
+        plain=False,
+    )
 
 
 def recv_capacity(e: Experts, global_bs: int, topk: int) -> int:
@@ -216,9 +258,18 @@ def dispatch(c: DispatchCall) -> DispatchCall:
         if size < need:
             shapes = f"W={w}, max Bs={max_bs}, H={hidden}, L={e.num_local}, K={topk}"
             raise shape("ccl_buffer_size", f"{size} MB is too small for {shapes}: at least {need} MB is needed")
-    return dataclasses.replace(c, x=x, expert_ids=ids, x_active_mask=mask, quant=quant, scales=scales,
-                               expert_scales=weights, wait_stats=perf, num_max=global_bs // w,
-                               capacity=recv_capacity(e, global_bs, topk))  # fmt: skip
+    return dataclasses.replace(
+        c,
+        x=x,
+        expert_ids=ids,
+        x_active_mask=mask,
+        quant=quant,
+        scales=scales,
+        expert_scales=weights,
+        wait_stats=perf,
+        num_max=global_bs // w,
+        capacity=recv_capacity(e, global_bs, topk),
+    )
 
 
 def combine(c: CombineCall) -> CombineCall:
@@ -290,9 +341,22 @@ def combine(c: CombineCall) -> CombineCall:
             raise shape("ep_send_counts", f"total {num_rows} rows (+{num_peer} TP peer rows), {why}")
         if assist.numel() < 3 * num_rows:
             raise shape("assist_info_for_combine", f"has {assist.numel()} entries, needs 3 * {num_rows}")
-    return dataclasses.replace(c, x=expand_x, expert_ids=ids, x_active_mask=mask, expert_scales=weights, ori_x=ori_x,
-                               shared_expert_x=shared_x, wait_stats=perf, handle=(assist, counts, tp_counts), out=out,
-                               num_rows=num_rows, num_peer=num_peer, global_bs=global_bs, **const)  # fmt: skip
+    return dataclasses.replace(
+        c,
+        x=expand_x,
+        expert_ids=ids,
+        x_active_mask=mask,
+        expert_scales=weights,
+        ori_x=ori_x,
+        shared_expert_x=shared_x,
+        wait_stats=perf,
+        handle=(assist, counts, tp_counts),
+        out=out,
+        num_rows=num_rows,
+        num_peer=num_peer,
+        global_bs=global_bs,
+        **const,
+    )
 
 
 def sent_rows(e: Experts, counts: torch.Tensor) -> tuple[int, int]:

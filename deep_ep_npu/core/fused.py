@@ -54,12 +54,14 @@ def ffn(f: FFN, x: torch.Tensor, num_local: int, topk: int, num_max: int, world_
     segments = min(most, 2) if f.num_segments is None else f.num_segments  # 2: measured best on the CPU reference
     rules.in_range(segments, "num_segments", 1, most)
     limit = limit if callable(limit) else float(limit)
-    return dataclasses.replace(f, w1=w1, w2=w2, out_dtype=out_dtype, swiglu_limit=limit,
-                               num_segments=segments, max_output_size=max_output)  # fmt: skip
+    return dataclasses.replace(
+        f, w1=w1, w2=w2, out_dtype=out_dtype, swiglu_limit=limit, num_segments=segments, max_output_size=max_output
+    )
 
 
-def tokens(x: object, topk_idx: object, topk_weights: object, x_active_mask: object, num_max: int,
-           e: Experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def tokens(
+    x: object, topk_idx: object, topk_weights: object, x_active_mask: object, num_max: int, e: Experts
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A fused call's tokens: x `[M, K]`, topk_idx `[M, topK]` (ids of the active rows checked; -1 kept, and -1 in
     every row outside the mask, whose weights are 0), topk_weights `[M, topK]` fp32, x_active_mask `[M]` (a prefix)."""
     x = rules.activations(x)

@@ -81,8 +81,9 @@ def hierarchy_rules(c: Any, x_param: str, hidden: int, mask: torch.Tensor | None
         raise shape("moe_expert_num", f"gives L = {num_local} local experts (L * W = {num_local * w}); {why}")
 
 
-def dispatch_quant(quant_mode: object, y_dtype: object, x_dtype: object, scales_dtype: object, dtype: torch.dtype,
-                   plat: str | None) -> Quant | None:  # fmt: skip
+def dispatch_quant(
+    quant_mode: object, y_dtype: object, x_dtype: object, scales_dtype: object, dtype: torch.dtype, plat: str | None
+) -> Quant | None:
     """``quant_mode`` with ``y_dtype`` / ``x_dtype`` / ``scales_dtype`` (torch dtypes or torch_npu codes) for an x of
     ``dtype``: the :class:`Quant` to run, None for quant_mode 0."""
     mode = checks.in_range(quant_mode, "quant_mode", 0, 5, code="param")  # 0 none, 2 token, 3 per 128, 4 MX, 5 clip

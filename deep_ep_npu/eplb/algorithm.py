@@ -73,8 +73,9 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def rebalance_experts_hierarchical(weight: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int,
-                                   num_gpus: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def rebalance_experts_hierarchical(
+    weight: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The hierarchical policy on ``weight`` `[layers, E]` float: returns phy2log `[layers, P]`, each slot's replica
     ordinal `[layers, P]` and logcnt `[layers, E]` (all int64). Slot ``p`` lives on rank ``p // (P / num_gpus)``."""
     layers, num_logical = weight.shape
@@ -84,8 +85,10 @@ def rebalance_experts_hierarchical(weight: torch.Tensor, num_physical: int, num_
     # 1. groups -> nodes; "mlog" order: node-major, each group's experts contiguous
     group_load = weight.unflatten(-1, (num_groups, group_size)).sum(-1)
     group_pack, group_rank = balanced_packing(group_load, num_nodes)
-    log2mlog = (((group_pack * groups_per_node + group_rank) * group_size).unsqueeze(-1)
-                + torch.arange(group_size, dtype=torch.int64)).flatten(-2)  # fmt: skip
+    log2mlog = (
+        ((group_pack * groups_per_node + group_rank) * group_size).unsqueeze(-1)
+        + torch.arange(group_size, dtype=torch.int64)
+    ).flatten(-2)
     mlog2log = _inverse(log2mlog)
     # 2. replicate within each node
     mlog_load = weight.gather(-1, mlog2log).view(-1, num_logical // num_nodes)
@@ -103,8 +106,9 @@ def rebalance_experts_hierarchical(weight: torch.Tensor, num_physical: int, num_
     return pphy2log, pphyrank, logcnt
 
 
-def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
-                      num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def rebalance_experts(
+    weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSeek's EPLB: where to put ``num_replicas`` physical expert slots so that ``num_ranks`` ranks get equal load.
 
     Arguments:

@@ -17,8 +17,15 @@ class ExpertMap:
     ``num_ranks`` ranks, ``balance_mode`` as torch_npu's (0: by rank, 1: by token). Raises
     :class:`~deep_ep_npu.MoeDistributeError` for a placement that misses an expert or does not split over the ranks."""
 
-    def __init__(self, phy2log: torch.Tensor, num_logical: int, num_ranks: int,
-                 balance_mode: int = BALANCE_BY_TOKEN, *, allow_missing: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        phy2log: torch.Tensor,
+        num_logical: int,
+        num_ranks: int,
+        balance_mode: int = BALANCE_BY_TOKEN,
+        *,
+        allow_missing: bool = False,
+    ) -> None:
         phy2log = phy2log.detach().to("cpu", torch.int64)
         if phy2log.dim() == 1:
             phy2log = phy2log.unsqueeze(0)
@@ -38,8 +45,10 @@ class ExpertMap:
         # torch_npu's tables; an expert without a replica points at slot 0 and is masked to -1 in to_physical
         slot0 = torch.full((1, self.log2phy.shape[2]), -1, dtype=torch.int64)
         slot0[0, 0] = 0
-        self.tables = [eplb_table(torch.where(cnt.unsqueeze(1) > 0, l2p, slot0))
-                       for l2p, cnt in zip(self.log2phy, self.logcnt, strict=True)]  # fmt: skip
+        self.tables = [
+            eplb_table(torch.where(cnt.unsqueeze(1) > 0, l2p, slot0))
+            for l2p, cnt in zip(self.log2phy, self.logcnt, strict=True)
+        ]
         self._device_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property

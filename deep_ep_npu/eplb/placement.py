@@ -47,8 +47,11 @@ def check_placement(phy2log: torch.Tensor, num_logical: int, num_ranks: int, wha
     """Raise :class:`~deep_ep_npu.MoeDistributeError` unless ``phy2log`` `[layers, P]` has P a multiple of
     ``num_ranks``, ids in ``[0, E)`` and every expert at least once per layer."""
     if phy2log.dim() != 2 or phy2log.shape[1] % num_ranks or phy2log.shape[1] < num_logical:
-        raise invalid(what, f"shape {tuple(phy2log.shape)}: must be [layers, P] with P >= {num_logical} experts and "
-                      f"a multiple of {num_ranks} ranks")  # fmt: skip
+        raise invalid(
+            what,
+            f"shape {tuple(phy2log.shape)}: must be [layers, P] with P >= {num_logical} experts and "
+            f"a multiple of {num_ranks} ranks",
+        )
     if phy2log.numel() and (int(phy2log.min()) < 0 or int(phy2log.max()) >= num_logical):
         raise invalid(what, f"expert ids must be in [0, {num_logical})")
     for layer, row in enumerate(phy2log.tolist()):
@@ -99,12 +102,16 @@ def read_placement_json(path: str | Path, num_ranks: int) -> torch.Tensor:
         for layer in layers:
             devices = sorted(layer["device_list"], key=lambda d: int(d["device_id"]))
             if len(devices) != num_ranks or [int(d["device_id"]) for d in devices] != list(range(num_ranks)):
-                raise ValueError(f"layer {layer['layer_id']}: device_list must list devices 0..{num_ranks - 1} "
-                                 f"(the EP size), got {[d['device_id'] for d in devices]}")  # fmt: skip
+                raise ValueError(
+                    f"layer {layer['layer_id']}: device_list must list devices 0..{num_ranks - 1} "
+                    f"(the EP size), got {[d['device_id'] for d in devices]}"
+                )
             widths = {len(d["device_expert"]) for d in devices}
             if len(widths) != 1:
-                raise ValueError(f"layer {layer['layer_id']}: every device must hold the same number of experts, "
-                                 f"got {sorted(widths)}")  # fmt: skip
+                raise ValueError(
+                    f"layer {layer['layer_id']}: every device must hold the same number of experts, "
+                    f"got {sorted(widths)}"
+                )
             rows.append([int(e) for d in devices for e in d["device_expert"]])
         if len({len(r) for r in rows}) > 1:
             raise ValueError("every layer must have the same number of physical experts")
@@ -117,9 +124,13 @@ def placement_json(phy2log: torch.Tensor, num_ranks: int) -> dict[str, Any]:
     """``phy2log`` `[layers, P]` in vllm-ascend's JSON format (the inverse of :func:`read_placement_json`)."""
     per_rank = phy2log.shape[1] // num_ranks
     layer_list = [
-        {"layer_id": i, "device_count": num_ranks,
-         "device_list": [{"device_id": d, "device_expert": row[d * per_rank : (d + 1) * per_rank]}
-                         for d in range(num_ranks)]}
+        {
+            "layer_id": i,
+            "device_count": num_ranks,
+            "device_list": [
+                {"device_id": d, "device_expert": row[d * per_rank : (d + 1) * per_rank]} for d in range(num_ranks)
+            ],
+        }
         for i, row in enumerate(phy2log.tolist())
-    ]  # fmt: skip
+    ]
     return {"moe_layer_count": phy2log.shape[0], "layer_list": layer_list}

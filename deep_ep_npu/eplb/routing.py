@@ -20,8 +20,9 @@ def eplb_table(log2phy: torch.Tensor) -> torch.Tensor:
     return torch.cat([count, log2phy.clamp(min=0)], dim=1).to(torch.int32)
 
 
-def _check(expert_ids: torch.Tensor, table: torch.Tensor, balance_mode: int, local_rank_id: int,
-           world_size: int) -> None:  # fmt: skip
+def _check(
+    expert_ids: torch.Tensor, table: torch.Tensor, balance_mode: int, local_rank_id: int, world_size: int
+) -> None:
     if expert_ids.dim() != 2 or expert_ids.dtype not in (torch.int32, torch.int64):
         raise invalid(
             "expert_ids", f"must be 2-D (BS, K) int32/int64, got {tuple(expert_ids.shape)} {expert_ids.dtype}"
@@ -36,14 +37,23 @@ def _check(expert_ids: torch.Tensor, table: torch.Tensor, balance_mode: int, loc
     if table.shape[0] and (int(counts.min()) < 1 or int(counts.max()) > table.shape[1] - 1):
         raise invalid("eplb_table", f"column 0 (replica counts) must be in [1, F - 1 = {table.shape[1] - 1}]")
     if balance_mode == BALANCE_BY_RANK and not (world_size >= 1 and 0 <= local_rank_id < world_size):
-        raise invalid("local_rank_id", f"got {local_rank_id} with world_size {world_size}; balance_mode 0 needs "
-                      "world_size >= 1 and 0 <= local_rank_id < world_size")  # fmt: skip
+        raise invalid(
+            "local_rank_id",
+            f"got {local_rank_id} with world_size {world_size}; balance_mode 0 needs "
+            "world_size >= 1 and 0 <= local_rank_id < world_size",
+        )
     if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= table.shape[0]):
         raise shape("expert_ids", f"ids must be in [0, log_expert_num = {table.shape[0]})")
 
 
-def to_physical(expert_ids: torch.Tensor, table: torch.Tensor, *, balance_mode: int = BALANCE_BY_RANK,
-                local_rank_id: int = -1, world_size: int = -1) -> torch.Tensor:  # fmt: skip
+def to_physical(
+    expert_ids: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    balance_mode: int = BALANCE_BY_RANK,
+    local_rank_id: int = -1,
+    world_size: int = -1,
+) -> torch.Tensor:
     """Each logical id's replica: ``table[e, column]`` with ``column = local_rank_id // ceil(world_size / count) + 1``
     (balance_mode 0: the ranks cut into ``count`` contiguous blocks) or ``column = token % count + 1`` (balance_mode
     1: token = the row of ``expert_ids``).
@@ -66,19 +76,26 @@ def to_physical(expert_ids: torch.Tensor, table: torch.Tensor, *, balance_mode: 
     return table.to(ids.device).long()[ids, column].to(expert_ids.dtype)
 
 
-def pruned_mask(expert_scales: torch.Tensor, pruning_threshold: torch.Tensor,
-                active_mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def pruned_mask(
+    expert_scales: torch.Tensor, pruning_threshold: torch.Tensor, active_mask: torch.Tensor | None
+) -> torch.Tensor:
     """``mask[i, k] = active[i] and not scale[i, k] < threshold[k] * sum_j scale[i, j]`` (the sum in fp32, j in
     order), for ``expert_scales`` `[BS, K]` fp16/bf16/fp32, ``pruning_threshold`` `[K]` or `[1, K]` fp32,
     ``active_mask`` `[BS]` bool (a prefix of True) or None. Returns `[BS, K]` bool."""
     if expert_scales.dim() != 2 or expert_scales.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise invalid("expert_scales", f"must be (BS, K) fp16/bf16/fp32, got {tuple(expert_scales.shape)} "
-                      f"{expert_scales.dtype}")  # fmt: skip
+        raise invalid(
+            "expert_scales", f"must be (BS, K) fp16/bf16/fp32, got {tuple(expert_scales.shape)} {expert_scales.dtype}"
+        )
     k = expert_scales.shape[1]
-    if pruning_threshold.dtype != torch.float32 or pruning_threshold.reshape(-1).shape[0] != k \
-            or pruning_threshold.dim() not in (1, 2):  # fmt: skip
-        raise invalid("pruning_threshold", f"must be (K,) or (1, K) fp32 with K = {k}, got "
-                      f"{tuple(pruning_threshold.shape)} {pruning_threshold.dtype}")  # fmt: skip
+    if (
+        pruning_threshold.dtype != torch.float32
+        or pruning_threshold.reshape(-1).shape[0] != k
+        or pruning_threshold.dim() not in (1, 2)
+    ):
+        raise invalid(
+            "pruning_threshold",
+            f"must be (K,) or (1, K) fp32 with K = {k}, got {tuple(pruning_threshold.shape)} {pruning_threshold.dtype}",
+        )
     scales = expert_scales.float()
     total = torch.zeros(scales.shape[0], dtype=torch.float32, device=scales.device)
     for j in range(k):
@@ -86,16 +103,25 @@ def pruned_mask(expert_scales: torch.Tensor, pruning_threshold: torch.Tensor,
     mask = ~(scales < pruning_threshold.reshape(1, k).to(scales.device) * total.unsqueeze(1))
     if active_mask is not None:
         if active_mask.dtype != torch.bool or active_mask.shape != (scales.shape[0],):
-            raise invalid("active_mask", f"must be (BS,) = ({scales.shape[0]},) bool, got "
-                          f"{tuple(active_mask.shape)} {active_mask.dtype}")  # fmt: skip
+            raise invalid(
+                "active_mask",
+                f"must be (BS,) = ({scales.shape[0]},) bool, got {tuple(active_mask.shape)} {active_mask.dtype}",
+            )
         mask &= active_mask.unsqueeze(1)
     return mask
 
 
-def update_expert(expert_ids: torch.Tensor, table: torch.Tensor, *, expert_scales: torch.Tensor | None = None,
-                  pruning_threshold: torch.Tensor | None = None, active_mask: torch.Tensor | None = None,
-                  local_rank_id: int = -1, world_size: int = -1,
-                  balance_mode: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def update_expert(
+    expert_ids: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    expert_scales: torch.Tensor | None = None,
+    pruning_threshold: torch.Tensor | None = None,
+    active_mask: torch.Tensor | None = None,
+    local_rank_id: int = -1,
+    world_size: int = -1,
+    balance_mode: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`to_physical` plus torch_npu's pruning mask (:func:`pruned_mask`, when ``expert_scales`` and
     ``pruning_threshold`` are given; else every pair is active). Returns `[BS, K]` ids (``expert_ids``' dtype) and
     `[BS, K]` bool."""
@@ -104,11 +130,11 @@ def update_expert(expert_ids: torch.Tensor, table: torch.Tensor, *, expert_scale
         raise null(missing, "pruning needs both expert_scales and pruning_threshold")
     if active_mask is not None and expert_scales is None:
         raise null("expert_scales", "active_mask needs expert_scales and pruning_threshold")
-    ids = to_physical(expert_ids, table, balance_mode=balance_mode, local_rank_id=local_rank_id,
-                      world_size=world_size)  # fmt: skip
+    ids = to_physical(expert_ids, table, balance_mode=balance_mode, local_rank_id=local_rank_id, world_size=world_size)
     if expert_scales is None or pruning_threshold is None:
         return ids, torch.ones(expert_ids.shape, dtype=torch.bool, device=expert_ids.device)
     if expert_scales.shape != expert_ids.shape:
-        raise invalid("expert_scales", f"must have expert_ids' shape {tuple(expert_ids.shape)}, got "
-                      f"{tuple(expert_scales.shape)}")  # fmt: skip
+        raise invalid(
+            "expert_scales", f"must have expert_ids' shape {tuple(expert_ids.shape)}, got {tuple(expert_scales.shape)}"
+        )
     return ids, pruned_mask(expert_scales, pruning_threshold, active_mask)

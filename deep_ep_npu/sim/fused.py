@@ -96,10 +96,20 @@ def _scales(words: list[torch.Tensor], param: str, num_local: int, cols: int) ->
     return fixpipe_scale_value(flat).reshape(num_local, cols)
 
 
-def _inputs(x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Tensor], expert_idx: torch.Tensor,
-            scale1: list[torch.Tensor], scale2: list[torch.Tensor], probs: torch.Tensor, out: torch.Tensor,
-            expert_token_nums: torch.Tensor, x_active_mask: torch.Tensor | None, swiglu_limit: float,
-            world_size: int) -> tuple:  # fmt: skip
+def _inputs(
+    x: torch.Tensor,
+    weight1: list[torch.Tensor],
+    weight2: list[torch.Tensor],
+    expert_idx: torch.Tensor,
+    scale1: list[torch.Tensor],
+    scale2: list[torch.Tensor],
+    probs: torch.Tensor,
+    out: torch.Tensor,
+    expert_token_nums: torch.Tensor,
+    x_active_mask: torch.Tensor | None,
+    swiglu_limit: float,
+    world_size: int,
+) -> tuple:
     """Check the op's own rules; returns the MegaMoE arguments (ids -1 and probs 0 outside the mask)."""
     x = checked(x, "x", (torch.bfloat16, torch.float16), 2)
     if x.shape[0] > MAX_TOKENS:
@@ -139,11 +149,22 @@ def _inputs(x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Te
 
 
 def dispatch_ffn_combine(
-    x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Tensor], expert_idx: torch.Tensor,
-    scale1: list[torch.Tensor], scale2: list[torch.Tensor], bias1: list[torch.Tensor], bias2: list[torch.Tensor],
-    probs: torch.Tensor, group: str, max_output_size: int, out: torch.Tensor, expert_token_nums: torch.Tensor,
-    x_active_mask: torch.Tensor | None = None, swiglu_limit: float = 1000000.0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor,
+    weight1: list[torch.Tensor],
+    weight2: list[torch.Tensor],
+    expert_idx: torch.Tensor,
+    scale1: list[torch.Tensor],
+    scale2: list[torch.Tensor],
+    bias1: list[torch.Tensor],
+    bias2: list[torch.Tensor],
+    probs: torch.Tensor,
+    group: str,
+    max_output_size: int,
+    out: torch.Tensor,
+    expert_token_nums: torch.Tensor,
+    x_active_mask: torch.Tensor | None = None,
+    swiglu_limit: float = 1000000.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's CPU kernel (the module docstring's semantics): writes ``out`` `[M, K]` (x's dtype) and
     ``expert_token_nums`` (`torch.int32`, E_local elements) and returns them. Collective over ``group``."""
     engine = engine_for(resolve_group(group, "group"))
@@ -151,9 +172,19 @@ def dispatch_ffn_combine(
     no_rows: list[list[int]] = [[] for _ in range(ep.num_ranks)]  # (no counts: the pipeline's calls send the rows)
     try:
         x, ids, probs, w1, w2, s1, s2, limit = _inputs(
-            x, weight1, weight2, expert_idx, scale1, scale2, probs, out, expert_token_nums, x_active_mask,
-            swiglu_limit, ep.num_ranks,
-        )  # fmt: skip
+            x,
+            weight1,
+            weight2,
+            expert_idx,
+            scale1,
+            scale2,
+            probs,
+            out,
+            expert_token_nums,
+            x_active_mask,
+            swiglu_limit,
+            ep.num_ranks,
+        )
     except MoeDistributeError as err:
         ep.start_agree(OP, err.code, no_rows, [x.shape[0]], device=x.device)()
         raise
