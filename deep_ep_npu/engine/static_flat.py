@@ -1,8 +1,10 @@
 """The flat layout (:mod:`.flat`) without a host read: DeepEP's low-latency contract for the ``_v2`` / V3 ops on the
 collective transport's static round (:mod:`deep_ep_npu.transports.static`). Taken when the call's values are not
-checked (:func:`~deep_ep_npu.core.rules.values_checked`) and its tensors take the torch code (a device, or
-``DEEP_EP_NPU_CPU_KERNELS=0``), for routed experts only (no shared-expert ranks, elastic re-layout, TP stage, smooth
-scales, copy / const experts or combine quantization: those take :mod:`.flat`).
+checked (:func:`~deep_ep_npu.core.rules.values_checked`) and its tensors take the torch code a device takes (CPU
+tensors with ``DEEP_EP_NPU_CPU_KERNELS=0``) on a gloo group, for routed experts only (no shared-expert ranks, elastic
+re-layout, TP stage, smooth scales, copy / const experts or combine quantization: those take :mod:`.flat`). Not on
+other groups yet: a rank that rejects its input must still send a message of the peers' size, which gloo's bounded
+receives allow and NCCL / HCCL's exact ones do not.
 
 Dispatch: every rank sends every rank its ``N`` (= ``global_bs / W``, else Bs) tokens at their static offsets, row t
 token t, each row's slot table naming the receiver's local expert per top-k slot (-1: none), and the header inside the
@@ -37,6 +39,7 @@ def applies(engine: Any, c: DispatchCall | CombineCall) -> bool:
     torch_code = x.device.type != "cpu" or kernels.library() is None
     routed = e.plain and e.logical_rank >= 0 and not e.shared_expert_num and e.num_local > 0 and e.tp is None
     on_round = not engine.ep.enable_shrink and engine.transport_for(x.device) is coll and coll.early_bytes > 0
+    on_round &= x.device.type == "cpu"  # (gloo's bounded receives: see transports.static)
     if isinstance(c, DispatchCall):
         simple = c.quant is None or c.scales is None
     else:
