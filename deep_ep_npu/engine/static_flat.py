@@ -91,7 +91,6 @@ def dispatch(engine: Any, c: DispatchCall) -> InFlight:
         check_names(agreement, engine.ep, NAMES, 1 + 2 * r)
         check_names(agreement, engine.ep, ("row size in bytes",), 0)
 
-    engine.tag ^= 1
     receive = static.send(engine.collective, c.op, n, shared, write, care.to(dev), None, None, explain, dev)
     bufs = _buffers(c, fmt, a)
     result = _results(c, bufs, fmt, a)
@@ -209,7 +208,6 @@ def combine(engine: Any, c: CombineCall) -> InFlight:
 
     vector = torch.cat([returned, dispatched[:r]])
     care = _care(r, len(shared) + static.VECTOR - 1, tuple(range(static.VECTOR, static.VECTOR + 2 * r)))
-    engine.tag ^= 1
     receive = static.send(engine.collective, c.op, n, shared, write, care.to(dev), vector, inconsistent, explain, dev)
     out = c.out if c.out is not None else x.new_empty((t, hidden))
 
