@@ -32,22 +32,25 @@ def dispatch(backend: Any, c: DispatchCall) -> Any:
     expand_x, _, assist, token_nums, ep_recv_counts, _, expand_scales = backend.ops.dispatch(
         x, ids, e.num_moe_experts, n, num_local, **extra
     )
-    counts = token_nums[:num_local].long()
-    num_pairs = int(counts.sum())
-    src, token, slot = assist.view(-1)[: 3 * num_pairs].view(num_pairs, 3).long().unbind(1)
-    expert = torch.repeat_interleave(torch.arange(num_local, device=counts.device), counts, output_size=num_pairs)
-    keys, row = torch.unique(src * n + token, sorted=True, return_inverse=True)  # tokens by (source, token)
-    slots = torch.full((keys.numel(), k), -1, dtype=torch.int32, device=counts.device)
-    slots[row, slot] = expert.to(torch.int32)
-    payload, sizes = expand.Payload(c.x, None, k), expand.sizes_of(c, k)
-    rows_from = torch.bincount(keys // n, minlength=r).tolist()
-    place = h.state["placement"] if h else expand.make_placement(slots, rows_from, num_local, c.alignment, sizes)
-    x_rows = expand_x.new_empty((keys.numel(), hidden))
+    payload, sizes, token_ids = expand.Payload(c.x, None, k), expand.sizes_of(c, k), None
+    if h is None:  # a fresh layout: read from the op's outputs (host reads)
+        counts = token_nums[:num_local].long()
+        num_pairs = int(counts.sum())
+        src, token, slot = assist.view(-1)[: 3 * num_pairs].view(num_pairs, 3).long().unbind(1)
+        expert = torch.repeat_interleave(torch.arange(num_local, device=counts.device), counts, output_size=num_pairs)
+        keys, row = torch.unique(src * n + token, sorted=True, return_inverse=True)  # tokens by (source, token)
+        slots = torch.full((keys.numel(), k), -1, dtype=torch.int32, device=counts.device)
+        slots[row, slot] = expert.to(torch.int32)
+        rows_from = torch.bincount(keys // n, minlength=r).tolist()
+        place = expand.make_placement(slots, rows_from, num_local, c.alignment, sizes)
+        token_ids = (keys % n).to(torch.int32)
+    else:  # a cached one: every rank's op places the rows as the handle's dispatch did (no host read)
+        place, (num_pairs, row, slot) = h.state["placement"], (h.state["op"][key] for key in ("pairs", "row", "slot"))
+    x_rows = expand_x.new_empty((place.slots.shape[0], hidden))
     x_rows[row] = expand_x[:num_pairs]  # every copy of a token holds the same row
-    weights = torch.zeros((keys.numel(), k), dtype=torch.float32, device=counts.device)
+    weights = torch.zeros((place.slots.shape[0], k), dtype=torch.float32, device=x.device)
     if c.expert_scales is not None:
         weights[row, slot] = expand_scales[:num_pairs].float()  # this rank's slots only (0 elsewhere)
-    token_ids = (keys % n).to(torch.int32) if h is None else None
 
     def make_handle(out: Any, place: Any) -> EPHandle:
         ids_long = c.expert_ids.long()
@@ -60,7 +63,8 @@ def dispatch(backend: Any, c: DispatchCall) -> Any:
     out = expand.receive(c, payload, place, x_rows, None, weights, token_ids, None, make_handle)
     assert out.handle is not None
     sent = (ids, assist, ep_recv_counts)  # the op's combine arguments of these rows
-    out.handle.state["op"] = dict(sent=sent, zero_num=zero_num, row=row, slot=slot, num_op_rows=expand_x.shape[0])
+    op = dict(sent=sent, zero_num=zero_num, row=row, slot=slot, pairs=num_pairs, num_op_rows=expand_x.shape[0])
+    out.handle.state["op"] = op
     return out
 
 

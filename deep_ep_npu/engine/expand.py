@@ -267,9 +267,9 @@ def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`[num_recv, hidden]` in x's dtype: each received token's expand rows (``slots`` `[num_recv, K]`, -1: none)
     summed in fp32 in top-k order, rounded once."""
     acc = torch.zeros((slots.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
-    for j in range(slots.shape[1]):
-        row = (slots[:, j] >= 0).nonzero(as_tuple=True)[0]
-        acc.index_add_(0, row, x.index_select(0, slots[row, j].long()).float())
+    for j in range(slots.shape[1]):  # (static shapes: rows without slot j add 0)
+        used = slots[:, j : j + 1] >= 0
+        acc += torch.where(used, x.index_select(0, slots[:, j].clamp(min=0).long()).float(), 0.0)
     return acc.to(x.dtype)
 
 

@@ -238,3 +238,34 @@ def test_reference_engine_ops_steady_state_read_nothing():
         for name, (reads, collectives) in per_call.items():
             assert not reads, (rank, name, reads)
             assert collectives == ["moe_distribute_dispatch_v2", "moe_distribute_combine_v2"], (rank, name, collectives)
+
+
+def _elastic_reads(info) -> dict[str, list[str]]:
+    """DeepEP V2's ElasticBuffer on the ascend backend, checks off: a fresh dispatch without CPU sync, then the host
+    reads of a cached dispatch (its handle's) and of a combine, expand layout and not."""
+    from deep_ep_npu import ElasticBuffer
+
+    sim.install()
+    _policy("0")
+    buffer = ElasticBuffer(info.group, num_max_tokens_per_rank=N, hidden=H, explicitly_destroy=True, backend="ascend")
+    x, topk_idx, _ = _inputs(info.rank, 0)
+    reads: dict[str, list[str]] = {}
+    for expand in (False, True):
+        recv_x, _, _, handle, _ = buffer.dispatch(x, topk_idx, num_experts=E, do_cpu_sync=False, do_expand=expand)
+        with HostReads(device=STAND_IN) as cached:
+            again, _, _, _, _ = buffer.dispatch(x, handle=handle, do_expand=expand)
+        with HostReads(device=STAND_IN) as combined:
+            buffer.combine(again, handle)
+        reads[f"cached dispatch expand={expand}"], reads[f"combine expand={expand}"] = list(cached), list(combined)
+        if not expand:  # (the received rows; past them the rows are unspecified without CPU sync, as DeepEP's)
+            num_recv = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+            assert torch.equal(again[:num_recv], recv_x[:num_recv])
+    buffer.destroy()
+    return reads
+
+
+def test_elastic_buffer_cached_dispatch_and_combine_read_nothing():
+    """ElasticBuffer on the ascend backend: a cached dispatch (the op places rows as the handle's dispatch did) and
+    the combine make no host read with the checks off (a fresh layout still reads the op's counts: not yet)."""
+    for rank, reads in enumerate(parallel_launch(2, _elastic_reads, timeout=120)):
+        assert reads and not any(reads.values()), (rank, reads)
