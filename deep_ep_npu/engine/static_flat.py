@@ -35,16 +35,17 @@ from .rows import RowFormat
 
 def applies(engine: Any, c: DispatchCall | CombineCall) -> bool:
     """Whether the flat call ``c`` takes the static round (see the module docstring)."""
-    e, x, coll = c.experts, c.x, engine.collective
-    torch_code = x.device.type != "cpu" or kernels.library() is None
-    routed = e.plain and e.logical_rank >= 0 and not e.shared_expert_num and e.num_local > 0 and e.tp is None
-    on_round = not engine.ep.enable_shrink and engine.transport_for(x.device) is coll and coll.early_bytes > 0
-    on_round &= x.device.type == "cpu"  # (gloo's bounded receives: see transports.static)
+    if c.layout != "flat" or c.x.device.type != "cpu" or kernels.library() is not None:  # (CPU: the torch code)
+        return False
+    e, coll = c.experts, engine.collective
+    if not (e.plain and e.logical_rank >= 0 and not e.shared_expert_num and e.num_local > 0 and e.tp is None):
+        return False
     if isinstance(c, DispatchCall):
         simple = c.quant is None or c.scales is None
     else:
         simple = not (c.comm_quant_mode or e.copy_expert_num or e.const_expert_num)
-    return c.layout == "flat" and torch_code and routed and on_round and simple and not values_checked(x)
+    on_round = not engine.ep.enable_shrink and engine.transport_for(c.x.device) is coll and coll.early_bytes > 0
+    return simple and on_round and not values_checked(c.x)  # (gloo's bounded receives: see transports.static)
 
 
 def _sent(c: DispatchCall | CombineCall) -> torch.Tensor:
