@@ -23,8 +23,8 @@ from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError
 from ..transports import Check, Transport, create
 from ..transports.agreement import Agreement
+from ..transports.collective import EPGroup
 from ..transports.early import early_bytes
-from ..transports.group import EPGroup
 from . import Layout, expand, flat, masked, pipeline, reduce, static_flat
 from .header import FINGERPRINT, check_names, check_status, header
 from .rows import Parts, encoder

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..errors import MoeDistributeError, shape
 from ..transports.agreement import STATUS_OK, Agreement
-from ..transports.group import EPGroup
+from ..transports.collective import EPGroup
 
 FINGERPRINT = 16  # header words every layout may fill with what the ranks must agree on
 

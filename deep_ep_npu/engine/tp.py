@@ -9,7 +9,7 @@ import torch
 
 from ..errors import MoeDistributeError, shape
 from ..transports.agreement import STATUS_OK
-from ..transports.group import EPGroup
+from ..transports.collective import EPGroup
 
 TP_NAMES = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
 

@@ -16,7 +16,7 @@ from ..core import ascend
 from ..core.call import CombineCall, DispatchCall
 from ..engine.exchange import engine_for
 from ..errors import MoeDistributeError
-from ..transports.group import EPGroup
+from ..transports.collective import EPGroup
 from ..transports.names import resolve_group
 
 DISPATCH, COMBINE = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"

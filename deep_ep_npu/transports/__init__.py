@@ -29,8 +29,7 @@ import torch.distributed as dist
 from .. import envs
 from . import window, window_setup
 from .agreement import Agreement, Check, Write
-from .collective import Collective
-from .group import EPGroup
+from .collective import Collective, EPGroup
 from .spanning import Spanning
 from .staged import Staged
 

@@ -1,6 +1,6 @@
 """What the agreement step tells a rank (:class:`Agreement`), and what a transport's ``send`` takes: the rows' writer
 (:data:`Write`) and the check every rank runs on the agreement before a row is read (:data:`Check`). The agreement
-step itself: :meth:`.group.EPGroup.start_agree` (the collective transport, the ops, the TP stage) or the window's
+step itself: :meth:`.collective.EPGroup.start_agree` (the collective transport, the ops, the TP stage) or the window's
 headers (:mod:`.window`)."""
 
 from __future__ import annotations

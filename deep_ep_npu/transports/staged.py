@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from .agreement import STATUS_OK, Agreement, Check, Write
-from .collective import Collective
+from .collective import Collective, EPGroup, Pending
 from .early import OVER_BOUND, PAYLOAD, check_started, early_bytes, started
-from .group import EPGroup, Pending
 
 
 def join_started(agreement: Agreement, ep: EPGroup, local: frozenset[int]) -> bool:

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from ..errors import MoeDistributeError, invalid
 from .agreement import STATUS_OK, Agreement, Check, Write
+from .collective import EPGroup
 from .failure import EPRankFailure, agree_missing
-from .group import EPGroup
 
 HEADER, DONE, BYE, FAIL = 1, 2, 3, 4  # message kinds
 DATA_OFFSET = 4096  # the first page holds the owner's nonce

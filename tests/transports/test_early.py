@@ -11,7 +11,7 @@ import torch
 
 from deep_ep_npu import MoeDistributeError
 from deep_ep_npu.transports.agreement import STATUS_OK, Agreement
-from deep_ep_npu.transports.group import EPGroup
+from deep_ep_npu.transports.collective import EPGroup
 from deep_ep_npu.transports.staged import Staged
 from tests.distributed import parallel_launch
 
