@@ -20,15 +20,33 @@ import torch.distributed as dist
 from .. import kernels, profiling
 from ..backends import Backend, InFlight
 from ..core.call import FFN, CombineCall, DispatchCall
-from ..errors import MoeDistributeError
+from ..errors import MoeDistributeError, shape
 from ..transports import Check, Transport, create
-from ..transports.agreement import Agreement
+from ..transports.agreement import STATUS_OK, Agreement
 from ..transports.collective import EPGroup
 from ..transports.early import early_bytes
-from . import Layout, expand, flat, masked, pipeline, reduce, static_flat
-from .header import FINGERPRINT, check_names, check_status, header
+from . import Layout, expand, flat, masked, pipeline, reduce
 from .rows import Parts, encoder
 from .tp import tp_agree
+
+FINGERPRINT = 16  # header words every layout may fill with what the ranks must agree on
+
+
+def check_status(agreement: Agreement) -> None:
+    """Raise the same error on every rank if any rank rejected its input."""
+    if bad := [(r, s) for r, s in enumerate(agreement.status) if s != STATUS_OK]:
+        ranks = ", ".join(f"rank {r} (aclnn {s})" for r, s in bad)
+        raise MoeDistributeError(bad[0][1], "inputs", f"{agreement.op} aborted on every rank: rejected on {ranks}")
+
+
+def check_names(agreement: Agreement, ep: EPGroup, names: Sequence[str], offset: int) -> None:
+    """Raise the same error on every rank if the live ranks disagree on one of ``names`` (``shared[offset + i]``
+    is ``names[i]``)."""
+    for i, name in enumerate(names):
+        values = [fp[offset + i] for fp in agreement.shared]
+        if any(values[r] != values[ep.rank] for r in ep.live):
+            msg = f"{agreement.op}: ranks disagree on {name} (per rank: {values}); it must be the same on all ranks"
+            raise shape(name, msg)
 
 
 class Engine(Backend):
@@ -106,8 +124,6 @@ class Engine(Backend):
             return getattr(LAYOUTS[c.layout], what)(c, self)
 
     def _dispatch(self, c: DispatchCall) -> InFlight:
-        if static_flat.applies(self, c):
-            return static_flat.dispatch(self, c)
         layout: Layout = self._layout(c, "layout")
         plan, fmt, me = layout.plan, layout.fmt, self.rank
         encode = encoder(fmt, layout.source, plan, layout.weights, layout.smooth)
@@ -137,8 +153,6 @@ class Engine(Backend):
         return self._run(start)
 
     def _combine(self, c: CombineCall) -> InFlight:
-        if static_flat.applies(self, c):
-            return static_flat.combine(self, c)
         jobs: list[reduce.CombineJob] = self._layout(c, "combine_jobs")
         last = len(jobs) - 1  # (a peer's rejection stops the next: only the last job starts before its agreement)
         receives = [self._combine_job(c, job, i, i == last) for i, job in enumerate(jobs)]
@@ -234,6 +248,14 @@ class Engine(Backend):
             self.window.close()
         self.collective.close()
         self._reused.clear()
+
+
+def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], num_ranks: int) -> list[int]:
+    """The shared header words of a call: the row size, up to 2R words of vectors, up to :data:`FINGERPRINT` words of
+    fingerprint, each part zero-padded."""
+    assert len(vectors) <= 2 * num_ranks and len(fingerprint) <= FINGERPRINT, "the layout's header words fit"
+    pad = [0] * (2 * num_ranks - len(vectors)) + list(fingerprint) + [0] * (FINGERPRINT - len(fingerprint))
+    return [row_bytes, *vectors, *pad]
 
 
 LAYOUTS = {"masked": masked, "flat": flat, "expand": expand}  # each module's layout(call, engine), combine_jobs

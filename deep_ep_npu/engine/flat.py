@@ -19,6 +19,7 @@ from ..core import ascend
 from ..core.ascend import OP_COMM_ALGS
 from ..core.call import CombineCall, DispatchCall, Experts
 from ..core.platforms import SCALAR_TYPE_CODE
+from ..core.rules import values_checked
 from ..errors import shape
 from ..transports.agreement import STATUS_OK, Agreement
 from .plan import pair_weights, plan_call, smooth_rows
@@ -130,6 +131,22 @@ class _Flat:
 
 
 layout = _Flat
+
+
+def static_round(engine: Any, c: DispatchCall | CombineCall) -> bool:
+    """Whether the flat call ``c`` takes the static round of :mod:`.static_flat` (see there): values unchecked, the
+    torch code on CPU tensors of a gloo group, routed experts, no smooth scales nor combine quantization."""
+    if c.layout != "flat" or c.x.device.type != "cpu" or kernels.library() is not None:  # (CPU: the torch code)
+        return False
+    e, coll = c.experts, engine.collective
+    if not (e.plain and e.logical_rank >= 0 and not e.shared_expert_num and e.num_local > 0 and e.tp is None):
+        return False
+    if isinstance(c, DispatchCall):
+        simple = c.quant is None or c.scales is None
+    else:
+        simple = not (c.comm_quant_mode or e.copy_expert_num or e.const_expert_num)
+    on_round = not engine.ep.enable_shrink and engine.transport_for(c.x.device) is coll and coll.early_bytes > 0
+    return simple and on_round and not values_checked(c.x)  # (gloo's bounded receives: see transports.static)
 
 
 def fingerprint(c: DispatchCall, fmt: RowFormat) -> tuple[int, ...]:

@@ -1,10 +1,11 @@
 """The flat layout (:mod:`.flat`) without a host read: DeepEP's low-latency contract for the ``_v2`` / V3 ops on the
-collective transport's static round (:mod:`deep_ep_npu.transports.static`). Taken when the call's values are not
-checked (:func:`~deep_ep_npu.core.rules.values_checked`) and its tensors take the torch code a device takes (CPU
-tensors with ``DEEP_EP_NPU_CPU_KERNELS=0``) on a gloo group, for routed experts only (no shared-expert ranks, elastic
-re-layout, TP stage, smooth scales, copy / const experts or combine quantization: those take :mod:`.flat`). Not on
-other groups yet: a rank that rejects its input must still send a message of the peers' size, which gloo's bounded
-receives allow and NCCL / HCCL's exact ones do not.
+collective transport's static round (:mod:`deep_ep_npu.transports.static`), which the ops (:mod:`deep_ep_npu.ops.v2`)
+take instead of the engine's exchange (:func:`.flat.static_round`) when the call's values are not checked
+(:func:`~deep_ep_npu.core.rules.values_checked`) and its tensors take the torch code a device takes (CPU tensors with
+``DEEP_EP_NPU_CPU_KERNELS=0``) on a gloo group, for routed experts only (no shared-expert ranks, elastic re-layout,
+TP stage, smooth scales, copy / const experts or combine quantization: those take :mod:`.flat`). Not on other groups
+yet: a rank that rejects its input must still send a message of the peers' size, which gloo's bounded receives allow
+and NCCL / HCCL's exact ones do not.
 
 Dispatch: every rank sends every rank its ``N`` (= ``global_bs / W``, else Bs) tokens at their static offsets, row t
 token t, each row's slot table naming the receiver's local expert per top-k slot (-1: none), and the header inside the
@@ -21,31 +22,14 @@ from typing import Any
 
 import torch
 
-from .. import kernels
 from ..backends import InFlight
 from ..core.call import CombineCall, DispatchCall
-from ..core.rules import values_checked
 from ..errors import shape
 from ..transports import static
 from ..transports.agreement import Agreement
+from .exchange import check_names, check_status, header
 from .flat import COMBINE_NAMES, MISMATCH, NAMES, check_batch, combine_fingerprint, fingerprint
-from .header import check_names, check_status, header
 from .rows import RowFormat
-
-
-def applies(engine: Any, c: DispatchCall | CombineCall) -> bool:
-    """Whether the flat call ``c`` takes the static round (see the module docstring)."""
-    if c.layout != "flat" or c.x.device.type != "cpu" or kernels.library() is not None:  # (CPU: the torch code)
-        return False
-    e, coll = c.experts, engine.collective
-    if not (e.plain and e.logical_rank >= 0 and not e.shared_expert_num and e.num_local > 0 and e.tp is None):
-        return False
-    if isinstance(c, DispatchCall):
-        simple = c.quant is None or c.scales is None
-    else:
-        simple = not (c.comm_quant_mode or e.copy_expert_num or e.const_expert_num)
-    on_round = not engine.ep.enable_shrink and engine.transport_for(c.x.device) is coll and coll.early_bytes > 0
-    return simple and on_round and not values_checked(c.x)  # (gloo's bounded receives: see transports.static)
 
 
 def _sent(c: DispatchCall | CombineCall) -> torch.Tensor:
