@@ -41,13 +41,16 @@ def _sent(c: DispatchCall | CombineCall) -> torch.Tensor:
     return sent
 
 
-def _care(r: int, num_words: int, skip: tuple[int, ...]) -> torch.Tensor:
+def _care(num_words: int, skip: tuple[int, ...]) -> torch.Tensor:
+    """`[num_words]` bool: the header words compared with this rank's own (all but ``skip``)."""
     care = torch.ones((num_words,), dtype=torch.bool)
     care[list(skip)] = False
     return care
 
 
 def dispatch(engine: Any, c: DispatchCall) -> InFlight:
+    """The flat dispatch ``c`` (checked by :func:`~deep_ep_npu.core.ascend.dispatch`) on ``engine``'s collective
+    transport; the InFlight's value: :func:`~deep_ep_npu.ops.moe_distribute_dispatch_v2`'s 7 outputs."""
     e, x, q, dev = c.experts, c.x, c.quant, c.x.device
     r, (t, k), nl, n, a = e.world_size, c.expert_ids.shape, e.num_local, c.num_max or x.shape[0], c.capacity
     weights = c.expert_scales
@@ -68,7 +71,7 @@ def dispatch(engine: Any, c: DispatchCall) -> InFlight:
             rows[:, :, fmt.weight_off : fmt.end].view(torch.float32).copy_(weights.expand(r, t, k))
 
     batch = 1 + 2 * r + len(NAMES)  # (the fingerprint's batch word, compared when global_bs is 0)
-    care = _care(r, len(shared) + static.VECTOR - 1, () if c.global_bs == 0 else (static.VECTOR - 1 + batch,))
+    care = _care(len(shared) + static.VECTOR - 1, () if c.global_bs == 0 else (static.VECTOR - 1 + batch,))
 
     def explain(agreement: Agreement) -> None:
         check_status(agreement)
@@ -82,7 +85,7 @@ def dispatch(engine: Any, c: DispatchCall) -> InFlight:
 
     def finish() -> tuple[torch.Tensor, ...]:
         parts, wait_ns = receive()
-        counts = _place(c, fmt, torch.stack(parts), bufs, result)
+        counts = _place(c, fmt, torch.stack(parts), bufs)
         if c.wait_stats is not None:
             c.wait_stats += (counts.view(nl, r).sum(dim=0) > 0).to(torch.int64) * (wait_ns // 1000)
         return result
@@ -97,12 +100,15 @@ def _buffers(c: DispatchCall, fmt: RowFormat, a: int) -> dict[str, torch.Tensor]
     extra = 2 * c.global_bs * k * (r // 8) if c.expert_scales is not None and e.platform != "a5" else 0
     zeros = lambda *shape_, dtype=torch.uint8: torch.zeros(shape_, dtype=dtype, device=dev)  # noqa: E731
     return dict(
-        expand_x=zeros(a + 1, fmt.data_bytes), scales=zeros(a + 1, math.prod(width) * scale_dtype.itemsize),
-        triples=zeros(a + 1, 3, dtype=torch.int32), assist=zeros(max(t * k, a * 128), dtype=torch.int32),
-        token_nums=zeros(nl, dtype=torch.int64), recv_counts=zeros(r * nl + extra, dtype=torch.int32),
+        expand_x=zeros(a + 1, fmt.data_bytes),
+        scales=zeros(a + 1, math.prod(width) * scale_dtype.itemsize),
+        triples=zeros(a + 1, 3, dtype=torch.int32),
+        assist=zeros(max(t * k, a * 128), dtype=torch.int32),
+        token_nums=zeros(nl, dtype=torch.int64),
+        recv_counts=zeros(r * nl + extra, dtype=torch.int32),
         tp_counts=zeros(e.tp_world_size, dtype=torch.int32),
         expand_scales=zeros(a + 1 if c.expert_scales is not None else 1, dtype=torch.float32),
-    )  # fmt: skip
+    )
 
 
 def _scale_layout(c: DispatchCall) -> tuple[tuple[int, ...], torch.dtype]:
@@ -117,12 +123,11 @@ def _results(c: DispatchCall, b: dict[str, torch.Tensor], fmt: RowFormat, a: int
     """:func:`~deep_ep_npu.ops.moe_distribute_dispatch_v2`'s 7 outputs, views of the buffers ``b``."""
     width, scale_dtype = _scale_layout(c)
     scales = b["scales"][:a].view(scale_dtype).view(a, *width)
-    return (b["expand_x"][:a].view(fmt.data_dtype), scales, b["assist"], b["token_nums"], b["recv_counts"],
-            b["tp_counts"], b["expand_scales"][:-1])  # fmt: skip
+    x = b["expand_x"][:a].view(fmt.data_dtype)
+    return x, scales, b["assist"], b["token_nums"], b["recv_counts"], b["tp_counts"], b["expand_scales"][:-1]
 
 
-def _place(c: DispatchCall, fmt: RowFormat, got: torch.Tensor, b: dict[str, torch.Tensor],
-           result: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fmt: skip
+def _place(c: DispatchCall, fmt: RowFormat, got: torch.Tensor, b: dict[str, torch.Tensor]) -> torch.Tensor:
     """Place the rows ``got`` `[R, N, row_bytes]` (by source, then token) into the buffers ``b``; returns the pairs
     per (local expert, source) `[L * R]` int64."""
     r, n, k, nl, dev = got.shape[0], got.shape[1], fmt.num_slots, c.experts.num_local, got.device
@@ -156,6 +161,8 @@ def _place(c: DispatchCall, fmt: RowFormat, got: torch.Tensor, b: dict[str, torc
 
 
 def combine(engine: Any, c: CombineCall) -> InFlight:
+    """The flat combine ``c`` (checked by :func:`~deep_ep_npu.core.ascend.combine`) on ``engine``'s collective
+    transport; the InFlight's value: x `[T, H]` in ``c.x``'s dtype."""
     e, x, dev = c.experts, c.x, c.x.device
     r, (t, k), nl, hidden = e.world_size, c.expert_ids.shape, e.num_local_here, x.shape[1]
     n = (c.global_bs // r or t) * k  # rows one source gets back: its tokens' pairs
@@ -192,7 +199,7 @@ def combine(engine: Any, c: CombineCall) -> InFlight:
             raise shape(param, f"{why}; pass {hint} (mismatched rank pairs: {bad[:8]})")
 
     vector = torch.cat([returned, dispatched[:r]])
-    care = _care(r, len(shared) + static.VECTOR - 1, tuple(range(static.VECTOR, static.VECTOR + 2 * r)))
+    care = _care(len(shared) + static.VECTOR - 1, tuple(range(static.VECTOR, static.VECTOR + 2 * r)))
     receive = static.send(engine.collective, c.op, n, shared, write, care.to(dev), vector, inconsistent, explain, dev)
     out = c.out if c.out is not None else x.new_empty((t, hidden))
 

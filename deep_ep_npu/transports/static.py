@@ -27,9 +27,18 @@ Explain = Callable[[Agreement], None]
 Receive = Callable[[], tuple[list[torch.Tensor], int]]
 
 
-def send(coll: Collective, op: str, rows: int, shared: Sequence[int], write: Write, care: torch.Tensor,
-         vector: torch.Tensor | None, inconsistent: Callable[[torch.Tensor], torch.Tensor] | None, explain: Explain,
-         device: torch.device) -> Receive:  # fmt: skip
+def send(
+    coll: Collective,
+    op: str,
+    rows: int,
+    shared: Sequence[int],
+    write: Write,
+    care: torch.Tensor,
+    vector: torch.Tensor | None,
+    inconsistent: Callable[[torch.Tensor], torch.Tensor] | None,
+    explain: Explain,
+    device: torch.device,
+) -> Receive:
     """Start the static round of ``op``: ``write(out)`` fills the rows, ``vector`` `[n]` int64 (or None) the first n
     vector words (after the row size) of every message; ``care`` `[words]` bool: the header words compared with this
     rank's own, ``inconsistent(headers)`` (or None): a bool tensor, True when the headers `[R, words]` int64 disagree
@@ -77,5 +86,10 @@ def send(coll: Collective, op: str, rows: int, shared: Sequence[int], write: Wri
 def agreement_of(op: str, got: torch.Tensor, wait_ns: int) -> Agreement:
     """The headers ``got`` `[R, words]` int64 as the one round's :class:`Agreement` (a host read: error path only)."""
     words = got.tolist()
-    return Agreement([w[0] for w in words], [w[_HEAD : _HEAD + 2] for w in words],
-                     [tuple(w[_HEAD + 2 :]) for w in words], wait_ns // 1000, op)  # fmt: skip
+    return Agreement(
+        [w[0] for w in words],
+        [w[_HEAD : _HEAD + 2] for w in words],
+        [tuple(w[_HEAD + 2 :]) for w in words],
+        wait_ns // 1000,
+        op,
+    )
