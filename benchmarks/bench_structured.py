@@ -61,9 +61,9 @@ def sampling_cost(vocab_size: int, tokenizer, grammar, batch: int, constrained: 
 
     from server.engine_api import SamplingParams
     from server.models import SeqInput
-    from server.runtime.grammar import WorkerGrammars
-    from server.runtime.request_sampler import RequestSampler
-    from server.runtime.worker import Worker, _Seq
+    from server.runtime.sampling.grammar import WorkerGrammars
+    from server.runtime.sampling.request_sampler import RequestSampler
+    from server.runtime.workers.worker import Worker, _Seq
 
     grammars = WorkerGrammars(lambda: tokenizer, vocab_size)
     worker = types.SimpleNamespace(model=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=vocab_size)))

@@ -1,62 +1,24 @@
-"""Drive one :class:`~server.engine_api.EngineCore` from a background thread and expose per-request async streams.
-
-The engine thread is the only caller of the engine (the contract: not thread-safe). It applies queued commands
-(add / abort) between steps, so new requests join the running batch at the next step (continuous batching), then
-steps while any request is unfinished and hands each step's deltas to the asyncio loop in one callback. Streams,
-admission control (bounded queue) and metrics live on the asyncio side, so no locks guard them.
+"""Drive one :class:`~server.engine_api.EngineCore` from its engine thread (:mod:`server.engine_thread`) and expose
+per-request async streams. Streams, admission control (bounded queue) and metrics live on the asyncio side, so no
+locks guard them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
-from server.engine_api import NONFINITE_ERROR, EngineCore, KVTransferParams, RequestDelta, SamplingParams
+from server.engine_api import NONFINITE_ERROR, EngineCore, KVTransferParams, RequestDelta, SamplingParams, StepStats
+from server.engine_thread import Abort, Add, EngineDeadError, EngineThread
 from server.metrics import Metrics
 
-_HEALTH_POLL_S = 1.0
-logger = logging.getLogger("server.engine")
-
-
-def _first_line(e: BaseException) -> str:
-    """A client-safe summary of an engine failure (the full traceback goes to the log only)."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
-
-
-class EngineDeadError(RuntimeError):
-    """The engine has failed or was shut down; requests cannot be served (HTTP 503)."""
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "RequestHandle"]
 
 
 class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting (the bounded queue is full); retry later (HTTP 503 + Retry-After)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Add:
-    """A command for the engine thread: add a request (``transfer``: its bootstrap room, disaggregation), then resolve
-    ``accepted`` (None, or the engine's error)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    accepted: asyncio.Future[None]
-    transfer: KVTransferParams | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Abort:
-    """A command for the engine thread: abort a request (a no-op if the engine does not have it)."""
-
-    request_id: str
-
-
-_Command = _Add | _Abort
 
 
 @dataclasses.dataclass
@@ -91,39 +53,25 @@ class AsyncEngine:
         self.max_queue_len = max_queue_len
         self.metrics = metrics
         self._requests: dict[str, RequestHandle] = {}
-        self._commands: list[_Command] = []
-        self._cond = threading.Condition()
-        self._stop = False
-        self._closed = False  # set by the engine thread when it exits; commands are then rejected
-        self._error: BaseException | None = None
-        self._healthy = True
-        self._unhealthy_why = "stopped or unhealthy"
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: EngineThread | None = None
 
     # ---- lifecycle (asyncio side) ----
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume the streams."""
         if self._thread is not None:
             raise RuntimeError("AsyncEngine already started")
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._thread = EngineThread(self.engine, asyncio.get_running_loop(), self._deliver, self._fail_all)
 
     async def shutdown(self) -> None:
         """Stop the engine thread, fail the open streams and shut the engine down (idempotent)."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+            await asyncio.to_thread(self._thread.stop)
         self._fail_all(EngineDeadError("the engine was shut down"))
         await asyncio.to_thread(self.engine.shutdown)
 
     def is_healthy(self) -> bool:
         """True while the engine thread runs and the engine reported every worker alive at its last check."""
-        alive = self._thread is not None and self._thread.is_alive()
-        return alive and self._error is None and self._healthy and not self._stop
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def num_unfinished(self) -> int:
@@ -145,8 +93,8 @@ class AsyncEngine:
         Raises ``ValueError`` if the engine rejects the input, :class:`EngineOverloadedError` when the queue is
         full, :class:`EngineDeadError` when the engine is down.
         """
-        if not self.is_healthy():
-            why = _first_line(self._error) if self._error is not None else self._unhealthy_why
+        if self._thread is None or not self._thread.is_alive():
+            why = self._thread.why_down() if self._thread is not None else "not started"
             raise EngineDeadError(f"the engine is not running ({why})")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -155,16 +103,15 @@ class AsyncEngine:
                 f"{len(self._requests)} requests are unfinished (capacity {self.capacity} + queue "
                 f"{self.max_queue_len}); retry later"
             )
-        assert self._loop is not None
         req = RequestHandle(request_id, asyncio.Queue(), arrival or time.monotonic(), len(prompt_token_ids))
         self._requests[request_id] = req
-        accepted: asyncio.Future[None] = self._loop.create_future()
-        self._submit(_Add(request_id, prompt_token_ids, params, accepted, transfer))
+        accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._thread.submit(Add(request_id, prompt_token_ids, params, accepted, transfer))
         try:
             await accepted
         except BaseException:
             self._requests.pop(request_id, None)
-            self._submit(_Abort(request_id))  # no-op if the engine never took it
+            self._thread.submit(Abort(request_id))  # no-op if the engine never took it
             self._update_gauges()
             raise
         if self.metrics is not None:
@@ -175,8 +122,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Cancel a request: its stream ends now and the engine frees its slot at the next step (no-op if the
         request is unknown or finished)."""
-        if self._requests.pop(request_id, None) is not None:
-            self._submit(_Abort(request_id))
+        if self._requests.pop(request_id, None) is not None and self._thread is not None:
+            self._thread.submit(Abort(request_id))
             self._update_gauges()
 
     async def stream(self, handle: RequestHandle) -> AsyncIterator[list[RequestDelta]]:
@@ -201,91 +148,16 @@ class AsyncEngine:
             if not finished:
                 self.abort(handle.request_id)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       arrival: float | None = None) -> AsyncIterator[list[RequestDelta]]:  # fmt: skip
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float | None = None
+    ) -> AsyncIterator[list[RequestDelta]]:
         """:meth:`add_request` then :meth:`stream`."""
         handle = await self.add_request(request_id, prompt_token_ids, params, arrival)
         async for items in self.stream(handle):
             yield items
 
-    # ---- engine thread ----
-    def _submit(self, command: _Command) -> None:
-        with self._cond:
-            if not self._closed:
-                self._commands.append(command)
-                self._cond.notify()
-                return
-        self._reject(command)
-
-    def _call_soon(self, callback: Any, *args: Any) -> None:
-        """Run ``callback(*args)`` on the event loop's thread (from the engine thread)."""
-        assert self._loop is not None, "start() sets the loop before the engine thread runs"
-        self._loop.call_soon_threadsafe(callback, *args)
-
-    def _reject(self, command: _Command) -> None:
-        """Answer a command the engine thread will never apply (it has exited): an add fails with 503."""
-        if isinstance(command, _Add):
-            why = _first_line(self._error) if self._error is not None else "the engine was shut down"
-            self._call_soon(_resolve, command.accepted, EngineDeadError(f"the engine is not running ({why})"))
-
-    def _run(self) -> None:
-        try:
-            self._loop_engine()
-        finally:
-            with self._cond:
-                self._closed = True
-                leftover, self._commands = self._commands, []
-            for command in leftover:
-                self._reject(command)
-
-    def _loop_engine(self) -> None:
-        engine = self.engine
-        last_health = time.monotonic()
-        while True:
-            with self._cond:
-                while not self._stop and not self._commands and not engine.has_unfinished_requests():
-                    if not self._cond.wait(timeout=_HEALTH_POLL_S):
-                        break
-                if self._stop:
-                    return
-                commands, self._commands = self._commands, []
-            try:
-                for command in commands:
-                    self._apply(command)
-                now = time.monotonic()
-                if now - last_health >= _HEALTH_POLL_S:
-                    self._healthy, last_health = engine.is_healthy(), now
-                    if not self._healthy:
-                        self._unhealthy_why = engine.failure() or self._unhealthy_why
-                if not engine.has_unfinished_requests():
-                    continue
-                start = time.monotonic()
-                deltas = engine.step()
-                stats = engine.last_step_stats()
-                end = time.monotonic()
-            except BaseException as e:  # noqa: BLE001 - the engine is dead; every stream gets the error
-                self._error = e
-                logger.error("the engine failed; serving 503 from now on", exc_info=e)
-                self._call_soon(self._fail_all, EngineDeadError(f"engine failed: {_first_line(e)}"))
-                return
-            self._call_soon(self._deliver, deltas, start, end, stats)
-
-    def _apply(self, command: _Command) -> None:
-        if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
-            return
-        try:
-            if command.transfer is None:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
-            else:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params, command.transfer)
-        except (ValueError, TypeError) as e:
-            self._call_soon(_resolve, command.accepted, e)
-        else:
-            self._call_soon(_resolve, command.accepted, None)
-
     # ---- asyncio side: results ----
-    def _deliver(self, deltas: list[RequestDelta], start: float, end: float, stats: Any) -> None:
+    def _deliver(self, deltas: list[RequestDelta], start: float, end: float, stats: StepStats) -> None:
         m = self.metrics
         num_tokens = 0
         for delta in deltas:
@@ -314,8 +186,9 @@ class AsyncEngine:
             m.on_kv_transfers(stats.kv_transfers)
             m.ep_ranks_lost.set(stats.num_lost_ranks)
             m.on_expert_load(stats.expert_loads, stats.num_lost_experts)
-            m.on_cache_stats(stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
-                             stats.prefix_cache_hits)  # fmt: skip
+            m.on_cache_stats(
+                stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
+            )
         self._update_gauges()
 
     def _fail_all(self, error: BaseException) -> None:
@@ -329,12 +202,3 @@ class AsyncEngine:
             return
         running = sum(1 for r in self._requests.values() if r.first_token_time is not None)
         self.metrics.set_queue_sizes(running, len(self._requests) - running)
-
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the waiting caller was cancelled
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)

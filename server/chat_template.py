@@ -122,15 +122,21 @@ def _environment() -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:  # fmt: skip
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])  # fmt: skip
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=lambda *a, **k: dict(*a, **k), namespace=Namespace)  # fmt: skip
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=lambda *a, **k: dict(*a, **k),
+        namespace=Namespace,
+    )
     return env
 
 
@@ -151,8 +157,10 @@ class ChatTemplate:
 
         if not isinstance(source, str):
             if "default" not in source:
-                raise ValueError(f"{origin}: several chat templates {sorted(source)} and none named 'default'; "
-                                 "choose one with --chat-template")  # fmt: skip
+                raise ValueError(
+                    f"{origin}: several chat templates {sorted(source)} and none named 'default'; "
+                    "choose one with --chat-template"
+                )
             source = source["default"]
         env = _environment()
         try:
@@ -162,10 +170,15 @@ class ChatTemplate:
             raise ValueError(f"{origin}: the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
         self.source, self.origin = source, origin
 
-    def render(self, messages: Sequence[Mapping[str, Any]], special_tokens: Mapping[str, str],
-               add_generation_prompt: bool = True, continue_final_message: bool = False,
-               kwargs: Mapping[str, Any] | None = None,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:  # fmt: skip
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        special_tokens: Mapping[str, str],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """The prompt text of ``messages``. ``continue_final_message`` leaves the last message open (transformers'
         marker method); ``kwargs`` are the request's ``chat_template_kwargs`` (those the template does not read are
         dropped, as vLLM does); ``tools``: the request's tools in OpenAI's shape (None: none)."""
@@ -185,8 +198,13 @@ class ChatTemplate:
             chat[-1] = {**chat[-1], "content": last + _CONTINUE_TAG}
         variables = {**special_tokens, **{k: v for k, v in kwargs.items() if k in self.variables}}
         try:
-            text = self._template.render(messages=chat, tools=list(tools) if tools else None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **variables)  # fmt: skip
+            text = self._template.render(
+                messages=chat,
+                tools=list(tools) if tools else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError("messages", f"the chat template refused the conversation: {e}") from None
         if continue_final_message:

@@ -68,8 +68,9 @@ def make_parser() -> argparse.ArgumentParser:
             help_text += f" (default: {_shown(default)})"
         option = f"--{option_name(name)}"
         if field.annotation is bool:  # a switch: --elastic / --no-elastic
-            parser.add_argument(option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=help_text)  # fmt: skip
+            parser.add_argument(
+                option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
         else:
             parser.add_argument(option, default=argparse.SUPPRESS, metavar=name.upper(), help=help_text)
     return parser

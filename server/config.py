@@ -74,21 +74,29 @@ class ServerConfig(BaseModel):
     max_num_seqs: int = Field(16, ge=1, le=4096, description="running requests per DP rank (worker)")
     max_model_len: int = Field(512, ge=2, le=1 << 20, description="prompt + output tokens per request")
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="tokens per worker per step (decodes + prefill chunks; the MoE Buffers' "
-        "num_max_dispatch_tokens_per_rank) (default: max(max-num-seqs, 64))"
-    )  # fmt: skip
+        None,
+        ge=1,
+        description="tokens per worker per step (decodes + prefill chunks; the MoE Buffers' "
+        "num_max_dispatch_tokens_per_rank) (default: max(max-num-seqs, 64))",
+    )
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV-cache block")
     kv_cache_memory: ByteCount | None = Field(
-        None, ge=1, description="bytes of KV cache per worker, e.g. 4G (= 4 GiB) or 4294967296; overrides "
-        "gpu-memory-utilization (default: none)"
-    )  # fmt: skip
+        None,
+        ge=1,
+        description="bytes of KV cache per worker, e.g. 4G (= 4 GiB) or 4294967296; overrides "
+        "gpu-memory-utilization (default: none)",
+    )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="with no kv-cache-memory: the fraction of a worker's device memory its weights, "
+        0.9,
+        gt=0,
+        le=1,
+        description="with no kv-cache-memory: the fraction of a worker's device memory its weights, "
         "activations and KV cache may use (cpu: of the host memory available, split over the workers and capped at "
-        "max-num-seqs full-length requests)"
-    )  # fmt: skip
-    enable_prefix_caching: bool = Field(True, description="reuse the KV cache of full blocks of a previous "
-                                        "request's prefix")  # fmt: skip
+        "max-num-seqs full-length requests)",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV cache of full blocks of a previous request's prefix"
+    )
     async_scheduling: bool = Field(True, description="plan step k+1 while the workers run step k (spawned workers)")
     worker_threads: int | None = Field(
         None,
@@ -113,28 +121,50 @@ class ServerConfig(BaseModel):
     max_prompt_tokens: int | None = Field(None, ge=1, description="cap on a request's prompt tokens")
     api_key_health: bool = Field(False, description="with api-key: /health needs the key too (off: /health is open)")
     api_key_metrics: bool = Field(False, description="with api-key: /metrics and /version need the key too")
-    step_timeout_s: float = Field(30.0, gt=0, le=86400, description="a worker step (or health ping) slower than "
-                                  "this marks the engine failed: /health 503, requests 503")  # fmt: skip
-    elastic: bool = Field(False, description="keep serving on the surviving workers when one dies or hangs (its "
-                          "requests fail; its experts are dropped unless replicas live elsewhere, see "
-                          "--num-redundant-experts; logged, metrics ep_ranks_lost, experts_lost)")  # fmt: skip
-    num_redundant_experts: int = Field(0, ge=0, description="extra expert slots per MoE layer (E + R must divide by "
-                                       "ep-size; slot E + i starts as expert i mod E; see --eplb)")  # fmt: skip
-    expert_placement: str | None = Field(None, min_length=1, description="static expert placement: a JSON file in "
-                                         "vllm-ascend's format (layer_list / device_list / device_expert)")  # fmt: skip
-    eplb: bool = Field(False, description="expert-parallel load balancing: measure expert load, recompute the "
-                       "placement (DeepSeek's EPLB) every --eplb-interval steps, move expert weights while "
-                       "serving")  # fmt: skip
+    step_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=86400,
+        description="a worker step (or health ping) slower than "
+        "this marks the engine failed: /health 503, requests 503",
+    )
+    elastic: bool = Field(
+        False,
+        description="keep serving on the surviving workers when one dies or hangs (its "
+        "requests fail; its experts are dropped unless replicas live elsewhere, see "
+        "--num-redundant-experts; logged, metrics ep_ranks_lost, experts_lost)",
+    )
+    num_redundant_experts: int = Field(
+        0,
+        ge=0,
+        description="extra expert slots per MoE layer (E + R must divide by "
+        "ep-size; slot E + i starts as expert i mod E; see --eplb)",
+    )
+    expert_placement: str | None = Field(
+        None,
+        min_length=1,
+        description="static expert placement: a JSON file in "
+        "vllm-ascend's format (layer_list / device_list / device_expert)",
+    )
+    eplb: bool = Field(
+        False,
+        description="expert-parallel load balancing: measure expert load, recompute the "
+        "placement (DeepSeek's EPLB) every --eplb-interval steps, move expert weights while "
+        "serving",
+    )
     eplb_interval: int = Field(1000, ge=1, description="steps between EPLB rebalances")
     eplb_window: int = Field(1000, ge=1, description="steps of expert load EPLB balances over (a sliding window)")
     chat_template: str | None = Field(
-        None, min_length=1, description="chat template for /v1/chat/completions: a Jinja file, or the template "
-        "itself (a value holding '{', '}' or a newline); replaces the checkpoint's (default: the checkpoint's)"
-    )  # fmt: skip
+        None,
+        min_length=1,
+        description="chat template for /v1/chat/completions: a Jinja file, or the template "
+        "itself (a value holding '{', '}' or a newline); replaces the checkpoint's (default: the checkpoint's)",
+    )
     generation_config: Literal["auto", "vllm"] = Field(
-        "auto", description="sampling defaults: 'auto' takes the checkpoint's generation_config.json values "
-        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) as vLLM does; 'vllm' ignores them"
-    )  # fmt: skip
+        "auto",
+        description="sampling defaults: 'auto' takes the checkpoint's generation_config.json values "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) as vLLM does; 'vllm' ignores them",
+    )
     enable_auto_tool_choice: bool = Field(
         False,
         description="serve tool_choice 'auto' (the default when a request "
@@ -146,13 +176,17 @@ class ServerConfig(BaseModel):
         description="how tool_choice 'auto' reads tool calls from the output: hermes (Qwen2.5 / Qwen3 "
         "<tool_call> JSON), deepseek_v3, glm45, openai (gpt-oss harmony)",
     )
-    int8_experts: bool = Field(False, description="routed experts in int8 (per-channel weights, per-token dynamic "
-                               "int8 activations: W8A8); W8A8 checkpoints keep their int8 values")  # fmt: skip
+    int8_experts: bool = Field(
+        False,
+        description="routed experts in int8 (per-channel weights, per-token dynamic "
+        "int8 activations: W8A8); W8A8 checkpoints keep their int8 values",
+    )
     moe_impl: Literal["unfused", "fused"] = Field(
         "unfused", description="MoE layers: dispatch -> experts -> combine, or the fused pipelined Buffer.mega_moe"
     )
-    disable_docs: bool = Field(False, description="turn off /openapi.json and /docs (on by default; behind "
-                               "api-key when one is set)")  # fmt: skip
+    disable_docs: bool = Field(
+        False, description="turn off /openapi.json and /docs (on by default; behind api-key when one is set)"
+    )
     disaggregation_mode: Literal["none", "prefill", "decode"] = Field(
         "none",
         description="prefill/decode disaggregation: 'prefill' computes prompts and first tokens and hands "

@@ -15,8 +15,10 @@ from types import MappingProxyType
 
 # A worker's token id for a request whose logits held NaN or Inf: the engine ends that request with this error.
 NONFINITE_TOKEN = -1
-NONFINITE_ERROR = ("the model produced non-finite logits (NaN or Inf) for this request, so it was ended; the "
-                   "weights or the dtype overflow for this input (try --dtype bfloat16 or float32)")  # fmt: skip
+NONFINITE_ERROR = (
+    "the model produced non-finite logits (NaN or Inf) for this request, so it was ended; the "
+    "weights or the dtype overflow for this input (try --dtype bfloat16 or float32)"
+)
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per position (vLLM's default limit)
 LOGIT_BIAS_LIMIT = 100.0  # a logit bias is clamped to [-100, 100] (OpenAI's range; vLLM clamps likewise)
 

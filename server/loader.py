@@ -74,8 +74,12 @@ def read_config(model_path: str) -> ModelConfig:
         names.add(read.name)
     unused = [n for n in tensors.files.weight_map if n not in names and not _ignorable(n, cfg.num_hidden_layers)]
     if unused:
-        logger.warning("checkpoint %s: %d tensor(s) that the model does not read (transformers ignores them too), "
-                       "e.g. %s", model_path, len(unused), ", ".join(unused[:3]))  # fmt: skip
+        logger.warning(
+            "checkpoint %s: %d tensor(s) that the model does not read (transformers ignores them too), e.g. %s",
+            model_path,
+            len(unused),
+            ", ".join(unused[:3]),
+        )
     return cfg
 
 
@@ -83,8 +87,11 @@ def _ignorable(name: str, num_layers: int) -> bool:
     """A tensor no model of ours reads, by design: quantization scales (read through their weight), MTP layers
     past ``num_hidden_layers`` (DeepSeek-V3, GLM-4.5), stored rotary frequencies."""
     layer = re.match(r"model\.layers\.(\d+)\.", name)
-    return (name.endswith(AUX_SUFFIXES) or name.endswith("rotary_emb.inv_freq")
-            or (layer is not None and int(layer.group(1)) >= num_layers))  # fmt: skip
+    return (
+        name.endswith(AUX_SUFFIXES)
+        or name.endswith("rotary_emb.inv_freq")
+        or (layer is not None and int(layer.group(1)) >= num_layers)
+    )
 
 
 class CheckpointTensors:
@@ -107,8 +114,10 @@ class CheckpointTensors:
         bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
         if bad:
             where = self.files.path(read.name) if read.name in self.files else self.files.source
-            raise CheckpointError(f"checkpoint file {where}: tensor {read.name!r} holds {bad} non-finite value(s) "
-                                  f"(NaN or Inf) of {t.numel()}; the checkpoint is corrupt")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint file {where}: tensor {read.name!r} holds {bad} non-finite value(s) "
+                f"(NaN or Inf) of {t.numel()}; the checkpoint is corrupt"
+            )
         return t if read.layout is None else read.layout(t)
 
 
@@ -146,8 +155,10 @@ def build_model(
     for dest, read in checkpoint_reads(model):
         dest.copy_(tensors.get(read))
         if dest.is_floating_point() and not bool(torch.isfinite(dest).all()):
-            raise CheckpointError(f"checkpoint tensor {read.name!r} overflows {dtype} (its values beyond that range "
-                                  "become Inf); serve this checkpoint with --dtype bfloat16 or float32")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint tensor {read.name!r} overflows {dtype} (its values beyond that range "
+                "become Inf); serve this checkpoint with --dtype bfloat16 or float32"
+            )
     for moe in model.moe_layers():
         if moe.fused:
             moe.prepare_fused()

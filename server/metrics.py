@@ -15,8 +15,28 @@ from server.engine_api import KVTransferStat
 
 PREFIX = "deep_ep_npu:"
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _COMM_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
@@ -46,9 +66,11 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._success = Counter(
-            PREFIX + "request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
             registry=r,
-        )  # fmt: skip
+        )
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram(
             "inter_token_latency_seconds", "Time between a request's token deliveries, per token.", _LATENCY_BUCKETS
@@ -68,9 +90,10 @@ class Metrics:
         )
         self.engine_step_time = histogram("engine_step_seconds", "Wall time of one engine step.", _LATENCY_BUCKETS)
         self.token_step_time = histogram(
-            "token_step_seconds", "Wall time of the engine step that produced each token (token-weighted).",
+            "token_step_seconds",
+            "Wall time of the engine step that produced each token (token-weighted).",
             _LATENCY_BUCKETS,
-        )  # fmt: skip
+        )
         self.dispatch_latency = histogram(
             "moe_dispatch_latency_seconds",
             "MoE dispatch time of one worker in one step (all MoE layers).",
@@ -80,19 +103,28 @@ class Metrics:
             "moe_combine_latency_seconds", "MoE combine time of one worker in one step (all MoE layers).", _COMM_BUCKETS
         )
         self.ep_ranks_lost = gauge("ep_ranks_lost", "EP workers lost in elastic mode (their experts are dropped).")
-        self.experts_lost = gauge("experts_lost", "(MoE layer, expert) pairs with no replica left on the surviving "
-                                  "workers (elastic mode): their tokens skip them.")  # fmt: skip
+        self.experts_lost = gauge(
+            "experts_lost",
+            "(MoE layer, expert) pairs with no replica left on the surviving "
+            "workers (elastic mode): their tokens skip them.",
+        )
         self._balancedness = Gauge(
-            PREFIX + "expert_load_balancedness", f"Per MoE layer: mean / max over EP workers of the rows their "
-            f"experts received in the last {LOAD_WINDOW} steps (1 = even).", ["model_name", "layer"], registry=r,
-        )  # fmt: skip
+            PREFIX + "expert_load_balancedness",
+            f"Per MoE layer: mean / max over EP workers of the rows their "
+            f"experts received in the last {LOAD_WINDOW} steps (1 = even).",
+            ["model_name", "layer"],
+            registry=r,
+        )
         self._rank_load = Counter(
-            PREFIX + "expert_load", "Rows (token, expert pairs) an EP worker's experts received, all MoE layers.",
-            ["model_name", "rank"], registry=r,
-        )  # fmt: skip
+            PREFIX + "expert_load",
+            "Rows (token, expert pairs) an EP worker's experts received, all MoE layers.",
+            ["model_name", "rank"],
+            registry=r,
+        )
         self._load_window: collections.deque[Mapping[int, Sequence[int]]] = collections.deque(maxlen=LOAD_WINDOW)
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache blocks held by requests (1 = full), averaged "
-                                    "over the workers.")  # fmt: skip
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "KV-cache blocks held by requests (1 = full), averaged over the workers."
+        )
         self.num_preemptions = counter("num_preemptions", "Requests preempted (blocks released, recomputed later).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -150,8 +182,14 @@ class Metrics:
         self.request_generation_tokens.observe(num_output_tokens)
         self.e2e_request_latency.observe(e2e_latency)
 
-    def on_step(self, step_time: float, num_tokens: int, num_batched_tokens: int, dispatch_times: Sequence[float],
-                combine_times: Sequence[float]) -> None:  # fmt: skip
+    def on_step(
+        self,
+        step_time: float,
+        num_tokens: int,
+        num_batched_tokens: int,
+        dispatch_times: Sequence[float],
+        combine_times: Sequence[float],
+    ) -> None:
         """An engine step that produced ``num_tokens`` tokens and processed ``num_batched_tokens``."""
         self.engine_step_time.observe(step_time)
         for _ in range(num_tokens):
@@ -170,8 +208,9 @@ class Metrics:
             self._kv_transfer_bytes.labels(self.model_name, t.direction).inc(t.num_bytes)
             self._kv_transfer_time.labels(self.model_name, t.direction).observe(t.seconds)
 
-    def on_cache_stats(self, kv_cache_usage: float, num_preemptions: int, prefix_cache_queries: int,
-                       prefix_cache_hits: int) -> None:  # fmt: skip
+    def on_cache_stats(
+        self, kv_cache_usage: float, num_preemptions: int, prefix_cache_queries: int, prefix_cache_hits: int
+    ) -> None:
         """The KV cache after an engine step, and its preemptions and prefix-cache lookups during it."""
         self.kv_cache_usage.set(kv_cache_usage)
         self.num_preemptions.inc(num_preemptions)

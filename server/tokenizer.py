@@ -82,9 +82,14 @@ class HFTokenizer(Tokenizer):
                 continue
             adds = bool(added) and added[position] == self._tok.token_to_id(token)
             if bool(config[flag]) != adds:
-                logger.warning("tokenizer_config.json says %s=%s but tokenizer.json's post-processor %s %s; "
-                               "following tokenizer.json, as transformers 5 does", flag, config[flag],
-                               "adds" if adds else "does not add", token)  # fmt: skip
+                logger.warning(
+                    "tokenizer_config.json says %s=%s but tokenizer.json's post-processor %s %s; "
+                    "following tokenizer.json, as transformers 5 does",
+                    flag,
+                    config[flag],
+                    "adds" if adds else "does not add",
+                    token,
+                )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -102,8 +107,14 @@ class HFTokenizer(Tokenizer):
 
 
 # Files of tokenizers this server cannot read without a tokenizer.json (sentencepiece, tiktoken, slow BPE / WordPiece).
-OTHER_TOKENIZER_FILES = ("tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt", "vocab.txt",
-                         "tokenizer_config.json")  # fmt: skip
+OTHER_TOKENIZER_FILES = (
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer_config.json",
+)
 
 
 def load_tokenizer(model_path: str | None, eos_token_ids: Sequence[int]) -> Tokenizer:
@@ -116,7 +127,9 @@ def load_tokenizer(model_path: str | None, eos_token_ids: Sequence[int]) -> Toke
         return HFTokenizer(model_path, eos_token_ids)
     other = [f for f in OTHER_TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, f))]
     if other:
-        raise ValueError(f"model={model_path!r} ships a tokenizer as {other} but no tokenizer.json, the only form "
-                         "this server reads; write one next to it with transformers: AutoTokenizer.from_pretrained("
-                         "path).save_pretrained(path)")  # fmt: skip
+        raise ValueError(
+            f"model={model_path!r} ships a tokenizer as {other} but no tokenizer.json, the only form "
+            "this server reads; write one next to it with transformers: AutoTokenizer.from_pretrained("
+            "path).save_pretrained(path)"
+        )
     return ByteTokenizer(eos_token_ids)

@@ -98,9 +98,15 @@ def install(group: dist.ProcessGroup) -> None:
         return dist.get_rank(), dist.get_world_size(), group
 
     _module("deep_ep.utils.envs", init_dist=init_dist)
-    _module("deep_ep.utils.math", calc_diff=calc_diff, per_token_cast_back=per_token_cast_back,
-            per_token_cast_to_fp8=per_token_cast_to_fp8, inplace_unique=inplace_unique, hash_tensor=hash_tensor,
-            create_grouped_scores=create_grouped_scores)  # fmt: skip
+    _module(
+        "deep_ep.utils.math",
+        calc_diff=calc_diff,
+        per_token_cast_back=per_token_cast_back,
+        per_token_cast_to_fp8=per_token_cast_to_fp8,
+        inplace_unique=inplace_unique,
+        hash_tensor=hash_tensor,
+        create_grouped_scores=create_grouped_scores,
+    )
     _module("deep_ep.utils.testing", bench=bench, bench_kineto=bench_kineto)
 
 
@@ -109,8 +115,10 @@ def load(name: str, ranks_per_node: int = 8) -> types.ModuleType:
     with open(os.path.join(VENDOR, f"{name}.py"), encoding="utf-8") as f:
         source = f.read()
     if name == "test_internode" and ranks_per_node != 8:
-        subs = (("num_local_ranks == 8", f"num_local_ranks == {ranks_per_node}"),
-                ("num_ranks > 8", f"num_ranks > {ranks_per_node}"))  # fmt: skip
+        subs = (
+            ("num_local_ranks == 8", f"num_local_ranks == {ranks_per_node}"),
+            ("num_ranks > 8", f"num_ranks > {ranks_per_node}"),
+        )
         for old, new in subs:
             assert old in source, f"{name}.py no longer says {old!r}"
             source = source.replace(old, new)

@@ -81,8 +81,9 @@ def _worker(rank: int, world_size: int, port: Any, fn: Callable, args: bytes, re
             for _ in range(world_size - 1):
                 port.put(store.port)
         else:
-            store = dist.TCPStore("127.0.0.1", port.get(timeout=pg_timeout), world_size, is_master=False,
-                                  timeout=timeout)  # fmt: skip
+            store = dist.TCPStore(
+                "127.0.0.1", port.get(timeout=pg_timeout), world_size, is_master=False, timeout=timeout
+            )
         port = store.port
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
@@ -126,9 +127,18 @@ def parallel_launch(
     ctx = _context()
     results = ctx.Queue()
     # the parent hosts the ranks' store on a port the OS picked and that stays bound (no pick-close-rebind race)
-    store = None if store_on_rank0 else dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                                                      wait_for_workers=False,
-                                                      timeout=datetime.timedelta(seconds=pg_timeout))  # fmt: skip
+    store = (
+        None
+        if store_on_rank0
+        else dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+    )
     port: Any = ctx.Queue() if store is None else store.port
     payload = _dumps(args)
     procs = [
@@ -207,8 +217,9 @@ def op_error(fn: Callable[[], object]) -> tuple[int, str, str] | None:
     return None
 
 
-def assert_named(errors: dict[str, tuple[int, str, str] | None], expected: dict[str, str], rank: int,
-                 one_rank_param: str) -> None:  # fmt: skip
+def assert_named(
+    errors: dict[str, tuple[int, str, str] | None], expected: dict[str, str], rank: int, one_rank_param: str
+) -> None:
     """Each case of ``expected`` (case -> parameter) raised on this ``rank`` naming its parameter (``errors``: the
     case's :func:`op_error`), and case ``"one_rank"`` (rank 1's bad ``one_rank_param`` alone) raised on every rank:
     on rank 1 naming the parameter, on rank 0 naming rank 1."""
@@ -223,5 +234,11 @@ def lockstep(max_examples: int) -> Callable[[Callable], Callable]:
     no shrinking (a failure stops every rank at once; shrinking on one rank would desync the others)."""
     from hypothesis import HealthCheck, Phase, settings
 
-    return settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-                    phases=(Phase.generate,), suppress_health_check=list(HealthCheck))  # fmt: skip
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=(Phase.generate,),
+        suppress_health_check=list(HealthCheck),
+    )

@@ -52,8 +52,13 @@ def reference_dispatch(inputs: list, rank: int, num_max: int, num_experts: int) 
         srcs.append(s * num_max + tokens)
         per_rank.append(int(tokens.numel()))
     x_out = torch.cat(xs) if not sfs else (torch.cat(xs), torch.cat(sfs))
-    return dict(x=x_out, topk_idx=torch.cat(ids), topk_weights=torch.cat(ws), src=torch.cat(srcs).int(),
-                num_recv_per_rank=per_rank)  # fmt: skip
+    return dict(
+        x=x_out,
+        topk_idx=torch.cat(ids),
+        topk_weights=torch.cat(ws),
+        src=torch.cat(srcs).int(),
+        num_recv_per_rank=per_rank,
+    )
 
 
 def pre_combine_data(src: torch.Tensor, num_ranks: int, num_max: int, num_topk: int, hidden: int) -> torch.Tensor:
@@ -74,8 +79,9 @@ def ordered_sum(rows: torch.Tensor, start: torch.Tensor | None = None) -> torch.
     return acc.to(rows.dtype)
 
 
-def reference_combine(y: torch.Tensor, topk_idx: torch.Tensor, num_local: int, bias, reduce_per_rank: bool,
-                      bias_last: bool = False) -> torch.Tensor:  # fmt: skip
+def reference_combine(
+    y: torch.Tensor, topk_idx: torch.Tensor, num_local: int, bias, reduce_per_rank: bool, bias_last: bool = False
+) -> torch.Tensor:
     """A token's slots ``y`` `[T, K, H]` (0 where ``topk_idx`` is -1) reduced as DeepEP's direct combine does:
     with ``reduce_per_rank``, each rank's slots are first summed in slot order (fp32, rounded to bf16) into the
     rank's last slot; then every slot is added in slot order to ``bias0 + bias1`` (fp32) and rounded once

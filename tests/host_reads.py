@@ -27,8 +27,19 @@ import torch
 import deep_ep_npu
 
 LIB = str(pathlib.Path(deep_ep_npu.__file__).parent) + "/"
-_TENSOR = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__format__", "nonzero",
-           "unique", "masked_select")  # fmt: skip
+_TENSOR = (
+    "item",
+    "tolist",
+    "numpy",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__format__",
+    "nonzero",
+    "unique",
+    "masked_select",
+)
 _TORCH = ("nonzero", "unique", "masked_select", "equal", "allclose", "bincount", "argwhere", "unique_consecutive")
 
 

@@ -45,8 +45,20 @@ class Case:
         return self.xs[r], self.idx[r], self.probs[r], self.w1[sl], self.w2[sl], s1, s2
 
 
-def make_case(seed, tokens, hidden, n, topk, num_local, *, int8=True, x_dtype=torch.bfloat16, holes=0.0,
-              inactive=None, swiglu_limit=0.0) -> Case:  # fmt: skip
+def make_case(
+    seed,
+    tokens,
+    hidden,
+    n,
+    topk,
+    num_local,
+    *,
+    int8=True,
+    x_dtype=torch.bfloat16,
+    holes=0.0,
+    inactive=None,
+    swiglu_limit=0.0,
+) -> Case:
     """Random inputs; ``inactive`` (per rank): that many trailing tokens are outside the mask and get garbage ids
     (out of range, negative, repeated), NaN weights and NaN / inf activations."""
     g = torch.Generator().manual_seed(seed)

@@ -82,15 +82,25 @@ def create_app(config: ServerConfig, engine: EngineCore, *, capacity: int | None
     logger.info("chat template: %s", chat.origin if chat is not None else f"none ({refusal})")
     defaults = generation_defaults(config.model, config.generation_config)
     if defaults:
-        logger.info("sampling defaults from the model's generation_config.json (a request's own values win): %s",
-                    defaults)  # fmt: skip
+        logger.info(
+            "sampling defaults from the model's generation_config.json (a request's own values win): %s", defaults
+        )
     capacity = capacity or engine.max_num_seqs * config.ep_size
     async_engine = AsyncEngine(engine, capacity=capacity, max_queue_len=config.max_queue_len, metrics=metrics)
     grammars = GrammarCache(engine.tokenizer, engine.vocab_size or 0)
-    state = ServingState(config=config, engine=async_engine, tokenizer=engine.tokenizer, metrics=metrics,
-                         grammars=grammars, model_name=config.model_name, max_model_len=engine.max_model_len,
-                         vocab_size=engine.vocab_size, chat=chat, chat_refusal=refusal,
-                         generation_defaults=defaults)  # fmt: skip
+    state = ServingState(
+        config=config,
+        engine=async_engine,
+        tokenizer=engine.tokenizer,
+        metrics=metrics,
+        grammars=grammars,
+        model_name=config.model_name,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        chat=chat,
+        chat_refusal=refusal,
+        generation_defaults=defaults,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -101,8 +111,14 @@ def create_app(config: ServerConfig, engine: EngineCore, *, capacity: int | None
             await async_engine.shutdown()
 
     # /openapi.json and /docs are the router's own routes (behind the API key); FastAPI's are off
-    app = FastAPI(title="deep_ep_npu server", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)  # fmt: skip
+    app = FastAPI(
+        title="deep_ep_npu server",
+        version=_version(),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.serving = state
     install_error_handlers(app)
     app.include_router(make_router(state))

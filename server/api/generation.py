@@ -30,8 +30,14 @@ from server.engine_api import SamplingParamError, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 # generation_config.json field -> sampling parameter, and the transformers defaults that vLLM does not apply
-GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+GENERATION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
@@ -61,8 +67,12 @@ def completion_prompts(req: CompletionRequest, state: ServingState) -> list[tupl
 def _decode(token_ids: list[int], state: ServingState, param: str) -> str:
     if state.vocab_size is not None and any(t >= state.vocab_size for t in token_ids):
         bad = next(t for t in token_ids if t >= state.vocab_size)
-        raise APIError(400, f"{param}: token id {bad} is not in [0, {state.vocab_size}) (vocab_size)", param=param,
-                       code="invalid_value")  # fmt: skip
+        raise APIError(
+            400,
+            f"{param}: token id {bad} is not in [0, {state.vocab_size}) (vocab_size)",
+            param=param,
+            code="invalid_value",
+        )
     return state.tokenizer.decode(token_ids)
 
 
@@ -77,8 +87,14 @@ def chat_prompt(
     messages = [m.for_template() for m in req.messages or ()]
     tools = template_tools(req) if isinstance(req, ChatCompletionRequest) else None
     try:
-        text = state.chat.render(messages, tokenizer.special_tokens, req.add_generation_prompt,
-                                 req.continue_final_message, req.chat_template_kwargs, tools)  # fmt: skip
+        text = state.chat.render(
+            messages,
+            tokenizer.special_tokens,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+            tools,
+        )
     except ChatTemplateError as e:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
     ids = encode(functools.partial(tokenizer.encode, text, add_special_tokens=add_special_tokens), "messages")
@@ -96,8 +112,11 @@ def generation_defaults(model_path: str | None, mode: str) -> dict[str, Any]:
         return {}
     with open(path, encoding="utf-8") as f:
         gen = json.load(f)
-    defaults = {ours: gen[theirs] for theirs, ours in GENERATION_FIELDS.items()
-                if gen.get(theirs) is not None and gen[theirs] != HF_GENERATION_DEFAULTS.get(theirs)}  # fmt: skip
+    defaults = {
+        ours: gen[theirs]
+        for theirs, ours in GENERATION_FIELDS.items()
+        if gen.get(theirs) is not None and gen[theirs] != HF_GENERATION_DEFAULTS.get(theirs)
+    }
     try:
         SamplingParams(**defaults)
     except (SamplingParamError, TypeError) as e:
@@ -110,8 +129,12 @@ def encode(tokenize: Callable[[], list[int]], param: str) -> list[int]:
     try:
         return tokenize()
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{param}: not encodable as UTF-8 ({e.reason}, e.g. a lone surrogate escape)",
-                       param=param, code="invalid_value") from None  # fmt: skip
+        raise APIError(
+            400,
+            f"{param}: not encodable as UTF-8 ({e.reason}, e.g. a lone surrogate escape)",
+            param=param,
+            code="invalid_value",
+        ) from None
 
 
 def check_supported(req: SamplingFields) -> None:
@@ -122,9 +145,16 @@ def check_supported(req: SamplingFields) -> None:
         raise APIError(400, f"{field}: {why}", param=field, code="unsupported_value")
 
 
-def sampling_params(req: SamplingFields, requested: int | None, num_prompt_tokens: int, default: int | None,
-                    state: ServingState, prompt_param: str, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+def sampling_params(
+    req: SamplingFields,
+    requested: int | None,
+    num_prompt_tokens: int,
+    default: int | None,
+    state: ServingState,
+    prompt_param: str,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     """Check the prompt length and ``max_tokens`` against ``max_model_len`` / ``max_tokens_limit``; build the
     engine's sampling params (``n`` of them: the caller adds ``for_sample(i)``). ``default`` None means "the rest
     of the context". Fields the request leaves unset take the model's generation defaults, then OpenAI's."""
@@ -133,23 +163,39 @@ def sampling_params(req: SamplingFields, requested: int | None, num_prompt_token
     max_model_len, limit = state.max_model_len, state.config.max_tokens_limit
     max_prompt_tokens = state.config.max_prompt_tokens
     if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
-        raise APIError(400, f"{prompt_param}: {num_prompt_tokens} prompt tokens are over this server's limit of "
-                       f"{max_prompt_tokens} (max-prompt-tokens)", param=prompt_param,
-                       code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"{prompt_param}: {num_prompt_tokens} prompt tokens are over this server's limit of "
+            f"{max_prompt_tokens} (max-prompt-tokens)",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     remaining = max_model_len - num_prompt_tokens
     if remaining < 1:
-        raise APIError(400, f"{prompt_param}: {num_prompt_tokens} prompt tokens leave no room for output: this "
-                       f"model's maximum context length is {max_model_len} tokens", param=prompt_param,
-                       code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"{prompt_param}: {num_prompt_tokens} prompt tokens leave no room for output: this "
+            f"model's maximum context length is {max_model_len} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     if requested is None:
         max_tokens = min(remaining, default or remaining, limit or remaining)
     elif limit is not None and requested > limit:
-        raise APIError(400, f"max_tokens: {requested} is over this server's limit of {limit}",
-                       param="max_tokens", code="invalid_value")  # fmt: skip
+        raise APIError(
+            400,
+            f"max_tokens: {requested} is over this server's limit of {limit}",
+            param="max_tokens",
+            code="invalid_value",
+        )
     elif requested > remaining:
-        raise APIError(400, f"max_tokens: {num_prompt_tokens} prompt tokens + {requested} max_tokens exceed this "
-                       f"model's maximum context length of {max_model_len} tokens", param="max_tokens",
-                       code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"max_tokens: {num_prompt_tokens} prompt tokens + {requested} max_tokens exceed this "
+            f"model's maximum context length of {max_model_len} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     else:
         max_tokens = requested
     stops = [req.stop] if isinstance(req.stop, str) else req.stop
@@ -192,8 +238,9 @@ def _token_key(key: str) -> int:
     return int(key)
 
 
-def make_samples(prompts: list[tuple[list[int], str]], params: list[SamplingParams], chat: bool,
-                 echo: bool = False) -> tuple[str, list[Sample]]:  # fmt: skip
+def make_samples(
+    prompts: list[tuple[list[int], str]], params: list[SamplingParams], chat: bool, echo: bool = False
+) -> tuple[str, list[Sample]]:
     """The request id and one :class:`Sample` per prompt x sample (``index = prompt_index * n + sample_index``).
     A sample's engine request id is the request id, suffixed by ``-index`` when there are several choices."""
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -207,8 +254,14 @@ def make_samples(prompts: list[tuple[list[int], str]], params: list[SamplingPara
     return request_id, samples
 
 
-async def serve(http: Request, req: SamplingFields, samples: list[Sample], builder: ResponseBuilder,
-                state: ServingState, arrival: float) -> Response:  # fmt: skip
+async def serve(
+    http: Request,
+    req: SamplingFields,
+    samples: list[Sample],
+    builder: ResponseBuilder,
+    state: ServingState,
+    arrival: float,
+) -> Response:
     """Add every sample to the engine and answer (streamed when ``req.stream``)."""
     handles = []
     transfers = transfer_params(req, state.config.disaggregation_mode, samples)
@@ -230,8 +283,12 @@ async def serve(http: Request, req: SamplingFields, samples: list[Sample], build
             for s in samples:
                 state.engine.abort(s.request_id)
 
-        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                 background=BackgroundTask(abort_all))  # fmt: skip
+        return StreamingResponse(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(abort_all),
+        )
     return await _until_disconnect(http, _collect(state, samples, handles, builder))
 
 

@@ -51,8 +51,10 @@ class LogprobFormatter:
 
     def chat(self, entries: Sequence[TokenLogprob]) -> list[dict]:
         """The chat shape's ``content`` list."""
-        return [{**self._chat_token(e.token_id, e.logprob),
-                 "top_logprobs": [self._chat_token(t, lp) for t, lp in e.top]} for e in entries]  # fmt: skip
+        return [
+            {**self._chat_token(e.token_id, e.logprob), "top_logprobs": [self._chat_token(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
 
     def _chat_token(self, token_id: int, logprob: float) -> dict:
         text = self.text(token_id)

@@ -57,9 +57,18 @@ class ResponseBuilder:
     output becomes tool calls (:mod:`server.api.tools`).
     """
 
-    def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool, formatter: LogprobFormatter,
-                 logprobs: bool = False, echo: bool = False, prompt_logprobs: bool = False,
-                 tools: ToolCalling | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        return_token_ids: bool,
+        formatter: LogprobFormatter,
+        logprobs: bool = False,
+        echo: bool = False,
+        prompt_logprobs: bool = False,
+        tools: ToolCalling | None = None,
+    ) -> None:
         self.tools = tools
         self.request_id, self.model, self.chat = request_id, model, chat
         self.return_token_ids, self.formatter = return_token_ids, formatter
@@ -67,8 +76,14 @@ class ResponseBuilder:
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}  # fmt: skip
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def full(self, samples: list[Sample], outputs: list[SampleOutput]) -> dict:
         """The non-streaming response (choices in ``index`` order)."""
@@ -84,16 +99,27 @@ class ResponseBuilder:
                 choice: dict[str, Any] = {"index": s.index, "message": message}
             else:
                 choice = {"index": s.index, "text": s.echo_text + out.text}
-            choice.update(logprobs=self._logprobs(s, out, out.token_ids, out.logprobs, 0, True),
-                          finish_reason=finish_reason)  # fmt: skip
+            choice.update(
+                logprobs=self._logprobs(s, out, out.token_ids, out.logprobs, 0, True), finish_reason=finish_reason
+            )
             self._extras(choice, s, out, out.token_ids, True)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return self._envelope(obj, choices, usage=self.usage(samples, outputs))
 
-    def chunk(self, s: Sample, out: SampleOutput, piece: str | None, new_ids: list[int],
-              new_logprobs: list[TokenLogprob], offset: int, first: bool, include_usage: bool,
-              tool_calls: list[dict] | None = None, finish_reason: str | None = None) -> dict:  # fmt: skip
+    def chunk(
+        self,
+        s: Sample,
+        out: SampleOutput,
+        piece: str | None,
+        new_ids: list[int],
+        new_logprobs: list[TokenLogprob],
+        offset: int,
+        first: bool,
+        include_usage: bool,
+        tool_calls: list[dict] | None = None,
+        finish_reason: str | None = None,
+    ) -> dict:
         """One streamed chunk of choice ``s``: ``piece`` of text, ``new_ids`` and their log-probabilities (text
         offsets from ``offset``), chat ``tool_calls`` deltas. A choice's first chunk carries the chat ``role``, the
         echoed prompt and, with ``return_token_ids``, ``prompt_token_ids``. ``finish_reason``: the output's unless
@@ -105,14 +131,17 @@ class ResponseBuilder:
             choice: dict[str, Any] = {"index": s.index, "delta": delta}
         else:
             choice = {"index": s.index, "text": (s.echo_text if first else "") + (piece or "")}
-        choice.update(logprobs=self._logprobs(s, out, new_ids, new_logprobs, offset, first),
-                      finish_reason=finish_reason or out.finish_reason)  # fmt: skip
+        choice.update(
+            logprobs=self._logprobs(s, out, new_ids, new_logprobs, offset, first),
+            finish_reason=finish_reason or out.finish_reason,
+        )
         self._extras(choice, s, out, new_ids, first)
         extra = {"usage": None} if include_usage else {}
         return self._envelope(self._chunk_object, [choice], **extra)
 
-    def _logprobs(self, s: Sample, out: SampleOutput, ids: list[int], entries: list[TokenLogprob], offset: int,
-                  with_prompt: bool) -> dict | None:  # fmt: skip
+    def _logprobs(
+        self, s: Sample, out: SampleOutput, ids: list[int], entries: list[TokenLogprob], offset: int, with_prompt: bool
+    ) -> dict | None:
         if not self.logprobs:
             return None
         if self.chat:
@@ -134,8 +163,7 @@ class ResponseBuilder:
 
     def usage(self, samples: list[Sample], outputs: list[SampleOutput]) -> dict[str, int]:
         """Each prompt counted once, every choice's output tokens."""
-        return usage(sum(len(s.prompt_ids) for s in samples if s.counts_prompt),
-                     sum(len(o.token_ids) for o in outputs))  # fmt: skip
+        return usage(sum(len(s.prompt_ids) for s in samples if s.counts_prompt), sum(len(o.token_ids) for o in outputs))
 
     def usage_chunk(self, samples: list[Sample], outputs: list[SampleOutput]) -> dict:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""

@@ -36,13 +36,21 @@ def make_router(state: ServingState) -> APIRouter:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key):
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            raise APIError(
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def check_model(req: SamplingFields | TokenizeRequest | DetokenizeRequest) -> None:
         if req.model is not None and req.model != state.model_name:
-            raise APIError(404, f"model: {req.model!r} does not exist; this server serves {state.model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"model: {req.model!r} does not exist; this server serves {state.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     config = state.config
     router = APIRouter()
@@ -63,14 +71,31 @@ def make_router(state: ServingState) -> APIRouter:
         check_request(req)
         prompts = generation.completion_prompts(req, state)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
-        params = [generation.sampling_params(req, req.max_tokens, len(ids), generation.COMPLETION_DEFAULT_MAX_TOKENS,
-                                             state, "prompt", req.logprobs, prompt_logprobs)
-                  for ids, _ in prompts]  # fmt: skip
+        params = [
+            generation.sampling_params(
+                req,
+                req.max_tokens,
+                len(ids),
+                generation.COMPLETION_DEFAULT_MAX_TOKENS,
+                state,
+                "prompt",
+                req.logprobs,
+                prompt_logprobs,
+            )
+            for ids, _ in prompts
+        ]
         params = await structured.constrain(params, structured.single_spec(structured.requested_specs(req)), state)
         request_id, samples = generation.make_samples(prompts, params, chat=False, echo=req.echo)
-        builder = ResponseBuilder(request_id, state.model_name, False, req.return_token_ids, formatter,
-                                  logprobs=req.logprobs is not None, echo=req.echo,
-                                  prompt_logprobs=req.prompt_logprobs is not None)  # fmt: skip
+        builder = ResponseBuilder(
+            request_id,
+            state.model_name,
+            False,
+            req.return_token_ids,
+            formatter,
+            logprobs=req.logprobs is not None,
+            echo=req.echo,
+            prompt_logprobs=req.prompt_logprobs is not None,
+        )
         return await generation.serve(http, req, samples, builder, state, arrival)
 
     @v1.post("/chat/completions")
@@ -84,18 +109,32 @@ def make_router(state: ServingState) -> APIRouter:
         prompt_ids = generation.chat_prompt(req, state, req.add_special_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = generation.sampling_params(req, requested, len(prompt_ids), None, state, "messages", logprobs,
-                                            req.prompt_logprobs)  # fmt: skip
+        params = generation.sampling_params(
+            req, requested, len(prompt_ids), None, state, "messages", logprobs, req.prompt_logprobs
+        )
         params = (await structured.constrain([params], spec, state))[0]
         request_id, samples = generation.make_samples([(prompt_ids, "")], [params], chat=True)
-        builder = ResponseBuilder(request_id, state.model_name, True, req.return_token_ids, formatter,
-                                  logprobs=bool(req.logprobs), prompt_logprobs=req.prompt_logprobs is not None,
-                                  tools=tools)  # fmt: skip
+        builder = ResponseBuilder(
+            request_id,
+            state.model_name,
+            True,
+            req.return_token_ids,
+            formatter,
+            logprobs=bool(req.logprobs),
+            prompt_logprobs=req.prompt_logprobs is not None,
+            tools=tools,
+        )
         return await generation.serve(http, req, samples, builder, state, arrival)
 
     def model_card() -> dict:
-        return {"id": state.model_name, "object": "model", "created": created, "owned_by": "deep_ep_npu",
-                "root": state.config.model or state.model_name, "max_model_len": state.max_model_len}  # fmt: skip
+        return {
+            "id": state.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "deep_ep_npu",
+            "root": state.config.model or state.model_name,
+            "max_model_len": state.max_model_len,
+        }
 
     @v1.get("/models")
     async def models() -> dict:
@@ -104,8 +143,12 @@ def make_router(state: ServingState) -> APIRouter:
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         if model_id != state.model_name:
-            raise APIError(404, f"model: {model_id!r} does not exist; this server serves {state.model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"model: {model_id!r} does not exist; this server serves {state.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return model_card()
 
     @keyed.post("/tokenize")
@@ -113,11 +156,14 @@ def make_router(state: ServingState) -> APIRouter:
         check_model(req)
         state.warn_unknown_fields(req)
         if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "prompt: give exactly one of prompt or messages", param="prompt",
-                           code="invalid_value")  # fmt: skip
+            raise APIError(400, "prompt: give exactly one of prompt or messages", param="prompt", code="invalid_value")
         if req.chat_template is not None:
-            raise APIError(400, "chat_template: a per-request chat template is not accepted; start the server with "
-                           "--chat-template", param="chat_template", code="unsupported_value")  # fmt: skip
+            raise APIError(
+                400,
+                "chat_template: a per-request chat template is not accepted; start the server with --chat-template",
+                param="chat_template",
+                code="unsupported_value",
+            )
         if req.messages is not None:
             ids = generation.chat_prompt(req, state, bool(req.add_special_tokens))
         else:
@@ -133,8 +179,12 @@ def make_router(state: ServingState) -> APIRouter:
         vocab = state.vocab_size
         bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
-            raise APIError(400, f"tokens: token id {bad[0]} is not in [0, {vocab}) (vocab_size)",
-                           param="tokens", code="invalid_value")  # fmt: skip
+            raise APIError(
+                400,
+                f"tokens: token id {bad[0]} is not in [0, {vocab}) (vocab_size)",
+                param="tokens",
+                code="invalid_value",
+            )
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
     @router.get("/health", dependencies=health_auth)

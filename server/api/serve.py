@@ -42,8 +42,9 @@ def serve(config: ServerConfig) -> int:
     if launch is not None:
         rank, world_size = launch
         if world_size != config.ep_size:
-            print(f"error: ep-size: {config.ep_size} does not match torchrun's world size {world_size}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: ep-size: {config.ep_size} does not match torchrun's world size {world_size}", file=sys.stderr
+            )
             return 2
         if rank != 0:
             from server.runtime import run_torchrun_worker
@@ -58,11 +59,19 @@ def serve(config: ServerConfig) -> int:
     # shutdown too: uvicorn re-raises the signal it caught with the handler it found, i.e. this one
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        logger.info("config resolved: model %s (%s), ep-size %d, device %s, backend %s, dtype %s, max-num-seqs %d "
-                    "per worker, max-model-len %d", config.model_name, config.model or "random weights",
-                    config.ep_size, config.device, config.backend, config.dtype, config.max_num_seqs,
-                    config.max_model_len)  # fmt: skip
-        from server.runtime.workers import WorkerError
+        logger.info(
+            "config resolved: model %s (%s), ep-size %d, device %s, backend %s, dtype %s, max-num-seqs %d "
+            "per worker, max-model-len %d",
+            config.model_name,
+            config.model or "random weights",
+            config.ep_size,
+            config.device,
+            config.backend,
+            config.dtype,
+            config.max_num_seqs,
+            config.max_model_len,
+        )
+        from server.runtime.workers.group import WorkerError
 
         try:
             engine = build_engine(config)
@@ -71,8 +80,9 @@ def serve(config: ServerConfig) -> int:
             return 2
         try:
             app = create_app(config, engine)
-            uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                       timeout_graceful_shutdown=5)  # fmt: skip
+            uv_config = uvicorn.Config(
+                app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5
+            )
             _AnnouncingServer(uv_config, _serving_line(config, engine)).run()
         finally:
             engine.shutdown()

@@ -48,8 +48,15 @@ def _stable_len(text: str, holdback: int) -> int:
     return max(n, 0)
 
 
-async def _choice(state: ServingState, s: Sample, handle: RequestHandle, out: SampleOutput, builder: ResponseBuilder,
-                  include_usage: bool, queue: asyncio.Queue) -> None:  # fmt: skip
+async def _choice(
+    state: ServingState,
+    s: Sample,
+    handle: RequestHandle,
+    out: SampleOutput,
+    builder: ResponseBuilder,
+    include_usage: bool,
+    queue: asyncio.Queue,
+) -> None:
     """Put choice ``s``'s chunks (as SSE text) on ``queue``; an error event ends the choice."""
     holdback = max((len(stop) for stop in s.params.stop_strings), default=1) - 1
     sent, offset, first = 0, 0, True
@@ -75,13 +82,20 @@ async def _choice(state: ServingState, s: Sample, handle: RequestHandle, out: Sa
             first = False
 
 
-async def stream(state: ServingState, samples: list[Sample], handles: list[RequestHandle], builder: ResponseBuilder,
-                 include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
+async def stream(
+    state: ServingState,
+    samples: list[Sample],
+    handles: list[RequestHandle],
+    builder: ResponseBuilder,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     """The SSE body: the choices' chunks interleaved as they come, the usage chunk if asked for, ``[DONE]``."""
     queue: asyncio.Queue = asyncio.Queue()
     outputs = [SampleOutput() for _ in samples]
-    tasks = [asyncio.ensure_future(_choice(state, s, h, out, builder, include_usage, queue))
-             for s, h, out in zip(samples, handles, outputs, strict=True)]  # fmt: skip
+    tasks = [
+        asyncio.ensure_future(_choice(state, s, h, out, builder, include_usage, queue))
+        for s, h, out in zip(samples, handles, outputs, strict=True)
+    ]
     pending = set(tasks)
     failed = False
     try:

@@ -37,5 +37,6 @@ def detect_format(model_path: str, cfg: dict[str, Any]) -> WeightFormat:
         return CompressedTensors(qc)
     if method == "mxfp4":
         return MXFP4()
-    raise CheckpointError(f"config.json quantization_config.quant_method={method!r} is not supported; supported: "
-                          f"{SUPPORTED}")  # fmt: skip
+    raise CheckpointError(
+        f"config.json quantization_config.quant_method={method!r} is not supported; supported: {SUPPORTED}"
+    )

@@ -21,8 +21,24 @@ import torch
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the header size
-_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I64": 8,
-               "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}  # fmt: skip
+_ITEM_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
@@ -40,8 +56,10 @@ def _read_header(path: str) -> dict[str, Any]:
                 raise CheckpointError(f"checkpoint file {path}: truncated ({size} bytes, not even a header length)")
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"checkpoint file {path}: truncated or not a safetensors file (header length "
-                                      f"{n}, file size {size} bytes)")  # fmt: skip
+                raise CheckpointError(
+                    f"checkpoint file {path}: truncated or not a safetensors file (header length "
+                    f"{n}, file size {size} bytes)"
+                )
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"checkpoint file {path}: cannot be read ({e.strerror or e})") from None
@@ -56,14 +74,18 @@ def _read_header(path: str) -> dict[str, Any]:
             numel = math.prod(info["shape"])
             item = _ITEM_BYTES[info["dtype"]]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"checkpoint file {path}: tensor {tensor!r} has a malformed header entry {info!r}") \
-                from None  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint file {path}: tensor {tensor!r} has a malformed header entry {info!r}"
+            ) from None
         if end - begin != numel * item:
-            raise CheckpointError(f"checkpoint file {path}: tensor {tensor!r} spans {end - begin} bytes, its dtype "
-                                  f"{info['dtype']} and shape {info['shape']} need {numel * item}")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint file {path}: tensor {tensor!r} spans {end - begin} bytes, its dtype "
+                f"{info['dtype']} and shape {info['shape']} need {numel * item}"
+            )
         if 8 + n + end > size:
-            raise CheckpointError(f"checkpoint file {path} is truncated: {size} bytes, but tensor {tensor!r} ends at "
-                                  f"byte {8 + n + end}")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated: {size} bytes, but tensor {tensor!r} ends at byte {8 + n + end}"
+            )
     return header
 
 
@@ -80,8 +102,10 @@ class CheckpointFiles:
                 with open(index, encoding="utf-8") as f:
                     weight_map = json.load(f)["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"checkpoint index {index}: cannot be read as a safetensors index with a "
-                                      f"weight_map ({type(e).__name__}: {e})") from None  # fmt: skip
+                raise CheckpointError(
+                    f"checkpoint index {index}: cannot be read as a safetensors index with a "
+                    f"weight_map ({type(e).__name__}: {e})"
+                ) from None
         else:
             self.source = os.path.join(model_path, SINGLE)
             if not os.path.isfile(self.source):
@@ -99,8 +123,10 @@ class CheckpointFiles:
             weight_map = dict.fromkeys(self.headers[SINGLE], SINGLE)
         for tensor, file in weight_map.items():
             if tensor not in self.headers[file]:
-                raise CheckpointError(f"checkpoint file {os.path.join(model_path, file)}: has no tensor {tensor!r}, "
-                                      f"which {INDEX} puts in it")  # fmt: skip
+                raise CheckpointError(
+                    f"checkpoint file {os.path.join(model_path, file)}: has no tensor {tensor!r}, "
+                    f"which {INDEX} puts in it"
+                )
         self.weight_map: dict[str, str] = weight_map
         self._open: dict[str, Any] = {}
 

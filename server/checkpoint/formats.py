@@ -33,8 +33,17 @@ CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "dense")
 CT_STRATEGIES = ("tensor", "channel", "group", "block")
 QUANT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8")
 # Tensors the formats store next to a quantized weight (scales, offsets, activation scales, KV-cache scales).
-AUX_SUFFIXES = ("_scale_inv", "_scale", "_zero_point", "_g_idx", "_offset", "quant_bias", "deq_scale", "_blocks",
-                "_scales")  # fmt: skip
+AUX_SUFFIXES = (
+    "_scale_inv",
+    "_scale",
+    "_zero_point",
+    "_g_idx",
+    "_offset",
+    "quant_bias",
+    "deq_scale",
+    "_blocks",
+    "_scales",
+)
 
 Reader = Callable[[], torch.Tensor]  # a quantized weight's float32 value, read when called
 
@@ -62,8 +71,10 @@ def need(files: CheckpointFiles, name: str, of: str, dtypes: tuple[str, ...], sh
     files.require(name, of)
     dtype, shape = files.dtype(name), files.shape(name)
     if dtype not in dtypes or shape not in shapes:
-        raise CheckpointError(f"checkpoint file {files.path(name)}: tensor {name!r} ({of}) is {dtype} {shape}; "
-                              f"expected a dtype in {list(dtypes)} and a shape in {shapes}")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint file {files.path(name)}: tensor {name!r} ({of}) is {dtype} {shape}; "
+            f"expected a dtype in {list(dtypes)} and a shape in {shapes}"
+        )
     return dtype
 
 
@@ -80,13 +91,17 @@ class WeightFormat:
         files.require(name, needed_by)
         stored, dtype = files.shape(name), files.dtype(name)
         if stored != tuple(shape):
-            raise CheckpointError(f"checkpoint file {files.path(name)}: tensor {name!r} has shape {stored}, "
-                                  f"config.json needs {tuple(shape)}")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint file {files.path(name)}: tensor {name!r} has shape {stored}, "
+                f"config.json needs {tuple(shape)}"
+            )
         if dtype in FLOAT_DTYPES:
             return
         if dtype not in QUANT_DTYPES or not name.endswith(".weight"):
-            raise CheckpointError(f"checkpoint file {files.path(name)}: tensor {name!r} is stored as {dtype}, "
-                                  "neither a float dtype nor a quantized weight's")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint file {files.path(name)}: tensor {name!r} is stored as {dtype}, "
+                "neither a float dtype nor a quantized weight's"
+            )
         self.dequantizer(files, name, tuple(shape))
 
     def load(
@@ -101,9 +116,11 @@ class WeightFormat:
 
     def dequantizer(self, files: CheckpointFiles, name: str, shape: tuple[int, ...]) -> Reader:
         """Check (headers only) that quantized weight ``name`` `[N, K]` can be dequantized; return its reader."""
-        raise CheckpointError(f"checkpoint file {files.path(name)}: tensor {name!r} is stored as "
-                              f"{files.dtype(name)} (quantized), but config.json declares no quantization_config: "
-                              "its scales are unknown, so it is not loaded (a cast would drop them)")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint file {files.path(name)}: tensor {name!r} is stored as "
+            f"{files.dtype(name)} (quantized), but config.json declares no quantization_config: "
+            "its scales are unknown, so it is not loaded (a cast would drop them)"
+        )
 
 
 class FP8(WeightFormat):
@@ -143,16 +160,20 @@ class CompressedTensors(WeightFormat):
             fmt = group.get("format") or qc.get("format")
             where = f"config.json quantization_config.config_groups.{group_name}"
             if fmt not in CT_FORMATS:
-                raise CheckpointError(f"{where}: compressed-tensors format={fmt!r} is not supported; supported: "
-                                      f"{list(CT_FORMATS)} (8-bit weights)")  # fmt: skip
+                raise CheckpointError(
+                    f"{where}: compressed-tensors format={fmt!r} is not supported; supported: "
+                    f"{list(CT_FORMATS)} (8-bit weights)"
+                )
             w = group.get("weights")
             if fmt == "dense" or w is None:
                 continue
             bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
             if bits != 8 or kind not in ("int", "float") or strategy not in CT_STRATEGIES:
-                raise CheckpointError(f"{where}.weights: num_bits={bits!r} type={kind!r} strategy={strategy!r} is "
-                                      f"not supported; supported: 8-bit int or float, strategy in "
-                                      f"{list(CT_STRATEGIES)}")  # fmt: skip
+                raise CheckpointError(
+                    f"{where}.weights: num_bits={bits!r} type={kind!r} strategy={strategy!r} is "
+                    f"not supported; supported: 8-bit int or float, strategy in "
+                    f"{list(CT_STRATEGIES)}"
+                )
             self.schemes.append(w)
 
     def _scale_shape(self, w: dict[str, Any], shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -172,9 +193,11 @@ class CompressedTensors(WeightFormat):
         files.require(scale, f"the scale of quantized weight {name!r}")
         schemes = [w for w in self.schemes if w["type"] == kind and files.shape(scale) in self._scale_shape(w, shape)]
         if not schemes:
-            raise CheckpointError(f"checkpoint file {files.path(scale)}: scale {scale!r} has shape "
-                                  f"{files.shape(scale)}, which no {kind} weight scheme of config.json's "
-                                  f"config_groups gives for a {shape} weight")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint file {files.path(scale)}: scale {scale!r} has shape "
+                f"{files.shape(scale)}, which no {kind} weight scheme of config.json's "
+                f"config_groups gives for a {shape} weight"
+            )
         w = schemes[0]
         expected = self._scale_shape(w, shape)
         need(files, scale, f"the scale of {name!r}", FLOAT_DTYPES, expected)

@@ -30,15 +30,19 @@ class MsModelSlim(WeightFormat):
         self.types = {k: v for k, v in description.items() if isinstance(v, str)}
         for key, kind in self.types.items():
             if key.endswith(".weight") and kind not in MSMODELSLIM_TYPES:
-                raise CheckpointError(f"{path}: {key} is quantized as {kind!r}, which is not supported; supported: "
-                                      f"{list(MSMODELSLIM_TYPES)} (static W8A8 folds its float bias into "
-                                      "quant_bias / deq_scale: no exact float layer)")  # fmt: skip
+                raise CheckpointError(
+                    f"{path}: {key} is quantized as {kind!r}, which is not supported; supported: "
+                    f"{list(MSMODELSLIM_TYPES)} (static W8A8 folds its float bias into "
+                    "quant_bias / deq_scale: no exact float layer)"
+                )
 
     def dequantizer(self, files: CheckpointFiles, name: str, shape: tuple[int, ...]) -> Reader:
         kind = self.types.get(name)
         if kind != "W8A8_DYNAMIC":
-            raise CheckpointError(f"checkpoint file {files.path(name)}: tensor {name!r} is {files.dtype(name)}, "
-                                  f"but {MSMODELSLIM_DESCRIPTION} says {kind!r}")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint file {files.path(name)}: tensor {name!r} is {files.dtype(name)}, "
+                f"but {MSMODELSLIM_DESCRIPTION} says {kind!r}"
+            )
         need(files, name, "a W8A8_DYNAMIC weight", ("I8",), [shape])
         scale, offset = sibling(name, "weight_scale"), sibling(name, "weight_offset")
         per_row = [(shape[0], 1), (shape[0],)]

@@ -3,7 +3,7 @@
 What one token costs: per layer, GQA caches its keys and values (``2 * num_key_value_heads * head_dim`` values);
 MLA caches its compressed latent and the rotated shared key (``kv_lora_rank + qk_rope_head_dim`` values), in the
 model dtype. A block holds ``block_size`` tokens of every layer. Which blocks a request owns is the driver's
-business (:mod:`server.runtime.block_manager`); the worker only reads and writes them.
+business (:mod:`server.runtime.scheduling.block_manager`); the worker only reads and writes them.
 """
 
 from __future__ import annotations

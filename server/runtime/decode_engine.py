@@ -18,14 +18,14 @@ import queue
 import threading
 from typing import Any
 
-from ..disagg.fetch import Fetch
-from ..disagg.transfer import KVPull
-from ..engine_api import KVTransferParams, KVTransferStat, RequestDelta, SamplingParams, TokenLogprob
-from .engine import EPEngine
-from .engine_config import EngineConfig
-from .kv_layout import kv_layout
-from .plan import StepResult
-from .request import Request, apply_token
+from server.disagg.fetch import Fetch
+from server.disagg.transfer import KVPull
+from server.engine_api import KVTransferParams, KVTransferStat, RequestDelta, SamplingParams, TokenLogprob
+from server.runtime.engine import EPEngine
+from server.runtime.engine_config import EngineConfig
+from server.runtime.kv_layout import kv_layout
+from server.runtime.scheduling.plan import StepResult
+from server.runtime.scheduling.request import Request, apply_token
 
 IDLE_WAIT_S = 0.02  # with nothing to step, how long step() waits for a prefill instance's answer
 

@@ -9,22 +9,22 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..engine_api import EngineCore, KVTransferParams, RequestDelta, SamplingParamError, SamplingParams, StepStats
-from ..loader import DTYPES, random_hf_config, read_config
-from ..models import ModelConfig
-from ..models.kv_cache import bytes_per_block
-from ..models.moe import fused_refusal
-from ..tokenizer import load_tokenizer
-from .block_manager import KVCacheManager
-from .detokenizer import IncrementalDetokenizer
-from .engine_config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, default_capacity
-from .expert_placement import build_expert_map, uses_placement
-from .kv_budget import check_fits, mib
-from .plan import StepResult, WorkerInfo
-from .request import Request, apply_token
-from .scheduler import RankScheduler
-from .torchrun import TorchrunWorkers
-from .workers import ProcessWorkers, WorkerError, WorkerGroup
+from server.engine_api import EngineCore, KVTransferParams, RequestDelta, SamplingParamError, SamplingParams, StepStats
+from server.loader import DTYPES, random_hf_config, read_config
+from server.models import ModelConfig
+from server.models.kv_cache import bytes_per_block
+from server.models.moe import fused_refusal
+from server.runtime.engine_config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, default_capacity
+from server.runtime.expert_placement import build_expert_map, uses_placement
+from server.runtime.scheduling.block_manager import KVCacheManager
+from server.runtime.scheduling.detokenizer import IncrementalDetokenizer
+from server.runtime.scheduling.kv_budget import check_fits, mib
+from server.runtime.scheduling.plan import StepResult, WorkerInfo
+from server.runtime.scheduling.request import Request, apply_token
+from server.runtime.scheduling.scheduler import RankScheduler
+from server.runtime.workers.group import ProcessWorkers, WorkerError, WorkerGroup
+from server.runtime.workers.torchrun import TorchrunWorkers
+from server.tokenizer import load_tokenizer
 
 _T = TypeVar("_T")
 
@@ -37,14 +37,15 @@ class EPEngine(EngineCore):
     Takes one :class:`~server.runtime.engine_config.EngineConfig` (``EPEngine(config)``), or its fields as keywords
     (``EPEngine(model=..., ep_size=2)``), which are validated there. Launch ``spawn`` starts ``ep_size`` local
     workers; ``torchrun`` makes this process rank 0 of a torchrun job (worker 0, the others run
-    :func:`~server.runtime.torchrun.run_worker_from_env`). ``step_timeout_s`` is how long one lockstep step (or a
-    health ping) may take before the engine declares the workers hung, stops them and fails (spawned workers; a dead
-    worker is noticed at once); ``elastic`` (spawned workers) keeps serving on the survivors when a worker dies or
-    hangs: its requests end with ``"error"``, its experts are dropped (the Buffers' shrink mode: tokens routed to
-    them get nothing from them), the loss is logged and counted in :class:`StepStats`; the Buffers' collective
-    timeout is then ``step_timeout_s / 3``. The device / backend combination is checked
+    :func:`~server.runtime.workers.torchrun.run_worker_from_env`). ``step_timeout_s`` is how long one lockstep step
+    (or a health ping) may take before the engine declares the workers hung, stops them and fails (a dead worker is
+    noticed at once); ``elastic`` keeps serving on the survivors when a worker dies, hangs or is cut off: its
+    requests end with ``"error"``, the survivors regroup at the step boundary and run the interrupted step again
+    without it (:meth:`~server.runtime.workers.group.WorkerGroup._settle`), its experts are dropped unless replicas
+    live elsewhere, the loss is logged and counted in :class:`StepStats`; the Buffers' collective timeout is then
+    ``step_timeout_s / 3``. The device / backend combination is checked
     (:meth:`EngineConfig.check_placement`) before any worker starts, and the KV cache's size once they have loaded
-    their weights (:mod:`server.runtime.kv_budget`; a ``ValueError`` says what fits and what was asked).
+    their weights (:mod:`server.runtime.scheduling.kv_budget`; a ``ValueError`` says what fits and what was asked).
 
     With ``async_scheduling`` (spawned workers) :meth:`step` plans and submits step k+1, then collects step k: the
     workers run k+1 while the driver turns k's tokens into text and plans k+2.
@@ -67,14 +68,21 @@ class EPEngine(EngineCore):
         if uses_placement(config):  # a bad placement stops start-up here, before any worker starts
             build_expert_map(config, cfg, config.ep_size)
         elif not config.use_torchrun and cfg.num_experts % config.ep_size != 0:
-            raise ValueError(f"ep_size={config.ep_size} must divide the model's num_experts={cfg.num_experts} (or "
-                             "add redundant expert slots: --num-redundant-experts / --expert-placement)")  # fmt: skip
+            raise ValueError(
+                f"ep_size={config.ep_size} must divide the model's num_experts={cfg.num_experts} (or "
+                "add redundant expert slots: --num-redundant-experts / --expert-placement)"
+            )
         self.config = config
         self.model_config = cfg
         block_bytes = bytes_per_block(cfg, config.block_size, DTYPES[config.dtype])
         if config.kv_cache_memory is not None:  # refuse before starting any worker
-            check_fits(config.kv_cache_memory // block_bytes, config.block_size, block_bytes, config.max_model_len,
-                       f"kv-cache-memory {mib(config.kv_cache_memory)}")  # fmt: skip
+            check_fits(
+                config.kv_cache_memory // block_bytes,
+                config.block_size,
+                block_bytes,
+                config.max_model_len,
+                f"kv-cache-memory {mib(config.kv_cache_memory)}",
+            )
         self.tokenizer = load_tokenizer(config.model, cfg.eos_token_ids)
         self.max_model_len = config.max_model_len
         self.vocab_size = cfg.vocab_size
@@ -84,16 +92,25 @@ class EPEngine(EngineCore):
         self.ep_size = len(self.workers.infos)
         smallest = min(self.workers.infos, key=lambda info: info.num_kv_blocks)
         try:
-            check_fits(smallest.num_kv_blocks, config.block_size, block_bytes, config.max_model_len,
-                       f"worker {smallest.rank}'s budget ({smallest.kv_budget_source})")  # fmt: skip
+            check_fits(
+                smallest.num_kv_blocks,
+                config.block_size,
+                block_bytes,
+                config.max_model_len,
+                f"worker {smallest.rank}'s budget ({smallest.kv_budget_source})",
+            )
         except ValueError:
             self.shutdown()
             raise
         self.schedulers = [
-            RankScheduler(KVCacheManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching),
-                          config.max_num_seqs, config.capacity, config.max_model_len)
+            RankScheduler(
+                KVCacheManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching),
+                config.max_num_seqs,
+                config.capacity,
+                config.max_model_len,
+            )
             for info in self.workers.infos
-        ]  # fmt: skip
+        ]
         self._requests: dict[str, tuple[int, Request]] = {}
         self._seq_ids = itertools.count()
         self._aborts: list[str] = []
@@ -136,8 +153,11 @@ class EPEngine(EngineCore):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.n != 1:
-            raise SamplingParamError("n", f"the engine runs one sample per request, got {params.n}; add one request "
-                                     "per SamplingParams.for_sample(i)")  # fmt: skip
+            raise SamplingParamError(
+                "n",
+                f"the engine runs one sample per request, got {params.n}; add one request "
+                "per SamplingParams.for_sample(i)",
+            )
         vocab = self.model_config.vocab_size
         bad = [t for t in params.logit_bias or () if t >= vocab]
         if bad:

@@ -8,8 +8,8 @@ import dataclasses
 import os
 from typing import Any
 
-from ..config import parse_bytes
-from ..loader import DTYPES
+from server.config import parse_bytes
+from server.loader import DTYPES
 
 DEFAULT_STEP_TIMEOUT_S = 30.0
 MOE_IMPLS = ("unfused", "fused")
@@ -34,15 +34,15 @@ class EngineConfig:
     ``model`` an HF checkpoint dir or None for the random model ``random_model`` (spec for
     :func:`server.loader.random_hf_config`) from ``seed``; ``ep_size`` workers; ``dtype`` float32/bfloat16/float16;
     ``backend`` the ``deep_ep_npu.Buffer`` backend; ``device`` / ``dist_backend`` / ``simulate_npu`` where the workers
-    run (:mod:`server.runtime.placement`); ``max_num_seqs`` (per worker) and ``max_model_len``;
+    run (:mod:`server.runtime.workers.placement`); ``max_num_seqs`` (per worker) and ``max_model_len``;
     ``max_num_batched_tokens`` the per-step token capacity N of each worker, also the MoE Buffers'
     ``num_max_dispatch_tokens_per_rank`` (None: ``max(max_num_seqs, 64)``, filled in here; longer prefills are
     chunked); the paged KV cache: ``block_size`` tokens per block, ``kv_cache_memory`` bytes per worker (an int,
     or ``"4G"``: :func:`server.config.parse_bytes`) or else ``gpu_memory_utilization``
-    (:mod:`server.runtime.kv_budget`), ``enable_prefix_caching``;
+    (:mod:`server.runtime.scheduling.kv_budget`), ``enable_prefix_caching``;
     ``async_scheduling`` plan step k+1 while the workers run step k (spawned workers); ``worker_threads`` torch
     threads per worker (None: the CPUs this process may use, split over the local workers, and one for a CPU
-    worker's steps of few tokens: :data:`server.runtime.worker.THREADED_STEP_TOKENS`); ``int8_experts`` W8A8
+    worker's steps of few tokens: :data:`server.runtime.workers.worker.THREADED_STEP_TOKENS`); ``int8_experts`` W8A8
     routed experts; ``moe_impl``
     ``unfused`` (dispatch -> experts -> combine) or ``fused`` (``Buffer.mega_moe``); ``launch`` ``spawn``,
     ``torchrun`` (this process is a rank of a torchrun job) or ``auto``; ``dist_timeout_s`` the process groups'
@@ -145,8 +145,10 @@ class EngineConfig:
         if balancing and not self.needs_group(self.ep_size):
             raise ValueError("num_redundant_experts / expert_placement / eplb need expert parallelism (ep_size > 1)")
         if balancing and (self.moe_impl == "fused" or self.int8_experts):
-            raise ValueError("num_redundant_experts / expert_placement / eplb run the unfused float experts; "
-                             "drop moe_impl='fused' / int8_experts")  # fmt: skip
+            raise ValueError(
+                "num_redundant_experts / expert_placement / eplb run the unfused float experts; "
+                "drop moe_impl='fused' / int8_experts"
+            )
         if self.expert_placement is not None:
             from deep_ep_npu.eplb import read_placement_json
 
@@ -184,7 +186,7 @@ class EngineConfig:
 
     def check_placement(self) -> None:
         """Refuse a device / backend combination that cannot run on this machine (before any worker starts)."""
-        from .placement import check_placement
+        from server.runtime.workers.placement import check_placement
 
         check_placement(self.device, self.dist_backend, self.backend, self.simulate_npu, self.local_workers)
 
@@ -194,22 +196,39 @@ class EngineConfig:
         ``simulate-npu`` the NPU's ``device`` / ``dist-backend`` (npu / hccl) run as cpu / gloo on the stand-in."""
         sim = config.simulate_npu
         values = dict(
-            model=config.model, ep_size=config.ep_size, dtype=config.dtype, backend=config.backend,
-            device="cpu" if sim else config.device, dist_backend="gloo" if sim else config.dist_backend,
+            model=config.model,
+            ep_size=config.ep_size,
+            dtype=config.dtype,
+            backend=config.backend,
+            device="cpu" if sim else config.device,
+            dist_backend="gloo" if sim else config.dist_backend,
             simulate_npu=sim,
-            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
-            random_model=dict(config.random_model) or None, step_timeout_s=config.step_timeout_s,
-            elastic=config.elastic, moe_impl=config.moe_impl, max_num_batched_tokens=config.max_num_batched_tokens,
-            block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
-            async_scheduling=config.async_scheduling, worker_threads=config.worker_threads,
-            int8_experts=config.int8_experts, num_redundant_experts=config.num_redundant_experts,
-            expert_placement=config.expert_placement, eplb=config.eplb, eplb_interval=config.eplb_interval,
-            eplb_window=config.eplb_window, socket_ifname=config.socket_ifname,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            random_model=dict(config.random_model) or None,
+            step_timeout_s=config.step_timeout_s,
+            elastic=config.elastic,
+            moe_impl=config.moe_impl,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_prefix_caching=config.enable_prefix_caching,
+            async_scheduling=config.async_scheduling,
+            worker_threads=config.worker_threads,
+            int8_experts=config.int8_experts,
+            num_redundant_experts=config.num_redundant_experts,
+            expert_placement=config.expert_placement,
+            eplb=config.eplb,
+            eplb_interval=config.eplb_interval,
+            eplb_window=config.eplb_window,
+            socket_ifname=config.socket_ifname,
             disaggregation_mode=config.disaggregation_mode,
             transfer_backend=config.disaggregation_transfer_backend,
             bootstrap_port=config.disaggregation_bootstrap_port,
-            disaggregation_timeout_s=config.disaggregation_timeout_s, kv_transfer_host=config.transfer_host,
+            disaggregation_timeout_s=config.disaggregation_timeout_s,
+            kv_transfer_host=config.transfer_host,
             model_name=config.model_name,
-        )  # fmt: skip
+        )
         return cls(**{**values, **overrides})

@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from deep_ep_npu.eplb import ExpertMap, default_placement, read_placement_json
-
-from ..models.config import ModelConfig
+from server.models.config import ModelConfig
 
 
 def uses_placement(args: Any) -> bool:
@@ -25,12 +24,16 @@ def build_expert_map(args: Any, cfg: ModelConfig, num_ranks: int) -> ExpertMap |
     e, r, layers = cfg.num_experts, args.num_redundant_experts, len(cfg.moe_layers)
     where = f"expert_placement={args.expert_placement}"
     if cfg.fused_experts:
-        raise ValueError(f"num_redundant_experts / expert_placement / eplb: {cfg.architecture}'s checkpoint stores "
-                         "every expert of a layer in one tensor, which placements do not read yet")  # fmt: skip
+        raise ValueError(
+            f"num_redundant_experts / expert_placement / eplb: {cfg.architecture}'s checkpoint stores "
+            "every expert of a layer in one tensor, which placements do not read yet"
+        )
     if args.expert_placement is None:
         if (e + r) % num_ranks:
-            raise ValueError(f"num_redundant_experts={r}: num_experts + R = {e} + {r} must be a multiple of the EP "
-                             f"size {num_ranks} (each rank holds (E + R) / EP slots)")  # fmt: skip
+            raise ValueError(
+                f"num_redundant_experts={r}: num_experts + R = {e} + {r} must be a multiple of the EP "
+                f"size {num_ranks} (each rank holds (E + R) / EP slots)"
+            )
         phy2log = default_placement(e, r, layers)
     else:
         phy2log = read_placement_json(args.expert_placement, num_ranks)
@@ -41,7 +44,9 @@ def build_expert_map(args: Any, cfg: ModelConfig, num_ranks: int) -> ExpertMap |
     except ValueError as err:
         raise ValueError(f"expert placement: {err}") from None
     if r and expert_map.num_physical - e != r:
-        raise ValueError(f"{where} places {expert_map.num_physical} experts per layer = {e} + "
-                         f"{expert_map.num_physical - e} redundant, but num_redundant_experts={r}; make them agree "
-                         "(or give only one)")  # fmt: skip
+        raise ValueError(
+            f"{where} places {expert_map.num_physical} experts per layer = {e} + "
+            f"{expert_map.num_physical - e} redundant, but num_redundant_experts={r}; make them agree "
+            "(or give only one)"
+        )
     return expert_map

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .decode_engine import DecodeEngine
-from .engine import EPEngine
-from .engine_config import EngineConfig
-from .prefill_engine import PrefillEngine
-from .torchrun import run_worker_from_env
+from server.runtime.decode_engine import DecodeEngine
+from server.runtime.engine import EPEngine
+from server.runtime.engine_config import EngineConfig
+from server.runtime.prefill_engine import PrefillEngine
+from server.runtime.workers.torchrun import run_worker_from_env
 
 
 def engine_from_config(config: Any) -> EPEngine:

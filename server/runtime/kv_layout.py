@@ -7,11 +7,11 @@ import math
 
 import torch
 
-from ..disagg.layout import KVLayout
-from ..loader import DTYPES
-from ..models import ModelConfig
-from ..models.kv_cache import layer_cache_shapes
-from .engine_config import EngineConfig
+from server.disagg.layout import KVLayout
+from server.loader import DTYPES
+from server.models import ModelConfig
+from server.models.kv_cache import layer_cache_shapes
+from server.runtime.engine_config import EngineConfig
 
 
 def kv_layout(config: EngineConfig, cfg: ModelConfig) -> KVLayout:

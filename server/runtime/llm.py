@@ -7,8 +7,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine_api import SamplingParams, TokenLogprob
-from .engine import EPEngine
+from server.engine_api import SamplingParams, TokenLogprob
+from server.runtime.engine import EPEngine
 
 
 @dataclasses.dataclass

@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..disagg.bootstrap import BootstrapServer
-from ..engine_api import KVTransferParams, KVTransferStat, RequestDelta, SamplingParams
-from .block_manager import BlockTable
-from .engine import EPEngine
-from .engine_config import EngineConfig
-from .kv_layout import kv_layout
-from .request import Request
+from server.disagg.bootstrap import BootstrapServer
+from server.engine_api import KVTransferParams, KVTransferStat, RequestDelta, SamplingParams
+from server.runtime.engine import EPEngine
+from server.runtime.engine_config import EngineConfig
+from server.runtime.kv_layout import kv_layout
+from server.runtime.scheduling.block_manager import BlockTable
+from server.runtime.scheduling.request import Request
 
 
 class PrefillEngine(EPEngine):

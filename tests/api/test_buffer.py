@@ -84,8 +84,10 @@ def _ll_port(
 
         layouts.LOOP_BYTES = 0
     num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, info.world_size, num_experts)
-    return {t: _ll_rounds(info, num_max, tokens_per_rank, hidden, num_topk, num_experts, seed, num_rdma_bytes, t)
-            for t in TRANSPORTS}  # fmt: skip
+    return {
+        t: _ll_rounds(info, num_max, tokens_per_rank, hidden, num_topk, num_experts, seed, num_rdma_bytes, t)
+        for t in TRANSPORTS
+    }
 
 
 def _ll_rounds(info, num_max, tokens_per_rank, hidden, num_topk, num_experts, seed, num_rdma_bytes, transport):

@@ -56,9 +56,16 @@ def _flat(info):
     shared_x = torch.full((tokens[rank], H), 0.25, dtype=torch.bfloat16)
     for quant_mode, hook in ((0, False), (2, True)):
         result, event, recv_hook = buffer.low_latency_dispatch_flat(
-            x, topk_idx, N, E, topk_weights=weights, quant_mode=quant_mode, x_active_mask=mask,
-            expert_token_nums_type=0, return_recv_hook=hook,
-        )  # fmt: skip
+            x,
+            topk_idx,
+            N,
+            E,
+            topk_weights=weights,
+            quant_mode=quant_mode,
+            x_active_mask=mask,
+            expert_token_nums_type=0,
+            return_recv_hook=hook,
+        )
         if hook:
             with pytest.raises(RuntimeError, match="not received yet"):
                 result.expand_x  # noqa: B018

@@ -66,17 +66,30 @@ def _case(buffer, info, inputs, num_experts, case, sync, backend):
         bias = biases[0] if num_bias == 1 else biases
     ref = reference_dispatch(inputs, rank, N, num_experts)
 
-    common = dict(num_max_tokens_per_rank=N, num_experts=num_experts, expert_alignment=alignment,
-                  do_handle_copy=bool(handle_copy), do_cpu_sync=sync)  # fmt: skip
+    common = dict(
+        num_max_tokens_per_rank=N,
+        num_experts=num_experts,
+        expert_alignment=alignment,
+        do_handle_copy=bool(handle_copy),
+        do_cpu_sync=sync,
+    )
     args = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, **common)
     recv_x, recv_idx, recv_w, handle, _ = _launch(buffer, "dispatch", prev, async_, **args)
     exp_args = args | dict(do_expand=True, use_tma_aligned_col_major_sf=True)
     exp_x, exp_idx, exp_w, exp_handle, _ = _launch(buffer, "dispatch", prev, async_, **exp_args)
     cached_x, cached_idx, _, cached_handle, _ = _launch(buffer, "dispatch", prev, async_, x=x, handle=handle)
     cached_exp_x, _, cached_exp_w, _, _ = _launch(
-        buffer, "dispatch", prev, async_, x=x, topk_weights=topk_weights, do_expand=True,
-        use_tma_aligned_col_major_sf=True, do_zero_padding=True, handle=exp_handle,
-    )  # fmt: skip
+        buffer,
+        "dispatch",
+        prev,
+        async_,
+        x=x,
+        topk_weights=topk_weights,
+        do_expand=True,
+        use_tma_aligned_col_major_sf=True,
+        do_zero_padding=True,
+        handle=exp_handle,
+    )
 
     num_recv = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
     assert num_recv == int(exp_handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == sum(ref["num_recv_per_rank"])
@@ -100,13 +113,27 @@ def _case(buffer, info, inputs, num_experts, case, sync, backend):
     exp_combine_x = torch.full((exp_handle.num_expanded_tokens, H), float("nan"), dtype=torch.bfloat16)  # padding
     exp_combine_x[slots[slots >= 0].long()] = exp_y[slots >= 0]
     weighted = backend == "reference"  # the Ascend combine carries no weights back (a clear error, tested below)
-    combined, combined_w, _ = _launch(buffer, "combine", prev, async_, x=combine_x, bias=bias, handle=handle,
-                                      topk_weights=recv_w if weighted else None)  # fmt: skip
+    combined, combined_w, _ = _launch(
+        buffer,
+        "combine",
+        prev,
+        async_,
+        x=combine_x,
+        bias=bias,
+        handle=handle,
+        topk_weights=recv_w if weighted else None,
+    )
     multiple = buffer.allow_multiple_reduction
     exp_combined, exp_combined_w, _ = _launch(
-        buffer, "combine", prev, async_, x=exp_combine_x, bias=bias, handle=exp_handle,
+        buffer,
+        "combine",
+        prev,
+        async_,
+        x=exp_combine_x,
+        bias=bias,
+        handle=exp_handle,
         topk_weights=exp_w if multiple and weighted else None,
-    )  # fmt: skip
+    )
 
     # handle copy
     assert (topk_idx.data_ptr() != handle.topk_idx.data_ptr()) == bool(handle_copy)
@@ -175,8 +202,9 @@ def _case(buffer, info, inputs, num_experts, case, sync, backend):
         pairs = zip(ref["x"], got_x, strict=True) if fp8 else [(ref["x"], got_x)]
         want += [(a, b[order.indices]) for a, b in pairs]
         for a, b in want:
-            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(
-                torch.uint8) if b.dtype.itemsize == 1 else b)  # fmt: skip
+            assert a.dtype == b.dtype and torch.equal(
+                a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8) if b.dtype.itemsize == 1 else b
+            )
 
     # combine, bitwise
     y = pre_combine_data(rank * N + torch.arange(topk_idx.shape[0]), r, N, K, H)
@@ -220,10 +248,17 @@ def _port(info, num_experts: int, sync: bool, multiple: bool, backend: str):
         sim.install()
     from deep_ep_npu import ElasticBuffer
 
-    buffer = ElasticBuffer(info.group, num_max_tokens_per_rank=N, hidden=H, allow_multiple_reduction=multiple,
-                           explicitly_destroy=True, backend=backend)  # fmt: skip
-    inputs = {fp8: [rank_inputs(j, N, H, K, num_experts, SEED, bool(fp8)) for j in range(info.world_size)]
-              for fp8 in (0, 1)}  # fmt: skip
+    buffer = ElasticBuffer(
+        info.group,
+        num_max_tokens_per_rank=N,
+        hidden=H,
+        allow_multiple_reduction=multiple,
+        explicitly_destroy=True,
+        backend=backend,
+    )
+    inputs = {
+        fp8: [rank_inputs(j, N, H, K, num_experts, SEED, bool(fp8)) for j in range(info.world_size)] for fp8 in (0, 1)
+    }
     checked = 0
     for case in _sweep():
         if backend == "ascend" and (case[2] or case[3] == 2):  # no Ascend op for these: clear errors, below

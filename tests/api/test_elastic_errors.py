@@ -44,20 +44,22 @@ def _error(fn) -> tuple[str, str]:
 
 DISPATCH_CASES = {  # case -> kwargs of rank 1's dispatch (fresh); rank 0's call is valid
     "idx_range": lambda x, idx, w, h: dict(x=x, topk_idx=idx.masked_fill(idx == idx[0, 0], E), num_experts=E),
-    "idx_duplicate": lambda x, idx, w, h: dict(x=x, topk_idx=torch.cat([idx[:, :1], idx[:, :1], idx[:, 2:]], 1),
-                                              num_experts=E),
-    "too_many_tokens": lambda x, idx, w, h: dict(x=torch.cat([x, x]), topk_idx=torch.cat([idx, idx]),
-                                                num_experts=E),
+    "idx_duplicate": lambda x, idx, w, h: dict(
+        x=x, topk_idx=torch.cat([idx[:, :1], idx[:, :1], idx[:, 2:]], 1), num_experts=E
+    ),
+    "too_many_tokens": lambda x, idx, w, h: dict(x=torch.cat([x, x]), topk_idx=torch.cat([idx, idx]), num_experts=E),
     "weights_shape": lambda x, idx, w, h: dict(x=x, topk_idx=idx, topk_weights=w[:, :1], num_experts=E),
     "no_num_experts": lambda x, idx, w, h: dict(x=x, topk_idx=idx),
-    "fp8_sf_rows": lambda x, idx, w, h: dict(x=(x.to(torch.float8_e4m3fn), torch.ones((1, 1))), topk_idx=idx,
-                                            num_experts=E),
+    "fp8_sf_rows": lambda x, idx, w, h: dict(
+        x=(x.to(torch.float8_e4m3fn), torch.ones((1, 1))), topk_idx=idx, num_experts=E
+    ),
     "zero_padding_without_expand": lambda x, idx, w, h: dict(x=x, topk_idx=idx, num_experts=E, do_zero_padding=True),
-    "previous_event_type": lambda x, idx, w, h: dict(x=x, topk_idx=idx, num_experts=E, previous_event=object(),
-                                                    allocate_on_comm_stream=True),
+    "previous_event_type": lambda x, idx, w, h: dict(
+        x=x, topk_idx=idx, num_experts=E, previous_event=object(), allocate_on_comm_stream=True
+    ),
     "n_differs": lambda x, idx, w, h: dict(x=x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=2 * N),
     "hidden_differs": lambda x, idx, w, h: dict(x=torch.cat([x, x], 1), topk_idx=idx, num_experts=E),
-}  # fmt: skip
+}
 CACHED_CASES = {  # case -> kwargs of rank 1's cached dispatch (DeepEP's reuse rules)
     "topk_idx_given": lambda x, idx, w, h: dict(x=x, topk_idx=idx, handle=h),
     "tokens_differ": lambda x, idx, w, h: dict(x=x[:-1], handle=h),
@@ -70,7 +72,7 @@ CACHED_CASES = {  # case -> kwargs of rank 1's cached dispatch (DeepEP's reuse r
     "weights_shape": lambda x, idx, w, h: dict(x=x, handle=h, topk_weights=w[:, :2]),
     "hidden_differs": lambda x, idx, w, h: dict(x=torch.cat([x, x], 1), handle=h),
     "x_dtype_differs": lambda x, idx, w, h: dict(x=x.half(), handle=h),
-}  # fmt: skip
+}
 COMBINE_CASES = {  # case -> kwargs of rank 1's combine
     "x_rows": lambda rx, h, w: dict(x=rx[:-1], handle=h),
     "x_dtype": lambda rx, h, w: dict(x=rx.to(torch.int32), handle=h),
@@ -137,17 +139,34 @@ def _errors(info):
 
 def _constructor(info):
     r = info.world_size
-    every_keyword = dict(num_bytes=4 << 20, num_cpu_bytes=0, num_max_tokens_per_rank=N, hidden=H, num_topk=K,
-                         use_fp8_dispatch=True, deterministic=True, allow_hybrid_mode=False,
-                         allow_multiple_reduction=True, prefer_overlap_with_compute=False, sl_idx=0,
-                         num_allocated_qps=4,
-                         num_cpu_timeout_secs=10, num_gpu_timeout_secs=10, explicitly_destroy=True)  # fmt: skip
+    every_keyword = dict(
+        num_bytes=4 << 20,
+        num_cpu_bytes=0,
+        num_max_tokens_per_rank=N,
+        hidden=H,
+        num_topk=K,
+        use_fp8_dispatch=True,
+        deterministic=True,
+        allow_hybrid_mode=False,
+        allow_multiple_reduction=True,
+        prefer_overlap_with_compute=False,
+        sl_idx=0,
+        num_allocated_qps=4,
+        num_cpu_timeout_secs=10,
+        num_gpu_timeout_secs=10,
+        explicitly_destroy=True,
+    )
     buf = ElasticBuffer(info.group, **every_keyword, backend="reference")
     _good_round(buf, info.rank, r)
     hint = ElasticBuffer.get_buffer_size_hint(info.group, N, H, K, use_fp8_dispatch=True)
     sms = (buf.get_theoretical_num_sms(E, K), ElasticBuffer(info.group).get_theoretical_num_sms(E, K))
-    out = dict(hint=hint, sms=sms, qps=buf.get_theoretical_num_qps(sms[0]), domain=buf.get_logical_domain_size(),
-               stream=buf.get_comm_stream())  # fmt: skip
+    out = dict(
+        hint=hint,
+        sms=sms,
+        qps=buf.get_theoretical_num_qps(sms[0]),
+        domain=buf.get_logical_domain_size(),
+        stream=buf.get_comm_stream(),
+    )
     out["handle_num_sms"] = buf.dispatch(*_inputs(info.rank)[:2], num_experts=E)[3].num_sms
     buf.barrier()
     buf.destroy()
@@ -170,18 +189,33 @@ def test_constructor_and_helpers():
 def test_errors_on_every_rank():
     results = parallel_launch(2, _errors, timeout=120)
     assert results[0].keys() == results[1].keys()
-    want_param = {"dispatch/idx_range": "topk_idx", "dispatch/idx_duplicate": "topk_idx", "dispatch/too_many_tokens":
-                  "x", "dispatch/weights_shape": "topk_weights", "dispatch/no_num_experts": "num_experts",
-                  "dispatch/fp8_sf_rows": "x[1]", "dispatch/zero_padding_without_expand": "do_zero_padding",
-                  "dispatch/previous_event_type": "previous_event", "cached/topk_idx_given": "topk_idx",
-                  "cached/tokens_differ": "x", "cached/num_experts_differs": "num_experts",
-                  "cached/alignment_differs": "expert_alignment", "cached/n_differs": "num_max_tokens_per_rank",
-                  "cached/do_expand_differs": "do_expand", "cached/cpu_sync": "do_cpu_sync",
-                  "cached/stats": "cumulative_local_expert_recv_stats", "cached/weights_shape": "topk_weights",
-                  "cached/hidden_differs": "x", "cached/x_dtype_differs": "x",
-                  "combine/x_rows": "x", "combine/x_dtype": "x", "combine/weights_shape": "topk_weights",
-                  "combine/bias_shape": "bias", "combine/three_biases": "bias",
-                  "combine/not_a_handle": "handle"}  # fmt: skip
+    want_param = {
+        "dispatch/idx_range": "topk_idx",
+        "dispatch/idx_duplicate": "topk_idx",
+        "dispatch/too_many_tokens": "x",
+        "dispatch/weights_shape": "topk_weights",
+        "dispatch/no_num_experts": "num_experts",
+        "dispatch/fp8_sf_rows": "x[1]",
+        "dispatch/zero_padding_without_expand": "do_zero_padding",
+        "dispatch/previous_event_type": "previous_event",
+        "cached/topk_idx_given": "topk_idx",
+        "cached/tokens_differ": "x",
+        "cached/num_experts_differs": "num_experts",
+        "cached/alignment_differs": "expert_alignment",
+        "cached/n_differs": "num_max_tokens_per_rank",
+        "cached/do_expand_differs": "do_expand",
+        "cached/cpu_sync": "do_cpu_sync",
+        "cached/stats": "cumulative_local_expert_recv_stats",
+        "cached/weights_shape": "topk_weights",
+        "cached/hidden_differs": "x",
+        "cached/x_dtype_differs": "x",
+        "combine/x_rows": "x",
+        "combine/x_dtype": "x",
+        "combine/weights_shape": "topk_weights",
+        "combine/bias_shape": "bias",
+        "combine/three_biases": "bias",
+        "combine/not_a_handle": "handle",
+    }
     for case, (param, message) in results[1].items():  # the rank with the bad input names it
         if case in want_param:
             assert param == want_param[case], (case, message)
@@ -195,12 +229,21 @@ def test_errors_on_every_rank():
     # a handle on one rank only, or handles of different dispatches: every rank raises, none waits for a timeout
     assert all("ranks disagree on cached handle" in res["cross/mixed"][1] for res in results)
     assert results[1]["cross/one_foreign"][0] == "handle" and "rejected on rank 1" in results[0]["cross/one_foreign"][1]
-    assert all(res["cross/other_dispatch"][0] == "handle" and "the handle of the same dispatch" in
-               res["cross/other_dispatch"][1] for res in results)  # fmt: skip
-    assert all(res["cross/other_dispatch_reversed"][0] == "handle" and "rank 1's handle sends" in
-               res["cross/other_dispatch_reversed"][1] for res in results)  # fmt: skip
-    assert all(res["cross/other_dispatch_combine"][0] == "handle" and "rank 0 would return" in
-               res["cross/other_dispatch_combine"][1] for res in results)  # fmt: skip
+    assert all(
+        res["cross/other_dispatch"][0] == "handle"
+        and "the handle of the same dispatch" in res["cross/other_dispatch"][1]
+        for res in results
+    )
+    assert all(
+        res["cross/other_dispatch_reversed"][0] == "handle"
+        and "rank 1's handle sends" in res["cross/other_dispatch_reversed"][1]
+        for res in results
+    )
+    assert all(
+        res["cross/other_dispatch_combine"][0] == "handle"
+        and "rank 0 would return" in res["cross/other_dispatch_combine"][1]
+        for res in results
+    )
 
 
 def _peer_stops(info, where: str):

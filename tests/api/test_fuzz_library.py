@@ -336,8 +336,11 @@ def _run_extra(info, buf: Buffer, case) -> None:
     else:  # combine_setup, or a teardown given another call's comm_cmd_info (local: the call is redone)
         y, expand_idx, cmd = ep_ops.moe_distribute_dispatch_setup(x, ids, g, W, rank, E, **gbs)
         if name == "td_cmd" and bad_here:
-            _expect_error(lambda: ep_ops.moe_distribute_dispatch_teardown(x, y, ids, cmd[: 16 * v + 5], g, W, rank,
-                                                                          E, **gbs), True, param)  # fmt: skip
+            _expect_error(
+                lambda: ep_ops.moe_distribute_dispatch_teardown(x, y, ids, cmd[: 16 * v + 5], g, W, rank, E, **gbs),
+                True,
+                param,
+            )
         td = ep_ops.moe_distribute_dispatch_teardown(x, y, ids, cmd, g, W, rank, E, **gbs)
         a.rows, a.assist = _flat_experts(td[0], td[3], rank), td[2]
         good = (a.rows, ids, a.assist, g, W, rank, E)

@@ -35,8 +35,9 @@ def _normal_mode(info):
     topk_idx[1, 2] = -1
     per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(topk_idx, num_experts)
     event.current_stream_wait()
-    want_in_rank = torch.tensor([[any(e >= 0 and e // (num_experts // r) == j for e in row) for j in range(r)]
-                                 for row in topk_idx.tolist()])  # fmt: skip
+    want_in_rank = torch.tensor(
+        [[any(e >= 0 and e // (num_experts // r) == j for e in row) for j in range(r)] for row in topk_idx.tolist()]
+    )
     assert per_rdma is None and in_rank.dtype == torch.bool and torch.equal(in_rank, want_in_rank)
     assert per_rank.dtype == torch.int32 and per_rank.tolist() == want_in_rank.sum(dim=0).tolist()
     assert per_expert.tolist() == [int((topk_idx == e).sum()) for e in range(num_experts)]

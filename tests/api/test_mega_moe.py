@@ -105,8 +105,12 @@ def _expect_errors(info, case: Case, bad_cases: list):
     results = []
     for bad in bad_cases:
         x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
-        kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max,
-                  num_experts=case.num_local * info.world_size)  # fmt: skip
+        kw = dict(
+            w1_scale=s1,
+            w2_scale=s2,
+            num_max_dispatch_tokens_per_rank=case.num_max,
+            num_experts=case.num_local * info.world_size,
+        )
         args = dict(x=x, topk_idx=idx, topk_weights=p, w1=w1, w2=w2)
         if info.rank == 1:
             for name, value in bad.items():
@@ -180,8 +184,11 @@ def _run_one_combine(info, case: Case, out_dtype: torch.dtype):
     return moe_distribute_combine_v2(y, ids, d[2], d[4], p, info.group, w, info.rank, e, **kw)
 
 
-@pytest.mark.parametrize("segments", [dict(segment_by="token", num_segments=3), dict(num_segments=1)],
-                         ids=["token-segments", "one-expert-segment"])  # fmt: skip
+@pytest.mark.parametrize(
+    "segments",
+    [dict(segment_by="token", num_segments=3), dict(num_segments=1)],
+    ids=["token-segments", "one-expert-segment"],
+)
 def test_segments_bit_equal_to_one_combine(segments):
     """segment_by="token": every token's pairs live in one segment, so segmenting changes no bit of the result; one
     expert segment is one combine of ``out_dtype`` rows."""
@@ -237,10 +244,16 @@ def _limit_off_variants(info, case: Case):
     from deep_ep_npu.mega_moe import mega_moe
 
     x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
-    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max,
-              num_experts=case.num_local * info.world_size)  # fmt: skip
-    return [mega_moe(info.group, x, idx, p, w1, w2, **kw, **extra) for extra in ({}, {"swiglu_limit": None},
-                                                                                 {"swiglu_limit": 0.0})]  # fmt: skip
+    kw = dict(
+        w1_scale=s1,
+        w2_scale=s2,
+        num_max_dispatch_tokens_per_rank=case.num_max,
+        num_experts=case.num_local * info.world_size,
+    )
+    return [
+        mega_moe(info.group, x, idx, p, w1, w2, **kw, **extra)
+        for extra in ({}, {"swiglu_limit": None}, {"swiglu_limit": 0.0})
+    ]
 
 
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16-weights"])

@@ -114,9 +114,15 @@ def _run(buffer: Buffer, x, topk_idx, weights, use_fp8: bool, overlap: str = "no
         source = torch.zeros_like(expert_x)
     out = torch.empty((x.shape[0], H), dtype=torch.bfloat16)
     combined, event, recv_hook = buffer.low_latency_combine(
-        source, topk_idx, weights, handle, zero_copy=zero_copy, return_recv_hook=hook, async_finish=async_finish,
+        source,
+        topk_idx,
+        weights,
+        handle,
+        zero_copy=zero_copy,
+        return_recv_hook=hook,
+        async_finish=async_finish,
         out=out,
-    )  # fmt: skip
+    )
     recv_hook() if hook else event.current_stream_wait()
     assert combined is out
     layout = handle.layout_range
@@ -143,8 +149,11 @@ def _assert_same(a, b, num_tokens: int) -> None:
         assert calc_diff(a[5], b[5]) < 1e-6
 
 
-CASES = [(use_fp8, overlap, zero_copy) for use_fp8 in (False, True)
-         for overlap, zero_copy in (("none", False), ("hook", True), ("async", False))]  # fmt: skip
+CASES = [
+    (use_fp8, overlap, zero_copy)
+    for use_fp8 in (False, True)
+    for overlap, zero_copy in (("none", False), ("hook", True), ("async", False))
+]
 
 
 def _parity_with_standin(info, standin: str):
@@ -203,9 +212,17 @@ def _flat_vs_ops(info, calls: list, ref: Buffer, npu: Buffer, x, topk_idx, weigh
         combined.append(y)
     ids, zero_num = map_no_expert(topk_idx, E)
     direct = torch_npu.npu_moe_distribute_dispatch_v2(
-        x, ids, sim.hccl_comm_name(info.group), w, info.rank, E, expert_scales=weights, quant_mode=2,
-        global_bs=N * w, zero_expert_num=zero_num,
-    )  # fmt: skip
+        x,
+        ids,
+        sim.hccl_comm_name(info.group),
+        w,
+        info.rank,
+        E,
+        expert_scales=weights,
+        quant_mode=2,
+        global_bs=N * w,
+        zero_expert_num=zero_num,
+    )
     for out in outs:
         assert torch.equal(out.expand_x[:total], direct[0][:total])
         assert torch.equal(out.dynamic_scales[:total], direct[1][:total])
@@ -213,9 +230,18 @@ def _flat_vs_ops(info, calls: list, ref: Buffer, npu: Buffer, x, topk_idx, weigh
         assert torch.equal(out.handle.assist_info_for_combine[: 3 * total], direct[2][: 3 * total])
     expert_out = (direct[0].float() * direct[1][:, None] * 2).to(torch.bfloat16)
     y = torch_npu.npu_moe_distribute_combine_v2(
-        expert_out, ids, direct[2], direct[4], weights, sim.hccl_comm_name(info.group), w, info.rank, E,
-        global_bs=N * w, zero_expert_num=zero_num,
-    )  # fmt: skip
+        expert_out,
+        ids,
+        direct[2],
+        direct[4],
+        weights,
+        sim.hccl_comm_name(info.group),
+        w,
+        info.rank,
+        E,
+        global_bs=N * w,
+        zero_expert_num=zero_num,
+    )
     assert torch.equal(combined[0], y) and torch.equal(combined[1], y)
 
 

@@ -44,8 +44,9 @@ def _no_torch_npu() -> bool:
     return importlib.util.find_spec("torch_npu") is None
 
 
-def _args(*, int8=True, hidden=256, n=128, x_dtype=torch.bfloat16, out_dtype=torch.bfloat16, idx=None, mask=None,
-          limit=0.0) -> tuple[DispatchCall, FFN]:  # fmt: skip
+def _args(
+    *, int8=True, hidden=256, n=128, x_dtype=torch.bfloat16, out_dtype=torch.bfloat16, idx=None, mask=None, limit=0.0
+) -> tuple[DispatchCall, FFN]:
     """A validated fused call of rank 1 of 2 (E_local 4, M 6, topK 2) and its FFN."""
     g = torch.Generator().manual_seed(0)
     m, topk, num_local, w = 6, 2, 4, 2
@@ -56,9 +57,17 @@ def _args(*, int8=True, hidden=256, n=128, x_dtype=torch.bfloat16, out_dtype=tor
     x, weights = torch.randn((m, hidden), generator=g).to(x_dtype), torch.rand((m, topk), generator=g)
     ids = idx.long()
     call = DispatchCall("mega_moe", "flat", x, ids, experts, num_max=8, x_active_mask=mask, expert_scales=weights)
-    ffn = FFN(torch.zeros((num_local, hidden, 2 * n), dtype=wdt), torch.zeros((num_local, n, hidden), dtype=wdt),
-              torch.rand((num_local, 2 * n)) if int8 else None, torch.rand((num_local, hidden)) if int8 else None,
-              out_dtype, limit, 2, "expert", 32)  # fmt: skip
+    ffn = FFN(
+        torch.zeros((num_local, hidden, 2 * n), dtype=wdt),
+        torch.zeros((num_local, n, hidden), dtype=wdt),
+        torch.rand((num_local, 2 * n)) if int8 else None,
+        torch.rand((num_local, hidden)) if int8 else None,
+        out_dtype,
+        limit,
+        2,
+        "expert",
+        32,
+    )
     return call, ffn
 
 
@@ -82,9 +91,22 @@ def test_fused_op_kwargs_mapping(int8):
     marked = []
     kw = fused_op_kwargs(call, ffn, "hccl_comm_7", lambda w: marked.append(w) or w.clone())
     assert set(kw) == {
-        "x", "weight1", "weight2", "expert_idx", "scale1", "scale2", "bias1", "bias2", "probs", "group",
-        "max_output_size", "out", "expert_token_nums", "x_active_mask", "swiglu_limit",
-    }  # fmt: skip
+        "x",
+        "weight1",
+        "weight2",
+        "expert_idx",
+        "scale1",
+        "scale2",
+        "bias1",
+        "bias2",
+        "probs",
+        "group",
+        "max_output_size",
+        "out",
+        "expert_token_nums",
+        "x_active_mask",
+        "swiglu_limit",
+    }
     assert kw["x"] is call.x and kw["group"] == "hccl_comm_7"
     assert torch.equal(kw["probs"], call.expert_scales.masked_fill(idx < 0, 0.0))  # (-1: weight 0)
     routed = torch.tensor([[0, 1]] * 6)  # a -1 goes to an expert its row does not list (masked rows: any)
@@ -131,8 +153,9 @@ def test_ascend_backend_calls_fused_op():
         kw["out"].fill_(1.5)
         kw["expert_token_nums"].fill_(3)
 
-    ops = SimpleNamespace(fused_op=fake_op, group_name=lambda g, r: f"comm{r}", prepare_weight=lambda w: w,
-                          device_type="cpu")  # fmt: skip
+    ops = SimpleNamespace(
+        fused_op=fake_op, group_name=lambda g, r: f"comm{r}", prepare_weight=lambda w: w, device_type="cpu"
+    )
     backend = SimpleNamespace(ops=ops)
     call, ffn = _args()
     assert AscendBackend.can_fuse(backend, call, ffn)  # type: ignore[arg-type]
@@ -167,8 +190,10 @@ def test_register_unregister_register():
             fused.register()  # idempotent
             schema = str(torch.ops._C_ascend.dispatch_ffn_combine.default._schema)
             assert schema.startswith("_C_ascend::dispatch_ffn_combine(Tensor x, Tensor[] weight1, Tensor[] weight2, ")
-            tail = ("int max_output_size, Tensor(a!) out, Tensor(b!) expert_token_nums, Tensor? x_active_mask=None, "
-                    "float swiglu_limit=1000000.) -> (Tensor(a!) out, Tensor(b!) expert_token_nums)")  # fmt: skip
+            tail = (
+                "int max_output_size, Tensor(a!) out, Tensor(b!) expert_token_nums, Tensor? x_active_mask=None, "
+                "float swiglu_limit=1000000.) -> (Tensor(a!) out, Tensor(b!) expert_token_nums)"
+            )
             assert schema.endswith(tail), schema
             fused.unregister()
             assert not hasattr(torch.ops._C_ascend, "dispatch_ffn_combine")
@@ -236,11 +261,22 @@ def _call_op(info, case: Case, mask_pattern: list[bool] | None, bad_rank: int | 
     counts = torch.full((1, case.num_local), -1, dtype=torch.int32)
     try:
         res = torch.ops._C_ascend.dispatch_ffn_combine(
-            x=x, weight1=list(w1), weight2=list(w2), expert_idx=idx, scale1=list(fixpipe_scale(s1)),
-            scale2=list(fixpipe_scale(s2)), bias1=[torch.tensor([])], bias2=[torch.tensor([])], probs=p,
-            group=sim.hccl_comm_name(info.group), max_output_size=512, out=out, expert_token_nums=counts,
-            x_active_mask=mask, swiglu_limit=0.0,
-        )  # fmt: skip
+            x=x,
+            weight1=list(w1),
+            weight2=list(w2),
+            expert_idx=idx,
+            scale1=list(fixpipe_scale(s1)),
+            scale2=list(fixpipe_scale(s2)),
+            bias1=[torch.tensor([])],
+            bias2=[torch.tensor([])],
+            probs=p,
+            group=sim.hccl_comm_name(info.group),
+            max_output_size=512,
+            out=out,
+            expert_token_nums=counts,
+            x_active_mask=mask,
+            swiglu_limit=0.0,
+        )
     except MoeDistributeError as err:
         return err.param, str(err)
     assert res[0] is out and res[1] is counts

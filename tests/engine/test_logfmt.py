@@ -70,8 +70,11 @@ def _combine(info):
         combined, _, _ = buffer.low_latency_combine(recv_x, idx, w, handle, use_logfmt=True)
         want = (x.float() * w.masked_fill(idx == -1, 0).sum(dim=1, keepdim=True)).to(torch.bfloat16)
         oracle = (_oracle(x) * w.masked_fill(idx == -1, 0).sum(dim=1, keepdim=True).double()).float()
-        out[scale] = (calc_diff(want, combined), torch.equal(plain, combined),
-                      bool(torch.allclose(combined.float(), oracle, rtol=1e-2, atol=1e-3)))  # fmt: skip
+        out[scale] = (
+            calc_diff(want, combined),
+            torch.equal(plain, combined),
+            bool(torch.allclose(combined.float(), oracle, rtol=1e-2, atol=1e-3)),
+        )
     try:
         buffer.low_latency_combine(recv_x.float(), idx, w, handle, use_logfmt=True)
     except MoeDistributeError as err:

@@ -10,14 +10,17 @@ import torch
 from deep_ep_npu import MoeDistributeError
 from deep_ep_npu.eplb import balancedness, default_placement, maps, rank_loads, rebalance_experts
 
-WEIGHT = torch.tensor([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-                       [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])  # fmt: skip
+WEIGHT = torch.tensor(
+    [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+)
 
 
 def test_readme_example_hierarchical() -> None:
     phy2log, log2phy, logcnt = rebalance_experts(WEIGHT, 16, 4, 2, 8)
-    assert phy2log.tolist() == [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
-                                [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]  # fmt: skip
+    assert phy2log.tolist() == [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
     assert logcnt.tolist() == [[1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1], [1, 2, 1, 1, 1, 2, 2, 1, 2, 1, 1, 1]]
     assert phy2log.dtype == log2phy.dtype == logcnt.dtype == torch.int64
     assert log2phy.shape == (2, 12, 2)
@@ -57,8 +60,15 @@ def test_equal_weights_and_hot_expert() -> None:
     assert logcnt[0, 3] == 5 and int(logcnt.sum()) == 12
 
 
-@pytest.mark.parametrize(("args", "param"), [((17, 4, 2, 8), "num_replicas"), ((16, 5, 2, 8), "num_groups"),
-                                             ((16, 4, 3, 8), "num_ranks"), ((8, 4, 2, 8), "num_replicas")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "param"),
+    [
+        ((17, 4, 2, 8), "num_replicas"),
+        ((16, 5, 2, 8), "num_groups"),
+        ((16, 4, 3, 8), "num_ranks"),
+        ((8, 4, 2, 8), "num_replicas"),
+    ],
+)
 def test_bad_arguments(args: tuple[int, int, int, int], param: str) -> None:
     with pytest.raises(MoeDistributeError) as err:
         rebalance_experts(WEIGHT, *args)

@@ -63,8 +63,9 @@ def _elastic_run(info, buffer, emap: ExpertMap, x, idx, weights):  # noqa: ANN00
     """DeepEP V2's expand layout: one row per (token, local slot), pre-weighted rows, summed by slot."""
     phys = emap.to_physical(0, idx, info.rank)
     stats = torch.zeros(emap.num_local, dtype=torch.int32)
-    recv_x, _, recv_w, handle, _ = buffer.dispatch(x, phys, weights, cumulative_local_expert_recv_stats=stats,
-                                                   num_experts=emap.num_physical, do_expand=True)  # fmt: skip
+    recv_x, _, recv_w, handle, _ = buffer.dispatch(
+        x, phys, weights, cumulative_local_expert_recv_stats=stats, num_experts=emap.num_physical, do_expand=True
+    )
     out, start = torch.zeros(recv_x.shape, dtype=torch.float32), 0
     for logical, count in zip(emap.local_experts(0, info.rank), stats.tolist(), strict=True):
         rows = slice(start, start + count)
@@ -80,13 +81,26 @@ def _ops_run(info, emap: ExpertMap, x, idx, weights):  # noqa: ANN001, ANN202
     from deep_ep_npu import sim
 
     table = emap.tables[0]
-    phys, _ = torch_npu.npu_moe_update_expert(idx.clamp(min=0).to(torch.int32), table, local_rank_id=info.rank,
-                                              world_size=info.world_size, balance_mode=emap.balance_mode)  # fmt: skip
+    phys, _ = torch_npu.npu_moe_update_expert(
+        idx.clamp(min=0).to(torch.int32),
+        table,
+        local_rank_id=info.rank,
+        world_size=info.world_size,
+        balance_mode=emap.balance_mode,
+    )
     phys = torch.where(idx >= 0, phys, -1) if x.shape[0] else phys
-    common = dict(group_ep=sim.hccl_comm_name(info.group), ep_world_size=info.world_size, ep_rank_id=info.rank,
-                  moe_expert_num=emap.num_physical, global_bs=N * info.world_size)  # fmt: skip
-    x1, ids1, w1 = (x, phys.clamp(min=0).to(torch.int32), weights) if x.shape[0] else (
-        torch.zeros(1, H, dtype=x.dtype), torch.zeros(1, K, dtype=torch.int32), torch.zeros(1, K))  # fmt: skip
+    common = dict(
+        group_ep=sim.hccl_comm_name(info.group),
+        ep_world_size=info.world_size,
+        ep_rank_id=info.rank,
+        moe_expert_num=emap.num_physical,
+        global_bs=N * info.world_size,
+    )
+    x1, ids1, w1 = (
+        (x, phys.clamp(min=0).to(torch.int32), weights)
+        if x.shape[0]
+        else (torch.zeros(1, H, dtype=x.dtype), torch.zeros(1, K, dtype=torch.int32), torch.zeros(1, K))
+    )
     active = (idx >= 0) if x.shape[0] else torch.zeros(1, K, dtype=torch.bool)  # -1 pairs: a 2-D active mask
     expand_x, _, assist, token_nums, ep_recv, _, expand_scales = torch_npu.npu_moe_distribute_dispatch_v2(
         x1, ids1, x_active_mask=active, expert_token_nums_type=1, **common
@@ -95,8 +109,9 @@ def _ops_run(info, emap: ExpertMap, x, idx, weights):  # noqa: ANN001, ANN202
     for logical, count in zip(emap.local_experts(0, info.rank), token_nums.tolist(), strict=True):
         out[start : start + count] = _expert(logical, expand_x[start : start + count])
         start += count
-    y = torch_npu.npu_moe_distribute_combine_v2(out, ids1, assist, ep_recv, w1, x_active_mask=active,
-                                                expand_scales=expand_scales, **common)  # fmt: skip
+    y = torch_npu.npu_moe_distribute_combine_v2(
+        out, ids1, assist, ep_recv, w1, x_active_mask=active, expand_scales=expand_scales, **common
+    )
     return y[: x.shape[0]], token_nums
 
 
@@ -111,8 +126,9 @@ def _rank(info, path: str, seeds: list[int], redundant: int):  # noqa: ANN001, A
     for seed in seeds:
         x, idx, weights = _inputs(info.rank, seed)
         maps = [ExpertMap(default_placement(E, 0), E, info.world_size)]
-        maps += [ExpertMap(_placement(seed * 7 + i, info.world_size, redundant), E, info.world_size, i % 2)
-                 for i in range(2)]  # fmt: skip
+        maps += [
+            ExpertMap(_placement(seed * 7 + i, info.world_size, redundant), E, info.world_size, i % 2) for i in range(2)
+        ]
         outs, loads = [], []
         for transport in ("shm", "collective") if path == "buffer" else ("auto",):
             for emap in maps:

@@ -83,10 +83,14 @@ def test_table_from_a_placement() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "param"),
-    [({"balance_mode": 2}, "balance_mode"), ({"local_rank_id": 2, "world_size": 2}, "local_rank_id"),
-     ({"expert_scales": torch.ones(1, 2)}, "pruning_threshold"), ({"active_mask": torch.ones(1, dtype=torch.bool)},
-     "expert_scales"), ({"ids": torch.tensor([[0, 9]])}, "expert_ids")],
-)  # fmt: skip
+    [
+        ({"balance_mode": 2}, "balance_mode"),
+        ({"local_rank_id": 2, "world_size": 2}, "local_rank_id"),
+        ({"expert_scales": torch.ones(1, 2)}, "pruning_threshold"),
+        ({"active_mask": torch.ones(1, dtype=torch.bool)}, "expert_scales"),
+        ({"ids": torch.tensor([[0, 9]])}, "expert_ids"),
+    ],
+)
 def test_bad_input(kwargs: dict, param: str) -> None:
     table = eplb_table(maps(default_placement(8, 0), 8)[0][0])
     ids = kwargs.pop("ids", torch.tensor([[0, 1]]))

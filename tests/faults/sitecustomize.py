@@ -5,8 +5,8 @@
 
 - ``dispatch`` / ``combine`` / ``regroup``: :class:`server.models.buffer_comm.BufferComm`'s method of that name (a
   rank lost mid-step, or while the survivors regroup after a first loss);
-- ``move``: :func:`server.runtime.rebalance.move_expert_weights` (a rank lost while EPLB moves expert weights; one
-  call per MoE layer).
+- ``move``: :func:`server.runtime.workers.rebalance.move_expert_weights` (a rank lost while EPLB moves expert
+  weights; one call per MoE layer).
 
 Without the variable it does nothing (and imports nothing)."""
 
@@ -20,7 +20,7 @@ def _install(spec: str) -> None:
     import signal
 
     from server.models import buffer_comm
-    from server.runtime import rebalance
+    from server.runtime.workers import rebalance
 
     faults = {(int(rank), point): int(n) for rank, point, n in (item.split(":") for item in spec.split(","))}
     counts: dict[str, int] = {}

@@ -99,8 +99,18 @@ def test_indexes_past_their_tensor(lib):
         lib.accumulate_rows(acc, 2, 2, 0, [(x, _i64(0, 1)), (x[:1], None)], _i64(3), _i64(0), torch.ones(1), 1)
     assert not acc.any()
     with pytest.raises(ValueError, match=r"plan\(\): id 4 is not below R \* L = 4"):
-        lib.plan(_i64(0, 4).view(1, 2), 1, 2, 2, 2, 0, torch.zeros(2, dtype=torch.uint8), 0,
-                 torch.empty(64, dtype=torch.int64), None)  # fmt: skip
+        lib.plan(
+            _i64(0, 4).view(1, 2),
+            1,
+            2,
+            2,
+            2,
+            0,
+            torch.zeros(2, dtype=torch.uint8),
+            0,
+            torch.empty(64, dtype=torch.int64),
+            None,
+        )
 
 
 def test_flat_blocks(lib):

@@ -22,8 +22,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def _fresh(code: str, env: dict[str, str] | None = None) -> str:
     """What ``code`` prints in a fresh interpreter (in the repository root, with ``env`` as its environment)."""
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=os.environ if env is None else env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=os.environ if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
 
@@ -81,8 +87,15 @@ def test_the_build_is_of_these_sources():
 def _build(tmp_path: pathlib.Path, cc: str) -> subprocess.CompletedProcess[str]:
     """``setup.py build_ext`` (what installing runs) with ``cc`` as the compiler, into ``tmp_path``."""
     env = {k: v for k, v in os.environ.items() if k != "LDSHARED"} | {"CC": cc}
-    cmd = [sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"), "--build-temp",
-           str(tmp_path / "tmp")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "setup.py",
+        "build_ext",
+        "--build-lib",
+        str(tmp_path / "lib"),
+        "--build-temp",
+        str(tmp_path / "tmp"),
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -91,8 +104,9 @@ def _fake_cc(tmp_path: pathlib.Path, refuse: str) -> str:
     real = shutil.which("gcc") or shutil.which("cc")
     assert real is not None
     cc = tmp_path / "fake_cc"
-    cc.write_text(f'#!/bin/sh\ncase "$*" in {refuse}) echo "fake_cc: error: refused" >&2; exit 1;; esac\n'
-                  f'exec {real} "$@"\n')  # fmt: skip
+    cc.write_text(
+        f'#!/bin/sh\ncase "$*" in {refuse}) echo "fake_cc: error: refused" >&2; exit 1;; esac\nexec {real} "$@"\n'
+    )
     cc.chmod(0o755)
     return str(cc)
 

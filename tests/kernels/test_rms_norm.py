@@ -19,8 +19,9 @@ def _torch(x: torch.Tensor, w: torch.Tensor, eps: float, round_first: bool) -> t
 
 
 @pytest.mark.parametrize("shape", [(1, 1024), (16, 64), (7, 1000), (2, 3, 5)])
-@pytest.mark.parametrize(("round_first", "w_dtype"), [(True, torch.bfloat16), (False, torch.float32),
-                                                      (False, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("round_first", "w_dtype"), [(True, torch.bfloat16), (False, torch.float32), (False, torch.bfloat16)]
+)
 def test_rms_norm_is_the_torch_ops(shape: tuple[int, ...], round_first: bool, w_dtype: torch.dtype) -> None:
     """Equal to torch's ops but where the sum of squares' order moves a rounding: within one bf16 step of them, and
     equal in at least 99.9% of the elements (K tails, 3-D rows, large and tiny rows included)."""

@@ -90,13 +90,23 @@ def _vllm_mc2(torch_npu, group, case: dict, rank: int) -> dict:
     mc2_comm_alg = _mc2_comm_alg()
     need_expert_scale = (a5 or mc2_comm_alg == "hierarchy") and not case.get("drop_expert_scales")
     kwargs_mc2 = {
-        "x": inp["x"], "expert_ids": inp["topk_ids"], "expert_shard_type": 0, "shared_expert_rank_num": 0,
-        "moe_expert_num": case["e"], "global_bs": global_bs, "expert_token_nums_type": case["ent"],
-    }  # fmt: skip
+        "x": inp["x"],
+        "expert_ids": inp["topk_ids"],
+        "expert_shard_type": 0,
+        "shared_expert_rank_num": 0,
+        "moe_expert_num": case["e"],
+        "global_bs": global_bs,
+        "expert_token_nums_type": case["ent"],
+    }
     if global_bs == 0:
         kwargs_mc2["x_active_mask"] = inp["mc2_mask"]
-    stage1_kwargs = {"scales": None, "quant_mode": quant_mode, "group_ep": moe_all_to_all_group_name,
-                     "ep_world_size": dist.get_world_size(group), "ep_rank_id": local_rank}  # fmt: skip
+    stage1_kwargs = {
+        "scales": None,
+        "quant_mode": quant_mode,
+        "group_ep": moe_all_to_all_group_name,
+        "ep_world_size": dist.get_world_size(group),
+        "ep_rank_id": local_rank,
+    }
     if mc2_comm_alg:
         stage1_kwargs["comm_alg"] = mc2_comm_alg
     stage1_kwargs.update({"group_tp": moe_all_to_all_group_name, "tp_world_size": 1, "tp_rank_id": 0})
@@ -122,27 +132,42 @@ def _vllm_mc2(torch_npu, group, case: dict, rank: int) -> dict:
     quant = {0: "", 2: "int8", 4: "mx"}[quant_mode]
     hidden_states = _grouped_experts(expand_x, dynamic_scale, expert_token_nums, case["ent"], rank * LOCAL, quant)
     kwargs_mc2 = {
-        "expand_x": hidden_states, "expert_ids": inp["topk_ids"],
-        "expert_scales": inp["topk_weights"].to(torch.float32), "expert_shard_type": 0, "shared_expert_rank_num": 0,
-        "moe_expert_num": case["e"], "global_bs": global_bs,
-    }  # fmt: skip
+        "expand_x": hidden_states,
+        "expert_ids": inp["topk_ids"],
+        "expert_scales": inp["topk_weights"].to(torch.float32),
+        "expert_shard_type": 0,
+        "shared_expert_rank_num": 0,
+        "moe_expert_num": case["e"],
+        "global_bs": global_bs,
+    }
     if global_bs == 0:
         kwargs_mc2["x_active_mask"] = inp["mc2_mask"]
     if quant_mode:  # dispatch_with_quant
         tp_recv_counts = torch.empty(1, dtype=torch.int32)
     stage3_kwargs = {
-        "ep_send_counts": ep_recv_counts, "group_ep": moe_all_to_all_group_name,
-        "ep_world_size": dist.get_world_size(group), "ep_rank_id": local_rank, "expand_scales": expand_scales,
-        "comm_quant_mode": 4 if a5 else 0, "assist_info_for_combine": assist_info_for_combine,
-    }  # fmt: skip
+        "ep_send_counts": ep_recv_counts,
+        "group_ep": moe_all_to_all_group_name,
+        "ep_world_size": dist.get_world_size(group),
+        "ep_rank_id": local_rank,
+        "expand_scales": expand_scales,
+        "comm_quant_mode": 4 if a5 else 0,
+        "assist_info_for_combine": assist_info_for_combine,
+    }
     if mc2_comm_alg:
         stage3_kwargs["comm_alg"] = mc2_comm_alg
-    stage3_kwargs.update({"tp_send_counts": tp_recv_counts, "group_tp": moe_all_to_all_group_name, "tp_world_size": 1,
-                          "tp_rank_id": 0})  # fmt: skip
+    stage3_kwargs.update(
+        {"tp_send_counts": tp_recv_counts, "group_tp": moe_all_to_all_group_name, "tp_world_size": 1, "tp_rank_id": 0}
+    )
     kwargs_mc2.update(stage3_kwargs)
     combined = torch_npu.npu_moe_distribute_combine_v2(**kwargs_mc2)
-    return dict(expand_x=expand_x, dynamic_scale=dynamic_scale, assist=assist_info_for_combine,
-                expert_token_nums=expert_token_nums, ep_recv_counts=ep_recv_counts, combined=combined)  # fmt: skip
+    return dict(
+        expand_x=expand_x,
+        dynamic_scale=dynamic_scale,
+        assist=assist_info_for_combine,
+        expert_token_nums=expert_token_nums,
+        ep_recv_counts=ep_recv_counts,
+        combined=combined,
+    )
 
 
 def _sgl_ops(torch_npu, group, case: dict, rank: int) -> dict:
@@ -152,22 +177,49 @@ def _sgl_ops(torch_npu, group, case: dict, rank: int) -> dict:
     group_size = dist.get_world_size(group)
     if case["a5"]:
         dispatch = functools.partial(
-            torch_npu.npu_moe_distribute_dispatch_v2, x=inp["x"], expert_ids=inp["topk_ids"],
-            expert_scales=inp["topk_weights"], scales=None, x_active_mask=inp["mask"], group_ep=group_name,
-            ep_world_size=group_size, ep_rank_id=rank, moe_expert_num=case["e"], group_tp="", tp_world_size=1,
-            tp_rank_id=0, expert_shard_type=0, shared_expert_num=1, shared_expert_rank_num=0, quant_mode=4,
-            global_bs=case["global_bs"], expert_token_nums_type=1, y_dtype=case["y_dtype"],
-        )  # fmt: skip
+            torch_npu.npu_moe_distribute_dispatch_v2,
+            x=inp["x"],
+            expert_ids=inp["topk_ids"],
+            expert_scales=inp["topk_weights"],
+            scales=None,
+            x_active_mask=inp["mask"],
+            group_ep=group_name,
+            ep_world_size=group_size,
+            ep_rank_id=rank,
+            moe_expert_num=case["e"],
+            group_tp="",
+            tp_world_size=1,
+            tp_rank_id=0,
+            expert_shard_type=0,
+            shared_expert_num=1,
+            shared_expert_rank_num=0,
+            quant_mode=4,
+            global_bs=case["global_bs"],
+            expert_token_nums_type=1,
+            y_dtype=case["y_dtype"],
+        )
     else:
         shared_expert_rank_num = int(os.getenv("MOE_SHARED_EXPERT_RANK_NUM", 0))
         expert_token_nums_type = int(os.getenv("MOE_EXPERT_TOKEN_NUMS_TYPE", 1))
         dispatch = functools.partial(
-            torch_npu.npu_moe_distribute_dispatch_v2, x=inp["x"], expert_ids=inp["topk_ids"], group_ep=group_name,
-            ep_world_size=group_size, ep_rank_id=rank, moe_expert_num=case["e"], scales=None,
-            x_active_mask=inp["mask"], expert_scales=inp["topk_weights"], performance_info=None, expert_shard_type=0,
-            shared_expert_num=0, shared_expert_rank_num=shared_expert_rank_num, quant_mode=case["quant_mode"],
-            expert_token_nums_type=expert_token_nums_type, comm_alg=case["comm_alg"],
-        )  # fmt: skip
+            torch_npu.npu_moe_distribute_dispatch_v2,
+            x=inp["x"],
+            expert_ids=inp["topk_ids"],
+            group_ep=group_name,
+            ep_world_size=group_size,
+            ep_rank_id=rank,
+            moe_expert_num=case["e"],
+            scales=None,
+            x_active_mask=inp["mask"],
+            expert_scales=inp["topk_weights"],
+            performance_info=None,
+            expert_shard_type=0,
+            shared_expert_num=0,
+            shared_expert_rank_num=shared_expert_rank_num,
+            quant_mode=case["quant_mode"],
+            expert_token_nums_type=expert_token_nums_type,
+            comm_alg=case["comm_alg"],
+        )
     if case.get("expect_error"):
         return {"error": op_error(dispatch)}
     expand_x, dynamic_scales, expand_idx, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = dispatch()
@@ -177,24 +229,57 @@ def _sgl_ops(torch_npu, group, case: dict, rank: int) -> dict:
     x = _grouped_experts(expand_x, dynamic_scales, expert_token_nums, 1, rank * LOCAL, quant)
     if case["a5"]:
         out = torch_npu.npu_moe_distribute_combine_v2(
-            expand_x=x, expert_ids=inp["topk_ids"], assist_info_for_combine=expand_idx, ep_send_counts=ep_recv_counts,
-            expert_scales=inp["topk_weights"], x_active_mask=inp["mask"], group_ep=group_name,
-            ep_world_size=group_size, ep_rank_id=rank, moe_expert_num=case["e"], tp_send_counts=tp_recv_counts,
-            expand_scales=expand_scales, group_tp="", tp_world_size=1, tp_rank_id=0, expert_shard_type=0,
-            shared_expert_num=1, shared_expert_rank_num=0, global_bs=case["global_bs"],
-        )  # fmt: skip
+            expand_x=x,
+            expert_ids=inp["topk_ids"],
+            assist_info_for_combine=expand_idx,
+            ep_send_counts=ep_recv_counts,
+            expert_scales=inp["topk_weights"],
+            x_active_mask=inp["mask"],
+            group_ep=group_name,
+            ep_world_size=group_size,
+            ep_rank_id=rank,
+            moe_expert_num=case["e"],
+            tp_send_counts=tp_recv_counts,
+            expand_scales=expand_scales,
+            group_tp="",
+            tp_world_size=1,
+            tp_rank_id=0,
+            expert_shard_type=0,
+            shared_expert_num=1,
+            shared_expert_rank_num=0,
+            global_bs=case["global_bs"],
+        )
     else:
         out = torch_npu.npu_moe_distribute_combine_v2(
-            expand_x=x, expert_ids=inp["topk_ids"], assist_info_for_combine=expand_idx, ep_send_counts=ep_recv_counts,
-            expert_scales=inp["topk_weights"], group_ep=group_name, ep_world_size=group_size, ep_rank_id=rank,
-            moe_expert_num=case["e"], tp_send_counts=None, x_active_mask=inp["mask"], expand_scales=expand_scales,
-            shared_expert_x=None, performance_info=None, expert_shard_type=0, shared_expert_num=0,
-            shared_expert_rank_num=int(os.getenv("MOE_SHARED_EXPERT_RANK_NUM", 0)), comm_quant_mode=0,
+            expand_x=x,
+            expert_ids=inp["topk_ids"],
+            assist_info_for_combine=expand_idx,
+            ep_send_counts=ep_recv_counts,
+            expert_scales=inp["topk_weights"],
+            group_ep=group_name,
+            ep_world_size=group_size,
+            ep_rank_id=rank,
+            moe_expert_num=case["e"],
+            tp_send_counts=None,
+            x_active_mask=inp["mask"],
+            expand_scales=expand_scales,
+            shared_expert_x=None,
+            performance_info=None,
+            expert_shard_type=0,
+            shared_expert_num=0,
+            shared_expert_rank_num=int(os.getenv("MOE_SHARED_EXPERT_RANK_NUM", 0)),
+            comm_quant_mode=0,
             comm_alg=case["comm_alg"],
-        )  # fmt: skip
+        )
     n = int(inp["mask"].sum())
-    return dict(expand_x=expand_x, dynamic_scale=dynamic_scales, assist=expand_idx, expert_token_nums=expert_token_nums,
-                ep_recv_counts=ep_recv_counts, combined=out[:n])  # fmt: skip
+    return dict(
+        expand_x=expand_x,
+        dynamic_scale=dynamic_scales,
+        assist=expand_idx,
+        expert_token_nums=expert_token_nums,
+        ep_recv_counts=ep_recv_counts,
+        combined=out[:n],
+    )
 
 
 def _run_callers(info, cases: list[dict]) -> list[dict]:
@@ -339,8 +424,9 @@ def _mx_e4m3_error(y: torch.Tensor) -> torch.Tensor:
 def _check_rows(got: dict, want: list[tuple], rank: int, case: dict, exact_layout: bool) -> None:
     """expand_x / dynamic_scale / assist (exact layout) or per-expert row multisets (opaque layout), and counts."""
     n, quant = len(want), case["quant"]
-    counts = torch.bincount(torch.tensor([e - rank * LOCAL for *_, e, _q, _s in want], dtype=torch.int64),
-                            minlength=LOCAL)  # fmt: skip
+    counts = torch.bincount(
+        torch.tensor([e - rank * LOCAL for *_, e, _q, _s in want], dtype=torch.int64), minlength=LOCAL
+    )
     ent = case.get("ent", 1)
     assert torch.equal(got["expert_token_nums"], counts.cumsum(0) if ent == 0 else counts), (case["name"], rank)
     q_rows = torch.stack([q for *_, q, _s in want]) if n else got["expand_x"][:0]
@@ -398,19 +484,72 @@ def _vllm_cases(w: int) -> list[dict]:
     base = dict(caller="vllm", e=e, a5=False)
     return [
         dict(base, name="a3 mask", inputs=_vllm_inputs(g, w, actual, True), global_bs=0, quant_mode=0, quant="", ent=0),
-        dict(base, name="a3 mask int8", inputs=_vllm_inputs(g, w, actual, True), global_bs=0, quant_mode=2,
-             quant="int8", ent=1),
-        dict(base, name="a3 uneven int8", inputs=_vllm_inputs(g, w, uneven, False), global_bs=capacity // tp * w,
-             quant_mode=2, quant="int8", ent=0),
-        dict(base, name="hierarchy", inputs=_vllm_inputs(g, w, actual, True), global_bs=0, quant_mode=0, quant="",
-             ent=0, hierarchy_env=True, layout="opaque"),
-        dict(base, name="hierarchy no scales", inputs=_vllm_inputs(g, w, actual, True), global_bs=0, quant_mode=0,
-             quant="", ent=0, hierarchy_env=True, drop_expert_scales=True, expect_error=True),
-        dict(base, name="a5 mxfp8", inputs=_vllm_inputs(g, w, actual, True), global_bs=0, quant_mode=4, quant="mx",
-             ent=0, a5=True, y_dtype=torch.float8_e4m3fn, comm_quant=True),
-        dict(base, name="a5 on a3", inputs=_vllm_inputs(g, w, actual, True, hidden=1024), global_bs=0, quant_mode=4,
-             quant="mx", ent=0, a5=True, strict="a3", expect_error=True),
-    ]  # fmt: skip
+        dict(
+            base,
+            name="a3 mask int8",
+            inputs=_vllm_inputs(g, w, actual, True),
+            global_bs=0,
+            quant_mode=2,
+            quant="int8",
+            ent=1,
+        ),
+        dict(
+            base,
+            name="a3 uneven int8",
+            inputs=_vllm_inputs(g, w, uneven, False),
+            global_bs=capacity // tp * w,
+            quant_mode=2,
+            quant="int8",
+            ent=0,
+        ),
+        dict(
+            base,
+            name="hierarchy",
+            inputs=_vllm_inputs(g, w, actual, True),
+            global_bs=0,
+            quant_mode=0,
+            quant="",
+            ent=0,
+            hierarchy_env=True,
+            layout="opaque",
+        ),
+        dict(
+            base,
+            name="hierarchy no scales",
+            inputs=_vllm_inputs(g, w, actual, True),
+            global_bs=0,
+            quant_mode=0,
+            quant="",
+            ent=0,
+            hierarchy_env=True,
+            drop_expert_scales=True,
+            expect_error=True,
+        ),
+        dict(
+            base,
+            name="a5 mxfp8",
+            inputs=_vllm_inputs(g, w, actual, True),
+            global_bs=0,
+            quant_mode=4,
+            quant="mx",
+            ent=0,
+            a5=True,
+            y_dtype=torch.float8_e4m3fn,
+            comm_quant=True,
+        ),
+        dict(
+            base,
+            name="a5 on a3",
+            inputs=_vllm_inputs(g, w, actual, True, hidden=1024),
+            global_bs=0,
+            quant_mode=4,
+            quant="mx",
+            ent=0,
+            a5=True,
+            strict="a3",
+            expect_error=True,
+        ),
+    ]
 
 
 def _sgl_cases(w: int) -> list[dict]:
@@ -418,16 +557,41 @@ def _sgl_cases(w: int) -> list[dict]:
     actual = [4, 2, 6, 0][:w]
     base = dict(caller="sgl", e=e, a5=False)
     cases = [
-        dict(base, name=f"ops {alg or 'default-empty'} q{qm}", inputs=_sgl_inputs(g, w, actual, num_max, True),
-             comm_alg=alg, quant_mode=qm, quant={0: "", 2: "int8"}[qm], layout="exact" if alg == "" else "opaque")
+        dict(
+            base,
+            name=f"ops {alg or 'default-empty'} q{qm}",
+            inputs=_sgl_inputs(g, w, actual, num_max, True),
+            comm_alg=alg,
+            quant_mode=qm,
+            quant={0: "", 2: "int8"}[qm],
+            layout="exact" if alg == "" else "opaque",
+        )
         for alg, qm in (("hierarchy", 0), ("ccu", 2), ("fullmesh_v2", 0), ("", 2))
-    ]  # fmt: skip
-    cases.append(dict(base, name="ops ue8m0", inputs=_sgl_inputs(g, w, actual, num_max, True), comm_alg="hierarchy",
-                      quant_mode=3, expect_error=True))  # fmt: skip
+    ]
+    cases.append(
+        dict(
+            base,
+            name="ops ue8m0",
+            inputs=_sgl_inputs(g, w, actual, num_max, True),
+            comm_alg="hierarchy",
+            quant_mode=3,
+            expect_error=True,
+        )
+    )
     for y_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, "float4_e2m1fn_x2"):
-        cases.append(dict(base, name=f"a5 {y_dtype}", inputs=_sgl_inputs(g, w, actual, num_max, False), a5=True,
-                          y_dtype=y_dtype, quant="mx", global_bs=num_max * w, layout="exact",
-                          expect_error=isinstance(y_dtype, str)))  # fmt: skip
+        cases.append(
+            dict(
+                base,
+                name=f"a5 {y_dtype}",
+                inputs=_sgl_inputs(g, w, actual, num_max, False),
+                a5=True,
+                y_dtype=y_dtype,
+                quant="mx",
+                global_bs=num_max * w,
+                layout="exact",
+                expect_error=isinstance(y_dtype, str),
+            )
+        )
     return cases
 
 

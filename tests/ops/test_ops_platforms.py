@@ -66,7 +66,13 @@ def golden(x: torch.Tensor, mode: int, dtype: torch.dtype, smooth: torch.Tensor 
 def test_golden_rounding_and_mx_bound():
     """Our fp8 rounding's ties and saturation; the MX error bound ``2^(floor(log2 amax) - 2)`` the docs state."""
     assert fp8_round(np.array([0.5 * 2**-9, 1.5 * 2**-9, 17.0, 19.0, 460.0, -1e9]), E4M3).tolist() == [
-        0.0, 2 * 2**-9, 16.0, 20.0, 448.0, -448.0]  # fmt: skip
+        0.0,
+        2 * 2**-9,
+        16.0,
+        20.0,
+        448.0,
+        -448.0,
+    ]
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 96, generator=g) * torch.logspace(-3, 3, 64).unsqueeze(1)
     for dtype in (E4M3, E5M2):
@@ -90,10 +96,17 @@ def _dispatch_cases(info, x, ids, smooth, cases):
 
 
 QUANT_CASES = [  # (quant_mode, y_dtype as passed, smooth scales?), expected dtype
-    ((2, None, True), torch.int8), ((2, E4M3, True), E4M3), ((2, 291, False), E5M2), ((3, 292, True), E4M3),
-    ((3, E5M2, False), E5M2), ((4, 292, False), E4M3), ((4, E5M2, False), E5M2), ((4, 24, False), E4M3),
-    ((5, E4M3, False), E4M3), ((5, 291, False), E5M2),
-]  # fmt: skip
+    ((2, None, True), torch.int8),
+    ((2, E4M3, True), E4M3),
+    ((2, 291, False), E5M2),
+    ((3, 292, True), E4M3),
+    ((3, E5M2, False), E5M2),
+    ((4, 292, False), E4M3),
+    ((4, E5M2, False), E5M2),
+    ((4, 24, False), E4M3),
+    ((5, E4M3, False), E4M3),
+    ((5, 291, False), E5M2),
+]
 
 
 def test_950_quant_modes_two_ranks():
@@ -128,8 +141,10 @@ def _combine_mx(info, x, ids, weights):
 
     r, g = info.rank, info.group
     expand_x, _, assist, _, counts, _, _ = moe_distribute_dispatch_v2(x[r], ids[r], g, 2, r, 4)
-    return [moe_distribute_combine_v2(expand_x, ids[r], assist, counts, weights[r], g, 2, r, 4, comm_quant_mode=m)
-            for m in (3, 4)]  # fmt: skip
+    return [
+        moe_distribute_combine_v2(expand_x, ids[r], assist, counts, weights[r], g, 2, r, 4, comm_quant_mode=m)
+        for m in (3, 4)
+    ]
 
 
 def test_comm_quant_mx_two_ranks():
@@ -236,48 +251,79 @@ def _errors(info):
 
     a3, a5, h = dict(strict="a3"), dict(strict="a5"), dict(comm_alg="hierarchy", expert_scales=w)
     return {
-        "a3_mode3": disp(quant_mode=3, y_dtype=E4M3, **a3), "a3_y_dtype": disp(quant_mode=2, y_dtype=E4M3, **a3),
-        "a3_x_dtype": disp(x_dtype=torch.bfloat16, strict=True), "a3_comm_quant4": comb(comm_quant_mode=4, **a3),
-        "a3_empty_w": comb(w=torch.empty(0), **a3), "a3_fullmesh": disp(comm_alg="fullmesh", **a3),
-        "a3_ccu": disp(comm_alg="ccu", **a3), "a3_combine_v1": comb(comm_alg="fullmesh_v1", **a3),
-        "a5_hierarchy": disp(**h, **a5), "a5_tp": disp(tp_world_size=2, **a5),
+        "a3_mode3": disp(quant_mode=3, y_dtype=E4M3, **a3),
+        "a3_y_dtype": disp(quant_mode=2, y_dtype=E4M3, **a3),
+        "a3_x_dtype": disp(x_dtype=torch.bfloat16, strict=True),
+        "a3_comm_quant4": comb(comm_quant_mode=4, **a3),
+        "a3_empty_w": comb(w=torch.empty(0), **a3),
+        "a3_fullmesh": disp(comm_alg="fullmesh", **a3),
+        "a3_ccu": disp(comm_alg="ccu", **a3),
+        "a3_combine_v1": comb(comm_alg="fullmesh_v1", **a3),
+        "a5_hierarchy": disp(**h, **a5),
+        "a5_tp": disp(tp_world_size=2, **a5),
         "a5_elastic": comb(elastic_info=torch.zeros(8, dtype=torch.int32), **a5),
-        "a5_combine_alg": comb(comm_alg="fullmesh_v2", **a5), "a5_mode4": disp(quant_mode=4, y_dtype=E5M2, **a5),
-        "a5_ok": disp(quant_mode=4, y_dtype=292, **a5), "a5_empty_w_ok": comb(w=torch.empty(0), **a5),
+        "a5_combine_alg": comb(comm_alg="fullmesh_v2", **a5),
+        "a5_mode4": disp(quant_mode=4, y_dtype=E5M2, **a5),
+        "a5_ok": disp(quant_mode=4, y_dtype=292, **a5),
+        "a5_empty_w_ok": comb(w=torch.empty(0), **a5),
         "bad_strict": disp(strict="a4"),
-        "h_no_weights": disp(comm_alg="hierarchy"), "h_shared": disp(shared_expert_rank_num=1, **h),
-        "h_zero": disp(zero_expert_num=1, **h), "h_mask2d": disp(x_active_mask=torch.ones(4, 2, dtype=torch.bool), **h),
+        "h_no_weights": disp(comm_alg="hierarchy"),
+        "h_shared": disp(shared_expert_rank_num=1, **h),
+        "h_zero": disp(zero_expert_num=1, **h),
+        "h_mask2d": disp(x_active_mask=torch.ones(4, 2, dtype=torch.bool), **h),
         "h_perf": comb(performance_info=torch.zeros(2, dtype=torch.int64), comm_alg="hierarchy"),
-        "h_tp": disp(tp_world_size=2, **h), "h_a3_world": disp(**h, **a3),
+        "h_tp": disp(tp_world_size=2, **h),
+        "h_a3_world": disp(**h, **a3),
         "h_a3_bs": disp(x=torch.ones(257, 1024, dtype=torch.bfloat16), **h, **a3),
         "h_a3_hidden": disp(x=torch.ones(4, 7200, dtype=torch.bfloat16), **h, **a3),
-        "fp4": disp(quant_mode=4, y_dtype=296), "hif8": disp(y_dtype=290), "mode3_no_y": disp(quant_mode=3),
-        "mode4_scales": disp(quant_mode=4, y_dtype=E4M3, scales=torch.ones(4, 1024)), "mode1": disp(quant_mode=1),
+        "fp4": disp(quant_mode=4, y_dtype=296),
+        "hif8": disp(y_dtype=290),
+        "mode3_no_y": disp(quant_mode=3),
+        "mode4_scales": disp(quant_mode=4, y_dtype=E4M3, scales=torch.ones(4, 1024)),
+        "mode1": disp(quant_mode=1),
         "mode5_scales": disp(quant_mode=5, y_dtype=E4M3, scales=torch.ones(4, 1024)),
-        "mode5_int8": disp(quant_mode=5, y_dtype=torch.int8), "a3_mode5": disp(quant_mode=5, y_dtype=E4M3, **a3),
+        "mode5_int8": disp(quant_mode=5, y_dtype=torch.int8),
+        "a3_mode5": disp(quant_mode=5, y_dtype=E4M3, **a3),
         "rank_local": disp(quant_mode=4, y_dtype=296 if r else E4M3),
-    }  # fmt: skip
+    }
 
 
 ERRORS = {  # name -> (code, param, text), on both ranks unless a pair is given
-    "a3_mode3": (PARAM, "quant_mode", "Ascend 950 (A5) feature"), "a3_y_dtype": (PARAM, "y_dtype", "Ascend 950 (A5)"),
-    "a3_x_dtype": (PARAM, "x_dtype", "Ascend 950 (A5)"), "a3_comm_quant4": (PARAM, "comm_quant_mode", "Ascend 950"),
-    "a3_empty_w": None, "a3_fullmesh": (PARAM, "comm_alg", "Atlas A2"),
-    "a3_ccu": (PARAM, "comm_alg", "no platform documents"), "a3_combine_v1": (PARAM, "comm_alg", "['', 'hierarchy']"),
-    "a5_hierarchy": (PARAM, "comm_alg", "Atlas A3 feature"), "a5_tp": (PARAM, "tp_world_size", "Atlas A3"),
-    "a5_elastic": (PARAM, "elastic_info", "Atlas A3"), "a5_combine_alg": (PARAM, "comm_alg", "allows ['']"),
-    "a5_mode4": None, "a5_ok": None, "a5_empty_w_ok": None, "bad_strict": (PARAM, "strict", "'a4'"),
-    "h_no_weights": (NULL, "expert_scales", "hierarchy"), "h_shared": (PARAM, "shared_expert_rank_num", "hierarchy"),
-    "h_zero": (PARAM, "zero_expert_num", "hierarchy"), "h_mask2d": (PARAM, "x_active_mask", "hierarchy"),
-    "h_perf": (PARAM, "performance_info", "hierarchy"), "h_tp": (PARAM, "tp_world_size", "hierarchy"),
-    "h_a3_world": (SHAPE, "ep_world_size", "[16, 256]"), "h_a3_bs": (SHAPE, "x.shape[0] (Bs)", "[1, 256]"),
-    "h_a3_hidden": (SHAPE, "x.shape[1] (H)", "[1024, 7168]"), "fp4": (PARAM, "y_dtype", "fp4"),
-    "hif8": (PARAM, "y_dtype", "hifloat8"), "mode3_no_y": (PARAM, "y_dtype", "float8_e4m3fn"),
-    "mode4_scales": (PARAM, "scales", "MX"), "mode1": (PARAM, "quant_mode", "static"),
-    "mode5_scales": (PARAM, "scales", "quant_mode 5"), "mode5_int8": (PARAM, "y_dtype", "quant_mode 5 outputs"),
+    "a3_mode3": (PARAM, "quant_mode", "Ascend 950 (A5) feature"),
+    "a3_y_dtype": (PARAM, "y_dtype", "Ascend 950 (A5)"),
+    "a3_x_dtype": (PARAM, "x_dtype", "Ascend 950 (A5)"),
+    "a3_comm_quant4": (PARAM, "comm_quant_mode", "Ascend 950"),
+    "a3_empty_w": None,
+    "a3_fullmesh": (PARAM, "comm_alg", "Atlas A2"),
+    "a3_ccu": (PARAM, "comm_alg", "no platform documents"),
+    "a3_combine_v1": (PARAM, "comm_alg", "['', 'hierarchy']"),
+    "a5_hierarchy": (PARAM, "comm_alg", "Atlas A3 feature"),
+    "a5_tp": (PARAM, "tp_world_size", "Atlas A3"),
+    "a5_elastic": (PARAM, "elastic_info", "Atlas A3"),
+    "a5_combine_alg": (PARAM, "comm_alg", "allows ['']"),
+    "a5_mode4": None,
+    "a5_ok": None,
+    "a5_empty_w_ok": None,
+    "bad_strict": (PARAM, "strict", "'a4'"),
+    "h_no_weights": (NULL, "expert_scales", "hierarchy"),
+    "h_shared": (PARAM, "shared_expert_rank_num", "hierarchy"),
+    "h_zero": (PARAM, "zero_expert_num", "hierarchy"),
+    "h_mask2d": (PARAM, "x_active_mask", "hierarchy"),
+    "h_perf": (PARAM, "performance_info", "hierarchy"),
+    "h_tp": (PARAM, "tp_world_size", "hierarchy"),
+    "h_a3_world": (SHAPE, "ep_world_size", "[16, 256]"),
+    "h_a3_bs": (SHAPE, "x.shape[0] (Bs)", "[1, 256]"),
+    "h_a3_hidden": (SHAPE, "x.shape[1] (H)", "[1024, 7168]"),
+    "fp4": (PARAM, "y_dtype", "fp4"),
+    "hif8": (PARAM, "y_dtype", "hifloat8"),
+    "mode3_no_y": (PARAM, "y_dtype", "float8_e4m3fn"),
+    "mode4_scales": (PARAM, "scales", "MX"),
+    "mode1": (PARAM, "quant_mode", "static"),
+    "mode5_scales": (PARAM, "scales", "quant_mode 5"),
+    "mode5_int8": (PARAM, "y_dtype", "quant_mode 5 outputs"),
     "a3_mode5": (PARAM, "quant_mode", "Ascend 950 (A5) feature"),
     "rank_local": [(PARAM, "inputs", "rejected on rank 1"), (PARAM, "y_dtype", "fp4")],
-}  # fmt: skip
+}
 
 
 def test_platform_and_feature_errors_on_every_rank():
@@ -299,8 +345,14 @@ def test_hierarchy_a3_size_limits(w, experts, hidden, text):
     from deep_ep_npu.core.platforms import hierarchy_rules as _hierarchy
     from deep_ep_npu.ops import MoeDistributeError
 
-    e = dict(shared_expert_rank_num=0, zero_expert_num=0, copy_expert_num=0, const_expert_num=0, world_size=w,
-             num_local=experts // w)  # fmt: skip
+    e = dict(
+        shared_expert_rank_num=0,
+        zero_expert_num=0,
+        copy_expert_num=0,
+        const_expert_num=0,
+        world_size=w,
+        num_local=experts // w,
+    )
     a3 = types.SimpleNamespace(comm_alg="hierarchy", wait_stats=None, experts=types.SimpleNamespace(platform="a3", **e))
     with pytest.raises(MoeDistributeError, match=re.escape(text)):
         _hierarchy(a3, "x", hidden, None)

@@ -51,23 +51,44 @@ def _flow(info, case: dict) -> dict:
     name = info.group.group_name
     shared = dict(global_bs=gbs)
     dkw = dict(shared, quant_mode=2 if quant else 0, scales=smooth, x_active_mask=inp.mask)
-    y, expand_idx, cmd = ops.moe_distribute_dispatch_setup(inp.x, inp.ids, name, w, rank, e, **dkw,
-                                                           y_dtype=torch.int8 if quant else None)  # fmt: skip
+    y, expand_idx, cmd = ops.moe_distribute_dispatch_setup(
+        inp.x, inp.ids, name, w, rank, e, **dkw, y_dtype=torch.int8 if quant else None
+    )
     tkw = dict(shared, quant_mode=dkw["quant_mode"], expert_token_nums_type=case["ent"])
     td = ops.moe_distribute_dispatch_teardown(inp.x, y, inp.ids, cmd, name, w, rank, e, **tkw)
     counts = td[3].diff(prepend=td[3].new_zeros(1)) if case["ent"] == 0 and td[3].numel() > 1 else td[3]
     out_rows = _experts(td[0], td[1], counts, rank, quant, inp.x.dtype)
     qx, cmd2 = ops.moe_distribute_combine_setup(out_rows, inp.ids, td[2], name, w, rank, e, **shared)
-    combined = ops.moe_distribute_combine_teardown(out_rows, qx, inp.ids, expand_idx, inp.weights, cmd2, name, w, rank,
-                                                   e, x_active_mask=inp.mask, **shared)  # fmt: skip
-    one = ops.moe_distribute_dispatch_v2(inp.x, inp.ids, info.group, w, rank, e, **dkw,
-                                         expert_token_nums_type=case["ent"])  # fmt: skip
+    combined = ops.moe_distribute_combine_teardown(
+        out_rows, qx, inp.ids, expand_idx, inp.weights, cmd2, name, w, rank, e, x_active_mask=inp.mask, **shared
+    )
+    one = ops.moe_distribute_dispatch_v2(
+        inp.x, inp.ids, info.group, w, rank, e, **dkw, expert_token_nums_type=case["ent"]
+    )
     one_combined = ops.moe_distribute_combine_v2(
-        _experts(one[0], one[1], counts, rank, quant, inp.x.dtype), inp.ids, one[2], one[4], inp.weights, info.group,
-        w, rank, e, x_active_mask=inp.mask, **shared,
-    )  # fmt: skip
-    return dict(y=y, expand_idx=expand_idx, cmd=cmd, teardown=td, qx=qx, cmd2=cmd2, combined=combined, one=one,
-                one_combined=one_combined)  # fmt: skip
+        _experts(one[0], one[1], counts, rank, quant, inp.x.dtype),
+        inp.ids,
+        one[2],
+        one[4],
+        inp.weights,
+        info.group,
+        w,
+        rank,
+        e,
+        x_active_mask=inp.mask,
+        **shared,
+    )
+    return dict(
+        y=y,
+        expand_idx=expand_idx,
+        cmd=cmd,
+        teardown=td,
+        qx=qx,
+        cmd2=cmd2,
+        combined=combined,
+        one=one,
+        one_combined=one_combined,
+    )
 
 
 def _golden_y(inp: RankInput, e: int, quant: bool, smooth: torch.Tensor | None, hs: int) -> tuple:
@@ -91,13 +112,46 @@ def _golden_y(inp: RankInput, e: int, quant: bool, smooth: torch.Tensor | None, 
 
 
 CASES = [
-    dict(seed=1, dtype=torch.bfloat16, hidden=64, local=2, topk=3, max_bs=5, uneven=False, mask=False, quant=False,
-         smooth=False, ent=1),
-    dict(seed=2, dtype=torch.float16, hidden=40, local=1, topk=2, max_bs=4, uneven=True, mask=True, quant=True,
-         smooth=True, ent=0),
-    dict(seed=3, dtype=torch.float32, hidden=32, local=3, topk=4, max_bs=6, uneven=True, mask=False, quant=True,
-         smooth=False, ent=0),
-]  # fmt: skip
+    dict(
+        seed=1,
+        dtype=torch.bfloat16,
+        hidden=64,
+        local=2,
+        topk=3,
+        max_bs=5,
+        uneven=False,
+        mask=False,
+        quant=False,
+        smooth=False,
+        ent=1,
+    ),
+    dict(
+        seed=2,
+        dtype=torch.float16,
+        hidden=40,
+        local=1,
+        topk=2,
+        max_bs=4,
+        uneven=True,
+        mask=True,
+        quant=True,
+        smooth=True,
+        ent=0,
+    ),
+    dict(
+        seed=3,
+        dtype=torch.float32,
+        hidden=32,
+        local=3,
+        topk=4,
+        max_bs=6,
+        uneven=True,
+        mask=False,
+        quant=True,
+        smooth=False,
+        ent=0,
+    ),
+]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -108,8 +162,9 @@ def test_two_stage_equals_one_shot_and_oracle(world_size):
         e, quant = case["local"] * world_size, case["quant"]
         lay = Layout(world_size, e)
         gbs = case["max_bs"] * world_size if case["uneven"] else 0
-        want = dispatch_oracle(inputs, lay, global_bs=gbs, quant=quant, smooth=smooth,
-                               expert_token_nums_type=case["ent"])  # fmt: skip
+        want = dispatch_oracle(
+            inputs, lay, global_bs=gbs, quant=quant, smooth=smooth, expert_token_nums_type=case["ent"]
+        )
         want_x = combine_oracle(inputs, lay, quant=quant, smooth=smooth)
         for rank, got in enumerate(results):
             inp, (expand_x, scales, assist, counts) = inputs[rank], got["teardown"]
@@ -170,10 +225,15 @@ def _errors(info) -> dict:
     rows = out2[0].clone()
     qx, ccmd = ops.moe_distribute_combine_setup(rows, ids, out2[2], name, w, rank, e)
     expect("wrong_kind", lambda: teardown(x, y1, ids, ccmd, name, w, rank, e))
-    expect("combine_quant", lambda: ops.moe_distribute_combine_setup(rows, ids, out2[2], name, w, rank, e,
-                                                                     comm_quant_mode=2 if rank else 0))  # fmt: skip
-    expect("combine_gbs", lambda: ops.moe_distribute_combine_setup(rows, ids, out2[2], name, w, rank, e,
-                                                                  global_bs=2 * w))  # fmt: skip
+    expect(
+        "combine_quant",
+        lambda: ops.moe_distribute_combine_setup(
+            rows, ids, out2[2], name, w, rank, e, comm_quant_mode=2 if rank else 0
+        ),
+    )
+    expect(
+        "combine_gbs", lambda: ops.moe_distribute_combine_setup(rows, ids, out2[2], name, w, rank, e, global_bs=2 * w)
+    )
     weights = torch.ones((3, 2))
     comb_teardown = ops.moe_distribute_combine_teardown
     bad_idx = idx2.clone()
@@ -219,8 +279,13 @@ def _dequant(q: torch.Tensor, scales: torch.Tensor, mode: int) -> torch.Tensor:
     return (q.float().view(n, h // group, group) * s.float().unsqueeze(-1)).view(n, h)
 
 
-FP8_MODES = ((2, torch.float8_e4m3fn), (2, torch.float8_e5m2), (3, torch.float8_e4m3fn), (4, torch.float8_e5m2),
-             (4, torch.float8_e4m3fn))  # fmt: skip
+FP8_MODES = (
+    (2, torch.float8_e4m3fn),
+    (2, torch.float8_e5m2),
+    (3, torch.float8_e4m3fn),
+    (4, torch.float8_e5m2),
+    (4, torch.float8_e4m3fn),
+)
 
 
 def _fp8_flow(info) -> list:
@@ -236,15 +301,27 @@ def _fp8_flow(info) -> list:
     for mode, dtype in FP8_MODES:
         kw = dict(quant_mode=mode, x_active_mask=mask)
         y, idx, cmd = ops.moe_distribute_dispatch_setup(x, ids, name, w, rank, e, **kw, y_dtype=dtype)
-        ex, scales, assist, counts = ops.moe_distribute_dispatch_teardown(x, y, ids, cmd, name, w, rank, e,
-                                                                          quant_mode=mode)  # fmt: skip
+        ex, scales, assist, counts = ops.moe_distribute_dispatch_teardown(
+            x, y, ids, cmd, name, w, rank, e, quant_mode=mode
+        )
         one = ops.moe_distribute_dispatch_v2(x, ids, name, w, rank, e, **kw, y_dtype=dtype)
         rows = _dequant(ex, scales, mode).to(torch.bfloat16)
         qx, cmd2 = ops.moe_distribute_combine_setup(rows, ids, assist, name, w, rank, e)
-        combined = ops.moe_distribute_combine_teardown(rows, qx, ids, idx, weights, cmd2, name, w, rank, e,
-                                                       x_active_mask=mask)  # fmt: skip
-        one_combined = ops.moe_distribute_combine_v2(_dequant(one[0], one[1], mode).to(torch.bfloat16), ids, one[2],
-                                                     one[4], weights, name, w, rank, e, x_active_mask=mask)  # fmt: skip
+        combined = ops.moe_distribute_combine_teardown(
+            rows, qx, ids, idx, weights, cmd2, name, w, rank, e, x_active_mask=mask
+        )
+        one_combined = ops.moe_distribute_combine_v2(
+            _dequant(one[0], one[1], mode).to(torch.bfloat16),
+            ids,
+            one[2],
+            one[4],
+            weights,
+            name,
+            w,
+            rank,
+            e,
+            x_active_mask=mask,
+        )
         n = int(idx.ge(0).sum())
         at = -(-h // {2: 32, 3: 128, 4: 256}[mode]) * {2: 32, 3: 128, 4: 256}[mode]
         width = {2: 4, 3: 4 * (h // 128), 4: h // 32}[mode]
@@ -253,12 +330,19 @@ def _fp8_flow(info) -> list:
         y_rows = _dequant(y[:n, :h], y_scales, mode)
         order = sorted(range(int(mask.sum()) * k), key=lambda f: int(ids.view(-1)[f]))  # stable sort by expert
         want_rows = x.float()[torch.tensor([f // k for f in order], dtype=torch.long)]
-        out.append(dict(
-            same=torch.equal(ex.view(torch.uint8), one[0].view(torch.uint8)) and torch.equal(counts, one[3])
-            and torch.equal(scales.view(torch.uint8), one[1].view(torch.uint8)) and torch.equal(combined, one_combined),
-            y_err=float(((y_rows - want_rows).abs() / want_rows.abs().amax(dim=1, keepdim=True)).max()),
-            y_dtype=y.dtype, scales_dtype=scales.dtype, scales_shape=tuple(scales.shape), cap=ex.shape[0],
-        ))  # fmt: skip
+        out.append(
+            dict(
+                same=torch.equal(ex.view(torch.uint8), one[0].view(torch.uint8))
+                and torch.equal(counts, one[3])
+                and torch.equal(scales.view(torch.uint8), one[1].view(torch.uint8))
+                and torch.equal(combined, one_combined),
+                y_err=float(((y_rows - want_rows).abs() / want_rows.abs().amax(dim=1, keepdim=True)).max()),
+                y_dtype=y.dtype,
+                scales_dtype=scales.dtype,
+                scales_shape=tuple(scales.shape),
+                cap=ex.shape[0],
+            )
+        )
     return out
 
 

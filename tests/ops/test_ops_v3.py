@@ -254,8 +254,12 @@ ERRORS = {
 }
 
 
-ONE_RANK = {"one_ccl": (1, "ccl_buffer_size"), "one_ctx": (2, "context"), "one_buffer": (3, "topk_idx"),
-            "one_gbs": (1, "global_bs")}  # fmt: skip
+ONE_RANK = {
+    "one_ccl": (1, "ccl_buffer_size"),
+    "one_ctx": (2, "context"),
+    "one_buffer": (3, "topk_idx"),
+    "one_gbs": (1, "global_bs"),
+}
 
 
 def test_v3_errors_on_every_rank():

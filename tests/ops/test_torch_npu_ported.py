@@ -91,8 +91,13 @@ def _ep_golden(x_list: list[torch.Tensor], topk_list: list[torch.Tensor], sr: in
     for d in range(w - sr):
         n = int(per_expert[d * local : (d + 1) * local].sum())
         counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=moe_expert_num) for t in topk_list], 1)
-        out.append(dict(rows=expand_x[start : start + n], experts=expand_expert[start : start + n],
-                        counts=counts[d * local : (d + 1) * local]))  # fmt: skip
+        out.append(
+            dict(
+                rows=expand_x[start : start + n],
+                experts=expand_expert[start : start + n],
+                counts=counts[d * local : (d + 1) * local],
+            )
+        )
         start += n
     return out
 
@@ -132,10 +137,19 @@ def _test_npu_moe_distribute_dispatch_combine_v2(info, cases: list[dict]) -> lis
         x = case["x1"][pair] if rank % tp_world_size_2 == 0 else case["x2"][pair]
         topk = case["topk1"][pair] if rank % tp_world_size_2 == 0 else case["topk2"][pair]
         scales = case["scales1"][pair] if rank % tp_world_size_2 == 0 else case["scales2"][pair]
-        layout = dict(group_ep=ep_hcomm_name, ep_world_size=ep_world_size, ep_rank_id=pair, moe_expert_num=e,
-                      group_tp=tp_hcomm_name, tp_world_size=tp_world_size,
-                      tp_rank_id=rank % tp_world_size if tp_world_size != 1 else 0, expert_shard_type=0,
-                      shared_expert_num=int(sr > 0), shared_expert_rank_num=sr, global_bs=gbs)  # fmt: skip
+        layout = dict(
+            group_ep=ep_hcomm_name,
+            ep_world_size=ep_world_size,
+            ep_rank_id=pair,
+            moe_expert_num=e,
+            group_tp=tp_hcomm_name,
+            tp_world_size=tp_world_size,
+            tp_rank_id=rank % tp_world_size if tp_world_size != 1 else 0,
+            expert_shard_type=0,
+            shared_expert_num=int(sr > 0),
+            shared_expert_rank_num=sr,
+            global_bs=gbs,
+        )
         out = torch_npu.npu_moe_distribute_dispatch_v2(x=x, expert_ids=topk, scales=None, quant_mode=0, **layout)
         expand_x, _, assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, _ = out
         n = int(tp_recv_counts.sum())
@@ -143,11 +157,23 @@ def _test_npu_moe_distribute_dispatch_combine_v2(info, cases: list[dict]) -> lis
         expand_x_in = expand_x.clone()
         expand_x_in[n:] = _uniform((expand_x.shape[0] - n, expand_x.shape[1]), 0, 1, expand_x.dtype, pad)
         combined = torch_npu.npu_moe_distribute_combine_v2(
-            expand_x=expand_x_in, expert_ids=topk, assist_info_for_combine=assist_info_for_combine,
-            ep_send_counts=ep_recv_counts, expert_scales=scales, tp_send_counts=tp_recv_counts, **layout,
-        )  # fmt: skip
-        results.append(dict(out=expand_x, expert_token_nums=expert_token_nums, ep_recv_counts=ep_recv_counts,
-                            tp_recv_counts=tp_recv_counts, combined=combined))  # fmt: skip
+            expand_x=expand_x_in,
+            expert_ids=topk,
+            assist_info_for_combine=assist_info_for_combine,
+            ep_send_counts=ep_recv_counts,
+            expert_scales=scales,
+            tp_send_counts=tp_recv_counts,
+            **layout,
+        )
+        results.append(
+            dict(
+                out=expand_x,
+                expert_token_nums=expert_token_nums,
+                ep_recv_counts=ep_recv_counts,
+                tp_recv_counts=tp_recv_counts,
+                combined=combined,
+            )
+        )
     sim.uninstall()
     return results
 
@@ -165,8 +191,14 @@ def _construct_expected_result(case: dict, ep_world_size: int) -> list[dict]:
             tp_counts = [own["rows"].shape[0], peer["rows"].shape[0]] if tp == 2 else [own["rows"].shape[0]]
             if tp == 2 and len(out_list) % 2:  # [tp_rank] = own rows: TP rank 1 holds the peer's count first
                 tp_counts = tp_counts[::-1]
-            out_list.append(dict(out=rows, expert_token_nums=tokens, ep_recv_counts=counts,
-                                 tp_recv_counts=torch.tensor(tp_counts, dtype=torch.int32)))  # fmt: skip
+            out_list.append(
+                dict(
+                    out=rows,
+                    expert_token_nums=tokens,
+                    ep_recv_counts=counts,
+                    tp_recv_counts=torch.tensor(tp_counts, dtype=torch.int32),
+                )
+            )
     for rank, want in enumerate(out_list):  # combine: sum_k w * (tp * x) + tp * x for the shared expert, fp32
         group, pair = ("1", "2")[rank % 2], rank // 2
         x, scales = case["x" + group][pair], case["scales" + group][pair]
@@ -178,8 +210,9 @@ def _construct_expected_result(case: dict, ep_world_size: int) -> list[dict]:
     return out_list
 
 
-def _dispatch_v2_case(g: torch.Generator, tp: int, sr: int, e: int, k: int, ep_world_size: int, bs: int = 8,
-                      h: int = 128) -> dict:  # fmt: skip
+def _dispatch_v2_case(
+    g: torch.Generator, tp: int, sr: int, e: int, k: int, ep_world_size: int, bs: int = 8, h: int = 128
+) -> dict:
     topk = torch.tile(torch.arange(k), (bs,)).int().view(-1, k)
     case = dict(tp=tp, sr=sr, e=e, global_bs=bs * ep_world_size)
     for group in ("1", "2"):
@@ -224,23 +257,44 @@ def _test_npu_moe_distribute_ep(info, cases: list[dict]) -> list[dict]:
     results = []
     for case in cases:
         x, topk, scales, sr = case["x"][rank], case["topk"][rank], case["scales"][rank], case["sr"]
-        layout = dict(group_ep=ep_hcomm_name, ep_world_size=w, ep_rank_id=rank, moe_expert_num=case["e"],
-                      expert_shard_type=0, shared_expert_num=int(sr > 0), shared_expert_rank_num=sr,
-                      global_bs=case["global_bs"])  # fmt: skip
+        layout = dict(
+            group_ep=ep_hcomm_name,
+            ep_world_size=w,
+            ep_rank_id=rank,
+            moe_expert_num=case["e"],
+            expert_shard_type=0,
+            shared_expert_num=int(sr > 0),
+            shared_expert_rank_num=sr,
+            global_bs=case["global_bs"],
+        )
         out = torch_npu.npu_moe_distribute_dispatch_v2(x=x, expert_ids=topk, scales=None, quant_mode=0, **layout)
         expand_x, _, assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, _ = out
         n = int(ep_recv_counts[-1])
         local = case["e"] // (w - sr)  # local expert j of MoE rank d is global d' * L + j, d' = d - SR; shared: -1
-        experts = torch.full((n,), -1) if rank < sr else torch.repeat_interleave(
-            torch.arange(local) + (rank - sr) * local, expert_token_nums)  # fmt: skip
+        experts = (
+            torch.full((n,), -1)
+            if rank < sr
+            else torch.repeat_interleave(torch.arange(local) + (rank - sr) * local, expert_token_nums)
+        )
         y = torch.zeros_like(expand_x)
         y[:n] = expert_ffn(expand_x[:n], experts, x.dtype)
         combined = torch_npu.npu_moe_distribute_combine_v2(
-            expand_x=y, expert_ids=topk, assist_info_for_combine=assist_info_for_combine, ep_send_counts=ep_recv_counts,
-            expert_scales=scales, **layout,
-        )  # fmt: skip
-        results.append(dict(out=expand_x, expert_token_nums=expert_token_nums, ep_recv_counts=ep_recv_counts,
-                            tp_recv_counts=tp_recv_counts, combined=combined))  # fmt: skip
+            expand_x=y,
+            expert_ids=topk,
+            assist_info_for_combine=assist_info_for_combine,
+            ep_send_counts=ep_recv_counts,
+            expert_scales=scales,
+            **layout,
+        )
+        results.append(
+            dict(
+                out=expand_x,
+                expert_token_nums=expert_token_nums,
+                ep_recv_counts=ep_recv_counts,
+                tp_recv_counts=tp_recv_counts,
+                combined=combined,
+            )
+        )
     sim.uninstall()
     return results
 
@@ -287,8 +341,10 @@ def test_npu_moe_distribute_dispatch_combine_v2_ep(world_size):
             x, topk, scales = case["x"][rank], case["topk"][rank], case["scales"][rank]
             want = []
             for t in range(x.shape[0]):
-                parts = [(float(scales[t, j]), expert_ffn(x[t : t + 1], int(topk[t, j]), x.dtype)[0])
-                         for j in range(topk.shape[1])]  # fmt: skip
+                parts = [
+                    (float(scales[t, j]), expert_ffn(x[t : t + 1], int(topk[t, j]), x.dtype)[0])
+                    for j in range(topk.shape[1])
+                ]
                 if case["sr"]:
                     parts.append((1.0, expert_ffn(x[t : t + 1], -1, x.dtype)[0]))
                 want.append(weighted_sum(parts, x.shape[1]))
@@ -298,8 +354,15 @@ def test_npu_moe_distribute_dispatch_combine_v2_ep(world_size):
 # --- test_moe_distribute_dispatchA2.py / test_moe_distribute_combineA2.py: comm_alg "fullmesh", L 1 -----------------
 
 
-def _gen_dispatch_golden(x: torch.Tensor, expert_ids: torch.Tensor, k: int, world_size: int, bs: int,
-                         total_expert_num: int, expert_num_per_rank: int) -> tuple[list, torch.Tensor]:  # fmt: skip
+def _gen_dispatch_golden(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    k: int,
+    world_size: int,
+    bs: int,
+    total_expert_num: int,
+    expert_num_per_rank: int,
+) -> tuple[list, torch.Tensor]:
     """The original's ``gen_dispatch_golden`` (quant_mode 0, no scales) on the concatenated x `[W * Bs, H]`."""
     expand_x = torch.repeat_interleave(x, k, dim=0)
     flat = expert_ids.reshape(-1).long()
@@ -309,11 +372,13 @@ def _gen_dispatch_golden(x: torch.Tensor, expert_ids: torch.Tensor, k: int, worl
     per_rank = [expert_token_nums[r * expert_num_per_rank : (r + 1) * expert_num_per_rank] for r in range(world_size)]
     expert_tokens_num_cumsum = [t.cumsum(0) for t in per_rank]
     chunks = expert_ids.reshape(world_size, bs * k)
-    ep_recv_counts = torch.tensor([int((chunks[r] == e).sum()) for e in range(total_expert_num)
-                                   for r in range(world_size)], dtype=torch.int32)  # fmt: skip
+    ep_recv_counts = torch.tensor(
+        [int((chunks[r] == e).sum()) for e in range(total_expert_num) for r in range(world_size)], dtype=torch.int32
+    )
     span = expert_num_per_rank * world_size
-    ep_recv_counts_cumsum = [ep_recv_counts[r * span : (r + 1) * span].cumsum(0).to(torch.int32)
-                             for r in range(world_size)]  # fmt: skip
+    ep_recv_counts_cumsum = [
+        ep_recv_counts[r * span : (r + 1) * span].cumsum(0).to(torch.int32) for r in range(world_size)
+    ]
     actual_tokens = torch.stack([t.sum() for t in per_rank]).cumsum(0)
     return [expand_x_sorted, expert_tokens_num_cumsum, ep_recv_counts_cumsum], actual_tokens
 
@@ -323,8 +388,12 @@ def _gen_combine_input(x_world, expert_ids_world, world_size, bs, moe_expert_num
     token x of source src routed to its local expert j. Returns each rank's expand_x `[A, H]` and, per rank, the
     (row, src, token, slot) of every row so placed."""
     local = moe_expert_num // world_size
-    counts = torch.stack([torch.bincount(expert_ids_world[r * bs : (r + 1) * bs].reshape(-1).long(),
-                                         minlength=moe_expert_num) for r in range(world_size)])  # fmt: skip
+    counts = torch.stack(
+        [
+            torch.bincount(expert_ids_world[r * bs : (r + 1) * bs].reshape(-1).long(), minlength=moe_expert_num)
+            for r in range(world_size)
+        ]
+    )
     send_counts = counts.T.reshape(world_size, local * world_size).cumsum(-1)
     expandx = [torch.zeros((a, x_world.shape[1]), dtype=x_world.dtype) for _ in range(world_size)]
     routed: list[list[tuple[int, int, int, int]]] = [[] for _ in range(world_size)]
@@ -347,17 +416,36 @@ def _run_dispatch_combine_a2(info, x_input, expert_ids_input, expert_scales, tot
     perf = torch.zeros((w,), dtype=torch.int64)
     x, ids = x_input[rank], expert_ids_input[rank]
     expand_x, dynamic_scales, expand_idx, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = (
-        torch_npu.npu_moe_distribute_dispatch_v2(x=x, expert_ids=ids, group_ep=ep_hcomm_info, ep_world_size=w,
-                                                 ep_rank_id=rank, moe_expert_num=total_expert_num, scales=None,
-                                                 quant_mode=0, global_bs=global_bs, comm_alg=comm_alg,
-                                                 performance_info=perf)
-    )  # fmt: skip
+        torch_npu.npu_moe_distribute_dispatch_v2(
+            x=x,
+            expert_ids=ids,
+            group_ep=ep_hcomm_info,
+            ep_world_size=w,
+            ep_rank_id=rank,
+            moe_expert_num=total_expert_num,
+            scales=None,
+            quant_mode=0,
+            global_bs=global_bs,
+            comm_alg=comm_alg,
+            performance_info=perf,
+        )
+    )
     perf_dispatch = perf.clone()
     x_out = torch_npu.npu_moe_distribute_combine_v2(
-        expand_x=expand_x, expert_ids=ids, assist_info_for_combine=expand_idx, ep_send_counts=ep_recv_counts,
-        tp_send_counts=tp_recv_counts, expert_scales=expert_scales[rank], group_ep=ep_hcomm_info, ep_world_size=w,
-        ep_rank_id=rank, moe_expert_num=total_expert_num, global_bs=global_bs, comm_alg=comm_alg, performance_info=perf,
-    )  # fmt: skip
+        expand_x=expand_x,
+        expert_ids=ids,
+        assist_info_for_combine=expand_idx,
+        ep_send_counts=ep_recv_counts,
+        tp_send_counts=tp_recv_counts,
+        expert_scales=expert_scales[rank],
+        group_ep=ep_hcomm_info,
+        ep_world_size=w,
+        ep_rank_id=rank,
+        moe_expert_num=total_expert_num,
+        global_bs=global_bs,
+        comm_alg=comm_alg,
+        performance_info=perf,
+    )
     sim.uninstall()
     return [expand_x, expand_idx, expert_token_nums, ep_recv_counts, perf_dispatch, perf, x_out]
 
@@ -371,12 +459,14 @@ def test_npu_moe_distribute_dispatch_combine_a2(ep_world_size, k):
     expert_ids = torch.tensor([rng.sample(range(total_expert_num), k) for _ in range(global_bs)], dtype=torch.int32)
     expert_scales = _uniform((global_bs, k), -5, 5, torch.float32, g)
     x_input, ids_input, scales_input = (t.split(bs) for t in (x, expert_ids, expert_scales))
-    golden, actual_tokens = _gen_dispatch_golden(x, expert_ids, k, ep_world_size, bs, total_expert_num,
-                                                 expert_num_per_rank)  # fmt: skip
+    golden, actual_tokens = _gen_dispatch_golden(
+        x, expert_ids, k, ep_world_size, bs, total_expert_num, expert_num_per_rank
+    )
     a = expert_num_per_rank * global_bs
     expandx_world, routed = _gen_combine_input(x, expert_ids, ep_world_size, bs, total_expert_num, a)
-    results = parallel_launch(ep_world_size, _run_dispatch_combine_a2, x_input, ids_input, scales_input,
-                              total_expert_num, global_bs, comm_alg)  # fmt: skip
+    results = parallel_launch(
+        ep_world_size, _run_dispatch_combine_a2, x_input, ids_input, scales_input, total_expert_num, global_bs, comm_alg
+    )
     for rank_id, (expand_x, expand_idx, token_nums, recv_counts, perf_d, perf_c, x_out) in enumerate(results):
         start = int(actual_tokens[rank_id - 1]) if rank_id > 0 else 0
         end = int(actual_tokens[rank_id])
@@ -417,62 +507,115 @@ def _test_npu_moe_distribute_dispatch_combine_urma(info, cases: list[dict]) -> l
         quant_mode, moe_expert_num, global_bs = case["quant_mode"], case["e"], case["global_bs"]
         x, expert_ids, expert_scales = case["x"][rank], case["expert_ids"][rank], case["expert_scales"][rank]
         scales, local = case["scales"], moe_expert_num // ep_world_size
-        common = dict(group_ep=ep_hcomm_info, ep_world_size=ep_world_size, ep_rank_id=rank,
-                      moe_expert_num=moe_expert_num, expert_shard_type=0, shared_expert_rank_num=0,
-                      global_bs=global_bs, comm_type=2, strict="a5")  # fmt: skip
-        setup = functools.partial(torch_npu.npu_moe_distribute_dispatch_setup, x=x, expert_ids=expert_ids,
-                                  scales=scales)  # fmt: skip
+        common = dict(
+            group_ep=ep_hcomm_info,
+            ep_world_size=ep_world_size,
+            ep_rank_id=rank,
+            moe_expert_num=moe_expert_num,
+            expert_shard_type=0,
+            shared_expert_rank_num=0,
+            global_bs=global_bs,
+            comm_type=2,
+            strict="a5",
+        )
+        setup = functools.partial(
+            torch_npu.npu_moe_distribute_dispatch_setup, x=x, expert_ids=expert_ids, scales=scales
+        )
         errors = {}
         if c == 0:  # the original's bugs, each refused on every rank
             no_urma = {**common, "comm_type": 0}
             errors["comm_type"] = op_error(functools.partial(setup, quant_mode=2, y_dtype=torch.int8, **no_urma))
             errors["y_dtype"] = op_error(functools.partial(setup, quant_mode=2, **common))
-        y, expand_idx, comm_cmd_info = setup(quant_mode=quant_mode, y_dtype=torch.int8 if quant_mode else None,
-                                             **common)  # fmt: skip
+        y, expand_idx, comm_cmd_info = setup(
+            quant_mode=quant_mode, y_dtype=torch.int8 if quant_mode else None, **common
+        )
         expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums = (
-            torch_npu.npu_moe_distribute_dispatch_teardown(x=x, y=y, expert_ids=expert_ids,
-                                                           comm_cmd_info=comm_cmd_info, quant_mode=quant_mode,
-                                                           **common)
-        )  # fmt: skip
+            torch_npu.npu_moe_distribute_dispatch_teardown(
+                x=x, y=y, expert_ids=expert_ids, comm_cmd_info=comm_cmd_info, quant_mode=quant_mode, **common
+            )
+        )
         rows = (expand_x.float() * dynamic_scales.unsqueeze(1)).to(x.dtype) if quant_mode else expand_x  # dequantize
         ffn = _experts(rows, expert_token_nums, rank * local, x.dtype)
-        combine_setup = functools.partial(torch_npu.npu_moe_distribute_combine_setup, expand_x=ffn,
-                                          expert_ids=expert_ids, assist_info_for_combine=assist_info_for_combine,
-                                          **common)  # fmt: skip
+        combine_setup = functools.partial(
+            torch_npu.npu_moe_distribute_combine_setup,
+            expand_x=ffn,
+            expert_ids=expert_ids,
+            assist_info_for_combine=assist_info_for_combine,
+            **common,
+        )
         if c == 0:
             errors["comm_quant_mode"] = op_error(functools.partial(combine_setup, comm_quant_mode=2))
         quant_expand_x, comm_cmd_info2 = combine_setup(comm_quant_mode=0)
         out = torch_npu.npu_moe_distribute_combine_teardown(
-            expand_x=ffn, quant_expand_x=quant_expand_x, expert_ids=expert_ids, expand_idx=expand_idx,
-            expert_scales=expert_scales, comm_cmd_info=comm_cmd_info2, comm_quant_mode=0, **common,
-        )  # fmt: skip
+            expand_x=ffn,
+            quant_expand_x=quant_expand_x,
+            expert_ids=expert_ids,
+            expand_idx=expand_idx,
+            expert_scales=expert_scales,
+            comm_cmd_info=comm_cmd_info2,
+            comm_quant_mode=0,
+            **common,
+        )
         # the one-shot ops on the same inputs
-        one_shot = dict(group_ep=ep_hcomm_info, ep_world_size=ep_world_size, ep_rank_id=rank,
-                        moe_expert_num=moe_expert_num, global_bs=global_bs)  # fmt: skip
-        one = torch_npu.npu_moe_distribute_dispatch_v2(x=x, expert_ids=expert_ids, scales=scales, quant_mode=quant_mode,
-                                                       expert_token_nums_type=1, **one_shot)  # fmt: skip
+        one_shot = dict(
+            group_ep=ep_hcomm_info,
+            ep_world_size=ep_world_size,
+            ep_rank_id=rank,
+            moe_expert_num=moe_expert_num,
+            global_bs=global_bs,
+        )
+        one = torch_npu.npu_moe_distribute_dispatch_v2(
+            x=x, expert_ids=expert_ids, scales=scales, quant_mode=quant_mode, expert_token_nums_type=1, **one_shot
+        )
         one_rows = (one[0].float() * one[1].unsqueeze(1)).to(x.dtype) if quant_mode else one[0]
         one_out = torch_npu.npu_moe_distribute_combine_v2(
-            expand_x=_experts(one_rows, one[3], rank * local, x.dtype), expert_ids=expert_ids,
-            assist_info_for_combine=one[2], ep_send_counts=one[4], expert_scales=expert_scales, **one_shot,
-        )  # fmt: skip
-        results.append(dict(y=y, expand_idx=expand_idx, cmd=comm_cmd_info, expand_x=expand_x,
-                            dynamic_scales=dynamic_scales, assist=assist_info_for_combine,
-                            expert_token_nums=expert_token_nums, qx=quant_expand_x, cmd2=comm_cmd_info2, out=out,
-                            one_expand_x=one[0], one_scales=one[1], one_out=one_out, errors=errors))  # fmt: skip
+            expand_x=_experts(one_rows, one[3], rank * local, x.dtype),
+            expert_ids=expert_ids,
+            assist_info_for_combine=one[2],
+            ep_send_counts=one[4],
+            expert_scales=expert_scales,
+            **one_shot,
+        )
+        results.append(
+            dict(
+                y=y,
+                expand_idx=expand_idx,
+                cmd=comm_cmd_info,
+                expand_x=expand_x,
+                dynamic_scales=dynamic_scales,
+                assist=assist_info_for_combine,
+                expert_token_nums=expert_token_nums,
+                qx=quant_expand_x,
+                cmd2=comm_cmd_info2,
+                out=out,
+                one_expand_x=one[0],
+                one_scales=one[1],
+                one_out=one_out,
+                errors=errors,
+            )
+        )
     sim.uninstall()
     return results
 
 
-def _urma_case(g: torch.Generator, ep_world_size: int, quant_mode: int, is_dispatch_scales: bool,
-               bs: int = 4, h: int = 1024, k: int = 3) -> dict:  # fmt: skip
+def _urma_case(
+    g: torch.Generator,
+    ep_world_size: int,
+    quant_mode: int,
+    is_dispatch_scales: bool,
+    bs: int = 4,
+    h: int = 1024,
+    k: int = 3,
+) -> dict:
     moe_expert_num = 2 * ep_world_size
-    case = dict(quant_mode=quant_mode, e=moe_expert_num, global_bs=bs * ep_world_size, x=[], expert_ids=[],
-                expert_scales=[])  # fmt: skip
+    case = dict(
+        quant_mode=quant_mode, e=moe_expert_num, global_bs=bs * ep_world_size, x=[], expert_ids=[], expert_scales=[]
+    )
     for _ in range(ep_world_size):
         case["x"].append(torch.randn((bs, h), generator=g).to(torch.bfloat16))
-        case["expert_ids"].append(torch.stack([torch.randperm(moe_expert_num, generator=g)[:k]
-                                               for _ in range(bs)]).to(torch.int32))  # fmt: skip
+        case["expert_ids"].append(
+            torch.stack([torch.randperm(moe_expert_num, generator=g)[:k] for _ in range(bs)]).to(torch.int32)
+        )
         case["expert_scales"].append(torch.randn((bs, k), generator=g))
     case["scales"] = torch.randn((1 + moe_expert_num, h), generator=g) if is_dispatch_scales else None
     return case
@@ -503,8 +646,11 @@ def _golden_y(x, expert_ids, quant_mode, case, hs):
 @pytest.mark.parametrize("ep_world_size", [2, 4])
 def test_npu_moe_distribute_dispatch_combine_urma(ep_world_size):
     g = torch.Generator().manual_seed(10 + ep_world_size)
-    cases = [_urma_case(g, ep_world_size, 2, True), _urma_case(g, ep_world_size, 2, False),
-             _urma_case(g, ep_world_size, 0, False)]  # fmt: skip
+    cases = [
+        _urma_case(g, ep_world_size, 2, True),
+        _urma_case(g, ep_world_size, 2, False),
+        _urma_case(g, ep_world_size, 0, False),
+    ]
     results = parallel_launch(ep_world_size, _test_npu_moe_distribute_dispatch_combine_urma, cases)
     errors = [r[0]["errors"] for r in results]
     for err in errors:

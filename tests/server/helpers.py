@@ -63,8 +63,14 @@ class FakeEngine(EngineCore):
     ``step_time`` sleeps per step; ``fail_at_step`` makes that step raise (a dead worker).
     """
 
-    def __init__(self, num_ranks: int = 2, max_num_seqs: int = 4, max_model_len: int = 128,
-                 step_time: float = 0.002, fail_at_step: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_ranks: int = 2,
+        max_num_seqs: int = 4,
+        max_model_len: int = 128,
+        step_time: float = 0.002,
+        fail_at_step: int | None = None,
+    ) -> None:
         self.tokenizer = ByteTokenizer()
         self.vocab_size = VOCAB_SIZE
         self.max_model_len = max_model_len

@@ -13,8 +13,9 @@ from server.models import ForwardBatch, MoECausalLM, PagedKVCache, SeqInput
 class SlotCache:
     """A :class:`PagedKVCache` of ``num_slots`` sequences of up to ``max_len`` tokens, in blocks of ``block_size``."""
 
-    def __init__(self, model: MoECausalLM, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 block_size: int = 4) -> None:  # fmt: skip
+    def __init__(
+        self, model: MoECausalLM, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32, block_size: int = 4
+    ) -> None:
         self.blocks_per_slot = -(-max_len // block_size)
         self.num_slots = num_slots
         self.cache = PagedKVCache(model.cfg, num_slots * self.blocks_per_slot, block_size, dtype)
@@ -30,7 +31,8 @@ class SlotCache:
         ]
         return ForwardBatch.build(seqs, self.cache.block_size)
 
-    def run(self, model: MoECausalLM, chunks: Sequence[tuple[int, int, list[int]]],
-            sample: Sequence[bool]) -> torch.Tensor:  # fmt: skip
+    def run(
+        self, model: MoECausalLM, chunks: Sequence[tuple[int, int, list[int]]], sample: Sequence[bool]
+    ) -> torch.Tensor:
         """One forward step of ``chunks``; the logits of the sampled rows."""
         return model(self.batch(chunks, sample), self.cache)

@@ -27,8 +27,15 @@ from tests.server.test_models_ckpt import load_hf, make_checkpoint
 PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42]]
 STEPS = 6
 ATOL = 1e-4
-DEEPSEEK_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3 / R1 (§2.6)  # fmt: skip
+DEEPSEEK_YARN = {
+    "type": "yarn",
+    "factor": 40,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}  # DeepSeek-V3 / R1 (§2.6)
 # name -> (family, make_checkpoint keywords)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("qwen3_moe", {}),
@@ -40,15 +47,37 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "gpt_oss": ("gpt_oss", {}),
     "deepseek_v3_yarn": ("deepseek_v3", {"max_position_embeddings": 163840}),
     "qwen3_moe_linear": ("qwen3_moe", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
-    "qwen3_moe_dynamic": ("qwen3_moe", {"max_position_embeddings": 8,
-                                        "rope_parameters": {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 1e4}}),
-    "mixtral_llama3": ("mixtral", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                                                       "rope_theta": 1e6}}),
-    "olmoe_clip_yarn": ("olmoe", {"clip_qkv": 0.5, "rope_parameters": {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e4}}),
+    "qwen3_moe_dynamic": (
+        "qwen3_moe",
+        {"max_position_embeddings": 8, "rope_parameters": {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 1e4}},
+    ),
+    "mixtral_llama3": (
+        "mixtral",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 1e6,
+            }
+        },
+    ),
+    "olmoe_clip_yarn": (
+        "olmoe",
+        {
+            "clip_qkv": 0.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 1e4,
+            },
+        },
+    ),
     "qwen2_moe_sharded": ("qwen2_moe", {"max_shard_size": "60KB", "mlp_only_layers": [0]}),
-}  # fmt: skip
+}
 
 
 def _write_legacy_rope(path: str, rope_scaling: dict) -> None:

@@ -93,8 +93,10 @@ def test_shape_that_disagrees_with_the_config(good: str, tmp_path) -> None:  # n
 
 def test_quantized_tensor_without_a_format_is_not_cast(good: str, tmp_path) -> None:  # noqa: ANN001
     path, _ = _copy(good, tmp_path, lambda t: t.update({ATTN: t[ATTN].to(torch.float8_e4m3fn)}))
-    with pytest.raises(CheckpointError, match=f"'{ATTN}' is stored as F8_E4M3 .quantized., but config.json "
-                       "declares no quantization_config"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=f"'{ATTN}' is stored as F8_E4M3 .quantized., but config.json declares no quantization_config",
+    ):
         read_config(path)
 
 
@@ -131,8 +133,16 @@ def test_nonfinite_logits_fail_the_request_with_an_error_and_a_metric(good: str,
     """Non-finite logits at run time end that request with an error (HTTP 500, or an error event when streamed)
     and count in deep_ep_npu:nonfinite_logits_total, instead of a stream of token 0."""
     path, _ = _copy(good, tmp_path, _overflowing_logits)
-    config = build_config({"model": path, "ep-size": 1, "dtype": "float16", "max-model-len": 64,
-                           "served-model-name": "overflow", "log-level": "warning"})  # fmt: skip
+    config = build_config(
+        {
+            "model": path,
+            "ep-size": 1,
+            "dtype": "float16",
+            "max-model-len": 64,
+            "served-model-name": "overflow",
+            "log-level": "warning",
+        }
+    )
     with UvicornThread(create_app(config, build_engine(config))) as srv:
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
@@ -153,9 +163,11 @@ def test_weight_that_overflows_the_dtype_is_refused(good: str, tmp_path) -> None
 
 def test_tensors_the_model_does_not_read_are_named_in_a_warning(good: str, tmp_path, caplog) -> None:  # noqa: ANN001
     """A bias the config does not declare is reported; MTP layers past num_hidden_layers and scales are not."""
-    extra = {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64),
-             "model.layers.2.mlp.gate.weight": torch.zeros(8, 64),
-             "model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(1)}  # fmt: skip
+    extra = {
+        "model.layers.0.self_attn.q_proj.bias": torch.zeros(64),
+        "model.layers.2.mlp.gate.weight": torch.zeros(8, 64),
+        "model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(1),
+    }
     path, _ = _copy(good, tmp_path, lambda t: t.update(extra))
     with caplog.at_level("WARNING", logger="server.loader"):
         read_config(path)

@@ -74,8 +74,7 @@ def make_tokenizer(path: str, template: str | None, bos_post_processor: bool = T
     tok.train_from_iterator(["hello world, how are you? I am fine. You are terse, be nice."] * 20, trainer)
     if bos_post_processor:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                      chat_template=template)  # fmt: skip
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=template)
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
     return path
@@ -94,8 +93,7 @@ def test_rendering_equals_transformers(tmp_path, template: str, add_generation_p
     hf, ours = _hf_tokenizer(path), HFTokenizer(path)
     chat = ChatTemplate(ours.chat_template, "test")  # type: ignore[arg-type]
     for kwargs in ({}, {"enable_thinking": False}):
-        want = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                      **kwargs)  # fmt: skip
+        want = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
         got = chat.render(MESSAGES, ours.special_tokens, add_generation_prompt, kwargs=kwargs)
         assert got == want
         ids = hf.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt, **kwargs)["input_ids"]
@@ -147,8 +145,15 @@ def test_template_locations_as_transformers_reads_them(tmp_path) -> None:  # noq
 
 
 def test_generation_defaults_as_vllm(tmp_path) -> None:  # noqa: ANN001
-    gen = {"temperature": 0.6, "top_p": 1.0, "top_k": 20, "repetition_penalty": 1.0, "max_new_tokens": 64,
-           "do_sample": True, "eos_token_id": [1, 2]}  # fmt: skip
+    gen = {
+        "temperature": 0.6,
+        "top_p": 1.0,
+        "top_k": 20,
+        "repetition_penalty": 1.0,
+        "max_new_tokens": 64,
+        "do_sample": True,
+        "eos_token_id": [1, 2],
+    }
     (tmp_path / "generation_config.json").write_text(json.dumps(gen))
     assert generation_defaults(str(tmp_path), "auto") == {"temperature": 0.6, "top_k": 20, "max_tokens": 64}
     assert generation_defaults(str(tmp_path), "vllm") == {}
@@ -185,7 +190,8 @@ def test_no_template_is_a_400_naming_chat_template_and_override_fixes_it(tmp_pat
             "/../tokenize", cast_to=object, body={"messages": MESSAGES, "add_generation_prompt": True}
         )
     want = _hf_tokenizer(make_tokenizer(str(tmp_path / "t2"), CHATML)).apply_chat_template(
-        MESSAGES, add_generation_prompt=True)["input_ids"]  # fmt: skip
+        MESSAGES, add_generation_prompt=True
+    )["input_ids"]
     assert r["tokens"] == want  # type: ignore[index]
 
 
@@ -206,8 +212,9 @@ def chat_server(tmp_path_factory):  # noqa: ANN001, ANN201
     stop_at = next(j for j in range(1, len(greedy)) if greedy[j] not in greedy[:j] and greedy[j] > 1)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [1, greedy[stop_at]], "max_new_tokens": 7, "top_k": 50}, f)
-    config = build_config({"model": path, "ep-size": 1, "max-model-len": 128, "served-model-name": "tiny",
-                           "log-level": "warning"})  # fmt: skip
+    config = build_config(
+        {"model": path, "ep-size": 1, "max-model-len": 128, "served-model-name": "tiny", "log-level": "warning"}
+    )
     with UvicornThread(create_app(config, build_engine(config))) as srv:
         srv.facts = {"prompt": prompt, "greedy": greedy, "stop_at": stop_at, "tokenizer": hf_tok}
         yield srv
@@ -216,8 +223,13 @@ def chat_server(tmp_path_factory):  # noqa: ANN001, ANN201
 def test_chat_prompt_and_completion_equal_transformers(chat_server) -> None:  # noqa: ANN001
     facts = chat_server.facts
     client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused")
-    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,  # type: ignore[arg-type]
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert resp.usage is not None and resp.usage.prompt_tokens == len(facts["prompt"])
     choice = resp.choices[0]
     assert choice.model_extra is not None and choice.model_extra["prompt_token_ids"] == facts["prompt"]
@@ -230,12 +242,20 @@ def test_generation_config_stop_ids_and_max_tokens(chat_server) -> None:  # noqa
     max_tokens (its top_k 50 is transformers' default, which vLLM does not apply: greedy stays greedy anyway)."""
     facts = chat_server.facts
     client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused")
-    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0,  # type: ignore[arg-type]
-                                          extra_body={"return_token_ids": True})  # fmt: skip
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={"return_token_ids": True},
+    )
     assert resp.choices[0].model_extra["token_ids"] == facts["greedy"][: facts["stop_at"] + 1]  # type: ignore[index]
     assert resp.choices[0].finish_reason == "stop"
-    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0,  # type: ignore[arg-type]
-                                          extra_body={"ignore_eos": True})  # fmt: skip
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )
     assert resp.usage is not None and resp.usage.completion_tokens == 7
     assert resp.choices[0].finish_reason == "length"
 

@@ -1,6 +1,6 @@
-"""The control messages of a torchrun job (:mod:`server.runtime.control`): each rank receives its own message and
-nothing else (a rank's traffic is its plan's size, whatever the others' plans weigh); rank 0 receives each rank's
-reply, and a rank that sends none is reported within the timeout instead of waited for."""
+"""The control messages of a torchrun job (:mod:`server.runtime.workers.control`): each rank receives its own
+message and nothing else (a rank's traffic is its plan's size, whatever the others' plans weigh); rank 0 receives
+each rank's reply, and a rank that sends none is reported within the timeout instead of waited for."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.distributed import parallel_launch
 def _exchange(info):
     import torch.distributed as dist
 
-    from server.runtime import control
+    from server.runtime.workers import control
 
     received = []
     original = dist.irecv

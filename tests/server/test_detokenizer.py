@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from server.engine_api import Tokenizer
-from server.runtime.detokenizer import IncrementalDetokenizer
+from server.runtime.scheduling.detokenizer import IncrementalDetokenizer
 from server.tokenizer import ByteTokenizer, HFTokenizer
 
 TEXTS = ["héllo wörld, ça va? 日本語のテキスト 🙂 " * 3, "the quick brown fox jumps over the lazy dog " * 5]
@@ -24,8 +24,9 @@ def bpe(tmp_path_factory) -> HFTokenizer:  # noqa: ANN001
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"])  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
     raw.train_from_iterator(TEXTS, trainer)
     path = tmp_path_factory.mktemp("bpe")
     raw.save(str(path / "tokenizer.json"))

@@ -6,12 +6,7 @@ frees every block it held. Nothing leaks: KV usage back to 0 and no bootstrap co
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,64 +14,8 @@ import httpx
 import pytest
 
 from server.router import Pool, create_router_app
-from tests.server.disagg_helpers import RANDOM_MODEL, established, metric
-from tests.server.helpers import UvicornThread, free_port, wait_until
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TIMEOUT_S = 6.0  # --disaggregation-timeout-s: the bound on every wait between the two sides
-
-
-class Instance:
-    """``python -m server`` in a subprocess (its log in ``log_path``), with its URL once it serves."""
-
-    def __init__(self, tmp_path, name: str, *args: str) -> None:
-        self.log_path = tmp_path / f"{name}.log"
-        self.bootstrap_port = free_port() if "prefill" in args else None
-        cmd = [
-            sys.executable,
-            "-m",
-            "server",
-            "--port",
-            "0",
-            "--random-model",
-            json.dumps(RANDOM_MODEL),
-            "--max-num-seqs",
-            "8",
-            "--max-model-len",
-            "1100",
-            "--kv-cache-memory",
-            "32M",
-            "--backend",
-            "reference",
-            "--ep-size",
-            "1",
-            "--disaggregation-timeout-s",
-            str(TIMEOUT_S),
-            "--log-level",
-            "info",
-            *args,
-        ]
-        if self.bootstrap_port is not None:
-            cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
-        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
-        self.url = ""
-
-    def wait_serving(self) -> None:
-        deadline = time.monotonic() + 120
-        while not self.url:
-            match = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+)", self.log_path.read_text())
-            if match:
-                self.url = match.group(1)
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the instance did not start"
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        """SIGKILL the server process (its workers notice their pipe closing and exit)."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
+from tests.server.disagg_helpers import TIMEOUT_S, Instance, body, established, metric, stream
+from tests.server.helpers import UvicornThread, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -98,39 +37,9 @@ def instances(tmp_path_factory):
                 assert instance.proc.wait(timeout=30) == 0
 
 
-def _stream(url: str, body: dict, out: dict) -> None:
-    """POST a streamed completion; ``out``: ``tokens``, ``error`` (the error event's message), ``seconds``."""
-    t0 = time.monotonic()
-    out.update(tokens=0, error=None)
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-            if r.status_code != 200:
-                out["error"] = json.loads(r.read())["error"]["message"]
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        out["error"] = event["error"]["message"]
-                    else:
-                        out["tokens"] += len(event["choices"][0]["token_ids"])
-    except httpx.HTTPError as e:
-        out["error"] = f"broken: {e!r}"
-    out["seconds"] = time.monotonic() - t0
-
-
-def _body(i: int, n: int, max_tokens: int) -> dict:
-    return {
-        "prompt": [(i * 31 + j * 7) % 240 + 1 for j in range(n)],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-
-
 def _run(url: str, bodies: list[dict], after=None) -> list[dict]:
     outs: list[dict] = [{} for _ in bodies]
-    threads = [threading.Thread(target=_stream, args=(url, b, o)) for b, o in zip(bodies, outs, strict=True)]
+    threads = [threading.Thread(target=stream, args=(url, b, o)) for b, o in zip(bodies, outs, strict=True)]
     for t in threads:
         t.start()
     if after is not None:
@@ -146,7 +55,7 @@ def test_prefill_and_decode_deaths(instances):
     pools = Pool("prefill", [prefill_a.url, prefill_b.url], "round-robin"), Pool("decode", [decode.url], "round-robin")
     with UvicornThread(create_router_app(*pools)) as router:
         # a prefill instance dies while its requests' prompts are computed or their KV moved
-        bodies = [_body(i, 1000, 4) for i in range(6)]  # round-robin: 3 go to prefill A, 3 to prefill B
+        bodies = [body(i, 1000, 4) for i in range(6)]  # round-robin: 3 go to prefill A, 3 to prefill B
         outs = _run(router.url, bodies, after=lambda: (time.sleep(0.3), prefill_a.kill()))
         names_a = (prefill_a.url, f"127.0.0.1:{prefill_a.bootstrap_port}")
         failed = [out for out in outs if out["error"] is not None]
@@ -158,7 +67,7 @@ def test_prefill_and_decode_deaths(instances):
                 assert "prefill instance" in out["error"] and any(name in out["error"] for name in names_a), out
         assert 1 <= len(failed) <= 3, outs
         # the router serves on: every request now goes to prefill B
-        outs = _run(router.url, [_body(10 + i, 200, 3) for i in range(4)])
+        outs = _run(router.url, [body(10 + i, 200, 3) for i in range(4)])
         assert all(out["error"] is None and out["tokens"] == 3 for out in outs), outs
         for url in (decode.url, prefill_b.url):
             wait_until(lambda url=url: metric(url, "kv_cache_usage_perc") == 0.0, 2 * TIMEOUT_S, f"leak at {url}")
@@ -171,7 +80,7 @@ def test_prefill_and_decode_deaths(instances):
             wait_until(lambda: metric(decode.url, "generation_tokens_total") > before + 4, 30, "no token came")
             decode.kill()
 
-        bodies = [_body(20 + i, 600, 400) for i in range(2)] + [_body(30 + i, 1000, 4) for i in range(2)]
+        bodies = [body(20 + i, 600, 400) for i in range(2)] + [body(30 + i, 1000, 4) for i in range(2)]
         outs = _run(router.url, bodies, after=kill_decode_mid_stream)
         assert all(out["error"] is not None and decode.url in out["error"] for out in outs[:2]), outs
         assert all(out["tokens"] < 400 for out in outs[:2]), outs

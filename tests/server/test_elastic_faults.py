@@ -35,9 +35,26 @@ def _serve_with_faults(tmp_path, faults: str, *extra: str) -> tuple[list[dict], 
     rows = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 0, 1, 2, 3]] * MODEL["num_hidden_layers"])
     path = tmp_path / "placement.json"
     path.write_text(json.dumps(placement_json(rows, 4)))
-    args = ["--ep-size", "4", "--random-model", json.dumps(MODEL), "--elastic", "--step-timeout-s", "6",
-            "--expert-placement", str(path), "--num-redundant-experts", "8", "--max-num-seqs", "4",
-            "--max-model-len", "256", "--log-level", "warning", *extra]  # fmt: skip
+    args = [
+        "--ep-size",
+        "4",
+        "--random-model",
+        json.dumps(MODEL),
+        "--elastic",
+        "--step-timeout-s",
+        "6",
+        "--expert-placement",
+        str(path),
+        "--num-redundant-experts",
+        "8",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "256",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{FAULTS}", "DEEP_EP_NPU_TEST_FAULTS": faults}
     procs, url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", "--port", str(port), *args]], env=env)
     try:

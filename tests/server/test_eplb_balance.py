@@ -8,16 +8,25 @@ from __future__ import annotations
 from server.engine_api import SamplingParams
 from server.runtime import EPEngine
 
-MODEL = {"architecture": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 64,
-         "num_experts_per_tok": 8, "vocab_size": 256, "routing_skew": 1.2}  # fmt: skip
+MODEL = {
+    "architecture": "qwen3_moe",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "moe_intermediate_size": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "vocab_size": 256,
+    "routing_skew": 1.2,
+}
 INTERVAL = 8
 
 
 def balancedness(**kwargs: object) -> list[float]:
     """Per MoE layer, over the decode steps after step ``INTERVAL + 1``."""
-    engine = EPEngine(ep_size=4, random_model=MODEL, max_num_seqs=8, max_model_len=128, backend="reference",
-                      **kwargs)  # type: ignore[arg-type]  # fmt: skip
+    engine = EPEngine(ep_size=4, random_model=MODEL, max_num_seqs=8, max_model_len=128, backend="reference", **kwargs)  # type: ignore[arg-type]
     try:
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         for i in range(16):

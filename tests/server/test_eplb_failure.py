@@ -19,13 +19,22 @@ import torch
 from deep_ep_npu.eplb import placement_json
 from server.engine_api import SamplingParams
 from server.runtime import EngineConfig
-from server.runtime.worker import PlanEntry, StepPlan, Worker
+from server.runtime.workers.worker import PlanEntry, StepPlan, Worker
 from tests.server.helpers import stream_completion
 from tests.server.test_server_failure import real_server
 
-MODEL = {"architecture": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 8,
-         "num_experts_per_tok": 2, "vocab_size": 256}  # fmt: skip
+MODEL = {
+    "architecture": "qwen3_moe",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "moe_intermediate_size": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 256,
+}
 PROMPT = [7, 3, 9, 1]
 LONG = {"prompt": [1, 2, 3], "max_tokens": 300, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
@@ -69,8 +78,14 @@ def test_replicas_keep_the_model_after_a_lost_rank(tmp_path) -> None:  # noqa: A
     path.write_text(json.dumps(placement_json(rows, 4)))
     # a killed worker is found at once (its connections close); a survivor slowed by a loaded machine makes the
     # step run again at worst (never a lost survivor)
-    options = {"elastic": True, "step-timeout-s": 6.0, "ep-size": 4, "random-model": MODEL,
-               "expert-placement": str(path), "num-redundant-experts": 8}  # fmt: skip
+    options = {
+        "elastic": True,
+        "step-timeout-s": 6.0,
+        "ep-size": 4,
+        "random-model": MODEL,
+        "expert-placement": str(path),
+        "num-redundant-experts": 8,
+    }
     outs, metrics, token_ids = _kill_worker_1(options)
     assert outs[1]["error"] is not None and "EP worker 1 was lost" in outs[1]["error"]["message"]
     for i in (0, 2, 3):

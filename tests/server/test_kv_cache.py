@@ -46,23 +46,32 @@ def metric(text: str, name: str) -> float:
 def alone(prompts: list[list[int]], max_tokens: list[int], max_model_len: int) -> list[list[int]]:
     """Each request's greedy tokens on its own (one request in the engine at a time, no prefix cache)."""
     with LLM(ep_size=1, max_model_len=max_model_len, enable_prefix_caching=False) as llm:
-        return [llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
-                for p, n in zip(prompts, max_tokens, strict=True)]  # fmt: skip
+        return [
+            llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+            for p, n in zip(prompts, max_tokens, strict=True)
+        ]
 
 
 def test_budget_of_four_requests_serves_32_concurrent_long_requests() -> None:
     prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(20 + i)] for i in range(32)]
     max_tokens = [MAX_LEN - len(p) for p in prompts]  # each request runs to max-model-len
-    options = {"kv-cache-memory": 4 * PER_REQUEST, "block-size": BLOCK, "max-model-len": MAX_LEN, "max-num-seqs": 16,
-               "max-num-batched-tokens": 64, "random-model": {}}  # fmt: skip
+    options = {
+        "kv-cache-memory": 4 * PER_REQUEST,
+        "block-size": BLOCK,
+        "max-model-len": MAX_LEN,
+        "max-num-seqs": 16,
+        "max-num-batched-tokens": 64,
+        "random-model": {},
+    }
     with real_server(**options) as srv:
         assert [i.num_kv_blocks for i in srv.engine.worker_infos] == [4 * MAX_LEN // BLOCK] * 2
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         served: dict[int, list[int]] = {}
 
         def run(i: int) -> None:
-            r = client.completions.create(model="random-qwen3-moe", prompt=prompts[i], max_tokens=max_tokens[i],
-                                          **GREEDY)  # fmt: skip
+            r = client.completions.create(
+                model="random-qwen3-moe", prompt=prompts[i], max_tokens=max_tokens[i], **GREEDY
+            )
             assert r.choices[0].finish_reason == "length"
             served[i] = r.choices[0].model_extra["token_ids"]
 
@@ -80,18 +89,36 @@ def test_budget_of_four_requests_serves_32_concurrent_long_requests() -> None:
 
 def test_budget_under_one_request_fails_at_start_up() -> None:
     too_small = PER_REQUEST - 1
-    want = (rf"KV cache too small: kv-cache-memory .* holds {MAX_LEN // BLOCK - 1} blocks of {BLOCK} tokens .*; one "
-            rf"request of max-model-len {MAX_LEN} needs {MAX_LEN // BLOCK} blocks")  # fmt: skip
+    want = (
+        rf"KV cache too small: kv-cache-memory .* holds {MAX_LEN // BLOCK - 1} blocks of {BLOCK} tokens .*; one "
+        rf"request of max-model-len {MAX_LEN} needs {MAX_LEN // BLOCK} blocks"
+    )
     with pytest.raises(ValueError, match=want):
         LLM(kv_cache_memory=too_small, max_model_len=MAX_LEN, block_size=BLOCK)
     with pytest.raises(ValueError, match=r"KV cache too small: worker 0's budget \(gpu-memory-utilization 1e-12 of"):
         LLM(gpu_memory_utilization=1e-12, max_model_len=MAX_LEN)  # measured by the workers, refused by the driver
-    cli = subprocess.run([sys.executable, "-m", "server", "--config", DEFAULT_CONFIG, "--port", "0",
-                          "--kv-cache-memory", "1K", "--max-model-len", str(MAX_LEN)],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--config",
+            DEFAULT_CONFIG,
+            "--port",
+            "0",
+            "--kv-cache-memory",
+            "1K",
+            "--max-model-len",
+            str(MAX_LEN),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cli.returncode == 2
-    assert re.search(r"error: cannot start the engine: KV cache too small: kv-cache-memory 0\.0 MiB holds 0 blocks",
-                     cli.stderr), cli.stderr  # fmt: skip
+    assert re.search(
+        r"error: cannot start the engine: KV cache too small: kv-cache-memory 0\.0 MiB holds 0 blocks", cli.stderr
+    ), cli.stderr
 
 
 def test_prefix_cache_hits_give_the_same_tokens() -> None:
@@ -99,8 +126,12 @@ def test_prefix_cache_hits_give_the_same_tokens() -> None:
     prompts = [prefix + [9, 8, 7, 6], prefix + [1, 2, 3]]
     with real_server(**{"block-size": BLOCK, "random-model": {}}) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        served = [client.completions.create(model="random-qwen3-moe", prompt=p, max_tokens=12, **GREEDY)
-                  .choices[0].model_extra["token_ids"] for p in prompts]  # fmt: skip
+        served = [
+            client.completions.create(model="random-qwen3-moe", prompt=p, max_tokens=12, **GREEDY)
+            .choices[0]
+            .model_extra["token_ids"]
+            for p in prompts
+        ]
         text = httpx.get(srv.url + "/metrics").text
     assert metric(text, "prefix_cache_queries_total") == sum(len(p) for p in prompts)
     assert metric(text, "prefix_cache_hits_total") == len(prefix)  # the second request's whole shared prefix
@@ -119,6 +150,16 @@ def test_async_scheduling_changes_nothing() -> None:
     for async_scheduling in (True, False):
         with LLM(ep_size=2, max_num_seqs=2, max_num_batched_tokens=16, async_scheduling=async_scheduling) as llm:
             outs = llm.generate(prompts, params)
-        results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
-                         o.outputs[0].logprobs, o.prompt_logprobs) for o in outs])  # fmt: skip
+        results.append(
+            [
+                (
+                    o.outputs[0].token_ids,
+                    o.outputs[0].text,
+                    o.outputs[0].finish_reason,
+                    o.outputs[0].logprobs,
+                    o.prompt_logprobs,
+                )
+                for o in outs
+            ]
+        )
     assert results[0] == results[1]

@@ -23,28 +23,74 @@ def hf_config(arch: str, **overrides):  # noqa: ANN003, ANN201
     import transformers as tf
 
     if arch == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**{**COMMON, **MOE, "num_experts": 8, "shared_expert_intermediate_size": 48,
-                                    **overrides})  # fmt: skip
+        return tf.Qwen2MoeConfig(
+            **{**COMMON, **MOE, "num_experts": 8, "shared_expert_intermediate_size": 48, **overrides}
+        )
     if arch == "olmoe":
-        return tf.OlmoeConfig(**{**COMMON, "num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
-                                 "eos_token_id": 255, **overrides})  # fmt: skip
+        return tf.OlmoeConfig(
+            **{
+                **COMMON,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "intermediate_size": 32,
+                "eos_token_id": 255,
+                **overrides,
+            }
+        )
     if arch == "gpt_oss":  # a 4-token window (prompts and decoding run past it), a clamp that bites
-        return tf.GptOssConfig(**{**COMMON, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
-                                  "intermediate_size": 32, "sliding_window": 4, "swiglu_limit": 0.2,
-                                  "eos_token_id": 255, **overrides})  # fmt: skip
+        return tf.GptOssConfig(
+            **{
+                **COMMON,
+                "head_dim": 16,
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+                "intermediate_size": 32,
+                "sliding_window": 4,
+                "swiglu_limit": 0.2,
+                "eos_token_id": 255,
+                **overrides,
+            }
+        )
     if arch == "glm4_moe":  # head_dim 16 (given, as GLM-4.5's config.json does), half of it rotary (the default)
-        return tf.Glm4MoeConfig(**{**COMMON, **MOE, "head_dim": 16, "n_routed_experts": 8, **DEEPSEEK_V3_ROUTING,
-                                   "use_qk_norm": True, "attention_bias": True, **overrides})  # fmt: skip
+        return tf.Glm4MoeConfig(
+            **{
+                **COMMON,
+                **MOE,
+                "head_dim": 16,
+                "n_routed_experts": 8,
+                **DEEPSEEK_V3_ROUTING,
+                "use_qk_norm": True,
+                "attention_bias": True,
+                **overrides,
+            }
+        )
 
     if arch == "qwen3_moe":
         return tf.Qwen3MoeConfig(**{**COMMON, **MOE, "num_experts": 8, "head_dim": 16, **overrides})
     if arch == "deepseek_v3":  # HF's MLA needs num_key_value_heads == num_attention_heads
         mla = {**DEEPSEEK_V3_MLA, "kv_lora_rank": 16}  # the server's random DeepSeek-V3 sizes, a smaller KV rank
-        return tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4, **MOE, "n_routed_experts": 8,
-                                      **DEEPSEEK_V3_ROUTING, **mla, **overrides})  # fmt: skip
+        return tf.DeepseekV3Config(
+            **{
+                **COMMON,
+                "num_key_value_heads": 4,
+                **MOE,
+                "n_routed_experts": 8,
+                **DEEPSEEK_V3_ROUTING,
+                **mla,
+                **overrides,
+            }
+        )
     if arch == "mixtral":
-        return tf.MixtralConfig(**{**COMMON, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
-                                   "eos_token_id": 255, **overrides})  # fmt: skip
+        return tf.MixtralConfig(
+            **{
+                **COMMON,
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+                "intermediate_size": 32,
+                "eos_token_id": 255,
+                **overrides,
+            }
+        )
     raise ValueError(arch)
 
 

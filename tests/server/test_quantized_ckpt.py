@@ -26,16 +26,43 @@ from tests.server.test_architectures import PROMPTS, STEPS, check_close, ep2_ran
 from tests.server.test_models_ckpt import load_hf, make_checkpoint
 
 FP8_BLOCK = (16, 24)  # 64- and 32-wide weights: partial blocks at the edges
-CT_INT8 = {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-               "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-               "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                                     "dynamic": True}}},
-           "ignore": ["lm_head", "re:.*mlp.gate$"]}  # fmt: skip
-CT_FP8_BLOCK = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                    "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
-                    "block_structure": list(FP8_BLOCK), "dynamic": False}}}}  # fmt: skip
+CT_INT8 = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+}
+CT_FP8_BLOCK = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "block",
+                "block_structure": list(FP8_BLOCK),
+                "dynamic": False,
+            },
+        }
+    },
+}
 # name -> (family, format)
 VARIANTS = {
     "deepseek_v3_fp8": ("deepseek_v3", "fp8"),
@@ -119,8 +146,12 @@ def quantize_checkpoint(src: str, dst: str, fmt: str) -> dict[str, torch.Tensor]
         with open(os.path.join(dst, "quant_model_description.json"), "w") as f:
             json.dump({"model_quant_type": "W8A8_DYNAMIC", **description}, f)
     else:
-        fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-               "weight_block_size": list(FP8_BLOCK)}  # fmt: skip
+        fp8 = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(FP8_BLOCK),
+        }
         mxfp4 = {
             "quant_method": "mxfp4",
             "modules_to_not_convert": [
@@ -201,12 +232,21 @@ def _with_quant_config(tmp_path, qc: dict) -> str:  # noqa: ANN001
         ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq' is not supported; supported: fp8"),
         ({"bits": 4}, "quant_method=None is not supported"),
         ({**CT_INT8, "format": "pack-quantized"}, "format='pack-quantized' is not supported"),
-        ({**CT_INT8, "config_groups": {"g": {"format": "int-quantized", "weights": {
-            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
-         r"g.weights: num_bits=4 type='int' strategy='group' is not supported"),
+        (
+            {
+                **CT_INT8,
+                "config_groups": {
+                    "g": {
+                        "format": "int-quantized",
+                        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+                    }
+                },
+            },
+            r"g.weights: num_bits=4 type='int' strategy='group' is not supported",
+        ),
         ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\] must be"),
     ],
-)  # fmt: skip
+)
 def test_unsupported_quantization_fails_at_start_up_naming_it(tmp_path, qc: dict, match: str) -> None:  # noqa: ANN001
     with pytest.raises(CheckpointError, match=match):
         read_config(_with_quant_config(tmp_path, qc))

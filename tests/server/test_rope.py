@@ -15,25 +15,82 @@ CASES = {
     "default": ({"rope_type": "default", "rope_theta": 1e6}, {}),
     "linear": ({"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, {}),
     "dynamic": ({"rope_type": "dynamic", "factor": 3.0, "rope_theta": 10000.0}, {"max_position_embeddings": 64}),
-    "yarn_deepseek_v3": ({"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0},
-                         {"max_position_embeddings": 163840}),
-    "yarn_kimi_k2": ({"rope_type": "yarn", "factor": 32, "original_max_position_embeddings": 4096, "beta_fast": 1,
-                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 50000.0},
-                     {"max_position_embeddings": 131072}),
-    "yarn_gpt_oss": ({"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
-                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0},
-                     {"max_position_embeddings": 131072}),
-    "yarn_mscale_ratio": ({"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048,
-                           "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 10000.0}, {}),
-    "yarn_attention_factor": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                               "attention_factor": 0.9, "rope_theta": 10000.0}, {}),
-    "yarn_factor_from_lengths": ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 1024,
-                                  "rope_theta": 10000.0}, {}),
-    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}, {}),
+    "yarn_deepseek_v3": (
+        {
+            "rope_type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "rope_theta": 10000.0,
+        },
+        {"max_position_embeddings": 163840},
+    ),
+    "yarn_kimi_k2": (
+        {
+            "rope_type": "yarn",
+            "factor": 32,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "rope_theta": 50000.0,
+        },
+        {"max_position_embeddings": 131072},
+    ),
+    "yarn_gpt_oss": (
+        {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "rope_theta": 150000.0,
+        },
+        {"max_position_embeddings": 131072},
+    ),
+    "yarn_mscale_ratio": (
+        {
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 2048,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+            "rope_theta": 10000.0,
+        },
+        {},
+    ),
+    "yarn_attention_factor": (
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "attention_factor": 0.9,
+            "rope_theta": 10000.0,
+        },
+        {},
+    ),
+    "yarn_factor_from_lengths": (
+        {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 1024, "rope_theta": 10000.0},
+        {},
+    ),
+    "llama3": (
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        },
+        {},
+    ),
     "partial": ({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, {}),
-}  # fmt: skip
+}
 
 
 def _hf_config(params: dict, top: dict, head_dim: int = 64):  # noqa: ANN202
@@ -93,9 +150,17 @@ def test_deepseek_softmax_scale_equals_transformers(case: str) -> None:
 
     params, top = CASES[case]
     top = {"max_position_embeddings": 4096, **top}
-    hf = tf.DeepseekV3Config(rope_parameters=dict(params), **top, hidden_size=64, num_attention_heads=2,
-                             q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                             v_head_dim=16)  # fmt: skip
+    hf = tf.DeepseekV3Config(
+        rope_parameters=dict(params),
+        **top,
+        hidden_size=64,
+        num_attention_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
     ref = DeepseekV3Attention(hf, 0).scaling
     mscale = _ours(params, top, head_dim=8).mla_mscale()
     assert 24**-0.5 * mscale * mscale == ref
@@ -104,8 +169,11 @@ def test_deepseek_softmax_scale_equals_transformers(case: str) -> None:
 
 
 def test_legacy_rope_scaling_wins_over_rope_parameters() -> None:
-    cfg = {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_parameters": {"rope_type": "default"},
-           "rope_theta": 500.0}  # fmt: skip
+    cfg = {
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        "rope_parameters": {"rope_type": "default"},
+        "rope_theta": 500.0,
+    }
     rope = RopeConfig.from_hf(cfg, 16)
     assert (rope.rope_type, rope.factor, rope.theta) == ("linear", 2.0, 500.0)
 

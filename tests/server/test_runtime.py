@@ -15,7 +15,7 @@ import torch
 
 from server import LLM, SamplingParams
 from server.runtime import WorkerError
-from server.runtime.worker import PlanEntry, StepPlan
+from server.runtime.workers.worker import PlanEntry, StepPlan
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
 STEPS = 16

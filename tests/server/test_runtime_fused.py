@@ -18,8 +18,9 @@ def test_fused_moe_serving_matches_transformers(tmp_path, arch: str) -> None:
     hf = load_hf(path)
     golden = [hf_greedy(hf, p, STEPS)[0] for p in PROMPTS]
     params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
-    with LLM(model=path, ep_size=2, moe_impl="fused", max_num_seqs=4, max_num_batched_tokens=16,
-             max_model_len=64) as llm:  # fmt: skip
+    with LLM(
+        model=path, ep_size=2, moe_impl="fused", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64
+    ) as llm:
         outs = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == golden
 

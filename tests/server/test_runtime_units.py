@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from server.engine_api import SamplingParams
-from server.runtime.block_manager import BlockTable, KVCacheManager
-from server.runtime.detokenizer import IncrementalDetokenizer
-from server.runtime.request import Request, apply_token
-from server.runtime.sampler import sample_one
-from server.runtime.scheduler import RankScheduler
+from server.runtime.sampling.sampler import sample_one
+from server.runtime.scheduling.block_manager import BlockTable, KVCacheManager
+from server.runtime.scheduling.detokenizer import IncrementalDetokenizer
+from server.runtime.scheduling.request import Request, apply_token
+from server.runtime.scheduling.scheduler import RankScheduler
 from server.tokenizer import ByteTokenizer
 
 
@@ -52,8 +52,12 @@ def test_chunked_prefill_decode_first_and_blocks() -> None:
 def test_preemption_when_blocks_run_out() -> None:
     """Two requests, blocks for 5 tokens: the later one is preempted (blocks released, back to the head of the
     queue) and recomputed from its prompt and output when the first one finishes."""
-    s = RankScheduler(KVCacheManager(num_blocks=5, block_size=1, enable_prefix_caching=False), max_num_seqs=2,
-                      num_max_tokens=8, max_model_len=5)  # fmt: skip
+    s = RankScheduler(
+        KVCacheManager(num_blocks=5, block_size=1, enable_prefix_caching=False),
+        max_num_seqs=2,
+        num_max_tokens=8,
+        max_model_len=5,
+    )
     a, b = _request("a", [1, 2], 0), _request("b", [3], 1)
     s.waiting.extend([a, b])
     plan, _ = s.schedule()
@@ -135,7 +139,7 @@ def test_sampler_greedy_top_k_top_p_and_seed() -> None:
 
 
 def test_sampler_min_p_bias_penalties_and_logprobs() -> None:
-    from server.runtime.request_sampler import RequestSampler
+    from server.runtime.sampling.request_sampler import RequestSampler
 
     logits = torch.tensor([1.0, 3.0, 2.9, -5.0, 0.0])
     gen = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
@@ -152,14 +156,20 @@ def test_sampler_min_p_bias_penalties_and_logprobs() -> None:
     assert [t for t, _ in logprob.top] == [2, 1] and [v for _, v in logprob.top] == pytest.approx(
         [float(want[2]), float(want[1])], abs=1e-6
     )
-    for param, value in [("presence_penalty", 2.5), ("min_p", -0.1), ("repetition_penalty", 0.0), ("logprobs", 21),
-                         ("n", 0), ("logit_bias", {-1: 1.0})]:  # fmt: skip
+    for param, value in [
+        ("presence_penalty", 2.5),
+        ("min_p", -0.1),
+        ("repetition_penalty", 0.0),
+        ("logprobs", 21),
+        ("n", 0),
+        ("logit_bias", {-1: 1.0}),
+    ]:
         with pytest.raises(ValueError, match=f"^{param}: "):
             SamplingParams(**{param: value})
 
 
 def test_sample_seeds_and_prompt_logprobs_across_chunks() -> None:
-    from server.runtime.request_sampler import RequestSampler
+    from server.runtime.sampling.request_sampler import RequestSampler
 
     assert [SamplingParams(seed=2**64 - 2, n=3).for_sample(i).seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
     assert SamplingParams(n=3).for_sample(2).seed is None and SamplingParams(n=3).for_sample(2).n == 1
@@ -178,17 +188,25 @@ def test_sample_seeds_and_prompt_logprobs_across_chunks() -> None:
 def test_kv_cache_memory_spellings_and_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
     from server.cli import parse_config
     from server.config import parse_bytes
-    from server.runtime import kv_budget
+    from server.runtime.scheduling import kv_budget
 
     assert [parse_bytes(v) for v in ("4G", "4g", "4GiB", "4GB", "1k", "1K", "1.5M", 123)] == [
-        4 * 2**30, 4 * 10**9, 4 * 2**30, 4 * 10**9, 1000, 1024, int(1.5 * 2**20), 123
-    ]  # fmt: skip
+        4 * 2**30,
+        4 * 10**9,
+        4 * 2**30,
+        4 * 10**9,
+        1000,
+        1024,
+        int(1.5 * 2**20),
+        123,
+    ]
     with pytest.raises(ValueError, match="byte count"):
         parse_bytes("4 apples")
     assert parse_config(["--kv-cache-memory", "2G"]).kv_cache_memory == 2 * 2**30
     assert kv_budget.kv_budget_bytes(torch.device("cpu"), 5000, 0.9, 2, 10**9, lambda: 0) == (
-        5000, "kv-cache-memory 0.0 MiB"
-    )  # fmt: skip
+        5000,
+        "kv-cache-memory 0.0 MiB",
+    )
     budget, why = kv_budget.kv_budget_bytes(torch.device("cpu"), None, 0.9, 2, 12345, lambda: 0)
     assert budget == 12345 and "capped at max-num-seqs" in why  # host memory far above the cap
     small, _ = kv_budget.kv_budget_bytes(torch.device("cpu"), None, 1e-9, 1, 10**15, lambda: 0)

@@ -56,8 +56,9 @@ def stream_chunks(client: httpx.Client, path: str, body: dict) -> list[dict]:
 
 
 def test_completion_string_prompt_with_token_ids(client):
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 7,
-                                             "return_token_ids": True})  # fmt: skip
+    r = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 7, "return_token_ids": True}
+    )
     assert r.status_code == 200
     body = r.json()
     prompt = list(b"hello")
@@ -140,8 +141,10 @@ def test_stop_string_not_echoed(client, stream):
 def test_stop_token_ids(client):
     prompt = [1, 2]
     want = expected_token_ids(prompt, 10)
-    body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10, "stop_token_ids": [want[3]],
-                                                "return_token_ids": True}).json()  # fmt: skip
+    body = client.post(
+        "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 10, "stop_token_ids": [want[3]], "return_token_ids": True},
+    ).json()
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["choices"][0]["token_ids"] == want[: want.index(want[3]) + 1]
 
@@ -280,8 +283,13 @@ def test_metrics_names_and_counts(server, client):
     assert delta(p + 'request_success_total{finished_reason="length",model_name="tiny"}') == n_req
     assert delta(p + 'prompt_tokens_total{model_name="tiny"}') == prompt_tokens
     assert delta(p + 'generation_tokens_total{model_name="tiny"}') == out_tokens
-    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prompt_tokens", "request_generation_tokens"):  # fmt: skip
+    for hist in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert delta(f'{p}{hist}_count{{model_name="tiny"}}') == n_req
     assert delta(p + 'inter_token_latency_seconds_count{model_name="tiny"}') == out_tokens - n_req
     assert delta(p + 'token_step_seconds_count{model_name="tiny"}') == out_tokens

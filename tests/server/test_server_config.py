@@ -34,8 +34,19 @@ def test_precedence_cli_over_yaml_over_defaults(tmp_path):
 
 def test_contract_option_names_exist():
     options = {a for action in make_parser()._actions for a in action.option_strings}
-    for name in ("--config", "--model", "--host", "--port", "--ep-size", "--dtype", "--backend", "--max-num-seqs",
-                 "--max-model-len", "--api-key", "--served-model-name"):  # fmt: skip
+    for name in (
+        "--config",
+        "--model",
+        "--host",
+        "--port",
+        "--ep-size",
+        "--dtype",
+        "--backend",
+        "--max-num-seqs",
+        "--max-model-len",
+        "--api-key",
+        "--served-model-name",
+    ):
         assert name in options
 
 

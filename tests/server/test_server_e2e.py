@@ -36,8 +36,16 @@ def golden(tmp_path_factory) -> tuple[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def served(golden):
-    config = build_config({"model": golden[0], "ep-size": 2, "max-num-seqs": 8, "max-model-len": 128,
-                           "served-model-name": "tiny-qwen3", "log-level": "warning"})  # fmt: skip
+    config = build_config(
+        {
+            "model": golden[0],
+            "ep-size": 2,
+            "max-num-seqs": 8,
+            "max-model-len": 128,
+            "served-model-name": "tiny-qwen3",
+            "log-level": "warning",
+        }
+    )
     engine = build_engine(config)
     with UvicornThread(create_app(config, engine)) as srv:
         srv.engine = engine
@@ -53,8 +61,15 @@ def client(served):
 
 
 def _greedy(prompt: list[int], **extra) -> dict:
-    return {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **extra}  # fmt: skip
+    return {
+        "model": "tiny-qwen3",
+        "prompt": prompt,
+        "max_tokens": STEPS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
 
 
 def _stream(client: httpx.Client, body: dict) -> list[dict]:

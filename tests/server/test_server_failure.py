@@ -24,9 +24,18 @@ from server.api.serve import build_engine
 from server.config import build_config
 from tests.server.helpers import UvicornThread, error_of, wait_until
 
-TINY_MODEL = {"architecture": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "num_key_value_heads": 1, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4,
-              "num_experts_per_tok": 2, "vocab_size": 256}  # fmt: skip
+TINY_MODEL = {
+    "architecture": "qwen3_moe",
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "moe_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 256,
+}
 STEP_TIMEOUT_S = 2.0
 LONG = {"prompt": [1, 2, 3], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
 
@@ -34,8 +43,16 @@ LONG = {"prompt": [1, 2, 3], "max_tokens": 500, "temperature": 0, "ignore_eos": 
 @contextlib.contextmanager
 def real_server(**options: object) -> Iterator[UvicornThread]:
     """The app over a real 2-worker EP engine serving a tiny random model; ``srv.engine`` is the EPEngine."""
-    values = {"ep-size": 2, "backend": "reference", "random-model": TINY_MODEL, "max-num-seqs": 4,
-              "max-model-len": 512, "step-timeout-s": STEP_TIMEOUT_S, "log-level": "warning", **options}  # fmt: skip
+    values = {
+        "ep-size": 2,
+        "backend": "reference",
+        "random-model": TINY_MODEL,
+        "max-num-seqs": 4,
+        "max-model-len": 512,
+        "step-timeout-s": STEP_TIMEOUT_S,
+        "log-level": "warning",
+        **options,
+    }
     config = build_config(values)
     engine = build_engine(config)
     pids = [p.pid for p in engine.workers.procs]
@@ -82,10 +99,13 @@ async def _stream_until_failure(srv: UvicornThread, sig: int, rank: int) -> tupl
     return chunks, error, elapsed, full_error
 
 
-@pytest.mark.parametrize(("sig", "needle", "limit_s"), [
-    (signal.SIGKILL, "worker 1 exited", 3.0),  # noticed at once (the process sentinel)
-    (signal.SIGSTOP, f"did not answer within {STEP_TIMEOUT_S:g}s", STEP_TIMEOUT_S + 3.0),  # by the step timeout
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("sig", "needle", "limit_s"),
+    [
+        (signal.SIGKILL, "worker 1 exited", 3.0),  # noticed at once (the process sentinel)
+        (signal.SIGSTOP, f"did not answer within {STEP_TIMEOUT_S:g}s", STEP_TIMEOUT_S + 3.0),  # by the step timeout
+    ],
+)
 def test_worker_failure_mid_request(sig: int, needle: str, limit_s: float) -> None:
     with real_server() as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         assert c.get("/health").status_code == 200
@@ -100,10 +120,13 @@ def test_worker_failure_mid_request(sig: int, needle: str, limit_s: float) -> No
         assert_workers_gone(srv.engine)  # the survivor, blocked in a collective with the dead one, too
 
 
-@pytest.mark.parametrize(("sig", "needle"), [
-    (signal.SIGKILL, "worker 0 exited with code -9"),
-    (signal.SIGSTOP, f"workers [0] did not answer within {STEP_TIMEOUT_S:g}s"),  # the ping names the hung one
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("sig", "needle"),
+    [
+        (signal.SIGKILL, "worker 0 exited with code -9"),
+        (signal.SIGSTOP, f"workers [0] did not answer within {STEP_TIMEOUT_S:g}s"),  # the ping names the hung one
+    ],
+)
 def test_idle_worker_failure_turns_health_503(sig: int, needle: str) -> None:
     """No request runs: the engine thread's health poll (about 1 s) plus the ping timeout finds the worker."""
     with real_server() as srv, httpx.Client(base_url=srv.url, timeout=30) as c:

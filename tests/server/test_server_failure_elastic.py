@@ -17,7 +17,7 @@ import torch
 
 from server.engine_api import SamplingParams
 from server.runtime import EngineConfig
-from server.runtime.worker import PlanEntry, StepPlan, Worker
+from server.runtime.workers.worker import PlanEntry, StepPlan, Worker
 from tests.server.helpers import stream_completion
 from tests.server.test_server_failure import TINY_MODEL, real_server
 

@@ -21,9 +21,25 @@ GRACE_S = 5  # uvicorn's timeout_graceful_shutdown in server/api/serve.py
 
 def test_sigterm_finishes_short_requests_and_fails_long_ones_visibly() -> None:
     def command(port: int, _: int) -> list[list[str]]:
-        return [[sys.executable, "-m", "server", "--port", str(port), "--ep-size", "2", "--backend", "reference",
-                 "--random-model", json.dumps(TINY_MODEL), "--max-model-len", "4096",
-                 "--log-level", "warning"]]  # fmt: skip
+        return [
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "--port",
+                str(port),
+                "--ep-size",
+                "2",
+                "--backend",
+                "reference",
+                "--random-model",
+                json.dumps(TINY_MODEL),
+                "--max-model-len",
+                "4096",
+                "--log-level",
+                "warning",
+            ]
+        ]
 
     (proc,), url = start_healthy(command)
     try:
@@ -31,8 +47,10 @@ def test_sigterm_finishes_short_requests_and_fails_long_ones_visibly() -> None:
         assert len(workers) >= 2
         common = {"prompt": [1, 2, 3], "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         short, long = {}, {}
-        threads = [threading.Thread(target=stream_completion, args=(url, {**common, "max_tokens": n}, out))
-                   for n, out in ((60, short), (4000, long))]  # fmt: skip
+        threads = [
+            threading.Thread(target=stream_completion, args=(url, {**common, "max_tokens": n}, out))
+            for n, out in ((60, short), (4000, long))
+        ]
         for t in threads:
             t.start()
         for out in (short, long):

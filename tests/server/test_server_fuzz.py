@@ -23,8 +23,7 @@ from tests.server.test_server_failure import real_server
 PATHS = ["/v1/completions", "/v1/chat/completions"]
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-scalars = (st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats(allow_nan=True)
-           | st.text(max_size=12))  # fmt: skip
+scalars = st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats(allow_nan=True) | st.text(max_size=12)
 json_values = st.recursive(
     scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12
 )
@@ -42,24 +41,37 @@ not_float = (
 not_bool = st.text(max_size=5) | st.integers() | st.floats() | st.lists(st.booleans(), max_size=3)
 not_str = st.integers() | st.floats() | st.booleans() | st.lists(st.integers(), min_size=1, max_size=3)
 WRONG = {  # field -> values of a type the field does not accept (no coercion: "5" is not an int)
-    "max_tokens": not_int, "top_k": not_int, "seed": not_int, "n": not_int,
-    "temperature": not_float, "top_p": not_float,
-    "stream": not_bool, "ignore_eos": not_bool, "return_token_ids": not_bool,
-    "model": not_str, "user": not_str,
+    "max_tokens": not_int,
+    "top_k": not_int,
+    "seed": not_int,
+    "n": not_int,
+    "temperature": not_float,
+    "top_p": not_float,
+    "stream": not_bool,
+    "ignore_eos": not_bool,
+    "return_token_ids": not_bool,
+    "model": not_str,
+    "user": not_str,
     "stop": st.integers() | st.lists(st.integers(), min_size=1, max_size=3) | st.dictionaries(st.text(), scalars),
     "stop_token_ids": st.text(max_size=5) | st.lists(st.text(max_size=3) | st.floats(), min_size=1, max_size=3),
     "stream_options": not_str | st.just({"include_usage": "yes"}),
-    "presence_penalty": not_float, "frequency_penalty": not_float, "repetition_penalty": not_float,
-    "min_p": not_float, "prompt_logprobs": not_int, "min_tokens": not_int,
+    "presence_penalty": not_float,
+    "frequency_penalty": not_float,
+    "repetition_penalty": not_float,
+    "min_p": not_float,
+    "prompt_logprobs": not_int,
+    "min_tokens": not_int,
     "logit_bias": not_str | st.dictionaries(st.integers(0, 300).map(str), not_float, min_size=1, max_size=3),
-}  # fmt: skip
+}
 WRONG_BY_PATH = {  # fields of one endpoint
     "/v1/completions": {"logprobs": not_int, "echo": not_bool, "best_of": not_int, "suffix": not_str},
     "/v1/chat/completions": {"logprobs": not_bool, "top_logprobs": not_int, "max_completion_tokens": not_int},
 }
 REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-BASE = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
-        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}  # fmt: skip
+BASE = {
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -144,21 +156,37 @@ def test_unknown_fields_are_ignored(server, path: str, name: str, value: object)
     assert r.json()["usage"]["completion_tokens"] == 2
 
 
-sampling = st.fixed_dictionaries({}, optional={
-    "n": st.integers(1, 4), "temperature": st.floats(0, 3) | st.none(), "top_p": st.floats(0.01, 1),
-    "min_p": st.floats(0, 1), "top_k": st.integers(-1, 300), "seed": st.integers(-(2**63), 2**64 - 1) | st.none(),
-    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
-    "repetition_penalty": st.floats(0.01, 10), "stream": st.booleans(),
-    "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-200, 200), max_size=3),
-    "prompt_logprobs": st.integers(0, 20) | st.none(), "return_token_ids": st.booleans(),
-})  # fmt: skip
+sampling = st.fixed_dictionaries(
+    {},
+    optional={
+        "n": st.integers(1, 4),
+        "temperature": st.floats(0, 3) | st.none(),
+        "top_p": st.floats(0.01, 1),
+        "min_p": st.floats(0, 1),
+        "top_k": st.integers(-1, 300),
+        "seed": st.integers(-(2**63), 2**64 - 1) | st.none(),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0.01, 10),
+        "stream": st.booleans(),
+        "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-200, 200), max_size=3),
+        "prompt_logprobs": st.integers(0, 20) | st.none(),
+        "return_token_ids": st.booleans(),
+    },
+)
 per_path = {
-    "/v1/completions": st.fixed_dictionaries({}, optional={
-        "logprobs": st.integers(0, 20) | st.none(), "echo": st.booleans(),
-        "prompt": st.sampled_from(["hi", [1, 2], ["a", "bc"], [[3], [4, 5]]])}),
-    "/v1/chat/completions": st.fixed_dictionaries({}, optional={
-        "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)}),
-}  # fmt: skip
+    "/v1/completions": st.fixed_dictionaries(
+        {},
+        optional={
+            "logprobs": st.integers(0, 20) | st.none(),
+            "echo": st.booleans(),
+            "prompt": st.sampled_from(["hi", [1, 2], ["a", "bc"], [[3], [4, 5]]]),
+        },
+    ),
+    "/v1/chat/completions": st.fixed_dictionaries(
+        {}, optional={"logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)}
+    ),
+}
 
 
 @settings(FUZZ, max_examples=60)
@@ -172,8 +200,11 @@ def test_valid_sampling_fields_are_served(server, path: str, data: st.DataObject
     r = _post_raw(server.client, path, json.dumps(body).encode())
     assert r.status_code == 200, (body, r.text[:300])
     n = body.get("n", 1)
-    num_prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) and isinstance(
-        body["prompt"][0], (str, list)) else 1  # fmt: skip
+    num_prompts = (
+        len(body["prompt"])
+        if isinstance(body.get("prompt"), list) and isinstance(body["prompt"][0], (str, list))
+        else 1
+    )
     if body.get("stream"):
         chunks = [json.loads(e[6:]) for e in r.text.strip().split("\n\n") if e != "data: [DONE]"]
         assert {c["choices"][0]["index"] for c in chunks} == set(range(n * num_prompts))
@@ -243,22 +274,42 @@ def _utf8(b: bytes) -> bool:
 
 def test_huge_prompts(server) -> None:
     c = server.client
-    cases = [("/v1/completions", {"prompt": "x" * 600_000}), ("/v1/completions", {"prompt": list(range(100)) * 1000}),
-             ("/v1/completions", {"prompt": [2**70]}), ("/v1/completions", {"prompt": [[1] * 50_000]}),
-             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 20_000}),
-             ("/v1/completions", {"prompt": "x" * 2_000_000})]  # the last is over the body limit  # fmt: skip
+    cases = [
+        ("/v1/completions", {"prompt": "x" * 600_000}),
+        ("/v1/completions", {"prompt": list(range(100)) * 1000}),
+        ("/v1/completions", {"prompt": [2**70]}),
+        ("/v1/completions", {"prompt": [[1] * 50_000]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 20_000}),
+        ("/v1/completions", {"prompt": "x" * 2_000_000}),
+    ]  # the last is over the body limit
     for path, body in cases:
         r = c.post(path, json=body)
         _check(r, allow_ok=False)
     assert c.get("/health").status_code == 200
 
 
-HOSTILE = [{"seed": 2**64}, {"seed": -(2**63) - 1}, {"seed": 2**64 - 1}, {"seed": -1}, {"temperature": 1e-320},
-           {"temperature": 1e308}, {"temperature": "Infinity"}, {"top_k": 2**70}, {"top_k": 0}, {"top_p": 1e-300},
-           {"stop_token_ids": [2**70]}, {"stop": ["\x00", "\udfff"]}, {"max_tokens": 2**63},
-           {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e300}, {"logit_bias": {"255": 1e300}},
-           {"logit_bias": {"999999": 5}}, {"presence_penalty": 2, "frequency_penalty": -2, "min_p": 1},
-           {"logprobs": 20, "echo": True}, {"n": 3, "seed": 2**64 - 1}]  # fmt: skip
+HOSTILE = [
+    {"seed": 2**64},
+    {"seed": -(2**63) - 1},
+    {"seed": 2**64 - 1},
+    {"seed": -1},
+    {"temperature": 1e-320},
+    {"temperature": 1e308},
+    {"temperature": "Infinity"},
+    {"top_k": 2**70},
+    {"top_k": 0},
+    {"top_p": 1e-300},
+    {"stop_token_ids": [2**70]},
+    {"stop": ["\x00", "\udfff"]},
+    {"max_tokens": 2**63},
+    {"repetition_penalty": 1e-300},
+    {"repetition_penalty": 1e300},
+    {"logit_bias": {"255": 1e300}},
+    {"logit_bias": {"999999": 5}},
+    {"presence_penalty": 2, "frequency_penalty": -2, "min_p": 1},
+    {"logprobs": 20, "echo": True},
+    {"n": 3, "seed": 2**64 - 1},
+]
 
 
 def test_hostile_sampling_values_on_the_real_runtime() -> None:

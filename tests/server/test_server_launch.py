@@ -132,8 +132,21 @@ def _output(proc: subprocess.Popen) -> str:
 
 
 def test_python_m_server_default_config():
-    (proc,), url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", "--config", "configs/default.yaml",
-                                                   "--port", str(port), "--log-level", "warning"]])  # fmt: skip
+    (proc,), url = start_healthy(
+        lambda port, _: [
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "--config",
+                "configs/default.yaml",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ]
+        ]
+    )
     try:
         workers = _descendants(proc.pid)
         assert len(workers) >= 2  # the two EP workers
@@ -159,12 +172,37 @@ def test_torchrun_two_nodes_on_loopback(tmp_path, extra: list[str]):
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 8:].tolist()
-    nodes, url = start_healthy(lambda port, master: [
-        [TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-         "--master-port", str(master), "-m", "server", "--model", path, "--ep-size", "2", "--port", str(port),
-         "--max-model-len", "64", "--log-level", "warning", *extra]
-        for node in (0, 1)
-    ])  # fmt: skip
+    nodes, url = start_healthy(
+        lambda port, master: [
+            [
+                TORCHRUN,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(master),
+                "-m",
+                "server",
+                "--model",
+                path,
+                "--ep-size",
+                "2",
+                "--port",
+                str(port),
+                "--max-model-len",
+                "64",
+                "--log-level",
+                "warning",
+                *extra,
+            ]
+            for node in (0, 1)
+        ]
+    )
     try:
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
@@ -181,22 +219,49 @@ def test_torchrun_two_nodes_on_loopback(tmp_path, extra: list[str]):
     _assert_all_exit(pids)
 
 
-A3_SMALL = ('{"architecture": "qwen3_moe", "hidden_size": 128, "moe_intermediate_size": 64, "head_dim": 32, '
-            '"num_experts": 16, "num_experts_per_tok": 8}')  # fmt: skip
+A3_SMALL = (
+    '{"architecture": "qwen3_moe", "hidden_size": 128, "moe_intermediate_size": 64, "head_dim": 32, '
+    '"num_experts": 16, "num_experts_per_tok": 8}'
+)
 
 
 def test_ascend_a3_config_on_the_stand_in():
     """docs/serving-ascend.md's laptop command: configs/ascend_a3.yaml (device npu, dist-backend hccl) with
     --simulate-npu and small-shape overrides serves a completion (the Ascend backend on the NPU stand-in, on CPU over
     gloo) and stops cleanly on SIGTERM."""
-    (proc,), url = start_healthy(lambda port, _: [[sys.executable, "-m", "server", "--config", "configs/ascend_a3.yaml",
-                                                   "--simulate-npu", "--ep-size", "2", "--max-num-seqs", "8",
-                                                   "--max-model-len", "512", "--port", str(port), "--random-model",
-                                                   A3_SMALL, "--log-level", "warning"]])  # fmt: skip
+    (proc,), url = start_healthy(
+        lambda port, _: [
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "--config",
+                "configs/ascend_a3.yaml",
+                "--simulate-npu",
+                "--ep-size",
+                "2",
+                "--max-num-seqs",
+                "8",
+                "--max-model-len",
+                "512",
+                "--port",
+                str(port),
+                "--random-model",
+                A3_SMALL,
+                "--log-level",
+                "warning",
+            ]
+        ]
+    )
     try:
         workers = _descendants(proc.pid)
-        body = {"model": "a3-moe", "prompt": "Hello, Ascend!", "max_tokens": 8, "temperature": 0,
-                "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": "a3-moe",
+            "prompt": "Hello, Ascend!",
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer change-me"}, timeout=60)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"][0]["token_ids"]) == 8

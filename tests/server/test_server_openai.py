@@ -35,8 +35,15 @@ def _log_softmax(hf, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
 
 
-def _penalized_greedy(hf, prompt: list[int], steps: int, frequency: float = 0.0, presence: float = 0.0,
-                      repetition: float = 1.0, bias: dict[int, float] | None = None) -> list[int]:  # fmt: skip
+def _penalized_greedy(
+    hf,
+    prompt: list[int],
+    steps: int,
+    frequency: float = 0.0,
+    presence: float = 0.0,
+    repetition: float = 1.0,
+    bias: dict[int, float] | None = None,
+) -> list[int]:
     out: list[int] = []
     for _ in range(steps):
         with torch.no_grad():
@@ -53,12 +60,14 @@ def _penalized_greedy(hf, prompt: list[int], steps: int, frequency: float = 0.0,
 
 def test_n_samples_each_with_its_own_seed_stream(hf_and_server):
     _, _, client = hf_and_server
-    r = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, n=3, seed=11, temperature=1.0,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=6, n=3, seed=11, temperature=1.0, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     for i, choice in enumerate(r.choices):  # sample i draws from seed + i, as vLLM
-        one = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, seed=11 + i, temperature=1.0,
-                                        extra_body={"ignore_eos": True})  # fmt: skip
+        one = client.completions.create(
+            model="tiny", prompt=[5, 6, 7], max_tokens=6, seed=11 + i, temperature=1.0, extra_body={"ignore_eos": True}
+        )
         assert choice.text == one.choices[0].text
     assert len({c.text for c in r.choices}) > 1
     assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 18
@@ -67,8 +76,14 @@ def test_n_samples_each_with_its_own_seed_stream(hf_and_server):
 def test_prompt_batch_choice_index_is_prompt_times_n_plus_sample(hf_and_server):
     hf, _, client = hf_and_server
     prompts = [[1, 2, 3], [9, 8]]
-    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=4, n=2, temperature=0,
-                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    r = client.completions.create(
+        model="tiny",
+        prompt=prompts,
+        max_tokens=4,
+        n=2,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     for c in r.choices:
         assert c.model_extra["token_ids"] == hf_greedy(hf, prompts[c.index // 2], 4)[0]
@@ -79,9 +94,15 @@ def test_prompt_batch_choice_index_is_prompt_times_n_plus_sample(hf_and_server):
 
 def test_chat_top_logprobs_match_the_oracle_and_greedy_choice(hf_and_server):
     hf, _, client = hf_and_server
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                       temperature=0, logprobs=True, top_logprobs=2,
-                                       extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     choice = r.choices[0]
     prompt, tokens = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
     rows = _log_softmax(hf, prompt + tokens)[len(prompt) - 1 :]
@@ -99,8 +120,15 @@ def test_chat_top_logprobs_match_the_oracle_and_greedy_choice(hf_and_server):
 def test_completion_logprobs_with_echo_cover_prompt_and_output(hf_and_server):
     hf, _, client = hf_and_server
     prompt = [(3 * i) % 120 + 1 for i in range(80)]  # over the step's 64-token capacity: two prefill chunks
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True,
-                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    r = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     choice = r.choices[0]
     tokens = choice.model_extra["token_ids"]
     lp = choice.logprobs
@@ -127,8 +155,15 @@ def test_streamed_logprobs_equal_the_full_response(hf_and_server):
 
 def test_streamed_chat_logprobs_equal_the_full_response(hf_and_server):
     _, _, client = hf_and_server
-    body = dict(model="tiny", messages=[{"role": "user", "content": "yo"}], max_tokens=4, temperature=0,
-                logprobs=True, top_logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    body = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "yo"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**body).choices[0].logprobs.content
     chunks = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
     streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
@@ -142,10 +177,17 @@ def test_defaults_clients_send_and_unknown_fields_are_accepted(hf_and_server, ca
     with caplog.at_level(logging.WARNING, logger="server.api"):
         for _ in range(2):
             r = client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, presence_penalty=0,
-                frequency_penalty=0, logprobs=False, response_format={"type": "text"}, tool_choice="none",
-                metadata={"k": "v"}, extra_body={"some_unknown_field": 1},
-            )  # fmt: skip
+                model="tiny",
+                messages=[{"role": "user", "content": "x"}],
+                max_tokens=2,
+                presence_penalty=0,
+                frequency_penalty=0,
+                logprobs=False,
+                response_format={"type": "text"},
+                tool_choice="none",
+                metadata={"k": "v"},
+                extra_body={"some_unknown_field": 1},
+            )
             assert r.choices[0].message.role == "assistant" and r.choices[0].logprobs is None
     warned = [rec.getMessage() for rec in caplog.records if "some_unknown_field" in rec.getMessage()]
     assert len(warned) == 1  # once per field name

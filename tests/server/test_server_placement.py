@@ -23,8 +23,8 @@ from server.api import create_app
 from server.api.serve import build_engine
 from server.cli import main as cli_main
 from server.config import ConfigError, build_config
-from server.runtime import placement
 from server.runtime.engine_config import EngineConfig
+from server.runtime.workers import placement
 from tests.server.helpers import UvicornThread
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
 
@@ -42,8 +42,14 @@ def _serve_greedy(values: dict, prompts: list[list[int]]) -> tuple[list[list[int
     out = []
     with UvicornThread(create_app(config, engine)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         for prompt in prompts:
-            body = {"model": config.model_name, "prompt": prompt, "max_tokens": STEPS, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            body = {
+                "model": config.model_name,
+                "prompt": prompt,
+                "max_tokens": STEPS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             out.append(r.json()["choices"][0]["token_ids"])

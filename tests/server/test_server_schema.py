@@ -24,8 +24,14 @@ def server():
 
 def test_openapi_schema_lists_the_endpoints(server):
     paths = httpx.get(server.url + "/openapi.json").json()["paths"]
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/tokenize",
-                 "/detokenize"):  # fmt: skip
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/models/{model_id}",
+        "/tokenize",
+        "/detokenize",
+    ):
         assert path in paths
     assert "swagger-ui" in httpx.get(server.url + "/docs").text
 
@@ -37,14 +43,23 @@ def test_no_generated_request_gets_a_5xx(server):
     with httpx.Client(base_url=server.url, timeout=30) as client:
         for operation in operations:
 
-            @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            @settings(
+                max_examples=EXAMPLES_PER_OPERATION,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=operation.as_strategy())
             def check(case: schemathesis.Case) -> None:
                 kwargs = case.as_transport_kwargs(base_url=server.url)
-                r = client.request(kwargs["method"], kwargs["url"], headers=kwargs.get("headers"),
-                                   params=kwargs.get("params"), json=kwargs.get("json"),
-                                   content=kwargs.get("data"))  # fmt: skip
+                r = client.request(
+                    kwargs["method"],
+                    kwargs["url"],
+                    headers=kwargs.get("headers"),
+                    params=kwargs.get("params"),
+                    json=kwargs.get("json"),
+                    content=kwargs.get("data"),
+                )
                 assert r.status_code < 500, (case.method, case.path, case.body, r.text[:300])
                 if r.status_code >= 400:
                     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -55,8 +70,13 @@ def test_no_generated_request_gets_a_5xx(server):
 def test_docs_behind_the_api_key_and_disable_docs():
     config = build_config({"api-key": "sekret"})
     with UvicornThread(create_app(config, FakeEngine())) as srv, httpx.Client(base_url=srv.url) as c:
-        for method, path in [("GET", "/openapi.json"), ("GET", "/docs"), ("POST", "/tokenize"),
-                             ("POST", "/detokenize"), ("GET", "/v1/models/x")]:  # fmt: skip
+        for method, path in [
+            ("GET", "/openapi.json"),
+            ("GET", "/docs"),
+            ("POST", "/tokenize"),
+            ("POST", "/detokenize"),
+            ("GET", "/v1/models/x"),
+        ]:
             r = c.request(method, path, json={"prompt": "x", "tokens": [1]})
             assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
         auth = {"Authorization": "Bearer sekret"}

@@ -41,11 +41,16 @@ def test_api_key_from_environment_below_yaml_and_command_line(tmp_path, monkeypa
 
 @pytest.mark.parametrize("probes_need_key", [False, True])
 def test_api_key_on_v1_and_optionally_on_probes(probes_need_key: bool) -> None:
-    config = build_config({"api-key": "s3cret", "api-key-health": probes_need_key,
-                           "api-key-metrics": probes_need_key})  # fmt: skip
+    config = build_config({"api-key": "s3cret", "api-key-health": probes_need_key, "api-key-metrics": probes_need_key})
     with UvicornThread(create_app(config, FakeEngine())) as srv, httpx.Client(base_url=srv.url) as c:
-        bad = [{}, {"Authorization": "Bearer s3cre"}, {"Authorization": "Bearer s3cret2"}, {"Authorization": "s3cret"},
-               {"Authorization": "Basic s3cret"}, {"Authorization": b"Bearer \xe9\xff"}]  # fmt: skip
+        bad = [
+            {},
+            {"Authorization": "Bearer s3cre"},
+            {"Authorization": "Bearer s3cret2"},
+            {"Authorization": "s3cret"},
+            {"Authorization": "Basic s3cret"},
+            {"Authorization": b"Bearer \xe9\xff"},
+        ]
         for headers in bad:
             for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
                 err = error_of(c.request(method, path, headers=headers, json={"prompt": "x"}), 401)
@@ -77,8 +82,11 @@ def test_body_prompt_and_max_tokens_caps() -> None:
         assert err["param"] == "messages"  # the chat template alone is over 8 tokens
         assert error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 6}), 400)["param"] == "max_tokens"
         ok = c.post("/v1/completions", json={"prompt": "x" * 8, "max_tokens": 5})
-        assert ok.status_code == 200 and ok.json()["usage"] == {"prompt_tokens": 8, "completion_tokens": 5,
-                                                                 "total_tokens": 13}  # fmt: skip
+        assert ok.status_code == 200 and ok.json()["usage"] == {
+            "prompt_tokens": 8,
+            "completion_tokens": 5,
+            "total_tokens": 13,
+        }
         assert c.get("/health").status_code == 200
 
 
@@ -102,12 +110,26 @@ def test_only_plain_values_reach_the_engine() -> None:
     """What the driver pickles to the workers is built from request fields; they must be exact built-in types (no
     str/int subclasses or other objects carried over from parsing)."""
     engine = _Recording()
-    body = {"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "seed": 7,
-            "stop": ["zz", "q"], "stop_token_ids": [9], "ignore_eos": True}  # fmt: skip
+    body = {
+        "prompt": [1, 2, 3],
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 4,
+        "seed": 7,
+        "stop": ["zz", "q"],
+        "stop_token_ids": [9],
+        "ignore_eos": True,
+    }
     with UvicornThread(create_app(build_config({}), engine)) as srv, httpx.Client(base_url=srv.url) as c:
         assert c.post("/v1/completions", json=body).status_code == 200
-        assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                    "max_tokens": 2, "stop": "x"}).status_code == 200  # fmt: skip
+        assert (
+            c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stop": "x"},
+            ).status_code
+            == 200
+        )
     assert len(engine.added) == 2
     for prompt, params in engine.added:
         assert _plain(prompt) and type(params) is SamplingParams

@@ -31,8 +31,13 @@ def _rss(pid: int) -> int:
 
 
 def _request(rng: random.Random) -> dict:
-    body = {"prompt": [rng.randrange(1, 256) for _ in range(rng.randint(1, 48))], "max_tokens": rng.randint(1, 12),
-            "temperature": rng.choice([0.0, 0.8]), "return_token_ids": True, "stream": rng.random() < 0.5}  # fmt: skip
+    body = {
+        "prompt": [rng.randrange(1, 256) for _ in range(rng.randint(1, 48))],
+        "max_tokens": rng.randint(1, 12),
+        "temperature": rng.choice([0.0, 0.8]),
+        "return_token_ids": True,
+        "stream": rng.random() < 0.5,
+    }
     if rng.random() < 0.3:
         body["stop_token_ids"] = rng.sample(range(256), 8)
     if rng.random() < DISCONNECT_SHARE:
@@ -47,8 +52,10 @@ async def _one(c: httpx.AsyncClient, body: dict) -> tuple[str, list[int] | None,
         if disconnect:  # the whole request is sent, then the connection closes before any answer (on any machine)
             data = json.dumps(body).encode()
             _, writer = await asyncio.open_connection(c.base_url.host, c.base_url.port)
-            head = (f"POST /v1/completions HTTP/1.1\r\nHost: {c.base_url.host}\r\nContent-Type: application/json"
-                    f"\r\nContent-Length: {len(data)}\r\n\r\n")  # fmt: skip
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {c.base_url.host}\r\nContent-Type: application/json"
+                f"\r\nContent-Length: {len(data)}\r\n\r\n"
+            )
             writer.write(head.encode() + data)
             await writer.drain()
             writer.close()
@@ -121,8 +128,10 @@ def test_soak_500_requests_with_disconnects() -> None:
     num_disconnects = counts["disconnected"]  # every disconnecting client disconnects (before its answer)
     assert sum(1 for body, _ in results if body.get("disconnect")) == num_disconnects
     assert 0.05 * NUM_REQUESTS < num_disconnects < 0.15 * NUM_REQUESTS
-    print(f"\nsoak: {NUM_REQUESTS} requests in {took:.1f}s, {num_disconnects} disconnects; worker RSS MiB before "
-          f"{[round(b / 2**20, 1) for b in before]} after {[round(a / 2**20, 1) for a in after]}")  # fmt: skip
+    print(
+        f"\nsoak: {NUM_REQUESTS} requests in {took:.1f}s, {num_disconnects} disconnects; worker RSS MiB before "
+        f"{[round(b / 2**20, 1) for b in before]} after {[round(a / 2**20, 1) for a in after]}"
+    )
     for b, a in zip(before, after, strict=True):
         assert a - b < RSS_GROWTH_LIMIT, f"worker RSS grew by {(a - b) / 2**20:.1f} MiB"
 

@@ -17,8 +17,23 @@ TINY = "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,num_key_value_h
 
 
 def test_start_up_lines_then_serving_line() -> None:
-    cmd = [sys.executable, "-m", "server", "--port", "0", "--ep-size", "2", "--random-model", TINY,
-           "--served-model-name", "tiny", "--backend", "reference", "--log-level", "info"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "--port",
+        "0",
+        "--ep-size",
+        "2",
+        "--random-model",
+        TINY,
+        "--served-model-name",
+        "tiny",
+        "--backend",
+        "reference",
+        "--log-level",
+        "info",
+    ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []

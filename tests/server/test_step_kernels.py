@@ -18,8 +18,15 @@ from server.random_model import random_hf_config
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-                    window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def naive_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """One sequence in float64: q `[n, heads, d]` at positions start.., k/v `[start + n, kv_heads, d]`."""
     out = torch.empty(q.shape[0], HEADS, v.shape[-1], dtype=torch.float64)
     for i in range(q.shape[0]):
@@ -41,8 +48,9 @@ MIXED, DECODES = [(9, 1), (0, 7), (3, 1), (5, 6), (0, 1)], [(9, 1), (3, 1), (0, 
 
 @pytest.mark.parametrize(("window", "with_sinks"), [(None, False), (5, False), (None, True), (3, True)])
 @pytest.mark.parametrize("shapes", [MIXED, DECODES], ids=["mixed", "decodes"])
-def test_paged_attention_matches_per_sequence_attention(window: int | None, with_sinks: bool,
-                                                        shapes: list[tuple[int, int]]) -> None:  # fmt: skip
+def test_paged_attention_matches_per_sequence_attention(
+    window: int | None, with_sinks: bool, shapes: list[tuple[int, int]]
+) -> None:
     torch.manual_seed(0)
     num_blocks = 32
     k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, DIM)
@@ -68,8 +76,9 @@ def test_paged_attention_matches_per_sequence_attention(window: int | None, with
     row = 0
     for (cached, n), (hk, hv) in zip(shapes, history, strict=True):
         rows = slice(row, row + n)
-        ref = naive_attention(q[rows], torch.cat((hk, k[rows])), torch.cat((hv, v[rows])), cached, DIM**-0.5, window,
-                              sinks)  # fmt: skip
+        ref = naive_attention(
+            q[rows], torch.cat((hk, k[rows])), torch.cat((hv, v[rows])), cached, DIM**-0.5, window, sinks
+        )
         torch.testing.assert_close(out[rows].double(), ref, atol=1e-5, rtol=0)
         row += n
 
@@ -82,8 +91,13 @@ def test_grouped_experts_match_each_experts_matmuls(architecture: str) -> None:
     gpt-oss: with the experts' biases and the clamped SwiGLU on every path."""
     torch.manual_seed(0)
     num_experts, hidden, inter, num_topk, num_tokens = 6, 16, 8, 3, 10
-    spec = {"architecture": architecture, "hidden_size": hidden, "moe_intermediate_size": inter,
-            "num_experts": num_experts, "num_experts_per_tok": num_topk}  # fmt: skip
+    spec = {
+        "architecture": architecture,
+        "hidden_size": hidden,
+        "moe_intermediate_size": inter,
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_topk,
+    }
     cfg = ModelConfig.from_hf(random_hf_config(spec))
     experts = LocalExperts(cfg, num_experts)
     assert hasattr(experts, "b13") == (architecture == "gpt_oss")

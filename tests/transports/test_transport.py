@@ -108,8 +108,9 @@ def _parity(info):
                 g = torch.Generator().manual_seed(7 + step)  # MegaMoE: 2 segments = 4 calls on the same transport
                 w1 = torch.randn((EXPERTS // info.world_size, HIDDEN, 64), generator=g).to(torch.bfloat16) / 16
                 w2 = torch.randn((EXPERTS // info.world_size, 32, HIDDEN), generator=g).to(torch.bfloat16) / 8
-                mega = buf.mega_moe(x, idx, w, w1, w2, num_max_dispatch_tokens_per_rank=N, num_experts=EXPERTS,
-                                    num_segments=2)  # fmt: skip
+                mega = buf.mega_moe(
+                    x, idx, w, w1, w2, num_max_dispatch_tokens_per_rank=N, num_experts=EXPERTS, num_segments=2
+                )
                 got.append((mega.clone(), mega.float().abs().sum().reshape(1), mega.clone(), []))
                 assert window is None or window.seq == calls + 8, "MegaMoE goes over the window"
         results[transport] = got
@@ -235,17 +236,21 @@ def _crossed_hooks(info):
             out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
             alone.append((count.clone(), out.clone()))
         order = [0, 1] if info.rank == 0 else [1, 0]
-        sent = [buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False, return_recv_hook=True)
-                for x, idx, _ in batches]  # fmt: skip
+        sent = [
+            buf.low_latency_dispatch(x, idx, N, EXPERTS, use_fp8=False, return_recv_hook=True) for x, idx, _ in batches
+        ]
         for b in order:
             sent[b][4]()
         counts = [s[1].clone() for s in sent]
-        combines = [buf.low_latency_combine(s[0], idx, w, s[2], return_recv_hook=True)
-                    for s, (_, idx, w) in zip(sent, batches, strict=True)]  # fmt: skip
+        combines = [
+            buf.low_latency_combine(s[0], idx, w, s[2], return_recv_hook=True)
+            for s, (_, idx, w) in zip(sent, batches, strict=True)
+        ]
         for b in order:
             combines[b][2]()
-        same.append(all(torch.equal(counts[b], alone[b][0]) and torch.equal(combines[b][0], alone[b][1])
-                        for b in (0, 1)))  # fmt: skip
+        same.append(
+            all(torch.equal(counts[b], alone[b][0]) and torch.equal(combines[b][0], alone[b][1]) for b in (0, 1))
+        )
     return same
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..engine_api import NONFINITE_ERROR, NONFINITE_TOKEN, RequestDelta, SamplingParams, TokenLogprob
-from .block_manager import BlockTable
-from .detokenizer import IncrementalDetokenizer
+from server.engine_api import NONFINITE_ERROR, NONFINITE_TOKEN, RequestDelta, SamplingParams, TokenLogprob
+from server.runtime.scheduling.block_manager import BlockTable
+from server.runtime.scheduling.detokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass(eq=False)
@@ -50,16 +50,22 @@ class Request:
         return len(self.token_ids) - self.num_computed
 
 
-def apply_token(req: Request, token: int, max_model_len: int, logprob: TokenLogprob | None = None,
-                prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestDelta:  # fmt: skip
+def apply_token(
+    req: Request,
+    token: int,
+    max_model_len: int,
+    logprob: TokenLogprob | None = None,
+    prompt_logprobs: list[TokenLogprob | None] | None = None,
+) -> RequestDelta:
     """Append a sampled token, extend the text and decide whether the request finished (vLLM semantics: EOS and
     stop token ids are kept in ``token_ids`` but not in the text; a stop string and what follows are cut off).
     ``logprob`` and ``prompt_logprobs`` (the worker's, when asked for) go into the delta; ``NONFINITE_TOKEN`` (the
     worker found NaN / Inf in the request's logits) ends it with an error."""
     if token == NONFINITE_TOKEN:
         req.finish_reason = "error"
-        return RequestDelta(req.request_id, [], req.detokenizer.text, "error", NONFINITE_ERROR, req.prompt_len,
-                            req.num_output)  # fmt: skip
+        return RequestDelta(
+            req.request_id, [], req.detokenizer.text, "error", NONFINITE_ERROR, req.prompt_len, req.num_output
+        )
     req.token_ids.append(token)
     p, detok = req.params, req.detokenizer
     reason = None
@@ -80,5 +86,14 @@ def apply_token(req: Request, token: int, max_model_len: int, logprob: TokenLogp
         text, reason = text[: min(hits)], "stop"
         detok.text = text
     req.finish_reason = reason
-    return RequestDelta(req.request_id, [token], text, reason, None, req.prompt_len, n_out,
-                        None if logprob is None else [logprob], prompt_logprobs)  # fmt: skip
+    return RequestDelta(
+        req.request_id,
+        [token],
+        text,
+        reason,
+        None,
+        req.prompt_len,
+        n_out,
+        None if logprob is None else [logprob],
+        prompt_logprobs,
+    )

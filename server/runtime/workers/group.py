@@ -12,11 +12,11 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any, NoReturn
 
-from .engine_config import EngineConfig
-from .heartbeat import PATIENCE, STALE_S
-from .plan import StepPlan, StepResult, WorkerInfo
-from .rendezvous import serve_loopback_store
-from .worker_loop import worker_main
+from server.runtime.engine_config import EngineConfig
+from server.runtime.scheduling.plan import StepPlan, StepResult, WorkerInfo
+from server.runtime.workers.heartbeat import PATIENCE, STALE_S
+from server.runtime.workers.rendezvous import serve_loopback_store
+from server.runtime.workers.worker_loop import worker_main
 
 logger = logging.getLogger("server.engine")
 
@@ -81,8 +81,12 @@ class WorkerGroup(abc.ABC):
                 tried = f" (after {attempt} regroups)" if attempt else ""
                 self._fail_all("; ".join(why or [self.lost[r] for r in sorted(newly_lost)]) + tried)
             members = [r for r in range(self.world_size) if r not in self.lost]
-            logger.warning("elastic: EP workers %s regroup%s (%s)", members, " and run the step again" * rerun,
-                           "; ".join(w.splitlines()[0] for w in why) or f"lost: {sorted(newly_lost)}")  # fmt: skip
+            logger.warning(
+                "elastic: EP workers %s regroup%s (%s)",
+                members,
+                " and run the step again" * rerun,
+                "; ".join(w.splitlines()[0] for w in why) or f"lost: {sorted(newly_lost)}",
+            )
             self._regrouped = frozenset(self.lost)
             replies, why = self._regroup(members, rerun), []
             if rerun:
@@ -115,7 +119,7 @@ class ProcessWorkers(WorkerGroup):
         """``args.ep_size`` workers; ``args.step_timeout_s`` bounds each step and ping, ``args.elastic`` as above."""
         world_size, step_timeout_s, elastic = args.ep_size, args.step_timeout_s, args.elastic
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "server.runtime.worker_loop"])
+        ctx.set_forkserver_preload(["torch", "server.runtime.workers.worker_loop"])
         self.step_timeout_s = step_timeout_s
         self.conns, self.procs = [], []
         self._beats: list[Any] = []  # per worker: a shared double, the time of its last heartbeat (time.monotonic)
@@ -140,15 +144,27 @@ class ProcessWorkers(WorkerGroup):
                 child.close()
                 self.conns.append(parent)
                 self.procs.append(proc)
-            logger.info("starting %d EP workers (pids %s); each loads the shared weights and its own experts",
-                        world_size, [p.pid for p in self.procs])  # fmt: skip
+            logger.info(
+                "starting %d EP workers (pids %s); each loads the shared weights and its own experts",
+                world_size,
+                [p.pid for p in self.procs],
+            )
             started = time.monotonic()
 
             def ready(rank: int, info: WorkerInfo, num_ready: int) -> None:
-                logger.info("EP worker %d ready (%d/%d) after %.1f s: %d local experts, %.1f MiB of weights, KV cache "
-                            "%d blocks (%.1f MiB) on %s", rank, num_ready, world_size, time.monotonic() - started,
-                            info.num_local_experts, info.weight_bytes / 2**20, info.num_kv_blocks,
-                            info.kv_cache_bytes / 2**20, info.device)  # fmt: skip
+                logger.info(
+                    "EP worker %d ready (%d/%d) after %.1f s: %d local experts, %.1f MiB of weights, KV cache "
+                    "%d blocks (%.1f MiB) on %s",
+                    rank,
+                    num_ready,
+                    world_size,
+                    time.monotonic() - started,
+                    info.num_local_experts,
+                    info.weight_bytes / 2**20,
+                    info.num_kv_blocks,
+                    info.kv_cache_bytes / 2**20,
+                    info.device,
+                )
 
             replies = self._collect(start_timeout_s, on_reply=ready)
             self.infos = [replies[r][1] for r in sorted(replies)]
@@ -166,8 +182,12 @@ class ProcessWorkers(WorkerGroup):
             self._abort()
             raise WorkerError(why)
         for rank in ranks:
-            logger.warning("elastic: EP worker %d is lost (%s); serving continues on workers %s without its experts",
-                           rank, why.splitlines()[0], [r for r in self._live() if r not in ranks])  # fmt: skip
+            logger.warning(
+                "elastic: EP worker %d is lost (%s); serving continues on workers %s without its experts",
+                rank,
+                why.splitlines()[0],
+                [r for r in self._live() if r not in ranks],
+            )
             if self.procs[rank].is_alive():
                 self.procs[rank].kill()
                 self.procs[rank].join(timeout=5.0)
@@ -195,11 +215,14 @@ class ProcessWorkers(WorkerGroup):
                     deadline = min(start + PATIENCE * timeout_s, now + 1.0)  # (slow, but beating)
                     continue
                 if stopped:
-                    self._failed(stopped, f"workers {stopped} did not answer within {timeout_s:g}s (hung? their "
-                                 "heartbeat stopped)")  # fmt: skip
+                    self._failed(
+                        stopped,
+                        f"workers {stopped} did not answer within {timeout_s:g}s (hung? their heartbeat stopped)",
+                    )
                 else:
-                    self._failed(ranks, f"workers {ranks} did not answer within {PATIENCE * timeout_s:g}s (still "
-                                 "beating)")  # fmt: skip
+                    self._failed(
+                        ranks, f"workers {ranks} did not answer within {PATIENCE * timeout_s:g}s (still beating)"
+                    )
                 continue
             for obj in ready:
                 rank = pending.get(obj)  # type: ignore[call-overload]

@@ -9,7 +9,7 @@ text (:meth:`IncrementalDetokenizer.finish`) is the decode of the window's tail 
 
 from __future__ import annotations
 
-from ..engine_api import Tokenizer
+from server.engine_api import Tokenizer
 
 _INCOMPLETE = "\ufffd"
 

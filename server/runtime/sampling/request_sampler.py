@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from ..engine_api import SamplingParams, TokenLogprob
-from .grammar import RequestGrammar
-from .sampler import GREEDY_BELOW, TokenCounts, choose, make_generator, processed_logits, token_logprob
+from server.engine_api import SamplingParams, TokenLogprob
+from server.runtime.sampling.grammar import RequestGrammar
+from server.runtime.sampling.sampler import (
+    GREEDY_BELOW,
+    TokenCounts,
+    choose,
+    make_generator,
+    processed_logits,
+    token_logprob,
+)
 
 
 class RequestSampler:
@@ -39,9 +46,13 @@ class RequestSampler:
         step's other such requests."""
         p = self.params
         return (
-            p.temperature < GREEDY_BELOW and not p.logit_bias and self.counts is None and p.logprobs is None
-            and not self.wants_all_logits and self.prompt_logprobs is None
-        )  # fmt: skip
+            p.temperature < GREEDY_BELOW
+            and not p.logit_bias
+            and self.counts is None
+            and p.logprobs is None
+            and not self.wants_all_logits
+            and self.prompt_logprobs is None
+        )
 
     def mark_sampled(self, token: int | None = None) -> None:
         """Its ``token`` was taken by the batched argmax (:attr:`plain_greedy`; its grammar's mask applied, if it

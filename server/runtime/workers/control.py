@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .heartbeat import PATIENCE
+from server.runtime.workers.heartbeat import PATIENCE, STALE_S
 
 _LENGTH_TAG, _BODY_TAG = 1, 2
 
@@ -68,13 +68,18 @@ class _Waiter:
 
 def _wait(work: Any, deadline: float | None, beating: Callable[[], bool] | None = None, cap: float = 0.0) -> None:
     """Wait for ``work`` until ``deadline`` (monotonic; None: as long as it takes); :class:`Late` past it, unless
-    ``beating()`` (the peer's heartbeat): then on, a second at a time, until ``cap``."""
+    ``beating()`` (the peer's heartbeat): then on, a second at a time, until ``cap``. Its heartbeat is first looked
+    at :data:`~.heartbeat.STALE_S` before ``deadline``, so one that stopped is known stale at ``deadline``."""
     if work is None:
         return
     if deadline is None:
         work.wait()
         return
     waiter = _Waiter(work)
+    if beating is not None:
+        if waiter.wait(deadline - STALE_S - time.monotonic()):
+            return
+        beating()
     while not waiter.wait(deadline - time.monotonic()):
         if beating is None or time.monotonic() >= cap or not beating():
             raise Late("not completed in time")
@@ -113,8 +118,9 @@ def send_each(group: Any, messages: dict[int, Any], timeout: float) -> dict[int,
     return failed | finish_sends(posted, timeout)
 
 
-def _receive(group: Any, src: int, deadline: float | None, beating: Callable[[], bool] | None = None,
-             cap: float = 0.0) -> Any:  # fmt: skip
+def _receive(
+    group: Any, src: int, deadline: float | None, beating: Callable[[], bool] | None = None, cap: float = 0.0
+) -> Any:
     import torch.distributed as dist
 
     source = dist.get_global_rank(group, src)
@@ -150,8 +156,9 @@ def send_own(group: Any, message: Any, timeout: float) -> None:
         _wait(work, deadline)
 
 
-def receive_each(group: Any, ranks: list[int], timeout: float,
-                 beating: Callable[[int], bool] | None = None) -> tuple[dict[int, Any], dict[int, str]]:  # fmt: skip
+def receive_each(
+    group: Any, ranks: list[int], timeout: float, beating: Callable[[int], bool] | None = None
+) -> tuple[dict[int, Any], dict[int, str]]:
     """Rank 0: the next message of each of ``ranks`` (group ranks > 0) within ``timeout`` seconds (a rank for which
     ``beating(rank)`` holds is waited for longer: :data:`~.heartbeat.PATIENCE` times ``timeout``); the ranks that
     sent none (gone, unreachable, hung or too slow), with why."""

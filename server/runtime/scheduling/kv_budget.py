@@ -33,8 +33,14 @@ def host_memory_available() -> int:
     raise OSError("/proc/meminfo has no MemAvailable line")
 
 
-def kv_budget_bytes(device: torch.device, kv_cache_memory: int | None, utilization: float, local_workers: int,
-                    cpu_cap_bytes: int, activation_peak: Callable[[], int]) -> tuple[int, str]:  # fmt: skip
+def kv_budget_bytes(
+    device: torch.device,
+    kv_cache_memory: int | None,
+    utilization: float,
+    local_workers: int,
+    cpu_cap_bytes: int,
+    activation_peak: Callable[[], int],
+) -> tuple[int, str]:
     """This worker's KV-cache budget in bytes, and how it was chosen (for messages). ``activation_peak()``
     measures the peak of one forward (accelerators only)."""
     if kv_cache_memory is not None:

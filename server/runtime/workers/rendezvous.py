@@ -25,8 +25,15 @@ def serve_loopback_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
 
     listener = socket.create_server((LOOPBACK, 0), backlog=max(128, world_size))
     port = listener.getsockname()[1]
-    store = dist.TCPStore(LOOPBACK, port, world_size, True, datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False, master_listen_fd=listener.detach())  # fmt: skip
+    store = dist.TCPStore(
+        LOOPBACK,
+        port,
+        world_size,
+        True,
+        datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
     return store, port
 
 

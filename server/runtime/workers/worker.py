@@ -3,7 +3,7 @@ state (block table, sampler, last sampled token).
 
 A worker owns the requests the driver placed on it (DP attention). Every step it receives a :class:`StepPlan`
 (possibly empty: it still enters every MoE dispatch/combine with zero tokens), runs one forward, samples and
-returns the new token ids (:mod:`server.runtime.worker_loop` runs it).
+returns the new token ids (:mod:`server.runtime.workers.worker_loop` runs it).
 """
 
 from __future__ import annotations
@@ -18,22 +18,21 @@ import torch
 
 from deep_ep_npu import EPRankFailure
 from deep_ep_npu.kernels import expert_mm
-
-from ..disagg.transfer import KVPull, PullResult, TransferBackend, cache_tensors, make_backend, run_pull
-from ..engine_api import NONFINITE_TOKEN, SamplingParams
-from ..loader import DTYPES, load_model
-from ..models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInput
-from ..models.buffer_comm import BufferComm
-from ..models.ep_comm import ExpertComm
-from ..models.kv_cache import bytes_per_block
-from ..tokenizer import load_tokenizer
-from .engine_config import EngineConfig
-from .expert_placement import build_expert_map
-from .grammar import WorkerGrammars, mask_rows
-from .kv_budget import kv_budget_bytes
-from .plan import PlanEntry, StepPlan, StepResult, WorkerInfo
-from .rebalance import Rebalancer
-from .request_sampler import RequestSampler
+from server.disagg.transfer import KVPull, PullResult, TransferBackend, cache_tensors, make_backend, run_pull
+from server.engine_api import NONFINITE_TOKEN, SamplingParams
+from server.loader import DTYPES, load_model
+from server.models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, SeqInput
+from server.models.buffer_comm import BufferComm
+from server.models.ep_comm import ExpertComm
+from server.models.kv_cache import bytes_per_block
+from server.runtime.engine_config import EngineConfig
+from server.runtime.expert_placement import build_expert_map
+from server.runtime.sampling.grammar import WorkerGrammars, mask_rows
+from server.runtime.sampling.request_sampler import RequestSampler
+from server.runtime.scheduling.kv_budget import kv_budget_bytes
+from server.runtime.scheduling.plan import PlanEntry, StepPlan, StepResult, WorkerInfo
+from server.runtime.workers.rebalance import Rebalancer
+from server.tokenizer import load_tokenizer
 
 __all__ = ["PlanEntry", "StepAborted", "StepPlan", "StepResult", "Worker"]
 
@@ -79,9 +78,9 @@ class Worker:
     """The model shard of EP rank ``rank`` of ``world_size``, its KV cache and its sequences."""
 
     def __init__(self, args: EngineConfig, rank: int, world_size: int, group: Any = None, device: Any = None) -> None:
-        """``device``: the ``torch.device`` this worker bound (:func:`~server.runtime.placement.bind_device`);
+        """``device``: the ``torch.device`` this worker bound (:func:`~server.runtime.workers.placement.bind_device`);
         None: the CPU. Builds the KV cache from the memory budget once the weights are in (see
-        :mod:`server.runtime.kv_budget`); the driver checks that it holds a full-length request."""
+        :mod:`server.runtime.scheduling.kv_budget`); the driver checks that it holds a full-length request."""
         self.args, self.rank, self.world_size = args, rank, world_size
         self.device = torch.device("cpu") if device is None else device
         n = args.capacity
@@ -89,10 +88,17 @@ class Worker:
         def comm_factory(cfg: ModelConfig) -> ExpertComm:
             if not args.needs_group(world_size):
                 return LocalComm(cfg.num_experts, n)
-            return BufferComm(group, cfg.num_experts, n, cfg.hidden_size, backend=args.backend,
-                              timeout=args.comm_timeout_s, fused=args.moe_impl == "fused",
-                              expert_map=build_expert_map(args, cfg, world_size),
-                              num_moe_layers=len(cfg.moe_layers))  # fmt: skip
+            return BufferComm(
+                group,
+                cfg.num_experts,
+                n,
+                cfg.hidden_size,
+                backend=args.backend,
+                timeout=args.comm_timeout_s,
+                fused=args.moe_impl == "fused",
+                expert_map=build_expert_map(args, cfg, world_size),
+                num_moe_layers=len(cfg.moe_layers),
+            )
 
         rss_before = _rss_bytes()
         self.model = load_model(args.model, comm_factory, args.dtype, args.seed, args.random_model, self.device)
@@ -103,8 +109,14 @@ class Worker:
         dtype, cfg = DTYPES[args.dtype], self.model.cfg
         block_bytes = bytes_per_block(cfg, args.block_size, dtype)
         cap = args.max_num_seqs * -(-args.max_model_len // args.block_size) * block_bytes
-        budget, source = kv_budget_bytes(self.device, args.kv_cache_memory, args.gpu_memory_utilization,
-                                         args.local_workers, cap, self._activation_peak)  # fmt: skip
+        budget, source = kv_budget_bytes(
+            self.device,
+            args.kv_cache_memory,
+            args.gpu_memory_utilization,
+            args.local_workers,
+            cap,
+            self._activation_peak,
+        )
         num_blocks = budget // block_bytes
         self.model.comm.take_load()  # (the activation probe's forward is no load)
         # a pool under one full-length request is refused by the driver, which then stops this worker
@@ -160,8 +172,9 @@ class Worker:
         rank runs it at start-up, so the MoE collectives match)."""
         n, bs = self.args.capacity, self.args.block_size
         scratch = PagedKVCache(self.model.cfg, -(-n // bs), bs, DTYPES[self.args.dtype], self.device)
-        batch = ForwardBatch.build([SeqInput(range(scratch.num_blocks), 0, [0] * n)], bs, self.device,
-                                   n * self.world_size)  # fmt: skip
+        batch = ForwardBatch.build(
+            [SeqInput(range(scratch.num_blocks), 0, [0] * n)], bs, self.device, n * self.world_size
+        )
         torch.accelerator.reset_peak_memory_stats(self.device)
         before = torch.accelerator.memory_allocated(self.device)
         self.model(batch, scratch)
@@ -233,7 +246,10 @@ class Worker:
         result = self._sample(step.seqs, step.inputs, logits)
         result.pulls = step.pulls
         result.forward_time, result.dispatch_time, result.combine_time = (
-            time.perf_counter() - t0, comm.stats.dispatch, comm.stats.combine)  # fmt: skip
+            time.perf_counter() - t0,
+            comm.stats.dispatch,
+            comm.stats.combine,
+        )
         load = comm.take_load()  # rows each local expert slot received this step, per MoE layer
         result.expert_load = [] if load is None else load.sum(dim=1).tolist()
         result.num_lost_experts = sum(len(lost) for lost in comm.lost_experts)

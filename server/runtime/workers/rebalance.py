@@ -37,8 +37,9 @@ def _transfers(old: list[int], new: list[int], num_ranks: int) -> list[tuple[int
     return out
 
 
-def move_expert_weights(tensors: list[torch.Tensor], old: list[int], new: list[int], rank: int, num_ranks: int,
-                        group: Any, timeout_s: float) -> dict[int, list[torch.Tensor]]:  # fmt: skip
+def move_expert_weights(
+    tensors: list[torch.Tensor], old: list[int], new: list[int], rank: int, num_ranks: int, group: Any, timeout_s: float
+) -> dict[int, list[torch.Tensor]]:
     """What this rank's slots of one MoE layer hold under placement ``new`` where it differs from ``old`` (phy2log
     rows, P entries): slot -> a copy of each of ``tensors`` (its expert parameters, each `[num_local_experts, ...]`,
     left unchanged). Experts already here are copied locally; the others arrive point-to-point from a rank that
@@ -49,8 +50,10 @@ def move_expert_weights(tensors: list[torch.Tensor], old: list[int], new: list[i
     for e, src, dst in _transfers(old, new, num_ranks):
         if src == rank:
             slot = mine_old.index(e)
-            ops += [dist.P2POp(dist.isend, t[slot].contiguous(), dist.get_global_rank(group, dst), group, tag=e)
-                    for t in tensors]  # fmt: skip
+            ops += [
+                dist.P2POp(dist.isend, t[slot].contiguous(), dist.get_global_rank(group, dst), group, tag=e)
+                for t in tensors
+            ]
         if dst == rank:
             received[e] = [torch.empty_like(t[0]) for t in tensors]
             ops += [dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, src), group, tag=e) for buf in received[e]]
@@ -103,8 +106,17 @@ class Rebalancer:
         staged = []
         for layer, moe in enumerate(self.moe_layers):
             tensors = list(moe.experts.parameters())
-            staged.append(move_expert_weights(tensors, emap.phy2log[layer].tolist(), phy2log[layer].tolist(),
-                                              comm.rank, comm.num_ranks, comm.group, timeout_s))  # fmt: skip
+            staged.append(
+                move_expert_weights(
+                    tensors,
+                    emap.phy2log[layer].tolist(),
+                    phy2log[layer].tolist(),
+                    comm.rank,
+                    comm.num_ranks,
+                    comm.group,
+                    timeout_s,
+                )
+            )
         return ExpertMap(phy2log, emap.num_logical, emap.num_ranks, emap.balance_mode), staged
 
     def commit(self) -> None:
@@ -121,8 +133,14 @@ class Rebalancer:
         self.window.clear()  # its counts were per slot of the old placement
         self.num_rebalances += 1
         moved = sum(len(slots) for slots in staged)
-        logger.info("EPLB: rank %d rebalanced %d MoE layers at step %d (%d slots changed) in %.3f s", self.comm.rank,
-                    len(self.moe_layers), self.steps, moved, time.perf_counter() - t0)  # fmt: skip
+        logger.info(
+            "EPLB: rank %d rebalanced %d MoE layers at step %d (%d slots changed) in %.3f s",
+            self.comm.rank,
+            len(self.moe_layers),
+            self.steps,
+            moved,
+            time.perf_counter() - t0,
+        )
 
     def discard(self) -> None:
         """Drop a staged rebalance (the driver regroups instead: some rank may not have staged it)."""

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ..engine_api import SamplingParams, TokenLogprob
+from server.engine_api import SamplingParams, TokenLogprob
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's _SAMPLING_EPS)
 
@@ -43,8 +43,10 @@ class TokenCounts:
 
     @classmethod
     def empty(cls, vocab_size: int, device: torch.device) -> TokenCounts:
-        return cls(torch.zeros(vocab_size, dtype=torch.bool, device=device),
-                   torch.zeros(vocab_size, dtype=torch.int64, device=device))  # fmt: skip
+        return cls(
+            torch.zeros(vocab_size, dtype=torch.bool, device=device),
+            torch.zeros(vocab_size, dtype=torch.int64, device=device),
+        )
 
     def add_prompt(self, token_ids: list[int]) -> None:
         self.prompt[torch.tensor(token_ids, dtype=torch.int64, device=self.prompt.device)] = True

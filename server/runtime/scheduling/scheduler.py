@@ -1,6 +1,7 @@
 """Per-DP-rank request scheduling over a paged KV cache (pure Python; runs in the driver).
 
-Each worker owns its requests and its KV-cache blocks (:class:`~server.runtime.block_manager.KVCacheManager`).
+Each worker owns its requests and its KV-cache blocks
+(:class:`~server.runtime.scheduling.block_manager.KVCacheManager`).
 A step first gives every running request in decode one token, then fills the rest of the rank's per-step token
 capacity N (``max_num_batched_tokens``) with prefill chunks (chunked prefill), then admits waiting requests while
 ``max_num_seqs`` allows and their blocks are there (after their cached prefix, if prefix caching found one). When
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import collections
 
-from ..disagg.transfer import KVPull
-from .block_manager import KVCacheManager
-from .plan import PlanEntry, StepPlan
-from .request import Request
+from server.disagg.transfer import KVPull
+from server.runtime.scheduling.block_manager import KVCacheManager
+from server.runtime.scheduling.plan import PlanEntry, StepPlan
+from server.runtime.scheduling.request import Request
 
 
 class RankScheduler:
@@ -118,8 +119,9 @@ class RankScheduler:
         tokens = None if in_flight else req.token_ids[start : start + n]
         sample = start + n == len(req.token_ids) + req.num_inflight
         new_blocks, reset = req.table.take_new()
-        plan.entries.append(PlanEntry(req.seq_id, start, tokens, sample, None if req.started else req.params,
-                                      new_blocks, reset))  # fmt: skip
+        plan.entries.append(
+            PlanEntry(req.seq_id, start, tokens, sample, None if req.started else req.params, new_blocks, reset)
+        )
         req.started = True
         req.num_computed += n
         self.kv.cache_full_blocks(req.table, req.token_ids, req.num_computed)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..disagg.transfer import KVPull, PullResult
-from ..engine_api import SamplingParams, TokenLogprob
+from server.disagg.transfer import KVPull, PullResult
+from server.engine_api import SamplingParams, TokenLogprob
 
 
 @dataclasses.dataclass

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..engine_api import CompiledGrammar, Tokenizer
-from ..structured.vocab import no_control_mask, tokenizer_info
+from server.engine_api import CompiledGrammar, Tokenizer
+from server.structured.vocab import no_control_mask, tokenizer_info
 
 if TYPE_CHECKING:
     import xgrammar

@@ -12,15 +12,15 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .control import finish_sends, post_each, receive_each, send_each
-from .engine_config import EngineConfig
-from .heartbeat import PATIENCE, Pulse, start_beating
-from .job_store import StoreLink, beat_in, post_verdict, read_beat, read_verdict, wait_verdict
-from .placement import bind_device
-from .plan import StepPlan, StepResult
-from .worker import StepAborted, Worker
-from .worker_loop import GroupChannel, StepFailed, serve_plans
-from .workers import Reply, WorkerError, WorkerGroup
+from server.runtime.engine_config import EngineConfig
+from server.runtime.scheduling.plan import StepPlan, StepResult
+from server.runtime.workers.control import finish_sends, post_each, receive_each, send_each
+from server.runtime.workers.group import Reply, WorkerError, WorkerGroup
+from server.runtime.workers.heartbeat import PATIENCE, Pulse, start_beating
+from server.runtime.workers.job_store import StoreLink, beat_in, post_verdict, read_beat, read_verdict, wait_verdict
+from server.runtime.workers.placement import bind_device
+from server.runtime.workers.worker import StepAborted, Worker
+from server.runtime.workers.worker_loop import GroupChannel, StepFailed, serve_plans
 
 logger = logging.getLogger("server.engine")
 STORE_CALL_S = 2.0

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError
-from .control import receive_own, send_own
-from .engine_config import EngineConfig
-from .heartbeat import start_beating
-from .placement import bind_device
-from .rendezvous import init_loopback_group
-from .worker import StepAborted, Worker
+from server.checkpoint import CheckpointError
+from server.runtime.engine_config import EngineConfig
+from server.runtime.workers.control import receive_own, send_own
+from server.runtime.workers.heartbeat import start_beating
+from server.runtime.workers.placement import bind_device
+from server.runtime.workers.rendezvous import init_loopback_group
+from server.runtime.workers.worker import StepAborted, Worker
 
 
 class Channel(abc.ABC):
@@ -70,7 +70,7 @@ class PipeChannel(Channel):
 class GroupChannel(Channel):
     """A torchrun rank > 0: rank 0 sends this rank its own plan over the gloo ``group``, this rank replies to rank 0
     alone, within ``reply_timeout_s``; while it waits for a plan it asks ``verdict()`` (rank 0's, in the store)
-    whether it was lost (:mod:`.control`; :class:`~server.runtime.torchrun.TorchrunWorkers` is the other
+    whether it was lost (:mod:`.control`; :class:`~server.runtime.workers.torchrun.TorchrunWorkers` is the other
     end)."""
 
     def __init__(self, group: Any, reply_timeout_s: float, verdict: Callable[[], str | None]) -> None:
