@@ -134,15 +134,17 @@ def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
     return None if c.cpu_sync else (rn, align(rn * min(num_topk, e.num_local) + (a - 1) * e.num_local, a))
 
 
-def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None, plan: Plan,
+def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None,
                state: dict[str, Any]) -> EPHandle:  # fmt: skip
-    """The handle of a fresh dispatch (``plan``: its send plan; ``state``: what its backend keeps)."""
+    """The handle of a fresh dispatch (``state``: what its backend keeps)."""
     num_rows, num_expanded = sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
     listed = [] if not c.cpu_sync or place is None else place.aligned.tolist()
-    dev = c.expert_ids.device  # slot_idx: each slot's row among the rows sent to its expert's rank (-1: no expert)
-    slot_idx = torch.full(c.expert_ids.shape, -1, dtype=torch.int32, device=dev)
-    base = torch.tensor([rows.start for rows in plan.row_slices()], device=dev)[plan.dest]
-    slot_idx[plan.token, plan.slot] = (plan.row_of_pair - base).to(torch.int32)
+    ids, r = c.expert_ids.long(), c.experts.world_size  # slot_idx: each slot's row among the rows its token sends
+    used = ids >= 0  # to its expert's rank (tokens ascending there; -1: no expert)
+    dest = torch.where(used, ids // c.experts.num_local, r)
+    sends = torch.zeros((ids.shape[0], r + 1), dtype=torch.int64, device=ids.device).scatter_(1, dest, 1)[:, :r]
+    before = sends.cumsum(0) - sends
+    slot_idx = torch.where(used, before.gather(1, dest.clamp(max=r - 1)), -1).to(torch.int32)
     return EPHandle(
         c.do_expand, c.experts.num_moe_experts, c.alignment, c.num_max, 0,
         c.expert_ids.clone() if c.handle_copy else c.expert_ids, num_rows, num_expanded if c.do_expand else 0,
@@ -213,7 +215,7 @@ class _Expand:
                             p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
         self.sizes = sizes_of(c, p.num_topk)
         state = dict(owner=engine, plan=self.plan, payload=p)
-        self.make_handle = lambda out, place: new_handle(c, out, place, self.sizes, self.plan, state)
+        self.make_handle = lambda out, place: new_handle(c, out, place, self.sizes, state)
         self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes)
         if self.outputs is not None:
             self.outputs.handle = h if h is not None else self.make_handle(self.outputs, None)

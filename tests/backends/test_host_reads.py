@@ -241,8 +241,8 @@ def test_reference_engine_ops_steady_state_read_nothing():
 
 
 def _elastic_reads(info) -> dict[str, list[str]]:
-    """DeepEP V2's ElasticBuffer on the ascend backend, checks off: a fresh dispatch without CPU sync, then the host
-    reads of a cached dispatch (its handle's) and of a combine, expand layout and not."""
+    """DeepEP V2's ElasticBuffer on the ascend backend, checks off, no CPU sync: the host reads of a fresh dispatch
+    (after one warm-up), of a cached one (its handle's) and of a combine, expand layout and not."""
     from deep_ep_npu import ElasticBuffer
 
     sim.install()
@@ -251,7 +251,10 @@ def _elastic_reads(info) -> dict[str, list[str]]:
     x, topk_idx, _ = _inputs(info.rank, 0)
     reads: dict[str, list[str]] = {}
     for expand in (False, True):
-        recv_x, _, _, handle, _ = buffer.dispatch(x, topk_idx, num_experts=E, do_cpu_sync=False, do_expand=expand)
+        buffer.dispatch(x, topk_idx, num_experts=E, do_cpu_sync=False, do_expand=expand)  # (warm-up)
+        with HostReads(device=STAND_IN) as fresh:
+            recv_x, _, _, handle, _ = buffer.dispatch(x, topk_idx, num_experts=E, do_cpu_sync=False, do_expand=expand)
+        reads[f"fresh dispatch expand={expand}"] = list(fresh)
         with HostReads(device=STAND_IN) as cached:
             again, _, _, _, _ = buffer.dispatch(x, handle=handle, do_expand=expand)
         with HostReads(device=STAND_IN) as combined:
@@ -264,8 +267,11 @@ def _elastic_reads(info) -> dict[str, list[str]]:
     return reads
 
 
-def test_elastic_buffer_cached_dispatch_and_combine_read_nothing():
-    """ElasticBuffer on the ascend backend: a cached dispatch (the op places rows as the handle's dispatch did) and
-    the combine make no host read with the checks off (a fresh layout still reads the op's counts: not yet)."""
+def test_elastic_buffer_steady_state_reads_nothing():
+    """ElasticBuffer on the ascend backend without CPU sync: a fresh dispatch (placed from the op's outputs with index
+    tensors at the worst-case shapes), a cached one (the op places rows as the handle's dispatch did) and the combine
+    make no host read; not yet the fresh expand layout (it reads the op's counts to place its pairs)."""
     for rank, reads in enumerate(parallel_launch(2, _elastic_reads, timeout=120)):
+        still = reads.pop("fresh dispatch expand=True")
         assert reads and not any(reads.values()), (rank, reads)
+        assert still, "the instrument sees the fresh expand layout's reads"
