@@ -24,6 +24,7 @@ from .normal_config import Config
 
 __all__ = ["Config", "NormalModeMethods"]
 DISPATCH_OP, COMBINE_OP = "dispatch", "combine"
+COUNT_WORDS = 4096  # per-expert counts a rank sends in the count round (a second round for more local experts)
 
 
 class NormalModeMethods(LayoutMethods):
@@ -129,22 +130,28 @@ class NormalModeMethods(LayoutMethods):
             words = [lay.num_experts, data.shape[0], worst, lay.ids.shape[1], *lay.per_rank.tolist()]
         except MoeDistributeError as err:
             status, error = err.code, err
-        agreed = self._backend.ep.start_agree(DISPATCH_OP, status, [[]] * r, words)()
+        # each rank's per-expert counts ride in the same round when they fit its fixed width (else a second round)
+        width = max(1, COUNT_WORDS // r)
+        fit = lay is not None and lay.num_experts // r <= width
+        mine = normal.padded(lay.per_expert.view(r, -1).tolist() if fit else [], r, width)  # type: ignore[union-attr]
+        agreed = self._backend.ep.start_agree(DISPATCH_OP, status, mine, words)()
         shared = [list(w) for w in agreed.shared]
         if status:
             raise error
         normal.counts(r, [tuple(w) for w in shared], agreed.status, DISPATCH_OP)
         assert lay is not None and call is not None
         num_local = lay.num_experts // r
-        mine = lay.per_expert.view(r, num_local).tolist()  # (equal E everywhere: the widths match)
-        got = self._backend.ep.start_agree(DISPATCH_OP, 0, mine, [])().counts
+        got = agreed.counts
+        if num_local > width:  # (equal E everywhere: the widths match)
+            got = self._backend.ep.start_agree(DISPATCH_OP, 0, lay.per_expert.view(r, num_local).tolist(), [])().counts
         per_expert = [sum(c[i] for c in got) for i in range(num_local)]
         sent = torch.tensor([w[4:] for w in shared], dtype=torch.int64)
         rows, ids = worst or int(sent[:, me].sum()), lay.ids
         if not lay.with_topk:  # every rank's routing as wide as the widest (each token's ranks, then -1)
             ids = torch.nn.functional.pad(ids, (0, max(w[3] for w in shared) - ids.shape[1]), value=-1)
         num_max = max(max(w[1] for w in shared), 1)
-        call = dataclasses.replace(call, expert_ids=ids, num_max=num_max, recv_rows=rows)
+        recv_from = tuple(int(n) for n in sent[:, me].tolist())
+        call = dataclasses.replace(call, expert_ids=ids, num_max=num_max, recv_rows=rows, recv_from=recv_from)
         with self._backend.rejecting(DISPATCH_OP, v2.NAMES):
             inflight = self._backend.dispatch(call)
         out, channels = inflight.value, (config.num_sms if config else self.num_sms) // 2

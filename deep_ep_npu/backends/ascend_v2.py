@@ -89,7 +89,7 @@ def _placed(c: DispatchCall, payload: expand.Payload, sizes: tuple[int, int], ex
     key_of_row = torch.full((rn + 1,), -1, dtype=torch.int64, device=dev)
     key_of_row[torch.where(marks > 0, first, rn)] = torch.arange(rn, device=dev)
     key_of_row = key_of_row[:rn]
-    out = expand.Outputs(c, payload, *sizes)
+    out = expand.Outputs(c, payload, *sizes, None)
     x_rows = expand_x.new_empty((rn + 1, expand_x.shape[1]))
     x_rows[row] = expand_x
     out.x.copy_(x_rows[:rn])

@@ -71,7 +71,8 @@ class DispatchCall(Call):
     fields: ``x_sf`` (pre-quantized scale factors `[T, S]`), ``alignment``, ``do_expand``, ``zero_padding``,
     ``tma_sf``, ``cpu_sync``, ``cached`` (a handle whose layout is reused), ``handle_copy``, ``recv_rows`` (the
     non-expand rows to allocate at the send when known there, e.g. DeepEP normal mode's exact count or its
-    ``num_worst_tokens``; 0: ``cpu_sync`` decides)."""
+    ``num_worst_tokens``; 0: ``cpu_sync`` decides), ``recv_from`` (the non-expand rows each source sends here when
+    known at the send, as after DeepEP normal mode's count round: the own rows then go straight to their place)."""
 
     num_max: int = 0
     quant: Any = None
@@ -91,6 +92,7 @@ class DispatchCall(Call):
     cached: Any = None
     handle_copy: bool = True
     recv_rows: int = 0
+    recv_from: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass

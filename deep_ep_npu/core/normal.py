@@ -116,6 +116,11 @@ def layout(
     return Routing(in_rank, per_rank.long(), per_expert.long(), ids, True)
 
 
+def padded(rows: list[list[int]], num_ranks: int, width: int) -> list[list[int]]:
+    """``num_ranks`` rows of ``width`` ints: ``rows`` zero-padded (none: zeros)."""
+    return [[*row, *[0] * (width - len(row))] for row in (rows or [[]] * num_ranks)]
+
+
 def counts(num_ranks: int, words: list[tuple[int, ...]], status: list[int], op: str) -> None:
     """Raise the same error on every rank when a rank rejected its input or the ranks disagree: ``words[p]`` is rank
     p's ``(num_experts, num_tokens, num_worst_tokens, top-k width, *num_tokens_per_rank)``."""

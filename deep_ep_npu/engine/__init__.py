@@ -23,7 +23,8 @@ class Layout(Protocol):
     (<= 2R words) and ``fingerprint`` (<= 16, named by ``names``): the header words every rank checks (more checks:
     an optional ``check(agreement)``); ``agree_now``: the collective transport agrees in the send phase; ``tp``: the
     TP stage (:class:`~.flat.TPStage`). Optional ``place_own(own_rows, encode)``: places the own rows in the send phase
-    (``encode()`` fills ``own_rows`` when they cannot come straight from the source)."""
+    (``encode()`` fills ``own_rows`` when they cannot come straight from the source); optional ``fields(d, out)``:
+    writes the bytes of the rows ``out`` for rank d past the ones the encoder copied from ``source``."""
 
     plan: Plan
     fmt: RowFormat

@@ -49,6 +49,32 @@ def check_names(agreement: Agreement, ep: EPGroup, names: Sequence[str], offset:
             raise shape(name, msg)
 
 
+class ResultPool:
+    """New tensors for calls' results (:meth:`take`): a CPU result of :attr:`min_bytes` or more reuses the memory of
+    an earlier one whose every tensor and view is gone (a caching allocator, as a GPU's: a fresh page costs a page
+    fault, more than the copy that fills it); at most :attr:`max_blocks` blocks are kept."""
+
+    min_bytes, max_blocks = 1 << 20, 8
+
+    def __init__(self) -> None:
+        self.blocks: list[torch.UntypedStorage] = []
+
+    def take(self, shape_: tuple[int, ...], dtype: torch.dtype, device: torch.device, zeros: bool) -> torch.Tensor:
+        nbytes = math.prod(shape_) * dtype.itemsize
+        if device.type != "cpu" or nbytes < self.min_bytes:
+            return (torch.zeros if zeros else torch.empty)(shape_, dtype=dtype, device=device)
+        free = [s for s in self.blocks if torch._C._storage_Use_Count(s._cdata) == 1]  # (held by this list only)
+        block = next((s for s in free if nbytes <= s.nbytes() <= 2 * nbytes), None)
+        if block is None:
+            if len(self.blocks) >= self.max_blocks and free:
+                self.blocks.remove(free[0])
+            block = torch.empty((nbytes,), dtype=torch.uint8).untyped_storage()
+            if len(self.blocks) < self.max_blocks:
+                self.blocks.append(block)
+        out = torch.empty((0,), dtype=torch.uint8).set_(block)[:nbytes].view(dtype).view(shape_)
+        return out.zero_() if zeros else out
+
+
 class Engine(Backend):
     """The reference backend: DeepEP's, DeepEP V2's and the Ascend ops' semantics on any torch.distributed group and
     device (every tensor it makes lives on the input's device). A buffer's engine: one host's shared-memory window
@@ -62,6 +88,7 @@ class Engine(Backend):
         self.collective, self.window = create(self.ep, self.transport_name, self.num_rdma_bytes, self.reuse)
         self.early_bytes = early_bytes(self.ep.num_ranks, self.ep.device)  # (an early payload's bound)
         self.device, self._reused = torch.device("cpu"), dict[str, torch.Tensor]()  # (the call's input's device)
+        self.results = ResultPool()
         self.tag, self.result_set = 0, 0  # which wire scratch / dispatch result set the next call uses
         self.wire: dict[str, tuple[list[int], int]] = {}  # the last call's bytes per destination, header bytes
 
@@ -81,6 +108,10 @@ class Engine(Backend):
         if buf is None or buf.numel() < nbytes or buf.device != self.device:
             buf = self._reused[name] = torch.empty((max(nbytes, 1),), dtype=torch.uint8, device=self.device)
         return buf[:nbytes].view(dtype).view(shape_)
+
+    def fresh(self, shape_: tuple[int, ...], dtype: torch.dtype, zeros: bool = False) -> torch.Tensor:
+        """A new tensor for a call's result on the call's device (``zeros``: zero-filled; :class:`ResultPool`)."""
+        return self.results.take(shape_, dtype, self.device, zeros)
 
     def scratch(self, name: str, shape_: tuple[int, ...], dtype: torch.dtype, job: int = 0) -> torch.Tensor:
         """A buffer's reused tensor of this call's set (two alternate: at most two calls in flight; ``job``: of a
@@ -127,6 +158,8 @@ class Engine(Backend):
         layout: Layout = self._layout(c, "layout")
         plan, fmt, me = layout.plan, layout.fmt, self.rank
         encode = encoder(fmt, layout.source, plan, layout.weights, layout.smooth)
+        if (fields := getattr(layout, "fields", None)) is not None:  # (the row bytes past the source's)
+            encode = functools.partial(_then, encode, fields)
         own_rows = self.scratch("dispatch_own", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
 
         def own() -> None:  # placed now, while the rows travel (where the layout can)
@@ -156,44 +189,56 @@ class Engine(Backend):
         jobs: list[reduce.CombineJob] = self._layout(c, "combine_jobs")
         last = len(jobs) - 1  # (a peer's rejection stops the next: only the last job starts before its agreement)
         receives = [self._combine_job(c, job, i, i == last) for i, job in enumerate(jobs)]
-        outs = receives[0].value if len(receives) == 1 else tuple(receive.value for receive in receives)
-        return InFlight(lambda: [receive() for receive in receives] and outs, outs)
+        outs = [out for job in jobs for out in (job.out, *(rider.out for rider in job.riders))]
+        value = outs[0] if len(outs) == 1 else tuple(outs)
+        return InFlight(lambda: [receive() for receive in receives] and value, value)
 
     def _combine_job(self, c: CombineCall, job: reduce.CombineJob, i: int, last: bool) -> InFlight:
-        plan, fmt, me = job.plan, job.fmt, self.rank
+        plan, me, group = job.plan, self.rank, [job, *job.riders]  # (riders: columns after the job's in each row)
         starts = [sum(job.rows_per_src[:q]) for q in range(self.num_ranks)]
+        ends = [sum(j.fmt.row_bytes for j in group[: k + 1]) for k in range(len(group))]
+        columns = [slice(end - j.fmt.row_bytes, end) for j, end in zip(group, ends, strict=True)]
 
         def write(remote: bool, q: int, out: torch.Tensor) -> None:
-            rows = job.return_rows[starts[q] : starts[q] + job.rows_per_src[q]]
-            if fmt.quantized:
-                fmt.encode(job.source.index_select(0, rows), out)
-            elif not remote or not kernels.gather(job.source, rows, out.view(fmt.dtype)):
-                torch.index_select(job.source, 0, rows, out=out.view(fmt.dtype))
+            for j, cols in zip(group, columns, strict=True):
+                rows, dst, fmt = j.return_rows[starts[q] : starts[q] + j.rows_per_src[q]], out[:, cols], j.fmt
+                if fmt.quantized:
+                    fmt.encode(j.source.index_select(0, rows), dst)
+                elif not remote or not kernels.gather(j.source, rows, dst.view(fmt.dtype)):
+                    torch.index_select(j.source, 0, rows, out=dst.view(fmt.dtype))
 
         # own rows now, unless the TP stage changes the source first or the handle is inconsistent (check raises)
         early = job.tp is None and job.rows_per_src[me] == plan.pairs_per_dest[me]
-        scratch = functools.partial(self.scratch, job=i)  # (the jobs' own rows are reduced before their receives)
-        own = functools.partial(reduce.reduce_own, job, scratch) if early else None
-        finish = functools.partial(reduce.reduce_remote, job, scratch)
+        scratches = [functools.partial(self.scratch, job=i + 100 * k) for k in range(len(group))]  # (own rows first)
+
+        def own() -> None:
+            for j, scratch in zip(group, scratches, strict=True):
+                reduce.reduce_own(j, scratch)
+
+        def finish(agreement: Agreement, parts: Parts, wait_ns: int) -> None:
+            for j, scratch, cols in zip(group, scratches, columns, strict=True):
+                reduce.reduce_remote(j, scratch, agreement, [(q, p[:, cols]) for q, p in parts], wait_ns)
+
         more = functools.partial(reduce.check, job, self.ep)
         # the rows each source returns are known (the handle): the payload starts before the agreement (see
         # transports.early), when every agreeing rank's rows fit the bound, the same on every rank (``capacity``)
-        known = last and job.tp is None and 0 < job.capacity * fmt.row_bytes <= self.early_bytes
+        known = last and job.tp is None and 0 < job.capacity * ends[-1] <= self.early_bytes
         counts = [[n, k if known else -1] for n, k in zip(job.rows_per_src, plan.pairs_per_dest, strict=True)]
         vectors = (*job.rows_per_src, *plan.pairs_per_dest)
-        receive = self._exchange("combine", c.op, job, counts, vectors, write, more, own, finish)
+        receive = self._exchange("combine", c.op, job, counts, vectors, write, more, own if early else None, finish,
+                                 ends[-1])  # fmt: skip
         return InFlight(receive, job.out)
 
     def _exchange(self, kind: str, op: str, sender: Any, counts: list[list[int]], vectors: Sequence[int],
                   write: Callable[[bool, int, torch.Tensor], None], more: Check | None, own: Callable[[], None] | None,
-                  finish: Callable[[Agreement, Parts, int], Any]) -> Callable[[], Any]:  # fmt: skip
+                  finish: Callable[[Agreement, Parts, int], Any], row_bytes: int = 0) -> Callable[[], Any]:  # fmt: skip
         """One exchange of ``sender`` (the layout or the combine job): send (``write(remote, d, out)``: the rows for
         rank d; a TP pair's peer is told when the EP call fails before their agreement), check the headers (status,
         ``more``, the fingerprint), run ``own()`` (if any) while the rows travel, and return the receive:
         ``finish(agreement, parts, wait_ns)``, timed when :data:`deep_ep_npu.profiling.enabled`."""
         started, tp, device, r = time.perf_counter(), sender.tp, sender.source.device, self.num_ranks
         transport = self.transport_for(device, tp is not None)
-        shared = header(sender.fmt.row_bytes, vectors, sender.fingerprint, r)
+        shared = header(row_bytes or sender.fmt.row_bytes, vectors, sender.fingerprint, r)
         self.wire[kind] = ([n * shared[0] for n, _ in counts], 8 * len(shared))  # (profiling.wire_stats)
 
         def check(agreement: Agreement) -> None:
@@ -248,6 +293,13 @@ class Engine(Backend):
             self.window.close()
         self.collective.close()
         self._reused.clear()
+        self.results.blocks.clear()
+
+
+def _then(encode: Callable[[bool, int, torch.Tensor], None], fields: Callable[[int, torch.Tensor], None],
+          remote: bool, d: int, out: torch.Tensor) -> None:  # fmt: skip
+    encode(remote, d, out)
+    fields(d, out)
 
 
 def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], num_ranks: int) -> list[int]:

@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..core.call import CombineCall, DispatchCall
 from ..errors import shape
 from ..handle import EPHandle
 from ..transports.agreement import Agreement
 from .plan import Plan, make_plan, plan_topk
 from .reduce import CombineJob
-from .rows import Parts, RowFormat, align
+from .rows import Parts, RowFormat, align, slot_table
 
 X_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 SF_DTYPE_CODES = {None: 0, torch.float32: 1, torch.int32: 2}
@@ -31,6 +32,8 @@ MISMATCH = ("handle", "the handle of this layer's dispatch on every rank")
 NAMES = ("cached handle", "num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "scale-factor columns",
          "scale-factor dtype", "num_topk", "row bytes")  # fmt: skip
 COMBINE_NAMES = ("num_max_tokens_per_rank", "num_experts", "hidden", "x dtype", "topk_weights given")
+Fresh = Callable[[tuple[int, ...], torch.dtype, bool], torch.Tensor]
+"""``fresh(shape, dtype, zeros)``: a new result tensor (:meth:`~deep_ep_npu.engine.exchange.Engine.fresh`)."""
 
 
 class Payload:
@@ -44,23 +47,22 @@ class Payload:
         self.sf_end = self.x_bytes + 4 * self.sf_cols
         self.num_bytes = self.sf_end + 4 * num_topk
 
-    def pack(
-        self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`[T, num_bytes]` uint8 from x `[T, hidden]`, sf `[T, sf_cols]` and weights `[T, K]` fp32 (or None: 0),
-        into ``out`` when given (a reused buffer: no fresh pages per call)."""
-        out = torch.empty((x.shape[0], self.num_bytes), dtype=torch.uint8, device=x.device) if out is None else out
-        out[:, : self.x_bytes].view(self.x_dtype).copy_(x)
+    def tail(self, x: torch.Tensor, sf: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
+        """`[T, num_bytes - x_bytes]` uint8: each token's bytes after its x row, from sf `[T, sf_cols]` and weights
+        `[T, K]` fp32 (None: 0); the rows' x bytes are gathered straight from x `[T, hidden]`."""
+        out = torch.zeros((x.shape[0], self.num_bytes - self.x_bytes), dtype=torch.uint8, device=x.device)
         if sf is not None:
-            out[:, self.x_bytes : self.sf_end].view(sf.dtype).copy_(sf)
-        w = out[:, self.sf_end : self.num_bytes].view(torch.float32)
-        w.copy_(weights) if weights is not None else w.zero_()
+            out[:, : self.sf_end - self.x_bytes].view(sf.dtype).copy_(sf)
+        if weights is not None:
+            out[:, self.sf_end - self.x_bytes :].view(torch.float32).copy_(weights)
         return out
 
-    def fields(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Views of ``rows`` `[n, >= num_bytes]` uint8: x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
-        sf = rows[:, self.x_bytes : self.sf_end].view(self.sf_dtype) if self.sf_dtype is not None else None
-        return rows[:, : self.x_bytes].view(self.x_dtype), sf, rows[:, self.sf_end : self.num_bytes].view(torch.float32)
+    def fields(self, rows: torch.Tensor, at: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Views of ``rows`` `[n, >= num_bytes - at]` uint8 (their bytes from ``at`` on; ``at`` = x_bytes: no x):
+        x `[n, hidden]`, sf `[n, sf_cols]` (or None), weights."""
+        sf = rows[:, self.x_bytes - at : self.sf_end - at].view(self.sf_dtype) if self.sf_dtype is not None else None
+        weights = rows[:, self.sf_end - at : self.num_bytes - at].view(torch.float32)
+        return rows[:, : self.x_bytes - at].view(self.x_dtype), sf, weights
 
 
 @dataclasses.dataclass
@@ -84,12 +86,18 @@ class Placement:
 
 
 def make_placement(slots: torch.Tensor, rows_from: list[int], num_local: int, alignment: int,
-                   sizes: tuple[int, int] | None) -> Placement:  # fmt: skip
+                   sizes: tuple[int, int] | None, pairs: bool = True) -> Placement:  # fmt: skip
     """The placement of received tokens in layout order: ``slots`` `[total, K]` int32 (each one's local expert per
-    slot, -1: not here), ``rows_from`` tokens per source rank; ``sizes``: the rows to allocate (None: exact)."""
+    slot, -1: not here), ``rows_from`` tokens per source rank; ``sizes``: the rows to allocate (None: exact);
+    without ``pairs`` (non-expand rows: only the counts are read) the pair tensors are empty."""
+    total, a = slots.shape[0], alignment
+    if not pairs:
+        counts = torch.bincount(slots.flatten().long() + 1, minlength=num_local + 1)[1:]
+        aligned, none = (counts + a - 1) // a * a, torch.empty((0,), dtype=torch.int64, device=slots.device)
+        num_rows, num_expanded = sizes or (total, int(aligned.sum()))
+        return Placement(rows_from, slots, none, none, none, counts, aligned, num_rows, num_expanded)
     pair_row, pair_slot = (slots >= 0).nonzero(as_tuple=True)
     expert = slots[pair_row, pair_slot].long()
-    total, a = slots.shape[0], alignment
     order = torch.argsort(expert * max(total, 1) + pair_row)  # by (local expert, row): rows are (source, token)
     pair_row, pair_slot, expert = pair_row[order], pair_slot[order], expert[order]
     counts = torch.bincount(expert, minlength=num_local)
@@ -104,7 +112,7 @@ class Outputs:
     """A V2 dispatch's outputs (``ElasticBuffer.dispatch``'s, and the tensors of its ``handle``: ``metadata`` is
     ``recv_src_metadata``, ``psum_per_rank`` / ``psum_per_expert`` / ``counts`` the prefix sums and counts)."""
 
-    def __init__(self, c: DispatchCall, p: Payload, num_rows: int, num_expanded: int) -> None:
+    def __init__(self, c: DispatchCall, p: Payload, num_rows: int, num_expanded: int, fresh: Fresh | None) -> None:
         dev, k, r, num_local = c.x.device, p.num_topk, c.experts.world_size, c.experts.num_local
         rows = num_expanded if c.do_expand else num_rows
         new = torch.zeros if c.zero_padding else torch.empty
@@ -112,7 +120,8 @@ class Outputs:
         if p.sf_dtype is not None:  # TMA-aligned column-major scale factors: strides (1, align(rows, 4))
             tma = new((p.sf_cols, -(-rows // 4) * 4), dtype=p.sf_dtype, device=dev).t()[:rows] if c.tma_sf else None
             self.sf = tma if tma is not None else new((rows, p.sf_cols), dtype=p.sf_dtype, device=dev)
-        self.x = new((rows, p.hidden), dtype=p.x_dtype, device=dev)
+        x = None if fresh is None else fresh((rows, p.hidden), p.x_dtype, c.zero_padding)
+        self.x = new((rows, p.hidden), dtype=p.x_dtype, device=dev) if x is None else x
         self.weights = torch.zeros((rows,) if c.do_expand else (rows, k), dtype=torch.float32, device=dev)
         self.topk_idx = None if c.do_expand else torch.full((rows, k), -1, dtype=torch.int64, device=dev)
         self.metadata = torch.full((num_rows, k + 2), -1, dtype=torch.int32, device=dev)
@@ -154,11 +163,12 @@ def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tu
 
 def receive(c: DispatchCall, p: Payload, place: Placement, x: torch.Tensor, sf: torch.Tensor | None,
             weights: torch.Tensor, tokens: torch.Tensor | None, out: Outputs | None,
-            make_handle: Callable[[Outputs, Placement | None], EPHandle]) -> Outputs:  # fmt: skip
+            make_handle: Callable[[Outputs, Placement | None], EPHandle],
+            fresh: Fresh | None = None) -> Outputs:  # fmt: skip
     """Write the received tokens (x `[n, hidden]`, sf, weights `[n, K]`, in layout order) where ``place`` says into
     ``out`` (None: allocated now) and, for a fresh layout (``tokens`` `[n]`: each row's source token), the handle's
     tensors: source metadata, prefix sums, counts."""
-    out = out or Outputs(c, p, place.num_rows, place.num_expanded)
+    out = out or Outputs(c, p, place.num_rows, place.num_expanded, fresh)
     n, rows, dev = x.shape[0], place.pair_row, x.device
     at: Any = place.pair_pos if c.do_expand else slice(n)  # expand: each pair's row, else the rows as they came
     if x.data_ptr() != out.x.data_ptr():  # (non-expand rows may already be in place: _Expand.place)
@@ -204,9 +214,9 @@ class _Expand:
             self.plan = plan_topk(c.expert_ids, e.num_local, e.world_size, e.rank, no_mask, per_pair_rows=False)
         self.cached: Placement | None = None if h is None else h.state["placement"]
         self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
-        self.source = p.pack(
-            c.x, c.x_sf, c.expert_scales, engine.scratch("expand_source", (len(c.x), p.num_bytes), torch.uint8)
-        )
+        self.source = c.x.contiguous().view(torch.uint8)  # the rows' x bytes: gathered straight into the send rows
+        self.tail, self.slots = p.tail(c.x, c.x_sf, c.expert_scales), slot_table(self.plan, p.num_topk)
+        self.own_placed = False
         past = 0 < engine.early_bytes < c.num_max * self.fmt.row_bytes  # (a rank's rows may pass the bound)
         expect = None if self.cached is None else list(self.cached.rows_from)  # (checked by every rank: check())
         self.known = None if past else expect
@@ -215,13 +225,45 @@ class _Expand:
                             p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
         self.sizes = sizes_of(c, p.num_topk)
         state = dict(owner=engine, plan=self.plan, payload=p)
-        self.make_handle = lambda out, place: new_handle(c, out, place, self.sizes, state)
-        self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes)
+        sizes = self.sizes  # (a closure over self would make a cycle: results freed late)
+        self.make_handle = lambda out, place: new_handle(c, out, place, sizes, state)
+        self.fresh: Fresh = engine.fresh
+        self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes, self.fresh)
         if self.outputs is not None:
             self.outputs.handle = h if h is not None else self.make_handle(self.outputs, None)
 
     def result(self) -> Outputs | None:
         return self.outputs
+
+    def fields(self, d: int, out: torch.Tensor) -> None:
+        """The sf and weight bytes of the rows for rank d (``out`` `[n, row_bytes]` uint8; x, token and slots are
+        the encoder's)."""
+        if self.payload.num_bytes > self.payload.x_bytes:
+            token = self.plan.row_token[self.plan.row_slices()[d]]
+            out[:, self.payload.x_bytes : self.payload.num_bytes] = self.tail.index_select(0, token)
+
+    def place_own(self, own_rows: torch.Tensor, encode: Callable[[], None]) -> None:
+        """This rank's own rows straight from x into the outputs at their final rows, when the rows each source sends
+        here are known (DeepEP normal mode's count round, a cached handle) and the outputs allocated; ``own_rows``
+        then gets only the token and slot fields. Else ``encode()``."""
+        c, plan, me, out = self.c, self.plan, self.ep.rank, self.outputs
+        rows_from = list(c.recv_from) if c.recv_from else None if self.cached is None else self.cached.rows_from
+        n = plan.rows_per_dest[me]
+        if c.do_expand or out is None or rows_from is None or rows_from[me] != n:
+            return encode()
+        lo = sum(rows_from[:me])
+        if lo + n > out.x.shape[0]:
+            return encode()
+        rows = plan.row_slices()[me]
+        token, x, at = plan.row_token[rows], self.c.x, slice(lo, lo + n)
+        if not (x.is_contiguous() and kernels.gather(x, token, out.x[at])):
+            torch.index_select(x, 0, token, out=out.x[at])
+        _, sf, weights = self.payload.fields(self.tail.index_select(0, token), self.payload.x_bytes)
+        out.weights[at] = weights
+        if sf is not None and out.sf is not None:
+            out.sf[at] = sf
+        self.fmt.write_fields(own_rows, token, self.slots[rows], None)
+        self.own_placed = True
 
     def check(self, agreement: Agreement) -> None:
         """With every rank reusing a handle: the rows one rank sends another are what the other expects."""
@@ -246,20 +288,27 @@ class _Expand:
             rows_from = [by_src[s].shape[0] if s in by_src else 0 for s in range(r)]
             head = staged[:, self.fmt.token_off - fields.start :].view(torch.int32)  # token, then the slots
             tokens, num_local = head[:, 0], c.experts.num_local
-            place = make_placement(head[:, 1 : 1 + self.fmt.num_slots], rows_from, num_local, c.alignment, self.sizes)
+            slots = head[:, 1 : 1 + self.fmt.num_slots]
+            place = make_placement(slots, rows_from, num_local, c.alignment, self.sizes, c.do_expand)
         if c.do_expand:
             x, sf, weights = self.payload.fields(staged)
         else:
-            self.outputs = out = self.outputs or Outputs(c, self.payload, place.num_rows, place.num_expanded)
+            sizes = (place.num_rows, place.num_expanded)
+            self.outputs = out = self.outputs or Outputs(c, self.payload, *sizes, self.fresh)
             begin = 0
-            for g in got:
-                x, sf, weights = self.payload.fields(g)
+            for s, g in ((s, by_src[s]) for s in range(r) if s in by_src):
                 rows = slice(begin, begin := begin + g.shape[0])
-                out.x[rows], out.weights[rows] = x, weights
+                if s == self.ep.rank and self.own_placed:
+                    continue
+                x, sf, weights = self.payload.fields(g)
+                if not kernels.gather(x, torch.arange(len(x), device=x.device), out.x[rows]):
+                    out.x[rows] = x
+                out.weights[rows] = weights
                 if sf is not None and out.sf is not None:
                     out.sf[rows] = sf
             x, sf, weights = out.x[:begin], None, out.weights[:begin]
-        self.outputs = receive(c, self.payload, place, x, sf, weights, tokens, self.outputs, self.make_handle)
+        made = self.make_handle
+        self.outputs = receive(c, self.payload, place, x, sf, weights, tokens, self.outputs, made, self.fresh)
 
 
 layout = _Expand
@@ -313,7 +362,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         tokens, bias = torch.arange(num_tokens, device=dev), sum(b.float() for b in c.shared_expert_x)
         extra = (tokens, torch.full_like(tokens, -1), bias)
     fingerprint = (h.num_max_tokens_per_rank, h.num_experts, hidden, X_DTYPE_CODES[x.dtype], int(weighted))
-    ones, out = torch.ones_like(plan.token, dtype=torch.float32), x.new_empty((num_tokens, hidden))
+    ones, out = torch.ones_like(plan.token, dtype=torch.float32), engine.fresh((num_tokens, hidden), x.dtype)
     job = CombineJob(source, rows, list(rows_per_src), plan, ones, 0, out, fingerprint, COMBINE_NAMES, MISMATCH,
                      by_slot=True, extra=extra, agree_now=True)  # fmt: skip
     job.capacity = h.num_max_tokens_per_rank * min(h.num_topk, h.num_experts // r)  # (per source: N tokens)
@@ -328,5 +377,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     plan = _return_plan(h, rank, r, True, c.by_rank)
     ones, out = torch.ones_like(plan.token, dtype=torch.float32), w_rows.new_empty((num_tokens, h.num_topk))
     w_job = dataclasses.replace(job, source=w_rows, return_rows=every_row, rows_per_src=list(place.rows_from),
-                                plan=plan, weights=ones, out=out, extra=None)  # fmt: skip
+                                plan=plan, weights=ones, out=out, extra=None, riders=[])  # fmt: skip
+    if per_row and not job.fmt.quantized and job.fmt.row_bytes % 16 == 0:  # the weights ride in the rows of x
+        job.riders.append(w_job)
+        return [job]
     return [job, w_job]

@@ -27,6 +27,7 @@ class Plan:
     rows_per_dest: list[int]
     rank: int
     slot_expert: torch.Tensor | None = None  # `[num_rows, K]` int32 per row and slot: local expert or -1 (if known)
+    orders: dict[bool, tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=dict)  # (combine's pair orders)
 
     @property
     def own_pairs(self) -> slice:

@@ -33,7 +33,9 @@ class CombineJob:
     experts, V2's bias); ``addend`` `[T, hidden]` added last; ``active``: tokens ``[0, active)`` are written, the
     rest 0; ``on_wait``: the wait statistics; ``tp``: the TP stage (:class:`~.flat.TPStage`); ``agree_now``: as
     :class:`.Layout`'s; ``capacity``: the most rows one rank returns another, the same on every rank when the calls
-    agree (0: not known; the rows then wait for the agreement); ``acc`` / ``own_y``: :func:`reduce_own`'s results."""
+    agree (0: not known; the rows then wait for the agreement); ``acc`` / ``own_y``: :func:`reduce_own`'s results;
+    ``riders``: jobs of the same plan and return rows, unquantized, whose rows travel in this job's wire rows
+    (columns after its own: one exchange)."""
 
     source: torch.Tensor
     return_rows: torch.Tensor
@@ -55,6 +57,7 @@ class CombineJob:
     capacity: int = 0
     acc: torch.Tensor | None = None  # the reduction: `[T, hidden]` fp32 sum, own rows `[own pairs, hidden]` fp32
     own_y: torch.Tensor | None = None
+    riders: list[CombineJob] = dataclasses.field(default_factory=list)
 
     @property
     def own_rows(self) -> slice:
@@ -124,6 +127,11 @@ def reduce_remote(job: CombineJob, scratch: Scratch, agreement: Agreement, recei
         reduce_own(job, scratch)
     plan, fmt, acc, parts = job.plan, job.fmt, job.acc, [rows for _, rows in received]
     assert acc is not None
+    direct = job.own_y is None and job.addend is None and job.active is None
+    if job.by_slot and direct and _sum_by_slot(job, job.out, parts, into_out=True):
+        if job.on_wait is not None:
+            job.on_wait(agreement, wait_ns)
+        return
     if job.by_slot:  # slot after slot, ascending
         if job.own_y is not None or not _sum_by_slot(job, acc, parts):
             _sum_by_slot_torch(job, acc, parts, scratch)
@@ -146,16 +154,23 @@ def reduce_remote(job: CombineJob, scratch: Scratch, agreement: Agreement, recei
         job.on_wait(agreement, wait_ns)
 
 
-def _sum_by_slot(job: CombineJob, acc: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+def _sum_by_slot(job: CombineJob, acc: torch.Tensor, parts: list[torch.Tensor], into_out: bool = False) -> bool:
     """The by-slot sum in one pass over the rows where they are (``kernels.accumulate_rows``), rounded as the torch
-    code's; False (nothing done) where the kernel does not apply."""
+    code's; ``into_out``: each token's sum straight into ``acc`` = ``job.out``, rounded once to its dtype
+    (``kernels.sum_tokens``: the pairs by token, slots ascending). False (nothing done) where the kernel does not
+    apply."""
     plan, own, dev = job.plan, job.plan.own_pairs, job.source.device
-    y_at = torch.arange(plan.token.numel(), device=dev)  # pair -> its row: own rows, then the parts'
-    y_at[: own.start] += own.stop - own.start
-    y_at[own] -= own.start
-    order = torch.argsort(plan.slot, stable=True)
+    if (orders := plan.orders.get(into_out)) is None:  # (once per plan: a cached handle's combines reuse them)
+        y_at = torch.arange(plan.token.numel(), device=dev)  # pair -> its row: own rows, then the parts'
+        y_at[: own.start] += own.stop - own.start
+        y_at[own] -= own.start
+        order = torch.argsort(plan.slot, stable=True)
+        if into_out:
+            order = order[torch.argsort(plan.token[order], stable=True)]
+        orders = plan.orders[into_out] = (order, y_at[order], plan.token[order])
     rows = [(job.source, job.return_rows[job.own_rows]), *((p.view(job.fmt.dtype), None) for p in parts)]
-    return kernels.accumulate_rows(acc, rows, y_at[order], plan.token[order], job.weights[order])
+    summed = kernels.sum_tokens if into_out else kernels.accumulate_rows
+    return summed(acc, rows, orders[1], orders[2], job.weights[orders[0]])
 
 
 def _sum_by_slot_torch(job: CombineJob, acc: torch.Tensor, parts: list[torch.Tensor], scratch: Scratch) -> None:

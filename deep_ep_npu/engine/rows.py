@@ -62,9 +62,9 @@ class RowFormat:
         if scales is not None:
             raw = scales.contiguous().view(torch.uint8).reshape(len(out), self.scale_end - self.scale_off)
             out[:, self.scale_off : self.scale_end].copy_(raw)
-        self._write_fields(out, token, slot_expert, weights)
+        self.write_fields(out, token, slot_expert, weights)
 
-    def _write_fields(self, out: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
+    def write_fields(self, out: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
                       weights: torch.Tensor | None) -> None:  # fmt: skip
         out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
         out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
@@ -92,7 +92,7 @@ class RowFormat:
         if weights is None and kernels.pack(src, token, slot_expert, out, self.token_off, self.slot_off, remote):
             return
         torch.index_select(src, 0, token, out=out[:, : src.shape[1] * src.element_size()].view(src.dtype))
-        self._write_fields(out, token, slot_expert, weights)
+        self.write_fields(out, token, slot_expert, weights)
 
     def encode_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Every token of ``x`` `[T, hidden]` encoded once, `[T, row_bytes]` uint8 (data and scales; the token and
@@ -143,6 +143,15 @@ def parse(fmt: RowFormat, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return row, slot, table[row, slot].long()
 
 
+def slot_table(plan: Plan, num_slots: int) -> torch.Tensor:
+    """`[rows, num_slots]` int32: per row of ``plan`` and slot, the local expert (-1: unused slot)."""
+    shape, table = (int(plan.row_token.numel()), num_slots), plan.slot_expert
+    if table is None or table.shape != shape:
+        table = torch.full(shape, -1, dtype=torch.int32, device=plan.token.device)
+        table[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
+    return table
+
+
 def encoder(fmt: RowFormat, x: torch.Tensor, plan: Plan, weights: torch.Tensor | None,
             smooth: torch.Tensor | None) -> Callable[[bool, int, torch.Tensor], None]:  # fmt: skip
     """``encode(remote, d, out)``: the plan's rows for destination ``d`` of ``x`` `[T, hidden]` into ``out`` `[n,
@@ -150,10 +159,7 @@ def encoder(fmt: RowFormat, x: torch.Tensor, plan: Plan, weights: torch.Tensor |
     ``remote``: a peer reads ``out``). Quantized rows without smoothing, when some token goes to more than one rank:
     each token is quantized once per call (not once per rank it goes to) and its bytes are copied into its rows."""
     shape, dev, w = (int(plan.row_token.numel()), fmt.num_slots), plan.token.device, None
-    slot_expert = plan.slot_expert
-    if slot_expert is None or slot_expert.shape != shape:  # per row and slot: the local expert, -1: unused slot
-        slot_expert = torch.full(shape, -1, dtype=torch.int32, device=dev)
-        slot_expert[plan.row_of_pair, plan.slot] = plan.expert.to(torch.int32)
+    slot_expert = slot_table(plan, fmt.num_slots)
     if weights is not None:  # per row and slot: the pair's weight
         w = torch.zeros(shape, dtype=torch.float32, device=dev)
         w[plan.row_of_pair, plan.slot] = weights

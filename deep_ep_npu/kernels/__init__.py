@@ -101,20 +101,42 @@ def accumulate_rows(acc: Tensor, rows: list[tuple[Tensor, Tensor | None]], order
     of each ``(x, index)`` of ``rows`` one after another: ``x[index]`` (``x`` `[*, hidden]` fp32 / bf16 / fp16, one
     dtype, rows contiguous; ``index`` `[k]` int64, or None: all rows). ``acc`` `[T, hidden]` fp32; ``order`` / ``token``
     `[n]` int64; ``weight`` `[n]` fp32. IndexError for an index, order entry or token out of range."""
-    dtypes = {x.dtype for x, _ in rows}
-    if len(dtypes) > 1 or not _cpu(acc, order, token) or acc.dtype != F32 or token.dtype != I64 or order.dtype != I64:
+    if acc.dtype != F32 or (found := _row_sums(acc, rows, order, token)) is None:
         return False
-    for x, index in rows:
-        if x.dim() != 2 or x.shape[1] != acc.shape[1] or x.stride(1) != 1 or not x.is_cpu:
-            return False
-        if index is not None and (not _cpu(index) or index.dtype != I64):
-            return False
-    dtype = dtypes.pop() if dtypes else F32
-    if (lib := _summing(dtype)) is None:
-        return False
+    lib, dtype = found
     lib.accumulate_rows(acc, acc.shape[0], acc.shape[1], DTYPES[dtype], rows, order, token, weight.float().contiguous(),
                         order.numel())  # fmt: skip
     return True
+
+
+def sum_tokens(out: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Tensor, token: Tensor,
+               weight: Tensor) -> bool:  # fmt: skip
+    """:func:`accumulate_rows` into an fp32 zeros tensor, then its cast to ``out`` `[T, hidden]` (fp32 / bf16), in one
+    pass over ``out`` (no fp32 `[T, hidden]` tensor): ``out[t]`` = the fp32 sum of ``weight[i] * y[order[i]]`` over
+    the i with ``token[i] == t``, in order, rounded once (NaN as torch's CPU cast writes it); 0 for a token without
+    any. ``token`` must be non-decreasing. IndexError for an index, order entry or token out of range or order."""
+    if out.dtype not in (F32, torch.bfloat16) or (found := _row_sums(out, rows, order, token)) is None:
+        return False
+    lib, dtype = found
+    lib.sum_tokens(out, out.shape[0], out.shape[1], DTYPES[out.dtype], DTYPES[dtype], rows, order, token,
+                   weight.float().contiguous(), order.numel())  # fmt: skip
+    return True
+
+
+def _row_sums(out: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Tensor,
+              token: Tensor) -> tuple[ModuleType, torch.dtype] | None:  # fmt: skip
+    """The kernels and the rows' dtype when :func:`accumulate_rows` / :func:`sum_tokens` take these tensors."""
+    dtypes = {x.dtype for x, _ in rows}
+    if len(dtypes) > 1 or not _cpu(out, order, token) or out.dim() != 2 or token.dtype != I64 or order.dtype != I64:
+        return None
+    for x, index in rows:
+        if x.dim() != 2 or x.shape[1] != out.shape[1] or x.stride(1) != 1 or not x.is_cpu:
+            return None
+        if index is not None and (not _cpu(index) or index.dtype != I64):
+            return None
+    dtype = dtypes.pop() if dtypes else F32
+    lib = _summing(dtype)
+    return None if lib is None else (lib, dtype)
 
 
 def place(rows: Tensor, data_bytes: int, token_off: int, slot_off: int, num_slots: int, recv: Tensor, src_info: Tensor,
@@ -214,9 +236,12 @@ def to_e4m3(x: Tensor) -> Tensor | None:
 
 
 def gather(x: Tensor, index: Tensor, out: Tensor) -> bool:
-    """``out[i] = x[index[i]]`` (``x`` `[rows, *]`, ``out`` `[n, *]` contiguous, ``index`` `[n]` int64 < rows) with
-    streaming stores (rows another process reads). IndexError for an index outside ``x``."""
-    if not _cpu(x, index, out) or index.dtype != I64 or x.dtype != out.dtype or x.dim() != 2:
+    """``out[i] = x[index[i]]`` (``x`` `[rows, *]` and ``out`` `[n, *]` with contiguous rows, any row stride:
+    e.g. the first columns of wider rows; ``index`` `[n]` int64 < rows) with streaming stores (rows another process
+    reads, or rows past this core's cache). IndexError for an index outside ``x``."""
+    if not _cpu(index) or index.dtype != I64 or x.dtype != out.dtype or not (x.is_cpu and out.is_cpu):
+        return False
+    if any(t.dim() != 2 or t.stride(1) != 1 or t.stride(0) < t.shape[1] for t in (x, out)):
         return False
     if out.shape != (index.numel(), x.shape[1]) or (lib := library()) is None:
         return False

@@ -311,6 +311,34 @@ METHOD(accumulate_rows) {
     return summed(rc, "accumulate", num_tokens);
 }
 
+METHOD(sum_tokens) {
+    const char *fn = "sum_tokens";
+    Buf out, order, token, weight;
+    PyObject *rows;
+    int64_t num_tokens, hidden, out_dtype, dtype, n;
+    if (!parse(fn, args, nargs, "T:out i:num_tokens i:hidden i:out_dtype i:dtype O:rows T:order T:token T:weight i:n",
+               &out, &num_tokens, &hidden, &out_dtype, &dtype, &rows, &order, &token, &weight, &n))
+        return NULL;
+    int item = dtype_size(fn, dtype), out_item = dtype_size(fn, out_dtype);
+    if (!item || !out_item || !holds(fn, "out", &out, size3(num_tokens, hidden, out_item)) ||
+        !holds(fn, "token", &token, size3(n, 8, 1)) || !holds(fn, "weight", &weight, size3(n, 4, 1)) ||
+        !holds(fn, "order", &order, size3(n, 8, 1)))
+        return NULL;
+    int64_t *at = row_addresses(fn, rows, hidden * item, &order, n);
+    if (!at)
+        return NULL;
+    int rc;
+    NOGIL(rc = dep_sum_tokens(out.ptr, (int)out_dtype, num_tokens, hidden, (int)dtype, at,
+                              (const int64_t *)token.ptr, (const float *)weight.ptr, n));
+    PyMem_Free(at);
+    if (rc == -2)
+        return PyErr_Format(PyExc_ValueError, "%s(): out must be fp32 or bf16", fn);
+    if (rc == -1)
+        return PyErr_Format(PyExc_IndexError, "%s: a token is outside [0, %lld) or out of order", fn,
+                            (long long)num_tokens);
+    return summed(rc, fn, num_tokens);
+}
+
 /* pos [num_local] int64 (rows placed so far per expert) must be in [0, cap]: the loops write from there on. */
 static int positions(const char *fn, const Buf *pos, int64_t num_local, int64_t cap) {
     if (!holds(fn, "pos", pos, size3(num_local, 8, 1)))
@@ -504,16 +532,22 @@ METHOD(to_e4m3) {
 
 METHOD(gather) {
     const char *fn = "gather";
-    Buf x, index, out;
+    Buf index;
+    Rows x, out; /* (rows may be strided: the first columns of wider rows) */
     int64_t x_rows, row_bytes, n;
-    if (!parse(fn, args, nargs, "T:x i:x_rows i:row_bytes T:index i:n T:out", &x, &x_rows, &row_bytes, &index, &n,
+    if (!parse(fn, args, nargs, "R:x i:x_rows i:row_bytes T:index i:n R:out", &x, &x_rows, &row_bytes, &index, &n,
                &out) ||
-        !holds(fn, "x", &x, size3(x_rows, row_bytes, 1)) || !holds(fn, "index", &index, size3(n, 8, 1)) ||
-        !holds(fn, "out", &out, size3(n, row_bytes, 1)))
+        !holds(fn, "index", &index, size3(n, 8, 1)))
         return NULL;
+    if (x_rows < 0 || x.rows < x_rows || x.row_bytes < row_bytes || (x_rows > 1 && x.stride < row_bytes))
+        return PyErr_Format(PyExc_ValueError, "%s(): x holds fewer than %lld rows of %lld bytes", fn,
+                            (long long)x_rows, (long long)row_bytes);
+    if (n < 0 || out.rows < n || out.row_bytes < row_bytes || (n > 1 && out.stride < row_bytes))
+        return PyErr_Format(PyExc_ValueError, "%s(): out holds fewer than %lld rows of %lld bytes", fn, (long long)n,
+                            (long long)row_bytes);
     if (!inside((const int64_t *)index.ptr, n, x_rows))
         return PyErr_Format(PyExc_IndexError, "gather: a row index is outside [0, %lld)", (long long)x_rows);
-    NOGIL(dep_gather(x.ptr, row_bytes, (const int64_t *)index.ptr, n, out.ptr));
+    NOGIL(dep_gather(x.ptr, x.stride, row_bytes, (const int64_t *)index.ptr, n, (uint8_t *)out.ptr, out.stride));
     Py_RETURN_NONE;
 }
 
@@ -731,6 +765,7 @@ METHOD(has_dtype) {
 static PyMethodDef methods[] = {
     ENTRY(accumulate, "acc[token[i]] += weight[i] * x[index[i]] in fp32 (see kernels.accumulate)"),
     ENTRY(accumulate_rows, "the slot-ordered fp32 sum over rows of several tensors (see kernels.accumulate_rows)"),
+    ENTRY(sum_tokens, "token-ordered fp32 sums of rows, rounded into out (see kernels.sum_tokens)"),
     ENTRY(place, "the masked placement of packed dispatch rows (see kernels.place)"),
     ENTRY(check_ids, "whether top-k ids are in range with no repeats (see kernels.ids_ok)"),
     ENTRY(plan, "the dispatch plan of top-k ids (see kernels.plan)"),

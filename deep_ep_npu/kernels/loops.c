@@ -1,9 +1,10 @@
 /* The engine's per-call loops on CPU tensors, each one pass: the plan, the id check, row packing (with per-token
  * int8 or DeepEP fp8 quantization), the masked placement, scales and block table, the flat placement, combine's
- * return rows and gather, the weighted fp32 reduction and the slot-ordered one. Results are bit-identical to the
- * torch code they replace: products, divisions and sums rounded one by one, in the same order (built with
- * -ffp-contract=off: no fused multiply-add; -fno-trapping-math lets branch-free selects vectorize and changes no
- * value; setup.py). The loops trust their arguments: only _cpu.c calls them, after checking every buffer. */
+ * return rows and gather, the weighted fp32 reduction, the slot-ordered one and the token-ordered one written into
+ * the output. Results are bit-identical to the torch code they replace: products, divisions and sums rounded one
+ * by one, in the same order (built with -ffp-contract=off: no fused multiply-add; -fno-trapping-math lets
+ * branch-free selects vectorize and changes no value; setup.py). The loops trust their arguments: only _cpu.c
+ * calls them, after checking every buffer. */
 #include "loops.h"
 
 #include <stdlib.h>
@@ -122,6 +123,64 @@ int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t
         if (!seen[t])
             memset(acc + t * hidden, 0, sizeof(float) * (size_t)hidden);
     free(seen);
+    return 0;
+}
+
+/* Rows of fp32 sums into out's dtype: bf16 rounds to nearest even with every NaN as 0xFFFF (torch's CPU cast). */
+WIDE static void store_bf16(uint16_t *restrict out, const float *restrict acc, int64_t n) {
+    for (int64_t h = 0; h < n; h++) {
+        uint32_t u;
+        memcpy(&u, &acc[h], sizeof u);
+        uint16_t r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        out[h] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0xffffu : r;
+    }
+}
+
+/* out[t] = the fp32 sum of weight[i] * x_i over the pairs i with token[i] == t, in order (each product rounded; the
+ * first added to 0), rounded once to out's dtype (fp32 or bf16); 0 for a token without pairs. The same values as
+ * dep_accumulate with zero_first into fp32 and a cast, in one pass over out (no fp32 [num_tokens][hidden]; each
+ * token's rows are summed a chunk of channels at a time): token must be non-decreasing. x_i: `hidden` values of
+ * `dtype` at address addr[i]. Returns 0; -1 when a token is outside [0, num_tokens) or out of order (nothing
+ * written); -2 for a dtype this build lacks. */
+int dep_sum_tokens(uint8_t *out, int out_dtype, int64_t num_tokens, int64_t hidden, int dtype, const int64_t *addr,
+                   const int64_t *token, const float *weight, int64_t n) {
+    if (!dep_has_dtype(dtype) || (out_dtype != DTYPE_F32 && out_dtype != DTYPE_BF16))
+        return -2;
+    for (int64_t i = 0; i < n; i++)
+        if (token[i] < 0 || token[i] >= num_tokens || (i && token[i] < token[i - 1]))
+            return -1;
+    enum { CHUNK = 512 }; /* each token's sum in chunks of fp32 that stay in registers / L1 */
+    float acc[CHUNK];
+    int64_t i = 0, item = out_dtype == DTYPE_F32 ? 4 : 2, in = dtype == DTYPE_F32 ? 4 : 2;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        uint8_t *o = out + t * hidden * item;
+        int64_t begin = i;
+        while (i < n && token[i] == t)
+            i++;
+        if (begin == i) {
+            memset(o, 0, (size_t)(hidden * item));
+            continue;
+        }
+        for (int64_t h = 0; h < hidden; h += CHUNK) {
+            int64_t m = hidden - h < CHUNK ? hidden - h : CHUNK;
+            for (int64_t j = begin; j < i; j++) {
+                const uint8_t *x = (const uint8_t *)(uintptr_t)addr[j] + h * in;
+                int first = j == begin;
+                if (dtype == DTYPE_BF16)
+                    (first ? set_bf16 : add_bf16)(acc, (const uint16_t *)x, weight[j], m);
+                else if (dtype == DTYPE_F32)
+                    (first ? set_f32 : add_f32)(acc, (const float *)x, weight[j], m);
+#ifdef __FLT16_MAX__
+                else
+                    (first ? set_f16 : add_f16)(acc, (const _Float16 *)x, weight[j], m);
+#endif
+            }
+            if (out_dtype == DTYPE_BF16)
+                store_bf16((uint16_t *)o + h, acc, m);
+            else
+                memcpy(o + h * 4, acc, sizeof(float) * (size_t)m);
+        }
+    }
     return 0;
 }
 
@@ -283,9 +342,10 @@ void dep_pack(const uint8_t *x, int64_t data_bytes, const int64_t *row_token, co
 }
 
 /* Row i of out ([n][row_bytes]) = row index[i] of x ([*][row_bytes]), with streaming stores. */
-void dep_gather(const uint8_t *x, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out) {
+void dep_gather(const uint8_t *x, int64_t x_stride, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out,
+                int64_t out_stride) {
     for (int64_t i = 0; i < n; i++)
-        copy_row(out + i * row_bytes, x + index[i] * row_bytes, row_bytes);
+        copy_row(out + i * out_stride, x + index[i] * x_stride, row_bytes);
     copies_done();
 }
 

@@ -27,6 +27,8 @@ int dep_has_dtype(int dtype);
 int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t *base, int64_t stride, int dtype,
                    const int64_t *index, const int64_t *addr, const int64_t *token, const float *weight, int64_t n,
                    int zero_first);
+int dep_sum_tokens(uint8_t *out, int out_dtype, int64_t num_tokens, int64_t hidden, int dtype, const int64_t *addr,
+                   const int64_t *token, const float *weight, int64_t n);
 int64_t dep_place(const uint8_t *rows, int64_t n, int64_t row_bytes, int64_t data_bytes, int64_t token_off,
                   int64_t slot_off, int64_t num_slots, int64_t num_local, int64_t cap, int64_t num_ranks, int64_t src,
                   uint8_t *recv, int32_t *src_info, int64_t *pos, int64_t *counts, int64_t *pair_row,
@@ -38,7 +40,8 @@ int64_t dep_plan(const int64_t *ids, int64_t T, int64_t K, int64_t L, int64_t R,
                  int32_t *slot_expert, int64_t *scratch, int64_t *rows_out);
 void dep_pack(const uint8_t *x, int64_t data_bytes, const int64_t *row_token, const int32_t *slot_expert, int64_t n,
               int64_t k, uint8_t *out, int64_t row_bytes, int64_t token_off, int64_t slot_off, int streaming);
-void dep_gather(const uint8_t *x, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out);
+void dep_gather(const uint8_t *x, int64_t x_stride, int64_t row_bytes, const int64_t *index, int64_t n, uint8_t *out,
+                int64_t out_stride);
 void dep_layout_range(const int64_t *counts, int64_t num_local, int64_t num_ranks, int64_t me, int64_t *layout_range,
                       int32_t *recv_count);
 int64_t dep_return_rows(const int64_t *layout_range, int64_t num_local, int64_t num_ranks, int64_t n,

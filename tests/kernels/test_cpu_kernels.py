@@ -126,6 +126,37 @@ def test_accumulate_rows_matches_the_slot_ordered_index_add(dtype):
         kernels.accumulate_rows(got, rows, at[order] + n, token[order], weight[order])
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_tokens_matches_accumulate_rows_and_the_cast(dtype, out_dtype):
+    """Normal-mode combine's sum straight into the output: the pairs by token (slots ascending), each token's sum
+    rounded once to out's dtype, bit for bit as accumulate_rows into fp32 and torch's cast (NaN, zeros, no pairs)."""
+    g = torch.Generator().manual_seed(6)
+    for trial in range(12):
+        tokens, hidden, k = 11, (72, 1100)[trial % 2], 3  # (the kernel sums 512 channels at a time)
+        token, slot = (t.flatten() for t in torch.meshgrid(torch.arange(tokens), torch.arange(k), indexing="ij"))
+        keep = torch.rand(token.numel(), generator=g) < 0.6
+        token, slot, n = token[keep], slot[keep], int(keep.sum())
+        own = (torch.randn(20, hidden, generator=g) * 50).to(dtype)
+        own[:, :2], own[0, 5], own[1, 6] = -0.0, float("nan"), float("inf")
+        own_index = torch.randint(0, 20, (n // 2,), generator=g)
+        part = (torch.randn(n - n // 2, hidden, generator=g) * 50).to(dtype)
+        at, weight = torch.randperm(n, generator=g), torch.rand(n, generator=g) * 2
+        rows = [(own, own_index), (part, None)]
+        by_slot = torch.argsort(slot, stable=True)
+        acc = torch.empty(tokens, hidden)
+        assert kernels.accumulate_rows(acc, rows, at[by_slot], token[by_slot], weight[by_slot])
+        want = acc.to(out_dtype)
+        order = by_slot[torch.argsort(token[by_slot], stable=True)]
+        got = torch.full((tokens, hidden), 7.0, dtype=out_dtype)  # overwritten, rows of tokens without pairs too
+        assert kernels.sum_tokens(got, rows, at[order], token[order], weight[order])
+        bits = torch.int32 if out_dtype == torch.float32 else torch.int16
+        assert torch.equal(got.view(bits), want.view(bits)), trial
+    with pytest.raises(IndexError, match="out of order"):
+        kernels.sum_tokens(got, rows, at[by_slot], token[by_slot], weight[by_slot])
+    assert not kernels.sum_tokens(got.half(), rows, at[order], token[order], weight[order])  # fp16 out: torch code
+
+
 @pytest.mark.parametrize("quant", [None, 2])
 @pytest.mark.parametrize("weights", [False, True])
 def test_place_flat_matches_the_torch_placement(quant, weights):
@@ -268,4 +299,9 @@ def test_gather_matches_index_select():
         index = torch.randint(0, 50, (31,), generator=g)
         out = torch.empty(31, width, dtype=torch.bfloat16)
         assert kernels.gather(src, index, out)
+        assert torch.equal(out, src[index])
+        wide = torch.zeros(31, width + 24, dtype=torch.bfloat16)  # the first columns of wider rows (a wire row)
+        assert kernels.gather(src, index, wide[:, :width])
+        assert torch.equal(wide[:, :width], src[index]) and not wide[:, width:].any()
+        assert kernels.gather(x[:, :width], index, out)  # from the first columns of wider rows (a window's)
         assert torch.equal(out, src[index])
