@@ -143,15 +143,17 @@ def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
     return None if c.cpu_sync else (rn, align(rn * min(num_topk, e.num_local) + (a - 1) * e.num_local, a))
 
 
-def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None, plan: Plan,
+def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None,
                state: dict[str, Any]) -> EPHandle:  # fmt: skip
-    """The handle of a fresh dispatch (``plan``: its send plan; ``state``: what its backend keeps)."""
+    """The handle of a fresh dispatch (``state``: what its backend keeps)."""
     num_rows, num_expanded = sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
     listed = [] if not c.cpu_sync or place is None else place.aligned.tolist()
-    dev = c.expert_ids.device  # slot_idx: each slot's row among the rows sent to its expert's rank (-1: no expert)
-    slot_idx = torch.full(c.expert_ids.shape, -1, dtype=torch.int32, device=dev)
-    base = torch.tensor([rows.start for rows in plan.row_slices()], device=dev)[plan.dest]
-    slot_idx[plan.token, plan.slot] = (plan.row_of_pair - base).to(torch.int32)
+    ids, r = c.expert_ids.long(), c.experts.world_size  # slot_idx: each slot's row among the rows its token sends
+    used = ids >= 0  # to its expert's rank (tokens ascending there; -1: no expert)
+    dest = torch.where(used, ids // c.experts.num_local, r)
+    sends = torch.zeros((ids.shape[0], r + 1), dtype=torch.int64, device=ids.device).scatter_(1, dest, 1)[:, :r]
+    before = sends.cumsum(0) - sends
+    slot_idx = torch.where(used, before.gather(1, dest.clamp(max=r - 1)), -1).to(torch.int32)
     return EPHandle(
         c.do_expand, c.experts.num_moe_experts, c.alignment, c.num_max, 0,
         c.expert_ids.clone() if c.handle_copy else c.expert_ids, num_rows, num_expanded if c.do_expand else 0,
@@ -223,8 +225,8 @@ class _Expand:
                             p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
         self.sizes = sizes_of(c, p.num_topk)
         state = dict(owner=engine, plan=self.plan, payload=p)
-        sizes, plan = self.sizes, self.plan  # (a closure over self would make a cycle: results freed late)
-        self.make_handle = lambda out, place: new_handle(c, out, place, sizes, plan, state)
+        sizes = self.sizes  # (a closure over self would make a cycle: results freed late)
+        self.make_handle = lambda out, place: new_handle(c, out, place, sizes, state)
         self.fresh: Fresh = engine.fresh
         self.outputs = None if self.sizes is None else Outputs(c, p, *self.sizes, self.fresh)
         if self.outputs is not None:
@@ -316,9 +318,9 @@ def reduce_expanded(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`[num_recv, hidden]` in x's dtype: each received token's expand rows (``slots`` `[num_recv, K]`, -1: none)
     summed in fp32 in top-k order, rounded once."""
     acc = torch.zeros((slots.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
-    for j in range(slots.shape[1]):
-        row = (slots[:, j] >= 0).nonzero(as_tuple=True)[0]
-        acc.index_add_(0, row, x.index_select(0, slots[row, j].long()).float())
+    for j in range(slots.shape[1]):  # (static shapes: rows without slot j add 0)
+        used = slots[:, j : j + 1] >= 0
+        acc += torch.where(used, x.index_select(0, slots[:, j].clamp(min=0).long()).float(), 0.0)
     return acc.to(x.dtype)
 
 

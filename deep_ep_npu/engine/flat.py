@@ -19,6 +19,7 @@ from ..core import ascend
 from ..core.ascend import OP_COMM_ALGS
 from ..core.call import CombineCall, DispatchCall, Experts
 from ..core.platforms import SCALAR_TYPE_CODE
+from ..core.rules import values_checked
 from ..errors import shape
 from ..transports.agreement import STATUS_OK, Agreement
 from .plan import pair_weights, plan_call, smooth_rows
@@ -49,11 +50,7 @@ class _Flat:
         self.smooth = smooth_rows(e, plan, c.scales, c.expert_ids.shape[1]) if per_pair else None
         topk, hidden, tp, cap = c.expert_ids.shape[1], x.shape[1], 1 if e.tp is None else 2, c.capacity
         self.fmt = fmt = RowFormat(hidden, x.dtype, q, topk + e.shared_expert_num, self.weights is not None, False)
-        self.fingerprint = (
-            e.num_moe_experts, hidden, topk, 0 if q is None else q.mode, c.num_max * e.world_size, fmt.row_bytes,
-            DTYPE_CODES[x.dtype], e.shared_expert_num, e.shared_expert_rank_num, hash(e.ep_rank_of) & 0x7FFFFFFF,
-            e.tp_world_size, SCALAR_TYPE_CODE[fmt.data_dtype], OP_COMM_ALGS.index(c.comm_alg), x.shape[0],
-        )  # fmt: skip
+        self.fingerprint = fingerprint(c, fmt)
         width, scale_dtype = ((), torch.float32) if q is None else (q.scale_shape(hidden), q.scale_dtype)
         if q is None and c.scales is not None and c.scales.shape[1]:  # quant_mode 0 given scales: `[A, H]` zeros
             width = (c.scales.shape[1],)
@@ -74,12 +71,7 @@ class _Flat:
                 self.tp_recv_counts, self.expand_scales)  # fmt: skip
 
     def check(self, agreement: Agreement) -> None:
-        """``global_bs`` 0 needs the same Bs on every rank (the fingerprint's last word)."""
-        at = 1 + 2 * self.ep.num_ranks + len(NAMES)
-        batch = [fp[at] for fp in agreement.shared]
-        if self.c.global_bs == 0 and len({batch[r] for r in self.ep.live}) > 1:
-            why = f"is 0 but x has different batch sizes across ranks (per rank: {batch}); pass global_bs = max(Bs) * W"
-            raise shape("global_bs", why)
+        check_batch(self.c, self.ep, agreement)
 
     def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None:
         c, e, fmt, cap = self.c, self.c.experts, self.fmt, self.c.capacity
@@ -141,6 +133,50 @@ class _Flat:
 layout = _Flat
 
 
+def static_round(engine: Any, c: DispatchCall | CombineCall) -> bool:
+    """Whether the flat call ``c`` takes the static round of :mod:`.static_flat` (see there): values unchecked, the
+    torch code on CPU tensors of a gloo group, routed experts, no smooth scales nor combine quantization."""
+    if c.layout != "flat" or c.x.device.type != "cpu" or kernels.library() is not None:  # (CPU: the torch code)
+        return False
+    e, coll = c.experts, engine.collective
+    if not (e.plain and e.logical_rank >= 0 and not e.shared_expert_num and e.num_local > 0 and e.tp is None):
+        return False
+    if isinstance(c, DispatchCall):
+        simple = c.quant is None or c.scales is None
+    else:
+        simple = not (c.comm_quant_mode or e.copy_expert_num or e.const_expert_num)
+    on_round = not engine.ep.enable_shrink and engine.transport_for(c.x.device) is coll and coll.early_bytes > 0
+    return simple and on_round and not values_checked(c.x)  # (gloo's bounded receives: see transports.static)
+
+
+def fingerprint(c: DispatchCall, fmt: RowFormat) -> tuple[int, ...]:
+    """The words every rank's dispatch must agree on (:data:`NAMES`), then the batch size (:func:`check_batch`)."""
+    e, x, q = c.experts, c.x, c.quant
+    return (
+        e.num_moe_experts, x.shape[1], c.expert_ids.shape[1], 0 if q is None else q.mode, c.num_max * e.world_size,
+        fmt.row_bytes, DTYPE_CODES[x.dtype], e.shared_expert_num, e.shared_expert_rank_num,
+        hash(e.ep_rank_of) & 0x7FFFFFFF, e.tp_world_size, SCALAR_TYPE_CODE[fmt.data_dtype],
+        OP_COMM_ALGS.index(c.comm_alg), x.shape[0],
+    )  # fmt: skip
+
+
+def check_batch(c: DispatchCall, ep: Any, agreement: Agreement) -> None:
+    """``global_bs`` 0 needs the same Bs on every rank (the fingerprint's last word)."""
+    batch = [fp[1 + 2 * ep.num_ranks + len(NAMES)] for fp in agreement.shared]
+    if c.global_bs == 0 and len({batch[r] for r in ep.live}) > 1:
+        why = f"is 0 but x has different batch sizes across ranks (per rank: {batch}); pass global_bs = max(Bs) * W"
+        raise shape("global_bs", why)
+
+
+def combine_fingerprint(c: CombineCall) -> tuple[int, ...]:
+    """The words every rank's combine must agree on (:data:`COMBINE_NAMES`)."""
+    e = c.experts
+    return (
+        e.num_moe_experts, c.x.shape[1], DTYPE_CODES[c.x.dtype], c.comm_quant_mode, c.global_bs, e.shared_expert_num,
+        e.shared_expert_rank_num, hash(e.ep_rank_of) & 0x7FFFFFFF, e.tp_world_size, OP_COMM_ALGS.index(c.comm_alg),
+    )  # fmt: skip
+
+
 def add_wait_time(performance_info: torch.Tensor | None, agreement: Agreement, wait_ns: int) -> None:
     """Add this call's wait (µs: the agreement step plus the payload wait) to ``performance_info[src]`` for every
     source rank that sent this rank data (one collective serves all sources, so they share its wait time)."""
@@ -178,10 +214,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         addend, active = None, 0
     elif e.copy_expert_num or e.const_expert_num:
         extra = special_contributions(c)
-    fingerprint = (
-        e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], c.comm_quant_mode, c.global_bs, e.shared_expert_num,
-        e.shared_expert_rank_num, hash(e.ep_rank_of) & 0x7FFFFFFF, e.tp_world_size, OP_COMM_ALGS.index(c.comm_alg),
-    )  # fmt: skip
+    fingerprint = combine_fingerprint(c)
     out = c.out if c.out is not None else x.new_empty((c.expert_ids.shape[0], hidden))
     weights = pair_weights(plan, c.expert_scales, c.expert_ids.shape[1])
     job = CombineJob(x, rows, rows_per_src, plan, weights, c.comm_quant_mode, out, fingerprint, COMBINE_NAMES, MISMATCH,

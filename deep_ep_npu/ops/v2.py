@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..backends import InFlight
 from ..core import ascend
 from ..core.call import CombineCall, DispatchCall
+from ..engine import flat, static_flat
 from ..engine.exchange import engine_for
 from ..errors import MoeDistributeError
 from ..transports.collective import EPGroup
@@ -133,7 +134,7 @@ def moe_distribute_dispatch_start(
             wait_stats=performance_info, expert_token_nums_type=expert_token_nums_type,
             ccl_buffer_size=ccl_buffer_size, comm_alg=comm_alg,
         ))  # fmt: skip
-    return engine.dispatch(call)
+    return static_flat.dispatch(engine, call) if flat.static_round(engine, call) else engine.dispatch(call)
 
 
 def moe_distribute_combine_start(
@@ -202,7 +203,7 @@ def moe_distribute_combine_start(
             const_expert_v=const_expert_v, comm_quant_mode=comm_quant_mode, wait_stats=performance_info,
             global_bs=global_bs, comm_alg=comm_alg,
         ))  # fmt: skip
-    return engine.combine(call)
+    return static_flat.combine(engine, call) if flat.static_round(engine, call) else engine.combine(call)
 
 
 def one_shot(start: Callable[_P, InFlight], name: str) -> Callable[_P, Any]:

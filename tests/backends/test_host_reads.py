@@ -7,6 +7,7 @@ on CPU tensors the value checks run (the same instrument sees them: it can fail)
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -181,6 +182,96 @@ def _v3_reads(info) -> tuple[list[str], list[str]]:
 
 def test_v3_context_front_end_reads_its_context_once():
     """The V3 ops read their communication context once per context tensor (and per in-place change), not per call;
-    the reference engine below them still plans on the host (the instrument sees those reads)."""
+    the reference engine below them plans on the host with the CPU kernels on (the instrument sees those reads)."""
     for rank, (front_end, everything) in enumerate(parallel_launch(2, _v3_reads, timeout=120)):
         assert not front_end and everything, (rank, front_end)
+
+
+def _reference_reads(info) -> dict[str, tuple[list[str], list[str]]]:
+    """The ``_v2`` ops (bf16 and int8 per token, a 2D mask, weights, ``shared_expert_x``, ``global_bs``) and
+    MoeDistributeBuffer on the reference engine with checks off and the torch code (the CPU kernels off, as a device
+    runs it): per call, the second run's host reads in all library code and the collectives it issued."""
+    from deep_ep_npu import kernels, ops
+    from deep_ep_npu.cann import MoeDistributeBuffer
+    from deep_ep_npu.transports.collective import EPGroup
+
+    _policy("0")
+    kw = dict(group_ep=info.group, ep_world_size=info.world_size, ep_rank_id=info.rank, moe_expert_num=E)
+    buffer, out, issued = MoeDistributeBuffer(info.group), {}, []
+    real = EPGroup.start
+    EPGroup.start = lambda group, launch, op: issued.append(op) or real(group, launch, op)  # type: ignore[method-assign]
+
+    def v2(quant_mode: int, step: int) -> None:
+        x, _, weights = _inputs(info.rank, step)
+        ids = torch.rand((N, E), generator=torch.Generator().manual_seed(info.rank + step)).topk(K).indices.int()
+        mask = torch.rand((N, K), generator=torch.Generator().manual_seed(step)) > 0.3
+        got = ops.moe_distribute_dispatch_v2(x, ids, **kw, x_active_mask=mask, expert_scales=weights,
+                                             quant_mode=quant_mode, global_bs=N * info.world_size)  # fmt: skip
+        rows = got[0].float() * got[1][:, None] if quant_mode else got[0].float()
+        ops.moe_distribute_combine_v2(rows.to(torch.bfloat16), ids, got[2], got[4], weights, **kw, x_active_mask=mask,
+                                      shared_expert_x=x, global_bs=N * info.world_size)  # fmt: skip
+
+    def v3(step: int) -> None:
+        x, _, weights = _inputs(info.rank, step)
+        ids = torch.rand((N, E), generator=torch.Generator().manual_seed(info.rank + step)).topk(K).indices.int()
+        got = buffer.low_latency_dispatch(x, ids, E, topk_weights=weights, num_max_dispatch_tokens_per_rank=N)
+        buffer.low_latency_combine(got[0], ids, weights, got[2], got[4], num_experts=E)
+
+    try:
+        with kernels.disabled():
+            calls = {"v2": partial(v2, 0), "v2 int8": partial(v2, 2), "MoeDistributeBuffer": v3}
+            for name, call in calls.items():
+                call(0)
+                issued.clear()
+                with HostReads() as seen:
+                    call(1)
+                out[name] = (list(seen), list(issued))
+    finally:
+        EPGroup.start = real  # type: ignore[method-assign]
+    return out
+
+
+def test_reference_engine_ops_steady_state_read_nothing():
+    """The ``_v2`` ops and MoeDistributeBuffer on the reference engine, checks off, the torch code: no host read of a
+    tensor value in library code, one collective per dispatch and per combine (the static round)."""
+    for rank, per_call in enumerate(parallel_launch(2, _reference_reads, timeout=120)):
+        for name, (reads, collectives) in per_call.items():
+            assert not reads, (rank, name, reads)
+            assert collectives == ["moe_distribute_dispatch_v2", "moe_distribute_combine_v2"], (rank, name, collectives)
+
+
+def _elastic_reads(info) -> dict[str, list[str]]:
+    """DeepEP V2's ElasticBuffer on the ascend backend, checks off, no CPU sync: the host reads of a fresh dispatch
+    (after one warm-up), of a cached one (its handle's) and of a combine, expand layout and not."""
+    from deep_ep_npu import ElasticBuffer
+
+    sim.install()
+    _policy("0")
+    buffer = ElasticBuffer(info.group, num_max_tokens_per_rank=N, hidden=H, explicitly_destroy=True, backend="ascend")
+    x, topk_idx, _ = _inputs(info.rank, 0)
+    reads: dict[str, list[str]] = {}
+    for expand in (False, True):
+        buffer.dispatch(x, topk_idx, num_experts=E, do_cpu_sync=False, do_expand=expand)  # (warm-up)
+        with HostReads(device=STAND_IN) as fresh:
+            recv_x, _, _, handle, _ = buffer.dispatch(x, topk_idx, num_experts=E, do_cpu_sync=False, do_expand=expand)
+        reads[f"fresh dispatch expand={expand}"] = list(fresh)
+        with HostReads(device=STAND_IN) as cached:
+            again, _, _, _, _ = buffer.dispatch(x, handle=handle, do_expand=expand)
+        with HostReads(device=STAND_IN) as combined:
+            buffer.combine(again, handle)
+        reads[f"cached dispatch expand={expand}"], reads[f"combine expand={expand}"] = list(cached), list(combined)
+        if not expand:  # (the received rows; past them the rows are unspecified without CPU sync, as DeepEP's)
+            num_recv = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+            assert torch.equal(again[:num_recv], recv_x[:num_recv])
+    buffer.destroy()
+    return reads
+
+
+def test_elastic_buffer_steady_state_reads_nothing():
+    """ElasticBuffer on the ascend backend without CPU sync: a fresh dispatch (placed from the op's outputs with index
+    tensors at the worst-case shapes), a cached one (the op places rows as the handle's dispatch did) and the combine
+    make no host read; not yet the fresh expand layout (it reads the op's counts to place its pairs)."""
+    for rank, reads in enumerate(parallel_launch(2, _elastic_reads, timeout=120)):
+        still = reads.pop("fresh dispatch expand=True")
+        assert reads and not any(reads.values()), (rank, reads)
+        assert still, "the instrument sees the fresh expand layout's reads"

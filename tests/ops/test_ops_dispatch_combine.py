@@ -74,6 +74,19 @@ def _expert_outputs(rank: int, world_size: int, case: dict, expand_x, dyn, token
     return out
 
 
+def _run_static(info, cases: bytes):
+    """:func:`_run_cases` with the value checks off and the torch code: the ops' static round, no host read
+    (:mod:`deep_ep_npu.engine.static_flat`; smooth scales take the host plan)."""
+    import os
+
+    from deep_ep_npu import envs, kernels
+
+    os.environ["DEEP_EP_NPU_CHECK_VALUES"] = "0"
+    envs.check_values.cache_clear()  # (read once per process)
+    with kernels.disabled():
+        return _run_cases(info, cases)
+
+
 def _run_cases(info, cases: bytes):
     """Run every case (serialized with ``to_bytes``: tensors as bytes, not shared-memory handles) on this rank."""
     from deep_ep_npu.ops import (
@@ -118,8 +131,8 @@ def _run_cases(info, cases: bytes):
     return to_bytes(results)
 
 
-def check_cases(world_size: int, cases: list[dict]) -> None:
-    results = [from_bytes(b) for b in parallel_launch(world_size, _run_cases, to_bytes(cases), timeout=90)]
+def check_cases(world_size: int, cases: list[dict], run=_run_cases) -> None:
+    results = [from_bytes(b) for b in parallel_launch(world_size, run, to_bytes(cases), timeout=90)]
     for i, case in enumerate(cases):
         lay = Layout(world_size, case["num_experts"])
         smooth = case["smooth"]
@@ -162,6 +175,13 @@ def _describe(case: dict) -> str:
 def test_random_cases_match_oracle(world_size):
     cases = [make_case(1000 * world_size + i, world_size) for i in range(30)]
     check_cases(world_size, cases)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_static_round_matches_oracle(world_size):
+    """The same random cases on the static round (checks off, the torch code): bit-identical to the oracle."""
+    cases = [make_case(3000 * world_size + i, world_size, smooth=False) for i in range(20)]
+    check_cases(world_size, cases, _run_static)
 
 
 def test_feature_grid_two_ranks():

@@ -518,3 +518,32 @@ def _hypothesis_combine_in_rank(info):
 
 def test_random_bad_combine_inputs_hypothesis():
     assert parallel_launch(1, _hypothesis_combine_in_rank, timeout=120) == [True]
+
+
+def _two_rank_scenarios_static(info):
+    import os
+
+    from deep_ep_npu import envs, kernels
+
+    os.environ["DEEP_EP_NPU_CHECK_VALUES"] = "0"
+    envs.check_values.cache_clear()  # (read once per process)
+    with kernels.disabled():  # the torch code: the static round (deep_ep_npu.engine.static_flat)
+        return _two_rank_scenarios(info)
+
+
+def test_rank_local_errors_raise_on_every_rank_on_the_static_round():
+    """Value checks off, the torch code (the ops' static round, headers checked on the device): every case that is
+    not a value check raises as with the checks on, on every rank, and the group still works after them; the bad id
+    is not reported (not sent)."""
+    results = parallel_launch(2, _two_rank_scenarios_static, timeout=60)
+    bad = []
+    for r, got in enumerate(results):
+        assert got.pop("ok") is True
+        for name, per_rank in TWO_RANK_EXPECT.items():
+            code, param, text = per_rank[r]
+            if name == "rank_local_bad_id":
+                if got[name] is not None:
+                    bad.append(f"rank {r} {name}: a value check ran with the checks off: {got[name]}")
+            elif got[name] is None or got[name][:2] != (code, param) or text not in got[name][2]:
+                bad.append(f"rank {r} {name}: expected ({code}, {param}, ...{text}...), got {got[name]}")
+    assert not bad, "\n".join(bad)

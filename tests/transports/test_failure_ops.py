@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deep_ep_npu import Buffer, EPRankFailure, envs
+from deep_ep_npu import Buffer, EPRankFailure, envs, kernels
 from deep_ep_npu import ops as ep_ops
 from deep_ep_npu.transports.failure import DEFAULT_TIMEOUT_S, resolve_timeout
 from tests.distributed import leave_together, parallel_launch, stop_victim
@@ -37,8 +37,12 @@ def _ops_round(info, stop_before: str | None = None):
     return ep_ops.moe_distribute_combine_v2(expand_x, ids, assist, counts, w, *args)
 
 
-def _ops_failure(info, where: str, how: str, victim: int):
+def _ops_failure(info, where: str, how: str, victim: int, static: bool = False):
     os.environ["DEEP_EP_NPU_TIMEOUT"] = "1.5"  # read when the group's EPGroup is created (first op call)
+    if static:  # checks off, the torch code: the ops' static round (deep_ep_npu.engine.static_flat)
+        os.environ["DEEP_EP_NPU_CHECK_VALUES"] = "0"
+        envs.check_values.cache_clear()
+        kernels.disabled().__enter__()  # (this rank process's whole life)
     store = dist.distributed_c10d._get_default_store()
     _ops_round(info)
     if info.rank == victim:
@@ -54,9 +58,11 @@ def _ops_failure(info, where: str, how: str, victim: int):
     return out
 
 
-@pytest.mark.parametrize(("where", "how"), [("dispatch", "exit"), ("combine", "hang")])
-def test_ops_raise_naming_the_missing_rank(where, how):
-    results = parallel_launch(3, _ops_failure, where, how, 1, timeout=60, allow_exit=(1,))
+@pytest.mark.parametrize(
+    ("where", "how", "static"), [("dispatch", "exit", False), ("combine", "hang", False), ("combine", "exit", True)]
+)
+def test_ops_raise_naming_the_missing_rank(where, how, static):
+    results = parallel_launch(3, _ops_failure, where, how, 1, static, timeout=60, allow_exit=(1,))
     for rank in (0, 2):
         missing, excluded, elapsed, message = results[rank]
         assert missing == (1,) and not excluded, results[rank]
