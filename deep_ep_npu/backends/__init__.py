@@ -63,9 +63,17 @@ class Backend(abc.ABC):
     name: str = ""
     native_quant_format: str = "fp8_e4m3"
 
-    def __init__(self, group: dist.ProcessGroup, *, timeout: float | None = None, enable_shrink: bool = False,
-                 transport: str = "collective", num_rdma_bytes: int = 0, ccl_buffer_size: int | None = None,
-                 reuse: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        timeout: float | None = None,
+        enable_shrink: bool = False,
+        transport: str = "collective",
+        num_rdma_bytes: int = 0,
+        ccl_buffer_size: int | None = None,
+        reuse: bool = True,
+    ) -> None:
         """``timeout``: seconds per collective wait (None: ``DEEP_EP_NPU_TIMEOUT``, else 30 s); ``enable_shrink``:
         continue on the survivors of a failure; ``transport`` / ``num_rdma_bytes``: how the engine moves rows and
         its window's size; ``ccl_buffer_size``: the Ascend ops' CCL window (MB, None: sized by the first call);

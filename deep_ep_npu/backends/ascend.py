@@ -81,22 +81,39 @@ class AscendBackend(Backend):
     def _flat_dispatch(self, c: DispatchCall) -> tuple[torch.Tensor, ...]:
         e, q = c.experts, c.quant
         ids, zero_num = map_no_expert(c.expert_ids, e.num_moe_experts, e.zero_expert_num)
-        kw = dict(scales=c.scales, x_active_mask=c.x_active_mask, expert_scales=c.expert_scales,
-                  quant_mode=0 if q is None else q.mode, expert_token_nums_type=c.expert_token_nums_type,
-                  shared_expert_num=max(e.shared_expert_num, 1), shared_expert_rank_num=e.shared_expert_rank_num,
-                  global_bs=c.num_max * e.world_size, copy_expert_num=e.copy_expert_num,
-                  const_expert_num=e.const_expert_num, zero_expert_num=zero_num)  # fmt: skip
+        kw = dict(
+            scales=c.scales,
+            x_active_mask=c.x_active_mask,
+            expert_scales=c.expert_scales,
+            quant_mode=0 if q is None else q.mode,
+            expert_token_nums_type=c.expert_token_nums_type,
+            shared_expert_num=max(e.shared_expert_num, 1),
+            shared_expert_rank_num=e.shared_expert_rank_num,
+            global_bs=c.num_max * e.world_size,
+            copy_expert_num=e.copy_expert_num,
+            const_expert_num=e.const_expert_num,
+            zero_expert_num=zero_num,
+        )
         return self.ops.dispatch(c.x, ids, e.num_moe_experts, c.num_max, e.num_local, **kw)
 
     def _flat_combine(self, c: CombineCall) -> torch.Tensor:
         e, (assist, counts, _) = c.experts, c.handle
         ids, zero_num = map_no_expert(c.expert_ids, e.num_moe_experts, e.zero_expert_num)
-        kw = dict(x_active_mask=c.x_active_mask, shared_expert_x=c.shared_expert_x, ori_x=c.ori_x,
-                  const_expert_alpha_1=c.const_expert_alpha_1, const_expert_alpha_2=c.const_expert_alpha_2,
-                  const_expert_v=c.const_expert_v, comm_quant_mode=c.comm_quant_mode,
-                  shared_expert_num=max(e.shared_expert_num, 1), shared_expert_rank_num=e.shared_expert_rank_num,
-                  global_bs=c.global_bs, copy_expert_num=e.copy_expert_num, const_expert_num=e.const_expert_num,
-                  zero_expert_num=zero_num)  # fmt: skip
+        kw = dict(
+            x_active_mask=c.x_active_mask,
+            shared_expert_x=c.shared_expert_x,
+            ori_x=c.ori_x,
+            const_expert_alpha_1=c.const_expert_alpha_1,
+            const_expert_alpha_2=c.const_expert_alpha_2,
+            const_expert_v=c.const_expert_v,
+            comm_quant_mode=c.comm_quant_mode,
+            shared_expert_num=max(e.shared_expert_num, 1),
+            shared_expert_rank_num=e.shared_expert_rank_num,
+            global_bs=c.global_bs,
+            copy_expert_num=e.copy_expert_num,
+            const_expert_num=e.const_expert_num,
+            zero_expert_num=zero_num,
+        )
         combined = self.ops.combine(c.x, ids, assist, counts, c.expert_scales, e.num_moe_experts, **kw)
         return combined if c.out is None else c.out.copy_(combined)
 

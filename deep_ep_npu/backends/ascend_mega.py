@@ -58,8 +58,9 @@ def route_no_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.where(none, torch.searchsorted(free_so_far, nth), ids)
 
 
-def fused_op_kwargs(call: DispatchCall, ffn: FFN, group_name: str,
-                    prepare_weight: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:  # fmt: skip
+def fused_op_kwargs(
+    call: DispatchCall, ffn: FFN, group_name: str, prepare_weight: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, Any]:
     """The keyword arguments of one fused-op call: one-item weight lists in the op's format, int32 ids; a -1 (no
     expert) goes to an expert the token does not list, with weight 0 (:func:`route_no_expert`: it adds 0, unless
     that expert's output for the token is not finite)."""
@@ -71,13 +72,22 @@ def fused_op_kwargs(call: DispatchCall, ffn: FFN, group_name: str,
     if ffn.w1_scale is not None and ffn.w2_scale is not None:
         scale1, scale2 = [fixpipe_scale(ffn.w1_scale.to(dev))], [fixpipe_scale(ffn.w2_scale.to(dev))]
     return dict(
-        x=x, weight1=[prepare_weight(ffn.w1.to(dev))], weight2=[prepare_weight(ffn.w2.to(dev))],
-        expert_idx=ids, scale1=scale1, scale2=scale2, bias1=no_bias,
-        bias2=no_bias, probs=probs, group=group_name, max_output_size=ffn.max_output_size,
+        x=x,
+        weight1=[prepare_weight(ffn.w1.to(dev))],
+        weight2=[prepare_weight(ffn.w2.to(dev))],
+        expert_idx=ids,
+        scale1=scale1,
+        scale2=scale2,
+        bias1=no_bias,
+        bias2=no_bias,
+        probs=probs,
+        group=group_name,
+        max_output_size=ffn.max_output_size,
         out=torch.empty(tuple(x.shape), dtype=x.dtype, device=dev),
         expert_token_nums=torch.zeros((call.experts.num_local,), dtype=torch.int32, device=dev),
-        x_active_mask=call.x_active_mask, swiglu_limit=ffn.swiglu_limit,
-    )  # fmt: skip
+        x_active_mask=call.x_active_mask,
+        swiglu_limit=ffn.swiglu_limit,
+    )
 
 
 def fused_mega_moe(ops: Any, group: dist.ProcessGroup, rank: int, call: DispatchCall, ffn: FFN) -> torch.Tensor:

@@ -72,14 +72,23 @@ class _Ops:
                 raise shape("ccl_buffer_size", f"{source}: {have} MB is too small for {shapes}: {fix}")
         return self.ccl_buffer_size if self.ccl_buffer_size is not None else max(need, self.created or 0)
 
-    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, moe_expert_num: int, num_max: int, num_local: int,
-                 **kw: Any) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def dispatch(
+        self, x: torch.Tensor, ids: torch.Tensor, moe_expert_num: int, num_max: int, num_local: int, **kw: Any
+    ) -> tuple[torch.Tensor, ...]:
         self.ccl_size(num_max, x.shape[1], num_local, ids.shape[1])
         op = self.torch_npu.npu_moe_distribute_dispatch_v2
         return tuple(op(x, ids, self.comm_name, self.num_ranks, self.rank, moe_expert_num, **kw))
 
-    def combine(self, expand_x: torch.Tensor, ids: torch.Tensor, assist: torch.Tensor, counts: torch.Tensor,
-                weights: torch.Tensor, moe_expert_num: int, **kw: Any) -> torch.Tensor:  # fmt: skip
+    def combine(
+        self,
+        expand_x: torch.Tensor,
+        ids: torch.Tensor,
+        assist: torch.Tensor,
+        counts: torch.Tensor,
+        weights: torch.Tensor,
+        moe_expert_num: int,
+        **kw: Any,
+    ) -> torch.Tensor:
         args = (expand_x, ids, assist, counts, weights, self.comm_name, self.num_ranks, self.rank, moe_expert_num)
         return self.torch_npu.npu_moe_distribute_combine_v2(*args, **kw)
 
@@ -102,8 +111,9 @@ class _ContextOps(_Ops):
             self.created = ccl_buffer_size
         return getattr(self.buffer, name, None) or getattr(self.buffer, "npu_" + name)
 
-    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, moe_expert_num: int, num_max: int, num_local: int,
-                 **kw: Any) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def dispatch(
+        self, x: torch.Tensor, ids: torch.Tensor, moe_expert_num: int, num_max: int, num_local: int, **kw: Any
+    ) -> tuple[torch.Tensor, ...]:
         ccl = self.ccl_size(num_max, x.shape[1], num_local, ids.shape[1])
         kw["num_max_dispatch_tokens_per_rank"] = kw.pop("global_bs") // self.num_ranks
         kw["x_smooth_scale"], kw["topk_weights"] = kw.pop("scales", None), kw.pop("expert_scales", None)
@@ -112,8 +122,16 @@ class _ContextOps(_Ops):
         # the torch_npu op's outputs, without tp_recv_counts: add a `[1]` int32 zero one
         return (*outs[:5], torch.zeros((1,), dtype=torch.int32, device=outs[0].device), outs[5])
 
-    def combine(self, expand_x: torch.Tensor, ids: torch.Tensor, assist: torch.Tensor, counts: torch.Tensor,
-                weights: torch.Tensor, moe_expert_num: int, **kw: Any) -> torch.Tensor:  # fmt: skip
+    def combine(
+        self,
+        expand_x: torch.Tensor,
+        ids: torch.Tensor,
+        assist: torch.Tensor,
+        counts: torch.Tensor,
+        weights: torch.Tensor,
+        moe_expert_num: int,
+        **kw: Any,
+    ) -> torch.Tensor:
         kw.update(num_experts=moe_expert_num, num_max_dispatch_tokens_per_rank=kw.pop("global_bs") // self.num_ranks)
         return self._method("low_latency_combine", 0)(expand_x, ids, weights, assist, counts, **kw)
 

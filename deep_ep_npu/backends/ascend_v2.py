@@ -69,8 +69,15 @@ def dispatch(backend: Any, c: DispatchCall) -> Any:
     return out
 
 
-def _placed(c: DispatchCall, payload: expand.Payload, sizes: tuple[int, int], expand_x: torch.Tensor,
-            assist: torch.Tensor, token_nums: torch.Tensor, expand_scales: torch.Tensor) -> Any:  # fmt: skip
+def _placed(
+    c: DispatchCall,
+    payload: expand.Payload,
+    sizes: tuple[int, int],
+    expand_x: torch.Tensor,
+    assist: torch.Tensor,
+    token_nums: torch.Tensor,
+    expand_scales: torch.Tensor,
+) -> Any:
     """A fresh non-expand layout at the worst-case shapes (``sizes``) from the op's outputs, with index tensors (no
     host read): (placement, each op row's received row `[A]` (``R * N``: not a received pair) and slot, the
     outputs)."""

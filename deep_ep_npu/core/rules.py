@@ -121,8 +121,16 @@ def prefix_mask(mask: torch.Tensor, num_tokens: int) -> None:
         raise shape("x_active_mask", "a 1D mask must mark a prefix of active tokens (all True entries first)")
 
 
-def expert_ids(ids: object, param: str, num_ids: int, num_tokens: int, max_topk: int, no_expert: bool,
-               what: str = "", active: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def expert_ids(
+    ids: object,
+    param: str,
+    num_ids: int,
+    num_tokens: int,
+    max_topk: int,
+    no_expert: bool,
+    what: str = "",
+    active: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The top-k rule: `[num_tokens, K]` int32 / int64, ``0 < K <= max_topk``, every id in ``[0, num_ids)`` (or -1,
     "no expert", when ``no_expert``), no id twice in a row. Checked on the given dtype, before any cast, and only
     where ``active`` (`[num_tokens, K]` bool, None: everywhere) is True: excluded entries may hold anything. The ids'
@@ -187,8 +195,9 @@ def overlap_flags(async_finish: object, return_recv_hook: object) -> None:
         raise invalid("async_finish", "async_finish and return_recv_hook cannot both be True (pick one overlap style)")
 
 
-def deepep_quant(use_fp8: object, round_scale: object, use_ue8m0: object, quant_format: object,
-                 native: str) -> str | None:  # fmt: skip
+def deepep_quant(
+    use_fp8: object, round_scale: object, use_ue8m0: object, quant_format: object, native: str
+) -> str | None:
     """DeepEP's ``use_fp8`` / ``round_scale`` / ``use_ue8m0`` and our ``quant_format`` (``native``: the backend's):
     the rows' format, None (x's dtype), ``"fp8_e4m3"`` or ``"int8_per_token"``."""
     use_fp8, rounded = flag(use_fp8, "use_fp8"), flag(round_scale, "round_scale")

@@ -225,13 +225,24 @@ class Engine(Backend):
         known = last and job.tp is None and 0 < job.capacity * ends[-1] <= self.early_bytes
         counts = [[n, k if known else -1] for n, k in zip(job.rows_per_src, plan.pairs_per_dest, strict=True)]
         vectors = (*job.rows_per_src, *plan.pairs_per_dest)
-        receive = self._exchange("combine", c.op, job, counts, vectors, write, more, own if early else None, finish,
-                                 ends[-1])  # fmt: skip
+        receive = self._exchange(
+            "combine", c.op, job, counts, vectors, write, more, own if early else None, finish, ends[-1]
+        )
         return InFlight(receive, job.out)
 
-    def _exchange(self, kind: str, op: str, sender: Any, counts: list[list[int]], vectors: Sequence[int],
-                  write: Callable[[bool, int, torch.Tensor], None], more: Check | None, own: Callable[[], None] | None,
-                  finish: Callable[[Agreement, Parts, int], Any], row_bytes: int = 0) -> Callable[[], Any]:  # fmt: skip
+    def _exchange(
+        self,
+        kind: str,
+        op: str,
+        sender: Any,
+        counts: list[list[int]],
+        vectors: Sequence[int],
+        write: Callable[[bool, int, torch.Tensor], None],
+        more: Check | None,
+        own: Callable[[], None] | None,
+        finish: Callable[[Agreement, Parts, int], Any],
+        row_bytes: int = 0,
+    ) -> Callable[[], Any]:
         """One exchange of ``sender`` (the layout or the combine job): send (``write(remote, d, out)``: the rows for
         rank d; a TP pair's peer is told when the EP call fails before their agreement), check the headers (status,
         ``more``, the fingerprint), run ``own()`` (if any) while the rows travel, and return the receive:
@@ -250,8 +261,16 @@ class Engine(Backend):
 
         write_rows = functools.partial(write, transport is self.window)
         try:
-            token = transport.send(op, counts, shared, write_rows, check, agree_now=sender.agree_now, device=device,
-                                   before_payload=None if tp is None else tp.before_payload)  # fmt: skip
+            token = transport.send(
+                op,
+                counts,
+                shared,
+                write_rows,
+                check,
+                agree_now=sender.agree_now,
+                device=device,
+                before_payload=None if tp is None else tp.before_payload,
+            )
         except MoeDistributeError as err:
             if tp is not None:
                 tp.abort(err.code)
@@ -296,8 +315,13 @@ class Engine(Backend):
         self.results.blocks.clear()
 
 
-def _then(encode: Callable[[bool, int, torch.Tensor], None], fields: Callable[[int, torch.Tensor], None],
-          remote: bool, d: int, out: torch.Tensor) -> None:  # fmt: skip
+def _then(
+    encode: Callable[[bool, int, torch.Tensor], None],
+    fields: Callable[[int, torch.Tensor], None],
+    remote: bool,
+    d: int,
+    out: torch.Tensor,
+) -> None:
     encode(remote, d, out)
     fields(d, out)
 

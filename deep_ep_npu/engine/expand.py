@@ -85,8 +85,14 @@ class Placement:
     num_expanded: int
 
 
-def make_placement(slots: torch.Tensor, rows_from: list[int], num_local: int, alignment: int,
-                   sizes: tuple[int, int] | None, pairs: bool = True) -> Placement:  # fmt: skip
+def make_placement(
+    slots: torch.Tensor,
+    rows_from: list[int],
+    num_local: int,
+    alignment: int,
+    sizes: tuple[int, int] | None,
+    pairs: bool = True,
+) -> Placement:
     """The placement of received tokens in layout order: ``slots`` `[total, K]` int32 (each one's local expert per
     slot, -1: not here), ``rows_from`` tokens per source rank; ``sizes``: the rows to allocate (None: exact);
     without ``pairs`` (non-expand rows: only the counts are read) the pair tensors are empty."""
@@ -143,8 +149,9 @@ def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
     return None if c.cpu_sync else (rn, align(rn * min(num_topk, e.num_local) + (a - 1) * e.num_local, a))
 
 
-def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None,
-               state: dict[str, Any]) -> EPHandle:  # fmt: skip
+def new_handle(
+    c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None, state: dict[str, Any]
+) -> EPHandle:
     """The handle of a fresh dispatch (``state``: what its backend keeps)."""
     num_rows, num_expanded = sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
     listed = [] if not c.cpu_sync or place is None else place.aligned.tolist()
@@ -155,16 +162,36 @@ def new_handle(c: DispatchCall, out: Outputs, place: Placement | None, sizes: tu
     before = sends.cumsum(0) - sends
     slot_idx = torch.where(used, before.gather(1, dest.clamp(max=r - 1)), -1).to(torch.int32)
     return EPHandle(
-        c.do_expand, c.experts.num_moe_experts, c.alignment, c.num_max, 0,
-        c.expert_ids.clone() if c.handle_copy else c.expert_ids, num_rows, num_expanded if c.do_expand else 0,
-        listed, out.psum_per_rank, out.psum_per_expert, out.counts, out.metadata, slot_idx, state,
-    )  # fmt: skip
+        c.do_expand,
+        c.experts.num_moe_experts,
+        c.alignment,
+        c.num_max,
+        0,
+        c.expert_ids.clone() if c.handle_copy else c.expert_ids,
+        num_rows,
+        num_expanded if c.do_expand else 0,
+        listed,
+        out.psum_per_rank,
+        out.psum_per_expert,
+        out.counts,
+        out.metadata,
+        slot_idx,
+        state,
+    )
 
 
-def receive(c: DispatchCall, p: Payload, place: Placement, x: torch.Tensor, sf: torch.Tensor | None,
-            weights: torch.Tensor, tokens: torch.Tensor | None, out: Outputs | None,
-            make_handle: Callable[[Outputs, Placement | None], EPHandle],
-            fresh: Fresh | None = None) -> Outputs:  # fmt: skip
+def receive(
+    c: DispatchCall,
+    p: Payload,
+    place: Placement,
+    x: torch.Tensor,
+    sf: torch.Tensor | None,
+    weights: torch.Tensor,
+    tokens: torch.Tensor | None,
+    out: Outputs | None,
+    make_handle: Callable[[Outputs, Placement | None], EPHandle],
+    fresh: Fresh | None = None,
+) -> Outputs:
     """Write the received tokens (x `[n, hidden]`, sf, weights `[n, K]`, in layout order) where ``place`` says into
     ``out`` (None: allocated now) and, for a fresh layout (``tokens`` `[n]`: each row's source token), the handle's
     tensors: source metadata, prefix sums, counts."""
@@ -221,8 +248,17 @@ class _Expand:
         expect = None if self.cached is None else list(self.cached.rows_from)  # (checked by every rank: check())
         self.known = None if past else expect
         self.vectors = (*self.plan.rows_per_dest, *(expect or [-1] * e.world_size))
-        self.fingerprint = (int(h is not None), c.num_max, e.num_moe_experts, p.hidden, X_DTYPE_CODES[p.x_dtype],
-                            p.sf_cols, SF_DTYPE_CODES[p.sf_dtype], p.num_topk, self.fmt.row_bytes)  # fmt: skip
+        self.fingerprint = (
+            int(h is not None),
+            c.num_max,
+            e.num_moe_experts,
+            p.hidden,
+            X_DTYPE_CODES[p.x_dtype],
+            p.sf_cols,
+            SF_DTYPE_CODES[p.sf_dtype],
+            p.num_topk,
+            self.fmt.row_bytes,
+        )
         self.sizes = sizes_of(c, p.num_topk)
         state = dict(owner=engine, plan=self.plan, payload=p)
         sizes = self.sizes  # (a closure over self would make a cycle: results freed late)
@@ -363,8 +399,21 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         extra = (tokens, torch.full_like(tokens, -1), bias)
     fingerprint = (h.num_max_tokens_per_rank, h.num_experts, hidden, X_DTYPE_CODES[x.dtype], int(weighted))
     ones, out = torch.ones_like(plan.token, dtype=torch.float32), engine.fresh((num_tokens, hidden), x.dtype)
-    job = CombineJob(source, rows, list(rows_per_src), plan, ones, 0, out, fingerprint, COMBINE_NAMES, MISMATCH,
-                     by_slot=True, extra=extra, agree_now=True)  # fmt: skip
+    job = CombineJob(
+        source,
+        rows,
+        list(rows_per_src),
+        plan,
+        ones,
+        0,
+        out,
+        fingerprint,
+        COMBINE_NAMES,
+        MISMATCH,
+        by_slot=True,
+        extra=extra,
+        agree_now=True,
+    )
     job.capacity = h.num_max_tokens_per_rank * min(h.num_topk, h.num_experts // r)  # (per source: N tokens)
     if c.expert_scales is None:
         return [job]
@@ -376,8 +425,17 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         w_rows = w[:total] if c.raw_weights else w[:total].masked_fill(place.slots < 0, 0.0)
     plan = _return_plan(h, rank, r, True, c.by_rank)
     ones, out = torch.ones_like(plan.token, dtype=torch.float32), w_rows.new_empty((num_tokens, h.num_topk))
-    w_job = dataclasses.replace(job, source=w_rows, return_rows=every_row, rows_per_src=list(place.rows_from),
-                                plan=plan, weights=ones, out=out, extra=None, riders=[])  # fmt: skip
+    w_job = dataclasses.replace(
+        job,
+        source=w_rows,
+        return_rows=every_row,
+        rows_per_src=list(place.rows_from),
+        plan=plan,
+        weights=ones,
+        out=out,
+        extra=None,
+        riders=[],
+    )
     if per_row and not job.fmt.quantized and job.fmt.row_bytes % 16 == 0:  # the weights ride in the rows of x
         job.riders.append(w_job)
         return [job]

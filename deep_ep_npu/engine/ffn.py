@@ -83,8 +83,16 @@ def swiglu(h: Tensor, limit: float | Activation = 0.0) -> Tensor:
     return F.silu(gate) * up
 
 
-def int8_expert_ffn(q: Tensor, q_scale: Tensor, w1: Tensor, w1_scale: Tensor, w2: Tensor, w2_scale: Tensor,
-                    out_dtype: torch.dtype, swiglu_limit: float | Activation = 0.0) -> Tensor:  # fmt: skip
+def int8_expert_ffn(
+    q: Tensor,
+    q_scale: Tensor,
+    w1: Tensor,
+    w1_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    out_dtype: torch.dtype,
+    swiglu_limit: float | Activation = 0.0,
+) -> Tensor:
     """One expert's int8 FFN on already-quantized rows (the module docstring's formula): q `[num_rows, hidden]`
     `torch.int8` with per-token scales q_scale `[num_rows]` `torch.float32`; w1 `[hidden, 2N]` / w2 `[N, hidden]`
     `torch.int8`; w1_scale `[2N]` / w2_scale `[hidden]` `torch.float32`. Returns y `[num_rows, hidden]` out_dtype."""
@@ -104,9 +112,18 @@ def float_expert_ffn(
     return (swiglu(h, swiglu_limit).to(wd).float() @ w2.float()).to(out_dtype)
 
 
-def grouped_ffn(expand_x: Tensor, dynamic_scales: Tensor, expert_token_nums: Tensor, experts: range, w1: Tensor,
-                w2: Tensor, w1_scale: Tensor | None, w2_scale: Tensor | None, out_dtype: torch.dtype,
-                swiglu_limit: float | Activation = 0.0) -> Tensor:  # fmt: skip
+def grouped_ffn(
+    expand_x: Tensor,
+    dynamic_scales: Tensor,
+    expert_token_nums: Tensor,
+    experts: range,
+    w1: Tensor,
+    w2: Tensor,
+    w1_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    out_dtype: torch.dtype,
+    swiglu_limit: float | Activation = 0.0,
+) -> Tensor:
     """GMM1 -> SwiGLU -> GMM2 over dispatch's expert-major rows for the local experts in ``experts`` (the others must
     have zero rows); returns y `[num_rows, hidden]` with ``out_dtype``, row-aligned with ``expand_x[:num_rows]``.
     expand_x `[A, hidden]` (`torch.int8` for int8 weights), dynamic_scales `[A]` `torch.float32` (int8 weights),

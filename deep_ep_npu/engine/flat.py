@@ -67,8 +67,15 @@ class _Flat:
         self.tp = None if e.tp is None else TPStage(e, c.op, x, q is not None, fmt.row_bytes)
 
     def result(self) -> tuple[torch.Tensor, ...]:
-        return (self.expand_x, self.dynamic_scales, self.assist, self.token_nums, self.recv_counts,
-                self.tp_recv_counts, self.expand_scales)  # fmt: skip
+        return (
+            self.expand_x,
+            self.dynamic_scales,
+            self.assist,
+            self.token_nums,
+            self.recv_counts,
+            self.tp_recv_counts,
+            self.expand_scales,
+        )
 
     def check(self, agreement: Agreement) -> None:
         check_batch(self.c, self.ep, agreement)
@@ -80,8 +87,17 @@ class _Flat:
         carried = 0 if c.quant is None else fmt.scale_end - fmt.scale_off  # scale bytes per row that travel
         blocks = [*parts, own]
         expand_x, scale_bytes = self.expand_x, self.scale_bytes
-        num_recv = kernels.place_flat(blocks, fmt, carried, self.weights is not None, counts, expand_x[:cap],
-                                          scale_bytes[:cap], self.assist, self.expand_scales)  # fmt: skip
+        num_recv = kernels.place_flat(
+            blocks,
+            fmt,
+            carried,
+            self.weights is not None,
+            counts,
+            expand_x[:cap],
+            scale_bytes[:cap],
+            self.assist,
+            self.expand_scales,
+        )
         if num_recv is None:
             num_recv = self._place_torch(blocks, counts)
         elif num_recv < 0:
@@ -153,11 +169,21 @@ def fingerprint(c: DispatchCall, fmt: RowFormat) -> tuple[int, ...]:
     """The words every rank's dispatch must agree on (:data:`NAMES`), then the batch size (:func:`check_batch`)."""
     e, x, q = c.experts, c.x, c.quant
     return (
-        e.num_moe_experts, x.shape[1], c.expert_ids.shape[1], 0 if q is None else q.mode, c.num_max * e.world_size,
-        fmt.row_bytes, DTYPE_CODES[x.dtype], e.shared_expert_num, e.shared_expert_rank_num,
-        hash(e.ep_rank_of) & 0x7FFFFFFF, e.tp_world_size, SCALAR_TYPE_CODE[fmt.data_dtype],
-        OP_COMM_ALGS.index(c.comm_alg), x.shape[0],
-    )  # fmt: skip
+        e.num_moe_experts,
+        x.shape[1],
+        c.expert_ids.shape[1],
+        0 if q is None else q.mode,
+        c.num_max * e.world_size,
+        fmt.row_bytes,
+        DTYPE_CODES[x.dtype],
+        e.shared_expert_num,
+        e.shared_expert_rank_num,
+        hash(e.ep_rank_of) & 0x7FFFFFFF,
+        e.tp_world_size,
+        SCALAR_TYPE_CODE[fmt.data_dtype],
+        OP_COMM_ALGS.index(c.comm_alg),
+        x.shape[0],
+    )
 
 
 def check_batch(c: DispatchCall, ep: Any, agreement: Agreement) -> None:
@@ -172,9 +198,17 @@ def combine_fingerprint(c: CombineCall) -> tuple[int, ...]:
     """The words every rank's combine must agree on (:data:`COMBINE_NAMES`)."""
     e = c.experts
     return (
-        e.num_moe_experts, c.x.shape[1], DTYPE_CODES[c.x.dtype], c.comm_quant_mode, c.global_bs, e.shared_expert_num,
-        e.shared_expert_rank_num, hash(e.ep_rank_of) & 0x7FFFFFFF, e.tp_world_size, OP_COMM_ALGS.index(c.comm_alg),
-    )  # fmt: skip
+        e.num_moe_experts,
+        c.x.shape[1],
+        DTYPE_CODES[c.x.dtype],
+        c.comm_quant_mode,
+        c.global_bs,
+        e.shared_expert_num,
+        e.shared_expert_rank_num,
+        hash(e.ep_rank_of) & 0x7FFFFFFF,
+        e.tp_world_size,
+        OP_COMM_ALGS.index(c.comm_alg),
+    )
 
 
 def add_wait_time(performance_info: torch.Tensor | None, agreement: Agreement, wait_ns: int) -> None:
@@ -217,8 +251,23 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     fingerprint = combine_fingerprint(c)
     out = c.out if c.out is not None else x.new_empty((c.expert_ids.shape[0], hidden))
     weights = pair_weights(plan, c.expert_scales, c.expert_ids.shape[1])
-    job = CombineJob(x, rows, rows_per_src, plan, weights, c.comm_quant_mode, out, fingerprint, COMBINE_NAMES, MISMATCH,
-                     by_slot=True, extra=extra, addend=addend, active=active, agree_now=True)  # fmt: skip
+    job = CombineJob(
+        x,
+        rows,
+        rows_per_src,
+        plan,
+        weights,
+        c.comm_quant_mode,
+        out,
+        fingerprint,
+        COMBINE_NAMES,
+        MISMATCH,
+        by_slot=True,
+        extra=extra,
+        addend=addend,
+        active=active,
+        agree_now=True,
+    )
     max_bs, k = c.global_bs // e.world_size or c.expert_ids.shape[0], c.expert_ids.shape[1]
     job.capacity = max_bs * k  # (the rows one source returns: its tokens' pairs here)
     job.on_wait = partial(add_wait_time, c.wait_stats)
@@ -237,8 +286,15 @@ class TPStage:
     payload (:meth:`before_payload`, then ``after()``, e.g. the ReduceScatterV; True: the rows changed), or, when the
     EP call failed before it, the failure's code (:meth:`abort`), so that the TP peer raises too."""
 
-    def __init__(self, e: Experts, op: str, x: torch.Tensor, quantized: bool, row_bytes: int,
-                 after: Callable[[], bool] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        e: Experts,
+        op: str,
+        x: torch.Tensor,
+        quantized: bool,
+        row_bytes: int,
+        after: Callable[[], bool] | None = None,
+    ) -> None:
         self.tp, self.op, self.after, self.told = e.tp, op, after, False
         self.fingerprint = (x.shape[1], DTYPE_CODES[x.dtype] * 4 + 2 * quantized, row_bytes, e.num_moe_experts)
 

@@ -94,8 +94,19 @@ class _Masked:
         pos, most = base.clone(), max((rows.shape[0] for _, rows in parts), default=0)
         pairs = torch.empty((2, max(most * fmt.num_slots, 1)), dtype=torch.int64, device=base.device)
         for src, rows in parts:
-            k = kernels.place(rows, fmt.data_bytes, fmt.token_off, fmt.slot_off, fmt.num_slots, self.recv_x,
-                                  self.src_info, pos, counts, src, pairs)  # fmt: skip
+            k = kernels.place(
+                rows,
+                fmt.data_bytes,
+                fmt.token_off,
+                fmt.slot_off,
+                fmt.num_slots,
+                self.recv_x,
+                self.src_info,
+                pos,
+                counts,
+                src,
+                pairs,
+            )
             if k is None:
                 self._write_torch(rows, src, pos, counts)
             elif self.scales is not None:
@@ -170,5 +181,20 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     fingerprint = (h.num_max_dispatch_tokens_per_rank, h.num_experts, hidden, DTYPE_CODES[c.x.dtype])
     on_wait = None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns))
     capacity = h.num_max_dispatch_tokens_per_rank * min(c.expert_ids.shape[1], num_local)  # (per source: N tokens)
-    return [CombineJob(source.view(num_local * rn, hidden), rows, rows_per_src, plan, weights, wire, out, fingerprint,
-                       COMBINE_NAMES, MISMATCH, by_slot=c.slot_order, on_wait=on_wait, capacity=capacity)]  # fmt: skip
+    return [
+        CombineJob(
+            source.view(num_local * rn, hidden),
+            rows,
+            rows_per_src,
+            plan,
+            weights,
+            wire,
+            out,
+            fingerprint,
+            COMBINE_NAMES,
+            MISMATCH,
+            by_slot=c.slot_order,
+            on_wait=on_wait,
+            capacity=capacity,
+        )
+    ]

@@ -49,8 +49,21 @@ def run(backend: Any, call: DispatchCall, ffn: FFN, expert_token_nums: torch.Ten
     capacity = recv_capacity(e, global_bs, ids.shape[1])
     masks = [segment == s for s in range(n)]
     quant = Quant(2, torch.int8) if ffn.w1_scale is not None else None
-    dispatch = [DispatchCall(DISPATCH, "flat", x, ids, e, num_max=call.num_max, global_bs=global_bs,
-                             x_active_mask=m, quant=quant, capacity=capacity) for m in masks]  # fmt: skip
+    dispatch = [
+        DispatchCall(
+            DISPATCH,
+            "flat",
+            x,
+            ids,
+            e,
+            num_max=call.num_max,
+            global_bs=global_bs,
+            x_active_mask=m,
+            quant=quant,
+            capacity=capacity,
+        )
+        for m in masks
+    ]
     # expert segments' partial sums travel in fp32 (one rounding at the end); one segment is the whole sum already
     wire_dtype = torch.float32 if ffn.segment_by == "expert" and n > 1 else ffn.out_dtype
     weights = (ffn.w1, ffn.w2, ffn.w1_scale, ffn.w2_scale)
@@ -73,12 +86,28 @@ def run(backend: Any, call: DispatchCall, ffn: FFN, expert_token_nums: torch.Ten
             received[s] = sent[s] = None  # free the receive buffers early
             if expert_token_nums is not None:
                 expert_token_nums.copy_(token_nums if s == 0 else expert_token_nums + token_nums)
-            y = grouped_ffn(expand_x, scales, token_nums, segment_experts(ffn, s, e.num_local), *weights,
-                            ffn.out_dtype, ffn.swiglu_limit)  # fmt: skip
+            y = grouped_ffn(
+                expand_x,
+                scales,
+                token_nums,
+                segment_experts(ffn, s, e.num_local),
+                *weights,
+                ffn.out_dtype,
+                ffn.swiglu_limit,
+            )
             num_rows = int(counts[e.world_size * e.num_local - 1])
-            combine = CombineCall(COMBINE, "flat", y.to(wire_dtype), ids, e, (assist, counts, None),
-                                  x_active_mask=masks[s], expert_scales=call.expert_scales, global_bs=global_bs,
-                                  num_rows=num_rows)  # fmt: skip
+            combine = CombineCall(
+                COMBINE,
+                "flat",
+                y.to(wire_dtype),
+                ids,
+                e,
+                (assist, counts, None),
+                x_active_mask=masks[s],
+                expert_scales=call.expert_scales,
+                global_bs=global_bs,
+                num_rows=num_rows,
+            )
             combines.append(comm.submit(backend.combine, combine))
             if s:  # C0 C1 R0 C2 R1 ...: again at most two calls in flight
                 partials.append(comm.submit(receive, combines[s - 1]))

@@ -41,8 +41,17 @@ class Plan:
         return [slice(b, b + n) for b, n in zip(begin, rows, strict=True)]
 
 
-def make_plan(token: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, expert: torch.Tensor, num_tokens: int,
-              num_ranks: int, rank: int, num_local_experts: int, per_pair_rows: bool) -> Plan:  # fmt: skip
+def make_plan(
+    token: torch.Tensor,
+    slot: torch.Tensor,
+    dest: torch.Tensor,
+    expert: torch.Tensor,
+    num_tokens: int,
+    num_ranks: int,
+    rank: int,
+    num_local_experts: int,
+    per_pair_rows: bool,
+) -> Plan:
     """Sort the pairs (`[P]` int64 tensors, any order) and derive the rows that carry them."""
     nt, nl = max(num_tokens, 1), max(num_local_experts, 1)
     order = torch.argsort((dest * nl + expert) * nt + token)
@@ -60,8 +69,9 @@ def make_plan(token: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, exper
     return Plan(token, slot, dest, expert, pairs, keys % nt, row_of_pair, rows[:num_ranks], rank)
 
 
-def plan_topk(topk_idx: torch.Tensor, num_local_experts: int, num_ranks: int, rank: int, mask: torch.Tensor,
-              per_pair_rows: bool) -> Plan:  # fmt: skip
+def plan_topk(
+    topk_idx: torch.Tensor, num_local_experts: int, num_ranks: int, rank: int, mask: torch.Tensor, per_pair_rows: bool
+) -> Plan:
     """The plan of the valid entries of ``topk_idx`` `[T, K]` (validated ids; -1: none): pair (t, k) goes to rank
     ``e // L``, local expert ``e % L``; ranks masked in ``mask`` `[R]` (shrink mode) receive nothing, and a masked
     rank sends nothing. Without ``per_pair_rows`` the plan also holds its rows' ``slot_expert`` table."""
@@ -77,8 +87,9 @@ def plan_topk(topk_idx: torch.Tensor, num_local_experts: int, num_ranks: int, ra
     return make_plan(token, slot, e // nl, e % nl, len(ids), num_ranks, rank, nl, per_pair_rows)
 
 
-def plan_call(e: Experts, ids: torch.Tensor, x_active_mask: torch.Tensor | None, rank_mask: torch.Tensor,
-              per_pair_rows: bool) -> Plan:  # fmt: skip
+def plan_call(
+    e: Experts, ids: torch.Tensor, x_active_mask: torch.Tensor | None, rank_mask: torch.Tensor, per_pair_rows: bool
+) -> Plan:
     """The plan of an op call's ``ids`` `[T, K]` (validated) over the experts ``e``: routed pairs, and each active
     token's shared-expert copies (:func:`routed_pairs`)."""
     sent = (ids >= 0) & (ids < e.num_moe_experts)
@@ -92,8 +103,9 @@ def plan_call(e: Experts, ids: torch.Tensor, x_active_mask: torch.Tensor | None,
     return make_plan(token, slot, dest, expert, ids.shape[0], e.world_size, e.rank, num_local, per_pair_rows)
 
 
-def routed_pairs(e: Experts, ids: torch.Tensor, sent: torch.Tensor, x_active_mask: torch.Tensor | None,
-                 rank_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def routed_pairs(
+    e: Experts, ids: torch.Tensor, sent: torch.Tensor, x_active_mask: torch.Tensor | None, rank_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token, slot, dest EP rank, local expert) of every pair that is sent, each `[num_pairs]` `torch.int64`.
     A pair (t, k) is sent (``sent[t, k]``) iff it is active (t inside the 1D mask's prefix, or ``mask[t, k]``) and its
     id is a routed expert (``0 <= id < moe_expert_num``); zero / copy / const experts are handled by combine on the

@@ -31,8 +31,15 @@ class RowFormat:
     """A dispatch row of ``hidden`` channels for one (dtype, quant, slots, weights) combination; ``quant``: None,
     ``"fp8_e4m3"`` (DeepEP's), ``"int8_per_token"`` (= ``Quant(2, torch.int8)``) or a :class:`Quant`."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype, quant: str | Quant | None, num_slots: int, weights: bool,
-                 round_scale: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hidden: int,
+        dtype: torch.dtype,
+        quant: str | Quant | None,
+        num_slots: int,
+        weights: bool,
+        round_scale: bool,
+    ) -> None:
         self.hidden, self.quant, self.round_scale, self.num_slots = hidden, quant, round_scale, num_slots
         self.codec = INT8_PER_TOKEN if quant == "int8_per_token" else quant if isinstance(quant, Quant) else None
         self.data_dtype = dtype if quant is None else FP8_DTYPE if self.codec is None else self.codec.dtype
@@ -48,8 +55,15 @@ class RowFormat:
         words = [w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if self.data_bytes % w.itemsize == 0]
         self.word = words[0]  # copies move the widest integer words that tile the data, not bytes
 
-    def encode_into(self, out: torch.Tensor, x_rows: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                    weights: torch.Tensor | None, smooth: torch.Tensor | None = None) -> None:  # fmt: skip
+    def encode_into(
+        self,
+        out: torch.Tensor,
+        x_rows: torch.Tensor,
+        token: torch.Tensor,
+        slot_expert: torch.Tensor,
+        weights: torch.Tensor | None,
+        smooth: torch.Tensor | None = None,
+    ) -> None:
         """Fill ``out`` `[n, row_bytes]` uint8 from ``x_rows`` `[n, hidden]`, ``token`` `[n]`, ``slot_expert``
         `[n, num_slots]` int32, ``weights`` `[n, num_slots]` fp32 (or None) and int8 ``smooth`` `[n, hidden]`."""
         data, scales = x_rows, None
@@ -64,16 +78,24 @@ class RowFormat:
             out[:, self.scale_off : self.scale_end].copy_(raw)
         self.write_fields(out, token, slot_expert, weights)
 
-    def write_fields(self, out: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                      weights: torch.Tensor | None) -> None:  # fmt: skip
+    def write_fields(
+        self, out: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor, weights: torch.Tensor | None
+    ) -> None:
         out[:, self.token_off : self.slot_off].view(torch.int32).copy_(token.view(-1, 1))
         out[:, self.slot_off : self.weight_off].view(torch.int32).copy_(slot_expert)
         if weights is not None:
             out[:, self.weight_off : self.end].view(torch.float32).copy_(weights)
 
-    def encode_gathered(self, out: torch.Tensor, x: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                        weights: torch.Tensor | None, smooth: torch.Tensor | None = None,
-                        remote: bool = False) -> None:  # fmt: skip
+    def encode_gathered(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        token: torch.Tensor,
+        slot_expert: torch.Tensor,
+        weights: torch.Tensor | None,
+        smooth: torch.Tensor | None = None,
+        remote: bool = False,
+    ) -> None:
         """:meth:`encode_into` of rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64); ``remote``: another
         process reads ``out`` (a peer's window)."""
         if self.quant is None:
@@ -85,8 +107,15 @@ class RowFormat:
         if not fp8 or not kernels.pack_fp8(x, token, slot_expert, out, self):
             self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
 
-    def copy_rows(self, out: torch.Tensor, src: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor,
-                  weights: torch.Tensor | None, remote: bool = False) -> None:  # fmt: skip
+    def copy_rows(
+        self,
+        out: torch.Tensor,
+        src: torch.Tensor,
+        token: torch.Tensor,
+        slot_expert: torch.Tensor,
+        weights: torch.Tensor | None,
+        remote: bool = False,
+    ) -> None:
         """Rows ``src[token]`` (unquantized tokens `[T, hidden]`, or :meth:`encode_tokens`' rows) into ``out``, then
         the token, ``slot_expert`` and ``weights`` fields: one gather, not a gather and a copy."""
         if weights is None and kernels.pack(src, token, slot_expert, out, self.token_off, self.slot_off, remote):
@@ -152,8 +181,9 @@ def slot_table(plan: Plan, num_slots: int) -> torch.Tensor:
     return table
 
 
-def encoder(fmt: RowFormat, x: torch.Tensor, plan: Plan, weights: torch.Tensor | None,
-            smooth: torch.Tensor | None) -> Callable[[bool, int, torch.Tensor], None]:  # fmt: skip
+def encoder(
+    fmt: RowFormat, x: torch.Tensor, plan: Plan, weights: torch.Tensor | None, smooth: torch.Tensor | None
+) -> Callable[[bool, int, torch.Tensor], None]:
     """``encode(remote, d, out)``: the plan's rows for destination ``d`` of ``x`` `[T, hidden]` into ``out`` `[n,
     row_bytes]` uint8 (``weights`` `[P]` fp32 per pair, ``smooth`` `[num_rows, hidden]` fp32 per row, or None;
     ``remote``: a peer reads ``out``). Quantized rows without smoothing, when some token goes to more than one rank:

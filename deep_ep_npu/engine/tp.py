@@ -38,8 +38,9 @@ def _swap(tp: EPGroup, tp_rank: int, send: torch.Tensor, num_recv: int) -> torch
     return recv
 
 
-def tp_gather_rows(tp: EPGroup, tp_rank: int, expand_x: torch.Tensor, scales: torch.Tensor, num_own: int,
-                   counts: torch.Tensor) -> tuple[torch.Tensor, int]:  # fmt: skip
+def tp_gather_rows(
+    tp: EPGroup, tp_rank: int, expand_x: torch.Tensor, scales: torch.Tensor, num_own: int, counts: torch.Tensor
+) -> tuple[torch.Tensor, int]:
     """Append the TP peer's received rows after this rank's ``num_own`` rows of ``expand_x`` `[2A, H]` / ``scales``
     `[2A, ...]` fp32; returns ``counts`` `[L * W]` int64 followed by the peer's, and the peer's row count."""
     sizes = tp.start_agree("TP exchange", STATUS_OK, [[num_own, *counts.tolist()]] * 2, ())()

@@ -127,12 +127,20 @@ def rebalance_experts(
     layers, num_logical = weight.shape
     checks = (
         ("num_ranks", num_ranks, num_ranks >= 1 and num_ranks % max(num_nodes, 1) == 0, "a multiple of num_nodes"),
-        ("num_replicas", num_replicas, num_replicas >= num_logical and num_replicas % num_ranks == 0,
-         f">= num_logical_experts ({num_logical}) and a multiple of num_ranks ({num_ranks})"),
-        ("num_groups", num_groups, num_groups >= 1 and num_logical % num_groups == 0,
-         f">= 1 and divide num_logical_experts ({num_logical})"),
+        (
+            "num_replicas",
+            num_replicas,
+            num_replicas >= num_logical and num_replicas % num_ranks == 0,
+            f">= num_logical_experts ({num_logical}) and a multiple of num_ranks ({num_ranks})",
+        ),
+        (
+            "num_groups",
+            num_groups,
+            num_groups >= 1 and num_logical % num_groups == 0,
+            f">= 1 and divide num_logical_experts ({num_logical})",
+        ),
         ("num_nodes", num_nodes, num_nodes >= 1, ">= 1"),
-    )  # fmt: skip
+    )
     for name, value, ok, allowed in checks:
         if not ok:
             raise invalid(name, f"got {value}; must be {allowed}")

@@ -25,12 +25,25 @@ COMBINE_NAMES = ("moe_expert_num", "hidden", "expand_x dtype", "comm_quant_mode"
 
 
 def moe_distribute_dispatch_setup(
-    x: torch.Tensor, expert_ids: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
-    ep_rank_id: int, moe_expert_num: int, *, scales: torch.Tensor | None = None,
-    x_active_mask: torch.Tensor | None = None, expert_shard_type: int = 0, shared_expert_num: int = 1,
-    shared_expert_rank_num: int = 0, quant_mode: int = 0, global_bs: int = 0, comm_type: int = 0, comm_alg: str = "",
-    y_dtype: torch.dtype | int | None = None, strict: bool | str = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    group_ep: dist.ProcessGroup | str,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    *,
+    scales: torch.Tensor | None = None,
+    x_active_mask: torch.Tensor | None = None,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    quant_mode: int = 0,
+    global_bs: int = 0,
+    comm_type: int = 0,
+    comm_alg: str = "",
+    y_dtype: torch.dtype | int | None = None,
+    strict: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch_npu's ``npu_moe_distribute_dispatch_setup``: validate (on every rank), agree and send the rows of a
     two-stage dispatch; :func:`moe_distribute_dispatch_teardown` receives them.
 
@@ -53,12 +66,29 @@ def moe_distribute_dispatch_setup(
     with engine.rejecting(DISPATCH_SETUP):
         rules.in_range(comm_type, "comm_type", 0, 2, code="param")  # before the rules of any algorithm
         rules.one_of(comm_alg, "comm_alg", ("",), "the two-stage ops have no algorithm choice")
-        experts = ascend.experts(engine.group, ep_world_size, ep_rank_id, moe_expert_num, strict=strict,
-                                 expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
-                                 shared_expert_rank_num=shared_expert_rank_num)  # fmt: skip
-        call = ascend.dispatch(DispatchCall(DISPATCH_SETUP, "flat", x, expert_ids, experts, global_bs=global_bs,
-                                           x_active_mask=x_active_mask, quant=(quant_mode, y_dtype, None, None),
-                                           scales=scales))  # fmt: skip
+        experts = ascend.experts(
+            engine.group,
+            ep_world_size,
+            ep_rank_id,
+            moe_expert_num,
+            strict=strict,
+            expert_shard_type=expert_shard_type,
+            shared_expert_num=shared_expert_num,
+            shared_expert_rank_num=shared_expert_rank_num,
+        )
+        call = ascend.dispatch(
+            DispatchCall(
+                DISPATCH_SETUP,
+                "flat",
+                x,
+                expert_ids,
+                experts,
+                global_bs=global_bs,
+                x_active_mask=x_active_mask,
+                quant=(quant_mode, y_dtype, None, None),
+                scales=scales,
+            )
+        )
         (bs, k), h = call.expert_ids.shape, x.shape[1]
         check_setup(DISPATCH_SETUP, strict, experts, comm_type, call.x_active_mask, bs, h, k, global_bs)
         if quant_mode and y_dtype is None:
@@ -84,19 +114,44 @@ def moe_distribute_dispatch_setup(
         raw[:n, :h] = q.view(torch.uint8)
         raw[:n, at : at + nbytes] = scale.contiguous().view(torch.uint8).reshape(n, nbytes)
     rows_per_dest = per_expert[:e].view(-1, num_local).sum(1).tolist()
-    kw = keywords("quant_mode", group_ep, ep_world_size, ep_rank_id, moe_expert_num, expert_shard_type,
-                  shared_expert_num, shared_expert_rank_num, global_bs, comm_type, comm_alg, quant_mode)  # fmt: skip
+    kw = keywords(
+        "quant_mode",
+        group_ep,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        expert_shard_type,
+        shared_expert_num,
+        shared_expert_rank_num,
+        global_bs,
+        comm_type,
+        comm_alg,
+        quant_mode,
+    )
     tensors = {"x": x, "y": y, "expert_ids": expert_ids}
     return y, expand_idx, register("dispatch", engine.group, kw, tensors, receive, (y_rows + e) * 16, rows_per_dest)
 
 
 def moe_distribute_dispatch_teardown(
-    x: torch.Tensor, y: torch.Tensor, expert_ids: torch.Tensor, comm_cmd_info: torch.Tensor,
-    group_ep: dist.ProcessGroup | str, ep_world_size: int, ep_rank_id: int, moe_expert_num: int, *,
-    expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0, quant_mode: int = 0,
-    global_bs: int = 0, expert_token_nums_type: int = 1, comm_type: int = 0, comm_alg: str = "",
+    x: torch.Tensor,
+    y: torch.Tensor,
+    expert_ids: torch.Tensor,
+    comm_cmd_info: torch.Tensor,
+    group_ep: dist.ProcessGroup | str,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    *,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    quant_mode: int = 0,
+    global_bs: int = 0,
+    expert_token_nums_type: int = 1,
+    comm_type: int = 0,
+    comm_alg: str = "",
     strict: bool | str = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch_npu's ``npu_moe_distribute_dispatch_teardown``: the rows of the dispatch_setup call ``comm_cmd_info``
     names, which must be given the same x, y, expert_ids and keywords. A = ``(global_bs or Bs * W) * min(L, K)``.
 
@@ -110,8 +165,20 @@ def moe_distribute_dispatch_teardown(
         expert_token_nums: `[L]` `torch.int64`: rows per local expert (expert_token_nums_type 1) or their inclusive
             cumsum (0; Ascend 950 allows only 1).
     """
-    kw = keywords("quant_mode", group_ep, ep_world_size, ep_rank_id, moe_expert_num, expert_shard_type,
-                  shared_expert_num, shared_expert_rank_num, global_bs, comm_type, comm_alg, quant_mode)  # fmt: skip
+    kw = keywords(
+        "quant_mode",
+        group_ep,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        expert_shard_type,
+        shared_expert_num,
+        shared_expert_rank_num,
+        global_bs,
+        comm_type,
+        comm_alg,
+        quant_mode,
+    )
     call = lookup("dispatch", comm_cmd_info, kw, {"x": x, "y": y, "expert_ids": expert_ids})
     rules.one_of(expert_token_nums_type, "expert_token_nums_type", (1,) if platform(strict) == "a5" else (0, 1))
     expand_x, scales, _, counts, ep_recv_counts, _, _ = call.wait()
@@ -125,11 +192,23 @@ def moe_distribute_dispatch_teardown(
 
 
 def moe_distribute_combine_setup(
-    expand_x: torch.Tensor, expert_ids: torch.Tensor, assist_info_for_combine: torch.Tensor,
-    group_ep: dist.ProcessGroup | str, ep_world_size: int, ep_rank_id: int, moe_expert_num: int, *,
-    expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0, global_bs: int = 0,
-    comm_quant_mode: int = 0, comm_type: int = 0, comm_alg: str = "", strict: bool | str = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    expand_x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    assist_info_for_combine: torch.Tensor,
+    group_ep: dist.ProcessGroup | str,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    *,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    global_bs: int = 0,
+    comm_quant_mode: int = 0,
+    comm_type: int = 0,
+    comm_alg: str = "",
+    strict: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_npu's ``npu_moe_distribute_combine_setup``: validate (on every rank), agree and send the expert outputs
     back: block ``b = j * W + r`` of ``expand_x`` (rows ``[cum[b - 1], cum[b])``, ``cum`` =
     ``assist_info_for_combine[0 : E]``) goes to source rank r. ``comm_quant_mode`` must be 0 (nothing is quantized);
@@ -148,9 +227,17 @@ def moe_distribute_combine_setup(
     with engine.rejecting(COMBINE_SETUP):
         rules.in_range(comm_type, "comm_type", 0, 2, code="param")
         rules.one_of(comm_alg, "comm_alg", ("",), "the two-stage ops have no algorithm choice")
-        e = ascend.experts(engine.group, ep_world_size, ep_rank_id, moe_expert_num, strict=strict,
-                           expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
-                           shared_expert_rank_num=shared_expert_rank_num, combine=True)  # fmt: skip
+        e = ascend.experts(
+            engine.group,
+            ep_world_size,
+            ep_rank_id,
+            moe_expert_num,
+            strict=strict,
+            expert_shard_type=expert_shard_type,
+            shared_expert_num=shared_expert_num,
+            shared_expert_rank_num=shared_expert_rank_num,
+            combine=True,
+        )
         expand_x = rules.tensor(expand_x, "expand_x", ascend.NPU_ACT_DTYPES if strict else rules.ACT_DTYPES, 2)
         ids = rules.tensor(expert_ids, "expert_ids", (torch.int32,) if strict else rules.ID_DTYPES, 2)
         (bs, k), h = ids.shape, expand_x.shape[1]
@@ -194,21 +281,47 @@ def moe_distribute_combine_setup(
         return [got.get(s, own[:0]) for s in range(w)]
 
     qx = torch.zeros((len(expand_x), align(align(h, 32) + align(h, 8) // 8 * 4, 512)), dtype=torch.int8, device=dev)
-    kw = keywords("comm_quant_mode", group_ep, ep_world_size, ep_rank_id, moe_expert_num, expert_shard_type,
-                  shared_expert_num, shared_expert_rank_num, global_bs, comm_type, comm_alg,
-                  comm_quant_mode)  # fmt: skip
+    kw = keywords(
+        "comm_quant_mode",
+        group_ep,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        expert_shard_type,
+        shared_expert_num,
+        shared_expert_rank_num,
+        global_bs,
+        comm_type,
+        comm_alg,
+        comm_quant_mode,
+    )
     tensors = {"expand_x": expand_x, "quant_expand_x": qx}
     return qx, register("combine", engine.group, kw, tensors, InFlight(finish), (len(qx) + w) * 16, per_dest)
 
 
 def moe_distribute_combine_teardown(
-    expand_x: torch.Tensor, quant_expand_x: torch.Tensor, expert_ids: torch.Tensor, expand_idx: torch.Tensor,
-    expert_scales: torch.Tensor, comm_cmd_info: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
-    ep_rank_id: int, moe_expert_num: int, *, x_active_mask: torch.Tensor | None = None,
-    shared_expert_x: torch.Tensor | None = None, expert_shard_type: int = 0, shared_expert_num: int = 1,
-    shared_expert_rank_num: int = 0, global_bs: int = 0, comm_quant_mode: int = 0, comm_type: int = 0,
-    comm_alg: str = "", strict: bool | str = False,
-) -> torch.Tensor:  # fmt: skip
+    expand_x: torch.Tensor,
+    quant_expand_x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expand_idx: torch.Tensor,
+    expert_scales: torch.Tensor,
+    comm_cmd_info: torch.Tensor,
+    group_ep: dist.ProcessGroup | str,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    *,
+    x_active_mask: torch.Tensor | None = None,
+    shared_expert_x: torch.Tensor | None = None,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    global_bs: int = 0,
+    comm_quant_mode: int = 0,
+    comm_type: int = 0,
+    comm_alg: str = "",
+    strict: bool | str = False,
+) -> torch.Tensor:
     """torch_npu's ``npu_moe_distribute_combine_teardown``: receive the rows of the combine_setup call
     ``comm_cmd_info`` names (same expand_x, quant_expand_x and keywords) and reduce them, exactly as
     :func:`~deep_ep_npu.ops.moe_distribute_combine_v2`.
@@ -226,9 +339,20 @@ def moe_distribute_combine_teardown(
         x: `[Bs, H]` in expand_x's dtype: ``sum_k expert_scales[t, k] * row(t, k)`` over slots ascending in fp32, plus
         ``shared_expert_x[t]``, one round-to-nearest-even cast.
     """
-    kw = keywords("comm_quant_mode", group_ep, ep_world_size, ep_rank_id, moe_expert_num, expert_shard_type,
-                  shared_expert_num, shared_expert_rank_num, global_bs, comm_type, comm_alg,
-                  comm_quant_mode)  # fmt: skip
+    kw = keywords(
+        "comm_quant_mode",
+        group_ep,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        expert_shard_type,
+        shared_expert_num,
+        shared_expert_rank_num,
+        global_bs,
+        comm_type,
+        comm_alg,
+        comm_quant_mode,
+    )
     call = lookup("combine", comm_cmd_info, kw, {"expand_x": expand_x, "quant_expand_x": quant_expand_x})
     e = moe_expert_num
     ids = rules.tensor(expert_ids, "expert_ids", rules.ID_DTYPES, 2)

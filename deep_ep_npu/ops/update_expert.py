@@ -11,10 +11,16 @@ from ..eplb.routing import update_expert
 
 
 def moe_update_expert(
-    expert_ids: torch.Tensor, eplb_table: torch.Tensor, *, expert_scales: torch.Tensor | None = None,
-    pruning_threshold: torch.Tensor | None = None, active_mask: torch.Tensor | None = None, local_rank_id: int = -1,
-    world_size: int = -1, balance_mode: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    expert_ids: torch.Tensor,
+    eplb_table: torch.Tensor,
+    *,
+    expert_scales: torch.Tensor | None = None,
+    pruning_threshold: torch.Tensor | None = None,
+    active_mask: torch.Tensor | None = None,
+    local_rank_id: int = -1,
+    world_size: int = -1,
+    balance_mode: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_npu's ``npu_moe_update_expert``: pick one replica per (token, k) and optionally prune small weights.
 
     Arguments:
@@ -36,6 +42,12 @@ def moe_update_expert(
         parameter.
     """
     return update_expert(
-        expert_ids, eplb_table, expert_scales=expert_scales, pruning_threshold=pruning_threshold,
-        active_mask=active_mask, local_rank_id=local_rank_id, world_size=world_size, balance_mode=balance_mode,
-    )  # fmt: skip
+        expert_ids,
+        eplb_table,
+        expert_scales=expert_scales,
+        pruning_threshold=pruning_threshold,
+        active_mask=active_mask,
+        local_rank_id=local_rank_id,
+        world_size=world_size,
+        balance_mode=balance_mode,
+    )

@@ -38,16 +38,37 @@ def _tp_or_none(group_tp: object, tp_world_size: object) -> EPGroup | None:
 
 
 def moe_distribute_dispatch_start(
-    x: torch.Tensor, expert_ids: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
-    ep_rank_id: int, moe_expert_num: int, *, scales: torch.Tensor | None = None,
-    x_active_mask: torch.Tensor | None = None, expert_scales: torch.Tensor | None = None,
-    elastic_info: torch.Tensor | None = None, performance_info: torch.Tensor | None = None,
-    group_tp: dist.ProcessGroup | str = "", tp_world_size: int = 0, tp_rank_id: int = 0, expert_shard_type: int = 0,
-    shared_expert_num: int = 1, shared_expert_rank_num: int = 0, quant_mode: int = 0, global_bs: int = 0,
-    expert_token_nums_type: int = 1, comm_alg: str = "", zero_expert_num: int = 0, copy_expert_num: int = 0,
-    const_expert_num: int = 0, y_dtype: torch.dtype | int | None = None, x_dtype: torch.dtype | int | None = None,
-    scales_dtype: torch.dtype | int | None = None, ccl_buffer_size: int | None = None, strict: bool | str = False,
-) -> InFlight:  # fmt: skip
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    group_ep: dist.ProcessGroup | str,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    *,
+    scales: torch.Tensor | None = None,
+    x_active_mask: torch.Tensor | None = None,
+    expert_scales: torch.Tensor | None = None,
+    elastic_info: torch.Tensor | None = None,
+    performance_info: torch.Tensor | None = None,
+    group_tp: dist.ProcessGroup | str = "",
+    tp_world_size: int = 0,
+    tp_rank_id: int = 0,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    quant_mode: int = 0,
+    global_bs: int = 0,
+    expert_token_nums_type: int = 1,
+    comm_alg: str = "",
+    zero_expert_num: int = 0,
+    copy_expert_num: int = 0,
+    const_expert_num: int = 0,
+    y_dtype: torch.dtype | int | None = None,
+    x_dtype: torch.dtype | int | None = None,
+    scales_dtype: torch.dtype | int | None = None,
+    ccl_buffer_size: int | None = None,
+    strict: bool | str = False,
+) -> InFlight:
     """The send phase of :func:`moe_distribute_dispatch_v2` (torch_npu's ``npu_moe_distribute_dispatch_v2``, flat
     layout): each token goes to the ranks hosting its experts; ``wait()`` on the returned
     :class:`~deep_ep_npu.backends.InFlight` receives and returns the outputs below.
@@ -122,34 +143,79 @@ def moe_distribute_dispatch_start(
     engine = engine_for(group_ep if isinstance(group_ep, dist.ProcessGroup) else resolve_group(group_ep, "group_ep"))
     with engine.rejecting(DISPATCH, tp=_tp_or_none(group_tp, tp_world_size)):
         experts = ascend.experts(
-            engine.group, ep_world_size, ep_rank_id, moe_expert_num, strict=strict, expert_shard_type=expert_shard_type,
-            shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
-            zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-            comm_alg=comm_alg, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id, tp=lambda: tp_group(group_tp),
+            engine.group,
+            ep_world_size,
+            ep_rank_id,
+            moe_expert_num,
+            strict=strict,
+            expert_shard_type=expert_shard_type,
+            shared_expert_num=shared_expert_num,
+            shared_expert_rank_num=shared_expert_rank_num,
+            zero_expert_num=zero_expert_num,
+            copy_expert_num=copy_expert_num,
+            const_expert_num=const_expert_num,
+            comm_alg=comm_alg,
+            tp_world_size=tp_world_size,
+            tp_rank_id=tp_rank_id,
+            tp=lambda: tp_group(group_tp),
             elastic_info=elastic_info,
-        )  # fmt: skip
-        call = ascend.dispatch(DispatchCall(
-            DISPATCH, "flat", x, expert_ids, experts, global_bs=global_bs, x_active_mask=x_active_mask,
-            expert_scales=expert_scales, quant=(quant_mode, y_dtype, x_dtype, scales_dtype), scales=scales,
-            wait_stats=performance_info, expert_token_nums_type=expert_token_nums_type,
-            ccl_buffer_size=ccl_buffer_size, comm_alg=comm_alg,
-        ))  # fmt: skip
+        )
+        call = ascend.dispatch(
+            DispatchCall(
+                DISPATCH,
+                "flat",
+                x,
+                expert_ids,
+                experts,
+                global_bs=global_bs,
+                x_active_mask=x_active_mask,
+                expert_scales=expert_scales,
+                quant=(quant_mode, y_dtype, x_dtype, scales_dtype),
+                scales=scales,
+                wait_stats=performance_info,
+                expert_token_nums_type=expert_token_nums_type,
+                ccl_buffer_size=ccl_buffer_size,
+                comm_alg=comm_alg,
+            )
+        )
     return static_flat.dispatch(engine, call) if flat.static_round(engine, call) else engine.dispatch(call)
 
 
 def moe_distribute_combine_start(
-    expand_x: torch.Tensor, expert_ids: torch.Tensor, assist_info_for_combine: torch.Tensor,
-    ep_send_counts: torch.Tensor, expert_scales: torch.Tensor, group_ep: dist.ProcessGroup | str, ep_world_size: int,
-    ep_rank_id: int, moe_expert_num: int, *, tp_send_counts: torch.Tensor | None = None,
-    x_active_mask: torch.Tensor | None = None, expand_scales: torch.Tensor | None = None,
-    shared_expert_x: torch.Tensor | None = None, elastic_info: torch.Tensor | None = None,
-    ori_x: torch.Tensor | None = None, const_expert_alpha_1: torch.Tensor | None = None,
-    const_expert_alpha_2: torch.Tensor | None = None, const_expert_v: torch.Tensor | None = None,
-    performance_info: torch.Tensor | None = None, group_tp: dist.ProcessGroup | str = "", tp_world_size: int = 0,
-    tp_rank_id: int = 0, expert_shard_type: int = 0, shared_expert_num: int = 1, shared_expert_rank_num: int = 0,
-    global_bs: int = 0, comm_quant_mode: int = 0, comm_alg: str = "", zero_expert_num: int = 0,
-    copy_expert_num: int = 0, const_expert_num: int = 0, strict: bool | str = False,
-) -> InFlight:  # fmt: skip
+    expand_x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    assist_info_for_combine: torch.Tensor,
+    ep_send_counts: torch.Tensor,
+    expert_scales: torch.Tensor,
+    group_ep: dist.ProcessGroup | str,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    *,
+    tp_send_counts: torch.Tensor | None = None,
+    x_active_mask: torch.Tensor | None = None,
+    expand_scales: torch.Tensor | None = None,
+    shared_expert_x: torch.Tensor | None = None,
+    elastic_info: torch.Tensor | None = None,
+    ori_x: torch.Tensor | None = None,
+    const_expert_alpha_1: torch.Tensor | None = None,
+    const_expert_alpha_2: torch.Tensor | None = None,
+    const_expert_v: torch.Tensor | None = None,
+    performance_info: torch.Tensor | None = None,
+    group_tp: dist.ProcessGroup | str = "",
+    tp_world_size: int = 0,
+    tp_rank_id: int = 0,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    global_bs: int = 0,
+    comm_quant_mode: int = 0,
+    comm_alg: str = "",
+    zero_expert_num: int = 0,
+    copy_expert_num: int = 0,
+    const_expert_num: int = 0,
+    strict: bool | str = False,
+) -> InFlight:
     """The send phase of :func:`moe_distribute_combine_v2` (torch_npu's ``npu_moe_distribute_combine_v2``): expert
     outputs go back to their source ranks; ``wait()`` on the returned :class:`~deep_ep_npu.backends.InFlight`
     receives, reduces and returns ``x`` below. With tp_world_size 2 a ReduceScatterV over the TP pair runs first
@@ -190,19 +256,45 @@ def moe_distribute_combine_start(
     engine = engine_for(group_ep if isinstance(group_ep, dist.ProcessGroup) else resolve_group(group_ep, "group_ep"))
     with engine.rejecting(COMBINE, tp=_tp_or_none(group_tp, tp_world_size)):
         experts = ascend.experts(
-            engine.group, ep_world_size, ep_rank_id, moe_expert_num, strict=strict, expert_shard_type=expert_shard_type,
-            shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
-            zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-            comm_alg=comm_alg, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id, tp=lambda: tp_group(group_tp),
-            elastic_info=elastic_info, combine=True,
-        )  # fmt: skip
-        call = ascend.combine(CombineCall(
-            COMBINE, "flat", expand_x, expert_ids, experts, (assist_info_for_combine, ep_send_counts, tp_send_counts),
-            x_active_mask=x_active_mask, expert_scales=expert_scales, shared_expert_x=shared_expert_x, ori_x=ori_x,
-            const_expert_alpha_1=const_expert_alpha_1, const_expert_alpha_2=const_expert_alpha_2,
-            const_expert_v=const_expert_v, comm_quant_mode=comm_quant_mode, wait_stats=performance_info,
-            global_bs=global_bs, comm_alg=comm_alg,
-        ))  # fmt: skip
+            engine.group,
+            ep_world_size,
+            ep_rank_id,
+            moe_expert_num,
+            strict=strict,
+            expert_shard_type=expert_shard_type,
+            shared_expert_num=shared_expert_num,
+            shared_expert_rank_num=shared_expert_rank_num,
+            zero_expert_num=zero_expert_num,
+            copy_expert_num=copy_expert_num,
+            const_expert_num=const_expert_num,
+            comm_alg=comm_alg,
+            tp_world_size=tp_world_size,
+            tp_rank_id=tp_rank_id,
+            tp=lambda: tp_group(group_tp),
+            elastic_info=elastic_info,
+            combine=True,
+        )
+        call = ascend.combine(
+            CombineCall(
+                COMBINE,
+                "flat",
+                expand_x,
+                expert_ids,
+                experts,
+                (assist_info_for_combine, ep_send_counts, tp_send_counts),
+                x_active_mask=x_active_mask,
+                expert_scales=expert_scales,
+                shared_expert_x=shared_expert_x,
+                ori_x=ori_x,
+                const_expert_alpha_1=const_expert_alpha_1,
+                const_expert_alpha_2=const_expert_alpha_2,
+                const_expert_v=const_expert_v,
+                comm_quant_mode=comm_quant_mode,
+                wait_stats=performance_info,
+                global_bs=global_bs,
+                comm_alg=comm_alg,
+            )
+        )
     return static_flat.combine(engine, call) if flat.static_round(engine, call) else engine.combine(call)
 
 

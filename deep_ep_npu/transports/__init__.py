@@ -43,9 +43,18 @@ class Transport(Protocol):
     name: str
     ep: EPGroup
 
-    def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
-             agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
-             device: torch.device | None = None) -> Any: ...  # fmt: skip
+    def send(
+        self,
+        op: str,
+        counts: list[list[int]],
+        shared: list[int],
+        write: Write,
+        check: Check,
+        *,
+        agree_now: bool = False,
+        before_payload: Callable[[], bool] | None = None,
+        device: torch.device | None = None,
+    ) -> Any: ...
     def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]: ...
     def done(self, token: Any) -> None: ...
     def reject(self, op: str, code: int, width: int) -> None: ...

@@ -71,8 +71,13 @@ class EPGroup:
     `[R]` `torch.int32`, the buffer's (shared; shrink mode sets failed ranks to 1); ``timeout``: seconds per collective
     wait, or None (``DEEP_EP_NPU_TIMEOUT``, else 30 s); ``enable_shrink``: continue on the survivors of a failure."""
 
-    def __init__(self, group: dist.ProcessGroup, mask: torch.Tensor | None = None, timeout: float | None = None,
-                 enable_shrink: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        mask: torch.Tensor | None = None,
+        timeout: float | None = None,
+        enable_shrink: bool = False,
+    ) -> None:
         self.group, self.enable_shrink = group, enable_shrink
         self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.mask = torch.zeros((self.num_ranks,), dtype=torch.int32) if mask is None else mask
@@ -125,21 +130,30 @@ class EPGroup:
         mon, seq = pending.monitor, pending.seq
         self.broken = True
         try:
-            missing = agree_missing(mon.store, mon.rank, mon.size, f"{seq}/{pending.op}", pending.started,
-                                    self.timeout, lambda r: mon.arrived(r, seq, pending.op))  # fmt: skip
+            missing = agree_missing(
+                mon.store,
+                mon.rank,
+                mon.size,
+                f"{seq}/{pending.op}",
+                pending.started,
+                self.timeout,
+                lambda r: mon.arrived(r, seq, pending.op),
+            )
         except (RuntimeError, ValueError) as store_err:  # the store itself is gone (its host rank died)
             raise EPRankFailure((), op, self.timeout, unknown=f"store unreachable: {store_err}") from cause
         raise EPRankFailure([self.live[r] for r in missing], op, self.timeout, mon.rank in missing) from cause
 
-    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, recv_splits: Sequence[int], send_splits: Sequence[int],
-                   op: str) -> Pending:  # fmt: skip
+    def all_to_all(
+        self, recv: torch.Tensor, send: torch.Tensor, recv_splits: Sequence[int], send_splits: Sequence[int], op: str
+    ) -> Pending:
         """Start an uneven all-to-all of flat tensors with R-long split lists (failed ranks' entries must be 0)."""
         outs, ins = [recv_splits[r] for r in self.live], [send_splits[r] for r in self.live]
         assert sum(outs) == sum(recv_splits) and sum(ins) == sum(send_splits), "failed ranks carry rows"
         return self.start(lambda g: dist.all_to_all_single(recv, send, outs, ins, group=g, async_op=True), op)
 
-    def transfer(self, recv: torch.Tensor, send: torch.Tensor, recv_rows: Sequence[int], send_rows: Sequence[int],
-                 op: str) -> Pending | None:  # fmt: skip
+    def transfer(
+        self, recv: torch.Tensor, send: torch.Tensor, recv_rows: Sequence[int], send_rows: Sequence[int], op: str
+    ) -> Pending | None:
         """Start moving `[rows, width]` uint8 ``send`` (``send_rows[r]`` rows for rank r, in rank order) into ``recv``
         (``recv_rows[r]`` rows from rank r); None on a group of one. Finish it with :meth:`wait`."""
         if self.num_ranks == 1:
@@ -182,8 +196,14 @@ class EPGroup:
         """A bounded barrier of the live ranks (in shrink mode, of the survivors after a failure)."""
         self.retry(lambda: self.wait(self.start(lambda g: dist.barrier(group=g, async_op=True), op), op), lambda: None)
 
-    def start_agree(self, op: str, status: int, counts: Sequence[Sequence[int]], shared: Sequence[int],
-                    device: torch.device | None = None) -> Callable[[], Agreement]:  # fmt: skip
+    def start_agree(
+        self,
+        op: str,
+        status: int,
+        counts: Sequence[Sequence[int]],
+        shared: Sequence[int],
+        device: torch.device | None = None,
+    ) -> Callable[[], Agreement]:
         """Start the agreement step: every rank sends every peer one int64 row ``[status, *counts[peer], *shared]``
         (``counts``: C ints per rank), whose width does not depend on the input: a rank that rejected its input still
         completes it, and every rank raises instead of waiting. Returns ``finish() -> Agreement``. The tensor lives on
@@ -201,8 +221,9 @@ class EPGroup:
                 self.wait(pending, op)
             got, wait_us = dict(zip(live, recv.tolist(), strict=True)), int((time.perf_counter() - t0) * 1e6)
             t = [got.get(r, [0] * (1 + width + len(shared))) for r in range(self.num_ranks)]
-            return Agreement([x[0] for x in t], [x[1 : 1 + width] for x in t], [tuple(x[1 + width :]) for x in t],
-                             wait_us, op)  # fmt: skip
+            return Agreement(
+                [x[0] for x in t], [x[1 : 1 + width] for x in t], [tuple(x[1 + width :]) for x in t], wait_us, op
+            )
 
         return finish
 
@@ -244,8 +265,9 @@ class Collective:
 
     name = "collective"
 
-    def __init__(self, ep: EPGroup, reuse: bool = True, local: frozenset[int] = frozenset(),
-                 staged: Collective | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, ep: EPGroup, reuse: bool = True, local: frozenset[int] = frozenset(), staged: Collective | None = None
+    ) -> None:
         self.ep, self.reuse, self._flip, self.staged = ep, reuse, 0, staged
         self.local = local  # ranks whose rows go another way (a spanning transport's window): none travel here
         self._buffers: dict[str, torch.Tensor] = {}
@@ -259,13 +281,23 @@ class Collective:
                 self._buffers[name] = buf
         return buf[:nbytes]
 
-    def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
-             agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
-             device: torch.device | None = None) -> Any:  # fmt: skip
+    def send(
+        self,
+        op: str,
+        counts: list[list[int]],
+        shared: list[int],
+        write: Write,
+        check: Check,
+        *,
+        agree_now: bool = False,
+        before_payload: Callable[[], bool] | None = None,
+        device: torch.device | None = None,
+    ) -> Any:
         if before_payload is not None or not self.early_bytes or device is not None and device.type != "cpu":
             assert self.staged is not None, "a TP stage, a group that is not gloo, device rows: the staged protocol"
-            return self.staged.send(op, counts, shared, write, check, agree_now=agree_now,
-                                    before_payload=before_payload, device=device)  # fmt: skip
+            return self.staged.send(
+                op, counts, shared, write, check, agree_now=agree_now, before_payload=before_payload, device=device
+            )
         ep, me, row_bytes = self.ep, self.ep.rank, shared[0]
         self._flip ^= 1
         tag, skip, head = self._flip, {me, *self.local}, 8 * (_HEAD + len(counts[0]) + len(shared))
@@ -319,9 +351,18 @@ class Collective:
         ep = self.ep
         return [(head if s == ep.rank else self.early_bytes) if s in ep.live else 0 for s in range(ep.num_ranks)]
 
-    def _finish(self, op: str, pending: Pending | None, at: tuple[int, int], recv: torch.Tensor, posted: list[int],
-                head: int, check: Check, rows: list[int],
-                spilled: torch.Tensor) -> tuple[Agreement, list[Any], int]:  # fmt: skip
+    def _finish(
+        self,
+        op: str,
+        pending: Pending | None,
+        at: tuple[int, int],
+        recv: torch.Tensor,
+        posted: list[int],
+        head: int,
+        check: Check,
+        rows: list[int],
+        spilled: torch.Tensor,
+    ) -> tuple[Agreement, list[Any], int]:
         """Wait for the call's all-to-all, check every live rank's header, and return the agreement, the parts (after
         the spilled rows' second all-to-all, if any rank spilled) and the wait in ns (``at``: when the call started,
         in ns, and how many count words each header holds)."""
@@ -333,8 +374,13 @@ class Collective:
         got = {s: recv[offsets[s] : offsets[s] + head].view(torch.int64).tolist() for s in ep.live}
         words = [got.get(s, [0] * (head // 8)) for s in range(ep.num_ranks)]
         wait_us = (time.perf_counter_ns() - started) // 1000
-        agreement = Agreement([w[0] for w in words], [w[_HEAD : _HEAD + num_counts] for w in words],
-                              [tuple(w[_HEAD + num_counts :]) for w in words], wait_us, op)  # fmt: skip
+        agreement = Agreement(
+            [w[0] for w in words],
+            [w[_HEAD : _HEAD + num_counts] for w in words],
+            [tuple(w[_HEAD + num_counts :]) for w in words],
+            wait_us,
+            op,
+        )
         check(agreement)
         row_bytes, masked = agreement.shared[me][0], ep.mask.tolist()
         sources = [s for s in ep.live if s != me and s not in self.local and not masked[s]]

@@ -35,8 +35,9 @@ class EPRankFailure(RuntimeError):
     ranks already declared missing (it arrived too late); ``unknown``, why the missing ranks could not be found
     (e.g. the store is unreachable: its host rank is gone), or ""."""
 
-    def __init__(self, missing_ranks: Sequence[int], op: str, timeout: float, excluded: bool = False,
-                 unknown: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, missing_ranks: Sequence[int], op: str, timeout: float, excluded: bool = False, unknown: str = ""
+    ) -> None:
         self.missing_ranks = tuple(sorted(missing_ranks))
         self.op, self.timeout, self.excluded, self.unknown = op, timeout, excluded, unknown
         ranks = list(self.missing_ranks)
@@ -82,8 +83,9 @@ def _bounded(timeout: float, call: Callable[..., Any], *args: Any) -> Any:
     return out[0]
 
 
-def agree_missing(store: dist.Store, rank: int, size: int, key: str, started: float, timeout: float,
-                  arrived: Callable[[int], bool]) -> tuple[int, ...]:  # fmt: skip
+def agree_missing(
+    store: dist.Store, rank: int, size: int, key: str, started: float, timeout: float, arrived: Callable[[int], bool]
+) -> tuple[int, ...]:
     """Post this rank (of ``size``) as alive at the failed collective ``key`` (issued at ``started``, monotonic) and
     return the agreed missing ranks, sorted (see the module docstring; ``arrived(r)``: whether rank r reached it)."""
     decision = f"{key}/decision"

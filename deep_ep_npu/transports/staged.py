@@ -37,9 +37,18 @@ def join_started(agreement: Agreement, ep: EPGroup, local: frozenset[int]) -> bo
 class Staged(Collective):
     """The two-round protocol (see the module docstring), on :class:`~.collective.Collective`'s buffers."""
 
-    def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
-             agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
-             device: torch.device | None = None) -> Any:  # fmt: skip
+    def send(
+        self,
+        op: str,
+        counts: list[list[int]],
+        shared: list[int],
+        write: Write,
+        check: Check,
+        *,
+        agree_now: bool = False,
+        before_payload: Callable[[], bool] | None = None,
+        device: torch.device | None = None,
+    ) -> Any:
         ep, me, row_bytes, dev = self.ep, self.ep.rank, shared[0], device or self.ep.device
         self._flip ^= 1
         tag, skip = self._flip, {me, *self.local}

@@ -126,9 +126,18 @@ class Window:
         for s in self.live_peers():
             self._send(self.peers[s], [DONE, call.seq])
 
-    def send(self, op: str, counts: list[list[int]], shared: list[int], write: Write, check: Check, *,
-             agree_now: bool = False, before_payload: Callable[[], bool] | None = None,
-             device: torch.device | None = None) -> Any:  # fmt: skip
+    def send(
+        self,
+        op: str,
+        counts: list[list[int]],
+        shared: list[int],
+        write: Write,
+        check: Check,
+        *,
+        agree_now: bool = False,
+        before_payload: Callable[[], bool] | None = None,
+        device: torch.device | None = None,
+    ) -> Any:
         # (agree_now is the collective transport's: here the headers come with the rows)
         assert before_payload is None, "the TP stage runs on the collective transport"
         if err := self.oversized(op, counts, shared):
@@ -166,8 +175,13 @@ class Window:
             wait_ns = time.perf_counter_ns() - t0
             fill = [STATUS_OK] + [0] * (len(own) - 1)  # ranks removed by shrink mode
             rows = [own if s == me else headers.get(s, fill) for s in range(self.ep.num_ranks)]
-            agreement = Agreement([w[0] for w in rows], [w[1 : 1 + width] for w in rows],
-                                  [tuple(w[1 + width :]) for w in rows], wait_ns // 1000, call.op)  # fmt: skip
+            agreement = Agreement(
+                [w[0] for w in rows],
+                [w[1 : 1 + width] for w in rows],
+                [tuple(w[1 + width :]) for w in rows],
+                wait_ns // 1000,
+                call.op,
+            )
             check(agreement)
         except BaseException:
             self.release(call)

@@ -129,8 +129,9 @@ class _Exchange:
             q, wr = self.outbox[0]
             try:
                 ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.fd, wr]))]
-                self.sock.sendmsg([struct.pack("<qq", self.me, self.tokens[self.me])], ancillary, 0,
-                                  _address(self.tokens[q]))  # fmt: skip
+                self.sock.sendmsg(
+                    [struct.pack("<qq", self.me, self.tokens[self.me])], ancillary, 0, _address(self.tokens[q])
+                )
                 os.close(wr)
                 self.outbox.pop(0)
             except BlockingIOError:

@@ -145,8 +145,14 @@ def _mega_reads(info) -> tuple[list[str], bool, torch.Tensor, torch.Tensor]:
     _policy("0")
     case = make_case(40, [6, 5], 128, 64, 3, 2, holes=0.2, inactive=[2, 1], swiglu_limit=0.5)
     x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
-    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max, swiglu_limit=0.5,
-              num_experts=case.num_local * info.world_size, x_active_mask=case.mask(info.rank))  # fmt: skip
+    kw = dict(
+        w1_scale=s1,
+        w2_scale=s2,
+        num_max_dispatch_tokens_per_rank=case.num_max,
+        swiglu_limit=0.5,
+        num_experts=case.num_local * info.world_size,
+        x_active_mask=case.mask(info.rank),
+    )
     npu, ref = Buffer(info.group, backend="ascend"), Buffer(info.group, backend="reference")
     first = npu.mega_moe(x, idx, p, w1, w2, **kw)
     with HostReads(device=STAND_IN) as seen:
@@ -205,11 +211,27 @@ def _reference_reads(info) -> dict[str, tuple[list[str], list[str]]]:
         x, _, weights = _inputs(info.rank, step)
         ids = torch.rand((N, E), generator=torch.Generator().manual_seed(info.rank + step)).topk(K).indices.int()
         mask = torch.rand((N, K), generator=torch.Generator().manual_seed(step)) > 0.3
-        got = ops.moe_distribute_dispatch_v2(x, ids, **kw, x_active_mask=mask, expert_scales=weights,
-                                             quant_mode=quant_mode, global_bs=N * info.world_size)  # fmt: skip
+        got = ops.moe_distribute_dispatch_v2(
+            x,
+            ids,
+            **kw,
+            x_active_mask=mask,
+            expert_scales=weights,
+            quant_mode=quant_mode,
+            global_bs=N * info.world_size,
+        )
         rows = got[0].float() * got[1][:, None] if quant_mode else got[0].float()
-        ops.moe_distribute_combine_v2(rows.to(torch.bfloat16), ids, got[2], got[4], weights, **kw, x_active_mask=mask,
-                                      shared_expert_x=x, global_bs=N * info.world_size)  # fmt: skip
+        ops.moe_distribute_combine_v2(
+            rows.to(torch.bfloat16),
+            ids,
+            got[2],
+            got[4],
+            weights,
+            **kw,
+            x_active_mask=mask,
+            shared_expert_x=x,
+            global_bs=N * info.world_size,
+        )
 
     def v3(step: int) -> None:
         x, _, weights = _inputs(info.rank, step)

@@ -174,8 +174,13 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
     for src, n in ((0, 7), (2, 5), (1, 6)):  # remote sources by rank, then this rank's own (rank 1)
         rows = torch.zeros((n, fmt.row_bytes), dtype=torch.uint8)
         table = torch.randint(-1, num_local, (n, k), generator=g, dtype=torch.int32)
-        fmt.encode_into(rows, torch.randn(n, hidden, generator=g).bfloat16(), torch.randperm(9, generator=g)[:n],
-                        table, torch.rand(n, k, generator=g) if weights else None)  # fmt: skip
+        fmt.encode_into(
+            rows,
+            torch.randn(n, hidden, generator=g).bfloat16(),
+            torch.randperm(9, generator=g)[:n],
+            table,
+            torch.rand(n, k, generator=g) if weights else None,
+        )
         blocks.append((src, rows))
     scale_width = fmt.scale_end - fmt.scale_off
     outs = {}
@@ -185,21 +190,29 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
         assist, expand_scales = torch.zeros(3 * cap, dtype=torch.int32), torch.zeros(cap)
         if name == "kernel":
             counts = torch.zeros((num_local, world), dtype=torch.int64)
-            num = kernels.place_flat(blocks, fmt, scale_width, weights, counts, expand_x, scales, assist,
-                                         expand_scales)  # fmt: skip
+            num = kernels.place_flat(blocks, fmt, scale_width, weights, counts, expand_x, scales, assist, expand_scales)
         else:
             counts = torch.zeros((num_local, world), dtype=torch.int64)
-            flat = SimpleNamespace(fmt=fmt, c=SimpleNamespace(capacity=cap, quant=quant), source=expand_x,
-                                   expand_x=expand_x, scale_bytes=scales, assist=assist, expand_scales=expand_scales,
-                                   weights=torch.ones(1) if weights else None)  # fmt: skip
+            flat = SimpleNamespace(
+                fmt=fmt,
+                c=SimpleNamespace(capacity=cap, quant=quant),
+                source=expand_x,
+                expand_x=expand_x,
+                scale_bytes=scales,
+                assist=assist,
+                expand_scales=expand_scales,
+                weights=torch.ones(1) if weights else None,
+            )
             num = _Flat._place_torch(flat, blocks, counts)
         outs[name] = (num, counts, expand_x.view(torch.uint8), scales, assist, expand_scales)
     for a, b in zip(outs["kernel"], outs["torch"], strict=True):
         assert a == b if isinstance(a, int) else torch.equal(a, b)
     counts = torch.zeros((num_local, world), dtype=torch.int64)
     small = torch.zeros((4, hidden), dtype=fmt.data_dtype)
-    assert kernels.place_flat([blocks[2]], fmt, scale_width, weights, counts, small, scales[:4], assist,
-                                  expand_scales) == -1  # more pairs than rows: only the counts  # fmt: skip
+    assert (
+        kernels.place_flat([blocks[2]], fmt, scale_width, weights, counts, small, scales[:4], assist, expand_scales)
+        == -1
+    )  # more pairs than rows: only the counts
     assert int(counts.sum()) == int((blocks[2][1][:, fmt.slot_off : fmt.weight_off].view(torch.int32) >= 0).sum())
 
 
