@@ -520,9 +520,9 @@ METHOD(gather) {
 METHOD(expert_mm) {
     const char *fn = "expert_mm";
     Buf x, w, y, offs;
-    int64_t rows, E, N, K, threads;
-    if (!parse(fn, args, nargs, "T:x i:rows T:w i:E i:N i:K T:y T:offs i:threads", &x, &rows, &w, &E, &N, &K, &y,
-               &offs, &threads) ||
+    int64_t rows, E, N, K, threads, max_rows;
+    if (!parse(fn, args, nargs, "T:x i:rows T:w i:E i:N i:K T:y T:offs i:threads i:max_rows", &x, &rows, &w, &E, &N,
+               &K, &y, &offs, &threads, &max_rows) ||
         !holds(fn, "x", &x, size3(rows, K, 2)) || !holds(fn, "w", &w, size3(E, N, K * 2)) ||
         !holds(fn, "y", &y, size3(rows, N, 2)) || !holds(fn, "offs", &offs, size3(E, 4, 1)))
         return NULL;
@@ -533,7 +533,7 @@ METHOD(expert_mm) {
                                 (long long)e, o[e], (long long)rows);
     int done;
     NOGIL(done = dep_expert_mm((const uint16_t *)x.ptr, (const uint16_t *)w.ptr, (uint16_t *)y.ptr, o, E, N, K,
-                               threads));
+                               threads, max_rows));
     return PyBool_FromLong(done);
 }
 

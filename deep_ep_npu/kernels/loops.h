@@ -73,7 +73,7 @@ void dep_to_e4m3(const float *x, int64_t n, uint8_t *out);
 
 /* expert_mm.c */
 int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32_t *offs, int64_t E, int64_t N,
-                  int64_t K, int64_t threads);
+                  int64_t K, int64_t threads, int64_t max_rows);
 
 /* rms_norm.c */
 void dep_rms_norm(const uint16_t *x, int64_t rows, int64_t H, const void *w, int w_fp32, int round_first, float eps,
