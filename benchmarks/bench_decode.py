@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM CPU row")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: the engine's)")
+    p.add_argument(
+        "--baseline-threads",
+        type=int,
+        default=None,
+        help="torch threads of transformers and the floor's read (default: torch's)",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of the routing (0: the router's own)")
     p.add_argument("--eplb-interval", type=int, default=16, help="with --skew: steps between EPLB rebalances")
@@ -112,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     from server.runtime import EPEngine
 
     dtype = getattr(torch, args.dtype)
+    if args.baseline_threads:
+        torch.set_num_threads(args.baseline_threads)
     sizes = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
                  num_attention_heads=16, num_key_value_heads=4, head_dim=64, intermediate_size=2048,
                  moe_intermediate_size=args.moe_intermediate_size, num_experts=args.num_experts,
