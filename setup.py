@@ -1,8 +1,8 @@
-"""Builds the CPU kernels (``deep_ep_npu/kernels/_cpu.c``, ``loops.c``, ``expert_mm.c`` and ``rms_norm.c``) into the
-extension module ``deep_ep_npu.kernels._cpu`` when the package is installed (``pip install .``, ``pip install -e
-.``); the rest of the package is described in ``pyproject.toml``. The build needs a C compiler (``$CC``, else the one
-Python was built with) and setuptools, nothing else: no torch headers. A failed build fails the installation with
-the compiler's message; nothing is compiled at import or run time.
+"""Builds the CPU kernels (``deep_ep_npu/kernels/_cpu.c``, ``loops.c``, ``expert_mm.c``, ``rms_norm.c``, ``attention.c``
+and ``rope.c``) into the extension module ``deep_ep_npu.kernels._cpu`` when the package is installed (``pip install .``,
+``pip install -e .``); the rest of the package is described in ``pyproject.toml``. The build needs a C compiler
+(``$CC``, else the one Python was built with) and setuptools, nothing else: no torch headers. A failed build fails the
+installation with the compiler's message; nothing is compiled at import or run time.
 
 The flags keep the loops bit-identical to the torch code: no fused multiply-add (``-ffp-contract=off``), branch-free
 selects that change no value (``-fno-trapping-math``). On x86 the vector loops get AVX-512 (x86-64-v4) clones
@@ -21,7 +21,7 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError
 
 KERNELS = pathlib.Path("deep_ep_npu/kernels")
-SOURCES = [str(KERNELS / name) for name in ("_cpu.c", "loops.c", "expert_mm.c", "rms_norm.c")]
+SOURCES = [str(KERNELS / name) for name in ("_cpu.c", "loops.c", "expert_mm.c", "rms_norm.c", "attention.c", "rope.c")]
 FLAGS = ["-O3", "-std=gnu11", "-fno-wrapv", "-ffp-contract=off", "-fno-trapping-math", "-fno-strict-aliasing"]
 
 

@@ -162,6 +162,7 @@ def build_model(
     for moe in model.moe_layers():
         if moe.fused:
             moe.prepare_fused()
+    model.fuse_weights()
     model.eval()
     return model
 

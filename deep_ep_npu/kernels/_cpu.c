@@ -554,9 +554,9 @@ METHOD(gather) {
 METHOD(expert_mm) {
     const char *fn = "expert_mm";
     Buf x, w, y, offs;
-    int64_t rows, E, N, K, threads;
-    if (!parse(fn, args, nargs, "T:x i:rows T:w i:E i:N i:K T:y T:offs i:threads", &x, &rows, &w, &E, &N, &K, &y,
-               &offs, &threads) ||
+    int64_t rows, E, N, K, threads, max_rows;
+    if (!parse(fn, args, nargs, "T:x i:rows T:w i:E i:N i:K T:y T:offs i:threads i:max_rows", &x, &rows, &w, &E, &N,
+               &K, &y, &offs, &threads, &max_rows) ||
         !holds(fn, "x", &x, size3(rows, K, 2)) || !holds(fn, "w", &w, size3(E, N, K * 2)) ||
         !holds(fn, "y", &y, size3(rows, N, 2)) || !holds(fn, "offs", &offs, size3(E, 4, 1)))
         return NULL;
@@ -567,7 +567,7 @@ METHOD(expert_mm) {
                                 (long long)e, o[e], (long long)rows);
     int done;
     NOGIL(done = dep_expert_mm((const uint16_t *)x.ptr, (const uint16_t *)w.ptr, (uint16_t *)y.ptr, o, E, N, K,
-                               threads));
+                               threads, max_rows));
     return PyBool_FromLong(done);
 }
 
@@ -588,6 +588,95 @@ METHOD(rms_norm) {
         return NULL;
     NOGIL(dep_rms_norm((const uint16_t *)x.ptr, rows, H, w.ptr, (int)w_fp32, (int)round_first, (float)eps,
                        (uint16_t *)y.ptr));
+    Py_RETURN_NONE;
+}
+
+METHOD(add_rms_norm) {
+    const char *fn = "add_rms_norm";
+    Buf x, d, w, y;
+    int64_t rows, H, w_fp32, round_first;
+    PyObject *eps_obj;
+    if (!parse(fn, args, nargs, "T:x T:d i:rows i:H T:w i:w_fp32 i:round_first O:eps T:y", &x, &d, &rows, &H, &w,
+               &w_fp32, &round_first, &eps_obj, &y) ||
+        !holds(fn, "x", &x, size3(rows, H, 2)) || !holds(fn, "d", &d, size3(rows, H, 2)) ||
+        !holds(fn, "w", &w, size3(H, w_fp32 ? 4 : 2, 1)) || !holds(fn, "y", &y, size3(rows, H, 2)))
+        return NULL;
+    if (round_first && w_fp32)
+        return PyErr_Format(PyExc_ValueError, "add_rms_norm(): round_first takes a bf16 weight");
+    double eps = PyFloat_AsDouble(eps_obj);
+    if (eps == -1.0 && PyErr_Occurred())
+        return NULL;
+    NOGIL(dep_add_rms_norm((uint16_t *)x.ptr, (const uint16_t *)d.ptr, rows, H, w.ptr, (int)w_fp32, (int)round_first,
+                           (float)eps, (uint16_t *)y.ptr));
+    Py_RETURN_NONE;
+}
+
+/* Whether H query heads, KV key/value heads of D values fit a row of W (bf16: item 2, fp32: 4). */
+static int head_layout(const char *fn, int64_t W, int64_t H, int64_t KV, int64_t D, int64_t extra) {
+    if (H > 0 && KV > 0 && H % KV == 0 && D > 0 && (H + extra * KV) * D <= W)
+        return 1;
+    PyErr_Format(PyExc_ValueError, "%s(): %lld query and %lld key/value heads of %lld do not fit rows of %lld", fn,
+                 (long long)H, (long long)KV, (long long)D, (long long)W);
+    return 0;
+}
+
+METHOD(qk_norm_rope) {
+    const char *fn = "qk_norm_rope";
+    Buf qkv, q_w, k_w, cos, sin;
+    int64_t bf16, T, W, H, KV, D, rd;
+    PyObject *eps_obj;
+    if (!parse(fn, args, nargs, "i:bf16 T:qkv i:T i:W i:H i:KV i:D t:q_w t:k_w O:eps T:cos T:sin i:rd", &bf16, &qkv,
+               &T, &W, &H, &KV, &D, &q_w, &k_w, &eps_obj, &cos, &sin, &rd))
+        return NULL;
+    int64_t item = bf16 ? 2 : 4;
+    if (!head_layout(fn, W, H, KV, D, 1) || !holds(fn, "qkv", &qkv, size3(T, W, item)) ||
+        !holds(fn, "cos", &cos, size3(T, rd, item)) || !holds(fn, "sin", &sin, size3(T, rd, item)) ||
+        (q_w.ptr && !holds(fn, "q_w", &q_w, size3(D, item, 1))) || (k_w.ptr && !holds(fn, "k_w", &k_w, size3(D, item, 1))))
+        return NULL;
+    if (rd < 0 || rd % 2 || rd > D || D > 1024 || (!q_w.ptr) != (!k_w.ptr))
+        return PyErr_Format(PyExc_ValueError, "qk_norm_rope(): rd = %lld must be even and <= D = %lld <= 1024, with "
+                            "both norm weights or neither", (long long)rd, (long long)D);
+    double eps = PyFloat_AsDouble(eps_obj);
+    if (eps == -1.0 && PyErr_Occurred())
+        return NULL;
+    NOGIL(dep_qk_norm_rope((int)bf16, qkv.ptr, T, W, H, KV, D, q_w.ptr, k_w.ptr, (float)eps, cos.ptr, sin.ptr, rd));
+    Py_RETURN_NONE;
+}
+
+METHOD(decode_attention) {
+    const char *fn = "decode_attention";
+    Buf qkv, k_cache, v_cache, slots, table, pos, sinks, out;
+    int64_t bf16, W, S, H, KV, D, MB, bs, window;
+    PyObject *scale_obj;
+    if (!parse(fn, args, nargs,
+               "i:bf16 T:qkv i:W i:S i:H i:KV i:D T:k_cache T:v_cache T:slots T:table i:MB i:bs T:pos i:window "
+               "t:sinks O:scale T:out",
+               &bf16, &qkv, &W, &S, &H, &KV, &D, &k_cache, &v_cache, &slots, &table, &MB, &bs, &pos, &window, &sinks,
+               &scale_obj, &out))
+        return NULL;
+    int64_t item = bf16 ? 2 : 4, slot_bytes = size3(KV, D, item);
+    if (!head_layout(fn, W, H, KV, D, 2) || !holds(fn, "qkv", &qkv, size3(S, W, item)) ||
+        !holds(fn, "slots", &slots, size3(S, 8, 1)) || !holds(fn, "table", &table, size3(S, MB, 8)) ||
+        !holds(fn, "pos", &pos, size3(S, 8, 1)) || !holds(fn, "out", &out, size3(S, H * D, item)) ||
+        (sinks.ptr && !holds(fn, "sinks", &sinks, size3(H, 4, 1))))
+        return NULL;
+    if (bs < 1 || window < 0 || k_cache.nbytes != v_cache.nbytes || slot_bytes <= 0)
+        return PyErr_Format(PyExc_ValueError, "decode_attention(): block size %lld, window %lld or the caches' sizes "
+                            "are wrong", (long long)bs, (long long)window);
+    int64_t num_slots = k_cache.nbytes / slot_bytes;
+    if (!inside((const int64_t *)slots.ptr, S, num_slots) || !inside((const int64_t *)table.ptr, S * MB, num_slots / bs) ||
+        !inside((const int64_t *)pos.ptr, S, MB * bs))
+        return PyErr_Format(PyExc_IndexError, "decode_attention(): a slot, block or position is outside the cache");
+    double scale = PyFloat_AsDouble(scale_obj);
+    if (scale == -1.0 && PyErr_Occurred())
+        return NULL;
+    int done;
+    NOGIL(done = dep_decode_attention((int)bf16, qkv.ptr, W, S, H, KV, D, k_cache.ptr, v_cache.ptr,
+                                      (const int64_t *)slots.ptr, (const int64_t *)table.ptr, MB, bs,
+                                      (const int64_t *)pos.ptr, window, (const float *)sinks.ptr, (float)scale,
+                                      out.ptr));
+    if (!done)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -776,6 +865,9 @@ static PyMethodDef methods[] = {
     ENTRY(gather, "out[i] = x[index[i]] with streaming stores (see kernels.gather)"),
     ENTRY(expert_mm, "the bf16 expert matmul of the grouped layout (see kernels.expert_mm)"),
     ENTRY(rms_norm, "RMSNorm of bf16 rows as transformers (see kernels.rms_norm)"),
+    ENTRY(add_rms_norm, "the residual add and RMSNorm of bf16 rows (see kernels.rms_norm)"),
+    ENTRY(qk_norm_rope, "q / k norms and rope of a fused projection, in place (see kernels.rope)"),
+    ENTRY(decode_attention, "a decode batch's paged attention (see kernels.attention)"),
     ENTRY(place_scales, "the masked layout's scales (see kernels.place_scales)"),
     ENTRY(place_pairs, "the masked placement of this rank's own pairs (see kernels.place_pairs)"),
     ENTRY(layout_range, "the masked layout's block table (see kernels.layout_range)"),

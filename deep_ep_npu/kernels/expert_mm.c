@@ -4,7 +4,9 @@
  * per-expert matmuls do not give on the CPU (they read at ~half the rate; benchmarks/bench_decode.py).
  * Each thread walks a contiguous range of weight rows (K contiguous values each) once, front to back, and takes the
  * dot product of each with every row of its expert: four fp32 accumulators per x row (columns k mod 128 in four
- * 32-wide lanes), AVX512-BF16 `vdpbf16ps`, then one horizontal sum. Only the AVX512-BF16 build exists: elsewhere
+ * 32-wide lanes), AVX512-BF16 `vdpbf16ps`, then one horizontal sum. Experts with more than max_rows rows are
+ * skipped (their output rows are left as they are): there a blocked matmul (torch's, oneDNN) is compute-bound and
+ * faster. Only the AVX512-BF16 build exists: elsewhere
  * dep_expert_mm returns 0 (not done) and the caller keeps torch's matmul. */
 #include <pthread.h>
 #include <string.h>
@@ -25,6 +27,7 @@ typedef struct {
     uint16_t *y;
     const int32_t *offs;
     int64_t N, K, begin, end; /* weight rows [begin, end) of the flattened [E * N] */
+    int64_t max_rows;         /* experts with more rows are left to the caller */
 } Job;
 
 BF16 static inline __m512bh lanes(const uint16_t *p, int64_t left) {
@@ -66,7 +69,7 @@ static void run(const Job *j) {
     for (int64_t t = j->begin; t < j->end;) {
         int64_t e = t / j->N, n = t % j->N, r0 = e ? j->offs[e - 1] : 0, r1 = j->offs[e];
         int64_t stop = (e + 1) * j->N < j->end ? (e + 1) * j->N : j->end;
-        for (; r1 > r0 && t < stop; t++, n++)
+        for (; r1 > r0 && r1 - r0 <= j->max_rows && t < stop; t++, n++)
             weight_row(j->w + t * j->K, j->K, j->x + r0 * j->K, r1 - r0, j->y + r0 * j->N + n, j->N);
         t = stop;
     }
@@ -138,13 +141,19 @@ static void run_all(const Job *jobs, int64_t n) {
     }
 }
 
+/* An expert this call multiplies: one with rows, at most max_rows of them. */
+static int mine(const int32_t *offs, int64_t e, int64_t max_rows) {
+    int64_t rows = offs[e] - (e ? offs[e - 1] : 0);
+    return rows > 0 && rows <= max_rows;
+}
+
 int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32_t *offs, int64_t E, int64_t N,
-                  int64_t K, int64_t threads) {
+                  int64_t K, int64_t threads, int64_t max_rows) {
     if (!__builtin_cpu_supports("avx512bf16"))
         return 0;
-    int64_t active = 0; /* the weight rows of experts with rows, split evenly over the threads */
+    int64_t active = 0; /* the weight rows of the experts multiplied here, split evenly over the threads */
     for (int64_t e = 0; e < E; e++)
-        active += offs[e] > (e ? offs[e - 1] : 0) ? N : 0;
+        active += mine(offs, e, max_rows) ? N : 0;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     /* a thread is worth its wake-up and its share of the split from MIN_THREAD_BYTES of weights (~0.2 ms of reading) */
     int64_t fit = active * K * 2 / MIN_THREAD_BYTES;
@@ -155,21 +164,21 @@ int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32
         int64_t begin = t, goal = active * (i + 1) / threads;
         while (t < E * N && seen < goal) {
             int64_t e = t / N, take = N - t % N;
-            if (offs[e] > (e ? offs[e - 1] : 0)) {
+            if (mine(offs, e, max_rows)) {
                 take = take < goal - seen ? take : goal - seen;
                 seen += take;
             }
             t += take;
         }
-        jobs[i] = (Job){x, w, y, offs, N, K, begin, i == threads - 1 ? E * N : t};
+        jobs[i] = (Job){x, w, y, offs, N, K, begin, i == threads - 1 ? E * N : t, max_rows};
     }
     run_all(jobs, threads);
     return 1;
 }
 #else
 int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32_t *offs, int64_t E, int64_t N,
-                  int64_t K, int64_t threads) {
-    (void)x, (void)w, (void)y, (void)offs, (void)E, (void)N, (void)K, (void)threads;
+                  int64_t K, int64_t threads, int64_t max_rows) {
+    (void)x, (void)w, (void)y, (void)offs, (void)E, (void)N, (void)K, (void)threads, (void)max_rows;
     return 0;
 }
 #endif

@@ -12,6 +12,9 @@ ROWS_PER_EXPERT = 8
 """The most rows per expert (on average) for which :func:`expert_mm` beats torch's matmul: measured 2.6-3x at 1-4
 rows, still ahead at 8, behind from ~32 on (it reads the weights once but multiplies without blocking)."""
 
+MATMUL_ROWS = 8
+"""An expert with more rows than this (in one call) is compute-bound: torch's blocked bf16 matmul (oneDNN, AMX where
+the CPU has it) beats the kernel's one pass over its weights (``max_rows``)."""
 
 _threads: int | None = None
 
@@ -24,7 +27,9 @@ def set_num_threads(threads: int | None) -> None:
     _threads = threads
 
 
-def expert_mm(x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None) -> Tensor | None:
+def expert_mm(
+    x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None, max_rows: int | None = None
+) -> Tensor | None:
     """``y[r] = x[r] @ w[e].T`` for the rows ``r`` of each expert ``e`` in the grouped layout, each sum in fp32
     (products exact, sums in an order of the kernel's) rounded once to bf16; None where the kernel does not apply
     (not bf16 CPU tensors, kernels off or not built, a CPU without AVX512-BF16), having done nothing.
@@ -36,6 +41,8 @@ def expert_mm(x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None)
         threads: at most this many threads share the weight rows, each taking at least 4 MiB of them (a wake-up and
             an uneven split cost about as much as reading 2 MiB); default :func:`set_num_threads`'s. The kernel keeps
             its helper threads between calls (one call at a time uses them; a concurrent call runs on its own).
+        max_rows: experts with more rows are skipped, their output rows left undefined (the caller multiplies them:
+            :data:`MATMUL_ROWS`); None: none is skipped.
 
     Returns:
         `[rows, N]` `torch.bfloat16`; rows past ``offsets[-1]`` are undefined.
@@ -47,4 +54,5 @@ def expert_mm(x: Tensor, w: Tensor, offsets: Tensor, threads: int | None = None)
         return None
     y = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
     n = threads or _threads or torch.get_num_threads()
-    return y if lib.expert_mm(x, x.shape[0], w, w.shape[0], w.shape[1], w.shape[2], y, offsets, n) else None
+    limit = x.shape[0] if max_rows is None else max_rows
+    return y if lib.expert_mm(x, x.shape[0], w, w.shape[0], w.shape[1], w.shape[2], y, offsets, n, limit) else None

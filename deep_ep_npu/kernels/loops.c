@@ -36,15 +36,6 @@ static void copy_row(uint8_t *dst, const uint8_t *src, int64_t n) { memcpy(dst, 
 static void copies_done(void) {}
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(DEP_X86_64_V4)
-/* 64-byte vectors (AVX-512 with byte ops) or 32-byte ones where the CPU has them; the build falls back to the next
- * line on a compiler without x86-64-v4 */
-#define WIDE __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define WIDE __attribute__((target_clones("avx2", "default"))) /* 32-byte vectors where the CPU has them */
-#else
-#define WIDE
-#endif
 
 static inline float load_f32(float v) { return v; }
 static inline float load_bf16(uint16_t v) { return dep_bf16_f32(v); }

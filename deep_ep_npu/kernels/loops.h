@@ -1,4 +1,4 @@
-/* The CPU loops of loops.c, expert_mm.c and rms_norm.c (each documented there), called only by the checked bindings
+/* The CPU loops of loops.c, expert_mm.c, rms_norm.c, attention.c and rope.c (each documented there), called only by the checked bindings
  * in _cpu.c; and the bf16 conversions they share. */
 #ifndef DEP_LOOPS_H
 #define DEP_LOOPS_H
@@ -20,6 +20,16 @@ static inline uint16_t dep_f32_bf16(float f) {
         return (uint16_t)((u >> 16) | 0x40);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(DEP_X86_64_V4)
+/* 64-byte vectors (AVX-512 with byte ops) or 32-byte ones where the CPU has them; the build falls back to the next
+ * line on a compiler without x86-64-v4 */
+#define WIDE __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDE __attribute__((target_clones("avx2", "default"))) /* 32-byte vectors where the CPU has them */
+#else
+#define WIDE
+#endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
@@ -66,9 +76,22 @@ void dep_to_e4m3(const float *x, int64_t n, uint8_t *out);
 
 /* expert_mm.c */
 int dep_expert_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, const int32_t *offs, int64_t E, int64_t N,
-                  int64_t K, int64_t threads);
+                  int64_t K, int64_t threads, int64_t max_rows);
 
 /* rms_norm.c */
 void dep_rms_norm(const uint16_t *x, int64_t rows, int64_t H, const void *w, int w_fp32, int round_first, float eps,
                   uint16_t *y);
+void dep_add_rms_norm(uint16_t *x, const uint16_t *d, int64_t rows, int64_t H, const void *w, int w_fp32,
+                      int round_first, float eps, uint16_t *y);
+
+/* attention.c */
+int dep_decode_attention(int bf16, const uint8_t *qkv, int64_t W, int64_t S, int64_t H, int64_t KV, int64_t D,
+                         uint8_t *k_cache, uint8_t *v_cache, const int64_t *slots, const int64_t *table, int64_t MB,
+                         int64_t bs, const int64_t *pos, int64_t window, const float *sinks, float scale,
+                         uint8_t *out);
+
+/* rope.c */
+void dep_qk_norm_rope(int bf16, uint8_t *qkv, int64_t T, int64_t W, int64_t H, int64_t KV, int64_t D,
+                      const uint8_t *q_w, const uint8_t *k_w, float eps, const uint8_t *cos, const uint8_t *sin,
+                      int64_t rd);
 #endif

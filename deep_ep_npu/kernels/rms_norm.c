@@ -42,3 +42,16 @@ void dep_rms_norm(const uint16_t *x, int64_t rows, int64_t H, const void *w, int
                 yr[i] = dep_f32_bf16(dep_bf16_f32(wb[i]) * (dep_bf16_f32(xr[i]) * inv));
     }
 }
+
+/* x += d (each sum rounded to bf16, torch's `x + d`), then y = dep_rms_norm(x): the residual add and the next norm of
+ * a decoder layer in one pass. */
+void dep_add_rms_norm(uint16_t *x, const uint16_t *d, int64_t rows, int64_t H, const void *w, int w_fp32,
+                      int round_first, float eps, uint16_t *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *xr = x + r * H;
+        const uint16_t *dr = d + r * H;
+        for (int64_t i = 0; i < H; i++)
+            xr[i] = dep_f32_bf16(dep_bf16_f32(xr[i]) + dep_bf16_f32(dr[i]));
+        dep_rms_norm(xr, 1, H, w, w_fp32, round_first, eps, y + r * H);
+    }
+}

@@ -35,3 +35,41 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, round_first: bool = True) ->
     fp32 = int(weight.dtype == torch.float32)
     lib.rms_norm(x, x.numel() // h if h else 0, h, weight, fp32, int(round_first), float(eps), y)
     return y
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float, round_first: bool = True) -> Tensor | None:
+    """``x += delta`` in place (each sum rounded to bf16, as torch's ``x + delta``), then :func:`rms_norm` of the new
+    ``x``: a decoder layer's residual add and the next norm in one call. None where the kernel does not apply (as
+    :func:`rms_norm`; ``delta`` too must be contiguous bf16 of ``x``'s shape), having done nothing.
+
+    Arguments:
+        x: `[..., H]` `torch.bfloat16`, contiguous (updated).
+        delta: `[..., H]` `torch.bfloat16`, contiguous.
+        weight: `[H]`, as :func:`rms_norm`'s.
+
+    Returns:
+        `[..., H]` `torch.bfloat16`.
+    """
+    if delta.dtype != torch.bfloat16 or delta.shape != x.shape or not (delta.is_cpu and delta.is_contiguous()):
+        return None
+    wants = (torch.bfloat16,) if round_first else (torch.bfloat16, torch.float32)
+    if x.dtype != torch.bfloat16 or weight.dtype not in wants or weight.dim() != 1:
+        return None
+    h = weight.shape[0]
+    if x.shape[-1] != h or not (x.is_cpu and weight.is_cpu and x.is_contiguous() and weight.is_contiguous()):
+        return None
+    if (lib := library()) is None:
+        return None
+    y = torch.empty_like(x)
+    lib.add_rms_norm(
+        x,
+        delta,
+        x.numel() // h if h else 0,
+        h,
+        weight,
+        int(weight.dtype == torch.float32),
+        int(round_first),
+        float(eps),
+        y,
+    )
+    return y

@@ -4,13 +4,16 @@ gpt-oss) and MLA (DeepSeek-V3).
 A forward step runs a flat batch of tokens from several sequences (decode tokens and prefill chunks mixed). The
 projections run over the whole batch; each layer writes the step's keys/values into the cache blocks
 (:func:`~server.models.paged_attention.write_kv`) and attends batched over every sequence
-(:func:`~server.models.paged_attention.paged_attention`).
+(:func:`~server.models.paged_attention.paged_attention`); a step of decodes alone does both in one kernel call per
+layer where it applies (:func:`~deep_ep_npu.kernels.attention.decode_attention`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from deep_ep_npu.kernels.attention import decode_attention
 
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
@@ -38,13 +41,30 @@ class GQAttention(QKVProjections):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.project(x, batch)
+        qkv, q, k, v = self.project(x, batch)
         k_cache, v_cache = cache
+        sinks = getattr(self, "sinks", None)
+        group = batch.groups[0] if len(batch.groups) == 1 else None
+        if qkv is not None and group is not None and group.rows.shape[1] == 1:  # decodes alone: row i is sequence i
+            out = decode_attention(
+                qkv,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                k_cache,
+                v_cache,
+                batch.slot_mapping,
+                group.block_table,
+                batch.positions,
+                self.head_dim**-0.5,
+                self.window,
+                sinks,
+            )
+            if out is not None:
+                return self.o_proj(out)
         write_kv(k_cache, batch.slot_mapping, k)
         write_kv(v_cache, batch.slot_mapping, v)
-        out = paged_attention(
-            q, k_cache, v_cache, batch, self.head_dim**-0.5, self.window, getattr(self, "sinks", None)
-        )
+        out = paged_attention(q, k_cache, v_cache, batch, self.head_dim**-0.5, self.window, sinks)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

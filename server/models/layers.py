@@ -1,4 +1,5 @@
-"""Small building blocks shared by every architecture: RMSNorm and the SwiGLU MLP (rotary embeddings: ``rope.py``)."""
+"""Small building blocks shared by every architecture: RMSNorm (with the residual add before it, fused) and the SwiGLU
+MLP (rotary embeddings: ``rope.py``)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deep_ep_npu.kernels.rms_norm import rms_norm
+from deep_ep_npu.kernels.rms_norm import add_rms_norm, rms_norm
 
-from .linear import Linear
+from .linear import Linear, fuse_linears, linear
 
 
 class RMSNorm(nn.Module):
@@ -28,15 +29,37 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * x32).to(dtype) if self.weight_fp32 else self.weight * x32.to(dtype)
 
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: ``x + delta`` (``x`` itself without ``delta``) and its norm, both `[...,
+        hidden]` in ``x``'s dtype; one kernel call for bf16 on the CPU, which adds into ``x`` in place."""
+        if delta is None:
+            return x, self(x)
+        if (y := add_rms_norm(x, delta, self.weight, self.eps, round_first=not self.weight_fp32)) is not None:
+            return x, y
+        x = x + delta
+        return x, self(x)
+
 
 class DenseMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with HF's parameter names (also the DeepSeek shared experts)."""
+    """``down(silu(gate(x)) * up(x))`` with HF's parameter names (also the DeepSeek shared experts); gate and up run
+    as one projection (:meth:`fuse_weights`)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
+        self.intermediate = intermediate
         self.gate_proj = Linear(hidden, intermediate, bias=False)
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self._gate_up: torch.Tensor | None = None
+
+    def fuse_weights(self) -> None:
+        """Lay ``gate_proj`` / ``up_proj`` out as one projection (:func:`~server.models.linear.fuse_linears`); the
+        loader calls it once, after filling the weights (a forward step before that does it itself)."""
+        self._gate_up = fuse_linears(self.gate_proj, self.up_proj)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is None:
+            self.fuse_weights()
+        assert self._gate_up is not None
+        gate, up = linear(x, self._gate_up).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -2,7 +2,8 @@
 reads the weight fastest on the CPU. Decode is bound by reading the weights: bf16 runs on
 :func:`deep_ep_npu.kernels.expert_mm.expert_mm` (one sequential stream per thread, ~24 GB/s here against ~4 GB/s for
 torch's bf16 ``addmv``); a single row of another dtype as ``torch.mv``, which reads the weight ~1.4x faster than a
-one-row matmul (measured with ``F.linear`` at 13 GB/s against ``torch.mv`` at 19 GB/s on 2 MiB fp32 weights)."""
+one-row matmul (measured with ``F.linear`` at 13 GB/s against ``torch.mv`` at 19 GB/s on 2 MiB fp32 weights).
+:func:`fuse_linears` lays several projections of one input out as one (q / k / v, gate / up)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def fuse_linears(*layers: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight `[sum of out, in]` (and bias, if the layers have biases) holding ``layers``' weights one after
+    another, for one matmul in place of several; each layer's parameters become views into it, so the state dict keeps
+    its names and sizes, nothing is held twice, and an in-place load into a layer's weight reaches the fused one."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])  # type: ignore[misc]
+    begin = 0
+    for layer in layers:
+        end = begin + layer.weight.shape[0]
+        layer.weight = nn.Parameter(weight[begin:end], requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias[begin:end], requires_grad=False)
+        begin = end
+    return weight, bias

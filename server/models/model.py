@@ -19,6 +19,7 @@ from .kv_cache import PagedKVCache
 from .layers import DenseMLP, RMSNorm
 from .linear import Linear
 from .moe import SparseMoE
+from .qkv import QKVProjections
 
 
 class DecoderLayer(nn.Module):
@@ -33,11 +34,15 @@ class DecoderLayer(nn.Module):
         mlp = SparseMoE(cfg, comm, moe_index) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         setattr(self, self.mlp_name, mlp)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
-        h = self.post_attention_layernorm(x)
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None, batch: ForwardBatch, cache: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``x`` plus the previous layer's output ``delta`` (None: nothing to add) -> this
+        layer's residual stream and output (each residual add fused with the norm after it: :meth:`RMSNorm.add`)."""
+        x, h = self.input_layernorm.add(x, delta)
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(h, batch, cache))
         mlp = getattr(self, self.mlp_name)
-        return x + (mlp(h, batch.num_tokens_all_ranks) if self.is_moe else mlp(h))
+        return x, mlp(h, batch.num_tokens_all_ranks) if self.is_moe else mlp(h)
 
 
 class Backbone(nn.Module):
@@ -67,11 +72,19 @@ class MoECausalLM(nn.Module):
         Returns:
             logits: `[len(batch.sample_rows), vocab_size]` with `torch.float32`.
         """
-        x = self.model.embed_tokens(batch.input_ids)
+        x, delta = self.model.embed_tokens(batch.input_ids), None
         for layer, layer_cache in zip(self.model.layers, cache.layers, strict=True):
-            x = layer(x, batch, layer_cache)
-        x = self.model.norm(x[batch.sample_rows])
+            x, delta = layer(x, delta, batch, layer_cache)
+        rows = batch.sample_rows
+        _, x = self.model.norm.add(x[rows], None if delta is None else delta[rows])
         return self.lm_head(x).float()
+
+    def fuse_weights(self) -> None:
+        """Fuse the projections that share an input (q / k / v, gate / up); the loader calls it once, after filling
+        the weights."""
+        for m in self.modules():
+            if isinstance(m, (QKVProjections, DenseMLP)):
+                m.fuse_weights()
 
     def moe_layers(self) -> list[SparseMoE]:
         return [getattr(layer, str(layer.mlp_name)) for layer in self.model.layers if layer.is_moe]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deep_ep_npu.kernels.expert_mm import ROWS_PER_EXPERT, expert_mm
+from deep_ep_npu.kernels.expert_mm import MATMUL_ROWS, ROWS_PER_EXPERT, expert_mm
 
 from .config import ModelConfig
 from .ep_comm import ExpertComm
@@ -173,13 +173,29 @@ class LocalExperts(nn.Module):
 
     def kernel(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
         """The bf16 experts without biases as two ``expert_mm`` calls (arguments and result as :meth:`forward`), or
-        None where they do not run so (see the module doc)."""
+        None where they do not run so (see the module doc). An expert with more than ``MATMUL_ROWS`` rows is
+        compute-bound: it runs as torch's bf16 matmul (oneDNN) instead, the others on the kernel."""
         if self.int8 is not None or hasattr(self, "b13") or recv_rows.shape[0] > ROWS_PER_EXPERT * len(offsets):
             return None
-        if (h := expert_mm(recv_rows, self.w13, offsets)) is None:
+        heavy = self._heavy(offsets) if recv_rows.shape[0] > MATMUL_ROWS else []
+        if (h := expert_mm(recv_rows, self.w13, offsets, max_rows=MATMUL_ROWS)) is None:
             return None
+        for e, begin, end in heavy:
+            torch.matmul(recv_rows[begin:end], self.w13[e].t(), out=h[begin:end])
         gate, up = h.split(self.intermediate, dim=-1)
-        return expert_mm(swiglu(gate, up, self.cfg).contiguous(), self.w2, offsets)
+        act = swiglu(gate, up, self.cfg).contiguous()
+        out = expert_mm(act, self.w2, offsets, max_rows=MATMUL_ROWS)
+        assert out is not None  # (the first call ran: so does this one)
+        for e, begin, end in heavy:
+            torch.matmul(act[begin:end], self.w2[e].t(), out=out[begin:end])
+        return out
+
+    @staticmethod
+    def _heavy(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(expert, first row, end row) of each expert with more than ``MATMUL_ROWS`` rows (one host read)."""
+        ends = offsets.tolist()
+        starts = [0, *ends[:-1]]
+        return [(e, b, n) for e, (b, n) in enumerate(zip(starts, ends, strict=True)) if n - b > MATMUL_ROWS]
 
     def grouped(self, recv_rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The float experts as two grouped matmuls (arguments and result as :meth:`forward`)."""

@@ -71,9 +71,9 @@ def test_expert_mm_binding_checks_offsets_and_sizes() -> None:
     x, w, offsets = _case(torch.Generator().manual_seed(3), [1, 1], 8, 64)
     y = torch.empty(x.shape[0], 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"offs\[1\] = 9"):
-        raw_expert_mm(x, x.shape[0], w, 2, 8, 64, y, torch.tensor([1, 9], dtype=torch.int32), 1)
+        raw_expert_mm(x, x.shape[0], w, 2, 8, 64, y, torch.tensor([1, 9], dtype=torch.int32), 1, 8)
     with pytest.raises(ValueError, match="w holds"):
-        raw_expert_mm(x, x.shape[0], w, 3, 8, 64, y, torch.tensor([1, 2, 2], dtype=torch.int32), 1)
+        raw_expert_mm(x, x.shape[0], w, 3, 8, 64, y, torch.tensor([1, 2, 2], dtype=torch.int32), 1, 8)
 
 
 def test_moe_experts_on_the_kernel_equal_the_grouped_matmul() -> None:
@@ -144,3 +144,47 @@ def test_expert_mm_helpers_serve_concurrent_calls_and_a_forked_child() -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_expert_mm_leaves_experts_past_max_rows() -> None:
+    """``max_rows`` skips the experts with more rows (their output rows untouched), the others bit for bit as
+    without it."""
+    x, w, offsets = _case(torch.Generator().manual_seed(2), [3, 9, 0, 2, 12], 40, 64)
+    full = _ran(expert_mm(x, w, offsets, threads=1))
+    part = _ran(expert_mm(x, w, offsets, threads=1, max_rows=8))
+    ends = offsets.tolist()
+    for e, (begin, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        if 0 < end - begin <= 8:
+            assert torch.equal(part[begin:end], full[begin:end]), e
+
+
+def test_local_experts_split_heavy_experts_to_torch_matmul() -> None:
+    """Experts with more than MATMUL_ROWS rows run as torch's bf16 matmul, the rest on the kernel: each expert's rows
+    equal its own FFN's (torch matmuls) within bf16 rounding."""
+    from server.models import ModelConfig
+    from server.models.moe import LocalExperts, swiglu
+    from server.random_model import random_hf_config
+
+    cfg = ModelConfig.from_hf(
+        random_hf_config(
+            {"architecture": "qwen3_moe", "hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 4}
+        )
+    )
+    experts = LocalExperts(cfg, 4).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=g) / 8)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=g) / 8)
+    counts = [2, 11, 0, 3]  # expert 1 is heavy (> MATMUL_ROWS = 8)
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
+    x = torch.randn(sum(counts), 64, generator=g).bfloat16()
+    with torch.inference_mode():
+        out = experts.kernel(x, offsets)
+    assert out is not None
+    begin = 0
+    for e, n in enumerate(counts):
+        rows = x[begin : begin + n]
+        h = rows @ experts.w13[e].t()
+        want = swiglu(h[:, :32], h[:, 32:], cfg) @ experts.w2[e].t()
+        torch.testing.assert_close(out[begin : begin + n].float(), want.float(), atol=2e-2, rtol=2e-2)
+        begin += n
