@@ -79,8 +79,9 @@ def _summing(dtype: torch.dtype) -> ModuleType | None:
     return lib if lib is not None and lib.has_dtype(DTYPES[dtype]) else None
 
 
-def accumulate(acc: Tensor, x: Tensor, index: Tensor | None, token: Tensor, weight: Tensor,
-               zero_first: bool = False) -> bool:  # fmt: skip
+def accumulate(
+    acc: Tensor, x: Tensor, index: Tensor | None, token: Tensor, weight: Tensor, zero_first: bool = False
+) -> bool:
     """``acc[token[i]] += weight[i] * x[index[i]]`` (``x[i]`` without ``index``) for i in order, in fp32 (with
     ``zero_first``, ``acc`` is zeroed first): ``acc`` `[T, hidden]` fp32, ``x`` `[rows, hidden]` fp32 / bf16 / fp16
     (rows contiguous), ``index`` / ``token`` `[n]` int64, ``weight`` `[n]` fp32. IndexError for one out of range."""
@@ -90,13 +91,24 @@ def accumulate(acc: Tensor, x: Tensor, index: Tensor | None, token: Tensor, weig
         return False
     if (index is not None and (not _cpu(index) or index.dtype != I64)) or (lib := _summing(x.dtype)) is None:
         return False
-    lib.accumulate(acc, acc.shape[0], acc.shape[1], x, DTYPES[x.dtype], index, token, weight.float().contiguous(),
-                   token.numel(), int(zero_first))  # fmt: skip
+    lib.accumulate(
+        acc,
+        acc.shape[0],
+        acc.shape[1],
+        x,
+        DTYPES[x.dtype],
+        index,
+        token,
+        weight.float().contiguous(),
+        token.numel(),
+        int(zero_first),
+    )
     return True
 
 
-def accumulate_rows(acc: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Tensor, token: Tensor,
-                    weight: Tensor) -> bool:  # fmt: skip
+def accumulate_rows(
+    acc: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Tensor, token: Tensor, weight: Tensor
+) -> bool:
     """``acc = 0``, then ``acc[token[i]] += weight[i] * y[order[i]]`` for i in order, in fp32, where ``y`` is the rows
     of each ``(x, index)`` of ``rows`` one after another: ``x[index]`` (``x`` `[*, hidden]` fp32 / bf16 / fp16, one
     dtype, rows contiguous; ``index`` `[k]` int64, or None: all rows). ``acc`` `[T, hidden]` fp32; ``order`` / ``token``
@@ -104,13 +116,15 @@ def accumulate_rows(acc: Tensor, rows: list[tuple[Tensor, Tensor | None]], order
     if acc.dtype != F32 or (found := _row_sums(acc, rows, order, token)) is None:
         return False
     lib, dtype = found
-    lib.accumulate_rows(acc, acc.shape[0], acc.shape[1], DTYPES[dtype], rows, order, token, weight.float().contiguous(),
-                        order.numel())  # fmt: skip
+    lib.accumulate_rows(
+        acc, acc.shape[0], acc.shape[1], DTYPES[dtype], rows, order, token, weight.float().contiguous(), order.numel()
+    )
     return True
 
 
-def sum_tokens(out: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Tensor, token: Tensor,
-               weight: Tensor) -> bool:  # fmt: skip
+def sum_tokens(
+    out: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Tensor, token: Tensor, weight: Tensor
+) -> bool:
     """:func:`accumulate_rows` into an fp32 zeros tensor, then its cast to ``out`` `[T, hidden]` (fp32 / bf16), in one
     pass over ``out`` (no fp32 `[T, hidden]` tensor): ``out[t]`` = the fp32 sum of ``weight[i] * y[order[i]]`` over
     the i with ``token[i] == t``, in order, rounded once (NaN as torch's CPU cast writes it); 0 for a token without
@@ -118,13 +132,24 @@ def sum_tokens(out: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Ten
     if out.dtype not in (F32, torch.bfloat16) or (found := _row_sums(out, rows, order, token)) is None:
         return False
     lib, dtype = found
-    lib.sum_tokens(out, out.shape[0], out.shape[1], DTYPES[out.dtype], DTYPES[dtype], rows, order, token,
-                   weight.float().contiguous(), order.numel())  # fmt: skip
+    lib.sum_tokens(
+        out,
+        out.shape[0],
+        out.shape[1],
+        DTYPES[out.dtype],
+        DTYPES[dtype],
+        rows,
+        order,
+        token,
+        weight.float().contiguous(),
+        order.numel(),
+    )
     return True
 
 
-def _row_sums(out: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Tensor,
-              token: Tensor) -> tuple[ModuleType, torch.dtype] | None:  # fmt: skip
+def _row_sums(
+    out: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Tensor, token: Tensor
+) -> tuple[ModuleType, torch.dtype] | None:
     """The kernels and the rows' dtype when :func:`accumulate_rows` / :func:`sum_tokens` take these tensors."""
     dtypes = {x.dtype for x, _ in rows}
     if len(dtypes) > 1 or not _cpu(out, order, token) or out.dim() != 2 or token.dtype != I64 or order.dtype != I64:
@@ -139,8 +164,19 @@ def _row_sums(out: Tensor, rows: list[tuple[Tensor, Tensor | None]], order: Tens
     return None if lib is None else (lib, dtype)
 
 
-def place(rows: Tensor, data_bytes: int, token_off: int, slot_off: int, num_slots: int, recv: Tensor, src_info: Tensor,
-          pos: Tensor, counts: Tensor, src: int, pairs: Tensor) -> int | None:  # fmt: skip
+def place(
+    rows: Tensor,
+    data_bytes: int,
+    token_off: int,
+    slot_off: int,
+    num_slots: int,
+    recv: Tensor,
+    src_info: Tensor,
+    pos: Tensor,
+    counts: Tensor,
+    src: int,
+    pairs: Tensor,
+) -> int | None:
     """Expand dispatch ``rows`` `[n, row_bytes]` uint8 of source ``src`` into ``recv`` `[L, cap, *]` (``data_bytes``
     per row) and ``src_info`` `[L, cap]` int32 from row ``pos[e]`` of each expert on (``pos`` `[L]` int64 and
     ``counts`` `[L, R]` int64 grow), each pair's (row, flat position) into ``pairs`` `[2, >= n * num_slots]` int64.
@@ -148,8 +184,24 @@ def place(rows: Tensor, data_bytes: int, token_off: int, slot_off: int, num_slot
     if not _cpu(rows, recv, src_info, pos, counts, pairs) or rows.dtype != U8 or (lib := library()) is None:
         return None
     num_local, cap = src_info.shape
-    return lib.place(rows, rows.shape[0], rows.shape[1], data_bytes, token_off, slot_off, num_slots, num_local, cap,
-                     counts.shape[1], src, recv, src_info, pos, counts, pairs)  # fmt: skip
+    return lib.place(
+        rows,
+        rows.shape[0],
+        rows.shape[1],
+        data_bytes,
+        token_off,
+        slot_off,
+        num_slots,
+        num_local,
+        cap,
+        counts.shape[1],
+        src,
+        recv,
+        src_info,
+        pos,
+        counts,
+        pairs,
+    )
 
 
 def ids_ok(ids: Tensor, lo: int, hi: int) -> bool | None:
@@ -159,8 +211,9 @@ def ids_ok(ids: Tensor, lo: int, hi: int) -> bool | None:
     return lib.check_ids(ids, ids.shape[0], ids.shape[1], lo, hi)
 
 
-def plan(ids: Tensor, num_local: int, num_ranks: int, rank: int, mask: Tensor,
-         per_pair_rows: bool) -> tuple[Any, ...] | None:  # fmt: skip
+def plan(
+    ids: Tensor, num_local: int, num_ranks: int, rank: int, mask: Tensor, per_pair_rows: bool
+) -> tuple[Any, ...] | None:
     """:func:`~deep_ep_npu.engine.plan.plan_topk`'s parts from valid ``ids`` `[T, K]` int64 (``mask`` `[R]`): (token,
     slot, dest, expert, pairs_per_dest (list), row_token, row_of_pair, rows_per_dest (list), slot_expert `[rows, K]`
     int32 or None)."""
@@ -179,20 +232,37 @@ def plan(ids: Tensor, num_local: int, num_ranks: int, rank: int, mask: Tensor,
 
 def _packs(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor) -> bool:
     """Whether a packer takes these tensors."""
-    return x.dim() == 2 and _cpu(x, row_token, slot_expert, out) and row_token.dtype == I64 and (
-        slot_expert.dtype == I32 and out.dtype == U8)  # fmt: skip
+    return (
+        x.dim() == 2
+        and _cpu(x, row_token, slot_expert, out)
+        and row_token.dtype == I64
+        and (slot_expert.dtype == I32 and out.dtype == U8)
+    )
 
 
-def pack(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, token_off: int, slot_off: int,
-         streaming: bool) -> bool:  # fmt: skip
+def pack(
+    x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, token_off: int, slot_off: int, streaming: bool
+) -> bool:
     """Dispatch rows without quantization or weights: ``out`` `[n, row_bytes]` uint8 gets the data of ``x[row_token]``
     (``x`` `[T, hidden]`), the token and ``slot_expert`` `[n, K]` int32 (``streaming``: past this core's cache, for
     rows another process reads)."""
     if not _packs(x, row_token, slot_expert, out) or (lib := library()) is None:
         return False
     n, k = slot_expert.shape
-    lib.pack(x, x.shape[0], x.shape[1] * x.element_size(), row_token, slot_expert, n, k, out, out.shape[1], token_off,
-             slot_off, int(streaming))  # fmt: skip
+    lib.pack(
+        x,
+        x.shape[0],
+        x.shape[1] * x.element_size(),
+        row_token,
+        slot_expert,
+        n,
+        k,
+        out,
+        out.shape[1],
+        token_off,
+        slot_off,
+        int(streaming),
+    )
     return True
 
 
@@ -207,8 +277,23 @@ def pack_int8(x: Tensor, row_token: Tensor, slot_expert: Tensor, weights: Tensor
     if not _packs(x, row_token, slot_expert, out) or (lib := _summing(x.dtype)) is None:
         return False
     n, k = slot_expert.shape
-    return lib.pack_int8(x, x.shape[0], DTYPES[x.dtype], x.shape[1], row_token, slot_expert, weights, n, k, out,
-                         out.shape[1], fmt.scale_off, fmt.token_off, fmt.slot_off, fmt.weight_off)  # fmt: skip
+    return lib.pack_int8(
+        x,
+        x.shape[0],
+        DTYPES[x.dtype],
+        x.shape[1],
+        row_token,
+        slot_expert,
+        weights,
+        n,
+        k,
+        out,
+        out.shape[1],
+        fmt.scale_off,
+        fmt.token_off,
+        fmt.slot_off,
+        fmt.weight_off,
+    )
 
 
 def pack_fp8(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, fmt: Any) -> bool:
@@ -222,8 +307,21 @@ def pack_fp8(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, fmt
     if (lib := _summing(x.dtype)) is None:
         return False
     n, k = slot_expert.shape
-    return lib.pack_fp8(x, x.shape[0], DTYPES[x.dtype], x.shape[1], row_token, slot_expert, n, k, out, out.shape[1],
-                        fmt.scale_off, fmt.token_off, fmt.slot_off)  # fmt: skip
+    return lib.pack_fp8(
+        x,
+        x.shape[0],
+        DTYPES[x.dtype],
+        x.shape[1],
+        row_token,
+        slot_expert,
+        n,
+        k,
+        out,
+        out.shape[1],
+        fmt.scale_off,
+        fmt.token_off,
+        fmt.slot_off,
+    )
 
 
 def to_e4m3(x: Tensor) -> Tensor | None:
@@ -249,8 +347,9 @@ def gather(x: Tensor, index: Tensor, out: Tensor) -> bool:
     return True
 
 
-def place_scales(rows: Tensor, scale_off: int, pair_row: Tensor, pair_pos: Tensor, scales: Tensor,
-                 repeat: bool) -> bool:  # fmt: skip
+def place_scales(
+    rows: Tensor, scale_off: int, pair_row: Tensor, pair_pos: Tensor, scales: Tensor, repeat: bool
+) -> bool:
     """The masked layout's fp32 scales of the pairs :func:`place` placed: pair i (row ``pair_row[i]`` of ``rows``
     `[n, row_bytes]` uint8, flat position ``pair_pos[i]`` = expert * cap + row, `[k]` int64) gets its row's scales (at
     ``scale_off``: one per group, or with ``repeat`` one for every group) in ``scales`` `[L, cap, groups]` fp32, a
@@ -262,13 +361,26 @@ def place_scales(rows: Tensor, scale_off: int, pair_row: Tensor, pair_pos: Tenso
         return False
     if (lib := library()) is None:
         return False
-    lib.place_scales(rows, rows.shape[0], rows.shape[1], scale_off, pair_row, pair_pos, pair_row.numel(),
-                     scales.transpose(1, 2), num_local, cap, groups, int(repeat))  # fmt: skip
+    lib.place_scales(
+        rows,
+        rows.shape[0],
+        rows.shape[1],
+        scale_off,
+        pair_row,
+        pair_pos,
+        pair_row.numel(),
+        scales.transpose(1, 2),
+        num_local,
+        cap,
+        groups,
+        int(repeat),
+    )
     return True
 
 
-def place_pairs(x: Tensor, token: Tensor, expert: Tensor, recv: Tensor, src_info: Tensor, pos: Tensor, counts: Tensor,
-                src: int) -> bool:  # fmt: skip
+def place_pairs(
+    x: Tensor, token: Tensor, expert: Tensor, recv: Tensor, src_info: Tensor, pos: Tensor, counts: Tensor, src: int
+) -> bool:
     """:func:`place` of this rank's own pairs straight from ``x`` `[T, hidden]` (no packed rows): pair i (``token``
     / local ``expert`` `[n]` int64, sorted by (expert, token)) into ``recv`` / ``src_info`` from ``pos[e]`` on.
     IndexError for a token outside ``x``."""
@@ -277,8 +389,22 @@ def place_pairs(x: Tensor, token: Tensor, expert: Tensor, recv: Tensor, src_info
     if token.dtype != I64 or expert.dtype != I64 or (lib := library()) is None:
         return False
     num_local, cap = src_info.shape
-    lib.place_pairs(x, x.shape[0], x.shape[1] * x.element_size(), token, expert, token.numel(), num_local, cap,
-                    counts.shape[1], src, recv, src_info, pos, counts)  # fmt: skip
+    lib.place_pairs(
+        x,
+        x.shape[0],
+        x.shape[1] * x.element_size(),
+        token,
+        expert,
+        token.numel(),
+        num_local,
+        cap,
+        counts.shape[1],
+        src,
+        recv,
+        src_info,
+        pos,
+        counts,
+    )
     return True
 
 
@@ -305,8 +431,17 @@ def return_rows(layout_range: Tensor, n: int, mask: Tensor) -> tuple[Tensor, lis
     return -1 - k if k < 0 else (rows[:k], per_src.tolist())
 
 
-def place_flat(blocks: list[tuple[int, Tensor]], fmt: Any, scale_bytes: int, weights: bool, counts: Tensor,
-               expand_x: Tensor, scales: Tensor, assist: Tensor, expand_scales: Tensor) -> int | None:  # fmt: skip
+def place_flat(
+    blocks: list[tuple[int, Tensor]],
+    fmt: Any,
+    scale_bytes: int,
+    weights: bool,
+    counts: Tensor,
+    expand_x: Tensor,
+    scales: Tensor,
+    assist: Tensor,
+    expand_scales: Tensor,
+) -> int | None:
     """The flat layout's placement (:meth:`~deep_ep_npu.engine.flat.Flat.place_remote`) of dispatch rows ``blocks``
     (``(source, rows)``: ``rows`` `[n, row_bytes]` uint8 in ``fmt``, a :class:`~deep_ep_npu.engine.rows.RowFormat`):
     data into ``expand_x`` `[cap, *]`, ``scale_bytes`` of scales per row into ``scales`` `[cap, scale_bytes]` uint8
@@ -320,7 +455,23 @@ def place_flat(blocks: list[tuple[int, Tensor]], fmt: Any, scale_bytes: int, wei
     if (lib := library()) is None:
         return None
     (num_local, num_ranks), cap = counts.shape, expand_x.shape[0]
-    k = lib.place_flat(blocks, fmt.row_bytes, fmt.data_bytes, fmt.scale_off, scale_bytes, fmt.token_off, fmt.slot_off,
-                       fmt.num_slots, fmt.weight_off if weights else -1, num_local, num_ranks, cap, expand_x,
-                       scales if scale_bytes else None, assist, expand_scales if weights else None, counts)  # fmt: skip
+    k = lib.place_flat(
+        blocks,
+        fmt.row_bytes,
+        fmt.data_bytes,
+        fmt.scale_off,
+        scale_bytes,
+        fmt.token_off,
+        fmt.slot_off,
+        fmt.num_slots,
+        fmt.weight_off if weights else -1,
+        num_local,
+        num_ranks,
+        cap,
+        expand_x,
+        scales if scale_bytes else None,
+        assist,
+        expand_scales if weights else None,
+        counts,
+    )
     return -1 if k == -2 else k

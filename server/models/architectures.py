@@ -23,8 +23,14 @@ ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
 }
 # gpt-oss' rope when config.json gives none (transformers' GptOssConfig default).
-GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 4096}  # fmt: skip
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 Parser = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
 
@@ -80,8 +86,10 @@ def _no_sliding(cfg: dict[str, Any], family: str) -> None:
     if family == "mixtral":
         sliding = cfg.get("sliding_window") is not None
     if sliding:
-        raise ValueError(f"config.json: sliding-window attention ({family}: use_sliding_window / sliding_window / "
-                         "layer_types) is not supported for this family; serve it with the window off")  # fmt: skip
+        raise ValueError(
+            f"config.json: sliding-window attention ({family}: use_sliding_window / sliding_window / "
+            "layer_types) is not supported for this family; serve it with the window off"
+        )
 
 
 def _qwen3_moe(cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
@@ -123,8 +131,10 @@ def _qwen2_moe(cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
 def _olmoe(cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     bias = bool(cfg.get("attention_bias", False))
     if common["head_dim"] * common["num_attention_heads"] != common["hidden_size"]:
-        raise ValueError("config.json: OLMoE needs head_dim * num_attention_heads == hidden_size (its q/k norms span "
-                         f"the projections), got head_dim={common['head_dim']}")  # fmt: skip
+        raise ValueError(
+            "config.json: OLMoE needs head_dim * num_attention_heads == hidden_size (its q/k norms span "
+            f"the projections), got head_dim={common['head_dim']}"
+        )
     clip = cfg.get("clip_qkv")
     return dict(
         intermediate_size=0,

@@ -38,9 +38,18 @@ class BufferComm(ExpertComm):
     layers built on it use :meth:`fused_moe` (``Buffer.mega_moe``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine).
     """
 
-    def __init__(self, group: Any, num_experts: int, num_max_dispatch_tokens_per_rank: int, hidden: int,
-                 backend: str = "auto", timeout: float | None = None, fused: bool = False,
-                 expert_map: ExpertMap | None = None, num_moe_layers: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group: Any,
+        num_experts: int,
+        num_max_dispatch_tokens_per_rank: int,
+        hidden: int,
+        backend: str = "auto",
+        timeout: float | None = None,
+        fused: bool = False,
+        expert_map: ExpertMap | None = None,
+        num_moe_layers: int = 1,
+    ) -> None:
         super().__init__(
             dist.get_rank(group), dist.get_world_size(group), num_experts, num_max_dispatch_tokens_per_rank, expert_map
         )
@@ -88,9 +97,13 @@ class BufferComm(ExpertComm):
                 gone = sorted(e for r in lost for e in range(r * per, (r + 1) * per))
                 self.lost_experts = [gone] * self.num_moe_layers
             dropped = {layer: gone for layer, gone in enumerate(self.lost_experts) if gone}
-            logger.warning("rank %d: EP ranks %s lost; their experts' tokens go to the surviving replicas; experts "
-                           "with no replica left (dropped), by MoE layer: %s", self.rank, sorted(lost),
-                           dropped or "none")  # fmt: skip
+            logger.warning(
+                "rank %d: EP ranks %s lost; their experts' tokens go to the surviving replicas; experts "
+                "with no replica left (dropped), by MoE layer: %s",
+                self.rank,
+                sorted(lost),
+                dropped or "none",
+            )
         timeout = datetime.timedelta(seconds=self.timeout)
         group = dist.new_group(ranks=members, timeout=timeout, use_local_synchronization=True)
         self.group, self.members = group, list(members)
@@ -121,15 +134,21 @@ class BufferComm(ExpertComm):
         """
         t0 = time.perf_counter()
         out = self.buffer.mega_moe(
-            x, topk_idx, topk_weights, w1, w2,
+            x,
+            topk_idx,
+            topk_weights,
+            w1,
+            w2,
             num_max_dispatch_tokens_per_rank=self.num_max_dispatch_tokens_per_rank,
-            num_experts=self.num_buffer_experts, out_dtype=x.dtype,
-        )  # fmt: skip
+            num_experts=self.num_buffer_experts,
+            out_dtype=x.dtype,
+        )
         self.stats.dispatch += time.perf_counter() - t0
         return out
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                 num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, num_tokens_all_ranks: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
             x, topk_idx, self.num_max_dispatch_tokens_per_rank, self.num_buffer_experts, use_fp8=False
         )

@@ -40,14 +40,24 @@ class ExpertComm(abc.ABC):
 
     fused: bool = False
 
-    def __init__(self, rank: int, num_ranks: int, num_experts: int, num_max_dispatch_tokens_per_rank: int,
-                 expert_map: ExpertMap | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        num_ranks: int,
+        num_experts: int,
+        num_max_dispatch_tokens_per_rank: int,
+        expert_map: ExpertMap | None = None,
+    ) -> None:
         if expert_map is None and num_experts % num_ranks != 0:
-            raise ValueError(f"num_experts={num_experts} must be divisible by the EP size {num_ranks} (or add "
-                             "redundant slots: --num-redundant-experts / --expert-placement)")  # fmt: skip
+            raise ValueError(
+                f"num_experts={num_experts} must be divisible by the EP size {num_ranks} (or add "
+                "redundant slots: --num-redundant-experts / --expert-placement)"
+            )
         if expert_map is not None and (expert_map.num_logical, expert_map.num_ranks) != (num_experts, num_ranks):
-            raise ValueError(f"the expert placement is for {expert_map.num_logical} experts on "
-                             f"{expert_map.num_ranks} ranks; the model has {num_experts} on {num_ranks}")  # fmt: skip
+            raise ValueError(
+                f"the expert placement is for {expert_map.num_logical} experts on "
+                f"{expert_map.num_ranks} ranks; the model has {num_experts} on {num_ranks}"
+            )
         self.rank, self.num_ranks, self.num_experts = rank, num_ranks, num_experts
         self.expert_map = expert_map
         self.num_physical = num_experts if expert_map is None else expert_map.num_physical
@@ -91,8 +101,9 @@ class ExpertComm(abc.ABC):
         return None if out is None else out.cpu()
 
     @abc.abstractmethod
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                 num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, num_tokens_all_ranks: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Send each token to its experts.
 
         Arguments:
@@ -128,8 +139,9 @@ class ExpertComm(abc.ABC):
             combined_x: `[num_tokens, hidden]`, dtype of `expert_out`; the overlap result or None.
         """
 
-    def timed_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                       num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    def timed_dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, num_tokens_all_ranks: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         t0 = time.perf_counter()
         out = self.dispatch(x, topk_idx, num_tokens_all_ranks)
         self.stats.dispatch += time.perf_counter() - t0
@@ -150,8 +162,9 @@ class LocalComm(ExpertComm):
         super().__init__(0, 1, num_experts, num_max_dispatch_tokens_per_rank)
         self._experts: dict[torch.device, torch.Tensor] = {}  # arange(num_experts) per device, for the offsets
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                 num_tokens_all_ranks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, num_tokens_all_ranks: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         experts = topk_idx.reshape(-1)
         experts, order = torch.sort(torch.where(experts >= 0, experts, self.num_experts), stable=True)
         if x.device not in self._experts:

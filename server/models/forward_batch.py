@@ -92,8 +92,13 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
     @classmethod
-    def build(cls, seqs: Sequence[SeqInput], block_size: int, device: torch.device | str = "cpu",
-              num_tokens_all_ranks: int | None = None) -> ForwardBatch:  # fmt: skip
+    def build(
+        cls,
+        seqs: Sequence[SeqInput],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        num_tokens_all_ranks: int | None = None,
+    ) -> ForwardBatch:
         """The batch of ``seqs`` (in row order) for a cache of ``block_size``-token blocks, on ``device``."""
         ids: list[int] = []
         positions: list[int] = []
@@ -104,8 +109,9 @@ class ForwardBatch:
         for seq in seqs:
             n, first = len(seq.token_ids), len(ids)
             if len(seq.block_table) * block_size < seq.start + n:
-                raise ValueError(f"block_table of {len(seq.block_table)} blocks of {block_size} cannot hold "
-                                 f"{seq.start + n} tokens")  # fmt: skip
+                raise ValueError(
+                    f"block_table of {len(seq.block_table)} blocks of {block_size} cannot hold {seq.start + n} tokens"
+                )
             ids.extend(seq.token_ids)
             for p in range(seq.start, seq.start + n):
                 positions.append(p)
@@ -117,12 +123,19 @@ class ForwardBatch:
             if n:
                 members[n > 1].append((seq, first))
         groups = [_group(m, len(ids), block_size, device) for m in members if m]
-        return cls(_long(ids, device), _long(positions, device), _long(slots, device), _long(rows, device), groups,
-                   num_tokens_all_ranks)  # fmt: skip
+        return cls(
+            _long(ids, device),
+            _long(positions, device),
+            _long(slots, device),
+            _long(rows, device),
+            groups,
+            num_tokens_all_ranks,
+        )
 
 
-def _group(members: list[tuple[SeqInput, int]], num_tokens: int, block_size: int,
-           device: torch.device | str) -> AttentionGroup:  # fmt: skip
+def _group(
+    members: list[tuple[SeqInput, int]], num_tokens: int, block_size: int, device: torch.device | str
+) -> AttentionGroup:
     """The attention group of ``members`` (each a sequence and its first row in the flat batch)."""
     max_q = max(len(s.token_ids) for s, _ in members)
     max_blocks = max(-(-(s.start + len(s.token_ids)) // block_size) for s, _ in members)

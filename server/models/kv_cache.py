@@ -32,8 +32,9 @@ class PagedKVCache:
     (:func:`layer_cache_shapes`). Zero-filled, so slots no request wrote hold finite values: attention gives them
     weight 0, and 0 times a finite value stays 0."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         shapes = layer_cache_shapes(cfg)

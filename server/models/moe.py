@@ -94,8 +94,10 @@ class Router(nn.Module):
 def fused_refusal(cfg: ModelConfig) -> str:
     """Why ``moe_impl='fused'`` cannot run ``cfg``'s experts, or "" (the engine asks before it starts a worker)."""
     if cfg.expert_bias or cfg.swiglu_limit is not None:
-        return (f"moe_impl='fused' (Buffer.mega_moe) runs plain SwiGLU experts without biases; {cfg.architecture}'s "
-                "experts need the unfused path (moe_impl='unfused')")  # fmt: skip
+        return (
+            f"moe_impl='fused' (Buffer.mega_moe) runs plain SwiGLU experts without biases; {cfg.architecture}'s "
+            "experts need the unfused path (moe_impl='unfused')"
+        )
     return ""
 
 
@@ -107,8 +109,9 @@ def use_grouped_mm(recv_rows: torch.Tensor, num_experts: int) -> bool:
     return recv_rows.device.type == "cpu" and recv_rows.shape[0] > num_experts
 
 
-def per_expert(x: torch.Tensor, offsets: torch.Tensor,
-               fn: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:  # fmt: skip
+def per_expert(
+    x: torch.Tensor, offsets: torch.Tensor, fn: Callable[[int, torch.Tensor, torch.Tensor], None]
+) -> torch.Tensor:
     """``fn(e, rows of expert e, their output rows)`` for each expert with rows, in the grouped layout (one host
     read of ``offsets``); ``fn`` writes the output rows.
 

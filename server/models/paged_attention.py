@@ -62,8 +62,14 @@ def paged_attention(
     return out[:num_tokens]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Masked attention of a padded batch, the products and the softmax in fp32. Chunks of several queries without
     sinks run as ``scaled_dot_product_attention``; one query per sequence (decode) or ``sinks`` as two batched
     matmuls over each key/value head's group of query heads (no key/value copy per query head): for decode on the

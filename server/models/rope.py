@@ -58,8 +58,13 @@ class RopeConfig:
     high_freq_factor: float = 4.0
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], head_dim: int, default_theta: float = 10000.0,
-                default_partial_rotary_factor: float = 1.0) -> RopeConfig:  # fmt: skip
+    def from_hf(
+        cls,
+        cfg: dict[str, Any],
+        head_dim: int,
+        default_theta: float = 10000.0,
+        default_partial_rotary_factor: float = 1.0,
+    ) -> RopeConfig:
         """From a parsed ``config.json``; ``head_dim`` is the per-head size rotary dims are counted in (DeepSeek:
         ``qk_rope_head_dim``). Raises ValueError naming an unsupported ``rope_type`` or a missing parameter."""
         params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
@@ -69,8 +74,9 @@ class RopeConfig:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"config.json: rope_type={rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
-        partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor",
-                                                                   default_partial_rotary_factor)))  # fmt: skip
+        partial = float(
+            params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial_rotary_factor))
+        )
         max_pos = int(cfg.get("max_position_embeddings", 4096))
         original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
         values: dict[str, Any] = dict(
@@ -92,15 +98,19 @@ class RopeConfig:
             factor = params.get("factor")
             values.update(
                 factor=float(factor) if factor is not None else max_pos / values["original_max_position_embeddings"],
-                beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-                attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
-            )  # fmt: skip
+                beta_fast=float(params.get("beta_fast") or 32),
+                beta_slow=float(params.get("beta_slow") or 1),
+                mscale=float(params.get("mscale") or 0),
+                mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+                attention_factor=params.get("attention_factor"),
+                truncate=bool(params.get("truncate", True)),
+            )
         else:
             values["factor"] = float(need("factor"))
         if rope_type == "llama3":
-            values.update(low_freq_factor=float(need("low_freq_factor")),
-                          high_freq_factor=float(need("high_freq_factor")))  # fmt: skip
+            values.update(
+                low_freq_factor=float(need("low_freq_factor")), high_freq_factor=float(need("high_freq_factor"))
+            )
         return cls(**values)
 
     def base_inv_freq(self) -> torch.Tensor:
@@ -198,8 +208,9 @@ class Rotary(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
-                seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_lens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int64 `[T]` -> cos, sin `[T, dim]` in ``dtype`` (angles duplicated, as HF). ``seq_lens``
         int64 `[T]`, the length of each token's sequence at the end of its chunk, is read by ``dynamic`` only."""
         inv = self.inv_freq[None, :]
