@@ -17,7 +17,8 @@ received tokens with their local top-k ids and weights, weighted and summed per 
 ``num_recv_tokens_per_expert`` checked against the alignment; low latency: the [experts, tokens, H] batches with
 ``masked_m``, weighted by ``combine``) and checks the combined tokens against a dense single-process MoE. ``auto``
 switches normal -> low latency -> normal -> low latency by SGLang's ``is_extend_in_batch`` flag (prefill / decode
-batches), which makes it clean the low-latency buffer at each switch."""
+batches), which makes it clean the low-latency buffer at each switch. The CUDA branch's low latency also runs with
+``--deepep-dispatcher-output-dtype fp8`` (DeepEP's block-128 fp8 tokens with fp32 scales, Hopper's DeepGEMM form)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 
 from tests.distributed import parallel_launch
 
-from .support import assert_close, dense_moe, enter, expert, require, stub_packages, tokens
+from .support import assert_close, dense_moe, enter, expert, fp8_blocks, require, stub_packages, tokens
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 256, 8, 3, 6
 _H100 = SimpleNamespace(multi_processor_count=132)  # what the CUDA branch reads of the GPU (a warning's threshold)
@@ -48,11 +49,17 @@ def _experts_normal(out, rank: int, local: int) -> torch.Tensor:
 
 
 def _experts_ll(out, rank: int, local: int) -> torch.Tensor:
-    """Low latency: each local expert on its first ``masked_m`` rows ([local, tokens, H] bf16)."""
-    y = torch.zeros_like(out.hidden_states)
+    """Low latency: each local expert on its first ``masked_m`` rows ([local, tokens, H] bf16; fp8 rows are
+    dequantized with ``hidden_states_scale`` [local, tokens, H / 128] fp32 first, as DeepGEMM's fp8 grouped GEMM reads
+    them). Returns bf16 [local, tokens, H]."""
+    x = out.hidden_states
+    if out.hidden_states_scale is not None:
+        assert x.dtype == torch.float8_e4m3fn and out.hidden_states_scale.dtype == torch.float32
+        x = (x.float() * out.hidden_states_scale.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+    y = torch.zeros_like(x)
     for le in range(local):
         n = int(out.masked_m[le])
-        y[le, :n] = expert(rank * local + le, out.hidden_states[le, :n])
+        y[le, :n] = expert(rank * local + le, x[le, :n])
     return y
 
 
@@ -63,7 +70,7 @@ def _counts_ok(out, alignment: int) -> bool:
     return list(out.num_recv_tokens_per_expert) == [-(-n // alignment) * alignment for n in exact]
 
 
-def _mode(info, mode: str, alignment: int) -> list[tuple[str, torch.Tensor]]:
+def _mode(info, mode: str, alignment: int, dtype: str = "bf16") -> list[tuple[str, torch.Tensor]]:
     from sglang.srt.layers import dp_attention
     from sglang.srt.layers.moe.token_dispatcher import deepep
     from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -72,7 +79,7 @@ def _mode(info, mode: str, alignment: int) -> list[tuple[str, torch.Tensor]]:
 
     # its server arguments, published by its own test helper: as `--moe-a2a-backend deepep --deepep-mode MODE`
     override = get_context().override_server_args(
-        moe_a2a_backend="deepep", deepep_mode=mode, deepep_dispatcher_output_dtype="bf16"
+        moe_a2a_backend="deepep", deepep_mode=mode, deepep_dispatcher_output_dtype=dtype
     )
     override.install()
     get_resources().buffers.pop("deepep_ep_state", None)  # a new process as far as SGLang's buffer goes
@@ -120,6 +127,8 @@ def _rank(info, path: str) -> dict[str, list[tuple[str, torch.Tensor]]]:
         with mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: _H100):
             for mode in ("normal", "low_latency", "auto"):
                 results[f"{branch} {mode}"] = _mode(info, mode, alignment=128 if branch == "cuda" else 1)
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: _H100):  # DeepGEMM's fp8, Hopper
+        results["cuda low_latency fp8"] = _mode(info, "low_latency", alignment=128, dtype="fp8")
     return results
 
 
@@ -143,3 +152,17 @@ def test_sglang_deepep_dispatcher(runs, branch: str, mode: str, kinds: list[str]
         for step, (name, got) in enumerate(results):
             want = dense_moe(x, ids, w, owners=2 if "Normal" in name else 1, experts=EXPERTS)
             assert_close(got, want, f"rank {rank} {branch} {mode} step {step} ({name})")
+
+
+def test_sglang_deepep_low_latency_fp8(runs):
+    """CUDA + DeepGEMM (Hopper: no ``round_scale`` / ``use_ue8m0``), ``--deepep-dispatcher-output-dtype fp8``: SGLang
+    asks ``low_latency_dispatch(use_fp8=True)`` and hands DeepEP's block-128 fp8 tokens and fp32 scales to its experts.
+    Checked against the dense MoE over the tokens quantized and dequantized as DeepEP does; the unquantized tokens'
+    result must not match at that tolerance (the test sees the quantization)."""
+    for rank, results in enumerate(runs["cuda low_latency fp8"]):
+        x, ids, w = tokens(rank, TOKENS, HIDDEN, EXPERTS, TOPK)
+        ((name, got),) = results
+        assert name == "DeepEPLLDispatchOutput"
+        assert_close(got, dense_moe(fp8_blocks(x), ids, w, experts=EXPERTS), f"rank {rank} fp8 low latency")
+        with pytest.raises(AssertionError):
+            assert_close(got, dense_moe(x, ids, w, experts=EXPERTS), "unquantized tokens")
