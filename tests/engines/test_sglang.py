@@ -22,6 +22,7 @@ batches), which makes it clean the low-latency buffer at each switch. The CUDA b
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from types import SimpleNamespace
 from unittest import mock
 
@@ -30,7 +31,7 @@ import torch
 
 from tests.distributed import parallel_launch
 
-from .support import assert_close, dense_moe, enter, expert, fp8_blocks, require, stub_packages, tokens
+from .support import assert_close, dense_moe, enter, expert, fp8_blocks, per_token, require, stub_packages, tokens
 
 HIDDEN, EXPERTS, TOPK, TOKENS = 256, 8, 3, 6
 _H100 = SimpleNamespace(multi_processor_count=132)  # what the CUDA branch reads of the GPU (a warning's threshold)
@@ -49,13 +50,28 @@ def _experts_normal(out, rank: int, local: int) -> torch.Tensor:
 
 
 def _experts_ll(out, rank: int, local: int) -> torch.Tensor:
-    """Low latency: each local expert on its first ``masked_m`` rows ([local, tokens, H] bf16; fp8 rows are
-    dequantized with ``hidden_states_scale`` [local, tokens, H / 128] fp32 first, as DeepGEMM's fp8 grouped GEMM reads
-    them). Returns bf16 [local, tokens, H]."""
-    x = out.hidden_states
-    if out.hidden_states_scale is not None:
-        assert x.dtype == torch.float8_e4m3fn and out.hidden_states_scale.dtype == torch.float32
-        x = (x.float() * out.hidden_states_scale.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+    """Low latency, as each branch's MoE runner reads it. CUDA (DeepEP's layout): each local expert on its first
+    ``masked_m`` rows of [local, tokens, H]; fp8 rows are dequantized with ``hidden_states_scale`` [local, tokens,
+    H / 128] fp32 first, as DeepGEMM's fp8 grouped GEMM reads them. Ascend (DeepEP-Ascend's layout, SGLang's
+    ``pre_permute_deepep_ll_to_ascend``): grouped rows [A, H], ``masked_m`` the int64 group list (counts), int8 rows
+    times their per-row ``hidden_states_scale`` [A] fp32. Returns bf16 in the rows' layout."""
+    from sglang.srt.layers.moe.token_dispatcher import deepep
+
+    x, scale = out.hidden_states, out.hidden_states_scale
+    assert x.dim() == (2 if deepep._is_npu else 3), x.shape
+    if deepep._is_npu:
+        assert out.masked_m.dtype == torch.int64
+        if scale is not None:
+            assert x.dtype == torch.int8 and scale.shape == x.shape[:1] and scale.dtype == torch.float32
+            x = (x.float() * scale[:, None]).to(torch.bfloat16)
+        y, start = torch.zeros_like(x), 0
+        for le, n in enumerate(out.masked_m.tolist()):
+            y[start : start + n] = expert(rank * local + le, x[start : start + n])
+            start += n
+        return y
+    if scale is not None:
+        assert x.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        x = (x.float() * scale.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
     y = torch.zeros_like(x)
     for le in range(local):
         n = int(out.masked_m[le])
@@ -120,15 +136,19 @@ def _rank(info, path: str) -> dict[str, list[tuple[str, torch.Tensor]]]:
     from sglang.srt.layers import deep_gemm_wrapper
     from sglang.srt.layers.moe.token_dispatcher import deepep
 
+    from deep_ep_npu.buffer_deepep_ascend import DeepEPAscendBuffer
+
     results = {}
     for branch in ("ascend", "cuda"):  # see the module docstring
         deepep._is_npu = branch == "ascend"
         deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM = branch == "cuda"
-        with mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: _H100):
+        # Ascend: `import deep_ep` with DEEP_EP_NPU_ALIAS_API=deep_ep_ascend (DeepEP-Ascend's low-latency layout)
+        ascend_api = mock.patch.object(deepep, "Buffer", DeepEPAscendBuffer) if branch == "ascend" else nullcontext()
+        with ascend_api, mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: _H100):
             for mode in ("normal", "low_latency", "auto"):
                 results[f"{branch} {mode}"] = _mode(info, mode, alignment=128 if branch == "cuda" else 1)
-    with mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: _H100):  # DeepGEMM's fp8, Hopper
-        results["cuda low_latency fp8"] = _mode(info, "low_latency", alignment=128, dtype="fp8")
+            quantized = "int8" if branch == "ascend" else "fp8"  # DeepEP-Ascend's per-token int8, DeepGEMM's fp8
+            results[f"{branch} low_latency {quantized}"] = _mode(info, "low_latency", 128, dtype=quantized)
     return results
 
 
@@ -154,15 +174,18 @@ def test_sglang_deepep_dispatcher(runs, branch: str, mode: str, kinds: list[str]
             assert_close(got, want, f"rank {rank} {branch} {mode} step {step} ({name})")
 
 
-def test_sglang_deepep_low_latency_fp8(runs):
-    """CUDA + DeepGEMM (Hopper: no ``round_scale`` / ``use_ue8m0``), ``--deepep-dispatcher-output-dtype fp8``: SGLang
-    asks ``low_latency_dispatch(use_fp8=True)`` and hands DeepEP's block-128 fp8 tokens and fp32 scales to its experts.
-    Checked against the dense MoE over the tokens quantized and dequantized as DeepEP does; the unquantized tokens'
-    result must not match at that tolerance (the test sees the quantization)."""
-    for rank, results in enumerate(runs["cuda low_latency fp8"]):
+@pytest.mark.parametrize("case", ["cuda low_latency fp8", "ascend low_latency int8"])
+def test_sglang_deepep_low_latency_quantized(runs, case: str):
+    """``--deepep-dispatcher-output-dtype``: CUDA + DeepGEMM (Hopper: no ``round_scale`` / ``use_ue8m0``) ``fp8``,
+    DeepEP's block-128 e4m3 tokens with fp32 scales; Ascend ``int8``, DeepEP-Ascend's per-token int8 with one fp32
+    scale per row (SGLang asks ``use_fp8=True`` on both). Checked against the dense MoE over the tokens quantized and
+    dequantized that way; the unquantized tokens' result must not match at that tolerance (the test sees the
+    quantization)."""
+    for rank, results in enumerate(runs[case]):
         x, ids, w = tokens(rank, TOKENS, HIDDEN, EXPERTS, TOPK)
         ((name, got),) = results
         assert name == "DeepEPLLDispatchOutput"
-        assert_close(got, dense_moe(fp8_blocks(x), ids, w, experts=EXPERTS), f"rank {rank} fp8 low latency")
+        sent = fp8_blocks(x) if "fp8" in case else per_token(x, torch.int8)
+        assert_close(got, dense_moe(sent, ids, w, experts=EXPERTS), f"rank {rank} {case}")
         with pytest.raises(AssertionError):
             assert_close(got, dense_moe(x, ids, w, experts=EXPERTS), "unquantized tokens")
