@@ -49,6 +49,11 @@ MC2 = {  # the argument sets TokenDispatcherWithMC2 distinguishes: name -> (devi
     "A5 w8a8fp8": ("A5", "W8A8FP8", {}),  # quant_mode 2 with y_dtype float8_e4m3fn
     "A5 mxfp8": ("A5", "MXFP8", {}),  # quant_mode 4 (MX e4m3 per 32) out, combine's comm_quant_mode 4 back
 }
+ALLGATHER = {  # name -> (device, QuantType): A5's adaptor routes with torch_npu's npu_moe_init_routing_v2, A2 / A3's
+    "allgather": ("A5", "NONE"),  # with vllm-ascend's own torch.ops._C_ascend.npu_moe_init_routing_custom
+    "allgather A3": ("A3", "NONE"),
+    "allgather A3 w8a8": ("A3", "W8A8"),  # init routing's quant_mode 1: int8 rows and their per-row scales
+}
 
 
 def _received(out) -> torch.Tensor:
@@ -156,16 +161,21 @@ def _rank(info, path: str) -> dict[str, torch.Tensor]:
             out = a2a.token_dispatch(_dispatch_input(x, ids, w, expert_map, None))
             results["all2allv"] = a2a.token_combine(_experts(out, info.rank, local), out.combine_metadata)
 
-            n = info.world_size  # AllGather (A5's device adaptor: torch_npu's npu_moe_init_routing_v2)
+            n = info.world_size
             everyone = [torch.empty_like(t) for t in (x, ids, w) for _ in range(n)]
             for i, t in enumerate((x, ids, w)):  # vLLM's prepare: all-gather the tokens and their routing
                 dist.all_gather(everyone[i * n : (i + 1) * n], t)
             gx, gids, gw = (torch.cat(everyone[i * n : (i + 1) * n]) for i in range(3))
-            ag = td.TokenDispatcherWithAllGather(**kwargs)
-            out = ag.token_dispatch(_dispatch_input(gx, gids, gw, expert_map, None))
-            summed = ag.token_combine(_experts(out, info.rank, local), out.combine_metadata).float()
-            dist.all_reduce(summed)  # vLLM's finalize: reduce-scatter the per-rank partial sums
-            results["allgather"] = summed[info.rank * TOKENS : (info.rank + 1) * TOKENS].to(torch.bfloat16)
+            from vllm_ascend.device.device_op import get_device_adaptor  # (after token_dispatcher: import order)
+
+            for name, (device, quant) in ALLGATHER.items():  # the device adaptor, chosen at import, per device
+                ascend_utils._ascend_device_type = ascend_utils.AscendDeviceType[device]
+                with mock.patch.object(td, "DeviceOperator", get_device_adaptor()):
+                    ag = td.TokenDispatcherWithAllGather(**kwargs)
+                    out = ag.token_dispatch(_dispatch_input(gx, gids, gw, expert_map, None, quant))
+                    summed = ag.token_combine(_experts(out, info.rank, local), out.combine_metadata).float()
+                dist.all_reduce(summed)  # vLLM's finalize: reduce-scatter the per-rank partial sums
+                results[name] = summed[info.rank * TOKENS : (info.rank + 1) * TOKENS].to(torch.bfloat16)
         finally:
             parallel_state.destroy_model_parallel()
             sim.uninstall()
@@ -178,20 +188,24 @@ def runs() -> list[dict[str, torch.Tensor]]:
     return parallel_launch(2, _rank, require("vllm_ascend"), timeout=240)
 
 
+def _quant(name: str) -> str:
+    return MC2[name[4:]][1] if name.startswith("mc2 ") else ALLGATHER.get(name, ("", "NONE"))[1]
+
+
 def _reference(name: str, x, ids, w) -> torch.Tensor:
     """The dense MoE over what the case's dispatch carries (and its combine returns: MX fp8 for mxfp8)."""
-    quant = MC2[name[4:]][1] if name.startswith("mc2 ") else "NONE"
+    quant = _quant(name)
     carried = {"W8A8": torch.int8, "W4A8": torch.int8, "W8A8FP8": torch.float8_e4m3fn}.get(quant)
     sent = mx_blocks(x) if quant == "MXFP8" else x if carried is None else per_token(x, carried)
-    owners = 2 if name == "allgather" else 1
+    owners = 2 if name.startswith("allgather") else 1
     return dense_moe(sent, ids, w, owners, EXPERTS, returned=mx_blocks if quant == "MXFP8" else None)
 
 
-@pytest.mark.parametrize("name", [*(f"mc2 {case}" for case in MC2), "all2allv", "allgather"])
+@pytest.mark.parametrize("name", [*(f"mc2 {case}" for case in MC2), "all2allv", *ALLGATHER])
 def test_vllm_ascend_token_dispatcher(runs, name: str):
     for rank, got in enumerate(runs):
         x, ids, w = tokens(rank, TOKENS, HIDDEN, EXPERTS, TOPK)
         assert_close(got[name], _reference(name, x, ids, w), f"rank {rank} {name}")
-        if name.startswith("mc2 ") and MC2[name[4:]][1] != "NONE":  # the quantization is visible at this tolerance
+        if _quant(name) != "NONE":  # the quantization is visible at this tolerance
             with pytest.raises(AssertionError):
                 assert_close(got[name], dense_moe(x, ids, w, experts=EXPERTS), "unquantized tokens")
