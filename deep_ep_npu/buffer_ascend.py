@@ -45,6 +45,13 @@ class FlatDispatchOutput:
     expert_token_nums = property(lambda self: self._get("expert_token_nums", 3))
     handle = property(lambda self: (self._get("handle", 0), self._handle)[1])
 
+    @property
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, FlatHandle]:
+        """``(expand_x, dynamic_scales, expert_token_nums, handle)`` before the receive ran: the receive fills these
+        tensors in place (read them only after it)."""
+        value = self._inflight.value
+        return value[0], value[1], value[3], self._handle
+
 
 class AscendMethods:
     """The flat methods and ``mega_moe`` of :class:`deep_ep_npu.Buffer` (on its group and backend)."""

@@ -53,3 +53,14 @@ def check_values() -> bool | None:
     if value not in ("0", "1"):
         raise ValueError(f"DEEP_EP_NPU_CHECK_VALUES: must be 0 or 1 (or unset: CPU tensors only), got {value!r}")
     return value == "1"
+
+
+def alias_api() -> str:
+    """``DEEP_EP_NPU_ALIAS_API``: which ``Buffer`` ``import deep_ep`` gives (:mod:`deep_ep_npu.alias`): ``deep_ep``
+    (unset: DeepEP's, :class:`deep_ep_npu.Buffer`) or ``deep_ep_ascend`` (DeepEP-Ascend's low-latency layout,
+    :class:`deep_ep_npu.buffer_deepep_ascend.DeepEPAscendBuffer`). Read when ``deep_ep`` is first imported. Raises
+    ValueError for any other value."""
+    value = os.environ.get("DEEP_EP_NPU_ALIAS_API") or "deep_ep"
+    if value not in ("deep_ep", "deep_ep_ascend"):
+        raise ValueError(f"DEEP_EP_NPU_ALIAS_API: must be 'deep_ep' or 'deep_ep_ascend', got {value!r}")
+    return value

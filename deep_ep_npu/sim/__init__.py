@@ -5,7 +5,8 @@
 :mod:`deep_ep_npu.ops` functions of the same names without ``npu_``), ``npu_format_cast(tensor, acl_format)``
 (returns ``tensor``), torch_npu's dtype constants as ints (:data:`deep_ep_npu.core.platforms.TORCH_NPU_CONSTANTS`),
 ``__version__`` ``"2.14.0+sim"``, ``SIMULATED = True`` and ``device_type = "cpu"``. It also registers the stand-in
-MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine`` (:mod:`.fused`) and makes
+MegaMoE op ``torch.ops._C_ascend.dispatch_ffn_combine`` (:mod:`.fused`), vllm-ascend's routing op
+``torch.ops._C_ascend.npu_moe_init_routing_custom`` (:mod:`.routing_custom`) and makes
 ``group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)`` return :func:`hccl_comm_name`, which the ops take
 as ``group_ep`` / ``group_tp``. For that ``torch.device("npu")`` becomes valid, which a process cannot undo: do not
 load a real torch_npu after :func:`uninstall`, and ``torch.accelerator.is_available()`` / ``torch.random.fork_rng()``
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from ..core.platforms import TORCH_NPU_CONSTANTS
 from ..transports.names import register_comm_name, unregister_comm_name
 from . import cann as _cann
-from . import fused, histc, npu_device, routing
+from . import fused, histc, npu_device, routing, routing_custom
 
 __all__ = ["hccl_comm_name", "install", "installed", "uninstall"]
 
@@ -89,6 +90,7 @@ def install(cann: bool = True) -> types.ModuleType:
     dist.ProcessGroup._get_backend = _get_backend  # type: ignore[method-assign, assignment]
     _state.update(module=_make_module(), get_backend=original, cann=_cann.register() if cann else {})
     fused.register()
+    routing_custom.register()
     histc.install()
     sys.modules["torch_npu"] = _state["module"]
     if not hasattr(torch, "npu"):  # (a real torch_npu's is never replaced)
@@ -109,6 +111,7 @@ def uninstall() -> None:
     if "npu" in _state and getattr(torch, "npu", None) is _state["npu"]:
         del torch.npu  # type: ignore[attr-defined]
     fused.unregister()
+    routing_custom.unregister()
     histc.uninstall()
     _cann.unregister(_state.get("cann", {}))
     for name in _comm_names:

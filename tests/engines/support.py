@@ -101,12 +101,35 @@ def fp8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).view(x.shape).to(torch.bfloat16)
 
 
-def dense_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, owners: int = 1, experts: int = 0):
+def per_token(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [n, H] bf16 as a per-token dynamic quantization into ``dtype`` (torch.int8 or torch.float8_e4m3fn) carries it,
+    dequantized: per token ``s = amax / maxV`` (127 or 448), ``q = rint(x / s)`` (int8) or ``e4m3(x / s)``, returned
+    as ``q * s`` in bf16 [n, H]."""
+    xf = x.float()
+    vmax = torch.full((x.shape[0], 1), 127.0 if dtype == torch.int8 else 448.0)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    q = xf * (vmax / amax)
+    q = torch.round(q).clamp(-127, 127) if dtype == torch.int8 else q.to(dtype).float()
+    return (q * (amax / vmax)).to(torch.bfloat16)
+
+
+def mx_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [n, H] bf16 (H a multiple of 32) as MX fp8 (e4m3) carries it, dequantized: per 32 elements a power-of-two
+    scale ``2^(floor(log2 amax) - 8)`` (8: e4m3's largest exponent), ``q = e4m3(x / scale)``; bf16 [n, H]."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    scale = torch.exp2(torch.floor(torch.log2(blocks.abs().amax(dim=-1, keepdim=True))) - 8)
+    return ((blocks / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).view(x.shape).to(torch.bfloat16)
+
+
+def dense_moe(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, owners: int = 1, experts: int = 0, returned=None
+):
     """sum_k weights[t, k] * expert(ids[t, k], x[t]) for each token, in fp32, returned as bf16 [n, H].
 
     ``owners`` > 1 models a per-rank reduction before the cross-rank sum (DeepEP's normal-mode combine of outputs
     the experts' ranks already weighted and summed): the terms of the ``experts // owners`` experts each rank owns
-    are summed and rounded to bf16 first."""
+    are summed and rounded to bf16 first. ``returned``: what the way back does to an expert's output row ([1, H] bf16
+    -> [1, H] bf16, e.g. :func:`mx_blocks` for a quantized combine), or None."""
     per_owner = max(experts // owners, 1)
     out = torch.zeros(x.shape, dtype=torch.float32)
     for owner in range(owners):
@@ -115,7 +138,8 @@ def dense_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, owners:
             for slot in range(ids.shape[1]):
                 e = int(ids[t, slot])
                 if owners == 1 or e // per_owner == owner:
-                    part[t] += weights[t, slot] * expert(e, x[t : t + 1])[0].float()
+                    y = expert(e, x[t : t + 1])
+                    part[t] += weights[t, slot] * (y if returned is None else returned(y))[0].float()
         out += part if owners == 1 else part.to(torch.bfloat16).float()
     return out.to(torch.bfloat16)
 

@@ -1,5 +1,6 @@
 """What engines touch on the stand-in besides the MoE distribute ops: ``torch.npu`` (streams, events, device calls),
-torch_npu's local routing ops (``npu_moe_init_routing_v2``, ``npu_moe_token_permute`` / ``unpermute``) against loop
+torch_npu's local routing ops (``npu_moe_init_routing_v2`` and vllm-ascend's ``_C_ascend.npu_moe_init_routing_custom``,
+``npu_moe_token_permute`` / ``unpermute``) against loop
 oracles written here from torch_npu's documented semantics, and CANN's ``torch.ops.cann_ops_transformer.npu_mega_moe``
 equal bit for bit to ``cann_ops_transformer.mega_moe`` on the same inputs."""
 
@@ -82,14 +83,23 @@ def test_token_permute_unpermute(npu):
     assert torch.equal(part, want.to(torch.bfloat16))
 
 
-def test_init_routing_v2(npu):
+def _custom(*args, **kwargs):
+    """vllm-ascend's ``torch.ops._C_ascend.npu_moe_init_routing_custom`` (its schema's quant_mode default is 0, static
+    quantization, which nobody calls and the stand-in refuses: -1 unless given, as vllm-ascend always passes it)."""
+    return torch.ops._C_ascend.npu_moe_init_routing_custom(*args, **{"quant_mode": -1, **kwargs})
+
+
+@pytest.mark.parametrize("op", ["torch_npu", "_C_ascend"])
+def test_init_routing_v2(npu, op: str):
+    """torch_npu's ``npu_moe_init_routing_v2`` and vllm-ascend's custom op of the same contract (its A2 / A3 route)."""
+    route = npu.npu_moe_init_routing_v2 if op == "torch_npu" else _custom
     x, ids, _ = _tokens()
     t, k = ids.shape
     flat = ids.flatten().tolist()
     lo, hi = 1, 4
     kept = sorted((i for i in range(t * k) if lo <= flat[i] < hi), key=lambda i: (flat[i], i))
     scale = torch.rand(t)
-    ex, row_idx, counts, ex_scale = npu.npu_moe_init_routing_v2(
+    ex, row_idx, counts, ex_scale = route(
         x,
         ids,
         scale=scale,
@@ -109,19 +119,19 @@ def test_init_routing_v2(npu):
     assert torch.equal(out, want.to(torch.bfloat16))
     assert counts.tolist() == [sum(flat[i] == e for i in kept) for e in range(lo, hi)]
     assert torch.equal(ex_scale, torch.stack([scale[i // k] for i in kept]))
-    _, scatter, cumsum, _ = npu.npu_moe_init_routing_v2(x, ids, expert_num=5, row_idx_type=1, active_num=4)
+    _, scatter, cumsum, _ = route(x, ids, expert_num=5, row_idx_type=1, active_num=4)
     everything = sorted(range(t * k), key=lambda i: (flat[i], i))[:4]
     assert scatter.tolist() == [everything.index(i) if i in everything else -1 for i in range(t * k)]
     assert (
         cumsum.tolist() == torch.bincount(torch.tensor([flat[i] for i in everything]), minlength=5).cumsum(0).tolist()
     )
-    q, _, _, q_scale = npu.npu_moe_init_routing_v2(x, ids, quant_mode=1)
+    q, _, _, q_scale = route(x, ids, quant_mode=1)
     rows = torch.stack([x[i // k] for i in sorted(range(t * k), key=lambda i: (flat[i], i))]).float()
     amax = rows.abs().amax(dim=1)
     assert q.dtype == torch.int8 and torch.equal(q_scale, amax / 127)
     assert torch.equal(q, torch.round(rows * (127 / amax)[:, None]).clamp(-127, 127).to(torch.int8))
     with pytest.raises(ValueError, match="drop_pad_mode"):
-        npu.npu_moe_init_routing_v2(x, ids, drop_pad_mode=1)
+        route(x, ids, drop_pad_mode=1)
 
 
 def _mega_op(info):
@@ -158,3 +168,10 @@ def _mega_op(info):
 
 def test_npu_mega_moe_op():
     assert all(parallel_launch(2, _mega_op, timeout=120))
+
+
+def test_init_routing_custom_unregistered_by_uninstall():
+    sim.install()
+    assert hasattr(torch.ops._C_ascend, "npu_moe_init_routing_custom")
+    sim.uninstall()
+    assert not hasattr(torch.ops._C_ascend, "npu_moe_init_routing_custom")
