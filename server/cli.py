@@ -93,12 +93,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from server.api.serve import serve
+    from server.api.serve import leave_torchrun_rank, serve, torchrun_rank
 
     try:
-        return serve(config)
+        code = serve(config)
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully, serve() has stopped the workers
-        return 0
+        code = 0
+    except SystemExit as e:  # SIGTERM, likewise
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    if torchrun_rank() is not None:
+        leave_torchrun_rank(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import uvicorn
 
@@ -130,3 +131,15 @@ def configure_logging(level: str) -> None:
 
 def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+def leave_torchrun_rank(code: int) -> NoReturn:
+    """End a torchrun rank's process once :func:`serve` has shut everything down, without the interpreter's
+    finalization: control sends and receives a lost peer never completed are left pending by design (gloo's own
+    timeout would close every connection of the group), and a daemon thread still inside such a wait while the
+    interpreter tears down the C++ objects under it aborts the process (``terminate called without an active
+    exception``, SIGABRT), which torchrun reports as a failed job."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

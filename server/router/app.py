@@ -156,6 +156,7 @@ def create_router_app(
                 raise lost(decode, d, e) from None
             if (failed := await answer(decode, d, response)) is not None:
                 await response.aclose()
+                await prefill.check(client, p)
                 raise failed
         except _Failed as failed:
             d_task.cancel()  # (a decode half still waiting for its prefill: closing it frees what it holds)
@@ -172,11 +173,12 @@ def create_router_app(
             d.inflight -= 1
             return Response(content, 200, media_type="application/json")
         return StreamingResponse(
-            relay(response, d, p_task), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            relay(response, d, p, p_task), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
-    async def relay(response: httpx.Response, d: Instance, p_task: asyncio.Future) -> AsyncIterator[bytes]:
-        """The decode half's SSE lines; an error event if it breaks off or the prefill half fails first."""
+    async def relay(response: httpx.Response, d: Instance, p: Instance, p_task: asyncio.Future) -> AsyncIterator[bytes]:
+        """The decode half's SSE lines; an error event if it breaks off or the prefill half fails first (the prefill
+        instance ``p`` is checked before an error event of the decode half is passed on)."""
         lines = response.aiter_lines()
         line_task: asyncio.Future | None = None
         try:
@@ -198,6 +200,8 @@ def create_router_app(
                 except httpx.HTTPError as e:
                     yield _event(lost(decode, d, e))
                     return
+                if line.startswith("data: {") and '"error"' in line:
+                    await prefill.check(client, p)
                 yield (line + "\n").encode()
         finally:
             if line_task is not None:

@@ -92,6 +92,15 @@ class Pool:
                 )
             instance.bootstrap_host, instance.bootstrap_port = info.get("bootstrap_host"), info.get("bootstrap_port")
 
+    async def check(self, client: httpx.AsyncClient, instance: Instance) -> None:
+        """Mark ``instance`` down now if its ``/health`` cannot be reached (a request it took part in failed on the
+        other side, e.g. the decode instance could not pull its KV: the next request must not be routed to a dead
+        instance before the prober notices)."""
+        try:
+            await client.get(instance.url + "/health", timeout=2.0)
+        except httpx.HTTPError as e:
+            self.mark_down(instance, repr(e))
+
     async def probe(self, client: httpx.AsyncClient) -> None:
         """Bring back the down instances whose ``/health`` answers 200."""
         for instance in self.instances:

@@ -167,9 +167,10 @@ def test_streamed_chat_logprobs_equal_the_full_response(hf_and_server):
     full = client.chat.completions.create(**body).choices[0].logprobs.content
     chunks = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
     streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [(t.token, t.logprob, len(t.top_logprobs)) for t in streamed] == [
-        (t.token, t.logprob, 1) for t in full
-    ] and len(full) == 4
+    assert [(t.token, len(t.top_logprobs)) for t in streamed] == [(t.token, 1) for t in full] and len(full) == 4
+    # (the second request's prompt may come from the prefix cache: its last token then runs as a decode, whose
+    # attention kernel sums in another order than the prefill's torch ops, ~1e-7 apart in fp32)
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in full], abs=1e-5)
 
 
 def test_defaults_clients_send_and_unknown_fields_are_accepted(hf_and_server, caplog):
