@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MoeDistributeError
-from ..transports.collective import EPGroup
 from ..transports.failure import EPRankFailure
+from ..transports.group import EPGroup
 
 if TYPE_CHECKING:
     from ..core.call import FFN, CombineCall, DispatchCall
