@@ -183,25 +183,24 @@ def place(
     Returns the number of pairs."""
     if not _cpu(rows, recv, src_info, pos, counts, pairs) or rows.dtype != U8 or (lib := library()) is None:
         return None
-    num_local, cap = src_info.shape
+    n, row_bytes = rows.shape
     return lib.place(
         rows,
-        rows.shape[0],
-        rows.shape[1],
+        n,
+        row_bytes,
         data_bytes,
         token_off,
         slot_off,
         num_slots,
-        num_local,
-        cap,
-        counts.shape[1],
-        src,
-        recv,
-        src_info,
-        pos,
-        counts,
+        *_blocks(src, recv, src_info, pos, counts),
         pairs,
     )
+
+
+def _blocks(src: int, recv: Tensor, src_info: Tensor, pos: Tensor, counts: Tensor) -> tuple[int | Tensor, ...]:
+    """The arguments of :func:`place` and :func:`place_pairs` that say where the expert blocks are."""
+    num_local, cap = src_info.shape
+    return num_local, cap, counts.shape[1], src, recv, src_info, pos, counts
 
 
 def ids_ok(ids: Tensor, lo: int, hi: int) -> bool | None:
@@ -388,23 +387,8 @@ def place_pairs(
         return False
     if token.dtype != I64 or expert.dtype != I64 or (lib := library()) is None:
         return False
-    num_local, cap = src_info.shape
-    lib.place_pairs(
-        x,
-        x.shape[0],
-        x.shape[1] * x.element_size(),
-        token,
-        expert,
-        token.numel(),
-        num_local,
-        cap,
-        counts.shape[1],
-        src,
-        recv,
-        src_info,
-        pos,
-        counts,
-    )
+    row_bytes = x.shape[1] * x.element_size()
+    lib.place_pairs(x, x.shape[0], row_bytes, token, expert, token.numel(), *_blocks(src, recv, src_info, pos, counts))
     return True
 
 
