@@ -27,39 +27,10 @@ import torch.distributed as dist
 
 from .agreement import STATUS_OK, Agreement, Received, Send
 from .early import early_bytes
-from .failure import EPRankFailure, agree_missing, resolve_timeout
+from .failure import MONITORS, EPRankFailure, Monitor, Pending, agree_missing, resolve_timeout
 
 _HEAD = 2  # header words before the counts in one round: status, spill
 _R = TypeVar("_R")
-
-
-class _Monitor:
-    """The collective sequence number and arrival marks (:mod:`.failure`) of one process group, for every group."""
-
-    def __init__(self, group: dist.ProcessGroup, name: str) -> None:
-        self.group, self.rank, self.size, self.seq = group, dist.get_rank(group), dist.get_world_size(group), 0
-        self.store = dist.PrefixStore(f"deep_ep_npu/failure/{name}/", dist.distributed_c10d._get_default_store())
-
-    def arrived(self, rank: int, seq: int, op: str) -> bool:
-        key = f"arrive/{rank}"
-        if not self.store.check([key]):
-            return False
-        their_seq, their_op = self.store.get(key).decode().split(" ", 1)
-        return int(their_seq) > seq or (int(their_seq) == seq and their_op == op)
-
-
-_MONITORS: dict[str, _Monitor] = {}
-
-
-@dataclasses.dataclass
-class Pending:
-    """An issued collective: its group's monitor, sequence number, op, issue time (monotonic), work (None: done)."""
-
-    monitor: _Monitor
-    seq: int
-    op: str
-    started: float
-    work: dist.Work | None = None
 
 
 class Communicator:
@@ -90,9 +61,9 @@ class Communicator:
         collective returning its work)."""
         self._drain()  # collectives deferred by earlier calls go first (call order on every rank)
         name = getattr(self.comm, "group_name", "") or "default"
-        mon = _MONITORS.get(name)
+        mon = MONITORS.get(name)
         if mon is None or mon.group is not self.comm:
-            mon = _MONITORS[name] = _Monitor(self.comm, name)
+            mon = MONITORS[name] = Monitor(self.comm, name)
         mon.seq += 1
         pending = Pending(mon, mon.seq, op, time.monotonic())
         try:
@@ -135,17 +106,6 @@ class Communicator:
         outs, ins = [recv_splits[r] for r in self.live], [send_splits[r] for r in self.live]
         assert sum(outs) == sum(recv_splits) and sum(ins) == sum(send_splits), "failed ranks carry rows"
         return self.start(lambda g: dist.all_to_all_single(recv, send, outs, ins, group=g, async_op=True), op)
-
-    def transfer(
-        self, recv: torch.Tensor, send: torch.Tensor, recv_rows: Sequence[int], send_rows: Sequence[int], op: str
-    ) -> Pending | None:
-        """Start moving `[rows, width]` uint8 ``send`` (``send_rows[r]`` rows for rank r, in rank order) into ``recv``
-        (``recv_rows[r]`` rows from rank r); None on a group of one. Finish it with :meth:`wait`."""
-        if self.num_ranks == 1:
-            return None
-        width = send.shape[1] if send.dim() == 2 else recv.shape[1]
-        splits = [r * width for r in recv_rows], [r * width for r in send_rows]
-        return self.all_to_all(recv.view(-1), send.reshape(-1), *splits, op)
 
     def defer(self, start: Callable[[], _R]) -> Callable[[], _R]:
         """Queue ``start`` (collectives a send phase leaves to its receive phase). The returned call runs the queue up

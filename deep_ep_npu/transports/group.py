@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import Agreement
-from .collective import Communicator
+from .collective import Communicator, Pending
 from .failure import EPRankFailure
 
 _R = TypeVar("_R")
@@ -43,6 +43,17 @@ class EPGroup(Communicator):
     def failed(self) -> list[int]:
         """Ranks removed by shrink mode (they cannot be unmasked)."""
         return [r for r in range(self.num_ranks) if r not in self.live]
+
+    def transfer(
+        self, recv: torch.Tensor, send: torch.Tensor, recv_rows: Sequence[int], send_rows: Sequence[int], op: str
+    ) -> Pending | None:
+        """Start moving `[rows, width]` uint8 ``send`` (``send_rows[r]`` rows for rank r, in rank order) into ``recv``
+        (``recv_rows[r]`` rows from rank r); None on a group of one. Finish it with :meth:`wait`."""
+        if self.num_ranks == 1:
+            return None
+        width = send.shape[1] if send.dim() == 2 else recv.shape[1]
+        splits = [r * width for r in recv_rows], [r * width for r in send_rows]
+        return self.all_to_all(recv.view(-1), send.reshape(-1), *splits, op)
 
     def barrier(self, op: str) -> None:
         """A bounded barrier of the live ranks (in shrink mode, of the survivors after a failure)."""
