@@ -275,24 +275,7 @@ def pack_int8(x: Tensor, row_token: Tensor, slot_expert: Tensor, weights: Tensor
         return False
     if not _packs(x, row_token, slot_expert, out) or (lib := _summing(x.dtype)) is None:
         return False
-    n, k = slot_expert.shape
-    return lib.pack_int8(
-        x,
-        x.shape[0],
-        DTYPES[x.dtype],
-        x.shape[1],
-        row_token,
-        slot_expert,
-        weights,
-        n,
-        k,
-        out,
-        out.shape[1],
-        fmt.scale_off,
-        fmt.token_off,
-        fmt.slot_off,
-        fmt.weight_off,
-    )
+    return lib.pack_int8(*_quantized(x, row_token, slot_expert, out, fmt), weights, fmt.weight_off)
 
 
 def pack_fp8(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, fmt: Any) -> bool:
@@ -305,22 +288,13 @@ def pack_fp8(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, fmt
         return False
     if (lib := _summing(x.dtype)) is None:
         return False
-    n, k = slot_expert.shape
-    return lib.pack_fp8(
-        x,
-        x.shape[0],
-        DTYPES[x.dtype],
-        x.shape[1],
-        row_token,
-        slot_expert,
-        n,
-        k,
-        out,
-        out.shape[1],
-        fmt.scale_off,
-        fmt.token_off,
-        fmt.slot_off,
-    )
+    return lib.pack_fp8(*_quantized(x, row_token, slot_expert, out, fmt))
+
+
+def _quantized(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, fmt: Any) -> tuple[Tensor | int, ...]:
+    """The arguments :func:`pack_int8` and :func:`pack_fp8` share: the tokens, the rows and where their fields sit."""
+    (t, hidden), (n, k), where = x.shape, slot_expert.shape, (out.shape[1], fmt.scale_off, fmt.token_off, fmt.slot_off)
+    return x, t, DTYPES[x.dtype], hidden, row_token, slot_expert, n, k, out, *where
 
 
 def to_e4m3(x: Tensor) -> Tensor | None:
