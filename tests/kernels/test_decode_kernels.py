@@ -76,11 +76,15 @@ def test_decode_attention_matches_float64(dtype: torch.dtype, window: int | None
     written[slots] = True
     assert torch.equal(flat_k[~written], before_k.view(-1, KV, D)[~written])  # nothing else
     assert torch.equal(flat_v[~written], before_v.view(-1, KV, D)[~written])
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for s, p in enumerate(positions):
         at = tables[s, torch.arange(p + 1) // BLOCK] * BLOCK + torch.arange(p + 1) % BLOCK
         ref = naive(qkv[s, : H * D].view(H, D), flat_k[at], flat_v[at], p, D**-0.5, window, sinks)
-        torch.testing.assert_close(out[s].view(H, D).double(), ref, atol=tol, rtol=tol)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out[s].view(H, D).double(), ref, atol=1e-5, rtol=1e-5)
+        else:  # fp32 inside, one rounding to bf16 at the end: within one bf16 step of the exact value (seen: 0.63)
+            exact = ref.to(dtype).abs()
+            step = torch.nextafter(exact, torch.tensor(float("inf"), dtype=dtype)).double() - exact.double()
+            assert bool(((out[s].view(H, D).double() - ref).abs() <= step).all()), s
 
 
 def test_decode_attention_refuses_bad_arguments() -> None:
