@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server import LLM, SamplingParams
 from server.loader import load_model
 from server.models import LocalComm, SeqInput
 from server.models.buffer_comm import BufferComm
@@ -107,3 +108,14 @@ def test_merge_groups_each_experts_rows_of_both_parts() -> None:
     assert offsets.tolist() == [2, 4, 6]
     assert rows[:6, 0].tolist() == [1.0, 2.0, 4.0, 5.0, 3.0, 6.0]
     assert torch.equal(rows[wheres[0][:3]], a_rows[:3]) and torch.equal(rows[wheres[1][:3]], b_rows[:3])
+
+
+def test_engine_with_two_batch_overlap_gives_transformers_tokens(golden) -> None:  # noqa: ANN001
+    """``two_batch_overlap=True`` through the engine (spawned workers; every step has >= 16 tokens over both
+    workers: 17 requests, prefill in chunks of 16 per worker): transformers' greedy tokens."""
+    path, expect = golden["qwen3_moe"]
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    engine = dict(max_num_seqs=16, max_num_batched_tokens=16, max_model_len=64)
+    with LLM(model=path, ep_size=2, two_batch_overlap=True, **engine) as llm:
+        outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in expect]
