@@ -34,8 +34,9 @@ class BufferComm(ExpertComm):
     The slots keep their numbering over the ``num_ranks`` ranks of ``group`` (rank r holds slots ``[r * L, (r + 1) *
     L)``) for the comm's whole life; after :meth:`regroup` the Buffer spans only the members, and ids are renumbered
     into its slots on the way in (:meth:`to_physical`). ``timeout`` goes to the Buffer (a bound on each collective
-    wait). With shared experts, combine is issued with ``return_recv_hook=True``: the send phase runs, the shared
-    experts are computed, then ``hook()`` receives (DeepEP's hook-based overlap). ``fused=True`` makes the MoE
+    wait). Dispatch and combine are issued with ``return_recv_hook=True`` (DeepEP's hook-based overlap):
+    :meth:`dispatch_start` / :meth:`combine_start` run the send phase and return the receive; shared experts run
+    between a combine's two phases (and two micro-batches' dense parts: ``two_batch.py``). ``fused=True`` makes the MoE
     layers built on it use :meth:`fused_moe` (``Buffer.mega_moe``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine).
     """
 
