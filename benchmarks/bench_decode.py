@@ -19,6 +19,8 @@ run interleaved, ``--repeats`` rounds, in a fresh order each round. Batch b at E
     .venv/bin/python benchmarks/bench_decode.py --vllm-python /path/to/vllm-env/bin/python  # EP 1, 2; batch 1, 16
     .venv/bin/python benchmarks/bench_decode.py --ep 2 --backend reference ascend --simulate-npu --no-transformers
 
+``--two-batch-overlap``: per EP size > 1, a second engine with ``two_batch_overlap`` in the same rounds.
+
 ``--skew S``: Zipf-skewed routing (the config key ``routing_skew``: each token's top-k drawn with probability
 proportional to ``(e + 1) ** -S``, so the hot experts start on worker 0; no transformers or vLLM rows) and, per EP
 size > 1, a second engine with EPLB (``--eplb-interval``, ``--num-redundant-experts``) in the same rounds: step times
@@ -100,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM CPU row")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    p.add_argument(
+        "--two-batch-overlap",
+        action="store_true",
+        help="per EP size > 1, also an engine with two_batch_overlap (its row: '+tbo')",
+    )
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: the engine's)")
     p.add_argument(
         "--baseline-threads",
@@ -134,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [(ep, b) for ep in args.ep for b in (args.backend if ep > 1 else args.backend[:1])]
     if args.skew:
         names += [(ep, b + " +eplb") for ep in args.ep if ep > 1 for b in args.backend]
+    if args.two_batch_overlap:
+        names += [(ep, b + " +tbo") for ep in args.ep if ep > 1 for b in args.backend]
     engines = {}
     hf = HFDecode(ckpt.name, dtype) if args.transformers else None
     vllm = None
@@ -152,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 eplb = dict(eplb=True, eplb_interval=args.eplb_interval, eplb_window=args.eplb_interval,
                             num_redundant_experts=args.num_redundant_experts)  # fmt: skip
             engines[ep, backend] = EPEngine(model=ckpt.name, ep_size=ep, dtype=args.dtype,
-                                            backend=backend.removesuffix(" +eplb"),
+                                            backend=backend.split(" ")[0],
+                                            two_batch_overlap=backend.endswith(" +tbo"),
                                             max_num_seqs=max(args.batch), simulate_npu=args.simulate_npu,
                                             max_model_len=args.prompt_len + args.tokens + 8,
                                             async_scheduling=args.async_scheduling,

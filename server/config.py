@@ -98,6 +98,11 @@ class ServerConfig(BaseModel):
         True, description="reuse the KV cache of full blocks of a previous request's prefix"
     )
     async_scheduling: bool = Field(True, description="plan step k+1 while the workers run step k (spawned workers)")
+    two_batch_overlap: bool = Field(
+        False,
+        description="EP > 1: run steps of at least 16 tokens (over all workers) as two micro-batches, one's MoE "
+        "dispatch / combine in flight while the other's attention runs (docs/decode-runtime.md)",
+    )
     worker_threads: int | None = Field(
         None,
         ge=1,

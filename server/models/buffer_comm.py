@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,8 +34,9 @@ class BufferComm(ExpertComm):
     The slots keep their numbering over the ``num_ranks`` ranks of ``group`` (rank r holds slots ``[r * L, (r + 1) *
     L)``) for the comm's whole life; after :meth:`regroup` the Buffer spans only the members, and ids are renumbered
     into its slots on the way in (:meth:`to_physical`). ``timeout`` goes to the Buffer (a bound on each collective
-    wait). With shared experts, combine is issued with ``return_recv_hook=True``: the send phase runs, the shared
-    experts are computed, then ``hook()`` receives (DeepEP's hook-based overlap). ``fused=True`` makes the MoE
+    wait). Dispatch and combine are issued with ``return_recv_hook=True`` (DeepEP's hook-based overlap):
+    :meth:`dispatch_start` / :meth:`combine_start` run the send phase and return the receive; shared experts run
+    between a combine's two phases (and two micro-batches' dense parts: ``two_batch.py``). ``fused=True`` makes the MoE
     layers built on it use :meth:`fused_moe` (``Buffer.mega_moe``: dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine).
     """
 
@@ -149,38 +151,63 @@ class BufferComm(ExpertComm):
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, num_tokens_all_ranks: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
-            x, topk_idx, self.num_max_dispatch_tokens_per_rank, self.num_buffer_experts, use_fp8=False
+        return self.dispatch_start(x, topk_idx, num_tokens_all_ranks)()
+
+    def dispatch_start(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, num_tokens_all_ranks: int | None = None
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, Any]]:
+        """:meth:`dispatch`'s send phase now (``return_recv_hook``); returns its receive, which returns what
+        :meth:`dispatch` does."""
+        recv_x, recv_count, handle, _, hook = self.buffer.low_latency_dispatch(
+            x,
+            topk_idx,
+            self.num_max_dispatch_tokens_per_rank,
+            self.num_buffer_experts,
+            use_fp8=False,
+            return_recv_hook=True,
         )
-        num_local, capacity, hidden = recv_x.shape
-        senders = len(self.members) * self.num_max_dispatch_tokens_per_rank
-        senders = senders if num_tokens_all_ranks is None else num_tokens_all_ranks
-        num_rows = min(num_local * capacity, senders * min(topk_idx.shape[1], num_local))
-        offsets = torch.cumsum(recv_count, 0, dtype=torch.int32)
-        row = torch.arange(num_rows, device=x.device)
-        expert = torch.searchsorted(offsets, row, right=True).clamp_(max=num_local - 1)
-        src = expert * capacity + row - (offsets - recv_count)[expert]
-        valid = row < offsets[-1]
-        rows = recv_x.reshape(-1, hidden).index_select(0, torch.where(valid, src, 0))
-        dst = torch.where(valid, src, num_local * capacity)  # padding rows go to a scratch row past the layout
-        return rows, offsets, (handle, dst, recv_x.shape)
+        assert hook is not None, "return_recv_hook=True returns the hook"
+
+        def receive() -> tuple[torch.Tensor, torch.Tensor, Any]:
+            hook()
+            num_local, capacity, hidden = recv_x.shape
+            senders = len(self.members) * self.num_max_dispatch_tokens_per_rank
+            senders = senders if num_tokens_all_ranks is None else num_tokens_all_ranks
+            num_rows = min(num_local * capacity, senders * min(topk_idx.shape[1], num_local))
+            offsets = torch.cumsum(recv_count, 0, dtype=torch.int32)
+            row = torch.arange(num_rows, device=x.device)
+            expert = torch.searchsorted(offsets, row, right=True).clamp_(max=num_local - 1)
+            src = expert * capacity + row - (offsets - recv_count)[expert]
+            valid = row < offsets[-1]
+            rows = recv_x.reshape(-1, hidden).index_select(0, torch.where(valid, src, 0))
+            dst = torch.where(valid, src, num_local * capacity)  # padding rows go to a scratch row past the layout
+            return rows, offsets, (handle, dst, recv_x.shape)
+
+        return receive
 
     def combine(self, expert_out, topk_idx, topk_weights, handle, overlap=None):  # noqa: ANN001
+        receive = self.combine_start(expert_out, topk_idx, topk_weights, handle)
+        shared = None if overlap is None else overlap()
+        return receive(), shared
+
+    def combine_start(
+        self, expert_out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any
+    ) -> Callable[[], torch.Tensor]:
+        """:meth:`combine`'s send phase now (``return_recv_hook``: DeepEP's hook-based overlap); returns its
+        receive, which returns the combined rows."""
         handle, dst, shape = handle
         masked = expert_out.new_empty(shape[0] * shape[1] + 1, shape[2]).index_copy_(0, dst, expert_out)
         expert_out = masked[:-1].view(shape)  # DeepEP's masked layout; rows past each count are never read
-        if overlap is None:
-            combined, _, _ = self.buffer.low_latency_combine(
-                expert_out, topk_idx, topk_weights, handle, slot_order=True
-            )
-            return combined, None
         combined, _, hook = self.buffer.low_latency_combine(
             expert_out, topk_idx, topk_weights, handle, return_recv_hook=True, slot_order=True
         )
-        shared = overlap()
         assert hook is not None, "return_recv_hook=True returns the hook"
-        hook()
-        return combined, shared
+
+        def receive() -> torch.Tensor:
+            hook()
+            return combined
+
+        return receive
 
     def destroy(self) -> None:
         self.buffer.destroy()

@@ -139,6 +139,21 @@ class ExpertComm(abc.ABC):
             combined_x: `[num_tokens, hidden]`, dtype of `expert_out`; the overlap result or None.
         """
 
+    def dispatch_start(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, num_tokens_all_ranks: int | None = None
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, Any]]:
+        """:meth:`dispatch` in two phases: the send now, the receive in the returned call (which returns what
+        :meth:`dispatch` does); here both run now, a backend with an asynchronous receive overrides it."""
+        out = self.dispatch(x, topk_idx, num_tokens_all_ranks)
+        return lambda: out
+
+    def combine_start(
+        self, expert_out: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any
+    ) -> Callable[[], torch.Tensor]:
+        """:meth:`combine` in two phases, as :meth:`dispatch_start` (the returned call returns combined_x)."""
+        combined, _ = self.combine(expert_out, topk_idx, topk_weights, handle)
+        return lambda: combined
+
     def timed_dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, num_tokens_all_ranks: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:

@@ -86,6 +86,7 @@ class ForwardBatch:
     groups: list[AttentionGroup]
     num_tokens_all_ranks: int | None = None
     memo: dict = dataclasses.field(default_factory=dict)  # what the layers compute once per step (rope's cos / sin)
+    micro: tuple[ForwardBatch, ForwardBatch] | None = None  # the step as two micro-batches (two_batch.py), or None
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ from torch import nn
 
 from deep_ep_npu.kernels.rms_norm import add_rms_norm, rms_norm
 
-from .linear import Linear, fuse_linears, linear
+from .linear import FusedLinears, Linear, fuse_linears, linear
 
 
 class RMSNorm(nn.Module):
@@ -40,9 +40,9 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
-class DenseMLP(nn.Module):
+class DenseMLP(FusedLinears):
     """``down(silu(gate(x)) * up(x))`` with HF's parameter names (also the DeepSeek shared experts); gate and up run
-    as one projection (:meth:`fuse_weights`)."""
+    as one projection (:meth:`fuse_weights`; again after a dtype or device change)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -56,6 +56,9 @@ class DenseMLP(nn.Module):
         """Lay ``gate_proj`` / ``up_proj`` out as one projection (:func:`~server.models.linear.fuse_linears`); the
         loader calls it once, after filling the weights (a forward step before that does it itself)."""
         self._gate_up = fuse_linears(self.gate_proj, self.up_proj)[0]
+
+    def is_fused(self) -> bool:
+        return self._gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is None:

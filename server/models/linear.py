@@ -7,6 +7,9 @@ one-row matmul (measured with ``F.linear`` at 13 GB/s against ``torch.mv`` at 19
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,3 +50,24 @@ def fuse_linears(*layers: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
             layer.bias = nn.Parameter(bias[begin:end], requires_grad=False)
         begin = end
     return weight, bias
+
+
+_M = TypeVar("_M", bound="FusedLinears")
+
+
+class FusedLinears(nn.Module):
+    """A module that runs some of its ``Linear`` children as one projection (:func:`fuse_linears`). ``nn.Module``'s
+    conversions (``to()``, ``float()``, ``bfloat16()``, ...) replace each parameter's data on its own, which leaves
+    the fused weight behind (old dtype or device) and the parameters no longer views of it: they re-fuse afterwards."""
+
+    def fuse_weights(self) -> None:
+        raise NotImplementedError
+
+    def is_fused(self) -> bool:
+        raise NotImplementedError
+
+    def _apply(self: _M, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _M:
+        super()._apply(fn, recurse)
+        if self.is_fused():
+            self.fuse_weights()
+        return self

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import two_batch
 from .attention import GQAttention, MLAttention
 from .config import ModelConfig
 from .ep_comm import ExpertComm
@@ -72,6 +73,8 @@ class MoECausalLM(nn.Module):
         Returns:
             logits: `[len(batch.sample_rows), vocab_size]` with `torch.float32`.
         """
+        if batch.micro is not None:
+            return two_batch.forward(self, batch.micro, cache)
         x, delta = self.model.embed_tokens(batch.input_ids), None
         for layer, layer_cache in zip(self.model.layers, cache.layers, strict=True):
             x, delta = layer(x, delta, batch, layer_cache)

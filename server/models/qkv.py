@@ -1,8 +1,9 @@
 """The q / k / v projections of grouped-query attention, per family, with HF's parameter names. Everything before the
 attention itself: the projections (biases per family), the q / k norms (Qwen3 and GLM: RMSNorm over ``head_dim`` on each
 head; OLMoE: over the whole q and k projections, before the split into heads), OLMoE's ``clip_qkv`` and the rotary
-embedding (partial for GLM). The three projections run as one (their weights fused once, at load time); the per-head
-norms and rope of q and k as one kernel call, in place in the projection's output.
+embedding (partial for GLM). The three projections run as one (their weights fused at load time, and again after a
+dtype or device change); the per-head norms and rope of q and k as one kernel call, in place in the projection's
+output.
 :class:`~server.models.attention.GQAttention` subclasses :class:`QKVProjections` and attends with what
 :meth:`QKVProjections.project` returns.
 """
@@ -18,14 +19,14 @@ from deep_ep_npu.kernels.rope import qk_norm_rope
 
 from .config import ModelConfig
 from .layers import RMSNorm
-from .linear import Linear, fuse_linears, linear
+from .linear import FusedLinears, Linear, fuse_linears, linear
 from .rope import Rotary
 
 if TYPE_CHECKING:
     from .forward_batch import ForwardBatch
 
 
-class QKVProjections(nn.Module):
+class QKVProjections(FusedLinears):
     """``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (+ ``q_norm`` / ``k_norm``) and the rotary embedding of layer
     ``layer_idx``; also what its attention reads: ``window`` (sliding layers: the last ``sliding_window`` positions,
     else None) and gpt-oss' ``sinks`` `[heads]` (a learned logit per head)."""
@@ -55,6 +56,9 @@ class QKVProjections(nn.Module):
         """Lay ``q_proj`` / ``k_proj`` / ``v_proj`` out as one projection (:func:`~server.models.linear.fuse_linears`);
         the loader calls it once, after filling the weights (a forward step before that does it itself)."""
         self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def is_fused(self) -> bool:
+        return self._qkv is not None
 
     def project(
         self, x: torch.Tensor, batch: ForwardBatch

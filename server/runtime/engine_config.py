@@ -40,7 +40,9 @@ class EngineConfig:
     chunked); the paged KV cache: ``block_size`` tokens per block, ``kv_cache_memory`` bytes per worker (an int,
     or ``"4G"``: :func:`server.config.parse_bytes`) or else ``gpu_memory_utilization``
     (:mod:`server.runtime.scheduling.kv_budget`), ``enable_prefix_caching``;
-    ``async_scheduling`` plan step k+1 while the workers run step k (spawned workers); ``worker_threads`` torch
+    ``async_scheduling`` plan step k+1 while the workers run step k (spawned workers); ``two_batch_overlap`` (EP > 1)
+    steps of at least 16 tokens over all workers as two micro-batches (:mod:`server.models.two_batch`);
+    ``worker_threads`` torch
     threads per worker (None: the CPUs this process may use, split over the local workers, and one for a CPU
     worker's steps of few tokens: :data:`server.runtime.workers.worker.THREADED_STEP_TOKENS`); ``int8_experts`` W8A8
     routed experts; ``moe_impl``
@@ -76,6 +78,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
+    two_batch_overlap: bool = False
     worker_threads: int | None = None
     int8_experts: bool = False
     moe_impl: str = "unfused"
@@ -216,6 +219,7 @@ class EngineConfig:
             gpu_memory_utilization=config.gpu_memory_utilization,
             enable_prefix_caching=config.enable_prefix_caching,
             async_scheduling=config.async_scheduling,
+            two_batch_overlap=config.two_batch_overlap,
             worker_threads=config.worker_threads,
             int8_experts=config.int8_experts,
             num_redundant_experts=config.num_redundant_experts,

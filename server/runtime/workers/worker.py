@@ -25,6 +25,7 @@ from server.models import ForwardBatch, LocalComm, ModelConfig, PagedKVCache, Se
 from server.models.buffer_comm import BufferComm
 from server.models.ep_comm import ExpertComm
 from server.models.kv_cache import bytes_per_block
+from server.models.two_batch import micro_batches
 from server.runtime.engine_config import EngineConfig
 from server.runtime.expert_placement import build_expert_map
 from server.runtime.sampling.grammar import WorkerGrammars, mask_rows
@@ -142,6 +143,8 @@ class Worker:
         if args.eplb and isinstance(self.model.comm, BufferComm):
             moe_layers = self.model.moe_layers()
             self.rebalancer = Rebalancer(self.model.comm, moe_layers, args.eplb_interval, args.eplb_window)
+        comm = self.model.comm  # two micro-batches (two_batch.py): on an EP group's Buffer, not the fused path
+        self._two_batch = args.two_batch_overlap and isinstance(comm, BufferComm) and not comm.fused
         self._fallback = torch.Generator(self.device).manual_seed(args.seed * 7919 + rank)
         threads = args.threads_per_worker()  # a step's torch threads: (<= THREADED_STEP_TOKENS tokens, more)
         self._step_threads = (1 if self.device.type == "cpu" and not args.worker_threads else threads, threads)
@@ -211,6 +214,8 @@ class Worker:
             seqs.append(seq)
             inputs.append(SeqInput(seq.block_table, e.start, tokens, e.sample, seq.sampler.wants_all_logits))
         batch = ForwardBatch.build(inputs, self.cache.block_size, self.device, plan.num_tokens_all_ranks)
+        if self._two_batch and plan.num_tokens_all_ranks is not None:
+            batch.micro = micro_batches(inputs, self.cache.block_size, self.device, plan.num_tokens_all_ranks)
         self._step = _Step(seqs, inputs, batch, pull_results)
         return self._run(rebalance=True)
 
