@@ -168,8 +168,6 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
                     experts,
                     num_max=n,
                     quant=quant,
-                    round_scale=round_scale,
-                    use_ue8m0=use_ue8m0,
                     recv_stats=cumulative_local_expert_recv_stats,
                     wait_stats=dispatch_wait_recv_cost_stats,
                     expert_scales=topk_weights,

@@ -16,6 +16,7 @@ from .core.call import FFN, CombineCall, DispatchCall
 from .errors import invalid
 from .handle import EventOverlap, FlatHandle
 from .mega_moe import run as run_mega_moe
+from .quant import INT8_PER_TOKEN
 
 FLAT_DISPATCH_OP, FLAT_COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
 FLAT_NAMES = {"scales": "smooth_scales", "expert_scales": "topk_weights", "expert_ids": "topk_idx",
@@ -122,7 +123,7 @@ class AscendMethods:
                     global_bs=global_bs,
                     x_active_mask=x_active_mask,
                     expert_scales=topk_weights,
-                    quant=(quant_mode, None, None, None),
+                    quant=INT8_PER_TOKEN if quant_mode == 2 else None,
                     scales=smooth_scales,
                     expert_token_nums_type=expert_token_nums_type,
                     ccl_buffer_size=self._backend.ccl_buffer_size,

@@ -129,7 +129,7 @@ class AscendBackend(Backend):
         return self._elastic[1], self._elastic[2]
 
     def _masked_dispatch(self, c: DispatchCall) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
-        if c.quant == "fp8_e4m3":
+        if c.quant is not None and c.quant.deepep:
             raise invalid("quant_format", "fp8_e4m3 has no Ascend A2/A3 op; use_fp8 means int8_per_token here")
         r, num_local, n, hidden = self.num_ranks, c.experts.num_local, c.num_max, c.x.shape[1]
         x, topk_idx = pad_empty(c.x, c.expert_ids)
@@ -142,7 +142,7 @@ class AscendBackend(Backend):
         kw["global_bs"] = n * r  # kw: the combine's too (elastic_info: the mask as it was at dispatch)
         perf = {} if c.wait_stats is None else {"performance_info": c.wait_stats}
         expand_x, dynamic_scales, assist, _, ep_recv_counts, _, _ = self.ops.dispatch(
-            x, ids, c.experts.num_moe_experts, n, num_local, quant_mode=2 if c.quant else 0, **perf, **kw
+            x, ids, c.experts.num_moe_experts, n, num_local, quant_mode=0 if c.quant is None else 2, **perf, **kw
         )
         cum = ep_recv_counts[: num_local * r].long()
         counts = cum.diff(prepend=cum.new_zeros(1)).view(num_local, r)
@@ -160,7 +160,7 @@ class AscendBackend(Backend):
             return flat.new_empty((spare + 1, *flat.shape[1:])).index_copy_(0, dest, flat)[:spare]
 
         recv_x: Any = gather(expand_x).view(num_local, rn, hidden)
-        if c.quant:
+        if c.quant is not None:
             scales = gather(dynamic_scales[: flat_rows.numel()]).view(num_local, rn, 1)
             recv_x = (recv_x, scales.expand(-1, -1, hidden // 128))
         src_info = gather(assist.view(-1)[3 * flat_rows + 1].to(torch.int32)).view(num_local, rn)

@@ -15,7 +15,7 @@ from ..errors import invalid, null, shape
 from ..sizes import ccl_buffer_bytes, ccl_buffer_mb
 from . import rules as checks
 from .call import CombineCall, DispatchCall, Experts
-from .platforms import dispatch_quant, hierarchy_rules
+from .platforms import hierarchy_rules
 from .rules import PLATFORM_NAMES, platform_feature
 
 NPU_ACT_DTYPES = (torch.bfloat16, torch.float16)
@@ -226,14 +226,11 @@ def tokens(
 
 
 def dispatch(c: DispatchCall) -> DispatchCall:
-    """A flat dispatch checked (no communication). ``c.quant`` holds ``(quant_mode, y_dtype, x_dtype,
-    scales_dtype)`` as given; the result holds the :class:`~deep_ep_npu.quant.Quant` to run, or None."""
+    """A flat dispatch checked (no communication; its ``quant`` from :func:`.platforms.dispatch_quant`)."""
     e = c.experts
     x, ids, mask, global_bs = tokens(c, "x", c.x, c.expert_ids)
     w, hidden, topk = e.world_size, x.shape[1], ids.shape[1]
-    mode, y_dtype, x_dtype, scales_dtype = c.quant
-    default = type(mode) is int and not mode and y_dtype is None and x_dtype is None and scales_dtype is None
-    quant = None if default else dispatch_quant(mode, y_dtype, x_dtype, scales_dtype, x.dtype, e.platform)
+    quant = c.quant
     checks.one_of(c.expert_token_nums_type, "expert_token_nums_type", (0, 1))
     rows, smooth, unused = e.shared_expert_num + e.scales_experts, c.names.get("scales", "scales"), e.scales_shared
     if c.scales is not None and unused and tuple(getattr(c.scales, "shape", ())) == (unused + rows, hidden):
@@ -263,7 +260,6 @@ def dispatch(c: DispatchCall) -> DispatchCall:
         x=x,
         expert_ids=ids,
         x_active_mask=mask,
-        quant=quant,
         scales=scales,
         expert_scales=weights,
         wait_stats=perf,

@@ -9,6 +9,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from ..quant import Quant
+
 
 @dataclasses.dataclass(frozen=True)
 class Experts:
@@ -75,10 +77,8 @@ class DispatchCall(Call):
     known at the send, as after DeepEP normal mode's count round: the own rows then go straight to their place)."""
 
     num_max: int = 0
-    quant: Any = None
+    quant: Quant | None = None
     scales: Any = None
-    round_scale: bool = False
-    use_ue8m0: bool = False
     recv_stats: Any = None
     expert_token_nums_type: int = 1
     ccl_buffer_size: int | None = None

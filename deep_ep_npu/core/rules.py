@@ -14,6 +14,7 @@ import torch
 from .. import envs, kernels
 from ..errors import invalid, null, shape
 from ..handle import LowLatencyHandle
+from ..quant import INT8_PER_TOKEN, Quant, deepep_fp8
 from ..sizes import align
 from .call import CombineCall, DispatchCall, Experts
 
@@ -197,18 +198,22 @@ def overlap_flags(async_finish: object, return_recv_hook: object) -> None:
 
 def deepep_quant(
     use_fp8: object, round_scale: object, use_ue8m0: object, quant_format: object, native: str
-) -> str | None:
+) -> Quant | None:
     """DeepEP's ``use_fp8`` / ``round_scale`` / ``use_ue8m0`` and our ``quant_format`` (``native``: the backend's):
-    the rows' format, None (x's dtype), ``"fp8_e4m3"`` or ``"int8_per_token"``."""
+    the rows' format, None (x's dtype), DeepEP's fp8 (:func:`~deep_ep_npu.quant.deepep_fp8`) or
+    :data:`~deep_ep_npu.quant.INT8_PER_TOKEN`."""
     use_fp8, rounded = flag(use_fp8, "use_fp8"), flag(round_scale, "round_scale")
     if flag(use_ue8m0, "use_ue8m0") and not rounded:
         raise invalid("use_ue8m0", "use_ue8m0=True requires round_scale=True (UE8M0 scales are powers of two)")
     if quant_format is not None:
         one_of(quant_format, "quant_format", QUANT_FORMATS)
-    quant = str(quant_format or native) if use_fp8 else None
-    if quant == "int8_per_token" and rounded:
+    if not use_fp8:
+        return None
+    if (quant_format or native) == "fp8_e4m3":
+        return deepep_fp8(rounded, bool(use_ue8m0))
+    if rounded:
         raise invalid("round_scale", "is not available with the int8_per_token format (scales are amax / 127)")
-    return quant
+    return INT8_PER_TOKEN
 
 
 def dispatch(c: DispatchCall) -> DispatchCall:
@@ -227,7 +232,7 @@ def dispatch(c: DispatchCall) -> DispatchCall:
     stats = shaped(c.recv_stats, names["recv_stats"], torch.int32, (num_local,), stats_shape)
     if c.quant is not None and hidden % 128:
         raise shape("x", f"hidden = {hidden} must be a multiple of 128 with use_fp8 (per-128-channel scales)")
-    if c.quant is not None and c.use_ue8m0 and hidden % 512:
+    if c.quant is not None and c.quant.ue8m0 and hidden % 512:
         raise shape("x", f"hidden = {hidden} must be a multiple of 512 with use_ue8m0 (4 scales per int32)")
     if masked:  # recv_x [L, R * N, hidden] and its int32 src_info
         row_bytes = hidden * (1 if c.quant else x.element_size()) + (4 * hidden // 128 if c.quant else 0) + 4

@@ -240,7 +240,7 @@ class _Expand:
             no_mask = torch.zeros(e.world_size, dtype=torch.int32)
             self.plan = plan_topk(c.expert_ids, e.num_local, e.world_size, e.rank, no_mask, per_pair_rows=False)
         self.cached: Placement | None = None if h is None else h.state["placement"]
-        self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
+        self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False)
         self.source = c.x.contiguous().view(torch.uint8)  # the rows' x bytes: gathered straight into the send rows
         self.tail, self.slots = p.tail(c.x, c.x_sf, c.expert_scales), slot_table(self.plan, p.num_topk)
         self.own_placed = False

@@ -49,7 +49,7 @@ class _Flat:
         self.weights = None if c.expert_scales is None else pair_weights(plan, c.expert_scales, c.expert_ids.shape[1])
         self.smooth = smooth_rows(e, plan, c.scales, c.expert_ids.shape[1]) if per_pair else None
         topk, hidden, tp, cap = c.expert_ids.shape[1], x.shape[1], 1 if e.tp is None else 2, c.capacity
-        self.fmt = fmt = RowFormat(hidden, x.dtype, q, topk + e.shared_expert_num, self.weights is not None, False)
+        self.fmt = fmt = RowFormat(hidden, x.dtype, q, topk + e.shared_expert_num, self.weights is not None)
         self.fingerprint = fingerprint(c, fmt)
         width, scale_dtype = ((), torch.float32) if q is None else (q.scale_shape(hidden), q.scale_dtype)
         if q is None and c.scales is not None and c.scales.shape[1]:  # quant_mode 0 given scales: `[A, H]` zeros

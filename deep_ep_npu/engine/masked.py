@@ -17,7 +17,7 @@ from ..handle import LowLatencyHandle
 from ..transports.agreement import Agreement
 from .plan import plan_topk
 from .reduce import LOGFMT, CombineJob
-from .rows import DTYPE_CODES, QUANTS, Parts, RowFormat, parse
+from .rows import DTYPE_CODES, Parts, RowFormat, parse
 
 LOOP_BYTES = 1 << 18
 """Received data above which the layout is filled by one gather per expert instead of one scatter."""
@@ -40,14 +40,15 @@ class _Masked:
         r, num_local, hidden = e.world_size, e.num_local, x.shape[1]
         self.c, self.rank, self.source = c, e.rank, x
         self.plan = plan_topk(c.expert_ids, num_local, r, e.rank, engine.mask, per_pair_rows=False)
-        self.fmt = fmt = RowFormat(hidden, x.dtype, c.quant, c.expert_ids.shape[1], False, c.round_scale)
-        self.fingerprint = (n, e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], QUANTS.index(c.quant), fmt.row_bytes)
+        self.fmt = fmt = RowFormat(hidden, x.dtype, q := c.quant, c.expert_ids.shape[1], False)
+        code = 0 if q is None else 1 if q.deepep else 2  # (the format: none, DeepEP's fp8, int8 per token)
+        self.fingerprint = (n, e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], code, fmt.row_bytes)
         out, reused = f"dispatch_out{engine.result_set}_", engine.reused  # the two alternating sets: no page faults
         engine.result_set ^= 1
         self.recv_x = reused(out + "x", (num_local, r * n, hidden), fmt.data_dtype)
         self.scales = None
-        if c.quant is not None:  # DeepEP allocates [L, groups, R * N] and transposes: tokens have stride 1
-            groups, scale_dtype = (hidden // 512, torch.int32) if c.use_ue8m0 else (hidden // 128, torch.float32)
+        if q is not None:  # DeepEP allocates [L, groups, R * N] and transposes: tokens have stride 1
+            groups, scale_dtype = (hidden // 512, torch.int32) if q.ue8m0 else (hidden // 128, torch.float32)
             self.scales = reused(out + "scales", (num_local, groups, r * n), scale_dtype).transpose(1, 2)
         self.src_info = reused(out + "src_info", (num_local, r * n), torch.int32)
         self.layout_range = reused(out + "layout_range", (num_local, r), torch.int64)
@@ -110,8 +111,9 @@ class _Masked:
             if k is None:
                 self._write_torch(rows, src, pos, counts)
             elif self.scales is not None:
-                row, flat, int8 = pairs[0, :k], pairs[1, :k], fmt.quant != "fp8_e4m3"
-                if self.c.use_ue8m0 or not kernels.place_scales(rows, fmt.scale_off, row, flat, self.scales, int8):
+                row, flat, q = pairs[0, :k], pairs[1, :k], fmt.quant
+                int8 = q is not None and not q.deepep
+                if q is None or q.ue8m0 or not kernels.place_scales(rows, fmt.scale_off, row, flat, self.scales, int8):
                     self._write_scales(rows, row, flat)
         return counts
 
@@ -141,8 +143,8 @@ class _Masked:
         if self.scales is None:
             return
         rn, fmt = self.src_info.shape[1], self.fmt
-        s = fmt.scales(rows, row, self.c.use_ue8m0)
-        self.scales[flat // rn, flat % rn] = s if fmt.quant == "fp8_e4m3" else s.expand(-1, self.scales.shape[2])
+        s, fp8 = fmt.scales(rows, row), fmt.quant is not None and fmt.quant.deepep
+        self.scales[flat // rn, flat % rn] = s if fp8 else s.expand(-1, self.scales.shape[2])
 
 
 layout = _Masked

@@ -14,7 +14,7 @@ import torch
 
 from ..core.ascend import recv_capacity
 from ..core.call import FFN, CombineCall, DispatchCall
-from ..quant import Quant
+from ..quant import INT8_PER_TOKEN
 from .ffn import grouped_ffn
 
 DISPATCH, COMBINE = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
@@ -48,7 +48,7 @@ def run(backend: Any, call: DispatchCall, ffn: FFN, expert_token_nums: torch.Ten
     segment = pair_segments(call, ffn)
     capacity = recv_capacity(e, global_bs, ids.shape[1])
     masks = [segment == s for s in range(n)]
-    quant = Quant(2, torch.int8) if ffn.w1_scale is not None else None
+    quant = INT8_PER_TOKEN if ffn.w1_scale is not None else None
     dispatch = [
         DispatchCall(
             DISPATCH,

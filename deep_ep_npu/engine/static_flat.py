@@ -54,7 +54,7 @@ def dispatch(engine: Any, c: DispatchCall) -> InFlight:
     e, x, q, dev = c.experts, c.x, c.quant, c.x.device
     r, (t, k), nl, n, a = e.world_size, c.expert_ids.shape, e.num_local, c.num_max or x.shape[0], c.capacity
     weights = c.expert_scales
-    fmt = RowFormat(x.shape[1], x.dtype, q, k, weights is not None, False)
+    fmt = RowFormat(x.shape[1], x.dtype, q, k, weights is not None)
     shared = header(fmt.row_bytes, (), fingerprint(c, fmt), r)
     sent = _sent(c)
     to = torch.arange(r, device=dev).view(r, 1, 1)

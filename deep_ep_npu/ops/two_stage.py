@@ -13,6 +13,7 @@ from ..backends import InFlight
 from ..core import ascend, rules
 from ..core.ascend import platform
 from ..core.call import DispatchCall
+from ..core.platforms import dispatch_quant
 from ..engine.exchange import check_names, check_status, engine_for, header
 from ..engine.rows import DTYPE_CODES
 from ..errors import null, shape
@@ -85,7 +86,7 @@ def moe_distribute_dispatch_setup(
                 experts,
                 global_bs=global_bs,
                 x_active_mask=x_active_mask,
-                quant=(quant_mode, y_dtype, None, None),
+                quant=dispatch_quant(quant_mode, y_dtype, None, None, x, experts.platform),
                 scales=scales,
             )
         )

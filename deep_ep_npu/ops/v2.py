@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..backends import InFlight
 from ..core import ascend
 from ..core.call import CombineCall, DispatchCall
+from ..core.platforms import dispatch_quant
 from ..engine import flat, static_flat
 from ..engine.exchange import engine_for
 from ..errors import MoeDistributeError
@@ -170,7 +171,7 @@ def moe_distribute_dispatch_start(
                 global_bs=global_bs,
                 x_active_mask=x_active_mask,
                 expert_scales=expert_scales,
-                quant=(quant_mode, y_dtype, x_dtype, scales_dtype),
+                quant=dispatch_quant(quant_mode, y_dtype, x_dtype, scales_dtype, x, experts.platform),
                 scales=scales,
                 wait_stats=performance_info,
                 expert_token_nums_type=expert_token_nums_type,
