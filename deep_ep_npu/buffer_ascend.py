@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from .backends import Backend, InFlight
 from .core import ascend
-from .core.call import FFN, CombineCall, DispatchCall
+from .core.call import FFN, FlatCombine, FlatDispatch
 from .errors import invalid
-from .handle import EventOverlap, FlatHandle
+from .handle import FlatHandle
 from .mega_moe import run as run_mega_moe
 from .quant import INT8_PER_TOKEN
 
@@ -114,9 +114,8 @@ class AscendMethods:
                 raise invalid("quant_mode", f"got {quant_mode!r}, allowed 0 or 2")
             experts = ascend.experts(self.group, self.group_size, self.rank, num_experts, **layout)
             call = ascend.dispatch(
-                DispatchCall(
+                FlatDispatch(
                     FLAT_DISPATCH_OP,
-                    "flat",
                     x,
                     topk_idx,
                     experts,
@@ -134,7 +133,7 @@ class AscendMethods:
         _, _, assist, _, ep_recv, tp_recv, expand_scales = inflight.value
         keywords = dict(layout, x_active_mask=x_active_mask, global_bs=global_bs)
         handle = FlatHandle(assist, ep_recv, tp_recv, expand_scales, num_experts, keywords)
-        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook)
+        event, hook = inflight.overlap(async_finish, return_recv_hook)
         return FlatDispatchOutput(inflight, handle), event, hook
 
     def low_latency_combine_flat(
@@ -173,9 +172,8 @@ class AscendMethods:
             layout = {k: v for k, v in kw.items() if k not in ("x_active_mask", "global_bs")}
             experts = ascend.experts(self.group, self.group_size, self.rank, handle.num_experts, combine=True, **layout)
             call = ascend.combine(
-                CombineCall(
+                FlatCombine(
                     FLAT_COMBINE_OP,
-                    "flat",
                     x,
                     topk_idx,
                     experts,
@@ -194,7 +192,7 @@ class AscendMethods:
                 )
             )
         inflight = self._backend.combine(call)
-        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (inflight.value,))
+        event, hook = inflight.overlap(async_finish, return_recv_hook, (inflight.value,))
         return inflight.value, event, hook
 
     def mega_moe(

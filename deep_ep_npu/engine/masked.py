@@ -6,12 +6,13 @@ Combine reduces in fp32 at the source: own experts first, then the remote ranks 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from .. import kernels
-from ..core.call import CombineCall, DispatchCall
+from ..core.call import MaskedCombine, MaskedDispatch
 from ..errors import shape
 from ..handle import LowLatencyHandle
 from ..transports.agreement import Agreement
@@ -35,7 +36,7 @@ class _Masked:
 
     known, vectors, agree_now, tp, weights, smooth, names = None, (), False, None, None, None, NAMES
 
-    def __init__(self, c: DispatchCall, engine: Any) -> None:
+    def __init__(self, c: MaskedDispatch, engine: Any) -> None:
         e, x, n = c.experts, c.x, c.num_max
         r, num_local, hidden = e.world_size, e.num_local, x.shape[1]
         self.c, self.rank, self.source = c, e.rank, x
@@ -83,9 +84,9 @@ class _Masked:
             self.layout_range.copy_((begin << 32) | counts)
             self.recv_count.copy_(counts.sum(dim=1))
         if self.c.recv_stats is not None:
-            self.c.recv_stats += self.recv_count
+            self.c.recv_stats.add_(self.recv_count)
         if self.c.wait_stats is not None:
-            self.c.wait_stats += wait_ns
+            self.c.wait_stats.add_(wait_ns)
 
     def _write(self, parts: Parts, base: torch.Tensor) -> torch.Tensor:
         """Place the pairs of ``parts`` ((source, rows) in rank order) in each expert's rows from ``base[expert]``
@@ -150,6 +151,10 @@ class _Masked:
 layout = _Masked
 
 
+def _add_wait(stats: torch.Tensor, agreement: Agreement, wait_ns: int) -> None:
+    stats.add_(wait_ns)
+
+
 def return_rows(handle: LowLatencyHandle, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """Rows of the flattened `[L * R * N]` expert output to send back, by (source, expert, row), and rows per source
     (none to masked sources)."""
@@ -171,7 +176,7 @@ def return_rows(handle: LowLatencyHandle, mask: torch.Tensor) -> tuple[torch.Ten
     return rows + torch.arange(total, device=rows.device), count.sum(dim=0).tolist()
 
 
-def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
+def combine_jobs(c: MaskedCombine, engine: Any) -> list[CombineJob]:
     """The combine of a masked dispatch's rows (``c.x``, or with ``zero_copy`` the buffer's combine buffer)."""
     h, e = c.handle, c.experts
     (num_local, rn), hidden = h.src_info.shape, h.hidden
@@ -179,9 +184,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     plan = plan_topk(c.expert_ids, num_local, e.world_size, e.rank, engine.mask, per_pair_rows=True)
     source = engine.scratch("zero_copy", (num_local, rn, hidden), torch.bfloat16) if c.zero_copy else c.x
     out = c.out if c.out is not None else source.new_empty((c.expert_ids.shape[0], hidden))
-    weights, wire, stats = c.expert_scales[plan.token, plan.slot], LOGFMT if c.comm_quant_mode else 0, c.wait_stats
+    weights, wire, stats = c.expert_scales[plan.token, plan.slot], LOGFMT if c.logfmt else 0, c.wait_stats
     fingerprint = (h.num_max_dispatch_tokens_per_rank, h.num_experts, hidden, DTYPE_CODES[c.x.dtype])
-    on_wait = None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns))
     capacity = h.num_max_dispatch_tokens_per_rank * min(c.expert_ids.shape[1], num_local)  # (per source: N tokens)
     return [
         CombineJob(
@@ -196,7 +200,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
             COMBINE_NAMES,
             MISMATCH,
             by_slot=c.slot_order,
-            on_wait=on_wait,
+            on_wait=None if stats is None else partial(_add_wait, stats),
             capacity=capacity,
         )
     ]
