@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .. import kernels
-from ..quant import INT8_PER_TOKEN, Quant, pack_ue8m0, scale_for_fp8_
+from ..quant import INT8_PER_TOKEN, Quant, pack_ue8m0
 from .plan import Plan
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}  # dtypes in fingerprints
@@ -62,12 +62,7 @@ class RowFormat:
     ) -> None:
         """Fill ``out`` `[n, row_bytes]` uint8 from ``x_rows`` `[n, hidden]`, ``token`` `[n]`, ``slot_expert``
         `[n, num_slots]` int32, ``weights`` `[n, num_slots]` fp32 (or None) and int8 ``smooth`` `[n, hidden]`."""
-        data, scales, q = x_rows, None, self.quant
-        if q is not None and q.deepep:
-            data = torch.empty(x_rows.shape, dtype=torch.float32, device=x_rows.device)  # cast to e4m3 by the copy
-            scales = scale_for_fp8_(data, x_rows, q.round_scale)
-        elif q is not None:
-            data, scales = q(x_rows, smooth)
+        data, scales = (x_rows, None) if self.quant is None else self.quant(x_rows, smooth)
         out[:, : self.data_bytes].view(self.data_dtype).copy_(data)
         if scales is not None:
             raw = scales.contiguous().view(torch.uint8).reshape(len(out), self.scale_end - self.scale_off)
