@@ -44,14 +44,14 @@ def _timed(cls: type, name: str, label: Callable[..., str], spent: dict, current
 def _rank(info: Any, cfg: dict) -> dict:
     from benchmarks.bench_hosts import _inputs, _ops
     from deep_ep_npu import Buffer, profiling
-    from deep_ep_npu.transports import collective, early, window
+    from deep_ep_npu.transports import early, group, window
 
     torch.set_num_threads(1)
     spent: dict = defaultdict(float)
     current: list = [None]
     kind = lambda what: lambda _, __, op: f"payload {what}" if op == early.PAYLOAD else f"agree {what}"  # noqa: E731
-    _timed(collective.EPGroup, "start", kind("issue"), spent, current)
-    _timed(collective.EPGroup, "wait", kind("wait"), spent, current)
+    _timed(group.EPGroup, "start", kind("issue"), spent, current)
+    _timed(group.EPGroup, "wait", kind("wait"), spent, current)
     for name, label in (("write", "win write"), ("wait_headers", "win wait"), ("release", "win release")):
         _timed(window.Window, name, lambda *_, label=label: label, spent, current)
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from ..errors import MoeDistributeError
 from ..handle import EventOverlap
-from ..transports.collective import EPGroup
 from ..transports.failure import EPRankFailure
+from ..transports.group import EPGroup
 
 if TYPE_CHECKING:
     from ..core.call import FFN, CombineCall, DispatchCall, FusedCall

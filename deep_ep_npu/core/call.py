@@ -18,7 +18,7 @@ from ..handle import EPHandle, LowLatencyHandle
 from ..quant import Quant
 
 if TYPE_CHECKING:
-    from ..transports.collective import EPGroup
+    from ..transports.group import EPGroup
 
 
 @dataclasses.dataclass(frozen=True)

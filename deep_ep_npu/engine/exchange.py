@@ -30,11 +30,11 @@ from ..core.call import (
     MaskedCombine,
     MaskedDispatch,
 )
-from ..errors import MoeDistributeError, shape
+from ..errors import MoeDistributeError, invalid, shape
 from ..transports import Transport, create
-from ..transports.agreement import STATUS_OK, Agreement
-from ..transports.collective import EPGroup
+from ..transports.agreement import STATUS_OK, Agreement, Send, TransportError, WindowTooSmall
 from ..transports.early import early_bytes
+from ..transports.group import EPGroup
 from . import Layout, expand, flat, masked, pipeline
 from .pool import ResultPool
 from .reduce import CombineJob, reduce_own, reduce_remote
@@ -50,6 +50,14 @@ def check_status(agreement: Agreement) -> None:
     if bad := [(r, s) for r, s in enumerate(agreement.status) if s != STATUS_OK]:
         ranks = ", ".join(f"rank {r} (aclnn {s})" for r, s in bad)
         raise MoeDistributeError(bad[0][1], "inputs", f"{agreement.op} aborted on every rank: rejected on {ranks}")
+
+
+def named(err: TransportError) -> MoeDistributeError:
+    """A transport's error, naming the parameter that fixes it."""
+    if isinstance(err, WindowTooSmall):
+        return invalid("num_rdma_bytes", f"{err}; pass num_rdma_bytes >= {err.need} (shared-memory window)")
+    why = "every rank must pass the handle of the same dispatch, or none"
+    return MoeDistributeError(err.code, "handle", f"{err}; {why}")
 
 
 def check_names(agreement: Agreement, ep: EPGroup, names: Sequence[str], offset: int) -> None:
@@ -196,32 +204,31 @@ class Engine(Backend):
             check_names(agreement, self.ep, ("row size in bytes",), 0)  # (known to match before any row is read)
 
         write_rows = functools.partial(round_.write, transport is self.window)
+        before = None if tp is None else tp.before_payload
         try:
-            token = transport.send(
-                op,
-                round_.counts,
-                shared,
-                write_rows,
-                check,
-                agree_now=sender.agree_now,
-                device=device,
-                before_payload=None if tp is None else tp.before_payload,
+            ticket = transport.send(
+                Send(op, round_.counts, shared, write_rows, check, sender.agree_now, before, device)
             )
-        except MoeDistributeError as err:
+        except (MoeDistributeError, TransportError) as err:
             if tp is not None:
                 tp.abort(err.code)
+            if isinstance(err, TransportError):
+                raise named(err) from err
             raise
         round_.own()
         send_s = time.perf_counter() - started
 
         def receive() -> object:
             called = time.perf_counter()
-            agreement, parts, wait_ns = transport.receive(token)
+            try:
+                got = ticket.receive()
+            except TransportError as err:
+                raise named(err) from err
             received = time.perf_counter()
             try:
-                return round_.finish(agreement, parts, wait_ns)
+                return round_.finish(got.agreement, got.parts, got.wait_ns)
             finally:
-                transport.done(token)
+                ticket.done()
                 if profiling.enabled:
                     times = dict(send=send_s, wait=received - called, place=time.perf_counter() - received)
                     profiling.add(round_.kind, **times)

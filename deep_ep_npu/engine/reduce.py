@@ -18,7 +18,7 @@ from ..core.call import FlatCombine
 from ..errors import shape
 from ..quant import Quant, mx_dequant, per_group_int8
 from ..transports.agreement import Agreement
-from ..transports.collective import EPGroup
+from ..transports.group import EPGroup
 from .plan import Plan
 from .rows import Parts
 

@@ -51,24 +51,6 @@ class RowFormat:
         words = [w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if self.data_bytes % w.itemsize == 0]
         self.word = words[0]  # copies move the widest integer words that tile the data, not bytes
 
-    def encode_into(
-        self,
-        out: torch.Tensor,
-        x_rows: torch.Tensor,
-        token: torch.Tensor,
-        slot_expert: torch.Tensor,
-        weights: torch.Tensor | None,
-        smooth: torch.Tensor | None = None,
-    ) -> None:
-        """Fill ``out`` `[n, row_bytes]` uint8 from ``x_rows`` `[n, hidden]`, ``token`` `[n]`, ``slot_expert``
-        `[n, num_slots]` int32, ``weights`` `[n, num_slots]` fp32 (or None) and int8 ``smooth`` `[n, hidden]`."""
-        data, scales = (x_rows, None) if self.quant is None else self.quant(x_rows, smooth)
-        out[:, : self.data_bytes].view(self.data_dtype).copy_(data)
-        if scales is not None:
-            raw = scales.contiguous().view(torch.uint8).reshape(len(out), self.scale_end - self.scale_off)
-            out[:, self.scale_off : self.scale_end].copy_(raw)
-        self.write_fields(out, token, slot_expert, weights)
-
     def write_fields(
         self, out: torch.Tensor, token: torch.Tensor, slot_expert: torch.Tensor, weights: torch.Tensor | None
     ) -> None:
@@ -87,16 +69,23 @@ class RowFormat:
         smooth: torch.Tensor | None = None,
         remote: bool = False,
     ) -> None:
-        """:meth:`encode_into` of rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64); ``remote``: another
-        process reads ``out`` (a peer's window)."""
+        """Fill ``out`` `[n, row_bytes]` uint8 with rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64),
+        ``slot_expert`` `[n, num_slots]` int32, ``weights`` `[n, num_slots]` fp32 (or None) and int8 ``smooth``
+        `[n, hidden]`; ``remote``: another process reads ``out`` (a peer's window)."""
         if (q := self.quant) is None:
             return self.copy_rows(out, x, token, slot_expert, weights, remote)
         int8 = q == INT8_PER_TOKEN and smooth is None
         fp8 = q.deepep and not q.round_scale and weights is None and smooth is None
         if int8 and kernels.pack_int8(x, token, slot_expert, weights, out, self):
             return None
-        if not fp8 or not kernels.pack_fp8(x, token, slot_expert, out, self):
-            self.encode_into(out, torch.index_select(x, 0, token), token, slot_expert, weights, smooth)
+        if fp8 and kernels.pack_fp8(x, token, slot_expert, out, self):
+            return None
+        data, scales = q(torch.index_select(x, 0, token), smooth)
+        out[:, : self.data_bytes].view(self.data_dtype).copy_(data)
+        if scales is not None:
+            raw = scales.contiguous().view(torch.uint8).reshape(len(out), self.scale_end - self.scale_off)
+            out[:, self.scale_off : self.scale_end].copy_(raw)
+        return self.write_fields(out, token, slot_expert, weights)
 
     def copy_rows(
         self,

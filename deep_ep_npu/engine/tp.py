@@ -9,7 +9,7 @@ import torch
 
 from ..errors import MoeDistributeError, shape
 from ..transports.agreement import STATUS_OK
-from ..transports.collective import EPGroup
+from ..transports.group import EPGroup
 
 TP_NAMES = ("hidden", "dtype / quant", "row_bytes", "num_moe_experts")
 

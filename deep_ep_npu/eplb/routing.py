@@ -1,7 +1,7 @@
 """Logical -> physical expert ids by torch_npu's ``npu_moe_update_expert`` semantics
 (https://github.com/Ascend/op-plugin/blob/2ef21a0/docs/context/torch_npu-npu_moe_update_expert.md),
-and the EPLB table it reads. One implementation: :func:`deep_ep_npu.ops.moe_update_expert` (torch_npu's signature)
-and the serving layer both call :func:`to_physical`.
+and the EPLB table it reads. One implementation: :func:`update_expert` (torch_npu's signature, also
+:func:`deep_ep_npu.ops.moe_update_expert`) and the serving layer both call :func:`to_physical`.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def pruned_mask(
 
 def update_expert(
     expert_ids: torch.Tensor,
-    table: torch.Tensor,
+    eplb_table: torch.Tensor,
     *,
     expert_scales: torch.Tensor | None = None,
     pruning_threshold: torch.Tensor | None = None,
@@ -122,15 +122,34 @@ def update_expert(
     world_size: int = -1,
     balance_mode: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`to_physical` plus torch_npu's pruning mask (:func:`pruned_mask`, when ``expert_scales`` and
-    ``pruning_threshold`` are given; else every pair is active). Returns `[BS, K]` ids (``expert_ids``' dtype) and
-    `[BS, K]` bool."""
+    """torch_npu's ``npu_moe_update_expert``: pick one replica per (token, k) and optionally prune small weights.
+
+    Arguments:
+        expert_ids: `[BS, K]` int32/int64, logical expert ids in ``[0, log_expert_num)``.
+        eplb_table: `[log_expert_num, F]` int32; column 0 the replica count (1..F-1), columns ``1..count`` the
+            replicas' physical ids in ``[0, moe_expert_num)`` (:func:`deep_ep_npu.eplb.eplb_table` builds it).
+        expert_scales: `[BS, K]` fp16/bf16/fp32 top-k weights (sorted descending per token), for pruning.
+        pruning_threshold: `[K]` or `[1, K]` fp32; pair (i, k) is pruned when
+            ``expert_scales[i, k] < pruning_threshold[k] * sum_j expert_scales[i, j]``.
+        active_mask: `[BS]` bool (a prefix of True), needs ``expert_scales`` and ``pruning_threshold``; inactive
+            tokens get an all-False row.
+        local_rank_id, world_size: this rank in the EP group (``balance_mode`` 0 needs both).
+        balance_mode: 0 = by rank (``column = local_rank_id // ceil(world_size / count) + 1``), 1 = by token
+            (``column = token % count + 1``).
+
+    Returns:
+        balanced_expert_ids: `[BS, K]`, ``expert_ids``' dtype, physical ids; balanced_active_mask: `[BS, K]` bool
+        (all True without pruning inputs). Bad input raises :class:`~deep_ep_npu.MoeDistributeError` naming the
+        parameter.
+    """
     if (expert_scales is None) != (pruning_threshold is None):
         missing = "pruning_threshold" if pruning_threshold is None else "expert_scales"
         raise null(missing, "pruning needs both expert_scales and pruning_threshold")
     if active_mask is not None and expert_scales is None:
         raise null("expert_scales", "active_mask needs expert_scales and pruning_threshold")
-    ids = to_physical(expert_ids, table, balance_mode=balance_mode, local_rank_id=local_rank_id, world_size=world_size)
+    ids = to_physical(
+        expert_ids, eplb_table, balance_mode=balance_mode, local_rank_id=local_rank_id, world_size=world_size
+    )
     if expert_scales is None or pruning_threshold is None:
         return ids, torch.ones(expert_ids.shape, dtype=torch.bool, device=expert_ids.device)
     if expert_scales.shape != expert_ids.shape:

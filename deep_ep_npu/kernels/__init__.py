@@ -183,25 +183,24 @@ def place(
     Returns the number of pairs."""
     if not _cpu(rows, recv, src_info, pos, counts, pairs) or rows.dtype != U8 or (lib := library()) is None:
         return None
-    num_local, cap = src_info.shape
+    n, row_bytes = rows.shape
     return lib.place(
         rows,
-        rows.shape[0],
-        rows.shape[1],
+        n,
+        row_bytes,
         data_bytes,
         token_off,
         slot_off,
         num_slots,
-        num_local,
-        cap,
-        counts.shape[1],
-        src,
-        recv,
-        src_info,
-        pos,
-        counts,
+        *_blocks(src, recv, src_info, pos, counts),
         pairs,
     )
+
+
+def _blocks(src: int, recv: Tensor, src_info: Tensor, pos: Tensor, counts: Tensor) -> tuple[int | Tensor, ...]:
+    """The arguments of :func:`place` and :func:`place_pairs` that say where the expert blocks are."""
+    num_local, cap = src_info.shape
+    return num_local, cap, counts.shape[1], src, recv, src_info, pos, counts
 
 
 def ids_ok(ids: Tensor, lo: int, hi: int) -> bool | None:
@@ -276,24 +275,7 @@ def pack_int8(x: Tensor, row_token: Tensor, slot_expert: Tensor, weights: Tensor
         return False
     if not _packs(x, row_token, slot_expert, out) or (lib := _summing(x.dtype)) is None:
         return False
-    n, k = slot_expert.shape
-    return lib.pack_int8(
-        x,
-        x.shape[0],
-        DTYPES[x.dtype],
-        x.shape[1],
-        row_token,
-        slot_expert,
-        weights,
-        n,
-        k,
-        out,
-        out.shape[1],
-        fmt.scale_off,
-        fmt.token_off,
-        fmt.slot_off,
-        fmt.weight_off,
-    )
+    return lib.pack_int8(*_quantized(x, row_token, slot_expert, out, fmt), weights, fmt.weight_off)
 
 
 def pack_fp8(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, fmt: Any) -> bool:
@@ -306,22 +288,13 @@ def pack_fp8(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, fmt
         return False
     if (lib := _summing(x.dtype)) is None:
         return False
-    n, k = slot_expert.shape
-    return lib.pack_fp8(
-        x,
-        x.shape[0],
-        DTYPES[x.dtype],
-        x.shape[1],
-        row_token,
-        slot_expert,
-        n,
-        k,
-        out,
-        out.shape[1],
-        fmt.scale_off,
-        fmt.token_off,
-        fmt.slot_off,
-    )
+    return lib.pack_fp8(*_quantized(x, row_token, slot_expert, out, fmt))
+
+
+def _quantized(x: Tensor, row_token: Tensor, slot_expert: Tensor, out: Tensor, fmt: Any) -> tuple[Tensor | int, ...]:
+    """The arguments :func:`pack_int8` and :func:`pack_fp8` share: the tokens, the rows and where their fields sit."""
+    (t, hidden), (n, k), where = x.shape, slot_expert.shape, (out.shape[1], fmt.scale_off, fmt.token_off, fmt.slot_off)
+    return x, t, DTYPES[x.dtype], hidden, row_token, slot_expert, n, k, out, *where
 
 
 def to_e4m3(x: Tensor) -> Tensor | None:
@@ -388,23 +361,8 @@ def place_pairs(
         return False
     if token.dtype != I64 or expert.dtype != I64 or (lib := library()) is None:
         return False
-    num_local, cap = src_info.shape
-    lib.place_pairs(
-        x,
-        x.shape[0],
-        x.shape[1] * x.element_size(),
-        token,
-        expert,
-        token.numel(),
-        num_local,
-        cap,
-        counts.shape[1],
-        src,
-        recv,
-        src_info,
-        pos,
-        counts,
-    )
+    row_bytes = x.shape[1] * x.element_size()
+    lib.place_pairs(x, x.shape[0], row_bytes, token, expert, token.numel(), *_blocks(src, recv, src_info, pos, counts))
     return True
 
 

@@ -474,10 +474,10 @@ METHOD(pack_int8) {
     Buf x, row_token, slot_expert, weights, out;
     int64_t x_rows, dtype, hidden, n, k, row_bytes, scale_off, token_off, slot_off, weight_off;
     if (!parse(fn, args, nargs,
-               "T:x i:x_rows i:dtype i:hidden T:row_token T:slot_expert t:weights i:n i:k T:out i:row_bytes "
-               "i:scale_off i:token_off i:slot_off i:weight_off",
-               &x, &x_rows, &dtype, &hidden, &row_token, &slot_expert, &weights, &n, &k, &out, &row_bytes,
-               &scale_off, &token_off, &slot_off, &weight_off))
+               "T:x i:x_rows i:dtype i:hidden T:row_token T:slot_expert i:n i:k T:out i:row_bytes i:scale_off "
+               "i:token_off i:slot_off t:weights i:weight_off",
+               &x, &x_rows, &dtype, &hidden, &row_token, &slot_expert, &n, &k, &out, &row_bytes, &scale_off,
+               &token_off, &slot_off, &weights, &weight_off))
         return NULL;
     int item = dtype_size(fn, dtype);
     if (!item ||

@@ -68,6 +68,18 @@ ROW_LOOPS(bf16, uint16_t, load_bf16)
 ROW_LOOPS(f16, _Float16, load_f16)
 #endif
 
+/* acc = w * x (set) or acc += w * x: x is `n` values of `dtype` at row. */
+static inline void weigh_row(float *restrict acc, const uint8_t *row, int dtype, float w, int64_t n, int set) {
+    if (dtype == DTYPE_BF16)
+        (set ? set_bf16 : add_bf16)(acc, (const uint16_t *)row, w, n);
+    else if (dtype == DTYPE_F32)
+        (set ? set_f32 : add_f32)(acc, (const float *)row, w, n);
+#ifdef __FLT16_MAX__
+    else
+        (set ? set_f16 : add_f16)(acc, (const _Float16 *)row, w, n);
+#endif
+}
+
 /* Whether dep_accumulate takes rows of `dtype`. */
 int dep_has_dtype(int dtype) {
 #ifdef __FLT16_MAX__
@@ -101,14 +113,7 @@ int dep_accumulate(float *acc, int64_t num_tokens, int64_t hidden, const uint8_t
         int set = zero_first && !seen[t];
         if (set)
             seen[t] = 1;
-        if (dtype == DTYPE_BF16)
-            (set ? set_bf16 : add_bf16)(a, (const uint16_t *)row, weight[i], hidden);
-        else if (dtype == DTYPE_F32)
-            (set ? set_f32 : add_f32)(a, (const float *)row, weight[i], hidden);
-#ifdef __FLT16_MAX__
-        else
-            (set ? set_f16 : add_f16)(a, (const _Float16 *)row, weight[i], hidden);
-#endif
+        weigh_row(a, row, dtype, weight[i], hidden, set);
     }
     for (int64_t t = 0; zero_first && t < num_tokens; t++)
         if (!seen[t])
@@ -156,15 +161,7 @@ int dep_sum_tokens(uint8_t *out, int out_dtype, int64_t num_tokens, int64_t hidd
             int64_t m = hidden - h < CHUNK ? hidden - h : CHUNK;
             for (int64_t j = begin; j < i; j++) {
                 const uint8_t *x = (const uint8_t *)(uintptr_t)addr[j] + h * in;
-                int first = j == begin;
-                if (dtype == DTYPE_BF16)
-                    (first ? set_bf16 : add_bf16)(acc, (const uint16_t *)x, weight[j], m);
-                else if (dtype == DTYPE_F32)
-                    (first ? set_f32 : add_f32)(acc, (const float *)x, weight[j], m);
-#ifdef __FLT16_MAX__
-                else
-                    (first ? set_f16 : add_f16)(acc, (const _Float16 *)x, weight[j], m);
-#endif
+                weigh_row(acc, x, dtype, weight[j], m, j == begin);
             }
             if (out_dtype == DTYPE_BF16)
                 store_bf16((uint16_t *)o + h, acc, m);

@@ -23,18 +23,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, round_first: bool = True) ->
     Returns:
         `[..., H]` `torch.bfloat16`.
     """
-    wants = (torch.bfloat16,) if round_first else (torch.bfloat16, torch.float32)
-    if x.dtype != torch.bfloat16 or weight.dtype not in wants or weight.dim() != 1:
+    if not _applies(x, weight, round_first) or (lib := library()) is None:
         return None
-    h = weight.shape[0]
-    if x.shape[-1] != h or not (x.is_cpu and weight.is_cpu and x.is_contiguous() and weight.is_contiguous()):
-        return None
-    if (lib := library()) is None:
-        return None
-    y = torch.empty_like(x)
+    y, h = torch.empty_like(x), weight.shape[0]
     fp32 = int(weight.dtype == torch.float32)
     lib.rms_norm(x, x.numel() // h if h else 0, h, weight, fp32, int(round_first), float(eps), y)
     return y
+
+
+def _applies(x: Tensor, weight: Tensor, round_first: bool) -> bool:
+    """Whether ``x`` and ``weight`` are what the kernel takes (see :func:`rms_norm`)."""
+    wants = (torch.bfloat16,) if round_first else (torch.bfloat16, torch.float32)
+    if x.dtype != torch.bfloat16 or weight.dtype not in wants or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        return False
+    return x.is_cpu and weight.is_cpu and x.is_contiguous() and weight.is_contiguous()
 
 
 def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float, round_first: bool = True) -> Tensor | None:
@@ -52,15 +54,9 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float, round_fir
     """
     if delta.dtype != torch.bfloat16 or delta.shape != x.shape or not (delta.is_cpu and delta.is_contiguous()):
         return None
-    wants = (torch.bfloat16,) if round_first else (torch.bfloat16, torch.float32)
-    if x.dtype != torch.bfloat16 or weight.dtype not in wants or weight.dim() != 1:
+    if not _applies(x, weight, round_first) or (lib := library()) is None:
         return None
-    h = weight.shape[0]
-    if x.shape[-1] != h or not (x.is_cpu and weight.is_cpu and x.is_contiguous() and weight.is_contiguous()):
-        return None
-    if (lib := library()) is None:
-        return None
-    y = torch.empty_like(x)
+    y, h = torch.empty_like(x), weight.shape[0]
     lib.add_rms_norm(
         x,
         delta,

@@ -17,6 +17,7 @@ from ..engine.exchange import check_names, check_status, engine_for, header
 from ..engine.rows import DTYPE_CODES
 from ..errors import null, shape
 from ..sizes import align
+from ..transports.agreement import Send
 from ..transports.names import resolve_group
 from .two_stage_rules import check_setup, keywords, lookup, register
 
@@ -271,12 +272,11 @@ def moe_distribute_combine_setup(
     fingerprint = (e.num_moe_experts, h, DTYPE_CODES[expand_x.dtype], comm_quant_mode, comm_type, global_bs)
     shared = header(h * expand_x.dtype.itemsize, (), fingerprint, w)
     counts = [[c, -1] for c in per_dest]
-    token = engine.collective.send(COMBINE_SETUP, counts, shared, write, check, agree_now=True, device=dev)
+    ticket = engine.collective.send(Send(COMBINE_SETUP, counts, shared, write, check, agree_now=True, device=dev))
     own = expand_x.index_select(0, dest_rows[me])
 
     def finish() -> list[torch.Tensor]:  # the rows each source rank returned, by source rank
-        _, parts, _ = engine.collective.receive(token)
-        got = {s: part.view(expand_x.dtype) for s, part in parts} | {me: own}
+        got = {s: part.view(expand_x.dtype) for s, part in ticket.receive().parts} | {me: own}
         return [got.get(s, own[:0]) for s in range(w)]
 
     qx = torch.zeros((len(expand_x), align(align(h, 32) + align(h, 8) // 8 * 4, 512)), dtype=torch.int8, device=dev)

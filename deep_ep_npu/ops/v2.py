@@ -17,7 +17,7 @@ from ..core.call import FlatCombine, FlatDispatch
 from ..engine import flat, static_flat
 from ..engine.exchange import engine_for
 from ..errors import MoeDistributeError
-from ..transports.collective import EPGroup
+from ..transports.group import EPGroup
 from ..transports.names import resolve_group
 
 DISPATCH, COMBINE = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"

@@ -1,12 +1,10 @@
-"""The stand-in's ``torch.ops.cann_ops_transformer.npu_mega_moe`` (CANN's op schema, reference: cann_torch_ext.md
-§4.3 of the project's notes; https://gitcode.com/cann/ops-transformer ``torch_extension``): the op that
+"""The stand-in's ``torch.ops.cann_ops_transformer.npu_mega_moe`` (CANN's op schema:
+https://gitcode.com/cann/ops-transformer ``torch_extension``): the op that
 ``cann_ops_transformer.mega_moe`` wraps, mapped back onto :func:`deep_ep_npu.cann.mega_moe` (the context names the
 group; the op's sizes and modes fill the :class:`~deep_ep_npu.cann.SymmBuffer` the wrapper would have read them
 from). And the old package's ``MoeDistributeBuffer``, whose context has the old layout (`[2052]` int32)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +32,7 @@ class OldMoeDistributeBuffer(cann.MoeDistributeBuffer):
     context_layout = "old"
 
 
-def _stacked(tensors: Any) -> torch.Tensor | None:
+def _stacked(tensors: list[torch.Tensor] | None) -> torch.Tensor | None:
     return None if tensors is None else torch.stack(list(tensors))
 
 
@@ -49,17 +47,17 @@ def npu_mega_moe(
     ep_world_size: int,
     ccl_buffer_size: int,
     *,
-    weight_scales1: Any = None,
-    weight_scales2: Any = None,
-    bias1: Any = None,
-    bias2: Any = None,
+    weight_scales1: list[torch.Tensor] | None = None,
+    weight_scales2: list[torch.Tensor] | None = None,
+    bias1: list[torch.Tensor] | None = None,
+    bias2: list[torch.Tensor] | None = None,
     x_active_mask: torch.Tensor | None = None,
-    shared_weight1: Any = None,
-    shared_weight2: Any = None,
-    shared_weight_scales1: Any = None,
-    shared_weight_scales2: Any = None,
-    shared_bias1: Any = None,
-    shared_bias2: Any = None,
+    shared_weight1: list[torch.Tensor] | None = None,
+    shared_weight2: list[torch.Tensor] | None = None,
+    shared_weight_scales1: list[torch.Tensor] | None = None,
+    shared_weight_scales2: list[torch.Tensor] | None = None,
+    shared_bias1: list[torch.Tensor] | None = None,
+    shared_bias2: list[torch.Tensor] | None = None,
     max_recv_token_num: int = 0,
     dispatch_quant_mode: int = 0,
     combine_quant_mode: int = 0,

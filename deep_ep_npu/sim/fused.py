@@ -35,6 +35,7 @@ from ..errors import MoeDistributeError, invalid, shape
 from ..mega_moe import prepare
 from ..transports.agreement import STATUS_OK
 from ..transports.names import resolve_group
+from .custom_op import CustomOp
 
 SCHEMA = (
     "dispatch_ffn_combine(Tensor x, Tensor[] weight1, Tensor[] weight2, Tensor expert_idx, Tensor[] scale1, "
@@ -42,34 +43,7 @@ SCHEMA = (
     "Tensor(b!) expert_token_nums, Tensor? x_active_mask=None, float swiglu_limit=1000000.0) "
     "-> (Tensor(a!) out, Tensor(b!) expert_token_nums)"
 )
-OP = "dispatch_ffn_combine"
 MAX_TOKENS = 512  # the op's per-rank token cap (vllm-ascend's dispatch_ffn_combine capacity)
-_LIBS: list[torch.library.Library] = []
-
-
-def register() -> None:
-    """Define ``torch.ops._C_ascend.dispatch_ffn_combine`` with its CPU kernel (idempotent). Raises RuntimeError
-    when another library (e.g. vllm-ascend's real custom ops) already defines it."""
-    if _LIBS:
-        return
-    lib = torch.library.Library("_C_ascend", "FRAGMENT")
-    try:
-        lib.define(SCHEMA)
-        lib.impl(OP, dispatch_ffn_combine, "CPU")
-    except RuntimeError as err:
-        lib._destroy()
-        raise RuntimeError(f"deep_ep_npu.sim: cannot register _C_ascend::{OP} (already defined?): {err}") from err
-    _LIBS.append(lib)
-
-
-def unregister() -> None:
-    """Remove what :func:`register` registered (idempotent); :func:`register` works again afterwards."""
-    while _LIBS:
-        _LIBS.pop()._destroy()
-
-
-def registered() -> bool:
-    return bool(_LIBS)
 
 
 def _stack(tensors: list[torch.Tensor], param: str, dtype: torch.dtype, inner: int) -> torch.Tensor:
@@ -96,21 +70,11 @@ def _scales(words: list[torch.Tensor], param: str, num_local: int, cols: int) ->
     return fixpipe_scale_value(flat).reshape(num_local, cols)
 
 
-def _inputs(
-    x: torch.Tensor,
-    weight1: list[torch.Tensor],
-    weight2: list[torch.Tensor],
-    expert_idx: torch.Tensor,
-    scale1: list[torch.Tensor],
-    scale2: list[torch.Tensor],
-    probs: torch.Tensor,
-    out: torch.Tensor,
-    expert_token_nums: torch.Tensor,
-    x_active_mask: torch.Tensor | None,
-    swiglu_limit: float,
-    world_size: int,
-) -> tuple:
-    """Check the op's own rules; returns the MegaMoE arguments (ids -1 and probs 0 outside the mask)."""
+def _weights(
+    x: torch.Tensor, weight1: list[torch.Tensor], weight2: list[torch.Tensor], scale: tuple[list[torch.Tensor], ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Check ``x`` and the weights; returns w1 `[E_local, K, 2N]`, w2 `[E_local, N, K]` and, for int8 weights, the
+    fp32 scales of ``scale`` (scale1, scale2), else None."""
     x = checked(x, "x", (torch.bfloat16, torch.float16), 2)
     if x.shape[0] > MAX_TOKENS:
         raise shape("x", f"has {x.shape[0]} tokens; the op takes at most {MAX_TOKENS} per rank")
@@ -120,11 +84,25 @@ def _inputs(
     if wdt not in (torch.int8, x.dtype):
         raise invalid("weight1", f"dtype {wdt} not supported; allowed int8 or x's dtype {x.dtype}")
     w1, w2 = _stack(list(weight1), "weight1", wdt, 2), _stack(list(weight2), "weight2", wdt, 2)
+    if wdt != torch.int8:
+        return w1, w2, None, None
     num_local, hidden, n2 = w1.shape
-    s1 = s2 = None
-    if wdt == torch.int8:
-        s1, s2 = _scales(list(scale1), "scale1", num_local, n2), _scales(list(scale2), "scale2", num_local, hidden)
-    ids = checked(expert_idx, "expert_idx", (torch.int32,), 2)
+    s1, s2 = _scales(list(scale[0]), "scale1", num_local, n2), _scales(list(scale[1]), "scale2", num_local, hidden)
+    return w1, w2, s1, s2
+
+
+def _routing(
+    x: torch.Tensor,
+    expert_idx: torch.Tensor,
+    probs: torch.Tensor,
+    outputs: tuple[torch.Tensor, torch.Tensor],
+    x_active_mask: torch.Tensor | None,
+    num_local: int,
+    world_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the routing and the ``outputs`` (out, expert_token_nums); returns the ids (int64, -1 outside
+    ``x_active_mask``) and the probs (0 there)."""
+    (out, expert_token_nums), ids = outputs, checked(expert_idx, "expert_idx", (torch.int32,), 2)
     if ids.shape[0] != x.shape[0] or tuple(probs.shape) != tuple(ids.shape):
         what = f"expert_idx {tuple(ids.shape)}, probs {tuple(probs.shape)}"
         raise shape("expert_idx", f"{what}; both must be [M = {x.shape[0]}, topK]")
@@ -134,7 +112,7 @@ def _inputs(
         what = f"{tuple(expert_token_nums.shape)} {expert_token_nums.dtype}"
         raise shape("expert_token_nums", f"is {what}; must be torch.int32 with E_local = {num_local} elements")
     active = torch.ones((x.shape[0],), dtype=torch.bool, device=x.device)
-    if x_active_mask is not None and wdt == torch.int8:
+    if x_active_mask is not None:
         active = checked(x_active_mask, "x_active_mask", (torch.bool,), 1).to(x.device)
         if active.shape[0] != x.shape[0]:
             raise shape("x_active_mask", f"has {active.shape[0]} entries, expected M = {x.shape[0]}")
@@ -142,10 +120,7 @@ def _inputs(
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_local * world_size):
         bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
         raise shape("expert_idx", f"contains {bad}, allowed [0, {num_local * world_size}) (the op has no -1)")
-    ids, probs = ids.long().masked_fill(~active.unsqueeze(1), -1), probs.masked_fill(~active.unsqueeze(1), 0.0)
-    fp32_max = torch.finfo(torch.float32).max
-    limit = float(swiglu_limit) if wdt == torch.int8 and 0 < swiglu_limit <= fp32_max else 0.0
-    return x, ids, probs, w1, w2, s1, s2, limit
+    return ids.long().masked_fill(~active.unsqueeze(1), -1), probs.masked_fill(~active.unsqueeze(1), 0.0)
 
 
 def dispatch_ffn_combine(
@@ -171,25 +146,15 @@ def dispatch_ffn_combine(
     ep = engine.ep
     no_rows: list[list[int]] = [[] for _ in range(ep.num_ranks)]  # (no counts: the pipeline's calls send the rows)
     try:
-        x, ids, probs, w1, w2, s1, s2, limit = _inputs(
-            x,
-            weight1,
-            weight2,
-            expert_idx,
-            scale1,
-            scale2,
-            probs,
-            out,
-            expert_token_nums,
-            x_active_mask,
-            swiglu_limit,
-            ep.num_ranks,
-        )
+        w1, w2, s1, s2 = _weights(x, weight1, weight2, (scale1, scale2))
+        mask = x_active_mask if s1 is not None else None  # (float weights: the mask is ignored)
+        ids, probs = _routing(x, expert_idx, probs, (out, expert_token_nums), mask, w1.shape[0], ep.num_ranks)
     except MoeDistributeError as err:
-        ep.start_agree(OP, err.code, no_rows, [x.shape[0]], device=x.device)()
+        ep.start_agree(OP.name, err.code, no_rows, [x.shape[0]], device=x.device)()
         raise
-    agreement = ep.start_agree(OP, STATUS_OK, no_rows, [x.shape[0]], device=x.device)()
+    agreement = ep.start_agree(OP.name, STATUS_OK, no_rows, [x.shape[0]], device=x.device)()
     check_status(agreement)
+    limit = float(swiglu_limit) if s1 is not None and 0 < swiglu_limit <= torch.finfo(torch.float32).max else 0.0
     ffn = FFN(w1, w2, s1, s2, x.dtype, limit, None, "expert", max_output_size)
     num_max = max([1, *(fp[0] for fp in agreement.shared)])
     call, ffn, _ = prepare(engine, x, ids, probs, ffn, num_max, w1.shape[0] * ep.num_ranks, None)
@@ -197,3 +162,7 @@ def dispatch_ffn_combine(
     out.copy_(run(engine, call, ffn, counts))
     expert_token_nums.copy_(counts.view(expert_token_nums.shape))
     return out, expert_token_nums
+
+
+OP = CustomOp(SCHEMA, dispatch_ffn_combine)
+register, unregister, registered = OP.register, OP.unregister, OP.registered

@@ -9,36 +9,14 @@ expanded_row_idx int32 [T * K], expert_tokens int64, expanded_scale fp32)``."""
 
 from __future__ import annotations
 
-import torch
-
+from .custom_op import CustomOp
 from .routing import npu_moe_init_routing_v2
 
-OP = "npu_moe_init_routing_custom"
 SCHEMA = (
     "npu_moe_init_routing_custom(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
     "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
     "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=0, "
     "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)"
 )
-_LIBS: list[torch.library.Library] = []
-
-
-def register() -> None:
-    """Define ``torch.ops._C_ascend.npu_moe_init_routing_custom`` with its CPU kernel (idempotent). Raises
-    RuntimeError when another library (vllm-ascend's real custom ops) already defines it."""
-    if _LIBS:
-        return
-    lib = torch.library.Library("_C_ascend", "FRAGMENT")
-    try:
-        lib.define(SCHEMA)
-        lib.impl(OP, npu_moe_init_routing_v2, "CPU")
-    except RuntimeError as err:
-        lib._destroy()
-        raise RuntimeError(f"deep_ep_npu.sim: cannot register _C_ascend::{OP} (already defined?): {err}") from err
-    _LIBS.append(lib)
-
-
-def unregister() -> None:
-    """Remove what :func:`register` registered (idempotent)."""
-    while _LIBS:
-        _LIBS.pop()._destroy()
+OP = CustomOp(SCHEMA, npu_moe_init_routing_v2)
+register, unregister = OP.register, OP.unregister

@@ -6,30 +6,30 @@ of each rank's headers and rows; elsewhere, :mod:`.staged`, one of the headers, 
 windows, headers sent on pipes; the send phase waits for no peer). A group on
 several hosts (:mod:`.hosts`) with peers on this one uses both in the same call: :class:`~.spanning.Spanning`.
 
-One call, on every rank (``counts[d]``: the header words for rank ``d``, ``counts[d][0]`` the rows this rank writes
-for it and ``counts[d][1]`` the rows it expects from it when already known, else -1; ``shared``: words for every
-rank, ``shared[0]`` the row size in bytes)::
+One call, on every rank (:class:`~.agreement.Send`: the header words for each rank, the words shared by all, the
+rows' writer and the agreement's check)::
 
-    token = transport.send(op, counts, shared, write, check)  # write(d, out): d's rows into out [rows, row_bytes]
-    agreement, parts, wait_ns = transport.receive(token)   # parts: (source, its rows [n, row_bytes] uint8)
-    transport.done(token)                                  # the parts were read
+    ticket = transport.send(Send(op, counts, shared, write, check))  # write(d, out): d's rows into out
+    received = ticket.receive()  # the checked agreement, parts: (source, its rows [n, row_bytes] uint8), wait
+    ticket.done()                # the parts were read
 
 ``check(agreement)`` raises (the same error on every rank) before any received row is used; a rank that rejected its
-input calls ``transport.reject(op, code, width)`` instead (``width``: the shared words), so the others raise too.
+input calls ``transport.reject(op, code, width)`` instead (``width``: the shared words), so the others raise too. A
+call a transport cannot carry raises :class:`~.agreement.TransportError` on every rank; the caller names the
+parameter that fixes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-import torch
 import torch.distributed as dist
 
 from .. import envs
 from . import window, window_setup
-from .agreement import Agreement, Check, Write
-from .collective import Collective, EPGroup
+from .agreement import Send, Ticket
+from .collective import Collective
+from .group import EPGroup
 from .spanning import Spanning
 from .staged import Staged
 
@@ -41,22 +41,8 @@ class Transport(Protocol):
     ``"spanning"``."""
 
     name: str
-    ep: EPGroup
 
-    def send(
-        self,
-        op: str,
-        counts: list[list[int]],
-        shared: list[int],
-        write: Write,
-        check: Check,
-        *,
-        agree_now: bool = False,
-        before_payload: Callable[[], bool] | None = None,
-        device: torch.device | None = None,
-    ) -> Any: ...
-    def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]: ...
-    def done(self, token: Any) -> None: ...
+    def send(self, request: Send) -> Ticket: ...
     def reject(self, op: str, code: int, width: int) -> None: ...
     def close(self) -> None: ...
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ACLNN_ERR_INNER_TILING_ERROR, shape
-from .agreement import Agreement
+from ..errors import ACLNN_ERR_INNER_TILING_ERROR
+from .agreement import Agreement, EarlyMismatch
 
 OVER_BOUND = ACLNN_ERR_INNER_TILING_ERROR  # the status of an early rank whose rows for a peer exceed the bound
 PAYLOAD = "payload exchange"
@@ -33,10 +33,10 @@ def started(agreement: Agreement, live: list[int], rank: int) -> list[int]:
 
 
 def check_started(agreement: Agreement, live: list[int], rank: int, early: bool) -> None:
-    """Raise (the same error on every rank) when some ``live`` ranks started early and others did not (``early``:
-    ``rank``, this one, did); the agreement itself was checked."""
+    """Raise :class:`~.agreement.EarlyMismatch` (the same on every rank) when some ``live`` ranks started early and
+    others did not (``early``: ``rank``, this one, did); the agreement itself was checked."""
     known = [*started(agreement, live, rank), *([rank] if early else [])]
     if known and len(known) < len(live):
         known, late = sorted(known), sorted(set(live) - set(known))
-        why = f"{agreement.op}: ranks {known} knew the rows they receive (a handle) and ranks {late} did not"
-        raise shape("handle", f"{why}; every rank must pass the handle of the same dispatch, or none")
+        why = f"{agreement.op}: ranks {known} knew the rows they receive and ranks {late} did not"
+        raise EarlyMismatch(ACLNN_ERR_INNER_TILING_ERROR, why)

@@ -13,16 +13,19 @@ every rank raises with it (a late rank that finds itself in it, with ``excluded=
 The timeout: ``Buffer(..., timeout=...)``, else ``DEEP_EP_NPU_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`.
 """
 
+import dataclasses
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
 
 from .. import envs
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 DEFAULT_TIMEOUT_S = 30.0
 """Default bound on each collective wait (DeepEP's kernels use ~100 s; a decode step is milliseconds)."""
 
@@ -62,14 +65,43 @@ def resolve_timeout(timeout: float | None, param: str = "timeout") -> float:
     return float(timeout)
 
 
-def _bounded(timeout: float, call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)``, waiting at most ``timeout`` seconds (a TCPStore whose host is stopped never answers; its own
-    timeout covers only key waits): it runs in a daemon thread, left behind if it never returns."""
-    out: list[Any] = []
+class Monitor:
+    """The collective sequence number and arrival marks (see the module docstring) of one process group."""
+
+    def __init__(self, group: dist.ProcessGroup, name: str) -> None:
+        self.group, self.rank, self.size, self.seq = group, dist.get_rank(group), dist.get_world_size(group), 0
+        self.store = dist.PrefixStore(f"deep_ep_npu/failure/{name}/", dist.distributed_c10d._get_default_store())
+
+    def arrived(self, rank: int, seq: int, op: str) -> bool:
+        key = f"arrive/{rank}"
+        if not self.store.check([key]):
+            return False
+        their_seq, their_op = self.store.get(key).decode().split(" ", 1)
+        return int(their_seq) > seq or (int(their_seq) == seq and their_op == op)
+
+
+MONITORS: dict[str, Monitor] = {}
+
+
+@dataclasses.dataclass
+class Pending:
+    """An issued collective: its group's monitor, sequence number, op, issue time (monotonic), work (None: done)."""
+
+    monitor: Monitor
+    seq: int
+    op: str
+    started: float
+    work: dist.Work | None = None
+
+
+def _bounded(timeout: float, call: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    """``call(*args, **kwargs)``, waiting at most ``timeout`` seconds (a TCPStore whose host is stopped never answers;
+    its own timeout covers only key waits): it runs in a daemon thread, left behind if it never returns."""
+    out: list[_R | BaseException] = []
 
     def run() -> None:
         try:
-            out.append(call(*args))
+            out.append(call(*args, **kwargs))
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             out.append(err)
 
@@ -102,5 +134,5 @@ def agree_missing(
             call(store.compare_set, decision, "", missing)
             break
         time.sleep(0.01)
-    text = call(store.get, decision).decode()
+    text = _bounded(timeout, store.get, decision).decode()
     return () if text == "-" else tuple(int(v) for v in text.split(","))

@@ -9,13 +9,12 @@ rows are the same bytes whichever way they travel: results are bit-identical to 
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from .agreement import Agreement, Check, Write
+from .agreement import Agreement, Received, Send, Ticket
 from .collective import Collective
 from .failure import EPRankFailure
 from .window import Call, PeerLost, Window
@@ -31,47 +30,33 @@ class Spanning:
         self.window, self.collective, self.ep = window, collective, window.ep
         window.spanning = True
 
-    def send(
-        self,
-        op: str,
-        counts: list[list[int]],
-        shared: list[int],
-        write: Write,
-        check: Check,
-        *,
-        agree_now: bool = False,
-        before_payload: Callable[[], bool] | None = None,
-        device: torch.device | None = None,
-    ) -> Any:
-        assert before_payload is None, "the TP stage runs on the collective transport"
-        if err := self.window.oversized(op, counts, shared):
-            self.reject(op, err.code, len(shared))
-            raise err
-        call, lost = self.window.begin(op), ""
+    def send(self, request: Send) -> SpanningTicket:
+        call, lost = self.window.start(request, self.reject), ""
         try:
-            self.window.write(call, counts, shared, write)
+            self.window.write(call, request)
         except PeerLost:  # the agreement below fails on every rank (the peer is missing there too)
-            lost = f"a peer on this host stopped reading its window during {op}"
+            lost = f"a peer on this host stopped reading its window during {request.op}"
         try:
-            token = self.collective.send(op, counts, shared, write, check, agree_now=agree_now, device=device)
+            ticket = self.collective.send(request)
         except BaseException:
             self.window.release(call)
             raise
-        return call, token, lost
+        return SpanningTicket(self, call, ticket, lost)
 
-    def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]:
-        call, collective_token, lost = token
+    def receive(self, call: Call, ticket: Ticket, lost: str) -> Received:
+        """The collective part of ``call`` (the agreement and the other hosts' rows), then this host's rows."""
         try:
-            agreement, parts, wait_ns = self.collective.receive(collective_token)
+            got = ticket.receive()
             if lost:
                 self.ep.broken = True
                 raise EPRankFailure((), call.op, self.ep.timeout, unknown=lost)
             t0 = time.perf_counter_ns()
-            parts += self._local_parts(call, agreement)
+            parts = got.parts + self._local_parts(call, got.agreement)
         except BaseException:
             self.window.release(call)
             raise
-        return agreement, sorted(parts, key=lambda part: part[0]), wait_ns + time.perf_counter_ns() - t0
+        parts.sort(key=lambda part: part[0])
+        return Received(got.agreement, parts, got.wait_ns + time.perf_counter_ns() - t0)
 
     def _local_parts(self, call: Call, agreement: Agreement) -> list[tuple[int, torch.Tensor]]:
         """This host's rows of ``call``, once each live peer said they are written (they are: the peer wrote them
@@ -87,9 +72,6 @@ class Spanning:
             (s, window.region(self.ep.rank, call, s, row_bytes, agreement.counts[s][0])) for s in live if not masked[s]
         ]
 
-    def done(self, token: Any) -> None:
-        self.window.release(token[0])
-
     def reject(self, op: str, code: int, width: int) -> None:
         self.window.reject(op, code, width)
         self.collective.reject(op, code, width)
@@ -97,3 +79,20 @@ class Spanning:
     def close(self) -> None:
         self.window.close()
         self.collective.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanningTicket:
+    """A spanning call in flight: its window call, the collective part's ticket, and why a peer of this host was lost
+    during the send ("" if none)."""
+
+    spanning: Spanning
+    call: Call
+    collective: Ticket
+    lost: str
+
+    def receive(self) -> Received:
+        return self.spanning.receive(self.call, self.collective, self.lost)
+
+    def done(self) -> None:
+        self.spanning.window.release(self.call)

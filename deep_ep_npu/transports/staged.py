@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from .agreement import STATUS_OK, Agreement, Check, Write
-from .collective import Collective, EPGroup, Pending
+from .agreement import STATUS_OK, Agreement, Received, Send
+from .collective import Collective, CollectiveTicket, Pending
 from .early import OVER_BOUND, PAYLOAD, check_started, early_bytes, started
+from .group import EPGroup
+
+Started = tuple[Agreement | None, list[int], torch.Tensor, Pending | None]  # (agreement), posted, recv, payload
 
 
 def join_started(agreement: Agreement, ep: EPGroup, local: frozenset[int]) -> bool:
@@ -37,33 +39,25 @@ def join_started(agreement: Agreement, ep: EPGroup, local: frozenset[int]) -> bo
 class Staged(Collective):
     """The two-round protocol (see the module docstring), on :class:`~.collective.Collective`'s buffers."""
 
-    def send(
-        self,
-        op: str,
-        counts: list[list[int]],
-        shared: list[int],
-        write: Write,
-        check: Check,
-        *,
-        agree_now: bool = False,
-        before_payload: Callable[[], bool] | None = None,
-        device: torch.device | None = None,
-    ) -> Any:
-        ep, me, row_bytes, dev = self.ep, self.ep.rank, shared[0], device or self.ep.device
+    ep: EPGroup
+
+    def send(self, request: Send) -> CollectiveTicket:
+        ep, me, row_bytes, dev = self.ep, self.ep.rank, request.shared[0], request.device or self.ep.device
+        counts, before_payload = request.counts, request.before_payload
         self._flip ^= 1
         tag, skip = self._flip, {me, *self.local}
         rows = [0 if d in skip else c[0] for d, c in enumerate(counts)]
         early = all(c[1] >= 0 for s, c in enumerate(counts) if s != me)  # every rank's rows known: start now
         bound = self.early_bytes if early else 0
         over = max(rows) * row_bytes > bound > 0  # (the engine keeps known rows within it: every rank raises)
-        finish_agree = ep.start_agree(op, OVER_BOUND if over else STATUS_OK, counts, shared, device=dev)
+        finish_agree = ep.start_agree(request.op, OVER_BOUND if over else STATUS_OK, counts, request.shared, dev)
         send = self._buffer(f"send{tag}", sum(rows) * row_bytes, dev).view(sum(rows), row_bytes)
 
         def write_all() -> None:
             begin = 0
             for d, k in enumerate(rows):
                 if k:
-                    write(d, send[begin : begin + k])
+                    request.write(d, send[begin : begin + k])
                 begin += k
 
         def start_payload(posted: list[int]) -> tuple[list[int], torch.Tensor, Pending | None]:
@@ -74,11 +68,11 @@ class Staged(Collective):
             src = send.view(-1)[: sum(sent)]
             return posted, recv, ep.all_to_all(recv, src, posted, sent, PAYLOAD) if ep.num_ranks > 1 else None
 
-        def agree_and_start() -> tuple[Agreement, list[int], torch.Tensor, Pending | None]:
+        def agree_and_start() -> Started:
             agreement = finish_agree()
             if joined := any(c[1] >= 0 for s, c in enumerate(agreement.counts) if s in ep.live and s != me):
                 join_started(agreement, ep, self.local)  # (peers that knew what they receive started already)
-            check(agreement)
+            request.check(agreement)
             if joined:
                 check_started(agreement, ep.live, ep.rank, False)
             return agreement, *start_payload(
@@ -89,35 +83,35 @@ class Staged(Collective):
         if early:  # (at the bound, from every live peer, on gloo; else the known sizes)
             live = set(ep.live) - skip
             exact = [0 if s in skip else c[1] * row_bytes for s, c in enumerate(counts)]
-            started = start_payload([bound * (s in live) for s in range(ep.num_ranks)] if bound else exact)
-            return lambda: (None, *started), finish_agree, check
-        if agree_now:
+            now = start_payload([bound * (s in live) for s in range(ep.num_ranks)] if bound else exact)
+            return CollectiveTicket(lambda: self._receive(request, (None, *now), finish_agree))
+        if request.agree_now:
             started_now = agree_and_start()
-            return lambda: started_now, None, None
-        return ep.defer(agree_and_start), None, None
+            return CollectiveTicket(lambda: self._receive(request, started_now))
+        deferred = ep.defer(agree_and_start)
+        return CollectiveTicket(lambda: self._receive(request, deferred()))
 
-    def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]:
-        start, finish_agree, check = token
-        agreement, posted, recv, pending = start()  # (a deferred agreement and payload start now)
+    def _receive(self, request: Send, begun: Started, finish_agree: Callable[[], Agreement] | None = None) -> Received:
+        """Wait for the payload ``begun`` (after its agreement, deferred, ran) and check the agreement when the payload
+        started before it (``finish_agree``)."""
+        (agreement, posted, recv, pending), ep = begun, self.ep
         t0 = time.perf_counter_ns()
         if pending is not None:
-            self.ep.wait(pending, PAYLOAD)
+            ep.wait(pending, PAYLOAD)
         wait_ns = time.perf_counter_ns() - t0
         if agreement is None:  # the payload started early: the agreement is checked now
+            assert finish_agree is not None
             agreement = finish_agree()
-            check(agreement)
-            if any(c[1] < 0 for s, c in enumerate(agreement.counts) if s in self.ep.live and s != self.ep.rank):
-                check_started(agreement, self.ep.live, self.ep.rank, True)
-        parts, begin, masked, row_bytes = [], 0, self.ep.mask.tolist(), agreement.shared[self.ep.rank][0]
+            request.check(agreement)
+            if any(c[1] < 0 for s, c in enumerate(agreement.counts) if s in ep.live and s != ep.rank):
+                check_started(agreement, ep.live, ep.rank, True)
+        parts, begin, masked, row_bytes = [], 0, ep.mask.tolist(), agreement.shared[ep.rank][0]
         for s, nbytes in enumerate(posted):  # (each rank's announced rows: within what was posted for it)
-            if s != self.ep.rank and s not in self.local and not masked[s]:
+            if s != ep.rank and s not in self.local and not masked[s]:
                 n = agreement.counts[s][0]
                 parts.append((s, recv[begin : begin + n * row_bytes].view(n, row_bytes)))
             begin += nbytes
-        return agreement, parts, wait_ns
-
-    def done(self, token: Any) -> None:
-        """Nothing to release: the buffers are the call's (or alternate)."""
+        return Received(agreement, parts, wait_ns)
 
     def reject(self, op: str, code: int, width: int, staged: bool = False) -> None:
         join_started(self.ep.start_agree(op, code, [[0, -1]] * self.ep.num_ranks, [0] * width)(), self.ep, self.local)

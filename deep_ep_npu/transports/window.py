@@ -5,7 +5,7 @@ crash) of two halves (calls alternate, so the next call never overwrites a resul
 one region per source rank. Send phase: for each live peer, write its rows straight into its region for this rank,
 then post the header; nothing is waited for. Receive phase: wait (bounded) for every live peer's header, check them
 (the same on every rank, so every rank raises the same error), hand the rows over where they are, then tell each peer
-its region was read. Rows that exceed a region (``num_rdma_bytes`` too small) reject the call.
+its region was read. Rows that exceed a region (the window too small) reject the call.
 
 Messages are int64 words on one pipe per (source, destination): a header (sequence number and the agreement's words),
 "done" (the source's region of that call was read), "fail" (the source gave the call up and raises EPRankFailure: a
@@ -24,21 +24,21 @@ import select
 import struct
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from ..errors import MoeDistributeError, invalid
-from .agreement import STATUS_OK, Agreement, Check, Write
-from .collective import EPGroup
+from ..errors import ACLNN_ERR_PARAM_INVALID
+from .agreement import STATUS_OK, Agreement, Received, Send, WindowTooSmall
 from .failure import EPRankFailure, agree_missing
+from .group import EPGroup
 
 HEADER, DONE, BYE, FAIL = 1, 2, 3, 4  # message kinds
 DATA_OFFSET = 4096  # the first page holds the owner's nonce
 STALE = 8  # calls after which an unread header is dropped (a receive is due before the next-but-one call)
 DEFAULT_WINDOW_BYTES = 1 << 30
-"""Bytes of each rank's window when the Buffer's ``num_rdma_bytes`` is smaller (pages are allocated when touched)."""
+"""Bytes of each rank's window when the caller asks for fewer (pages are allocated when touched)."""
 
 _WORD = struct.Struct("<q")
 PeerParts = tuple[torch.Tensor, int, int]  # a peer's window, the pipe to it, the pipe from it
@@ -126,49 +126,46 @@ class Window:
         for s in self.live_peers():
             self._send(self.peers[s], [DONE, call.seq])
 
-    def send(
-        self,
-        op: str,
-        counts: list[list[int]],
-        shared: list[int],
-        write: Write,
-        check: Check,
-        *,
-        agree_now: bool = False,
-        before_payload: Callable[[], bool] | None = None,
-        device: torch.device | None = None,
-    ) -> Any:
+    def send(self, request: Send) -> WindowTicket:
         # (agree_now is the collective transport's: here the headers come with the rows)
-        assert before_payload is None, "the TP stage runs on the collective transport"
-        if err := self.oversized(op, counts, shared):
-            self.reject(op, err.code, len(shared))
-            raise err
-        call = self.begin(op)
-        self.write(call, counts, shared, write)
-        return call, check, [STATUS_OK, *counts[self.ep.rank], *shared], len(counts[0])
+        call = self.start(request, self.reject)
+        self.write(call, request)
+        return WindowTicket(self, call, request)
 
-    def oversized(self, op: str, counts: list[list[int]], shared: list[int]) -> MoeDistributeError | None:
-        """The error of a call whose rows for a peer of this window exceed its region (``num_rdma_bytes``), or None."""
-        row_bytes = shared[0]
+    def start(self, request: Send, reject: Callable[[str, int, int], None]) -> Call:
+        """Begin ``request``'s call; when its rows for a peer exceed the peer's region, ``reject(op, code, width)`` it
+        (the peers raise) and raise :class:`~.agreement.WindowTooSmall`."""
+        assert request.before_payload is None, "the TP stage runs on the collective transport"
+        if err := self.oversized(request):
+            reject(request.op, err.code, len(request.shared))
+            raise err
+        return self.begin(request.op)
+
+    def oversized(self, request: Send) -> WindowTooSmall | None:
+        """The error of a call whose rows for a peer of this window exceed its region, or None."""
+        row_bytes, counts = request.shared[0], request.counts
         sizes = [self.window.numel(), *(p.window.numel() for p in self.peers.values())]
         limit = min(self._region_rows(s, row_bytes) for s in sizes)  # rows per source in the smallest window
         if not (bad := [(d, counts[d][0]) for d in self.peers if counts[d][0] > limit]):
             return None
         dest, rows = max(bad, key=lambda b: b[1])
         need = DATA_OFFSET + 2 * self.ep.num_ranks * rows * row_bytes
-        what = f"{op} sends {rows} rows of {row_bytes} bytes to rank {dest}, its window holds {limit}"
-        return invalid("num_rdma_bytes", f"{what} per source; pass num_rdma_bytes >= {need} (shared-memory window)")
+        what = f"{request.op} sends {rows} rows of {row_bytes} bytes to rank {dest}, its window holds {limit}"
+        return WindowTooSmall(ACLNN_ERR_PARAM_INVALID, f"{what} per source", need)
 
-    def write(self, call: Call, counts: list[list[int]], shared: list[int], write: Write) -> None:
-        """The send phase of ``call``: each live peer's rows into its region (``write(d, out)``), then its header."""
+    def write(self, call: Call, request: Send) -> None:
+        """The send phase of ``call``: each live peer's rows into its region (``request.write(d, out)``), then its
+        header."""
+        counts, shared = request.counts, request.shared
         for d in self.live_peers():
             self.claim(call, d)
-            write(d, self.region(d, call, self.ep.rank, shared[0], counts[d][0]))
+            request.write(d, self.region(d, call, self.ep.rank, shared[0], counts[d][0]))
             self.post(call, d, [STATUS_OK, *counts[d], *shared])
 
-    def receive(self, token: Any) -> tuple[Agreement, list[tuple[int, torch.Tensor]], int]:
-        call, check, own, width = token
-        me, live = self.ep.rank, self.live_peers()
+    def receive(self, call: Call, request: Send) -> Received:
+        """Wait for the live peers' headers of ``call``, check them, and hand over their rows where they lie."""
+        me, live, width = self.ep.rank, self.live_peers(), len(request.counts[0])
+        own = [STATUS_OK, *request.counts[me], *request.shared]
         try:
             t0 = time.perf_counter_ns()
             headers = self.wait_headers(call, live)
@@ -182,13 +179,13 @@ class Window:
                 wait_ns // 1000,
                 call.op,
             )
-            check(agreement)
+            request.check(agreement)
         except BaseException:
             self.release(call)
             raise
         row_bytes, masked = own[1 + width], self.ep.mask.tolist()
         parts = [(s, self.region(me, call, s, row_bytes, rows[s][1])) for s in live if not masked[s]]
-        return agreement, parts, wait_ns
+        return Received(agreement, parts, wait_ns)
 
     def wait_headers(self, call: Call, ranks: list[int]) -> dict[int, list[int]]:
         """Wait (bounded) for the header of ``call`` from each of ``ranks`` and take them (source -> words)."""
@@ -201,9 +198,6 @@ class Window:
             headers[s] = peer.inbox.pop(call.seq)
             peer.inbox = {q: w for q, w in peer.inbox.items() if q > self.seq - STALE}
         return headers
-
-    def done(self, token: Any) -> None:
-        self.release(token[0])
 
     def reject(self, op: str, code: int, width: int, call: Call | None = None) -> None:
         """Post headers with status ``code`` and release the call at once: the peers raise, this rank does not wait."""
@@ -284,3 +278,18 @@ class Window:
             close_fds(peer.out_fd, peer.in_fd)
             peer.gone = "this rank closed the window"
         self.peers.clear()  # the peers' windows are unmapped once their tensors are freed
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowTicket:
+    """A window call in flight: :meth:`Window.receive`, then :meth:`Window.release` (``done``)."""
+
+    window: Window
+    call: Call
+    request: Send
+
+    def receive(self) -> Received:
+        return self.window.receive(self.call, self.request)
+
+    def done(self) -> None:
+        self.window.release(self.call)

@@ -19,7 +19,7 @@ import time
 import torch
 
 from .agreement import STATUS_OK
-from .collective import EPGroup
+from .group import EPGroup
 from .hosts import host_groups, host_key
 from .window import PeerParts, Window, close_fds
 

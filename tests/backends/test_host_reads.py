@@ -199,7 +199,7 @@ def _reference_reads(info) -> dict[str, tuple[list[str], list[str]]]:
     runs it): per call, the second run's host reads in all library code and the collectives it issued."""
     from deep_ep_npu import kernels, ops
     from deep_ep_npu.cann import MoeDistributeBuffer
-    from deep_ep_npu.transports.collective import EPGroup
+    from deep_ep_npu.transports.group import EPGroup
 
     _policy("0")
     kw = dict(group_ep=info.group, ep_world_size=info.world_size, ep_rank_id=info.rank, moe_expert_num=E)

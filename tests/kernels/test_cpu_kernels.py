@@ -175,13 +175,8 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
     for src, n in ((0, 7), (2, 5), (1, 6)):  # remote sources by rank, then this rank's own (rank 1)
         rows = torch.zeros((n, fmt.row_bytes), dtype=torch.uint8)
         table = torch.randint(-1, num_local, (n, k), generator=g, dtype=torch.int32)
-        fmt.encode_into(
-            rows,
-            torch.randn(n, hidden, generator=g).bfloat16(),
-            torch.randperm(9, generator=g)[:n],
-            table,
-            torch.rand(n, k, generator=g) if weights else None,
-        )
+        token, x = torch.randperm(9, generator=g)[:n], torch.randn(9, hidden, generator=g).bfloat16()
+        fmt.encode_gathered(rows, x, token, table, torch.rand(n, k, generator=g) if weights else None)
         blocks.append((src, rows))
     scale_width = fmt.scale_end - fmt.scale_off
     outs = {}
@@ -244,7 +239,7 @@ def test_place_scales_matches_the_torch_scatter(quant):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("weights", [False, True])
 def test_pack_int8_matches_the_torch_quantization(dtype, weights):
-    """Per-token int8 rows (quant_mode 2): .5 ties, zero / Inf / -0.0 rows, bit for bit against encode_into; a NaN
+    """Per-token int8 rows (quant_mode 2): .5 ties, zero / Inf / -0.0 rows, bit for bit against the torch code; a NaN
     row is left to the torch code (which NaN its scale holds is torch's choice)."""
     from deep_ep_npu.engine.rows import RowFormat
 
@@ -261,7 +256,8 @@ def test_pack_int8_matches_the_torch_quantization(dtype, weights):
     got = torch.zeros((token.numel(), fmt.row_bytes), dtype=torch.uint8)
     want = torch.zeros_like(got)
     assert kernels.pack_int8(x, token, table, w, got, fmt)
-    fmt.encode_into(want, x[token], token, table, w)
+    with kernels.disabled():  # (the torch code)
+        fmt.encode_gathered(want, x, token, table, w)
     assert torch.equal(got, want)
     assert not kernels.pack_int8(x, torch.tensor([0, 2]), table[:2], None if w is None else w[:2], got[:2], fmt)
     with pytest.raises(IndexError):
@@ -283,7 +279,7 @@ def test_e4m3_cast_matches_torch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_pack_fp8_matches_the_torch_quantization(dtype):
-    """DeepEP fp8 rows (per 128 channels): tiny (scale floor), zero and -0.0 groups, against encode_into; NaN / Inf
+    """DeepEP fp8 rows (per 128 channels): tiny (scale floor), zero and -0.0 groups, against the torch code; NaN / Inf
     groups are left to the torch code (which NaN bits come out is torch's choice)."""
     from deep_ep_npu.engine.rows import RowFormat
 
@@ -299,7 +295,8 @@ def test_pack_fp8_matches_the_torch_quantization(dtype):
     got = torch.zeros((token.numel(), fmt.row_bytes), dtype=torch.uint8)
     want = torch.zeros_like(got)
     assert kernels.pack_fp8(x, token, table, got, fmt)
-    fmt.encode_into(want, x[token], token, table, None)
+    with kernels.disabled():  # (the torch code)
+        fmt.encode_gathered(want, x, token, table, None)
     assert torch.equal(got, want)
     for bad in (2, 3, 4):
         assert not kernels.pack_fp8(x, torch.tensor([0, bad]), table[:2], got[:2], fmt)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deep_ep_npu import MoeDistributeError
-from deep_ep_npu.transports.agreement import STATUS_OK, Agreement
-from deep_ep_npu.transports.collective import EPGroup
+from deep_ep_npu.transports.agreement import STATUS_OK, Agreement, Send, TransportError
+from deep_ep_npu.transports.group import EPGroup
 from deep_ep_npu.transports.staged import Staged
 from tests.distributed import parallel_launch
 
@@ -35,15 +35,15 @@ def _exchange(transport: Staged, sends: list[int], expects: list[int] | None, st
         if strict and expects is not None and any(agreement.counts[s][0] != expects[s] for s in range(r) if s != me):
             raise MoeDistributeError(1, "counts", f"rank {me} expected {expects}")
 
-    token = transport.send("early test", counts, [ROW], lambda d, out: out.copy_(_rows(me, d, out.shape[0])), check)
-    _, parts, _ = transport.receive(token)
-    return {s: rows.clone() for s, rows in parts}
+    write = lambda d, out: out.copy_(_rows(me, d, out.shape[0]))  # noqa: E731
+    received = transport.send(Send("early test", counts, [ROW], write, check)).receive()
+    return {s: rows.clone() for s, rows in received.parts}
 
 
 def _outcome(fn) -> str:
     try:
         fn()
-    except MoeDistributeError as err:
+    except (MoeDistributeError, TransportError) as err:
         return str(err)
     return "ok"
 

@@ -165,7 +165,7 @@ def _payload_scenario(info, transport: str):
     one all-to-all of headers and rows; shm: after writing its rows into the peers' windows, before any signal): the
     survivors' send phase returns, ``hook()`` hits the failure, shrinks, re-runs the dispatch and fills the tensors
     the first call returned."""
-    from deep_ep_npu.transports.collective import EPGroup
+    from deep_ep_npu.transports.group import EPGroup
     from deep_ep_npu.transports.window import Window as ShmWindow
 
     store = dist.distributed_c10d._get_default_store()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from deep_ep_npu import Buffer, ops
-from deep_ep_npu.transports.collective import EPGroup
+from deep_ep_npu.transports.group import EPGroup
 from tests.distributed import parallel_launch
 
 N, H, E, K = 8, 256, 8, 3
