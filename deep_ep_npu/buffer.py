@@ -16,7 +16,7 @@ from .buffer_compat import CompatMethods, ascend_quant
 from .buffer_layout import host_nodes
 from .buffer_normal import NormalModeMethods
 from .core import rules
-from .core.call import CombineCall, DispatchCall
+from .core.call import MaskedCombine, MaskedDispatch
 from .errors import invalid
 from .handle import EventHandle, EventOverlap, LowLatencyHandle
 from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
@@ -160,16 +160,13 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
             n = rules.count(n, "num_max_dispatch_tokens_per_rank", 1, code="shape")
             experts = rules.plain_experts(self.group_size, self.rank, num_experts, "num_experts")
             call = rules.dispatch(
-                DispatchCall(
+                MaskedDispatch(
                     op,
-                    "masked",
                     rules.activations(x),
                     topk_idx,
                     experts,
                     num_max=n,
                     quant=quant,
-                    round_scale=round_scale,
-                    use_ue8m0=use_ue8m0,
                     recv_stats=cumulative_local_expert_recv_stats,
                     wait_stats=dispatch_wait_recv_cost_stats,
                     expert_scales=topk_weights,
@@ -181,7 +178,7 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
                 why = f"{self.num_rdma_bytes} bytes is too small for {sizes} (Buffer.get_low_latency_rdma_size_hint)"
                 raise invalid("num_rdma_bytes", why)
         inflight = self._backend.dispatch(call)
-        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, inflight.value)
+        event, hook = inflight.overlap(async_finish, return_recv_hook, inflight.value)
         return (*inflight.value, event, hook)  # recv_x, recv_count, handle, event, hook
 
     def low_latency_combine(
@@ -232,15 +229,14 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
             h = rules.masked_handle(handle, self.group_size)
             experts = rules.plain_experts(self.group_size, self.rank, h.num_experts, "handle.num_experts")
             call = rules.combine(
-                CombineCall(
+                MaskedCombine(
                     op,
-                    "masked",
                     x,
                     topk_idx,
                     experts,
                     h,
                     expert_scales=topk_weights,
-                    comm_quant_mode=10 * use_logfmt,
+                    logfmt=use_logfmt,
                     zero_copy=zero_copy,
                     out=out,
                     wait_stats=combine_wait_recv_cost_stats,
@@ -249,7 +245,7 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
                 )
             )
         inflight = self._backend.combine(call)
-        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (inflight.value,))
+        event, hook = inflight.overlap(async_finish, return_recv_hook, (inflight.value,))
         return inflight.value, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle | tuple) -> torch.Tensor:

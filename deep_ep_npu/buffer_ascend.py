@@ -12,10 +12,11 @@ import torch.distributed as dist
 
 from .backends import Backend, InFlight
 from .core import ascend
-from .core.call import FFN, CombineCall, DispatchCall
+from .core.call import FFN, FlatCombine, FlatDispatch
 from .errors import invalid
-from .handle import EventOverlap, FlatHandle
+from .handle import FlatHandle
 from .mega_moe import run as run_mega_moe
+from .quant import INT8_PER_TOKEN
 
 FLAT_DISPATCH_OP, FLAT_COMBINE_OP = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
 FLAT_NAMES = {"scales": "smooth_scales", "expert_scales": "topk_weights", "expert_ids": "topk_idx",
@@ -113,16 +114,15 @@ class AscendMethods:
                 raise invalid("quant_mode", f"got {quant_mode!r}, allowed 0 or 2")
             experts = ascend.experts(self.group, self.group_size, self.rank, num_experts, **layout)
             call = ascend.dispatch(
-                DispatchCall(
+                FlatDispatch(
                     FLAT_DISPATCH_OP,
-                    "flat",
                     x,
                     topk_idx,
                     experts,
                     global_bs=global_bs,
                     x_active_mask=x_active_mask,
                     expert_scales=topk_weights,
-                    quant=(quant_mode, None, None, None),
+                    quant=INT8_PER_TOKEN if quant_mode == 2 else None,
                     scales=smooth_scales,
                     expert_token_nums_type=expert_token_nums_type,
                     ccl_buffer_size=self._backend.ccl_buffer_size,
@@ -133,7 +133,7 @@ class AscendMethods:
         _, _, assist, _, ep_recv, tp_recv, expand_scales = inflight.value
         keywords = dict(layout, x_active_mask=x_active_mask, global_bs=global_bs)
         handle = FlatHandle(assist, ep_recv, tp_recv, expand_scales, num_experts, keywords)
-        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook)
+        event, hook = inflight.overlap(async_finish, return_recv_hook)
         return FlatDispatchOutput(inflight, handle), event, hook
 
     def low_latency_combine_flat(
@@ -172,9 +172,8 @@ class AscendMethods:
             layout = {k: v for k, v in kw.items() if k not in ("x_active_mask", "global_bs")}
             experts = ascend.experts(self.group, self.group_size, self.rank, handle.num_experts, combine=True, **layout)
             call = ascend.combine(
-                CombineCall(
+                FlatCombine(
                     FLAT_COMBINE_OP,
-                    "flat",
                     x,
                     topk_idx,
                     experts,
@@ -193,7 +192,7 @@ class AscendMethods:
                 )
             )
         inflight = self._backend.combine(call)
-        event, hook = EventOverlap.of(inflight, async_finish, return_recv_hook, (inflight.value,))
+        event, hook = inflight.overlap(async_finish, return_recv_hook, (inflight.value,))
         return inflight.value, event, hook
 
     def mega_moe(

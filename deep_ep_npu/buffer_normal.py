@@ -15,7 +15,7 @@ import torch
 from .buffer_layout import LayoutMethods
 from .core import elastic as v2
 from .core import normal, rules
-from .core.call import CombineCall, DispatchCall
+from .core.call import ExpandCombine, ExpandDispatch
 from .engine.exchange import InFlight
 from .errors import MoeDistributeError, invalid
 from .handle import EventOverlap
@@ -114,9 +114,8 @@ class NormalModeMethods(LayoutMethods):
             )
             experts = rules.plain_experts(r, me, lay.num_experts, "num_tokens_per_expert")
             call = rules.dispatch(
-                DispatchCall(
+                ExpandDispatch(
                     DISPATCH_OP,
-                    "expand",
                     data,
                     lay.ids,
                     experts,
@@ -213,9 +212,8 @@ class NormalModeMethods(LayoutMethods):
                 raise invalid("x", f"has {data.shape[0]} tokens but the cached handle was made for {h.num_tokens}")
             experts = rules.plain_experts(self.group_size, self.rank, h.num_experts, "num_tokens_per_expert")
             call = rules.dispatch(
-                DispatchCall(
+                ExpandDispatch(
                     DISPATCH_OP,
-                    "expand",
                     data,
                     h.topk_idx,
                     experts,
@@ -264,9 +262,8 @@ class NormalModeMethods(LayoutMethods):
             experts = rules.plain_experts(self.group_size, self.rank, h.num_experts, "num_experts")
             if topk_weights is not None and not h.state["with_topk"]:
                 raise invalid("topk_weights", "must be None: the handle's dispatch had no top-k")
-            call = CombineCall(
+            call = ExpandCombine(
                 COMBINE_OP,
-                "expand",
                 x,
                 h.topk_idx,
                 experts,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .backends import create_backend, resolve_backend_name
 from .core import elastic as v2
 from .core import rules
-from .core.call import CombineCall, DispatchCall
+from .core.call import ExpandCombine, ExpandDispatch
 from .errors import invalid
 from .handle import EPHandle, EventHandle, EventOverlap
 from .sizes import align
@@ -241,15 +241,15 @@ class ElasticBuffer:
                 experts = v2.experts_of(num_experts, self.num_ranks, self.rank_idx)
                 a = rules.count(1 if expert_alignment is None else expert_alignment, "expert_alignment", 1)
                 n = v2.num_max(num_max_tokens_per_rank, self.num_max_tokens_per_rank)
-                ids, expand, cpu_sync = topk_idx, do_expand, do_cpu_sync is not False
+                ids = rules.tensor(topk_idx, "topk_idx", rules.ID_DTYPES, 2)  # (its values: rules.dispatch)
+                expand, cpu_sync = do_expand, do_cpu_sync is not False
             else:  # the cached handle's
                 h = v2.owned_handle(handle, self._backend)
                 experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
                 a, n = h.expert_alignment, h.num_max_tokens_per_rank
                 ids, expand, cpu_sync = h.topk_idx, h.do_expand, False
-            call = DispatchCall(
+            call = ExpandDispatch(
                 DISPATCH_OP,
-                "expand",
                 data,
                 ids,
                 experts,
@@ -322,7 +322,7 @@ class ElasticBuffer:
             v2.events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream, num_sms, num_qps)
             h = v2.owned_handle(handle, self._backend)
             experts = rules.plain_experts(self.num_ranks, self.rank_idx, h.num_experts, "num_experts")
-            call = CombineCall(COMBINE_OP, "expand", x, h.topk_idx, experts, h, expert_scales=topk_weights)
+            call = ExpandCombine(COMBINE_OP, x, h.topk_idx, experts, h, expert_scales=topk_weights)
             call = v2.combine(call, self.allow_multiple_reduction, bias)
         inflight = self._backend.combine(call)
         combined, weights = inflight.value if isinstance(inflight.value, tuple) else (inflight.value, None)

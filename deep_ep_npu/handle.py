@@ -4,7 +4,6 @@ are tuples), and DeepEP's ``EventHandle``."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -123,33 +122,21 @@ class EventHandle:
     wait = current_stream_wait  # what an EventOverlap holding it calls
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class EventOverlap:
-    """DeepEP's completion object for ``async_finish=True``. ``event``: anything with ``wait()`` (an
-    :class:`~deep_ep_npu.backends.InFlight` receive, or a ``torch.cuda.Event`` / ``torch.npu.Event``), or None
-    for a finished operation; ``extra_tensors``: kept alive until the wait (DeepEP's CUDA-graph-safe
-    ``record_stream``)."""
+    """DeepEP's completion object for ``async_finish=True`` (``InFlight.overlap`` makes it). ``event``: anything
+    with ``wait()`` (an :class:`~deep_ep_npu.backends.InFlight` receive, or a ``torch.cuda.Event`` /
+    ``torch.npu.Event``), or None for a finished operation; ``extra_tensors``: kept alive until the wait (DeepEP's
+    CUDA-graph-safe ``record_stream``)."""
 
-    def __init__(self, event: Any = None, extra_tensors: tuple | None = None) -> None:
-        self.event, self.extra_tensors = event, extra_tensors
+    event: Any = None
+    extra_tensors: tuple | None = None
 
     def current_stream_wait(self) -> None:
         """Block (CPU) or make the current stream wait (device) until the operation is complete. Idempotent."""
         if self.event is not None:
             self.event.wait()
         self.extra_tensors = None
-
-    @staticmethod
-    def of(
-        inflight: Any, async_finish: bool, return_recv_hook: bool, tensors: tuple = ()
-    ) -> tuple[EventOverlap, Callable[[], Any] | None]:
-        """DeepEP's two overlap styles over a receive (an ``InFlight``): a hook, an event, or neither (the receive
-        runs now); returns ``(event, hook)``."""
-        if return_recv_hook:
-            return EventOverlap(None), inflight.wait
-        if async_finish:
-            return EventOverlap(inflight, tensors), None
-        inflight.wait()
-        return EventOverlap(None), None
 
     def __enter__(self) -> EventOverlap:
         return self

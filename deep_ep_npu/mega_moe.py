@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .backends import Backend, create_backend
 from .core import fused, rules
-from .core.call import FFN, DispatchCall
+from .core.call import FFN, FusedCall
 from .engine.exchange import check_names, check_status, engine_for, header
 from .engine.rows import DTYPE_CODES
 from .errors import MoeDistributeError
@@ -119,7 +119,7 @@ def prepare(
     num_max: object,
     num_experts: object,
     x_active_mask: object,
-) -> tuple[DispatchCall, FFN, bool]:
+) -> tuple[FusedCall, FFN, bool]:
     """Validate (on every rank) and agree (every rank raises if any rank's input is invalid or the ranks disagree);
     returns the call, its FFN and whether every rank can run it as the fused op."""
     ep = backend.ep
@@ -134,7 +134,8 @@ def prepare(
         if not backend.agreed:  # (once a fingerprint is agreed, checks are local: the peers wait in the op)
             _agree(backend, err.code, (0,) * len(NAMES), False)
         raise
-    call = DispatchCall(OP, "flat", x_, ids, experts, num_max=n, x_active_mask=mask, expert_scales=weights)
+    call = FusedCall(OP, x_, ids, experts, num_max=n, x_active_mask=mask, expert_scales=weights)
+    assert ffn.out_dtype is not None and ffn.num_segments is not None, "checked by fused.ffn"
     sizes = (experts.num_moe_experts, x_.shape[1], ffn.w2.shape[1], ids.shape[1])  # (E, K, N, topK)
     dtypes = (DTYPE_CODES[ffn.w1.dtype], DTYPE_CODES[ffn.out_dtype])
     limit = ffn.swiglu_limit  # a float, or CANN's Activation: agreed by the crc of its repr

@@ -109,11 +109,16 @@ def mx_dequant(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Quant:
-    """One Ascend dispatch quantization: ``mode`` 2 (:func:`per_token`), 3 (:func:`per_group_fp8`), 4
-    (:func:`mx_fp8`, no smoothing) or 5 (:func:`mx_clip_fp8`) into ``dtype``; calling it gives ``(q, scales)``."""
+    """One dispatch quantization, the one type front-ends build: Ascend's ``mode`` 2 (:func:`per_token`), 3
+    (:func:`per_group_fp8`), 4 (:func:`mx_fp8`, no smoothing) or 5 (:func:`mx_clip_fp8`) into ``dtype``, or with
+    ``deepep`` DeepEP's fp8 (mode 3, e4m3 per 128 channels, :func:`scale_for_fp8_`'s scales; ``round_scale``: powers
+    of two; ``ue8m0``: returned packed, :func:`pack_ue8m0`); calling it gives ``(q, scales)``."""
 
     mode: int
     dtype: torch.dtype
+    deepep: bool = False
+    round_scale: bool = False
+    ue8m0: bool = False
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -127,11 +132,23 @@ class Quant:
         return math.prod(self.scale_shape(hidden)) * self.scale_dtype.itemsize
 
     def __call__(self, x: torch.Tensor, smooth: torch.Tensor | None = None) -> Quantized:
+        if self.deepep:
+            work = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+            scale_inv = scale_for_fp8_(work, x, self.round_scale)
+            return work.to(self.dtype), scale_inv
         if self.mode == 2:
             return per_token(x, smooth, self.dtype)
         if self.mode == 3:
             return per_group_fp8(x, smooth, self.dtype)
         return mx_fp8(x, self.dtype) if self.mode == 4 else mx_clip_fp8(x, self.dtype)
+
+
+INT8_PER_TOKEN = Quant(2, torch.int8)  # DeepEP's use_fp8 with quant_format "int8_per_token" (Ascend's quant_mode 2)
+
+
+def deepep_fp8(round_scale: bool = False, ue8m0: bool = False) -> Quant:
+    """DeepEP's fp8 (``use_fp8`` with ``round_scale`` / ``use_ue8m0``)."""
+    return Quant(3, FP8_DTYPE, deepep=True, round_scale=round_scale, ue8m0=ue8m0)
 
 
 def per_group_int8(x: torch.Tensor, group: int = 8) -> Quantized:

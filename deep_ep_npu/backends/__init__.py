@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MoeDistributeError
+from ..handle import EventOverlap
 from ..transports.failure import EPRankFailure
 from ..transports.group import EPGroup
 
 if TYPE_CHECKING:
-    from ..core.call import FFN, CombineCall, DispatchCall
+    from ..core.call import FFN, CombineCall, DispatchCall, FusedCall
 
 
 class InFlight:
@@ -52,6 +53,18 @@ class InFlight:
         return self.value
 
     __call__ = wait
+
+    def overlap(
+        self, async_finish: bool, return_recv_hook: bool, tensors: tuple = ()
+    ) -> tuple[EventOverlap, Callable[[], Any] | None]:
+        """DeepEP's two overlap styles over this receive: a hook, an event (holding ``tensors``), or neither (the
+        receive runs now); returns ``(event, hook)``."""
+        if return_recv_hook:
+            return EventOverlap(None), self.wait
+        if async_finish:
+            return EventOverlap(self, tensors), None
+        self.wait()
+        return EventOverlap(None), None
 
 
 class Backend(abc.ABC):
@@ -94,11 +107,11 @@ class Backend(abc.ABC):
     def combine(self, call: CombineCall) -> InFlight: ...
 
     @abc.abstractmethod
-    def can_fuse(self, call: DispatchCall, ffn: FFN) -> bool:
+    def can_fuse(self, call: FusedCall, ffn: FFN) -> bool:
         """Whether this rank could run the fused call as one device op (every rank must agree before it does)."""
 
     @abc.abstractmethod
-    def mega_moe(self, call: DispatchCall, ffn: FFN, fused: bool) -> torch.Tensor:
+    def mega_moe(self, call: FusedCall, ffn: FFN, fused: bool) -> torch.Tensor:
         """The fused call: one device op when ``fused`` (every rank's :meth:`can_fuse` was), else the pipeline."""
 
     @abc.abstractmethod

@@ -13,7 +13,16 @@ import torch
 import torch.distributed as dist
 
 from ..backends import InFlight
-from ..core.call import FFN, CombineCall, DispatchCall
+from ..core.call import (
+    FFN,
+    CombineCall,
+    DispatchCall,
+    FlatCombine,
+    FlatDispatch,
+    FusedCall,
+    MaskedCombine,
+    MaskedDispatch,
+)
 from ..engine.exchange import engine_for
 from ..errors import invalid
 from ..handle import LowLatencyHandle
@@ -70,15 +79,21 @@ class AscendBackend(Backend):
 
     def dispatch(self, call: DispatchCall) -> InFlight:
         self.tag ^= 1
-        return InFlight(None, getattr(self, f"_{call.layout}_dispatch")(call))
+        if isinstance(call, MaskedDispatch):
+            return InFlight(None, self._masked_dispatch(call))
+        if isinstance(call, FlatDispatch):
+            return InFlight(None, self._flat_dispatch(call))
+        return InFlight(None, ascend_v2.dispatch(self, call))
 
     def combine(self, call: CombineCall) -> InFlight:
         self.tag ^= 1
-        return InFlight(None, getattr(self, f"_{call.layout}_combine")(call))
+        if isinstance(call, MaskedCombine):
+            return InFlight(None, self._masked_combine(call))
+        if isinstance(call, FlatCombine):
+            return InFlight(None, self._flat_combine(call))
+        return InFlight(None, ascend_v2.combine(self, call))
 
-    _expand_dispatch, _expand_combine = ascend_v2.dispatch, ascend_v2.combine
-
-    def _flat_dispatch(self, c: DispatchCall) -> tuple[torch.Tensor, ...]:
+    def _flat_dispatch(self, c: FlatDispatch) -> tuple[torch.Tensor, ...]:
         e, q = c.experts, c.quant
         ids, zero_num = map_no_expert(c.expert_ids, e.num_moe_experts, e.zero_expert_num)
         kw = dict(
@@ -96,7 +111,7 @@ class AscendBackend(Backend):
         )
         return self.ops.dispatch(c.x, ids, e.num_moe_experts, c.num_max, e.num_local, **kw)
 
-    def _flat_combine(self, c: CombineCall) -> torch.Tensor:
+    def _flat_combine(self, c: FlatCombine) -> torch.Tensor:
         e, (assist, counts, _) = c.experts, c.handle
         ids, zero_num = map_no_expert(c.expert_ids, e.num_moe_experts, e.zero_expert_num)
         kw = dict(
@@ -128,8 +143,8 @@ class AscendBackend(Backend):
             self._elastic = key, None if info is None else info.to(device), experts
         return self._elastic[1], self._elastic[2]
 
-    def _masked_dispatch(self, c: DispatchCall) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
-        if c.quant == "fp8_e4m3":
+    def _masked_dispatch(self, c: MaskedDispatch) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
+        if c.quant is not None and c.quant.deepep:
             raise invalid("quant_format", "fp8_e4m3 has no Ascend A2/A3 op; use_fp8 means int8_per_token here")
         r, num_local, n, hidden = self.num_ranks, c.experts.num_local, c.num_max, c.x.shape[1]
         x, topk_idx = pad_empty(c.x, c.expert_ids)
@@ -142,7 +157,7 @@ class AscendBackend(Backend):
         kw["global_bs"] = n * r  # kw: the combine's too (elastic_info: the mask as it was at dispatch)
         perf = {} if c.wait_stats is None else {"performance_info": c.wait_stats}
         expand_x, dynamic_scales, assist, _, ep_recv_counts, _, _ = self.ops.dispatch(
-            x, ids, c.experts.num_moe_experts, n, num_local, quant_mode=2 if c.quant else 0, **perf, **kw
+            x, ids, c.experts.num_moe_experts, n, num_local, quant_mode=0 if c.quant is None else 2, **perf, **kw
         )
         cum = ep_recv_counts[: num_local * r].long()
         counts = cum.diff(prepend=cum.new_zeros(1)).view(num_local, r)
@@ -160,21 +175,21 @@ class AscendBackend(Backend):
             return flat.new_empty((spare + 1, *flat.shape[1:])).index_copy_(0, dest, flat)[:spare]
 
         recv_x: Any = gather(expand_x).view(num_local, rn, hidden)
-        if c.quant:
+        if c.quant is not None:
             scales = gather(dynamic_scales[: flat_rows.numel()]).view(num_local, rn, 1)
             recv_x = (recv_x, scales.expand(-1, -1, hidden // 128))
         src_info = gather(assist.view(-1)[3 * flat_rows + 1].to(torch.int32)).view(num_local, rn)
         layout_range = ((counts.cumsum(1) - counts) << 32) | counts
         recv_count = per_expert.to(torch.int32)
         if c.recv_stats is not None:
-            c.recv_stats += recv_count
+            c.recv_stats.add_(recv_count)
         handle = LowLatencyHandle(src_info, layout_range, n, hidden, c.experts.num_moe_experts)
         rows = dest.clamp(max=spare - 1)  # combine gathers the flat order back (spare: any row)
         handle.backend_state = dict(assist=assist, counts=ep_recv_counts, op_experts=op_experts, kw=kw, rows=rows)
         return recv_x, recv_count, handle
 
-    def _masked_combine(self, c: CombineCall) -> torch.Tensor:
-        if c.comm_quant_mode:
+    def _masked_combine(self, c: MaskedCombine) -> torch.Tensor:
+        if c.logfmt:
             why = "no Ascend combine op takes DeepEP's LogFMT-10 rows (its comm_quant_mode 2 is int8 with per-8 scales)"
             raise invalid("use_logfmt", why + ": pass use_logfmt=False, or use backend='reference'")
         h, state = c.handle, c.handle.backend_state
@@ -191,11 +206,11 @@ class AscendBackend(Backend):
         combined = self.ops.combine(*args, **state["kw"])[: c.expert_ids.shape[0]]
         return combined if c.out is None else c.out.copy_(combined)
 
-    def can_fuse(self, call: DispatchCall, ffn: FFN) -> bool:
+    def can_fuse(self, call: FusedCall, ffn: FFN) -> bool:
         op, device_type = self.ops.fused_op, self.ops.device_type
         return op is not None and call.x.device.type == device_type and fused_op_blocker(call, ffn) is None
 
-    def mega_moe(self, call: DispatchCall, ffn: FFN, fused: bool) -> torch.Tensor:
+    def mega_moe(self, call: FusedCall, ffn: FFN, fused: bool) -> torch.Tensor:
         if not fused:  # the reference pipeline on the group (its own engine: the op's group, not the Buffer's)
             from ..engine.pipeline import run
 

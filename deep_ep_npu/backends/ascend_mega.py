@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.call import FFN, DispatchCall
+from ..core.call import FFN, FusedCall
 
 HIDDEN_ALIGN, INTERMEDIATE_ALIGN = 128, 64  # the A5 PTO MegaMoE kernel's tiling: K % 128 == 0, N % 64 == 0
 FUSED_X_DTYPES = (torch.bfloat16, torch.float16)  # the op's x / out dtypes (out is x's)
@@ -27,7 +27,7 @@ def fixpipe_scale_value(words: torch.Tensor) -> torch.Tensor:
     return words.to(torch.int32).contiguous().view(torch.float32)
 
 
-def fused_op_blocker(call: DispatchCall, ffn: FFN) -> str | None:
+def fused_op_blocker(call: FusedCall, ffn: FFN) -> str | None:
     """Why this call cannot use the fused op (None if it can)."""
     x, wdt, mask = call.x.dtype, ffn.w1.dtype, call.x_active_mask
     if x not in FUSED_X_DTYPES:
@@ -42,7 +42,7 @@ def fused_op_blocker(call: DispatchCall, ffn: FFN) -> str | None:
         return f"N = {ffn.w2.shape[1]} is not a multiple of {INTERMEDIATE_ALIGN}"
     if call.expert_ids.shape[1] > call.experts.num_moe_experts:
         return f"topK = {call.expert_ids.shape[1]} exceeds the {call.experts.num_moe_experts} experts"
-    if wdt != torch.int8 and (mask is not None or ffn.swiglu_limit > 0):
+    if wdt != torch.int8 and (mask is not None or callable(ffn.swiglu_limit) or (ffn.swiglu_limit or 0.0) > 0):
         return "the fused op's float-weight kernel ignores x_active_mask and swiglu_limit"
     return None
 
@@ -59,7 +59,7 @@ def route_no_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def fused_op_kwargs(
-    call: DispatchCall, ffn: FFN, group_name: str, prepare_weight: Callable[[torch.Tensor], torch.Tensor]
+    call: FusedCall, ffn: FFN, group_name: str, prepare_weight: Callable[[torch.Tensor], torch.Tensor]
 ) -> dict[str, Any]:
     """The keyword arguments of one fused-op call: one-item weight lists in the op's format, int32 ids; a -1 (no
     expert) goes to an expert the token does not list, with weight 0 (:func:`route_no_expert`: it adds 0, unless
@@ -90,7 +90,7 @@ def fused_op_kwargs(
     )
 
 
-def fused_mega_moe(ops: Any, group: dist.ProcessGroup, rank: int, call: DispatchCall, ffn: FFN) -> torch.Tensor:
+def fused_mega_moe(ops: Any, group: dist.ProcessGroup, rank: int, call: FusedCall, ffn: FFN) -> torch.Tensor:
     """One fused-op call (``ops``: the backend's, holding the op, the comm name and the weight cast)."""
     kwargs = fused_op_kwargs(call, ffn, ops.group_name(group, rank), ops.prepare_weight)
     ops.fused_op(**kwargs)

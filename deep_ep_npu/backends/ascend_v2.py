@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from ..core.call import CombineCall, DispatchCall
+from ..core.call import ExpandCombine, ExpandDispatch
 from ..engine import expand
 from ..errors import invalid
 from .ascend_ops import map_no_expert, pad_empty
 
 
-def dispatch(backend: Any, c: DispatchCall) -> Any:
+def dispatch(backend: Any, c: ExpandDispatch) -> Any:
     """``c`` (an ``expand`` call) on ``backend``'s ops: :mod:`~deep_ep_npu.engine.expand`'s outputs, the handle in
     them."""
     if c.x_sf is not None:
@@ -70,7 +70,7 @@ def dispatch(backend: Any, c: DispatchCall) -> Any:
 
 
 def _placed(
-    c: DispatchCall,
+    c: ExpandDispatch,
     payload: expand.Payload,
     sizes: tuple[int, int],
     expand_x: torch.Tensor,
@@ -113,18 +113,18 @@ def _placed(
     out.psum_per_expert.copy_(aligned.cumsum(0))
     out.counts.copy_(counts)
     if c.recv_stats is not None:
-        c.recv_stats += counts.to(c.recv_stats.dtype)
+        c.recv_stats.add_(counts.to(c.recv_stats.dtype))
     empty = torch.empty((0,), dtype=torch.int64, device=dev)  # (the expand layout's pairs: none)
     place = expand.Placement([], table[:rn], empty, empty, empty, counts, aligned, rn, sizes[1])
     return place, row, slot, out
 
 
-def combine(backend: Any, c: CombineCall) -> torch.Tensor:
+def combine(backend: Any, c: ExpandCombine) -> torch.Tensor:
     """``c`` (an ``expand`` call) on ``backend``'s ops: `[T, hidden]`."""
     if c.expert_scales is not None:
         why = "no Ascend combine op carries per-slot values back (no combined_topk_weights)"
         raise invalid("topk_weights", why + ": pass None, or use backend='reference'")
-    if c.shared_expert_x and len(c.shared_expert_x) > 1:
+    if len(c.bias) > 1:
         why = "the Ascend combine adds one shared_expert_x: pass one bias (their sum)"
         raise invalid("bias", why + ", or use backend='reference'")
     h, x = c.handle, c.x
@@ -140,7 +140,7 @@ def combine(backend: Any, c: CombineCall) -> torch.Tensor:
         is_last = (slot == torch.cat([last, last.new_full((1,), -1)])[row]).unsqueeze(1)
         rows[: row.numel()] = torch.where(is_last, partial.index_select(0, row), 0)
     ones = torch.ones((max(h.num_tokens, 1), k), dtype=torch.float32, device=x.device)
-    shared = pad_empty(c.shared_expert_x[0], h.topk_idx)[0] if c.shared_expert_x else None
+    shared = pad_empty(c.bias[0], h.topk_idx)[0] if c.bias else None
     global_bs = h.num_max_tokens_per_rank * backend.num_ranks
     args = (rows, *op["sent"], ones, h.num_experts)
     out = backend.ops.combine(*args, global_bs=global_bs, zero_expert_num=op["zero_num"], shared_expert_x=shared)

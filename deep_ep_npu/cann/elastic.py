@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .. import elastic
 from ..core import elastic as v2
 from ..core import rules
-from ..core.call import CombineCall
+from ..core.call import ExpandCombine
 from ..errors import invalid, null, shape
 from ..sizes import align
 
@@ -174,7 +174,7 @@ class ElasticBuffer:
                 raise invalid("bias", "is not supported: pass None")
             h = v2.owned_handle(handle.v2 if isinstance(handle, EPHandle) else handle, self._backend)
             experts = rules.plain_experts(self.world_size, self.rank, h.num_experts, "num_experts")
-            call = CombineCall("cann_elastic_combine", "expand", x, h.topk_idx, experts, h, expert_scales=topk_weights)
+            call = ExpandCombine("cann_elastic_combine", x, h.topk_idx, experts, h, expert_scales=topk_weights)
             call = dataclasses.replace(v2.combine(call, True, None), multiple_reduction=False)
         inflight = self._backend.combine(call)
         out = inflight.value if isinstance(inflight.value, tuple) else (inflight.value, None)

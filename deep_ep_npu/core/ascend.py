@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import invalid, null, shape
+from ..quant import Quant
 from ..sizes import ccl_buffer_bytes, ccl_buffer_mb
 from . import rules as checks
-from .call import CombineCall, DispatchCall, Experts
+from .call import Experts, FlatCombine, FlatDispatch
 from .platforms import dispatch_quant, hierarchy_rules
 from .rules import PLATFORM_NAMES, platform_feature
 
@@ -190,7 +191,7 @@ def recv_capacity(e: Experts, global_bs: int, topk: int) -> int:
 
 
 def tokens(
-    c: DispatchCall | CombineCall, x_param: str, x: Any, ids: Any
+    c: FlatDispatch | FlatCombine, x_param: str, x: Any, ids: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """x `[Bs, H]`, expert_ids `[Bs, K]` and ``c``'s x_active_mask and global_bs; returns x, ids (int64), the mask
     and global_bs_real. Only active ids are validated (the 1D mask's prefix, the 2D mask's True pairs); excluded
@@ -225,15 +226,22 @@ def tokens(
     return x, ids_, mask, global_bs
 
 
-def dispatch(c: DispatchCall) -> DispatchCall:
-    """A flat dispatch checked (no communication). ``c.quant`` holds ``(quant_mode, y_dtype, x_dtype,
-    scales_dtype)`` as given; the result holds the :class:`~deep_ep_npu.quant.Quant` to run, or None."""
+def quant(
+    quant_mode: object, y_dtype: object, x_dtype: object, scales_dtype: object, x: object, plat: str | None
+) -> Quant | None:
+    """The flat front-ends' quantization: None for the defaults (quant_mode 0, no dtypes), else
+    :func:`.platforms.dispatch_quant`'s."""
+    if type(quant_mode) is int and not quant_mode and y_dtype is None and x_dtype is None and scales_dtype is None:
+        return None
+    return dispatch_quant(quant_mode, y_dtype, x_dtype, scales_dtype, x, plat)
+
+
+def dispatch(c: FlatDispatch) -> FlatDispatch:
+    """A flat dispatch checked (no communication; its ``quant`` from :func:`quant`)."""
     e = c.experts
     x, ids, mask, global_bs = tokens(c, "x", c.x, c.expert_ids)
     w, hidden, topk = e.world_size, x.shape[1], ids.shape[1]
-    mode, y_dtype, x_dtype, scales_dtype = c.quant
-    default = type(mode) is int and not mode and y_dtype is None and x_dtype is None and scales_dtype is None
-    quant = None if default else dispatch_quant(mode, y_dtype, x_dtype, scales_dtype, x.dtype, e.platform)
+    quant = c.quant
     checks.one_of(c.expert_token_nums_type, "expert_token_nums_type", (0, 1))
     rows, smooth, unused = e.shared_expert_num + e.scales_experts, c.names.get("scales", "scales"), e.scales_shared
     if c.scales is not None and unused and tuple(getattr(c.scales, "shape", ())) == (unused + rows, hidden):
@@ -263,7 +271,6 @@ def dispatch(c: DispatchCall) -> DispatchCall:
         x=x,
         expert_ids=ids,
         x_active_mask=mask,
-        quant=quant,
         scales=scales,
         expert_scales=weights,
         wait_stats=perf,
@@ -272,7 +279,7 @@ def dispatch(c: DispatchCall) -> DispatchCall:
     )
 
 
-def combine(c: CombineCall) -> CombineCall:
+def combine(c: FlatCombine) -> FlatCombine:
     """A flat combine checked (no communication); ``c.handle`` is ``(assist_info_for_combine, ep_send_counts,
     tp_send_counts)`` as given."""
     e = c.experts
@@ -332,9 +339,10 @@ def combine(c: CombineCall) -> CombineCall:
     num_rows = num_peer = -1  # (not read: the engine reads them, the Ascend op takes the tensors)
     if checks.values_checked(counts):
         num_rows, num_peer = sent_rows(e, counts)
-        if e.tp_world_size == 2 and tp_counts.tolist() != [num_rows, num_peer][:: 1 - 2 * e.tp_rank_id]:
+        tp_list = tp_counts.tolist() if e.tp_world_size == 2 and tp_counts is not None else None
+        if tp_list is not None and tp_list != [num_rows, num_peer][:: 1 - 2 * e.tp_rank_id]:
             why = f"({num_rows} own rows, {num_peer} peer rows); pass dispatch's tp_recv_counts unchanged"
-            raise shape("tp_send_counts", f"{tp_counts.tolist()} does not match ep_send_counts {why}")
+            raise shape("tp_send_counts", f"{tp_list} does not match ep_send_counts {why}")
         capacity = recv_capacity(e, global_bs, topk)
         if not (0 <= num_rows <= capacity and 0 <= num_peer <= capacity and num_rows + num_peer <= expand_x.shape[0]):
             why = f"but expand_x has {expand_x.shape[0]} and A = {capacity}"

@@ -10,7 +10,7 @@ import torch
 from ..errors import invalid, null, shape
 from ..handle import EPHandle, EventHandle
 from . import rules
-from .call import CombineCall, DispatchCall
+from .call import ExpandCombine, ExpandDispatch
 
 SF_DTYPES = (torch.float32, torch.int32)  # 4-byte scale factors: fp32, or four UE8M0 bytes per int32
 NAMES = {"expert_ids": "topk_idx", "expert_scales": "topk_weights", "num_max": "num_max_tokens_per_rank",
@@ -56,7 +56,7 @@ def owned_handle(handle: object, owner: object) -> EPHandle:
     return handle
 
 
-def cached(c: DispatchCall, h: EPHandle, topk_idx: object, do_cpu_sync: object, *settings: object) -> None:
+def cached(c: ExpandDispatch, h: EPHandle, topk_idx: object, do_cpu_sync: object, *settings: object) -> None:
     """DeepEP's rules for reusing a handle: the layout is the handle's, only the values of x and topk_weights may
     change (also x's row format here: the rows' size, which every rank must agree on, is the handle's). ``settings``:
     num_experts, expert_alignment, num_max_tokens_per_rank (None: the handle's) and do_expand as passed."""
@@ -97,7 +97,7 @@ def experts_of(num_experts: object, num_ranks: int, rank: int) -> rules.Experts:
     return rules.plain_experts(num_ranks, rank, num_experts, "num_experts")
 
 
-def combine(c: CombineCall, multiple_reduction: bool, bias: object) -> CombineCall:
+def combine(c: ExpandCombine, multiple_reduction: bool, bias: object) -> ExpandCombine:
     """A V2 combine: ``c.handle`` this buffer's (:func:`owned_handle`), ``c.x`` its rows, ``c.expert_scales`` the
     weights to send back (None or per row / slot), ``bias`` None or one or two `[T, hidden]` tensors (added first)."""
     h = c.handle
@@ -116,7 +116,4 @@ def combine(c: CombineCall, multiple_reduction: bool, bias: object) -> CombineCa
     for i, b in enumerate(biases):
         name = f"bias[{i}]" if isinstance(bias, tuple) else "bias"
         rules.dims(rules.tensor(b, name, (x.dtype,), 2), name, (h.num_tokens, x.shape[1]), "[num_tokens, hidden]")
-    shared = biases or None
-    return dataclasses.replace(
-        c, x=x, expert_scales=weights, shared_expert_x=shared, multiple_reduction=multiple_reduction
-    )
+    return dataclasses.replace(c, x=x, expert_scales=weights, bias=tuple(biases), multiple_reduction=multiple_reduction)

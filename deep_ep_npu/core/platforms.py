@@ -82,10 +82,11 @@ def hierarchy_rules(c: Any, x_param: str, hidden: int, mask: torch.Tensor | None
 
 
 def dispatch_quant(
-    quant_mode: object, y_dtype: object, x_dtype: object, scales_dtype: object, dtype: torch.dtype, plat: str | None
+    quant_mode: object, y_dtype: object, x_dtype: object, scales_dtype: object, x: object, plat: str | None
 ) -> Quant | None:
-    """``quant_mode`` with ``y_dtype`` / ``x_dtype`` / ``scales_dtype`` (torch dtypes or torch_npu codes) for an x of
-    ``dtype``: the :class:`Quant` to run, None for quant_mode 0."""
+    """``quant_mode`` with ``y_dtype`` / ``x_dtype`` / ``scales_dtype`` (torch dtypes or torch_npu codes) for ``x``:
+    the :class:`Quant` to run, None for quant_mode 0."""
+    dtype = x.dtype if isinstance(x, torch.Tensor) else None
     mode = checks.in_range(quant_mode, "quant_mode", 0, 5, code="param")  # 0 none, 2 token, 3 per 128, 4 MX, 5 clip
     if mode == 1:
         why = "not implemented, its rounding and saturation are undocumented; allowed 0, 2, 3, 4 or 5"

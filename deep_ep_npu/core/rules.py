@@ -8,14 +8,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
+from typing import overload
 
 import torch
 
 from .. import envs, kernels
 from ..errors import invalid, null, shape
 from ..handle import LowLatencyHandle
+from ..quant import INT8_PER_TOKEN, Quant, deepep_fp8
 from ..sizes import align
-from .call import CombineCall, DispatchCall, Experts
+from .call import ExpandDispatch, Experts, MaskedCombine, MaskedDispatch
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations off the NPU (it takes bf16 / fp16)
 ID_DTYPES = (torch.int32, torch.int64)
@@ -197,25 +199,34 @@ def overlap_flags(async_finish: object, return_recv_hook: object) -> None:
 
 def deepep_quant(
     use_fp8: object, round_scale: object, use_ue8m0: object, quant_format: object, native: str
-) -> str | None:
+) -> Quant | None:
     """DeepEP's ``use_fp8`` / ``round_scale`` / ``use_ue8m0`` and our ``quant_format`` (``native``: the backend's):
-    the rows' format, None (x's dtype), ``"fp8_e4m3"`` or ``"int8_per_token"``."""
+    the rows' format, None (x's dtype), DeepEP's fp8 (:func:`~deep_ep_npu.quant.deepep_fp8`) or
+    :data:`~deep_ep_npu.quant.INT8_PER_TOKEN`."""
     use_fp8, rounded = flag(use_fp8, "use_fp8"), flag(round_scale, "round_scale")
     if flag(use_ue8m0, "use_ue8m0") and not rounded:
         raise invalid("use_ue8m0", "use_ue8m0=True requires round_scale=True (UE8M0 scales are powers of two)")
     if quant_format is not None:
         one_of(quant_format, "quant_format", QUANT_FORMATS)
-    quant = str(quant_format or native) if use_fp8 else None
-    if quant == "int8_per_token" and rounded:
+    if not use_fp8:
+        return None
+    if (quant_format or native) == "fp8_e4m3":
+        return deepep_fp8(rounded, bool(use_ue8m0))
+    if rounded:
         raise invalid("round_scale", "is not available with the int8_per_token format (scales are amax / 127)")
-    return quant
+    return INT8_PER_TOKEN
 
 
-def dispatch(c: DispatchCall) -> DispatchCall:
+@overload
+def dispatch(c: MaskedDispatch) -> MaskedDispatch: ...
+@overload
+def dispatch(c: ExpandDispatch) -> ExpandDispatch: ...
+def dispatch(c: MaskedDispatch | ExpandDispatch) -> MaskedDispatch | ExpandDispatch:
     """A masked or expand ``c`` checked (the flat layout's rules: :func:`.ascend.dispatch`)."""
-    e, n, names, masked = c.experts, c.num_max, c.names, c.layout == "masked"
+    e, n, names, masked = c.experts, c.num_max, c.names, isinstance(c, MaskedDispatch)
     x, ids = c.x, c.expert_ids  # (x checked by the front-end: V2 also takes a pre-quantized tuple)
-    if c.cached is None:
+    quant = c.quant if isinstance(c, MaskedDispatch) else None
+    if not isinstance(c, ExpandDispatch) or c.cached is None:
         param = names.get("expert_ids", "expert_ids")
         ids = expert_ids(ids, param, e.num_moe_experts, x.shape[0], MAX_TOPK if masked else 32, True)
         if x.shape[0] > n:
@@ -225,21 +236,22 @@ def dispatch(c: DispatchCall) -> DispatchCall:
     weights_param, stats_shape = names.get("expert_scales", "expert_scales"), "[L]" if masked else "[num_local_experts]"
     weights = shaped(c.expert_scales, weights_param, torch.float32, (x.shape[0], k), "[num_tokens, K]")
     stats = shaped(c.recv_stats, names["recv_stats"], torch.int32, (num_local,), stats_shape)
-    if c.quant is not None and hidden % 128:
+    if quant is not None and hidden % 128:
         raise shape("x", f"hidden = {hidden} must be a multiple of 128 with use_fp8 (per-128-channel scales)")
-    if c.quant is not None and c.use_ue8m0 and hidden % 512:
+    if quant is not None and quant.ue8m0 and hidden % 512:
         raise shape("x", f"hidden = {hidden} must be a multiple of 512 with use_ue8m0 (4 scales per int32)")
-    if masked:  # recv_x [L, R * N, hidden] and its int32 src_info
-        row_bytes = hidden * (1 if c.quant else x.element_size()) + (4 * hidden // 128 if c.quant else 0) + 4
+    if isinstance(c, MaskedDispatch):  # recv_x [L, R * N, hidden] and its int32 src_info
+        row_bytes = hidden * (1 if quant else x.element_size()) + (4 * hidden // 128 if quant else 0) + 4
         rows, what = e.num_moe_experts * n, f"recv_x (num_experts={e.num_moe_experts} x N={n} rows of hidden={hidden})"
         param = names["moe_expert_num"] if e.num_moe_experts > n else names["num_max"]
         wait = shaped(c.wait_stats, names["wait_stats"], torch.int64, (w,), "[R]")
-    else:  # DeepEP V2's worst case (no CPU sync): R * N rows, expanded: align(R * N * min(K, L) + (a - 1) * L, a)
-        row_bytes = hidden * x.element_size() + (0 if c.x_sf is None else 4 * c.x_sf.shape[1]) + 4 * k + 8
-        rows = align(w * n * min(k, num_local) + (c.alignment - 1) * num_local, c.alignment) if c.do_expand else w * n
-        what, param, wait = f"recv_x (R * N = {w * n} tokens, K = {k}, hidden = {hidden})", names["num_max"], None
-    fits(rows * row_bytes, x.device, param, what)
-    return dataclasses.replace(c, expert_ids=ids, expert_scales=weights, recv_stats=stats, wait_stats=wait)
+        fits(rows * row_bytes, x.device, param, what)
+        return dataclasses.replace(c, expert_ids=ids, expert_scales=weights, recv_stats=stats, wait_stats=wait)
+    # DeepEP V2's worst case (no CPU sync): R * N rows, expanded: align(R * N * min(K, L) + (a - 1) * L, a)
+    row_bytes = hidden * x.element_size() + (0 if c.x_sf is None else 4 * c.x_sf.shape[1]) + 4 * k + 8
+    rows = align(w * n * min(k, num_local) + (c.alignment - 1) * num_local, c.alignment) if c.do_expand else w * n
+    fits(rows * row_bytes, x.device, names["num_max"], f"recv_x (R * N = {w * n} tokens, K = {k}, hidden = {hidden})")
+    return dataclasses.replace(c, expert_ids=ids, expert_scales=weights, recv_stats=stats)
 
 
 def masked_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
@@ -261,13 +273,13 @@ def masked_handle(handle: object, num_ranks: int) -> LowLatencyHandle:
     return h
 
 
-def combine(c: CombineCall) -> CombineCall:
+def combine(c: MaskedCombine) -> MaskedCombine:
     """A masked combine checked (flat: :func:`.ascend.combine`; expand: :func:`.elastic.combine`)."""
     h, names = c.handle, c.names
     r, num_max, hidden = c.experts.world_size, h.num_max_dispatch_tokens_per_rank, h.hidden
     x = tensor(c.x, "x", ACT_DTYPES, 3)
     dims(x, "x", (h.src_info.shape[0], r * num_max, hidden), "[L, R * N, hidden] from the handle")
-    if c.comm_quant_mode and (x.dtype != torch.bfloat16 or hidden % 128):
+    if c.logfmt and (x.dtype != torch.bfloat16 or hidden % 128):
         why = f"LogFMT encodes bfloat16 rows in 128-channel groups; got {x.dtype}, hidden = {hidden}"
         raise invalid("use_logfmt", why)
     if c.zero_copy and x.dtype != torch.bfloat16:

@@ -6,12 +6,13 @@ layouts :mod:`.masked` (DeepEP), :mod:`.flat` (Ascend, its TP stage :mod:`.tp`) 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
     from ..transports.agreement import Agreement
+    from .flat import TPStage
     from .plan import Plan
     from .rows import Parts, RowFormat
 
@@ -26,18 +27,29 @@ class Layout(Protocol):
     (``encode()`` fills ``own_rows`` when they cannot come straight from the source); optional ``fields(d, out)``:
     writes the bytes of the rows ``out`` for rank d past the ones the encoder copied from ``source``."""
 
-    plan: Plan
-    fmt: RowFormat
-    source: torch.Tensor
-    weights: torch.Tensor | None
-    smooth: torch.Tensor | None
-    known: list[int] | None
-    vectors: Sequence[int]
-    fingerprint: Sequence[int]
-    names: Sequence[str]
-    agree_now: bool
-    tp: Any
+    @property
+    def plan(self) -> Plan: ...
+    @property
+    def fmt(self) -> RowFormat: ...
+    @property
+    def source(self) -> torch.Tensor: ...
+    @property
+    def weights(self) -> torch.Tensor | None: ...
+    @property
+    def smooth(self) -> torch.Tensor | None: ...
+    @property
+    def known(self) -> list[int] | None: ...
+    @property
+    def vectors(self) -> Sequence[int]: ...
+    @property
+    def fingerprint(self) -> Sequence[int]: ...
+    @property
+    def names(self) -> Sequence[str]: ...
+    @property
+    def agree_now(self) -> bool: ...
+    @property
+    def tp(self) -> TPStage | None: ...
 
     def place(self, parts: Parts, own: tuple[int, torch.Tensor], agreement: Agreement, wait_ns: int) -> None: ...
 
-    def result(self) -> Any: ...
+    def result(self) -> object: ...

@@ -7,6 +7,7 @@ is the same in reverse (:mod:`.reduce`). :class:`~deep_ep_npu.backends.InFlight`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -19,13 +20,25 @@ import torch.distributed as dist
 
 from .. import kernels, profiling
 from ..backends import Backend, InFlight
-from ..core.call import FFN, CombineCall, DispatchCall
+from ..core.call import (
+    FFN,
+    CombineCall,
+    DispatchCall,
+    FlatCombine,
+    FlatDispatch,
+    FusedCall,
+    MaskedCombine,
+    MaskedDispatch,
+)
 from ..errors import MoeDistributeError, invalid, shape
 from ..transports import Transport, create
-from ..transports.agreement import STATUS_OK, Agreement, Check, Send, TransportError, WindowTooSmall
+from ..transports.agreement import STATUS_OK, Agreement, Send, TransportError, WindowTooSmall
 from ..transports.early import early_bytes
 from ..transports.group import EPGroup
-from . import Layout, expand, flat, masked, pipeline, reduce
+from . import Layout, expand, flat, masked, pipeline
+from .pool import ResultPool
+from .reduce import CombineJob, reduce_own, reduce_remote
+from .reduce import check as check_returns
 from .rows import Parts, encoder
 from .tp import tp_agree
 
@@ -55,32 +68,6 @@ def check_names(agreement: Agreement, ep: EPGroup, names: Sequence[str], offset:
         if any(values[r] != values[ep.rank] for r in ep.live):
             msg = f"{agreement.op}: ranks disagree on {name} (per rank: {values}); it must be the same on all ranks"
             raise shape(name, msg)
-
-
-class ResultPool:
-    """New tensors for calls' results (:meth:`take`): a CPU result of :attr:`min_bytes` or more reuses the memory of
-    an earlier one whose every tensor and view is gone (a caching allocator, as a GPU's: a fresh page costs a page
-    fault, more than the copy that fills it); at most :attr:`max_blocks` blocks are kept."""
-
-    min_bytes, max_blocks = 1 << 20, 8
-
-    def __init__(self) -> None:
-        self.blocks: list[torch.UntypedStorage] = []
-
-    def take(self, shape_: tuple[int, ...], dtype: torch.dtype, device: torch.device, zeros: bool) -> torch.Tensor:
-        nbytes = math.prod(shape_) * dtype.itemsize
-        if device.type != "cpu" or nbytes < self.min_bytes:
-            return (torch.zeros if zeros else torch.empty)(shape_, dtype=dtype, device=device)
-        free = [s for s in self.blocks if torch._C._storage_Use_Count(s._cdata) == 1]  # (held by this list only)
-        block = next((s for s in free if nbytes <= s.nbytes() <= 2 * nbytes), None)
-        if block is None:
-            if len(self.blocks) >= self.max_blocks and free:
-                self.blocks.remove(free[0])
-            block = torch.empty((nbytes,), dtype=torch.uint8).untyped_storage()
-            if len(self.blocks) < self.max_blocks:
-                self.blocks.append(block)
-        out = torch.empty((0,), dtype=torch.uint8).set_(block)[:nbytes].view(dtype).view(shape_)
-        return out.zero_() if zeros else out
 
 
 class Engine(Backend):
@@ -154,134 +141,84 @@ class Engine(Backend):
     def dispatch(self, call: DispatchCall) -> InFlight:
         return self._run(lambda: self._dispatch(call))
 
-    def _layout(self, c: DispatchCall | CombineCall, what: str) -> Any:
-        """The layout module's ``what`` (``layout`` or ``combine_jobs``) of ``c``, for the next call's set of tensors
-        (it checks the call against a handle / capacity: a rejection is told to the peers)."""
+    def _begin(self, c: DispatchCall | CombineCall) -> contextlib.AbstractContextManager[None]:
+        """A call's layout is made for the next set of tensors; it checks the call against a handle / capacity: a
+        rejection is told to the peers."""
         self.tag ^= 1
         self.device = c.x.device
-        with self.rejecting(c.op, tp=c.experts.tp):
-            return getattr(LAYOUTS[c.layout], what)(c, self)
+        return self.rejecting(c.op, tp=c.experts.tp)
 
     def _dispatch(self, c: DispatchCall) -> InFlight:
-        layout: Layout = self._layout(c, "layout")
-        plan, fmt, me = layout.plan, layout.fmt, self.rank
-        encode = encoder(fmt, layout.source, plan, layout.weights, layout.smooth)
-        if (fields := getattr(layout, "fields", None)) is not None:  # (the row bytes past the source's)
-            encode = functools.partial(_then, encode, fields)
-        own_rows = self.scratch("dispatch_own", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
-
-        def own() -> None:  # placed now, while the rows travel (where the layout can)
-            place_own = getattr(layout, "place_own", lambda _, encode_own: encode_own())
-            place_own(own_rows, functools.partial(encode, False, me, own_rows))
-
-        def place(agreement: Agreement, parts: Parts, wait_ns: int) -> Any:
-            layout.place(parts, (me, own_rows), agreement, wait_ns)
-            return layout.result()
-
-        counts = [[n, k] for n, k in zip(plan.rows_per_dest, layout.known or [-1] * self.num_ranks, strict=True)]
-        more = getattr(layout, "check", None)
-        receive = self._exchange("dispatch", c.op, layout, counts, layout.vectors, encode, more, own, place)
-        return InFlight(receive, layout.result())
+        layout: Layout
+        with self._begin(c):
+            if isinstance(c, MaskedDispatch):
+                layout = masked.layout(c, self)
+            elif isinstance(c, FlatDispatch):
+                layout = flat.layout(c, self)
+            else:
+                layout = expand.layout(c, self)
+        return InFlight(self._exchange(c.op, DispatchRound(self, layout)), layout.result())
 
     def combine(self, call: CombineCall) -> InFlight:
-        first: list[Any] = []  # a shrink-mode re-run writes the tensor the first attempt returned
+        first: list[torch.Tensor] = []  # a shrink-mode re-run writes the tensor the first attempt returned
 
         def start() -> InFlight:
-            inflight = self._combine(call if not first else dataclasses.replace(call, out=first[0]))
+            again = call
+            if first and isinstance(call, MaskedCombine | FlatCombine):
+                again = dataclasses.replace(call, out=first[0])
+            inflight = self._combine(again)
             first.append(inflight.value)
             return inflight
 
         return self._run(start)
 
     def _combine(self, c: CombineCall) -> InFlight:
-        jobs: list[reduce.CombineJob] = self._layout(c, "combine_jobs")
+        with self._begin(c):
+            if isinstance(c, MaskedCombine):
+                jobs = masked.combine_jobs(c, self)
+            elif isinstance(c, FlatCombine):
+                jobs = flat.combine_jobs(c, self)
+            else:
+                jobs = expand.combine_jobs(c, self)
         last = len(jobs) - 1  # (a peer's rejection stops the next: only the last job starts before its agreement)
-        receives = [self._combine_job(c, job, i, i == last) for i, job in enumerate(jobs)]
+        receives = [self._exchange(c.op, CombineRound(self, job, i, i == last)) for i, job in enumerate(jobs)]
         outs = [out for job in jobs for out in (job.out, *(rider.out for rider in job.riders))]
         value = outs[0] if len(outs) == 1 else tuple(outs)
         return InFlight(lambda: [receive() for receive in receives] and value, value)
 
-    def _combine_job(self, c: CombineCall, job: reduce.CombineJob, i: int, last: bool) -> InFlight:
-        plan, me, group = job.plan, self.rank, [job, *job.riders]  # (riders: columns after the job's in each row)
-        starts = [sum(job.rows_per_src[:q]) for q in range(self.num_ranks)]
-        ends = [sum(j.fmt.row_bytes for j in group[: k + 1]) for k in range(len(group))]
-        columns = [slice(end - j.fmt.row_bytes, end) for j, end in zip(group, ends, strict=True)]
-
-        def write(remote: bool, q: int, out: torch.Tensor) -> None:
-            for j, cols in zip(group, columns, strict=True):
-                rows, dst, fmt = j.return_rows[starts[q] : starts[q] + j.rows_per_src[q]], out[:, cols], j.fmt
-                if fmt.quantized:
-                    fmt.encode(j.source.index_select(0, rows), dst)
-                elif not remote or not kernels.gather(j.source, rows, dst.view(fmt.dtype)):
-                    torch.index_select(j.source, 0, rows, out=dst.view(fmt.dtype))
-
-        # own rows now, unless the TP stage changes the source first or the handle is inconsistent (check raises)
-        early = job.tp is None and job.rows_per_src[me] == plan.pairs_per_dest[me]
-        scratches = [functools.partial(self.scratch, job=i + 100 * k) for k in range(len(group))]  # (own rows first)
-
-        def own() -> None:
-            for j, scratch in zip(group, scratches, strict=True):
-                reduce.reduce_own(j, scratch)
-
-        def finish(agreement: Agreement, parts: Parts, wait_ns: int) -> None:
-            for j, scratch, cols in zip(group, scratches, columns, strict=True):
-                reduce.reduce_remote(j, scratch, agreement, [(q, p[:, cols]) for q, p in parts], wait_ns)
-
-        more = functools.partial(reduce.check, job, self.ep)
-        # the rows each source returns are known (the handle): the payload starts before the agreement (see
-        # transports.early), when every agreeing rank's rows fit the bound, the same on every rank (``capacity``)
-        known = last and job.tp is None and 0 < job.capacity * ends[-1] <= self.early_bytes
-        counts = [[n, k if known else -1] for n, k in zip(job.rows_per_src, plan.pairs_per_dest, strict=True)]
-        vectors = (*job.rows_per_src, *plan.pairs_per_dest)
-        receive = self._exchange(
-            "combine", c.op, job, counts, vectors, write, more, own if early else None, finish, ends[-1]
-        )
-        return InFlight(receive, job.out)
-
-    def _exchange(
-        self,
-        kind: str,
-        op: str,
-        sender: Any,
-        counts: list[list[int]],
-        vectors: Sequence[int],
-        write: Callable[[bool, int, torch.Tensor], None],
-        more: Check | None,
-        own: Callable[[], None] | None,
-        finish: Callable[[Agreement, Parts, int], Any],
-        row_bytes: int = 0,
-    ) -> Callable[[], Any]:
-        """One exchange of ``sender`` (the layout or the combine job): send (``write(remote, d, out)``: the rows for
+    def _exchange(self, op: str, round_: DispatchRound | CombineRound) -> Callable[[], object]:
+        """One exchange of ``round_`` (a dispatch or a combine job): send (its ``write(remote, d, out)``: the rows for
         rank d; a TP pair's peer is told when the EP call fails before their agreement), check the headers (status,
-        ``more``, the fingerprint), run ``own()`` (if any) while the rows travel, and return the receive:
+        the round's ``check``, the fingerprint), run its ``own()`` while the rows travel, and return the receive: its
         ``finish(agreement, parts, wait_ns)``, timed when :data:`deep_ep_npu.profiling.enabled`."""
-        started, tp, device, r = time.perf_counter(), sender.tp, sender.source.device, self.num_ranks
+        started, sender, r = time.perf_counter(), round_.sender, self.num_ranks
+        tp, device = sender.tp, sender.source.device
         transport = self.transport_for(device, tp is not None)
-        shared = header(row_bytes or sender.fmt.row_bytes, vectors, sender.fingerprint, r)
-        self.wire[kind] = ([n * shared[0] for n, _ in counts], 8 * len(shared))  # (profiling.wire_stats)
+        shared = header(round_.row_bytes, round_.vectors, sender.fingerprint, r)
+        self.wire[round_.kind] = ([n * shared[0] for n, _ in round_.counts], 8 * len(shared))  # (wire_stats)
 
         def check(agreement: Agreement) -> None:
             check_status(agreement)
-            if more is not None:
-                more(agreement)
+            round_.check(agreement)
             check_names(agreement, self.ep, sender.names, 1 + 2 * r)
             check_names(agreement, self.ep, ("row size in bytes",), 0)  # (known to match before any row is read)
 
-        write_rows = functools.partial(write, transport is self.window)
+        write_rows = functools.partial(round_.write, transport is self.window)
         before = None if tp is None else tp.before_payload
         try:
-            ticket = transport.send(Send(op, counts, shared, write_rows, check, sender.agree_now, before, device))
+            ticket = transport.send(
+                Send(op, round_.counts, shared, write_rows, check, sender.agree_now, before, device)
+            )
         except (MoeDistributeError, TransportError) as err:
             if tp is not None:
                 tp.abort(err.code)
             if isinstance(err, TransportError):
                 raise named(err) from err
             raise
-        if own is not None:
-            own()
+        round_.own()
         send_s = time.perf_counter() - started
 
-        def receive() -> Any:
+        def receive() -> object:
             called = time.perf_counter()
             try:
                 got = ticket.receive()
@@ -289,11 +226,12 @@ class Engine(Backend):
                 raise named(err) from err
             received = time.perf_counter()
             try:
-                return finish(got.agreement, got.parts, got.wait_ns)
+                return round_.finish(got.agreement, got.parts, got.wait_ns)
             finally:
                 ticket.done()
                 if profiling.enabled:
-                    profiling.add(kind, send=send_s, wait=received - called, place=time.perf_counter() - received)
+                    times = dict(send=send_s, wait=received - called, place=time.perf_counter() - received)
+                    profiling.add(round_.kind, **times)
 
         return receive
 
@@ -302,11 +240,11 @@ class Engine(Backend):
         self.device = handle.src_info.device
         return self.reused(f"zero_copy{self.tag ^ 1}", (*handle.src_info.shape, handle.hidden), torch.bfloat16)
 
-    def can_fuse(self, call: DispatchCall, ffn: FFN) -> bool:
+    def can_fuse(self, call: FusedCall, ffn: FFN) -> bool:
         """No: the engine runs the pipeline (:mod:`.pipeline`)."""
         return False
 
-    def mega_moe(self, call: DispatchCall, ffn: FFN, fused: bool) -> torch.Tensor:
+    def mega_moe(self, call: FusedCall, ffn: FFN, fused: bool) -> torch.Tensor:
         return pipeline.run(self, call, ffn)
 
     def clean(self) -> None:
@@ -320,15 +258,81 @@ class Engine(Backend):
         self.results.blocks.clear()
 
 
-def _then(
-    encode: Callable[[bool, int, torch.Tensor], None],
-    fields: Callable[[int, torch.Tensor], None],
-    remote: bool,
-    d: int,
-    out: torch.Tensor,
-) -> None:
-    encode(remote, d, out)
-    fields(d, out)
+class DispatchRound:
+    """One dispatch's exchange of ``layout`` (:class:`.Layout`): ``write`` encodes the rows for a rank (then the
+    layout's ``fields``), ``own`` places this rank's own rows while the others travel (the layout's ``place_own``
+    where it has one), ``finish`` places the received ones and returns the layout's result."""
+
+    kind = "dispatch"
+
+    def __init__(self, engine: Engine, layout: Layout) -> None:
+        plan, fmt, me = layout.plan, layout.fmt, engine.rank
+        self.sender, self.me, self.row_bytes, self.vectors = layout, me, fmt.row_bytes, layout.vectors
+        self.encode = encoder(fmt, layout.source, plan, layout.weights, layout.smooth)
+        self.own_rows = engine.scratch("dispatch_own", (plan.rows_per_dest[me], fmt.row_bytes), torch.uint8)
+        known = layout.known or [-1] * engine.num_ranks
+        self.counts = [[n, k] for n, k in zip(plan.rows_per_dest, known, strict=True)]
+
+    def write(self, remote: bool, d: int, out: torch.Tensor) -> None:
+        self.encode(remote, d, out)
+        if (fields := getattr(self.sender, "fields", None)) is not None:  # (the row bytes past the source's)
+            fields(d, out)
+
+    def check(self, agreement: Agreement) -> None:
+        if (check := getattr(self.sender, "check", None)) is not None:
+            check(agreement)
+
+    def own(self) -> None:
+        encode_own = functools.partial(self.write, False, self.me, self.own_rows)
+        if (place_own := getattr(self.sender, "place_own", None)) is None:
+            return encode_own()
+        return place_own(self.own_rows, encode_own)
+
+    def finish(self, agreement: Agreement, parts: Parts, wait_ns: int) -> object:
+        self.sender.place(parts, (self.me, self.own_rows), agreement, wait_ns)
+        return self.sender.result()
+
+
+class CombineRound:
+    """The exchange of combine job ``i`` (its riders' rows in its wire rows, columns after its own): ``write`` sends
+    each source its rows back, ``own`` reduces this rank's own rows while the others travel (unless the TP stage
+    changes the source first or the handle is inconsistent: ``check`` raises), ``finish`` reduces the received ones."""
+
+    kind = "combine"
+
+    def __init__(self, engine: Engine, job: CombineJob, i: int, last: bool) -> None:
+        self.sender, self.group, self.ep = job, [job, *job.riders], engine.ep
+        r, me, plan = engine.num_ranks, engine.rank, job.plan
+        self.starts = [sum(job.rows_per_src[:q]) for q in range(r)]
+        ends = [sum(j.fmt.row_bytes for j in self.group[: k + 1]) for k in range(len(self.group))]
+        self.columns = [slice(end - j.fmt.row_bytes, end) for j, end in zip(self.group, ends, strict=True)]
+        self.row_bytes, self.vectors = ends[-1], (*job.rows_per_src, *plan.pairs_per_dest)
+        self.early = job.tp is None and job.rows_per_src[me] == plan.pairs_per_dest[me]
+        self.scratches = [functools.partial(engine.scratch, job=i + 100 * k) for k in range(len(self.group))]
+        # the rows each source returns are known (the handle): the payload starts before the agreement (see
+        # transports.early), when every agreeing rank's rows fit the bound, the same on every rank (``capacity``)
+        known = last and job.tp is None and 0 < job.capacity * ends[-1] <= engine.early_bytes
+        self.counts = [[n, k if known else -1] for n, k in zip(job.rows_per_src, plan.pairs_per_dest, strict=True)]
+
+    def write(self, remote: bool, q: int, out: torch.Tensor) -> None:
+        for j, cols in zip(self.group, self.columns, strict=True):
+            rows, dst, fmt = j.return_rows[self.starts[q] : self.starts[q] + j.rows_per_src[q]], out[:, cols], j.fmt
+            if fmt.quantized:
+                fmt.encode(j.source.index_select(0, rows), dst)
+            elif not remote or not kernels.gather(j.source, rows, dst.view(fmt.dtype)):
+                torch.index_select(j.source, 0, rows, out=dst.view(fmt.dtype))
+
+    def check(self, agreement: Agreement) -> None:
+        check_returns(self.sender, self.ep, agreement)
+
+    def own(self) -> None:
+        for j, scratch in zip(self.group, self.scratches, strict=True) if self.early else ():
+            reduce_own(j, scratch)
+
+    def finish(self, agreement: Agreement, parts: Parts, wait_ns: int) -> object:
+        for j, scratch, cols in zip(self.group, self.scratches, self.columns, strict=True):
+            reduce_remote(j, scratch, agreement, [(q, p[:, cols]) for q, p in parts], wait_ns)
+        return None
 
 
 def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], num_ranks: int) -> list[int]:
@@ -339,7 +343,6 @@ def header(row_bytes: int, vectors: Sequence[int], fingerprint: Sequence[int], n
     return [row_bytes, *vectors, *pad]
 
 
-LAYOUTS = {"masked": masked, "flat": flat, "expand": expand}  # each module's layout(call, engine), combine_jobs
 _ENGINES: dict[int, Engine] = {}
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import kernels
-from ..core.call import CombineCall, DispatchCall
+from ..core.call import ExpandCombine, ExpandDispatch
 from ..errors import shape
 from ..handle import EPHandle
 from ..transports.agreement import Agreement
@@ -118,7 +118,7 @@ class Outputs:
     """A V2 dispatch's outputs (``ElasticBuffer.dispatch``'s, and the tensors of its ``handle``: ``metadata`` is
     ``recv_src_metadata``, ``psum_per_rank`` / ``psum_per_expert`` / ``counts`` the prefix sums and counts)."""
 
-    def __init__(self, c: DispatchCall, p: Payload, num_rows: int, num_expanded: int, fresh: Fresh | None) -> None:
+    def __init__(self, c: ExpandDispatch, p: Payload, num_rows: int, num_expanded: int, fresh: Fresh | None) -> None:
         dev, k, r, num_local = c.x.device, p.num_topk, c.experts.world_size, c.experts.num_local
         rows = num_expanded if c.do_expand else num_rows
         new = torch.zeros if c.zero_padding else torch.empty
@@ -137,7 +137,7 @@ class Outputs:
         self.handle: EPHandle | None = None
 
 
-def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
+def sizes_of(c: ExpandDispatch, num_topk: int) -> tuple[int, int] | None:
     """The rows to allocate before the receive: a cached handle's, DeepEP's worst case without CPU sync (``R * N``
     rows, ``align(R * N * min(K, L) + (a - 1) * L, a)`` expanded rows), else None (exact, known at the receive)."""
     e, h, a = c.experts, c.cached, c.alignment
@@ -150,7 +150,7 @@ def sizes_of(c: DispatchCall, num_topk: int) -> tuple[int, int] | None:
 
 
 def new_handle(
-    c: DispatchCall, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None, state: dict[str, Any]
+    c: ExpandDispatch, out: Outputs, place: Placement | None, sizes: tuple[int, int] | None, state: dict[str, Any]
 ) -> EPHandle:
     """The handle of a fresh dispatch (``state``: what its backend keeps)."""
     num_rows, num_expanded = sizes or (place.num_rows, place.num_expanded)  # type: ignore[union-attr]
@@ -181,7 +181,7 @@ def new_handle(
 
 
 def receive(
-    c: DispatchCall,
+    c: ExpandDispatch,
     p: Payload,
     place: Placement,
     x: torch.Tensor,
@@ -217,7 +217,7 @@ def receive(
         out.psum_per_expert.copy_(psum - place.aligned + place.counts if c.do_expand else psum)
         out.counts.copy_(place.counts)
     if c.recv_stats is not None:
-        c.recv_stats += place.counts.to(c.recv_stats.dtype)
+        c.recv_stats.add_(place.counts.to(c.recv_stats.dtype))
     if out.handle is None:
         out.handle = c.cached or make_handle(out, place)
     out.handle.state["placement"] = place
@@ -230,7 +230,7 @@ class _Expand:
 
     weights, smooth, tp, names, agree_now = None, None, None, NAMES, False
 
-    def __init__(self, c: DispatchCall, engine: Any) -> None:
+    def __init__(self, c: ExpandDispatch, engine: Any) -> None:
         e, h = c.experts, c.cached
         self.c, self.ep = c, engine.ep
         self.payload = p = Payload(c.x, c.x_sf, c.expert_ids.shape[1])
@@ -240,7 +240,7 @@ class _Expand:
             no_mask = torch.zeros(e.world_size, dtype=torch.int32)
             self.plan = plan_topk(c.expert_ids, e.num_local, e.world_size, e.rank, no_mask, per_pair_rows=False)
         self.cached: Placement | None = None if h is None else h.state["placement"]
-        self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False, False)
+        self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False)
         self.source = c.x.contiguous().view(torch.uint8)  # the rows' x bytes: gathered straight into the send rows
         self.tail, self.slots = p.tail(c.x, c.x_sf, c.expert_scales), slot_table(self.plan, p.num_topk)
         self.own_placed = False
@@ -378,7 +378,7 @@ def _return_plan(h: EPHandle, rank: int, num_ranks: int, per_row: bool, by_rank:
     return out
 
 
-def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
+def combine_jobs(c: ExpandCombine, engine: Any) -> list[CombineJob]:
     """The combine of a V2 dispatch's rows ``c.x`` (and of ``c.expert_scales``, the weights to send back)."""
     h, x, rank, r = c.handle, c.x, c.experts.rank, c.experts.world_size
     place: Placement = h.state["placement"]
@@ -394,8 +394,9 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
         order = torch.argsort(src * (h.num_experts // r) + expert, stable=True)
         rows, rows_per_src, source = place.pair_pos[order], torch.bincount(src, minlength=r).tolist(), x
     plan, extra, weighted = _return_plan(h, rank, r, per_row, c.by_rank), None, c.expert_scales is not None
-    if c.shared_expert_x:  # the biases, first in the fp32 sum: at slot -1
-        tokens, bias = torch.arange(num_tokens, device=dev), sum(b.float() for b in c.shared_expert_x)
+    if c.bias:  # the biases, first in the fp32 sum: at slot -1
+        tokens, bias = torch.arange(num_tokens, device=dev), c.bias[0].float()
+        bias = bias if len(c.bias) == 1 else bias + c.bias[1].float()
         extra = (tokens, torch.full_like(tokens, -1), bias)
     fingerprint = (h.num_max_tokens_per_rank, h.num_experts, hidden, X_DTYPE_CODES[x.dtype], int(weighted))
     ones, out = torch.ones_like(plan.token, dtype=torch.float32), engine.fresh((num_tokens, hidden), x.dtype)

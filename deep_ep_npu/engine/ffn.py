@@ -21,6 +21,7 @@ product, then fp32, then fp16)."""
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,11 +72,14 @@ class Activation:
         return self.beta * torch.tanh(gate / self.beta) * torch.sigmoid(gate) * lin
 
 
-def swiglu(h: Tensor, limit: float | Activation = 0.0) -> Tensor:
+Limit = float | Callable[[Tensor], Tensor]  # a SwiGLU clamp (0: none) or an activation such as :class:`Activation`
+
+
+def swiglu(h: Tensor, limit: Limit = 0.0) -> Tensor:
     """``silu(gate) * up`` of `[num_rows, 2N]` `torch.float32` (gate first), with ``gate <= limit`` and
     ``|up| <= limit`` when ``limit > 0``; an :class:`Activation` instead of ``limit`` applies it. Returns
     `[num_rows, N]` fp32."""
-    if isinstance(limit, Activation):
+    if callable(limit):
         return limit(h)
     gate, up = h.chunk(2, dim=-1)
     if limit > 0:
@@ -91,7 +95,7 @@ def int8_expert_ffn(
     w2: Tensor,
     w2_scale: Tensor,
     out_dtype: torch.dtype,
-    swiglu_limit: float | Activation = 0.0,
+    swiglu_limit: Limit = 0.0,
 ) -> Tensor:
     """One expert's int8 FFN on already-quantized rows (the module docstring's formula): q `[num_rows, hidden]`
     `torch.int8` with per-token scales q_scale `[num_rows]` `torch.float32`; w1 `[hidden, 2N]` / w2 `[N, hidden]`
@@ -101,9 +105,7 @@ def int8_expert_ffn(
     return (int8_gmm(q2, w2, w2_scale).float() * s2.unsqueeze(1)).to(out_dtype)
 
 
-def float_expert_ffn(
-    x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype, swiglu_limit: float | Activation = 0.0
-) -> Tensor:
+def float_expert_ffn(x: Tensor, w1: Tensor, w2: Tensor, out_dtype: torch.dtype, swiglu_limit: Limit = 0.0) -> Tensor:
     """One expert's float FFN (the module docstring's formula, GMM1 and SwiGLU outputs rounded to the weights'
     dtype): x `[num_rows, hidden]`, w1 `[hidden, 2N]`, w2 `[N, hidden]` (each bf16 / fp16 / fp32); returns y
     `[num_rows, hidden]` with ``out_dtype``."""
@@ -122,7 +124,7 @@ def grouped_ffn(
     w1_scale: Tensor | None,
     w2_scale: Tensor | None,
     out_dtype: torch.dtype,
-    swiglu_limit: float | Activation = 0.0,
+    swiglu_limit: Limit = 0.0,
 ) -> Tensor:
     """GMM1 -> SwiGLU -> GMM2 over dispatch's expert-major rows for the local experts in ``experts`` (the others must
     have zero rows); returns y `[num_rows, hidden]` with ``out_dtype``, row-aligned with ``expand_x[:num_rows]``.

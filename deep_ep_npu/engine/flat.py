@@ -17,7 +17,7 @@ import torch
 from .. import kernels
 from ..core import ascend
 from ..core.ascend import OP_COMM_ALGS
-from ..core.call import CombineCall, DispatchCall, Experts
+from ..core.call import Experts, FlatCombine, FlatDispatch
 from ..core.platforms import SCALAR_TYPE_CODE
 from ..core.rules import values_checked
 from ..errors import shape
@@ -41,15 +41,15 @@ class _Flat:
 
     known, vectors, agree_now, names = None, (), True, NAMES
 
-    def __init__(self, c: DispatchCall, engine: Any) -> None:
+    def __init__(self, c: FlatDispatch, engine: Any) -> None:
         e, x, q = c.experts, c.x, c.quant
         self.c, self.ep, self.source, dev = c, engine.ep, x, x.device
-        per_pair = q is not None and c.scales is not None
-        self.plan = plan = plan_call(e, c.expert_ids, c.x_active_mask, engine.mask, per_pair)
+        scales = c.scales if q is not None else None
+        self.plan = plan = plan_call(e, c.expert_ids, c.x_active_mask, engine.mask, scales is not None)
         self.weights = None if c.expert_scales is None else pair_weights(plan, c.expert_scales, c.expert_ids.shape[1])
-        self.smooth = smooth_rows(e, plan, c.scales, c.expert_ids.shape[1]) if per_pair else None
+        self.smooth = None if scales is None else smooth_rows(e, plan, scales, c.expert_ids.shape[1])
         topk, hidden, tp, cap = c.expert_ids.shape[1], x.shape[1], 1 if e.tp is None else 2, c.capacity
-        self.fmt = fmt = RowFormat(hidden, x.dtype, q, topk + e.shared_expert_num, self.weights is not None, False)
+        self.fmt = fmt = RowFormat(hidden, x.dtype, q, topk + e.shared_expert_num, self.weights is not None)
         self.fingerprint = fingerprint(c, fmt)
         width, scale_dtype = ((), torch.float32) if q is None else (q.scale_shape(hidden), q.scale_dtype)
         if q is None and c.scales is not None and c.scales.shape[1]:  # quant_mode 0 given scales: `[A, H]` zeros
@@ -149,15 +149,15 @@ class _Flat:
 layout = _Flat
 
 
-def static_round(engine: Any, c: DispatchCall | CombineCall) -> bool:
+def static_round(engine: Any, c: FlatDispatch | FlatCombine) -> bool:
     """Whether the flat call ``c`` takes the static round of :mod:`.static_flat` (see there): values unchecked, the
     torch code on CPU tensors of a gloo group, routed experts, no smooth scales nor combine quantization."""
-    if c.layout != "flat" or c.x.device.type != "cpu" or kernels.library() is not None:  # (CPU: the torch code)
+    if c.x.device.type != "cpu" or kernels.library() is not None:  # (CPU: the torch code)
         return False
     e, coll = c.experts, engine.collective
     if not (e.plain and e.logical_rank >= 0 and not e.shared_expert_num and e.num_local > 0 and e.tp is None):
         return False
-    if isinstance(c, DispatchCall):
+    if isinstance(c, FlatDispatch):
         simple = c.quant is None or c.scales is None
     else:
         simple = not (c.comm_quant_mode or e.copy_expert_num or e.const_expert_num)
@@ -165,7 +165,7 @@ def static_round(engine: Any, c: DispatchCall | CombineCall) -> bool:
     return simple and on_round and not values_checked(c.x)  # (gloo's bounded receives: see transports.static)
 
 
-def fingerprint(c: DispatchCall, fmt: RowFormat) -> tuple[int, ...]:
+def fingerprint(c: FlatDispatch, fmt: RowFormat) -> tuple[int, ...]:
     """The words every rank's dispatch must agree on (:data:`NAMES`), then the batch size (:func:`check_batch`)."""
     e, x, q = c.experts, c.x, c.quant
     return (
@@ -186,7 +186,7 @@ def fingerprint(c: DispatchCall, fmt: RowFormat) -> tuple[int, ...]:
     )
 
 
-def check_batch(c: DispatchCall, ep: Any, agreement: Agreement) -> None:
+def check_batch(c: FlatDispatch, ep: Any, agreement: Agreement) -> None:
     """``global_bs`` 0 needs the same Bs on every rank (the fingerprint's last word)."""
     batch = [fp[1 + 2 * ep.num_ranks + len(NAMES)] for fp in agreement.shared]
     if c.global_bs == 0 and len({batch[r] for r in ep.live}) > 1:
@@ -194,7 +194,7 @@ def check_batch(c: DispatchCall, ep: Any, agreement: Agreement) -> None:
         raise shape("global_bs", why)
 
 
-def combine_fingerprint(c: CombineCall) -> tuple[int, ...]:
+def combine_fingerprint(c: FlatCombine) -> tuple[int, ...]:
     """The words every rank's combine must agree on (:data:`COMBINE_NAMES`)."""
     e = c.experts
     return (
@@ -234,7 +234,7 @@ def return_rows(assist: torch.Tensor, num_rows: int, mask: torch.Tensor) -> tupl
     return order, per_src.tolist()
 
 
-def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
+def combine_jobs(c: FlatCombine, engine: Any) -> list[CombineJob]:
     """The combine of a flat dispatch's rows ``c.x`` (TP: the ReduceScatterV over the pair runs after the agreement
     step, before the EP return)."""
     e, x, hidden = c.experts, c.x, c.x.shape[1]
@@ -271,10 +271,10 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     max_bs, k = c.global_bs // e.world_size or c.expert_ids.shape[0], c.expert_ids.shape[1]
     job.capacity = max_bs * k  # (the rows one source returns: its tokens' pairs here)
     job.on_wait = partial(add_wait_time, c.wait_stats)
-    if e.tp is not None:
+    if (tp := e.tp) is not None:
 
         def reduce_scatter() -> bool:
-            job.source = tp_reduce_scatter(e.tp, e.tp_rank_id, x, num_rows, num_peer)
+            job.source = tp_reduce_scatter(tp, e.tp_rank_id, x, num_rows, num_peer)
             return True  # the rows to return changed: write them again
 
         job.tp = TPStage(e, c.op, x, bool(c.comm_quant_mode), job.fmt.row_bytes, reduce_scatter)

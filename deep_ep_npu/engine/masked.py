@@ -6,18 +6,19 @@ Combine reduces in fp32 at the source: own experts first, then the remote ranks 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from .. import kernels
-from ..core.call import CombineCall, DispatchCall
+from ..core.call import MaskedCombine, MaskedDispatch
 from ..errors import shape
 from ..handle import LowLatencyHandle
 from ..transports.agreement import Agreement
 from .plan import plan_topk
 from .reduce import LOGFMT, CombineJob
-from .rows import DTYPE_CODES, QUANTS, Parts, RowFormat, parse
+from .rows import DTYPE_CODES, Parts, RowFormat, parse
 
 LOOP_BYTES = 1 << 18
 """Received data above which the layout is filled by one gather per expert instead of one scatter."""
@@ -35,19 +36,20 @@ class _Masked:
 
     known, vectors, agree_now, tp, weights, smooth, names = None, (), False, None, None, None, NAMES
 
-    def __init__(self, c: DispatchCall, engine: Any) -> None:
+    def __init__(self, c: MaskedDispatch, engine: Any) -> None:
         e, x, n = c.experts, c.x, c.num_max
         r, num_local, hidden = e.world_size, e.num_local, x.shape[1]
         self.c, self.rank, self.source = c, e.rank, x
         self.plan = plan_topk(c.expert_ids, num_local, r, e.rank, engine.mask, per_pair_rows=False)
-        self.fmt = fmt = RowFormat(hidden, x.dtype, c.quant, c.expert_ids.shape[1], False, c.round_scale)
-        self.fingerprint = (n, e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], QUANTS.index(c.quant), fmt.row_bytes)
+        self.fmt = fmt = RowFormat(hidden, x.dtype, q := c.quant, c.expert_ids.shape[1], False)
+        code = 0 if q is None else 1 if q.deepep else 2  # (the format: none, DeepEP's fp8, int8 per token)
+        self.fingerprint = (n, e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], code, fmt.row_bytes)
         out, reused = f"dispatch_out{engine.result_set}_", engine.reused  # the two alternating sets: no page faults
         engine.result_set ^= 1
         self.recv_x = reused(out + "x", (num_local, r * n, hidden), fmt.data_dtype)
         self.scales = None
-        if c.quant is not None:  # DeepEP allocates [L, groups, R * N] and transposes: tokens have stride 1
-            groups, scale_dtype = (hidden // 512, torch.int32) if c.use_ue8m0 else (hidden // 128, torch.float32)
+        if q is not None:  # DeepEP allocates [L, groups, R * N] and transposes: tokens have stride 1
+            groups, scale_dtype = (hidden // 512, torch.int32) if q.ue8m0 else (hidden // 128, torch.float32)
             self.scales = reused(out + "scales", (num_local, groups, r * n), scale_dtype).transpose(1, 2)
         self.src_info = reused(out + "src_info", (num_local, r * n), torch.int32)
         self.layout_range = reused(out + "layout_range", (num_local, r), torch.int64)
@@ -82,9 +84,9 @@ class _Masked:
             self.layout_range.copy_((begin << 32) | counts)
             self.recv_count.copy_(counts.sum(dim=1))
         if self.c.recv_stats is not None:
-            self.c.recv_stats += self.recv_count
+            self.c.recv_stats.add_(self.recv_count)
         if self.c.wait_stats is not None:
-            self.c.wait_stats += wait_ns
+            self.c.wait_stats.add_(wait_ns)
 
     def _write(self, parts: Parts, base: torch.Tensor) -> torch.Tensor:
         """Place the pairs of ``parts`` ((source, rows) in rank order) in each expert's rows from ``base[expert]``
@@ -110,8 +112,9 @@ class _Masked:
             if k is None:
                 self._write_torch(rows, src, pos, counts)
             elif self.scales is not None:
-                row, flat, int8 = pairs[0, :k], pairs[1, :k], fmt.quant != "fp8_e4m3"
-                if self.c.use_ue8m0 or not kernels.place_scales(rows, fmt.scale_off, row, flat, self.scales, int8):
+                row, flat, q = pairs[0, :k], pairs[1, :k], fmt.quant
+                int8 = q is not None and not q.deepep
+                if q is None or q.ue8m0 or not kernels.place_scales(rows, fmt.scale_off, row, flat, self.scales, int8):
                     self._write_scales(rows, row, flat)
         return counts
 
@@ -141,11 +144,15 @@ class _Masked:
         if self.scales is None:
             return
         rn, fmt = self.src_info.shape[1], self.fmt
-        s = fmt.scales(rows, row, self.c.use_ue8m0)
-        self.scales[flat // rn, flat % rn] = s if fmt.quant == "fp8_e4m3" else s.expand(-1, self.scales.shape[2])
+        s, fp8 = fmt.scales(rows, row), fmt.quant is not None and fmt.quant.deepep
+        self.scales[flat // rn, flat % rn] = s if fp8 else s.expand(-1, self.scales.shape[2])
 
 
 layout = _Masked
+
+
+def _add_wait(stats: torch.Tensor, agreement: Agreement, wait_ns: int) -> None:
+    stats.add_(wait_ns)
 
 
 def return_rows(handle: LowLatencyHandle, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -169,7 +176,7 @@ def return_rows(handle: LowLatencyHandle, mask: torch.Tensor) -> tuple[torch.Ten
     return rows + torch.arange(total, device=rows.device), count.sum(dim=0).tolist()
 
 
-def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
+def combine_jobs(c: MaskedCombine, engine: Any) -> list[CombineJob]:
     """The combine of a masked dispatch's rows (``c.x``, or with ``zero_copy`` the buffer's combine buffer)."""
     h, e = c.handle, c.experts
     (num_local, rn), hidden = h.src_info.shape, h.hidden
@@ -177,9 +184,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
     plan = plan_topk(c.expert_ids, num_local, e.world_size, e.rank, engine.mask, per_pair_rows=True)
     source = engine.scratch("zero_copy", (num_local, rn, hidden), torch.bfloat16) if c.zero_copy else c.x
     out = c.out if c.out is not None else source.new_empty((c.expert_ids.shape[0], hidden))
-    weights, wire, stats = c.expert_scales[plan.token, plan.slot], LOGFMT if c.comm_quant_mode else 0, c.wait_stats
+    weights, wire, stats = c.expert_scales[plan.token, plan.slot], LOGFMT if c.logfmt else 0, c.wait_stats
     fingerprint = (h.num_max_dispatch_tokens_per_rank, h.num_experts, hidden, DTYPE_CODES[c.x.dtype])
-    on_wait = None if stats is None else (lambda agreement, wait_ns: stats.add_(wait_ns))
     capacity = h.num_max_dispatch_tokens_per_rank * min(c.expert_ids.shape[1], num_local)  # (per source: N tokens)
     return [
         CombineJob(
@@ -194,7 +200,7 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
             COMBINE_NAMES,
             MISMATCH,
             by_slot=c.slot_order,
-            on_wait=on_wait,
+            on_wait=None if stats is None else partial(_add_wait, stats),
             capacity=capacity,
         )
     ]

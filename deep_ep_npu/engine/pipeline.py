@@ -13,24 +13,29 @@ from typing import Any
 import torch
 
 from ..core.ascend import recv_capacity
-from ..core.call import FFN, CombineCall, DispatchCall
-from ..quant import Quant
+from ..core.call import FFN, FlatCombine, FlatDispatch, FusedCall
+from ..quant import INT8_PER_TOKEN
 from .ffn import grouped_ffn
 
 DISPATCH, COMBINE = "moe_distribute_dispatch_v2", "moe_distribute_combine_v2"
 
 
+def segments(ffn: FFN) -> int:
+    assert ffn.num_segments is not None, "a checked FFN (core.fused.ffn)"
+    return ffn.num_segments
+
+
 def segment_experts(ffn: FFN, s: int, num_local: int) -> range:
     """Local experts computed in segment ``s``: contiguous groups of sizes differing by at most one with
     ``segment_by="expert"``, every local expert with ``"token"``."""
-    n = ffn.num_segments
+    n = segments(ffn)
     return range(num_local) if ffn.segment_by == "token" else range(s * num_local // n, (s + 1) * num_local // n)
 
 
-def pair_segments(call: DispatchCall, ffn: FFN) -> torch.Tensor:
+def pair_segments(call: FusedCall, ffn: FFN) -> torch.Tensor:
     """`[M, topK]` `torch.int64`: each pair's segment (-1: not routed), that of its local expert
     (``segment_by="expert"``) or of its token's chunk (``"token"``)."""
-    idx, n, num_local = call.expert_ids, ffn.num_segments, call.experts.num_local
+    idx, n, num_local = call.expert_ids, segments(ffn), call.experts.num_local
     if ffn.segment_by == "token":
         chunk = torch.arange(idx.shape[0], device=idx.device) * n // max(idx.shape[0], 1)
         return torch.where(idx >= 0, chunk.unsqueeze(1).expand_as(idx), -1)
@@ -38,21 +43,22 @@ def pair_segments(call: DispatchCall, ffn: FFN) -> torch.Tensor:
     return torch.where(idx >= 0, segment_of_local.to(idx.device)[idx.clamp(min=0) % num_local], -1)
 
 
-def run(backend: Any, call: DispatchCall, ffn: FFN, expert_token_nums: torch.Tensor | None = None) -> torch.Tensor:
+def run(backend: Any, call: FusedCall, ffn: FFN, expert_token_nums: torch.Tensor | None = None) -> torch.Tensor:
     """Run the pipelined dispatch -> GMM1 -> SwiGLU -> GMM2 -> combine of a validated fused call on ``backend``
     (its flat dispatch / combine); returns `[M, K]` with ``ffn.out_dtype``. Tokens outside the call's mask carry only
     -1 ids (validation), so they are not dispatched and their rows are 0. ``expert_token_nums`` (`[L]` integer,
     optional) is set to the rows each local expert received."""
-    e, ids, n, x = call.experts, call.expert_ids, ffn.num_segments, call.x
+    e, ids, n, x = call.experts, call.expert_ids, segments(ffn), call.x
+    out_dtype, limit = ffn.out_dtype, ffn.swiglu_limit
+    assert out_dtype is not None and limit is not None, "a checked FFN (core.fused.ffn)"
     global_bs = call.num_max * e.world_size
     segment = pair_segments(call, ffn)
     capacity = recv_capacity(e, global_bs, ids.shape[1])
     masks = [segment == s for s in range(n)]
-    quant = Quant(2, torch.int8) if ffn.w1_scale is not None else None
+    quant = INT8_PER_TOKEN if ffn.w1_scale is not None else None
     dispatch = [
-        DispatchCall(
+        FlatDispatch(
             DISPATCH,
-            "flat",
             x,
             ids,
             e,
@@ -65,7 +71,7 @@ def run(backend: Any, call: DispatchCall, ffn: FFN, expert_token_nums: torch.Ten
         for m in masks
     ]
     # expert segments' partial sums travel in fp32 (one rounding at the end); one segment is the whole sum already
-    wire_dtype = torch.float32 if ffn.segment_by == "expert" and n > 1 else ffn.out_dtype
+    wire_dtype = torch.float32 if ffn.segment_by == "expert" and n > 1 else out_dtype
     weights = (ffn.w1, ffn.w2, ffn.w1_scale, ffn.w2_scale)
 
     def receive(start: Future) -> Any:  # finishes an op whose send phase ran earlier on the same comm thread
@@ -92,13 +98,12 @@ def run(backend: Any, call: DispatchCall, ffn: FFN, expert_token_nums: torch.Ten
                 token_nums,
                 segment_experts(ffn, s, e.num_local),
                 *weights,
-                ffn.out_dtype,
-                ffn.swiglu_limit,
+                out_dtype,
+                limit,
             )
             num_rows = int(counts[e.world_size * e.num_local - 1])
-            combine = CombineCall(
+            combine = FlatCombine(
                 COMBINE,
-                "flat",
                 y.to(wire_dtype),
                 ids,
                 e,
@@ -117,4 +122,4 @@ def run(backend: Any, call: DispatchCall, ffn: FFN, expert_token_nums: torch.Ten
             out += partial.result().float()
     finally:
         comm.shutdown(wait=True, cancel_futures=True)
-    return out.to(ffn.out_dtype)
+    return out.to(out_dtype)

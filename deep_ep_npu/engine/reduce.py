@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import kernels, logfmt
-from ..core.call import CombineCall
+from ..core.call import FlatCombine
 from ..errors import shape
 from ..quant import Quant, mx_dequant, per_group_int8
 from ..transports.agreement import Agreement
@@ -208,7 +208,7 @@ def _accumulate(acc: torch.Tensor, y: torch.Tensor, token: torch.Tensor, weights
         acc.index_add_(0, token, y.float().mul_(weights))
 
 
-def special_contributions(c: CombineCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def special_contributions(c: FlatCombine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token `[n]`, slot `[n]`, value `[n, H]` fp32) of every active copy / const pair of a flat combine (ids
     ``moe_expert_num + [0, Z + C + Const)``, never sent: combine adds them locally; zero experts add nothing).
     ``c.ori_x`` `[Bs, H]`, ``c.const_expert_alpha_1`` / ``_alpha_2`` / ``_v`` `[const_expert_num, H]`. Values follow

@@ -14,12 +14,10 @@ from collections.abc import Callable
 import torch
 
 from .. import kernels
-from ..quant import FP8_DTYPE, GROUP, Quant, pack_ue8m0, scale_for_fp8_
+from ..quant import INT8_PER_TOKEN, Quant, pack_ue8m0
 from .plan import Plan
 
-QUANTS = (None, "fp8_e4m3", "int8_per_token")
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.int8: 4}  # dtypes in fingerprints
-INT8_PER_TOKEN = Quant(2, torch.int8)
 Parts = list[tuple[int, torch.Tensor]]  # received rows: (source rank, `[n, row_bytes]` uint8) in rank order
 
 
@@ -28,22 +26,20 @@ def align(x: int, a: int) -> int:
 
 
 class RowFormat:
-    """A dispatch row of ``hidden`` channels for one (dtype, quant, slots, weights) combination; ``quant``: None,
-    ``"fp8_e4m3"`` (DeepEP's), ``"int8_per_token"`` (= ``Quant(2, torch.int8)``) or a :class:`Quant`."""
+    """A dispatch row of ``hidden`` channels for one (dtype, quant, slots, weights) combination (``quant``: None or
+    a :class:`Quant`, DeepEP's fp8 included)."""
 
     def __init__(
         self,
         hidden: int,
         dtype: torch.dtype,
-        quant: str | Quant | None,
+        quant: Quant | None,
         num_slots: int,
         weights: bool,
-        round_scale: bool,
     ) -> None:
-        self.hidden, self.quant, self.round_scale, self.num_slots = hidden, quant, round_scale, num_slots
-        self.codec = INT8_PER_TOKEN if quant == "int8_per_token" else quant if isinstance(quant, Quant) else None
-        self.data_dtype = dtype if quant is None else FP8_DTYPE if self.codec is None else self.codec.dtype
-        scale_bytes = self.codec.scale_bytes(hidden) if self.codec else 4 * hidden // GROUP if quant else 0
+        self.hidden, self.quant, self.num_slots = hidden, quant, num_slots
+        self.data_dtype = dtype if quant is None else quant.dtype
+        scale_bytes = 0 if quant is None else quant.scale_bytes(hidden)
         self.data_bytes = hidden * self.data_dtype.itemsize
         self.scale_off = align(self.data_bytes, 4)
         self.scale_end = self.scale_off + scale_bytes
@@ -76,21 +72,15 @@ class RowFormat:
         """Fill ``out`` `[n, row_bytes]` uint8 with rows ``x[token]`` (``x`` `[T, hidden]`, ``token`` `[n]` int64),
         ``slot_expert`` `[n, num_slots]` int32, ``weights`` `[n, num_slots]` fp32 (or None) and int8 ``smooth``
         `[n, hidden]`; ``remote``: another process reads ``out`` (a peer's window)."""
-        if self.quant is None:
+        if (q := self.quant) is None:
             return self.copy_rows(out, x, token, slot_expert, weights, remote)
-        int8 = self.codec == INT8_PER_TOKEN and smooth is None
-        fp8 = self.quant == "fp8_e4m3" and not self.round_scale and weights is None and smooth is None
+        int8 = q == INT8_PER_TOKEN and smooth is None
+        fp8 = q.deepep and not q.round_scale and weights is None and smooth is None
         if int8 and kernels.pack_int8(x, token, slot_expert, weights, out, self):
             return None
         if fp8 and kernels.pack_fp8(x, token, slot_expert, out, self):
             return None
-        x_rows, scales = torch.index_select(x, 0, token), None
-        data = x_rows
-        if self.quant == "fp8_e4m3":
-            data = torch.empty(x_rows.shape, dtype=torch.float32, device=x_rows.device)  # cast to e4m3 by the copy
-            scales = scale_for_fp8_(data, x_rows, self.round_scale)
-        elif self.codec is not None:
-            data, scales = self.codec(x_rows, smooth)
+        data, scales = q(torch.index_select(x, 0, token), smooth)
         out[:, : self.data_bytes].view(self.data_dtype).copy_(data)
         if scales is not None:
             raw = scales.contiguous().view(torch.uint8).reshape(len(out), self.scale_end - self.scale_off)
@@ -143,11 +133,11 @@ class RowFormat:
         """Copy the data of ``rows[row]`` into ``out`` `[len(row), hidden]` (contiguous, ``data_dtype``)."""
         torch.index_select(self._data(rows), 0, row, out=out.view(torch.uint8).view(self.word))
 
-    def scales(self, rows: torch.Tensor, row: torch.Tensor, use_ue8m0: bool = False) -> torch.Tensor:
+    def scales(self, rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """Scales of ``rows[row]``: `[P, hidden // 128]` fp32 for fp8 (`[P, hidden // 512]` int32 UE8M0 with
-        ``use_ue8m0``), `[P, 1]` fp32 for int8."""
+        ``ue8m0``), `[P, 1]` fp32 for int8."""
         s = self.scale_bytes(rows, row).view(torch.float32)
-        return pack_ue8m0(s) if use_ue8m0 else s
+        return pack_ue8m0(s) if self.quant is not None and self.quant.ue8m0 else s
 
     def scale_bytes(self, rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """The raw scale bytes of ``rows[row]``: `[P, scale bytes]` uint8 (any scale dtype)."""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..backends import InFlight
-from ..core.call import CombineCall, DispatchCall
+from ..core.call import FlatCombine, FlatDispatch
 from ..errors import shape
 from ..transports import static
 from ..transports.agreement import Agreement
@@ -32,7 +32,7 @@ from .flat import COMBINE_NAMES, MISMATCH, NAMES, check_batch, combine_fingerpri
 from .rows import RowFormat
 
 
-def _sent(c: DispatchCall | CombineCall) -> torch.Tensor:
+def _sent(c: FlatDispatch | FlatCombine) -> torch.Tensor:
     """`[T, K]` bool: the pairs that travel (routed ids inside the active mask)."""
     ids, mask = c.expert_ids, c.x_active_mask
     sent = (ids >= 0) & (ids < c.experts.num_moe_experts)
@@ -48,13 +48,13 @@ def _care(num_words: int, skip: tuple[int, ...]) -> torch.Tensor:
     return care
 
 
-def dispatch(engine: Any, c: DispatchCall) -> InFlight:
+def dispatch(engine: Any, c: FlatDispatch) -> InFlight:
     """The flat dispatch ``c`` (checked by :func:`~deep_ep_npu.core.ascend.dispatch`) on ``engine``'s collective
     transport; the InFlight's value: :func:`~deep_ep_npu.ops.moe_distribute_dispatch_v2`'s 7 outputs."""
     e, x, q, dev = c.experts, c.x, c.quant, c.x.device
     r, (t, k), nl, n, a = e.world_size, c.expert_ids.shape, e.num_local, c.num_max or x.shape[0], c.capacity
     weights = c.expert_scales
-    fmt = RowFormat(x.shape[1], x.dtype, q, k, weights is not None, False)
+    fmt = RowFormat(x.shape[1], x.dtype, q, k, weights is not None)
     shared = header(fmt.row_bytes, (), fingerprint(c, fmt), r)
     sent = _sent(c)
     to = torch.arange(r, device=dev).view(r, 1, 1)
@@ -87,13 +87,13 @@ def dispatch(engine: Any, c: DispatchCall) -> InFlight:
         parts, wait_ns = receive()
         counts = _place(c, fmt, torch.stack(parts), bufs)
         if c.wait_stats is not None:
-            c.wait_stats += (counts.view(nl, r).sum(dim=0) > 0).to(torch.int64) * (wait_ns // 1000)
+            c.wait_stats.add_((counts.view(nl, r).sum(dim=0) > 0).to(torch.int64) * (wait_ns // 1000))
         return result
 
     return InFlight(finish, result)
 
 
-def _buffers(c: DispatchCall, fmt: RowFormat, a: int) -> dict[str, torch.Tensor]:
+def _buffers(c: FlatDispatch, fmt: RowFormat, a: int) -> dict[str, torch.Tensor]:
     """The outputs' buffers, zeros, each with a last row where the pairs that are not sent land."""
     e, dev = c.experts, c.x.device
     r, nl, (t, k), (width, scale_dtype) = e.world_size, e.num_local, c.expert_ids.shape, _scale_layout(c)
@@ -111,7 +111,7 @@ def _buffers(c: DispatchCall, fmt: RowFormat, a: int) -> dict[str, torch.Tensor]
     )
 
 
-def _scale_layout(c: DispatchCall) -> tuple[tuple[int, ...], torch.dtype]:
+def _scale_layout(c: FlatDispatch) -> tuple[tuple[int, ...], torch.dtype]:
     """``dynamic_scales``' shape per row and dtype."""
     q = c.quant
     if q is not None:
@@ -119,7 +119,7 @@ def _scale_layout(c: DispatchCall) -> tuple[tuple[int, ...], torch.dtype]:
     return ((c.scales.shape[1],) if c.scales is not None and c.scales.shape[1] else ()), torch.float32
 
 
-def _results(c: DispatchCall, b: dict[str, torch.Tensor], fmt: RowFormat, a: int) -> tuple[torch.Tensor, ...]:
+def _results(c: FlatDispatch, b: dict[str, torch.Tensor], fmt: RowFormat, a: int) -> tuple[torch.Tensor, ...]:
     """:func:`~deep_ep_npu.ops.moe_distribute_dispatch_v2`'s 7 outputs, views of the buffers ``b``."""
     width, scale_dtype = _scale_layout(c)
     scales = b["scales"][:a].view(scale_dtype).view(a, *width)
@@ -127,7 +127,7 @@ def _results(c: DispatchCall, b: dict[str, torch.Tensor], fmt: RowFormat, a: int
     return x, scales, b["assist"], b["token_nums"], b["recv_counts"], b["tp_counts"], b["expand_scales"][:-1]
 
 
-def _place(c: DispatchCall, fmt: RowFormat, got: torch.Tensor, b: dict[str, torch.Tensor]) -> torch.Tensor:
+def _place(c: FlatDispatch, fmt: RowFormat, got: torch.Tensor, b: dict[str, torch.Tensor]) -> torch.Tensor:
     """Place the rows ``got`` `[R, N, row_bytes]` (by source, then token) into the buffers ``b``; returns the pairs
     per (local expert, source) `[L * R]` int64."""
     r, n, k, nl, dev = got.shape[0], got.shape[1], fmt.num_slots, c.experts.num_local, got.device
@@ -160,7 +160,7 @@ def _place(c: DispatchCall, fmt: RowFormat, got: torch.Tensor, b: dict[str, torc
     return counts
 
 
-def combine(engine: Any, c: CombineCall) -> InFlight:
+def combine(engine: Any, c: FlatCombine) -> InFlight:
     """The flat combine ``c`` (checked by :func:`~deep_ep_npu.core.ascend.combine`) on ``engine``'s collective
     transport; the InFlight's value: x `[T, H]` in ``c.x``'s dtype."""
     e, x, dev = c.experts, c.x, c.x.device
@@ -214,7 +214,7 @@ def combine(engine: Any, c: CombineCall) -> InFlight:
         if c.x_active_mask is not None and c.x_active_mask.dim() == 1:
             acc = torch.where(torch.arange(t, device=dev).view(t, 1) < c.x_active_mask.sum(), acc, 0.0)
         if c.wait_stats is not None:
-            c.wait_stats += (dispatched[:r] > 0).to(torch.int64) * (wait_ns // 1000)
+            c.wait_stats.add_((dispatched[:r] > 0).to(torch.int64) * (wait_ns // 1000))
         return out.copy_(acc)
 
     return InFlight(finish, out)

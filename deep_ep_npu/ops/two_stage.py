@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..backends import InFlight
 from ..core import ascend, rules
 from ..core.ascend import platform
-from ..core.call import DispatchCall
+from ..core.call import FlatDispatch
 from ..engine.exchange import check_names, check_status, engine_for, header
 from ..engine.rows import DTYPE_CODES
 from ..errors import null, shape
@@ -78,15 +78,14 @@ def moe_distribute_dispatch_setup(
             shared_expert_rank_num=shared_expert_rank_num,
         )
         call = ascend.dispatch(
-            DispatchCall(
+            FlatDispatch(
                 DISPATCH_SETUP,
-                "flat",
                 x,
                 expert_ids,
                 experts,
                 global_bs=global_bs,
                 x_active_mask=x_active_mask,
-                quant=(quant_mode, y_dtype, None, None),
+                quant=ascend.quant(quant_mode, y_dtype, None, None, x, experts.platform),
                 scales=scales,
             )
         )

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..backends import InFlight
 from ..core import ascend
-from ..core.call import CombineCall, DispatchCall
+from ..core.call import FlatCombine, FlatDispatch
 from ..engine import flat, static_flat
 from ..engine.exchange import engine_for
 from ..errors import MoeDistributeError
@@ -161,16 +161,15 @@ def moe_distribute_dispatch_start(
             elastic_info=elastic_info,
         )
         call = ascend.dispatch(
-            DispatchCall(
+            FlatDispatch(
                 DISPATCH,
-                "flat",
                 x,
                 expert_ids,
                 experts,
                 global_bs=global_bs,
                 x_active_mask=x_active_mask,
                 expert_scales=expert_scales,
-                quant=(quant_mode, y_dtype, x_dtype, scales_dtype),
+                quant=ascend.quant(quant_mode, y_dtype, x_dtype, scales_dtype, x, experts.platform),
                 scales=scales,
                 wait_stats=performance_info,
                 expert_token_nums_type=expert_token_nums_type,
@@ -275,9 +274,8 @@ def moe_distribute_combine_start(
             combine=True,
         )
         call = ascend.combine(
-            CombineCall(
+            FlatCombine(
                 COMBINE,
-                "flat",
                 expand_x,
                 expert_ids,
                 experts,

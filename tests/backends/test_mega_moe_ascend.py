@@ -28,7 +28,7 @@ from deep_ep_npu.backends.ascend_mega import (
     fused_op_blocker,
     fused_op_kwargs,
 )
-from deep_ep_npu.core.call import FFN, DispatchCall, Experts
+from deep_ep_npu.core.call import FFN, Experts, FusedCall
 from deep_ep_npu.sim import fused
 from tests.api.test_mega_moe import _run_fused
 from tests.distributed import parallel_launch
@@ -46,7 +46,7 @@ def _no_torch_npu() -> bool:
 
 def _args(
     *, int8=True, hidden=256, n=128, x_dtype=torch.bfloat16, out_dtype=torch.bfloat16, idx=None, mask=None, limit=0.0
-) -> tuple[DispatchCall, FFN]:
+) -> tuple[FusedCall, FFN]:
     """A validated fused call of rank 1 of 2 (E_local 4, M 6, topK 2) and its FFN."""
     g = torch.Generator().manual_seed(0)
     m, topk, num_local, w = 6, 2, 4, 2
@@ -56,7 +56,7 @@ def _args(
     experts = Experts(w, 1, num_local * w, num_local, num_local, w, 1, (0, 1), scales_experts=num_local * w)
     x, weights = torch.randn((m, hidden), generator=g).to(x_dtype), torch.rand((m, topk), generator=g)
     ids = idx.long()
-    call = DispatchCall("mega_moe", "flat", x, ids, experts, num_max=8, x_active_mask=mask, expert_scales=weights)
+    call = FusedCall("mega_moe", x, ids, experts, num_max=8, x_active_mask=mask, expert_scales=weights)
     ffn = FFN(
         torch.zeros((num_local, hidden, 2 * n), dtype=wdt),
         torch.zeros((num_local, n, hidden), dtype=wdt),

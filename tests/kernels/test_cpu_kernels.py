@@ -14,6 +14,7 @@ import torch
 from deep_ep_npu import errors, kernels
 from deep_ep_npu.core import rules
 from deep_ep_npu.engine.plan import plan_topk
+from deep_ep_npu.quant import INT8_PER_TOKEN, deepep_fp8
 
 pytestmark = pytest.mark.skipif(kernels.unavailable() == "DEEP_EP_NPU_CPU_KERNELS=0", reason="kernels turned off")
 
@@ -169,7 +170,7 @@ def test_place_flat_matches_the_torch_placement(quant, weights):
 
     g = torch.Generator().manual_seed(5)
     hidden, k, num_local, world, cap = 64, 3, 4, 3, 60
-    fmt = RowFormat(hidden, torch.bfloat16, None if quant is None else Quant(quant, torch.int8), k, weights, False)
+    fmt = RowFormat(hidden, torch.bfloat16, None if quant is None else Quant(quant, torch.int8), k, weights)
     blocks = []
     for src, n in ((0, 7), (2, 5), (1, 6)):  # remote sources by rank, then this rank's own (rank 1)
         rows = torch.zeros((n, fmt.row_bytes), dtype=torch.uint8)
@@ -219,7 +220,7 @@ def test_place_scales_matches_the_torch_scatter(quant):
 
     g = torch.Generator().manual_seed(8)
     hidden, num_local, cap, n = 256, 3, 10, 9
-    fmt = RowFormat(hidden, torch.bfloat16, quant, 2, False, False)
+    fmt = RowFormat(hidden, torch.bfloat16, deepep_fp8() if quant == "fp8_e4m3" else INT8_PER_TOKEN, 2, False)
     rows = torch.randint(0, 256, (n, fmt.row_bytes), generator=g, dtype=torch.uint8)
     groups = hidden // 128
     k = 14
@@ -248,7 +249,7 @@ def test_pack_int8_matches_the_torch_quantization(dtype, weights):
     x[0] = torch.tensor([127.0, *[(j % 7 - 3) + 0.5 for j in range(hidden - 1)]])  # scale 1: ties to even
     x[1], x[2, 5], x[3, 7], x[4] = 0.0, float("nan"), float("inf"), -0.0
     x = x.to(dtype)
-    fmt = RowFormat(hidden, dtype, "int8_per_token", k, weights, False)
+    fmt = RowFormat(hidden, dtype, INT8_PER_TOKEN, k, weights)
     token = torch.tensor([0, 1, 3, 4, 5, 8, 0, 6])
     table = torch.randint(-1, 4, (token.numel(), k), generator=g, dtype=torch.int32)
     w = torch.rand(token.numel(), k, generator=g) if weights else None
@@ -288,7 +289,7 @@ def test_pack_fp8_matches_the_torch_quantization(dtype):
     x[1], x[5, :128] = 0.0, -0.0
     x[2, 3], x[3, 200], x[4, 300] = float("nan"), float("inf"), -float("inf")
     x = x.to(dtype)
-    fmt = RowFormat(hidden, dtype, "fp8_e4m3", k, False, False)
+    fmt = RowFormat(hidden, dtype, deepep_fp8(), k, False)
     token = torch.tensor([0, 1, 5, 6, 0])
     table = torch.randint(-1, 4, (token.numel(), k), generator=g, dtype=torch.int32)
     got = torch.zeros((token.numel(), fmt.row_bytes), dtype=torch.uint8)
