@@ -15,8 +15,8 @@ import torch
 
 from deep_ep_npu import ops
 from deep_ep_npu.errors import MoeDistributeError
-from tests.distributed import parallel_launch
-from tests.ops_oracle import Layout, RankInput, combine_oracle, dispatch_oracle, expert_fn, quant_int8
+from tests.support.distributed import parallel_launch
+from tests.support.ops_oracle import Layout, RankInput, combine_oracle, dispatch_oracle, expert_fn, quant_int8
 
 
 def _inputs(case: dict, world_size: int) -> tuple[list[RankInput], torch.Tensor | None]:

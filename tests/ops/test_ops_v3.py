@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import op_error, parallel_launch
 from tests.ops.test_ops_extended import make_case
-from tests.ops_oracle import expert_fn, from_bytes, to_bytes
+from tests.support.distributed import op_error, parallel_launch
+from tests.support.ops_oracle import expert_fn, from_bytes, to_bytes
 
 
 def _in_inference_mode(info, data: bytes):

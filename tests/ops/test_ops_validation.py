@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.distributed import op_error, parallel_launch
+from tests.support.distributed import op_error, parallel_launch
 
 NULL, PARAM, SHAPE = 161001, 161002, 561002
 H, E, K, BS = 16, 8, 2, 4

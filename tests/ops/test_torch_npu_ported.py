@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_npu import sim
-from tests.distributed import op_error, parallel_launch
-from tests.npu_golden import expert_ffn, init_routing, occurrence_index, quant_per_token, weighted_sum
+from tests.support.distributed import op_error, parallel_launch
+from tests.support.npu_golden import expert_ffn, init_routing, occurrence_index, quant_per_token, weighted_sum
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="a real torch_npu exists")
 

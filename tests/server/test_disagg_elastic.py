@@ -1,8 +1,9 @@
 """An elastic decode instance loses an EP rank mid-stream (prefill at EP 1 and decode at EP 2 ``--elastic`` as
 ``python -m server`` processes, the router in this process; rank 1 of the decode instance SIGKILLs itself at its
-41st combine, :mod:`tests.faults.sitecustomize`). Every expert has a replica on each rank (``--num-redundant-experts
-8``), so none is lost: the streams of rank 1 end with an error naming it, every other stream and every new request
-gets exactly the full model's tokens (an independent single-process oracle), and both sides free every KV block."""
+41st combine, :mod:`tests.support.faults.sitecustomize`). Every expert has a replica on each rank
+(``--num-redundant-experts 8``), so none is lost: the streams of rank 1 end with an error naming it, every other stream
+and every new request gets exactly the full model's tokens (an independent single-process oracle), and both sides free
+every KV block."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import httpx
 import pytest
 
 from server.router import Pool, create_router_app
-from tests.server.disagg_helpers import ROOT, TIMEOUT_S, Instance, metric, stream
-from tests.server.helpers import UvicornThread, wait_until
-from tests.server.test_eplb_failure import MODEL, PROMPT, oracle_greedy
+from tests.failure.test_eplb_failure import MODEL, PROMPT, oracle_greedy
+from tests.support.disagg import ROOT, TIMEOUT_S, Instance, metric, stream
+from tests.support.serving import UvicornThread, wait_until
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]

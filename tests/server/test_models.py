@@ -11,8 +11,8 @@ import torch
 
 from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config, read_hf_config
 from server.models import ExpertComm, LocalComm, ModelConfig
-from tests.server.paged import SlotCache
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.paged import SlotCache
 
 ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gpt_oss"]
 PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42]]

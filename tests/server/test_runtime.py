@@ -204,7 +204,7 @@ def _torchrun_rank(info, path: str) -> list[list[int]] | None:  # noqa: ANN001
 
 def test_torchrun_mode(qwen) -> None:  # noqa: ANN001
     """Under a torchrun-style group: rank 0 drives and is worker 0, rank 1 runs run_worker_from_env."""
-    from tests.distributed import parallel_launch
+    from tests.support.distributed import parallel_launch
 
     results = parallel_launch(2, _torchrun_rank, qwen[0], timeout=120)
     assert results[0] == qwen[1][:4] and results[1] is None

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 
-from tests.server.helpers import free_port
 from tests.server.test_models_ckpt import load_hf, make_checkpoint
+from tests.support.serving import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -15,8 +15,8 @@ import openai
 import pytest
 import torch
 
+from tests.failure.test_server_failure import real_server
 from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
-from tests.server.test_server_failure import real_server
 
 TOL = 2e-4  # fp32 log-probabilities of two implementations of one model
 

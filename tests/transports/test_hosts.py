@@ -1,5 +1,5 @@
-"""A group across simulated hosts (issue 28; :mod:`tests.hosts`): 2 hosts x 2 ranks, each host a network namespace
-with its own address and a private ``/dev/shm``.
+"""A group across simulated hosts (issue 28; :mod:`tests.support.hosts`): 2 hosts x 2 ranks, each host a network
+namespace with its own address and a private ``/dev/shm``.
 
 - Host identity: the ranks of one host see one identity, the two hosts two; the Buffer's "auto" transport is the
   spanning one (window within a host, torch.distributed across) and "shm" is refused naming the hosts.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import hosts
-from tests.distributed import parallel_launch
+from tests.support import hosts
+from tests.support.distributed import parallel_launch
 from tests.transports.test_transport import N
 from tests.transports.test_transport import _inputs as transport_inputs
 
@@ -145,14 +145,14 @@ def test_send_phase_waits_for_no_peer_across_hosts(two_hosts):
 
 def _one_dies(info, transport: str = "auto"):
     """Rank 3 (host 1, rank 2's window peer) dies before step 1; the survivors find it missing, mask it and keep
-    computing the oracle's results (:mod:`tests.transports.test_failure_shrink`'s experts and oracle)."""
+    computing the oracle's results (:mod:`tests.failure.test_failure_shrink`'s experts and oracle)."""
     import os
 
     import torch.distributed as dist
 
     from deep_ep_npu import Buffer
-    from tests.distributed import leave_together
-    from tests.transports import test_failure_shrink as shrink
+    from tests.failure import test_failure_shrink as shrink
+    from tests.support.distributed import leave_together
 
     buf = Buffer(info.group, enable_shrink=True, timeout=shrink.TIMEOUT, explicitly_destroy=True, transport=transport)
     name, masks, masked = buf._backend.transport.name, [], set()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from deep_ep_npu import Buffer, EPRankFailure
 from deep_ep_npu import kernels as cpu_kernels
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 12, 1.0
 
