@@ -144,13 +144,10 @@ def _mega_reads(info) -> tuple[list[str], bool, torch.Tensor, torch.Tensor]:
     sim.install()
     _policy("0")
     case = make_case(40, [6, 5], 128, 64, 3, 2, holes=0.2, inactive=[2, 1], swiglu_limit=0.5)
-    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
+    x, idx, p, w1, w2, *_ = case.rank_args(info.rank)
     kw = dict(
-        w1_scale=s1,
-        w2_scale=s2,
-        num_max_dispatch_tokens_per_rank=case.num_max,
+        case.keywords(info.rank, info.world_size),
         swiglu_limit=0.5,
-        num_experts=case.num_local * info.world_size,
         x_active_mask=case.mask(info.rank),
     )
     npu, ref = Buffer(info.group, backend="ascend"), Buffer(info.group, backend="reference")

@@ -42,9 +42,8 @@ def _run_fused(info, case: Case, kwargs: dict):
     kwargs = dict(kwargs)
     if kwargs.pop("sim", False):
         sim.install()
-    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
-    num_experts = case.num_local * info.world_size
-    kw = dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=case.num_max, num_experts=num_experts)
+    x, idx, p, w1, w2, *_ = case.rank_args(info.rank)
+    kw = case.keywords(info.rank, info.world_size)
     if case.active is not None:
         kw["x_active_mask"] = case.mask(info.rank)
     if case.swiglu_limit:
@@ -111,13 +110,8 @@ def _expect_errors(info, case: Case, bad_cases: list):
 
     results = []
     for bad in bad_cases:
-        x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
-        kw = dict(
-            w1_scale=s1,
-            w2_scale=s2,
-            num_max_dispatch_tokens_per_rank=case.num_max,
-            num_experts=case.num_local * info.world_size,
-        )
+        x, idx, p, w1, w2, *_ = case.rank_args(info.rank)
+        kw = case.keywords(info.rank, info.world_size)
         args = dict(x=x, topk_idx=idx, topk_weights=p, w1=w1, w2=w2)
         if info.rank == 1:
             for name, value in bad.items():
@@ -250,13 +244,8 @@ def _limit_off_variants(info, case: Case):
     """The same call with swiglu_limit omitted, None and 0.0."""
     from deep_ep_npu.mega_moe import mega_moe
 
-    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
-    kw = dict(
-        w1_scale=s1,
-        w2_scale=s2,
-        num_max_dispatch_tokens_per_rank=case.num_max,
-        num_experts=case.num_local * info.world_size,
-    )
+    x, idx, p, w1, w2, *_ = case.rank_args(info.rank)
+    kw = case.keywords(info.rank, info.world_size)
     return [
         mega_moe(info.group, x, idx, p, w1, w2, **kw, **extra)
         for extra in ({}, {"swiglu_limit": None}, {"swiglu_limit": 0.0})

@@ -6,7 +6,6 @@ frees every block it held. Nothing leaks: KV usage back to 0 and no bootstrap co
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from server.router import Pool, create_router_app
-from tests.support.disagg import TIMEOUT_S, Instance, body, established, metric, stream
+from tests.support.disagg import TIMEOUT_S, Instance, body, established, metric, serving, stream
 from tests.support.serving import UvicornThread, wait_until
 
 
@@ -26,15 +25,8 @@ def instances(tmp_path_factory):
         Instance(tmp, "prefill_b", "--disaggregation-mode", "prefill"),
         Instance(tmp, "decode", "--disaggregation-mode", "decode"),
     ]
-    try:
-        for instance in started:
-            instance.wait_serving()
+    with serving(started):
         yield started
-    finally:
-        for instance in started:
-            if instance.proc.poll() is None:
-                instance.proc.send_signal(signal.SIGTERM)
-                assert instance.proc.wait(timeout=30) == 0
 
 
 def _run(url: str, bodies: list[dict], after=None) -> list[dict]:

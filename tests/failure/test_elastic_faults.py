@@ -19,13 +19,12 @@ import pytest
 import torch
 
 from deep_ep_npu.eplb import placement_json
-from tests.failure.test_eplb_failure import MODEL, PROMPT, oracle_greedy
-from tests.server.test_server_launch import ROOT, _output, _stop, start_healthy
-from tests.support.serving import stream_completion
+from tests.support.launch import FAULTS, ROOT, output, start_healthy, stop
+from tests.support.serving import greedy, stream_completion
+from tests.support.tiny_moe import MODEL, PROMPT, oracle_greedy
 
 pytestmark = pytest.mark.slow
-FAULTS = os.path.join(ROOT, "tests", "support", "faults")
-STREAM = {"prompt": [1, 2, 3], "max_tokens": 120, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+STREAM = greedy([1, 2, 3], 120)
 
 
 def _serve_with_faults(tmp_path, faults: str, *extra: str) -> tuple[list[dict], str, list[list[int]], str]:  # noqa: ANN001
@@ -62,16 +61,16 @@ def _serve_with_faults(tmp_path, faults: str, *extra: str) -> tuple[list[dict], 
         threads = [threading.Thread(target=stream_completion, args=(url, STREAM, out)) for out in outs]
         for t, out in zip(threads, outs, strict=True):
             t.start()
-            assert out["first"].wait(60), _output(procs[0])
+            assert out["first"].wait(60), output(procs[0])
         for t in threads:
             t.join(timeout=120)
         with httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
             metrics = c.get("/metrics").text
-            body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            body = greedy(PROMPT, 8)
             new = [c.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] for _ in range(2)]
     finally:
-        _stop(procs)
-    return outs, metrics, new, _output(procs[0])
+        stop(procs)
+    return outs, metrics, new, output(procs[0])
 
 
 def _check(outs: list[dict], metrics: str, new: list[list[int]], log: str, lost: set[int]) -> None:

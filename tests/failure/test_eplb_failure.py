@@ -17,37 +17,10 @@ import httpx
 import torch
 
 from deep_ep_npu.eplb import placement_json
-from server.engine_api import SamplingParams
-from server.runtime import EngineConfig
-from server.runtime.workers.worker import PlanEntry, StepPlan, Worker
-from tests.failure.test_server_failure import real_server
-from tests.support.serving import stream_completion
+from tests.support.serving import greedy, stream_completion
+from tests.support.tiny_moe import MODEL, PROMPT, oracle_greedy, real_server
 
-MODEL = {
-    "architecture": "qwen3_moe",
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "moe_intermediate_size": 16,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "vocab_size": 256,
-}
-PROMPT = [7, 3, 9, 1]
-LONG = {"prompt": [1, 2, 3], "max_tokens": 300, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-
-
-def oracle_greedy(prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy tokens of the model on one process, every expert local."""
-    worker = Worker(EngineConfig(random_model=MODEL, max_num_seqs=4, max_model_len=512), 0, 1)
-    params = SamplingParams(max_tokens=num_tokens, temperature=0)
-    blocks = list(range(-(-512 // worker.cache.block_size)))
-    out = worker.execute(StepPlan([PlanEntry(0, 0, list(prompt), True, params, blocks, True)])).token_ids
-    while len(out) < num_tokens:
-        out += worker.execute(StepPlan([PlanEntry(0, len(prompt) + len(out) - 1, [out[-1]], True)])).token_ids
-    return out
+LONG = greedy([1, 2, 3], 300)
 
 
 def _kill_worker_1(options: dict) -> tuple[list[dict], str, list[list[int]]]:
@@ -67,7 +40,7 @@ def _kill_worker_1(options: dict) -> tuple[list[dict], str, list[list[int]]]:
         assert sorted(srv.engine.workers.lost) == [1], srv.engine.workers.lost
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             metrics = c.get("/metrics").text
-            body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            body = greedy(PROMPT, 8)
             token_ids = [c.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] for _ in range(3)]
     return outs, metrics, token_ids
 

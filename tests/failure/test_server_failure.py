@@ -9,63 +9,18 @@ step timeout (``step-timeout-s``) or the between-steps ping can catch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from server.api import create_app
-from server.api.serve import build_engine
-from server.config import build_config
 from tests.support.serving import UvicornThread, error_of, wait_until
+from tests.support.tiny_moe import STEP_TIMEOUT_S, real_server
 
-TINY_MODEL = {
-    "architecture": "qwen3_moe",
-    "hidden_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "moe_intermediate_size": 16,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "vocab_size": 256,
-}
-STEP_TIMEOUT_S = 2.0
 LONG = {"prompt": [1, 2, 3], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
-
-
-@contextlib.contextmanager
-def real_server(**options: object) -> Iterator[UvicornThread]:
-    """The app over a real 2-worker EP engine serving a tiny random model; ``srv.engine`` is the EPEngine."""
-    values = {
-        "ep-size": 2,
-        "backend": "reference",
-        "random-model": TINY_MODEL,
-        "max-num-seqs": 4,
-        "max-model-len": 512,
-        "step-timeout-s": STEP_TIMEOUT_S,
-        "log-level": "warning",
-        **options,
-    }
-    config = build_config(values)
-    engine = build_engine(config)
-    pids = [p.pid for p in engine.workers.procs]
-    try:
-        with UvicornThread(create_app(config, engine)) as srv:
-            srv.engine = engine
-            srv.worker_pids = pids
-            yield srv
-    finally:
-        engine.shutdown()
-        for pid in pids:  # a test that stopped a worker must not leave it stopped
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
 
 
 def assert_workers_gone(engine: object, timeout: float = 10.0) -> None:

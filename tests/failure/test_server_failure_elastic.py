@@ -18,12 +18,12 @@ import torch
 from server.engine_api import SamplingParams
 from server.runtime import EngineConfig
 from server.runtime.workers.worker import PlanEntry, StepPlan, Worker
-from tests.failure.test_server_failure import TINY_MODEL, real_server
-from tests.support.serving import stream_completion
+from tests.support.serving import greedy, stream_completion
+from tests.support.tiny_moe import TINY_MODEL, real_server
 
 STEP_TIMEOUT_S = 6.0  # the Buffers' collective timeout is a third of it
 PROMPT = [7, 3, 9, 1]
-LONG = {"prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+LONG = greedy([1, 2, 3], 400)
 
 
 def oracle_greedy(prompt: list[int], num_tokens: int, dropped_experts: set[int]) -> list[int]:
@@ -69,7 +69,7 @@ def test_elastic_mode_keeps_serving_on_the_survivor(sig: int, lost: int) -> None
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             assert c.get("/health").status_code == 200
             assert 'deep_ep_npu:ep_ranks_lost{model_name="random-qwen3-moe"} 1.0' in c.get("/metrics").text
-            body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            body = greedy(PROMPT, 8)
             token_ids = [c.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] for _ in range(2)]
         assert not srv.engine.workers.procs[lost].is_alive() and srv.engine.workers.procs[1 - lost].is_alive()
     masked = oracle_greedy(PROMPT, 8, dropped_experts={2 * lost, 2 * lost + 1})  # 4 experts, 2 per worker

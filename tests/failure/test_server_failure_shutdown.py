@@ -12,9 +12,9 @@ import time
 
 import httpx
 
-from tests.failure.test_server_failure import TINY_MODEL
-from tests.server.test_server_launch import _assert_all_exit, _descendants, _output, start_healthy
+from tests.support.launch import assert_all_exit, descendants, output, start_healthy
 from tests.support.serving import stream_completion
+from tests.support.tiny_moe import TINY_MODEL
 
 GRACE_S = 5  # uvicorn's timeout_graceful_shutdown in server/api/serve.py
 
@@ -43,7 +43,7 @@ def test_sigterm_finishes_short_requests_and_fails_long_ones_visibly() -> None:
 
     (proc,), url = start_healthy(command)
     try:
-        workers = _descendants(proc.pid)
+        workers = descendants(proc.pid)
         assert len(workers) >= 2
         common = {"prompt": [1, 2, 3], "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         short, long = {}, {}
@@ -70,10 +70,10 @@ def test_sigterm_finishes_short_requests_and_fails_long_ones_visibly() -> None:
             proc.kill()
     for t in threads:
         t.join(timeout=10)
-    assert code == 0, _output(proc)
+    assert code == 0, output(proc)
     assert took < GRACE_S + 10, f"shutdown took {took:.1f}s"
     assert (short["tokens"], short["finish"], short["done"]) == (60, "length", True), short
     # the long one did not finish: it must not look finished (no finish_reason, no clean [DONE] without an error)
     assert long["tokens"] < 4000 and long["finish"] is None, long
     assert long["broken"] is not None or (long["error"] is not None and long["done"]), long
-    _assert_all_exit(workers)
+    assert_all_exit(workers)

@@ -8,12 +8,12 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 import torch
 
-from tests.server.test_server_launch import _alive, _descendants, _environ
 from tests.support import hosts
 from tests.support.hosts_serving import (
     PROMPT,
@@ -23,8 +23,26 @@ from tests.support.hosts_serving import (
     stop_after_loss,
     stream,
 )
+from tests.support.launch import alive, descendants, proc_environ
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
+
+
+SHORT = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+def _stream_then(url: str, path: str, act: Callable[[], None]) -> tuple[list[float], str, list[float]]:
+    """Stream a completion from ``url`` and ``act()`` once its third token arrived: the tokens' arrival times, how the
+    stream ended, and when ``act`` ran (empty if the stream ended first)."""
+    acted: list[float] = []
+
+    def at_third(i: int) -> None:
+        if i == 2:
+            act()
+            acted.append(time.monotonic())
+
+    times, error = stream(url, os.path.basename(path), at_third)
+    return times, error, acted
 
 
 @pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "not-elastic"])
@@ -36,19 +54,11 @@ def test_host_killed_mid_stream(hosts_checkpoint, elastic: bool):
     step_timeout = 4.0
     args = ep4_args("--model", path, "--step-timeout-s", str(step_timeout), *(["--elastic"] if elastic else []))
     with serving_on_two_hosts(args) as (sim, nodes, url):
-        killed: list[float] = []
-
-        def kill_at_third(i: int) -> None:
-            if i == 2:
-                sim.kill_host(1)
-                killed.append(time.monotonic())
-
-        times, error = stream(url, os.path.basename(path), kill_at_third)
+        times, error, killed = _stream_then(url, path, lambda: sim.kill_host(1))
         assert killed, "the stream ended before host 1 was killed"
         http = httpx.Client(trust_env=False, timeout=60)
-        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         try:
-            after = http.post(url + "/v1/completions", json=body)
+            after = http.post(url + "/v1/completions", json=SHORT)
             health = http.get(url + "/health")
         except httpx.HTTPError as err:
             raise AssertionError(f"host 0 stopped serving ({err}):\n{node_log(nodes[0])[-2500:]}") from err
@@ -70,30 +80,22 @@ def test_host_cut_off_then_back(hosts_checkpoint):
     step_timeout = 4.0
     args = ep4_args("--model", path, "--step-timeout-s", str(step_timeout), "--elastic")
     with serving_on_two_hosts(args) as (sim, nodes, url):
-        host1 = [p for p in _descendants(nodes[1].pid) if _environ(p).get("RANK") is not None]
-        cut: list[float] = []
-
-        def cut_at_third(i: int) -> None:
-            if i == 2:
-                sim.cut(1)
-                cut.append(time.monotonic())
-
-        times, error = stream(url, os.path.basename(path), cut_at_third)
+        host1 = [p for p in descendants(nodes[1].pid) if proc_environ(p).get("RANK") is not None]
+        times, error, cut = _stream_then(url, path, lambda: sim.cut(1))
         assert error == "finished" and cut, error
         gap = max(b - a for a, b in zip(times, times[1:], strict=False))
         assert gap < 2 * step_timeout, (gap, node_log(nodes[0])[-3000:])
         http = httpx.Client(trust_env=False, timeout=60)
-        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        assert http.post(url + "/v1/completions", json=body).status_code == 200
+        assert http.post(url + "/v1/completions", json=SHORT).status_code == 200
         sim.uncut(1)
         # a rank that was inside a gloo wait when the link came back leaves once that wait gives up: within the
         # process groups' timeout (EngineConfig.dist_timeout_s, 120 s), then it reads its verdict
         deadline = time.monotonic() + 120 + 30
-        while [p for p in host1 if _alive(p)] and time.monotonic() < deadline:
+        while [p for p in host1 if alive(p)] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [p for p in host1 if _alive(p)], "host 1's ranks stayed:\n" + node_log(nodes[1])
+        assert not [p for p in host1 if alive(p)], "host 1's ranks stayed:\n" + node_log(nodes[1])
         assert "leaves the job" in node_log(nodes[1]), node_log(nodes[1])
-        assert http.post(url + "/v1/completions", json=body).status_code == 200
+        assert http.post(url + "/v1/completions", json=SHORT).status_code == 200
         lost = next(ln for ln in http.get(url + "/metrics").text.splitlines() if "ep_ranks_lost{" in ln)
         assert lost.endswith("} 2.0"), (lost, node_log(nodes[0]))
         stop_after_loss(nodes[0])
@@ -104,7 +106,8 @@ def test_lost_host_replicas_keep_every_expert(tmp_path):
     experts 0-3 and 4-7): host 1 killed mid-stream, the stream finishes, and new requests' greedy tokens equal the
     model with every expert (single-process oracle); no expert is lost."""
     from deep_ep_npu.eplb import placement_json
-    from tests.failure.test_eplb_failure import MODEL, oracle_greedy
+    from tests.support.serving import greedy
+    from tests.support.tiny_moe import MODEL, oracle_greedy
 
     rows = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7]] * MODEL["num_hidden_layers"])
     path = tmp_path / "placement.json"
@@ -115,7 +118,7 @@ def test_lost_host_replicas_keep_every_expert(tmp_path):
         times, ended = stream(url, "random-qwen3-moe", lambda i: i == 2 and sim.kill_host(1))
         assert ended == "finished", ended
         http = httpx.Client(trust_env=False, timeout=60)
-        body = {"prompt": [7, 3, 9, 1], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        body = greedy([7, 3, 9, 1], 8)
         got = http.post(url + "/v1/completions", json=body).json()["choices"][0]["token_ids"]
         metrics = http.get(url + "/metrics").text
         assert got == oracle_greedy([7, 3, 9, 1], 8), got

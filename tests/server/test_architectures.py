@@ -20,22 +20,14 @@ import torch
 from server.loader import load_model
 from server.models import LocalComm
 from server.models.buffer_comm import BufferComm
-from tests.server.test_models_ckpt import load_hf, make_checkpoint
+from tests.support.checkpoints import DEEPSEEK_V3_YARN, load_hf, make_checkpoint
 from tests.support.distributed import parallel_launch
 from tests.support.paged import SlotCache
 
 PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42]]
 STEPS = 6
 ATOL = 1e-4
-DEEPSEEK_YARN = {
-    "type": "yarn",
-    "factor": 40,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}  # DeepSeek-V3 / R1 (§2.6)
+DEEPSEEK_YARN = {"type": "yarn", **DEEPSEEK_V3_YARN}  # the legacy rope_scaling form
 # name -> (family, make_checkpoint keywords)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("qwen3_moe", {}),

@@ -22,7 +22,7 @@ from server.checkpoint import CheckpointError
 from server.config import build_config
 from server.loader import load_model, read_config
 from server.models import LocalComm
-from tests.server.test_models_ckpt import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 from tests.support.serving import UvicornThread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -21,7 +21,7 @@ from server.api.serve import build_engine
 from server.chat_template import ChatTemplate, ChatTemplateError, checkpoint_template
 from server.config import ConfigError, build_config
 from server.tokenizer import HFTokenizer
-from tests.server.test_models_ckpt import load_hf, make_checkpoint
+from tests.support.checkpoints import load_hf, make_checkpoint
 from tests.support.serving import FakeEngine, UvicornThread
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|User|>", "<|Assistant|>"]

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import threading
 
 import httpx
 import pytest
 
 from server.router import Pool, create_router_app
-from tests.failure.test_eplb_failure import MODEL, PROMPT, oracle_greedy
-from tests.support.disagg import ROOT, TIMEOUT_S, Instance, metric, stream
-from tests.support.serving import UvicornThread, wait_until
+from tests.support.disagg import TIMEOUT_S, Instance, metric, serving, stream
+from tests.support.launch import FAULTS, ROOT
+from tests.support.serving import UvicornThread, greedy, wait_until
+from tests.support.tiny_moe import MODEL, PROMPT, oracle_greedy
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
@@ -29,7 +29,7 @@ MAX_TOKENS = 60
 def instances(tmp_path):
     common = ("--max-model-len", "256", "--kv-cache-memory", "8M", "--max-num-seqs", "4")
     faults = {
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.path.join(ROOT, 'tests', 'faults')}",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{FAULTS}",
         "DEEP_EP_NPU_TEST_FAULTS": "1:combine:41",
     }
     started = [
@@ -51,19 +51,12 @@ def instances(tmp_path):
             env=faults,
         ),
     ]
-    try:
-        for instance in started:
-            instance.wait_serving()
+    with serving(started):
         yield started
-    finally:
-        for instance in started:
-            if instance.proc.poll() is None:
-                instance.proc.send_signal(signal.SIGTERM)
-                assert instance.proc.wait(timeout=30) == 0, instance.log_path.read_text()[-3000:]
 
 
 def _greedy(prompt: list[int]) -> dict:
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    return greedy(prompt, MAX_TOKENS)
 
 
 def test_a_decode_rank_lost_mid_stream_changes_no_token(instances):

@@ -11,7 +11,7 @@ import torch
 
 from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config, read_hf_config
 from server.models import ExpertComm, LocalComm, ModelConfig
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
 from tests.support.paged import SlotCache
 
 ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gpt_oss"]
@@ -186,3 +186,13 @@ def test_zero_token_step(arch: str) -> None:
     out = SlotCache(model, 1, 8).run(model, [], [])
     assert out.shape == (0, model.cfg.vocab_size)
     assert calls == [(0, model.cfg.hidden_size)] * len(model.moe_layers())
+
+
+def test_routing_is_decisive(tmp_path) -> None:  # noqa: ANN001
+    """The scaled router leaves a clear gap between the k-th and (k+1)-th expert probability."""
+    model = load_hf(make_checkpoint("qwen3_moe", str(tmp_path / "q")))
+    x = torch.randn(256, 64)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+    probs = torch.softmax(x @ model.model.layers[0].mlp.gate.weight.T, dim=-1)
+    top = probs.topk(3, dim=-1).values
+    assert (top[:, 1] - top[:, 2]).median() > 1e-2

@@ -8,7 +8,7 @@ import torch
 
 from server.loader import load_model
 from server.models.buffer_comm import BufferComm
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
 from tests.support.distributed import parallel_launch
 from tests.support.paged import SlotCache
 

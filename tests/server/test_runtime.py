@@ -16,7 +16,7 @@ import torch
 from server import LLM, SamplingParams
 from server.runtime import WorkerError
 from server.runtime.workers.worker import PlanEntry, StepPlan
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
 
 STEPS = 16
 PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([1, 5, 40, 9, 23, 2, 17, 33])]

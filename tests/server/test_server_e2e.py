@@ -14,7 +14,7 @@ import torch
 from server.api import create_app
 from server.api.serve import build_engine
 from server.config import build_config
-from tests.server.test_models_ckpt import load_hf, make_checkpoint
+from tests.support.checkpoints import load_hf, make_checkpoint
 from tests.support.serving import UvicornThread
 
 STEPS = 12

@@ -16,7 +16,6 @@ import httpx
 import openai
 import pytest
 
-from tests.server.test_server_launch import ROOT, TORCHRUN, _assert_all_exit, _descendants, _stop, start_healthy
 from tests.support import hosts
 from tests.support.hosts_serving import (
     ep4_args,
@@ -27,6 +26,7 @@ from tests.support.hosts_serving import (
     stop_rank0,
     wait_healthy,
 )
+from tests.support.launch import ROOT, TORCHRUN, assert_all_exit, descendants, start_healthy, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
 
@@ -38,7 +38,7 @@ def test_torchrun_two_hosts_equals_one_host(hosts_checkpoint):
     try:
         single_host = greedy(one_url, os.path.basename(path))
     finally:
-        _stop([one])
+        stop([one])
     with serving_on_two_hosts(args) as (_, nodes, url):
         got = greedy(url, os.path.basename(path))
         codes = stop_rank0(nodes)
@@ -64,7 +64,7 @@ def test_a3_two_node_commands():
             nodes.append(proc)
         url = f"http://{sim.addresses[0]}:8000"  # (the config's port)
         wait_healthy(url, nodes)
-        pids = set().union(*(_descendants(n.pid) for n in nodes))
+        pids = set().union(*(descendants(n.pid) for n in nodes))
         client = openai.OpenAI(
             base_url=url + "/v1",
             api_key="change-me",
@@ -79,4 +79,4 @@ def test_a3_two_node_commands():
         assert stop_rank0(nodes) == [0, 0], "\n".join(map(node_log, nodes))
     finally:
         sim.close()
-    _assert_all_exit(pids)
+    assert_all_exit(pids)

@@ -25,7 +25,7 @@ from server.cli import main as cli_main
 from server.config import ConfigError, build_config
 from server.runtime.engine_config import EngineConfig
 from server.runtime.workers import placement
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
 from tests.support.serving import UvicornThread
 
 STEPS = 6

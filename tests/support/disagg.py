@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 
-from tests.support.serving import free_port
+from tests.support.launch import ROOT, server_cmd
+from tests.support.serving import free_port, greedy
 
 RANDOM_MODEL = {
     "hidden_size": 64,
@@ -24,7 +26,6 @@ RANDOM_MODEL = {
     "num_experts": 8,
     "moe_intermediate_size": 32,
 }
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 6.0  # --disaggregation-timeout-s: the bound on every wait between the two sides
 # independent of the code under test: layers x (keys + values) x kv heads x head_dim x float32
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
@@ -59,30 +60,13 @@ class Instance:
     def __init__(self, tmp_path, name: str, *args: str, model: dict = RANDOM_MODEL, env: dict | None = None) -> None:
         self.log_path = tmp_path / f"{name}.log"
         self.bootstrap_port = free_port() if "prefill" in args else None
-        cmd = [
-            sys.executable,
-            "-m",
-            "server",
-            "--port",
-            "0",
-            "--random-model",
-            json.dumps(model),
-            "--max-num-seqs",
-            "8",
-            "--max-model-len",
-            "1100",
-            "--kv-cache-memory",
-            "32M",
-            "--backend",
-            "reference",
-            "--ep-size",
-            "1",
-            "--disaggregation-timeout-s",
-            str(TIMEOUT_S),
-            "--log-level",
-            "info",
-            *args,
-        ]
+        timeout = str(TIMEOUT_S)
+        cmd = server_cmd(
+            *("--random-model", json.dumps(model), "--max-num-seqs", "8", "--max-model-len", "1100"),
+            *("--kv-cache-memory", "32M", "--backend", "reference", "--ep-size", "1"),
+            *("--disaggregation-timeout-s", timeout, *args),
+            log_level="info",
+        )
         if self.bootstrap_port is not None:
             cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -104,6 +88,20 @@ class Instance:
         """SIGKILL the server process (its workers notice their pipe closing and exit)."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def serving(instances: list[Instance]) -> Iterator[list[Instance]]:
+    """``instances`` once each serves; on exit, SIGTERM to those still running, and each must exit with 0."""
+    try:
+        for instance in instances:
+            instance.wait_serving()
+        yield instances
+    finally:
+        for instance in instances:
+            if instance.proc.poll() is None:
+                instance.proc.send_signal(signal.SIGTERM)
+                assert instance.proc.wait(timeout=30) == 0, instance.log_path.read_text()[-3000:]
 
 
 def stream(url: str, body: dict, out: dict) -> None:
@@ -128,21 +126,6 @@ def stream(url: str, body: dict, out: dict) -> None:
     out["seconds"] = time.monotonic() - t0
 
 
-def _body(i: int, n: int, max_tokens: int) -> dict:
-    return {
-        "prompt": [(i * 31 + j * 7) % 240 + 1 for j in range(n)],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-
-
 def body(i: int, n: int, max_tokens: int) -> dict:
-    return {
-        "prompt": [(i * 31 + j * 7) % 240 + 1 for j in range(n)],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    """A greedy request of ``n`` prompt tokens drawn from ``i``."""
+    return greedy([(i * 31 + j * 7) % 240 + 1 for j in range(n)], max_tokens)

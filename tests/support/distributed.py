@@ -217,6 +217,20 @@ def op_error(fn: Callable[[], object]) -> tuple[int, str, str] | None:
     return None
 
 
+def error_mismatches(rank: int, errors: dict[str, tuple[int, str, str] | None], expect: dict) -> list[str]:
+    """A line per case of ``expect`` that this ``rank`` did not get as expected (``errors``: each case's
+    :func:`op_error`; ``expect``: case -> ``(code, param, text in the message)``, None for no error, or a list of
+    those per rank)."""
+    bad = []
+    for name, want in expect.items():
+        want = want[rank] if isinstance(want, list) else want
+        got = errors[name]
+        ok = got is None if want is None else got is not None and got[:2] == want[:2] and want[2] in got[2]
+        if not ok:
+            bad.append(f"rank {rank} {name}: expected {want}, got {got}")
+    return bad
+
+
 def assert_named(
     errors: dict[str, tuple[int, str, str] | None], expected: dict[str, str], rank: int, one_rank_param: str
 ) -> None:

@@ -15,9 +15,9 @@ import httpx
 import openai
 import torch
 
-from tests.server.test_models_ckpt import load_hf, make_checkpoint
-from tests.server.test_server_launch import ROOT, TORCHRUN, _assert_all_exit, _descendants, _environ
 from tests.support import hosts
+from tests.support.checkpoints import load_hf, make_checkpoint
+from tests.support.launch import ROOT, TORCHRUN, assert_all_exit, descendants, proc_environ
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 HTTP_PORT, MASTER_PORT = 8000, 29500  # (each host has its own ports: nothing else listens there)
@@ -77,11 +77,11 @@ def serving_on_two_hosts(server_args: list[str]):
         nodes = start_nodes(sim, 2, server_args)
         url = f"http://{sim.addresses[0]}:{HTTP_PORT}"
         wait_healthy(url, nodes)
-        pids = set().union(*(_descendants(n.pid) for n in nodes))
+        pids = set().union(*(descendants(n.pid) for n in nodes))
         yield sim, nodes, url
     finally:
         sim.close()
-    _assert_all_exit(pids)
+    assert_all_exit(pids)
 
 
 def wait_healthy(url: str, nodes: list[subprocess.Popen], timeout: float = 120.0) -> None:
@@ -102,7 +102,7 @@ def wait_healthy(url: str, nodes: list[subprocess.Popen], timeout: float = 120.0
 def stop_rank0(nodes: list[subprocess.Popen]) -> list[int]:
     """SIGTERM the HTTP rank (global rank 0): it tells the other ranks to stop and every torchrun exits; returns the
     torchruns' exit codes (a node still running after 60 s is killed: code -9)."""
-    rank0 = [p for p in _descendants(nodes[0].pid) if _environ(p).get("RANK") == "0"]
+    rank0 = [p for p in descendants(nodes[0].pid) if proc_environ(p).get("RANK") == "0"]
     assert len(rank0) == 1, rank0
     os.kill(rank0[0], signal.SIGTERM)
     codes = []
@@ -119,8 +119,8 @@ def stop_after_loss(node: subprocess.Popen) -> None:
     """Stop host 0 once host 1 is gone: SIGTERM the HTTP rank; once host 0's ranks have exited, its torchrun waits
     in its exit barrier for the lost node's (torchrun's own ``exit_barrier_timeout``, 300 s, blocked in the store,
     deaf to SIGTERM): it is killed, having nothing left to stop."""
-    ranks = [p for p in _descendants(node.pid) if _environ(p).get("RANK") is not None]
-    rank0 = [p for p in ranks if _environ(p).get("RANK") == "0"]
+    ranks = [p for p in descendants(node.pid) if proc_environ(p).get("RANK") is not None]
+    rank0 = [p for p in ranks if proc_environ(p).get("RANK") == "0"]
     assert len(rank0) == 1, rank0
     os.kill(rank0[0], signal.SIGTERM)
     deadline = time.monotonic() + 30

@@ -44,6 +44,12 @@ class Case:
         s2 = None if self.s2 is None else self.s2[sl]
         return self.xs[r], self.idx[r], self.probs[r], self.w1[sl], self.w2[sl], s1, s2
 
+    def keywords(self, r: int, world_size: int) -> dict:
+        """Rank ``r``'s keywords of a mega_moe call: the weights' scales, the token bound and the expert count."""
+        *_, s1, s2 = self.rank_args(r)
+        num_experts = self.num_local * world_size
+        return dict(w1_scale=s1, w2_scale=s2, num_max_dispatch_tokens_per_rank=self.num_max, num_experts=num_experts)
+
 
 def make_case(
     seed,

@@ -176,6 +176,18 @@ def wait_until(
         time.sleep(poll)
 
 
+def greedy(prompt: list[int], max_tokens: int, **more: object) -> dict:
+    """A completion request's body: greedy, ``max_tokens`` whatever EOS, the token ids returned."""
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **more,
+    }
+
+
 def stream_completion(url: str, body: dict, out: dict) -> None:
     """POST ``body`` to ``url``'s ``/v1/completions`` as a stream (SSE) and read it to the end (for a thread).
 

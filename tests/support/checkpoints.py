@@ -15,7 +15,12 @@ from server.random_model import DEEPSEEK_V3_MLA, DEEPSEEK_V3_ROUTING
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96, eos_token_id=255)  # not Mixtral's
+SMALL = dict(num_experts_per_tok=2, intermediate_size=32, eos_token_id=255)  # OLMoE, gpt-oss, Mixtral experts
 ROUTER_SCALE = 25.0
+# DeepSeek-V3 / R1's YaRN rope scaling as published (config.json; §2.6), less its type key
+DEEPSEEK_V3_YARN = dict(
+    factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0
+)
 
 
 def hf_config(arch: str, **overrides):  # noqa: ANN003, ANN201
@@ -27,30 +32,10 @@ def hf_config(arch: str, **overrides):  # noqa: ANN003, ANN201
             **{**COMMON, **MOE, "num_experts": 8, "shared_expert_intermediate_size": 48, **overrides}
         )
     if arch == "olmoe":
-        return tf.OlmoeConfig(
-            **{
-                **COMMON,
-                "num_experts": 8,
-                "num_experts_per_tok": 2,
-                "intermediate_size": 32,
-                "eos_token_id": 255,
-                **overrides,
-            }
-        )
+        return tf.OlmoeConfig(**{**COMMON, **SMALL, "num_experts": 8, **overrides})
     if arch == "gpt_oss":  # a 4-token window (prompts and decoding run past it), a clamp that bites
-        return tf.GptOssConfig(
-            **{
-                **COMMON,
-                "head_dim": 16,
-                "num_local_experts": 8,
-                "num_experts_per_tok": 2,
-                "intermediate_size": 32,
-                "sliding_window": 4,
-                "swiglu_limit": 0.2,
-                "eos_token_id": 255,
-                **overrides,
-            }
-        )
+        window = {"sliding_window": 4, "swiglu_limit": 0.2}
+        return tf.GptOssConfig(**{**COMMON, **SMALL, "head_dim": 16, "num_local_experts": 8, **window, **overrides})
     if arch == "glm4_moe":  # head_dim 16 (given, as GLM-4.5's config.json does), half of it rotary (the default)
         return tf.Glm4MoeConfig(
             **{
@@ -81,16 +66,7 @@ def hf_config(arch: str, **overrides):  # noqa: ANN003, ANN201
             }
         )
     if arch == "mixtral":
-        return tf.MixtralConfig(
-            **{
-                **COMMON,
-                "num_local_experts": 8,
-                "num_experts_per_tok": 2,
-                "intermediate_size": 32,
-                "eos_token_id": 255,
-                **overrides,
-            }
-        )
+        return tf.MixtralConfig(**{**COMMON, **SMALL, "num_local_experts": 8, **overrides})
     raise ValueError(arch)
 
 
@@ -136,13 +112,3 @@ def hf_greedy(model, prompt: list[int], num_steps: int) -> tuple[list[int], list
         tokens.append(int(last.argmax()))
         ids.append(tokens[-1])
     return tokens, logits
-
-
-def test_routing_is_decisive(tmp_path) -> None:  # noqa: ANN001
-    """The scaled router leaves a clear gap between the k-th and (k+1)-th expert probability."""
-    model = load_hf(make_checkpoint("qwen3_moe", str(tmp_path / "q")))
-    x = torch.randn(256, 64)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
-    probs = torch.softmax(x @ model.model.layers[0].mlp.gate.weight.T, dim=-1)
-    top = probs.topk(3, dim=-1).values
-    assert (top[:, 1] - top[:, 2]).median() > 1e-2
