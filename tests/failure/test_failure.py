@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from deep_ep_npu import Buffer, EPRankFailure
 from tests.support.distributed import leave_together, parallel_launch
+from tests.support.tokens import routed_tokens
 
 W, N, HIDDEN, TOPK, EXPERTS = 4, 8, 128, 3, 8
 VICTIM = 2  # rank 0 hosts the rendezvous store; a different rank fails
@@ -28,12 +29,8 @@ TIMEOUT = 2.0
 
 def _inputs(rank: int, step: int):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    num_tokens = N - (rank + step) % 3
-    x = (torch.randn((num_tokens, HIDDEN), generator=g) * 4).to(torch.bfloat16)
-    topk_idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(num_tokens)])
-    if num_tokens:
-        topk_idx[0, -1] = -1
-    weights = torch.rand((num_tokens, TOPK), generator=g)
+    x, topk_idx, weights = routed_tokens(g, N - (rank + step) % 3, HIDDEN, TOPK, EXPERTS, scale=4)
+    topk_idx[0, -1] = -1
     return x, topk_idx, weights
 
 

@@ -15,15 +15,14 @@ from deep_ep_npu import Buffer, EPRankFailure, envs, kernels
 from deep_ep_npu import ops as ep_ops
 from deep_ep_npu.transports.failure import DEFAULT_TIMEOUT_S, resolve_timeout
 from tests.support.distributed import leave_together, parallel_launch, stop_victim
+from tests.support.tokens import routed_tokens
 
 N, H, E, K = 4, 64, 6, 2
 
 
 def _inputs(rank: int):
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn((N, H), generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(torch.int32)
-    return x, ids, torch.rand((N, K), generator=g)
+    x, ids, w = routed_tokens(torch.Generator().manual_seed(rank), N, H, K, E)
+    return x, ids.to(torch.int32), w
 
 
 def _ops_round(info, stop_before: str | None = None):

@@ -12,11 +12,10 @@ import torch
 from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config, read_hf_config
 from server.models import ExpertComm, LocalComm, ModelConfig
 from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
+from tests.support.golden import ATOL, PROMPTS
 from tests.support.paged import SlotCache
 
 ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gpt_oss"]
-PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42]]
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=ARCHS)
