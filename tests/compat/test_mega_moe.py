@@ -28,32 +28,9 @@ from tests.support.mega_moe_oracle import (
     oracle_ffn,
     oracle_ffn_quantized,
 )
+from tests.support.mega_moe_run import run_fused
 
 # ---------------------------------------------------------------- workers
-
-
-def _run_fused(info, case: Case, kwargs: dict):
-    """``mega_moe(group, ...)``, or ``Buffer.mega_moe(...)`` with ``via_buffer=True`` (on the Buffer backend
-    ``kwargs["backend"]``, default reference); ``sim=True`` installs deep_ep_npu.sim first. The case's active prefix
-    and swiglu_limit are passed when it has them."""
-    from deep_ep_npu import Buffer, sim
-    from deep_ep_npu.mega_moe import mega_moe
-
-    kwargs = dict(kwargs)
-    if kwargs.pop("sim", False):
-        sim.install()
-    x, idx, p, w1, w2, *_ = case.rank_args(info.rank)
-    kw = case.keywords(info.rank, info.world_size)
-    if case.active is not None:
-        kw["x_active_mask"] = case.mask(info.rank)
-    if case.swiglu_limit:
-        kw["swiglu_limit"] = case.swiglu_limit
-    if kwargs.pop("via_buffer", False):
-        buf = Buffer(info.group, backend=kwargs.pop("backend", "reference"), explicitly_destroy=True)
-        out = buf.mega_moe(x, idx, p, w1, w2, **kw, **kwargs)
-        buf.destroy()
-        return out
-    return mega_moe(info.group, x, idx, p, w1, w2, **kw, **kwargs)
 
 
 def _run_unfused(info, case: Case, out_dtype: torch.dtype):
@@ -130,7 +107,7 @@ def _expect_errors(info, case: Case, bad_cases: list):
 def test_seed_default_case_int8():
     """The seed's default case: worldSize=2, M=16, K=128, N=128, topK=2, 16 experts per rank, fp16 out."""
     case = make_case(1, [16, 16], 128, 128, 2, 16)
-    outs = parallel_launch(2, _run_fused, case, dict(out_dtype=torch.float16, max_output_size=32), timeout=60)
+    outs = parallel_launch(2, run_fused, case, dict(out_dtype=torch.float16, max_output_size=32), timeout=60)
     for got, ref in zip(outs, dense_reference(case, torch.float16), strict=True):
         assert_matches(got, ref, int8=True)
 
@@ -138,7 +115,7 @@ def test_seed_default_case_int8():
 def test_seed_four_rank_case_scaled_down():
     """The seed's 4-rank case (M=2048, K=7168, N=4096, topK=8, 16 experts/rank) scaled to M=24, K=256, N=128."""
     case = make_case(2, [24, 24, 24, 24], 256, 128, 8, 16)
-    outs = parallel_launch(4, _run_fused, case, dict(out_dtype=torch.float16), timeout=60)
+    outs = parallel_launch(4, run_fused, case, dict(out_dtype=torch.float16), timeout=60)
     for got, ref in zip(outs, dense_reference(case, torch.float16), strict=True):
         assert_matches(got, ref, int8=True)
 
@@ -148,8 +125,8 @@ def test_zero_tokens_uneven_batches_and_no_expert_slots(int8):
     """Rank 1 has no tokens, ranks differ in M, some slots are -1; fused (by expert, by token) == oracle == unfused."""
     case = make_case(3, [7, 0, 12], 128, 64, 3, 4, int8=int8, holes=0.2)
     ref = dense_reference(case, torch.bfloat16)
-    fused = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16), timeout=60)
-    by_token = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16, segment_by="token"), timeout=60)
+    fused = parallel_launch(3, run_fused, case, dict(out_dtype=torch.bfloat16), timeout=60)
+    by_token = parallel_launch(3, run_fused, case, dict(out_dtype=torch.bfloat16, segment_by="token"), timeout=60)
     unfused = parallel_launch(3, _run_unfused, case, torch.bfloat16, timeout=60)
     for r in range(3):
         assert fused[r].shape == (case.xs[r].shape[0], 128)
@@ -164,7 +141,7 @@ def test_zero_tokens_uneven_batches_and_no_expert_slots(int8):
 def test_equals_buffer_dispatch_experts_combine(int8):
     """Buffer.mega_moe == Buffer.low_latency_dispatch -> experts -> Buffer.low_latency_combine (DeepEP layout)."""
     case = make_case(6, [9, 0, 13], 128, 64, 4, 4, int8=int8, holes=0.1)
-    fused = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.float16, via_buffer=True), timeout=60)
+    fused = parallel_launch(3, run_fused, case, dict(out_dtype=torch.float16, via_buffer=True), timeout=60)
     unfused = parallel_launch(3, _run_buffer_unfused, case, torch.float16, timeout=60)
     for got, want in zip(fused, unfused, strict=True):
         assert_matches(got, want, int8)
@@ -194,7 +171,7 @@ def test_segments_bit_equal_to_one_combine(segments):
     """segment_by="token": every token's pairs live in one segment, so segmenting changes no bit of the result; one
     expert segment is one combine of ``out_dtype`` rows."""
     case = make_case(7, [11, 0, 6], 128, 64, 3, 4, holes=0.1)
-    seg = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.float16, **segments))
+    seg = parallel_launch(3, run_fused, case, dict(out_dtype=torch.float16, **segments))
     one = parallel_launch(3, _run_one_combine, case, torch.float16, timeout=60)
     for got, want in zip(seg, one, strict=True):
         assert got.dtype == want.dtype == torch.float16
@@ -204,10 +181,10 @@ def test_segments_bit_equal_to_one_combine(segments):
 def test_single_rank_and_every_rank_empty():
     """W = 1 (the seed's lower bound) against the oracle; and a step where no rank has a token."""
     case = make_case(9, [10], 128, 64, 2, 4)
-    (out,) = parallel_launch(1, _run_fused, case, dict(out_dtype=torch.float16), timeout=60)
+    (out,) = parallel_launch(1, run_fused, case, dict(out_dtype=torch.float16), timeout=60)
     assert_matches(out, dense_reference(case, torch.float16)[0], int8=True)
     empty = make_case(9, [0, 0], 128, 64, 2, 4)
-    outs = parallel_launch(2, _run_fused, empty, dict(out_dtype=torch.bfloat16), timeout=60)
+    outs = parallel_launch(2, run_fused, empty, dict(out_dtype=torch.bfloat16), timeout=60)
     assert all(o.shape == (0, 128) and o.dtype == torch.bfloat16 for o in outs)
 
 
@@ -215,7 +192,7 @@ def test_fp32_reference_path_equals_unfused_exactly():
     """fp32 activations and weights: every expert output is exact fp32, so fused and unfused agree to fp32 rounding."""
     case = make_case(4, [5, 9], 64, 32, 2, 6, int8=False, x_dtype=torch.float32)
     case.w1, case.w2 = case.w1.float(), case.w2.float()
-    fused = parallel_launch(2, _run_fused, case, dict(num_segments=3), timeout=60)
+    fused = parallel_launch(2, run_fused, case, dict(num_segments=3), timeout=60)
     unfused = parallel_launch(2, _run_unfused, case, torch.float32, timeout=60)
     for got, want in zip(fused, unfused, strict=True):
         assert got.dtype == torch.float32
@@ -232,8 +209,8 @@ def test_active_mask_with_garbage_rows_and_swiglu_limit(int8):
     ref = dense_reference(case, torch.bfloat16)
     unclamped = dense_reference(dataclasses.replace(case, swiglu_limit=0.0), torch.bfloat16)
     assert any(not torch.equal(a, b) for a, b in zip(ref, unclamped, strict=True))  # the limit is active
-    outs = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16), timeout=60)
-    via_buffer = parallel_launch(3, _run_fused, case, dict(out_dtype=torch.bfloat16, via_buffer=True), timeout=60)
+    outs = parallel_launch(3, run_fused, case, dict(out_dtype=torch.bfloat16), timeout=60)
+    via_buffer = parallel_launch(3, run_fused, case, dict(out_dtype=torch.bfloat16, via_buffer=True), timeout=60)
     for r in range(3):
         assert_matches(outs[r], ref[r], int8)
         assert torch.equal(outs[r], via_buffer[r])
