@@ -29,7 +29,7 @@ from server.api import create_app  # noqa: E402
 from server.api.serve import build_engine  # noqa: E402
 from server.config import build_config  # noqa: E402
 from server.router import Pool, create_router_app  # noqa: E402
-from tests.server.helpers import UvicornThread  # noqa: E402
+from tests.support.serving import UvicornThread  # noqa: E402
 
 MODEL = {
     "hidden_size": 256,

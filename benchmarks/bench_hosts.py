@@ -1,5 +1,6 @@
-"""``bench_low_latency.py --hosts H``: the spanning transport on ``H`` simulated hosts (:mod:`tests.hosts`: network
-namespaces joined by veths, each with a private ``/dev/shm``) against the same calls on one host, in the same run.
+"""``bench_low_latency.py --hosts H``: the spanning transport on ``H`` simulated hosts (:mod:`tests.support.hosts`:
+network namespaces joined by veths, each with a private ``/dev/shm``) against the same calls on one host, in the same
+run.
 
 Each of the two launches (``H * P`` ranks, ``P = --num-processes``; first on this host, then ``P`` ranks on each of
 the ``H`` simulated hosts) times, interleaved: dispatch and combine on the default transport (one host: the window;
@@ -93,8 +94,8 @@ def _whole(times: list[list[float]]) -> list[float]:
 
 def run_hosts(args: Any) -> dict:
     """Both launches and the comparison (see the module docstring); prints it and returns it as one record."""
-    from tests import hosts
-    from tests.distributed import parallel_launch
+    from tests.support import hosts
+    from tests.support.distributed import parallel_launch
 
     if why := hosts.unavailable():
         raise SystemExit(f"--hosts: {why}")

@@ -1,6 +1,6 @@
 """Where a call's time goes on simulated hosts: the phases of the default transport (2 hosts: spanning) and of the
-collective one, on one host and on ``--hosts`` simulated hosts (:mod:`tests.hosts`, root), µs per call, mean over the
-ranks. The phases are timed by wrapping the transports' methods (this process only; the library is unchanged):
+collective one, on one host and on ``--hosts`` simulated hosts (:mod:`tests.support.hosts`, root), µs per call, mean
+over the ranks. The phases are timed by wrapping the transports' methods (this process only; the library is unchanged):
 ``send`` (the engine's send phase, with the agreement issue and the window write), ``agree issue`` / ``agree wait``
 (the header all-to-all; on gloo the one all-to-all of headers and rows), ``payload issue`` / ``payload wait`` (the
 rows' all-to-all, when it is a second round), ``win write`` / ``win wait`` /
@@ -94,8 +94,8 @@ def _show(title: str, results: list[dict]) -> None:
 
 def main() -> None:
     from benchmarks.bench_hosts_phases import _rank  # (by module name: the ranks import it)
-    from tests import hosts
-    from tests.distributed import parallel_launch
+    from tests.support import hosts
+    from tests.support.distributed import parallel_launch
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hosts", type=int, default=2)

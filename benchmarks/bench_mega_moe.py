@@ -31,7 +31,7 @@ from deep_ep_npu import Buffer  # noqa: E402
 from deep_ep_npu.engine.ffn import grouped_ffn  # noqa: E402
 from deep_ep_npu.mega_moe import mega_moe  # noqa: E402
 from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2  # noqa: E402
-from tests.distributed import parallel_launch  # noqa: E402
+from tests.support.distributed import parallel_launch  # noqa: E402
 
 
 def _inputs(rank: int, world_size: int, cfg: dict):

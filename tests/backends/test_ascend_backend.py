@@ -22,8 +22,8 @@ import torch
 from deep_ep_npu import Buffer, sim
 from deep_ep_npu.backends.ascend import elastic_info_from_mask
 from deep_ep_npu.backends.ascend_ops import map_no_expert
-from tests.deepep_utils import calc_diff
-from tests.distributed import parallel_launch
+from tests.support.deepep_utils import calc_diff
+from tests.support.distributed import parallel_launch
 
 N, H, E, K = 8, 256, 8, 3
 NOT_TORCH_NPU = {"ccl_buffer_size", "strict"}  # deep_ep_npu.ops keywords that torch_npu's ops do not have

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from deep_ep_npu import Buffer
 from deep_ep_npu.ops import moe_distribute_combine_v2, moe_distribute_dispatch_v2
-from tests.deepep_utils import calc_diff, per_token_cast_back
-from tests.ops_oracle import DISPATCH_OUTPUTS
+from tests.support.deepep_utils import calc_diff, per_token_cast_back
+from tests.support.ops_oracle import DISPATCH_OUTPUTS
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,6 +1,6 @@
 """DeepEP's low-latency contract on the ``ascend`` backend: after the first call of a shape (and of a shrink mask),
 steady-state calls make no host read of a tensor value in library code with value checks off
-(``DEEP_EP_NPU_CHECK_VALUES=0``), counted by :class:`tests.host_reads.HostReads` on the NPU stand-in (whose ops,
+(``DEEP_EP_NPU_CHECK_VALUES=0``), counted by :class:`tests.support.host_reads.HostReads` on the NPU stand-in (whose ops,
 ``deep_ep_npu.ops`` / ``.cann`` / ``.sim``, stand for the device kernels and are not counted). With the default policy
 on CPU tensors the value checks run (the same instrument sees them: it can fail)."""
 
@@ -15,9 +15,9 @@ import torch
 from deep_ep_npu import Buffer, envs, sim
 from deep_ep_npu.core import rules
 from deep_ep_npu.errors import MoeDistributeError
-from tests.distributed import parallel_launch
-from tests.host_reads import HostReads
-from tests.mega_moe_oracle import make_case
+from tests.support.distributed import parallel_launch
+from tests.support.host_reads import HostReads
+from tests.support.mega_moe_oracle import make_case
 
 N, H, E, K = 4, 256, 8, 3
 STAND_IN = ("ops/", "cann/", "sim/")  # the stand-in's ops: the NPU kernels
@@ -144,13 +144,10 @@ def _mega_reads(info) -> tuple[list[str], bool, torch.Tensor, torch.Tensor]:
     sim.install()
     _policy("0")
     case = make_case(40, [6, 5], 128, 64, 3, 2, holes=0.2, inactive=[2, 1], swiglu_limit=0.5)
-    x, idx, p, w1, w2, s1, s2 = case.rank_args(info.rank)
+    x, idx, p, w1, w2, *_ = case.rank_args(info.rank)
     kw = dict(
-        w1_scale=s1,
-        w2_scale=s2,
-        num_max_dispatch_tokens_per_rank=case.num_max,
+        case.keywords(info.rank, info.world_size),
         swiglu_limit=0.5,
-        num_experts=case.num_local * info.world_size,
         x_active_mask=case.mask(info.rank),
     )
     npu, ref = Buffer(info.group, backend="ascend"), Buffer(info.group, backend="reference")

@@ -3,8 +3,8 @@
 With ``deep_ep_npu.sim`` installed, ``mega_moe(..., backend="ascend")`` runs its real fused mapping (Fixpipe scale
 words, NZ casts, the comm name) into the stand-in op (``deep_ep_npu.sim.fused``, our engine on CPU), at W = 2 and
 W = 4 over gloo: it must equal the reference backend bit for bit and the independent oracle
-(``tests/mega_moe_oracle.py``) within the documented tolerance, for int8 and bf16 weights, with an active-token mask
-whose masked rows hold garbage and a clamping swiglu_limit. The op is also called directly as vllm-ascend calls it
+(``tests/support/mega_moe_oracle.py``) within the documented tolerance, for int8 and bf16 weights, with an active-token
+mask whose masked rows hold garbage and a clamping swiglu_limit. The op is also called directly as vllm-ascend calls it
 (per-expert weight lists, int64 scales, a `[1, E_local]` expert_token_nums, a non-prefix mask). NPU parity: ``npu``.
 """
 
@@ -30,9 +30,9 @@ from deep_ep_npu.backends.ascend_mega import (
 )
 from deep_ep_npu.core.call import FFN, Experts, FusedCall
 from deep_ep_npu.sim import fused
-from tests.api.test_mega_moe import _run_fused
-from tests.distributed import parallel_launch
-from tests.mega_moe_oracle import Case, assert_matches, dense_reference, make_case
+from tests.support.distributed import parallel_launch
+from tests.support.mega_moe_oracle import Case, assert_matches, dense_reference, make_case
+from tests.support.mega_moe_run import run_fused
 
 HAS_REAL_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None and not getattr(
     sys.modules.get("torch_npu"), "SIMULATED", False
@@ -217,9 +217,9 @@ def _fused_vs_reference(info, case: Case):
     ffn = FFN(w1, w2, s1, s2, swiglu_limit=case.swiglu_limit)
     num_experts = case.num_local * info.world_size
     _, _, fused_ok = prepare(backend, x, idx, p, ffn, case.num_max, num_experts, case.mask(info.rank))
-    ascend = _run_fused(info, case, dict(backend="ascend"))
-    reference = _run_fused(info, case, dict(backend="reference"))
-    buffer = _run_fused(info, case, dict(via_buffer=True, backend="ascend"))
+    ascend = run_fused(info, case, dict(backend="ascend"))
+    reference = run_fused(info, case, dict(backend="reference"))
+    buffer = run_fused(info, case, dict(via_buffer=True, backend="ascend"))
     return fused_ok, ascend, reference, buffer
 
 

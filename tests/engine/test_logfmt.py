@@ -8,8 +8,8 @@ import math
 import torch
 
 from deep_ep_npu import Buffer, MoeDistributeError, logfmt
-from tests.deepep_utils import calc_diff
-from tests.distributed import parallel_launch
+from tests.support.deepep_utils import calc_diff
+from tests.support.distributed import parallel_launch
 
 
 def _oracle(x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 from .support import assert_close, dense_moe, enter, expert, fp8_blocks, per_token, require, stub_packages, tokens
 

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 from .support import assert_close, dense_moe, enter, expert, fp8_blocks, require, tokens
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 from .support import assert_close, dense_moe, enter, expert, mx_blocks, per_token, require, tokens
 

@@ -16,7 +16,7 @@ import torch
 
 from deep_ep_npu import Buffer, ElasticBuffer
 from deep_ep_npu.eplb import ExpertMap, default_placement
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 E, K, H, N = 8, 3, 128, 6
 

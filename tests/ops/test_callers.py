@@ -1,6 +1,7 @@
 """The call patterns of the engines that use torch_npu's MoE distribute ops, replayed on the NPU stand-in (``torch_npu =
 sim.install()`` in every gloo rank) with their exact keywords (vllm-ascend's ``token_dispatcher.py``, sgl-kernel-npu),
-against goldens written here (``tests/npu_golden.py``: init-routing sort, the documented quant formulas, fp32 sums).
+against goldens written here (``tests/support/npu_golden.py``: init-routing sort, the documented quant formulas, fp32
+sums).
 
 - vllm-ascend ``TokenDispatcherWithMC2`` (A3): the group named by ``device_group._get_backend(torch.device("npu"))
   .get_hccl_comm_name(local_rank)``; dispatch ``x, expert_ids, expert_shard_type=0, shared_expert_rank_num=0,
@@ -46,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_npu import sim
-from tests.distributed import op_error, parallel_launch
-from tests.npu_golden import expert_ffn, mx_dequant, quant_mx, quant_per_token, weighted_sum
+from tests.support.distributed import op_error, parallel_launch
+from tests.support.npu_golden import expert_ffn, mx_dequant, quant_mx, quant_per_token, weighted_sum
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="a real torch_npu exists")
 
@@ -171,55 +172,37 @@ def _vllm_mc2(torch_npu, group, case: dict, rank: int) -> dict:
 
 
 def _sgl_ops(torch_npu, group, case: dict, rank: int) -> dict:
-    """sgl-kernel-npu's ``OpsLowLatencyCommStrategy`` (padded inputs) and the A5 small-op baseline."""
+    """sgl-kernel-npu's ``OpsLowLatencyCommStrategy`` (padded inputs) and the A5 small-op baseline: the keywords both
+    ops take, then each strategy's own (the same keyword set, value for value, as the callers write them)."""
     inp = case["inputs"][rank]
     group_name = group._get_backend(torch.device("npu")).get_hccl_comm_name(group.rank())
-    group_size = dist.get_world_size(group)
-    if case["a5"]:
-        dispatch = functools.partial(
-            torch_npu.npu_moe_distribute_dispatch_v2,
-            x=inp["x"],
-            expert_ids=inp["topk_ids"],
-            expert_scales=inp["topk_weights"],
-            scales=None,
-            x_active_mask=inp["mask"],
-            group_ep=group_name,
-            ep_world_size=group_size,
-            ep_rank_id=rank,
-            moe_expert_num=case["e"],
-            group_tp="",
-            tp_world_size=1,
-            tp_rank_id=0,
-            expert_shard_type=0,
-            shared_expert_num=1,
-            shared_expert_rank_num=0,
-            quant_mode=4,
-            global_bs=case["global_bs"],
-            expert_token_nums_type=1,
-            y_dtype=case["y_dtype"],
-        )
+    both = dict(
+        expert_ids=inp["topk_ids"],
+        x_active_mask=inp["mask"],
+        group_ep=group_name,
+        ep_world_size=dist.get_world_size(group),
+        ep_rank_id=rank,
+        moe_expert_num=case["e"],
+        expert_shard_type=0,
+    )
+    if case["a5"]:  # test_fused_deep_moe_a5.py
+        both.update(group_tp="", tp_world_size=1, tp_rank_id=0, shared_expert_num=1, shared_expert_rank_num=0)
+        both.update(global_bs=case["global_bs"])
+        own = dict(quant_mode=4, expert_token_nums_type=1, y_dtype=case["y_dtype"])
     else:
         shared_expert_rank_num = int(os.getenv("MOE_SHARED_EXPERT_RANK_NUM", 0))
+        both.update(performance_info=None, shared_expert_num=0, shared_expert_rank_num=shared_expert_rank_num)
+        both.update(comm_alg=case["comm_alg"])
         expert_token_nums_type = int(os.getenv("MOE_EXPERT_TOKEN_NUMS_TYPE", 1))
-        dispatch = functools.partial(
-            torch_npu.npu_moe_distribute_dispatch_v2,
-            x=inp["x"],
-            expert_ids=inp["topk_ids"],
-            group_ep=group_name,
-            ep_world_size=group_size,
-            ep_rank_id=rank,
-            moe_expert_num=case["e"],
-            scales=None,
-            x_active_mask=inp["mask"],
-            expert_scales=inp["topk_weights"],
-            performance_info=None,
-            expert_shard_type=0,
-            shared_expert_num=0,
-            shared_expert_rank_num=shared_expert_rank_num,
-            quant_mode=case["quant_mode"],
-            expert_token_nums_type=expert_token_nums_type,
-            comm_alg=case["comm_alg"],
-        )
+        own = dict(quant_mode=case["quant_mode"], expert_token_nums_type=expert_token_nums_type)
+    dispatch = functools.partial(
+        torch_npu.npu_moe_distribute_dispatch_v2,
+        x=inp["x"],
+        expert_scales=inp["topk_weights"],
+        scales=None,
+        **both,
+        **own,
+    )
     if case.get("expect_error"):
         return {"error": op_error(dispatch)}
     expand_x, dynamic_scales, expand_idx, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = dispatch()
@@ -227,50 +210,18 @@ def _sgl_ops(torch_npu, group, case: dict, rank: int) -> dict:
     if case["a5"]:  # test_fused_deep_moe_a5.py: the GMM takes the scales as (..., -1, 2) e8m0
         dynamic_scales = dynamic_scales.view(*(dynamic_scales.shape[:-1]), -1, 2).view(torch.float8_e8m0fnu)
     x = _grouped_experts(expand_x, dynamic_scales, expert_token_nums, 1, rank * LOCAL, quant)
-    if case["a5"]:
-        out = torch_npu.npu_moe_distribute_combine_v2(
-            expand_x=x,
-            expert_ids=inp["topk_ids"],
-            assist_info_for_combine=expand_idx,
-            ep_send_counts=ep_recv_counts,
-            expert_scales=inp["topk_weights"],
-            x_active_mask=inp["mask"],
-            group_ep=group_name,
-            ep_world_size=group_size,
-            ep_rank_id=rank,
-            moe_expert_num=case["e"],
-            tp_send_counts=tp_recv_counts,
-            expand_scales=expand_scales,
-            group_tp="",
-            tp_world_size=1,
-            tp_rank_id=0,
-            expert_shard_type=0,
-            shared_expert_num=1,
-            shared_expert_rank_num=0,
-            global_bs=case["global_bs"],
-        )
-    else:
-        out = torch_npu.npu_moe_distribute_combine_v2(
-            expand_x=x,
-            expert_ids=inp["topk_ids"],
-            assist_info_for_combine=expand_idx,
-            ep_send_counts=ep_recv_counts,
-            expert_scales=inp["topk_weights"],
-            group_ep=group_name,
-            ep_world_size=group_size,
-            ep_rank_id=rank,
-            moe_expert_num=case["e"],
-            tp_send_counts=None,
-            x_active_mask=inp["mask"],
-            expand_scales=expand_scales,
-            shared_expert_x=None,
-            performance_info=None,
-            expert_shard_type=0,
-            shared_expert_num=0,
-            shared_expert_rank_num=int(os.getenv("MOE_SHARED_EXPERT_RANK_NUM", 0)),
-            comm_quant_mode=0,
-            comm_alg=case["comm_alg"],
-        )
+    own = dict(tp_send_counts=tp_recv_counts) if case["a5"] else dict(tp_send_counts=None, shared_expert_x=None)
+    if not case["a5"]:
+        own.update(comm_quant_mode=0)
+    out = torch_npu.npu_moe_distribute_combine_v2(
+        expand_x=x,
+        assist_info_for_combine=expand_idx,
+        ep_send_counts=ep_recv_counts,
+        expert_scales=inp["topk_weights"],
+        expand_scales=expand_scales,
+        **both,
+        **own,
+    )
     n = int(inp["mask"].sum())
     return dict(
         expand_x=expand_x,
@@ -481,86 +432,43 @@ def _vllm_cases(w: int) -> list[dict]:
     actual = [3, 5, 0, 2][:w]
     uneven = [4, 1, 6, 2][:w]
     capacity, tp = 6, 1
-    base = dict(caller="vllm", e=e, a5=False)
-    return [
-        dict(base, name="a3 mask", inputs=_vllm_inputs(g, w, actual, True), global_bs=0, quant_mode=0, quant="", ent=0),
-        dict(
-            base,
-            name="a3 mask int8",
-            inputs=_vllm_inputs(g, w, actual, True),
-            global_bs=0,
-            quant_mode=2,
-            quant="int8",
-            ent=1,
-        ),
-        dict(
-            base,
-            name="a3 uneven int8",
-            inputs=_vllm_inputs(g, w, uneven, False),
-            global_bs=capacity // tp * w,
-            quant_mode=2,
-            quant="int8",
-            ent=0,
-        ),
-        dict(
-            base,
-            name="hierarchy",
-            inputs=_vllm_inputs(g, w, actual, True),
-            global_bs=0,
-            quant_mode=0,
-            quant="",
-            ent=0,
-            hierarchy_env=True,
-            layout="opaque",
-        ),
-        dict(
-            base,
-            name="hierarchy no scales",
-            inputs=_vllm_inputs(g, w, actual, True),
-            global_bs=0,
-            quant_mode=0,
-            quant="",
-            ent=0,
-            hierarchy_env=True,
-            drop_expert_scales=True,
-            expect_error=True,
-        ),
-        dict(
-            base,
-            name="a5 mxfp8",
-            inputs=_vllm_inputs(g, w, actual, True),
-            global_bs=0,
-            quant_mode=4,
-            quant="mx",
-            ent=0,
-            a5=True,
-            y_dtype=torch.float8_e4m3fn,
-            comm_quant=True,
-        ),
-        dict(
-            base,
-            name="a5 on a3",
-            inputs=_vllm_inputs(g, w, actual, True, hidden=1024),
-            global_bs=0,
-            quant_mode=4,
-            quant="mx",
-            ent=0,
-            a5=True,
-            strict="a3",
-            expect_error=True,
-        ),
+    # name, quant_mode, expert_token_nums_type, padded (mc2_mask, global_bs 0; else uneven batches, no mask), the rest
+    table = [
+        ("a3 mask", 0, 0, True, {}),
+        ("a3 mask int8", 2, 1, True, {}),
+        ("a3 uneven int8", 2, 0, False, {}),
+        ("hierarchy", 0, 0, True, dict(hierarchy_env=True, layout="opaque")),
+        ("hierarchy no scales", 0, 0, True, dict(hierarchy_env=True, drop_expert_scales=True, expect_error=True)),
+        ("a5 mxfp8", 4, 0, True, dict(a5=True, y_dtype=torch.float8_e4m3fn, comm_quant=True)),
+        ("a5 on a3", 4, 0, True, dict(a5=True, strict="a3", expect_error=True)),
     ]
+    cases = []
+    for name, quant_mode, ent, padded, rest in table:
+        hidden = 1024 if rest.get("strict") else HIDDEN
+        cases.append(
+            dict(
+                dict(caller="vllm", e=e, a5=False, name=name, quant_mode=quant_mode, ent=ent),
+                inputs=_vllm_inputs(g, w, actual if padded else uneven, padded, hidden=hidden),
+                global_bs=0 if padded else capacity // tp * w,
+                quant={0: "", 2: "int8", 4: "mx"}[quant_mode],
+                **rest,
+            )
+        )
+    return cases
 
 
 def _sgl_cases(w: int) -> list[dict]:
     g, e, num_max = torch.Generator().manual_seed(200 + w), LOCAL * w, 6
     actual = [4, 2, 6, 0][:w]
-    base = dict(caller="sgl", e=e, a5=False)
+
+    def case(name: str, garbage: bool, **rest) -> dict:
+        inputs = _sgl_inputs(g, w, actual, num_max, garbage)
+        return dict(dict(caller="sgl", e=e, a5=False, name=name, inputs=inputs), **rest)
+
     cases = [
-        dict(
-            base,
-            name=f"ops {alg or 'default-empty'} q{qm}",
-            inputs=_sgl_inputs(g, w, actual, num_max, True),
+        case(
+            f"ops {alg or 'default-empty'} q{qm}",
+            True,
             comm_alg=alg,
             quant_mode=qm,
             quant={0: "", 2: "int8"}[qm],
@@ -568,30 +476,10 @@ def _sgl_cases(w: int) -> list[dict]:
         )
         for alg, qm in (("hierarchy", 0), ("ccu", 2), ("fullmesh_v2", 0), ("", 2))
     ]
-    cases.append(
-        dict(
-            base,
-            name="ops ue8m0",
-            inputs=_sgl_inputs(g, w, actual, num_max, True),
-            comm_alg="hierarchy",
-            quant_mode=3,
-            expect_error=True,
-        )
-    )
+    cases.append(case("ops ue8m0", True, comm_alg="hierarchy", quant_mode=3, expect_error=True))
     for y_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, "float4_e2m1fn_x2"):
-        cases.append(
-            dict(
-                base,
-                name=f"a5 {y_dtype}",
-                inputs=_sgl_inputs(g, w, actual, num_max, False),
-                a5=True,
-                y_dtype=y_dtype,
-                quant="mx",
-                global_bs=num_max * w,
-                layout="exact",
-                expect_error=isinstance(y_dtype, str),
-            )
-        )
+        mx = dict(a5=True, y_dtype=y_dtype, quant="mx", global_bs=num_max * w, layout="exact")
+        cases.append(case(f"a5 {y_dtype}", False, **mx, expect_error=isinstance(y_dtype, str)))
     return cases
 
 

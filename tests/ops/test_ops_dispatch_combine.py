@@ -12,9 +12,8 @@ import random
 import pytest
 import torch
 
-from tests.distributed import parallel_launch
-from tests.ops_oracle import DISPATCH_OUTPUTS as KEYS
-from tests.ops_oracle import Layout, combine_oracle, dispatch_oracle, expert_fn, from_bytes, random_rank_input, to_bytes
+from tests.support import ops_oracle as oracle
+from tests.support.distributed import parallel_launch
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -53,7 +52,7 @@ def make_case(seed: int, world_size: int, **force) -> dict:
         if bs:  # row 0: amax 127 and halves, so int8 quantization (scale 1) hits .5 ties: rint is half-to-even
             halves = [rng.choice((-1, 1)) * (rng.randint(0, 60) + 0.5) for _ in range(c["hidden"] - 1)]
             x[0] = torch.tensor([127.0, *halves]).to(c["dtype"])
-        inputs.append(random_rank_input(x, num_experts, topk, c["mask"], c["shared_x"], rng, g))
+        inputs.append(oracle.random_rank_input(x, num_experts, topk, c["mask"], c["shared_x"], rng, g))
     smooth = None
     if c["quant"] and c["smooth"]:
         smooth = torch.rand((num_experts, c["hidden"]), generator=g) + 0.5
@@ -62,7 +61,7 @@ def make_case(seed: int, world_size: int, **force) -> dict:
 
 
 def _expert_outputs(rank: int, world_size: int, case: dict, expand_x, dyn, token_nums) -> torch.Tensor:
-    """What the test's experts return for dispatch's rows (row i of local expert j -> expert_fn(row, e))."""
+    """What the test's experts return for dispatch's rows (row i of local expert j -> oracle.expert_fn(row, e))."""
     counts = token_nums if case["ent_type"] == 1 else torch.diff(token_nums, prepend=token_nums.new_zeros(1))
     experts = torch.repeat_interleave(torch.arange(counts.numel()) + rank * case["local"], counts)
     n = int(counts.sum())
@@ -70,7 +69,7 @@ def _expert_outputs(rank: int, world_size: int, case: dict, expand_x, dyn, token
     if case["quant"]:
         rows = (rows.float() * dyn[:n].unsqueeze(1)).to(case["dtype"])
     out = torch.zeros((expand_x.shape[0], expand_x.shape[1]), dtype=case["dtype"])
-    out[:n] = expert_fn(rows, experts)
+    out[:n] = oracle.expert_fn(rows, experts)
     return out
 
 
@@ -97,7 +96,7 @@ def _run_cases(info, cases: bytes):
     )
 
     results = []
-    for case in from_bytes(cases):
+    for case in oracle.from_bytes(cases):
         inp = case["inputs"][info.rank]
         common = dict(global_bs=case["global_bs"], x_active_mask=inp.mask)
         group = info.group.group_name if case["two_stage"] else info.group  # a ProcessGroup or its name
@@ -111,7 +110,7 @@ def _run_cases(info, cases: bytes):
         )
         if case["two_stage"]:
             handle = moe_distribute_dispatch_start(inp.x, inp.ids, *args, **dkw)
-            _ = expert_fn(inp.x, 0)  # compute between the send and the receive
+            _ = oracle.expert_fn(inp.x, 0)  # compute between the send and the receive
             outs = handle.wait()
             assert handle.wait() is outs
             again = moe_distribute_dispatch_v2(inp.x, inp.ids, *args, **dkw)  # the one-shot form, same inputs
@@ -128,15 +127,15 @@ def _run_cases(info, cases: bytes):
         else:
             combined = moe_distribute_combine_v2(*cargs, **ckw)
         results.append((outs, combined))
-    return to_bytes(results)
+    return oracle.to_bytes(results)
 
 
 def check_cases(world_size: int, cases: list[dict], run=_run_cases) -> None:
-    results = [from_bytes(b) for b in parallel_launch(world_size, run, to_bytes(cases), timeout=90)]
+    results = [oracle.from_bytes(b) for b in parallel_launch(world_size, run, oracle.to_bytes(cases), timeout=90)]
     for i, case in enumerate(cases):
-        lay = Layout(world_size, case["num_experts"])
+        lay = oracle.Layout(world_size, case["num_experts"])
         smooth = case["smooth"]
-        want = dispatch_oracle(
+        want = oracle.dispatch_oracle(
             case["inputs"],
             lay,
             global_bs=case["global_bs"],
@@ -144,10 +143,10 @@ def check_cases(world_size: int, cases: list[dict], run=_run_cases) -> None:
             smooth=smooth,
             expert_token_nums_type=case["ent_type"],
         )
-        want_y = combine_oracle(case["inputs"], lay, quant=case["quant"], smooth=smooth)
+        want_y = oracle.combine_oracle(case["inputs"], lay, quant=case["quant"], smooth=smooth)
         for r in range(world_size):
             outs, combined = results[r][i]
-            got = dict(zip(KEYS, outs, strict=True))
+            got = dict(zip(oracle.DISPATCH_OUTPUTS, outs, strict=True))
             exp = want[r]
             ctx = f"case {i} rank {r}: {_describe(case)}"
             assert got["tp_recv_counts"].shape == (0,), ctx
@@ -156,7 +155,7 @@ def check_cases(world_size: int, cases: list[dict], run=_run_cases) -> None:
                 exp = dict(exp, expand_scales=torch.empty((0,), dtype=torch.float32))
             if not case["quant"]:
                 exp = dict(exp, dynamic_scales=torch.zeros_like(exp["dynamic_scales"]))
-            for key in KEYS:
+            for key in oracle.DISPATCH_OUTPUTS:
                 if key == "tp_recv_counts":
                     continue
                 assert got[key].dtype == exp[key].dtype, f"{ctx}: {key} dtype {got[key].dtype} != {exp[key].dtype}"

@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from tests import ops_oracle
-from tests.distributed import parallel_launch
-from tests.ops_oracle import Layout, RankInput, combine_oracle, dispatch_oracle, expert_fn, from_bytes, to_bytes
+from tests.support import ops_oracle
+from tests.support.distributed import parallel_launch
+from tests.support.ops_oracle import Layout, RankInput, combine_oracle, dispatch_oracle, expert_fn, from_bytes, to_bytes
 
 KEYS = ("expand_x", "dynamic_scales", "assist_info_for_combine", "expert_token_nums", "ep_recv_counts")
 

@@ -2,7 +2,8 @@
 comm_quant_mode 3 / 4), every comm_alg, and rows that x_active_mask excludes (garbage ids never validated).
 
 The golden quantizers below are written from the reference formulas with numpy (an fp8 rounding of our own: nearest
-value, ties to even, saturating), never by calling ``deep_ep_npu.quant``; routing comes from ``tests.ops_oracle``.
+value, ties to even, saturating), never by calling ``deep_ep_npu.quant``; routing comes from
+``tests.support.ops_oracle``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed import op_error, parallel_launch
-from tests.ops_oracle import Layout, RankInput, from_bytes, routed_rows, to_bytes
+from tests.support.distributed import error_mismatches, op_error, parallel_launch
+from tests.support.ops_oracle import Layout, RankInput, from_bytes, routed_rows, to_bytes
 
 NULL, PARAM, SHAPE = 161001, 161002, 561002
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -329,11 +330,7 @@ ERRORS = {  # name -> (code, param, text), on both ranks unless a pair is given
 def test_platform_and_feature_errors_on_every_rank():
     bad = []
     for r, got in enumerate(parallel_launch(2, _errors, timeout=60)):
-        for name, want in ERRORS.items():
-            want = want[r] if isinstance(want, list) else want
-            ok = got[name] is None if want is None else got[name] is not None and got[name][:2] == want[:2]
-            if not ok or (want is not None and want[2] not in got[name][2]):
-                bad.append(f"rank {r} {name}: expected {want}, got {got[name]}")
+        bad += error_mismatches(r, got, ERRORS)
     assert not bad, "\n".join(bad)
 
 

@@ -9,7 +9,7 @@ import torch
 from deep_ep_npu import get_low_latency_ccl_buffer_size
 from deep_ep_npu.ops import MoeDistributeError
 from deep_ep_npu.quant import per_group_int8, per_token_int8
-from tests.ops_oracle import quant_int8
+from tests.support.ops_oracle import quant_int8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -12,9 +12,8 @@ import random
 import torch
 import torch.distributed as dist
 
-from tests.distributed import op_error, parallel_launch
-from tests.ops_oracle import DISPATCH_OUTPUTS as KEYS
-from tests.ops_oracle import Layout, combine_oracle, dispatch_oracle, expert_fn, from_bytes, random_rank_input, to_bytes
+from tests.support import ops_oracle as oracle
+from tests.support.distributed import error_mismatches, op_error, parallel_launch
 
 NULL, PARAM, SHAPE = 161001, 161002, 561002
 
@@ -27,7 +26,7 @@ def _groups(info):
 
 def partial_expert(rows: torch.Tensor, e: int, tp_rank: int) -> torch.Tensor:
     """TP rank ``tp_rank``'s half of expert e (elementwise, so batching cannot change a bit)."""
-    return expert_fn(rows, e + 3 * tp_rank)
+    return oracle.expert_fn(rows, e + 3 * tp_rank)
 
 
 def make_case(seed: int) -> dict:
@@ -40,7 +39,7 @@ def make_case(seed: int) -> dict:
     for _ in range(4):
         bs = rng.randint(0, max_bs) if uneven else max_bs
         x = (torch.randn((bs, hidden), generator=g) * 2).to(dtype)
-        inputs.append(random_rank_input(x, 2, topk, mask_kind, False, rng, g))
+        inputs.append(oracle.random_rank_input(x, 2, topk, mask_kind, False, rng, g))
     return dict(
         dtype=dtype,
         inputs=inputs,
@@ -57,7 +56,7 @@ def _run(info, data: bytes):
     e, t = info.rank % 2, info.rank // 2
     tpkw = dict(group_tp=tp, tp_world_size=2, tp_rank_id=t)
     out = []
-    for case in from_bytes(data):
+    for case in oracle.from_bytes(data):
         inp = case["inputs"][info.rank]
         kw = dict(x_active_mask=inp.mask, global_bs=case["global_bs"], **tpkw)
         outs = moe_distribute_dispatch_v2(
@@ -81,15 +80,15 @@ def _run(info, data: bytes):
             y, inp.ids, assist, counts, inp.weights, ep.group_name, 2, e, 2, tp_send_counts=tp_counts, **kw
         )
         out.append((outs, combined))
-    return to_bytes(out)
+    return oracle.to_bytes(out)
 
 
 def _expected(case: dict) -> list[tuple[dict, torch.Tensor]]:
     """Per global rank: the expected dispatch outputs (TP-gathered) and combine output."""
-    lay = Layout(2, 2)
+    lay = oracle.Layout(2, 2)
     groups = [case["inputs"][0:2], case["inputs"][2:4]]
     kw = dict(quant=case["quant"], global_bs=case["global_bs"])
-    disp = [dispatch_oracle(grp, lay, **kw) for grp in groups]
+    disp = [oracle.dispatch_oracle(grp, lay, **kw) for grp in groups]
 
     def summed(t):
         def out(_src, row, e):
@@ -100,7 +99,7 @@ def _expected(case: dict) -> list[tuple[dict, torch.Tensor]]:
 
         return out
 
-    comb = [combine_oracle(groups[t], lay, expert_out=summed(t)) for t in (0, 1)]
+    comb = [oracle.combine_oracle(groups[t], lay, expert_out=summed(t)) for t in (0, 1)]
     result = []
     for g in range(4):
         e, t = g % 2, g // 2
@@ -128,22 +127,20 @@ def _expected(case: dict) -> list[tuple[dict, torch.Tensor]]:
 
 
 def combine_oracle_dequant(row: torch.Tensor) -> torch.Tensor:
-    from tests.ops_oracle import quant_int8
-
-    q, sc = quant_int8(row, None)
+    q, sc = oracle.quant_int8(row, None)
     return (torch.from_numpy(q).float() * float(sc)).to(row.dtype)
 
 
 def test_tp_dispatch_combine_match_oracle():
     cases = [make_case(i) for i in range(12)]
-    results = [from_bytes(b) for b in parallel_launch(4, _run, to_bytes(cases), timeout=90)]
+    results = [oracle.from_bytes(b) for b in parallel_launch(4, _run, oracle.to_bytes(cases), timeout=90)]
     for i, case in enumerate(cases):
         want = _expected(case)
         for g in range(4):
             outs, combined = results[g][i]
             exp, exp_y = want[g]
             ctx = f"case {i} rank {g} quant={case['quant']} dtype={case['dtype']} global_bs={case['global_bs']}"
-            for key, got in zip(KEYS, outs, strict=True):
+            for key, got in zip(oracle.DISPATCH_OUTPUTS, outs, strict=True):
                 if key == "expert_token_nums" and case["ent_type"] == 0:
                     exp[key] = exp[key].cumsum(0)
                 assert got.shape == exp[key].shape, f"{ctx}: {key} shape {got.shape} != {exp[key].shape}"
@@ -200,8 +197,8 @@ def test_tp_validation_on_every_rank():
     }
     for g, got in enumerate(results):
         assert got.pop("ok") is True
-        for name, (code, param, text) in expect.items():
-            assert got[name] is not None and got[name][:2] == (code, param) and text in got[name][2], (g, got[name])
+        bad = error_mismatches(g, got, expect)
+        assert not bad, "\n".join(bad)
         # rank 0's bad id: its EP group raises from the header, the other EP group from the TP status exchange
         code, param, msg = got["rank0_bad"]
         assert code == SHAPE, got["rank0_bad"]

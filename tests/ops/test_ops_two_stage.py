@@ -15,8 +15,8 @@ import torch
 
 from deep_ep_npu import ops
 from deep_ep_npu.errors import MoeDistributeError
-from tests.distributed import parallel_launch
-from tests.ops_oracle import Layout, RankInput, combine_oracle, dispatch_oracle, expert_fn, quant_int8
+from tests.support.distributed import parallel_launch
+from tests.support.ops_oracle import Layout, RankInput, combine_oracle, dispatch_oracle, expert_fn, quant_int8
 
 
 def _inputs(case: dict, world_size: int) -> tuple[list[RankInput], torch.Tensor | None]:
@@ -111,46 +111,14 @@ def _golden_y(inp: RankInput, e: int, quant: bool, smooth: torch.Tensor | None, 
     return y, idx
 
 
+_FIELDS = ("seed", "dtype", "hidden", "local", "topk", "max_bs", "uneven", "mask", "quant", "smooth", "ent")
 CASES = [
-    dict(
-        seed=1,
-        dtype=torch.bfloat16,
-        hidden=64,
-        local=2,
-        topk=3,
-        max_bs=5,
-        uneven=False,
-        mask=False,
-        quant=False,
-        smooth=False,
-        ent=1,
-    ),
-    dict(
-        seed=2,
-        dtype=torch.float16,
-        hidden=40,
-        local=1,
-        topk=2,
-        max_bs=4,
-        uneven=True,
-        mask=True,
-        quant=True,
-        smooth=True,
-        ent=0,
-    ),
-    dict(
-        seed=3,
-        dtype=torch.float32,
-        hidden=32,
-        local=3,
-        topk=4,
-        max_bs=6,
-        uneven=True,
-        mask=False,
-        quant=True,
-        smooth=False,
-        ent=0,
-    ),
+    dict(zip(_FIELDS, row, strict=True))
+    for row in (
+        (1, torch.bfloat16, 64, 2, 3, 5, False, False, False, False, 1),
+        (2, torch.float16, 40, 1, 2, 4, True, True, True, True, 0),
+        (3, torch.float32, 32, 3, 4, 6, True, False, True, False, 0),
+    )
 ]
 
 

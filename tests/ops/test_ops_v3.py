@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import op_error, parallel_launch
 from tests.ops.test_ops_extended import make_case
-from tests.ops_oracle import expert_fn, from_bytes, to_bytes
+from tests.support.distributed import error_mismatches, op_error, parallel_launch
+from tests.support.ops_oracle import expert_fn, from_bytes, to_bytes
 
 
 def _in_inference_mode(info, data: bytes):
@@ -268,9 +268,8 @@ def test_v3_errors_on_every_rank():
     world size, a missing assist_info: each a MoeDistributeError on every rank, also when one rank alone is wrong; then
     update_ctx works in place."""
     for rank, got in enumerate(parallel_launch(4, _errors, timeout=90)):
-        for name, (code, param, text) in ERRORS.items():
-            err = got[name]
-            assert err is not None and err[:2] == (code, param) and text in err[2], (rank, name, err)
+        wrong = error_mismatches(rank, got, ERRORS)
+        assert not wrong, "\n".join(wrong)
         for name, (bad, param) in ONE_RANK.items():
             want = (param, "") if rank == bad else ("inputs", f"rejected on rank {bad}")
             assert got[name] is not None and got[name][1] == want[0] and want[1] in got[name][2], (

@@ -6,11 +6,12 @@ Table-driven cases run in one 1-rank (and one 2-rank) launch; hypothesis draws r
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.distributed import op_error, parallel_launch
+from tests.support.distributed import error_mismatches, op_error, parallel_launch
 
 NULL, PARAM, SHAPE = 161001, 161002, 561002
 H, E, K, BS = 16, 8, 2, 4
@@ -279,15 +280,17 @@ TWO_RANK_EXPECT = {  # name -> per rank (code, param, text)
 }
 
 
-def test_rank_local_errors_raise_on_every_rank():
-    results = parallel_launch(2, _two_rank_scenarios, timeout=60)
+@pytest.mark.parametrize("static", [False, True], ids=["checked", "static-round"])
+def test_rank_local_errors_raise_on_every_rank(static: bool):
+    """Each rank-local bad input raises on every rank. ``static``: value checks off, the torch code (the ops' static
+    round, headers checked on the device): every case that is not a value check raises as with the checks on, on
+    every rank, and the group still works after them; the bad id is not reported (not sent)."""
+    results = parallel_launch(2, _two_rank_scenarios_static if static else _two_rank_scenarios, timeout=60)
+    expect = {**TWO_RANK_EXPECT, "rank_local_bad_id": None} if static else TWO_RANK_EXPECT
     bad = []
     for r, got in enumerate(results):
         assert got.pop("ok") is True
-        for name, per_rank in TWO_RANK_EXPECT.items():
-            code, param, text = per_rank[r]
-            if got[name] is None or got[name][:2] != (code, param) or text not in got[name][2]:
-                bad.append(f"rank {r} {name}: expected ({code}, {param}, ...{text}...), got {got[name]}")
+        bad += error_mismatches(r, got, expect)
     assert not bad, "\n".join(bad)
 
 
@@ -462,9 +465,7 @@ def test_issue3_checks_two_ranks():
     for r, got in enumerate(parallel_launch(2, _issue3_checks, timeout=60)):
         ok = got.pop("strict_a3_shape_ok")
         assert ok is None, f"rank {r}: a valid A3 shape with the CCL size it needs was rejected: {ok}"
-        for name, (code, param, text) in ISSUE3_EXPECT.items():
-            if got[name] is None or got[name][:2] != (code, param) or text not in got[name][2]:
-                bad.append(f"rank {r} {name}: expected ({code}, {param}, ...{text}...), got {got[name]}")
+        bad += error_mismatches(r, got, ISSUE3_EXPECT)
     assert not bad, "\n".join(bad)
 
 
@@ -529,21 +530,3 @@ def _two_rank_scenarios_static(info):
     envs.check_values.cache_clear()  # (read once per process)
     with kernels.disabled():  # the torch code: the static round (deep_ep_npu.engine.static_flat)
         return _two_rank_scenarios(info)
-
-
-def test_rank_local_errors_raise_on_every_rank_on_the_static_round():
-    """Value checks off, the torch code (the ops' static round, headers checked on the device): every case that is
-    not a value check raises as with the checks on, on every rank, and the group still works after them; the bad id
-    is not reported (not sent)."""
-    results = parallel_launch(2, _two_rank_scenarios_static, timeout=60)
-    bad = []
-    for r, got in enumerate(results):
-        assert got.pop("ok") is True
-        for name, per_rank in TWO_RANK_EXPECT.items():
-            code, param, text = per_rank[r]
-            if name == "rank_local_bad_id":
-                if got[name] is not None:
-                    bad.append(f"rank {r} {name}: a value check ran with the checks off: {got[name]}")
-            elif got[name] is None or got[name][:2] != (code, param) or text not in got[name][2]:
-                bad.append(f"rank {r} {name}: expected ({code}, {param}, ...{text}...), got {got[name]}")
-    assert not bad, "\n".join(bad)

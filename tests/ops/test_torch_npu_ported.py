@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_npu import sim
-from tests.distributed import op_error, parallel_launch
-from tests.npu_golden import expert_ffn, init_routing, occurrence_index, quant_per_token, weighted_sum
+from tests.support.distributed import op_error, parallel_launch
+from tests.support.npu_golden import expert_ffn, init_routing, occurrence_index, quant_per_token, weighted_sum
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="a real torch_npu exists")
 
@@ -72,6 +72,11 @@ def _uniform(shape: tuple[int, ...], lo: float, hi: float, dtype: torch.dtype, g
 
 def _hcomm_name(group: dist.ProcessGroup, rank: int) -> str:
     return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
+
+
+def _ep(group: str, world_size: int, rank: int, num_experts: int, **more) -> dict:
+    """The EP keywords every call of the originals passes (``group_ep`` ... ``moe_expert_num``), and ``more``."""
+    return dict(group_ep=group, ep_world_size=world_size, ep_rank_id=rank, moe_expert_num=num_experts, **more)
 
 
 def _ep_golden(x_list: list[torch.Tensor], topk_list: list[torch.Tensor], sr: int, moe_expert_num: int) -> list[dict]:
@@ -110,6 +115,35 @@ def _recv_counts(own: torch.Tensor, peer: torch.Tensor | None) -> tuple[torch.Te
     return tokens.to(torch.int64), flat.cumsum(0).to(torch.int32)
 
 
+def _dispatch_experts_combine(torch_npu, x, topk, scales, layout: dict, experts, tp_send_counts: bool) -> dict:
+    """The originals' round: ``npu_moe_distribute_dispatch_v2`` (no quant) with ``layout``'s keywords, ``experts(got)``
+    on what it returned (``got``: ``out`` = expand_x, ``assist``, ``expert_token_nums``, ``ep_recv_counts``,
+    ``tp_recv_counts``), then ``npu_moe_distribute_combine_v2`` of that with the same keywords (and ``tp_send_counts``
+    if asked); returns ``got`` with ``combined``."""
+    names = (
+        "out",
+        "dynamic_scales",
+        "assist",
+        "expert_token_nums",
+        "ep_recv_counts",
+        "tp_recv_counts",
+        "expand_scales",
+    )
+    out = torch_npu.npu_moe_distribute_dispatch_v2(x=x, expert_ids=topk, scales=None, quant_mode=0, **layout)
+    got = dict(zip(names, out, strict=True))
+    combined = torch_npu.npu_moe_distribute_combine_v2(
+        expand_x=experts(got),
+        expert_ids=topk,
+        assist_info_for_combine=got["assist"],
+        ep_send_counts=got["ep_recv_counts"],
+        expert_scales=scales,
+        **layout,
+        **(dict(tp_send_counts=got["tp_recv_counts"]) if tp_send_counts else {}),
+    )
+    keep = ("out", "expert_token_nums", "ep_recv_counts", "tp_recv_counts")
+    return {**{k: got[k] for k in keep}, "combined": combined}
+
+
 # --- test_moe_distribute_dispatch_v2.py / test_moe_distribute_combine_v2.py: EP 2 x TP 2 ---------------------------
 
 
@@ -137,43 +171,17 @@ def _test_npu_moe_distribute_dispatch_combine_v2(info, cases: list[dict]) -> lis
         x = case["x1"][pair] if rank % tp_world_size_2 == 0 else case["x2"][pair]
         topk = case["topk1"][pair] if rank % tp_world_size_2 == 0 else case["topk2"][pair]
         scales = case["scales1"][pair] if rank % tp_world_size_2 == 0 else case["scales2"][pair]
-        layout = dict(
-            group_ep=ep_hcomm_name,
-            ep_world_size=ep_world_size,
-            ep_rank_id=pair,
-            moe_expert_num=e,
-            group_tp=tp_hcomm_name,
-            tp_world_size=tp_world_size,
-            tp_rank_id=rank % tp_world_size if tp_world_size != 1 else 0,
-            expert_shard_type=0,
-            shared_expert_num=int(sr > 0),
-            shared_expert_rank_num=sr,
-            global_bs=gbs,
-        )
-        out = torch_npu.npu_moe_distribute_dispatch_v2(x=x, expert_ids=topk, scales=None, quant_mode=0, **layout)
-        expand_x, _, assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, _ = out
-        n = int(tp_recv_counts.sum())
-        pad = torch.Generator().manual_seed(rank)  # the original pads the rows past n with random values
-        expand_x_in = expand_x.clone()
-        expand_x_in[n:] = _uniform((expand_x.shape[0] - n, expand_x.shape[1]), 0, 1, expand_x.dtype, pad)
-        combined = torch_npu.npu_moe_distribute_combine_v2(
-            expand_x=expand_x_in,
-            expert_ids=topk,
-            assist_info_for_combine=assist_info_for_combine,
-            ep_send_counts=ep_recv_counts,
-            expert_scales=scales,
-            tp_send_counts=tp_recv_counts,
-            **layout,
-        )
-        results.append(
-            dict(
-                out=expand_x,
-                expert_token_nums=expert_token_nums,
-                ep_recv_counts=ep_recv_counts,
-                tp_recv_counts=tp_recv_counts,
-                combined=combined,
-            )
-        )
+        tp = dict(group_tp=tp_hcomm_name, tp_world_size=tp_world_size, tp_rank_id=rank % tp_world_size)
+        shared = dict(expert_shard_type=0, shared_expert_num=int(sr > 0), shared_expert_rank_num=sr)
+        layout = _ep(ep_hcomm_name, ep_world_size, pair, e, **tp, **shared, global_bs=gbs)
+
+        def padded(got: dict) -> torch.Tensor:  # the original pads the rows past n with random values
+            n, expand_x = int(got["tp_recv_counts"].sum()), got["out"].clone()
+            pad = torch.Generator().manual_seed(rank)
+            expand_x[n:] = _uniform((expand_x.shape[0] - n, expand_x.shape[1]), 0, 1, expand_x.dtype, pad)
+            return expand_x
+
+        results.append(_dispatch_experts_combine(torch_npu, x, topk, scales, layout, padded, tp_send_counts=True))
     sim.uninstall()
     return results
 
@@ -257,44 +265,22 @@ def _test_npu_moe_distribute_ep(info, cases: list[dict]) -> list[dict]:
     results = []
     for case in cases:
         x, topk, scales, sr = case["x"][rank], case["topk"][rank], case["scales"][rank], case["sr"]
-        layout = dict(
-            group_ep=ep_hcomm_name,
-            ep_world_size=w,
-            ep_rank_id=rank,
-            moe_expert_num=case["e"],
-            expert_shard_type=0,
-            shared_expert_num=int(sr > 0),
-            shared_expert_rank_num=sr,
-            global_bs=case["global_bs"],
-        )
-        out = torch_npu.npu_moe_distribute_dispatch_v2(x=x, expert_ids=topk, scales=None, quant_mode=0, **layout)
-        expand_x, _, assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, _ = out
-        n = int(ep_recv_counts[-1])
+        shared = dict(expert_shard_type=0, shared_expert_num=int(sr > 0), shared_expert_rank_num=sr)
+        layout = _ep(ep_hcomm_name, w, rank, case["e"], **shared, global_bs=case["global_bs"])
         local = case["e"] // (w - sr)  # local expert j of MoE rank d is global d' * L + j, d' = d - SR; shared: -1
-        experts = (
-            torch.full((n,), -1)
-            if rank < sr
-            else torch.repeat_interleave(torch.arange(local) + (rank - sr) * local, expert_token_nums)
-        )
-        y = torch.zeros_like(expand_x)
-        y[:n] = expert_ffn(expand_x[:n], experts, x.dtype)
-        combined = torch_npu.npu_moe_distribute_combine_v2(
-            expand_x=y,
-            expert_ids=topk,
-            assist_info_for_combine=assist_info_for_combine,
-            ep_send_counts=ep_recv_counts,
-            expert_scales=scales,
-            **layout,
-        )
-        results.append(
-            dict(
-                out=expand_x,
-                expert_token_nums=expert_token_nums,
-                ep_recv_counts=ep_recv_counts,
-                tp_recv_counts=tp_recv_counts,
-                combined=combined,
+
+        def ffn(got: dict, local: int = local, sr: int = sr, dtype: torch.dtype = x.dtype) -> torch.Tensor:
+            n = int(got["ep_recv_counts"][-1])
+            experts = (
+                torch.full((n,), -1)
+                if rank < sr
+                else torch.repeat_interleave(torch.arange(local) + (rank - sr) * local, got["expert_token_nums"])
             )
-        )
+            y = torch.zeros_like(got["out"])
+            y[:n] = expert_ffn(got["out"][:n], experts, dtype)
+            return y
+
+        results.append(_dispatch_experts_combine(torch_npu, x, topk, scales, layout, ffn, tp_send_counts=False))
     sim.uninstall()
     return results
 
@@ -415,20 +401,9 @@ def _run_dispatch_combine_a2(info, x_input, expert_ids_input, expert_scales, tot
     ep_hcomm_info = _hcomm_name(dist.new_group(list(range(w))), rank)
     perf = torch.zeros((w,), dtype=torch.int64)
     x, ids = x_input[rank], expert_ids_input[rank]
+    ep = _ep(ep_hcomm_info, w, rank, total_expert_num, global_bs=global_bs, comm_alg=comm_alg, performance_info=perf)
     expand_x, dynamic_scales, expand_idx, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = (
-        torch_npu.npu_moe_distribute_dispatch_v2(
-            x=x,
-            expert_ids=ids,
-            group_ep=ep_hcomm_info,
-            ep_world_size=w,
-            ep_rank_id=rank,
-            moe_expert_num=total_expert_num,
-            scales=None,
-            quant_mode=0,
-            global_bs=global_bs,
-            comm_alg=comm_alg,
-            performance_info=perf,
-        )
+        torch_npu.npu_moe_distribute_dispatch_v2(x=x, expert_ids=ids, scales=None, quant_mode=0, **ep)
     )
     perf_dispatch = perf.clone()
     x_out = torch_npu.npu_moe_distribute_combine_v2(
@@ -438,13 +413,7 @@ def _run_dispatch_combine_a2(info, x_input, expert_ids_input, expert_scales, tot
         ep_send_counts=ep_recv_counts,
         tp_send_counts=tp_recv_counts,
         expert_scales=expert_scales[rank],
-        group_ep=ep_hcomm_info,
-        ep_world_size=w,
-        ep_rank_id=rank,
-        moe_expert_num=total_expert_num,
-        global_bs=global_bs,
-        comm_alg=comm_alg,
-        performance_info=perf,
+        **ep,
     )
     sim.uninstall()
     return [expand_x, expand_idx, expert_token_nums, ep_recv_counts, perf_dispatch, perf, x_out]
@@ -507,17 +476,8 @@ def _test_npu_moe_distribute_dispatch_combine_urma(info, cases: list[dict]) -> l
         quant_mode, moe_expert_num, global_bs = case["quant_mode"], case["e"], case["global_bs"]
         x, expert_ids, expert_scales = case["x"][rank], case["expert_ids"][rank], case["expert_scales"][rank]
         scales, local = case["scales"], moe_expert_num // ep_world_size
-        common = dict(
-            group_ep=ep_hcomm_info,
-            ep_world_size=ep_world_size,
-            ep_rank_id=rank,
-            moe_expert_num=moe_expert_num,
-            expert_shard_type=0,
-            shared_expert_rank_num=0,
-            global_bs=global_bs,
-            comm_type=2,
-            strict="a5",
-        )
+        urma = dict(expert_shard_type=0, shared_expert_rank_num=0, global_bs=global_bs, comm_type=2, strict="a5")
+        common = _ep(ep_hcomm_info, ep_world_size, rank, moe_expert_num, **urma)
         setup = functools.partial(
             torch_npu.npu_moe_distribute_dispatch_setup, x=x, expert_ids=expert_ids, scales=scales
         )
@@ -536,34 +496,19 @@ def _test_npu_moe_distribute_dispatch_combine_urma(info, cases: list[dict]) -> l
         )
         rows = (expand_x.float() * dynamic_scales.unsqueeze(1)).to(x.dtype) if quant_mode else expand_x  # dequantize
         ffn = _experts(rows, expert_token_nums, rank * local, x.dtype)
+        combine_in = dict(expand_x=ffn, expert_ids=expert_ids, **common)  # what combine's setup and teardown share
         combine_setup = functools.partial(
-            torch_npu.npu_moe_distribute_combine_setup,
-            expand_x=ffn,
-            expert_ids=expert_ids,
-            assist_info_for_combine=assist_info_for_combine,
-            **common,
+            torch_npu.npu_moe_distribute_combine_setup, assist_info_for_combine=assist_info_for_combine, **combine_in
         )
         if c == 0:
             errors["comm_quant_mode"] = op_error(functools.partial(combine_setup, comm_quant_mode=2))
         quant_expand_x, comm_cmd_info2 = combine_setup(comm_quant_mode=0)
+        teardown = dict(quant_expand_x=quant_expand_x, expand_idx=expand_idx, comm_cmd_info=comm_cmd_info2)
         out = torch_npu.npu_moe_distribute_combine_teardown(
-            expand_x=ffn,
-            quant_expand_x=quant_expand_x,
-            expert_ids=expert_ids,
-            expand_idx=expand_idx,
-            expert_scales=expert_scales,
-            comm_cmd_info=comm_cmd_info2,
-            comm_quant_mode=0,
-            **common,
+            expert_scales=expert_scales, comm_quant_mode=0, **teardown, **combine_in
         )
         # the one-shot ops on the same inputs
-        one_shot = dict(
-            group_ep=ep_hcomm_info,
-            ep_world_size=ep_world_size,
-            ep_rank_id=rank,
-            moe_expert_num=moe_expert_num,
-            global_bs=global_bs,
-        )
+        one_shot = _ep(ep_hcomm_info, ep_world_size, rank, moe_expert_num, global_bs=global_bs)
         one = torch_npu.npu_moe_distribute_dispatch_v2(
             x=x, expert_ids=expert_ids, scales=scales, quant_mode=quant_mode, expert_token_nums_type=1, **one_shot
         )

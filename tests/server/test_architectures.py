@@ -19,23 +19,11 @@ import torch
 
 from server.loader import load_model
 from server.models import LocalComm
-from server.models.buffer_comm import BufferComm
-from tests.distributed import parallel_launch
-from tests.server.paged import SlotCache
-from tests.server.test_models_ckpt import load_hf, make_checkpoint
+from tests.support.checkpoints import DEEPSEEK_V3_YARN, load_hf, make_checkpoint
+from tests.support.distributed import parallel_launch
+from tests.support.golden import PROMPTS, STEPS, check_close, ep2_rank, hf_cached_greedy, run_greedy
 
-PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42]]
-STEPS = 6
-ATOL = 1e-4
-DEEPSEEK_YARN = {
-    "type": "yarn",
-    "factor": 40,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}  # DeepSeek-V3 / R1 (§2.6)
+DEEPSEEK_YARN = {"type": "yarn", **DEEPSEEK_V3_YARN}  # the legacy rope_scaling form
 # name -> (family, make_checkpoint keywords)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("qwen3_moe", {}),
@@ -107,40 +95,6 @@ def golden(checkpoints) -> dict[str, list[tuple[list[int], list[torch.Tensor]]]]
     return {name: [hf_cached_greedy(load_hf(path), p, STEPS) for p in PROMPTS] for name, path in checkpoints.items()}
 
 
-@torch.no_grad()
-def hf_cached_greedy(model, prompt: list[int], num_steps: int) -> tuple[list[int], list[torch.Tensor]]:  # noqa: ANN001
-    """transformers' greedy decoding with its KV cache: tokens and each step's logits `[vocab]`."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    tokens, logits = [], []
-    for _ in range(num_steps):
-        logits.append(out.logits[0, -1].float())
-        tokens.append(int(logits[-1].argmax()))
-        out = model(torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True)
-    return tokens, logits
-
-
-def run_greedy(model, prompt_ids: list[int], num_steps: int) -> list[tuple[list[int], list[list[float]]]]:  # noqa: ANN001
-    """Prefill prompts ``prompt_ids`` (indices into PROMPTS) in one batch, then decode greedily in batches: per
-    prompt its tokens and each step's logits (as lists, to cross process boundaries)."""
-    prompts = [PROMPTS[i] for i in prompt_ids]
-    cache = SlotCache(model, max(1, len(prompts)), 32)
-    chunks = [(slot, 0, p) for slot, p in enumerate(prompts)]
-    out: list[tuple[list[int], list[list[float]]]] = [([], []) for _ in prompts]
-    for _ in range(num_steps):
-        logits = cache.run(model, chunks, [True] * len(chunks))
-        for j in range(len(prompts)):
-            out[j][0].append(int(logits[j].argmax()))
-            out[j][1].append(logits[j].tolist())
-        chunks = [(slot, start + len(ids), [out[slot][0][-1]]) for slot, start, ids in chunks]
-    return out
-
-
-def check_close(name: str, prompt_index: int, ours: tuple[list[int], list], ref: tuple[list[int], list]) -> None:
-    assert ours[0] == ref[0], (name, prompt_index)
-    for step, (a, b) in enumerate(zip(ours[1], ref[1], strict=True)):
-        torch.testing.assert_close(torch.tensor(a), b, atol=ATOL, rtol=0, msg=f"{name} prompt {prompt_index} {step}")
-
-
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_ep1_greedy_equals_transformers(name: str, checkpoints, golden) -> None:  # noqa: ANN001
     model = load_model(checkpoints[name], lambda cfg: LocalComm(cfg.num_experts, 64))
@@ -156,18 +110,6 @@ def test_sharded_checkpoint_is_sharded(checkpoints) -> None:  # noqa: ANN001
     assert not os.path.exists(os.path.join(path, "model.safetensors"))
     assert len(set(weight_map.values())) >= 3
     assert len({weight_map[k] for k in weight_map if ".mlp.experts." in k}) >= 2
-
-
-def ep2_rank(info, paths: dict[str, str]) -> dict[str, list]:  # noqa: ANN001
-    """Rank r runs prompts r, r+2, ... of every checkpoint; returns {name: [(prompt index, (tokens, logits))]}."""
-    out = {}
-    mine = list(range(info.rank, len(PROMPTS), info.world_size))
-    for name, path in paths.items():
-        model = load_model(path, lambda cfg: BufferComm(info.group, cfg.num_experts, 16, cfg.hidden_size, "reference"))
-        assert model.comm.num_local_experts == model.cfg.num_experts // 2
-        out[name] = list(zip(mine, run_greedy(model, mine, STEPS), strict=True))
-        model.comm.destroy()
-    return out
 
 
 def test_ep2_greedy_equals_transformers(checkpoints, golden) -> None:  # noqa: ANN001

@@ -22,8 +22,8 @@ from server.checkpoint import CheckpointError
 from server.config import build_config
 from server.loader import load_model, read_config
 from server.models import LocalComm
-from tests.server.helpers import UvicornThread
-from tests.server.test_models_ckpt import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
+from tests.support.serving import UvicornThread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ATTN = "model.layers.0.self_attn.q_proj.weight"

@@ -1,9 +1,9 @@
 """Chat templates as transformers renders them, BOS never doubled, generation_config.json defaults as vLLM applies
 them; through the real ``openai`` client against the real server.
 
-Tokenizers are trained here with the ``tokenizers`` library and saved with transformers (``tokenizer.json``,
-``tokenizer_config.json``, ``chat_template.jinja``); oracles are transformers' ``AutoTokenizer.apply_chat_template``
-and greedy ``generate``.
+Tokenizers are trained with the ``tokenizers`` library and saved with transformers (``tokenizer.json``,
+``tokenizer_config.json``, ``chat_template.jinja``; :mod:`tests.support.tokenizers`); oracles are transformers'
+``AutoTokenizer.apply_chat_template`` and greedy ``generate``.
 """
 
 from __future__ import annotations
@@ -21,30 +21,10 @@ from server.api.serve import build_engine
 from server.chat_template import ChatTemplate, ChatTemplateError, checkpoint_template
 from server.config import ConfigError, build_config
 from server.tokenizer import HFTokenizer
-from tests.server.helpers import FakeEngine, UvicornThread
-from tests.server.test_models_ckpt import load_hf, make_checkpoint
+from tests.support.checkpoints import load_hf, make_checkpoint
+from tests.support.serving import FakeEngine, UvicornThread
+from tests.support.tokenizers import CHATML, make_tokenizer
 
-SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|User|>", "<|Assistant|>"]
-CHATML = """{%- if messages[0].role not in ['system', 'user'] %}
-    {{- raise_exception('Conversation roles must start with system or user') }}
-{%- endif %}
-{%- set ns = namespace(turns=0) %}
-{%- for message in messages %}
-    {%- set ns.turns = ns.turns + 1 %}
-    {%- if message.role == 'tool' %}{% continue %}{% endif %}
-<|im_start|>{{ message.role }}
-{% if message.reasoning_content is defined %}<think>{{ message.reasoning_content }}</think>
-{% endif %}
-    {{- message.content }}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}
-<|im_start|>assistant
-{% if enable_thinking is defined and not enable_thinking %}<think>
-
-</think>
-
-{% endif %}
-{%- endif %}"""
 DEEPSEEK_LIKE = (
     "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}"
     "{% elif m.role == 'user' %}<|User|>{{ m.content }}"
@@ -58,26 +38,6 @@ MESSAGES = [
     {"role": "assistant", "content": "hi", "reasoning_content": "be nice", "tool_calls": None},
     {"role": "user", "content": "how are you?"},
 ]
-
-
-def make_tokenizer(path: str, template: str | None, bos_post_processor: bool = True) -> str:
-    """A byte-level BPE tokenizer (trained on a few sentences, special tokens SPECIALS, BOS ``<s>`` added by the
-    post-processor when ``bos_post_processor``) saved with transformers into ``path``, with ``template``."""
-    import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, initial_alphabet=alphabet)
-    tok.train_from_iterator(["hello world, how are you? I am fine. You are terse, be nice."] * 20, trainer)
-    if bos_post_processor:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=template)
-    os.makedirs(path, exist_ok=True)
-    fast.save_pretrained(path)
-    return path
 
 
 def _hf_tokenizer(path: str):  # noqa: ANN202

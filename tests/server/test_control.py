@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 import time
 
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 
 def _exchange(info):

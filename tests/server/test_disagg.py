@@ -20,8 +20,8 @@ from server.config import build_config
 from server.disagg.fetch import Fetch
 from server.disagg.layout import KVLayout
 from server.router import Pool, create_router_app
-from tests.server.disagg_helpers import KV_BYTES_PER_TOKEN, RANDOM_MODEL, metric
-from tests.server.helpers import UvicornThread, wait_until
+from tests.support.disagg import KV_BYTES_PER_TOKEN, RANDOM_MODEL, metric
+from tests.support.serving import UvicornThread, wait_until
 
 BASE = {
     "random-model": RANDOM_MODEL,

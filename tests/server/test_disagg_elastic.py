@@ -1,23 +1,24 @@
 """An elastic decode instance loses an EP rank mid-stream (prefill at EP 1 and decode at EP 2 ``--elastic`` as
 ``python -m server`` processes, the router in this process; rank 1 of the decode instance SIGKILLs itself at its
-41st combine, :mod:`tests.faults.sitecustomize`). Every expert has a replica on each rank (``--num-redundant-experts
-8``), so none is lost: the streams of rank 1 end with an error naming it, every other stream and every new request
-gets exactly the full model's tokens (an independent single-process oracle), and both sides free every KV block."""
+41st combine, :mod:`tests.support.faults.sitecustomize`). Every expert has a replica on each rank
+(``--num-redundant-experts 8``), so none is lost: the streams of rank 1 end with an error naming it, every other stream
+and every new request gets exactly the full model's tokens (an independent single-process oracle), and both sides free
+every KV block."""
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 import threading
 
 import httpx
 import pytest
 
 from server.router import Pool, create_router_app
-from tests.server.disagg_helpers import ROOT, TIMEOUT_S, Instance, metric, stream
-from tests.server.helpers import UvicornThread, wait_until
-from tests.server.test_eplb_failure import MODEL, PROMPT, oracle_greedy
+from tests.support.disagg import TIMEOUT_S, Instance, metric, serving, stream
+from tests.support.launch import FAULTS, ROOT
+from tests.support.serving import UvicornThread, greedy, wait_until
+from tests.support.tiny_moe import MODEL, PROMPT, oracle_greedy
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
@@ -28,7 +29,7 @@ MAX_TOKENS = 60
 def instances(tmp_path):
     common = ("--max-model-len", "256", "--kv-cache-memory", "8M", "--max-num-seqs", "4")
     faults = {
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.path.join(ROOT, 'tests', 'faults')}",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{FAULTS}",
         "DEEP_EP_NPU_TEST_FAULTS": "1:combine:41",
     }
     started = [
@@ -50,19 +51,12 @@ def instances(tmp_path):
             env=faults,
         ),
     ]
-    try:
-        for instance in started:
-            instance.wait_serving()
+    with serving(started):
         yield started
-    finally:
-        for instance in started:
-            if instance.proc.poll() is None:
-                instance.proc.send_signal(signal.SIGTERM)
-                assert instance.proc.wait(timeout=30) == 0, instance.log_path.read_text()[-3000:]
 
 
 def _greedy(prompt: list[int]) -> dict:
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    return greedy(prompt, MAX_TOKENS)
 
 
 def test_a_decode_rank_lost_mid_stream_changes_no_token(instances):

@@ -7,20 +7,9 @@ from __future__ import annotations
 
 from server.engine_api import SamplingParams
 from server.runtime import EPEngine
+from tests.support.tiny_moe import qwen3_moe
 
-MODEL = {
-    "architecture": "qwen3_moe",
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "moe_intermediate_size": 16,
-    "num_experts": 64,
-    "num_experts_per_tok": 8,
-    "vocab_size": 256,
-    "routing_skew": 1.2,
-}
+MODEL = qwen3_moe(num_experts=64, num_experts_per_tok=8, routing_skew=1.2)
 INTERVAL = 8
 
 

@@ -13,19 +13,8 @@ from deep_ep_npu.eplb import placement_json
 from server.engine_api import SamplingParams
 from server.runtime import EngineConfig
 from server.runtime.llm import LLM
+from tests.support.tiny_moe import MODEL
 
-MODEL = {
-    "architecture": "qwen3_moe",
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "moe_intermediate_size": 16,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "vocab_size": 256,
-}
 ENGINE = {"random_model": MODEL, "max_num_seqs": 4, "max_model_len": 128, "backend": "reference"}
 PROMPTS = [[7, 3, 9, 1], [100, 42, 5], [1, 2, 3, 4, 5, 6]]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

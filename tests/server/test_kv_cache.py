@@ -29,7 +29,7 @@ from server import LLM, SamplingParams
 from server.loader import random_hf_config
 from server.models import ModelConfig
 from server.models.kv_cache import bytes_per_block
-from tests.server.test_server_failure import real_server
+from tests.support.tiny_moe import real_server
 
 MAX_LEN, BLOCK = 96, 16
 PER_REQUEST = bytes_per_block(ModelConfig.from_hf(random_hf_config()), BLOCK, torch.float32) * (MAX_LEN // BLOCK)

@@ -11,12 +11,11 @@ import torch
 
 from server.loader import CheckpointTensors, build_model, load_model, random_hf_config, read_config, read_hf_config
 from server.models import ExpertComm, LocalComm, ModelConfig
-from tests.server.paged import SlotCache
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
+from tests.support.golden import ATOL, PROMPTS
+from tests.support.paged import SlotCache
 
 ARCHS = ["qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "gpt_oss"]
-PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110], [42]]
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -186,3 +185,13 @@ def test_zero_token_step(arch: str) -> None:
     out = SlotCache(model, 1, 8).run(model, [], [])
     assert out.shape == (0, model.cfg.vocab_size)
     assert calls == [(0, model.cfg.hidden_size)] * len(model.moe_layers())
+
+
+def test_routing_is_decisive(tmp_path) -> None:  # noqa: ANN001
+    """The scaled router leaves a clear gap between the k-th and (k+1)-th expert probability."""
+    model = load_hf(make_checkpoint("qwen3_moe", str(tmp_path / "q")))
+    x = torch.randn(256, 64)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+    probs = torch.softmax(x @ model.model.layers[0].mlp.gate.weight.T, dim=-1)
+    top = probs.topk(3, dim=-1).values
+    assert (top[:, 1] - top[:, 2]).median() > 1e-2

@@ -8,9 +8,9 @@ import torch
 
 from server.loader import load_model
 from server.models.buffer_comm import BufferComm
-from tests.distributed import parallel_launch
-from tests.server.paged import SlotCache
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
+from tests.support.distributed import parallel_launch
+from tests.support.paged import SlotCache
 
 PROMPTS = [[5, 9, 17, 3, 44], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
 STEPS = 4

@@ -21,9 +21,9 @@ from safetensors.torch import load_file, save_file
 from server.checkpoint import CheckpointError
 from server.loader import CheckpointTensors, load_model, read_config, read_hf_config
 from server.models import LocalComm
-from tests.distributed import parallel_launch
-from tests.server.test_architectures import PROMPTS, STEPS, check_close, ep2_rank, hf_cached_greedy, run_greedy
-from tests.server.test_models_ckpt import load_hf, make_checkpoint
+from tests.support.checkpoints import load_hf, make_checkpoint
+from tests.support.distributed import parallel_launch
+from tests.support.golden import PROMPTS, STEPS, check_close, ep2_rank, hf_cached_greedy, run_greedy
 
 FP8_BLOCK = (16, 24)  # 64- and 32-wide weights: partial blocks at the edges
 CT_INT8 = {

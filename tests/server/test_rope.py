@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from server.models.rope import RopeConfig, Rotary
+from tests.support.checkpoints import DEEPSEEK_V3_YARN
 
 # (rope parameters, top-level config fields) per case; max_position_embeddings 4096 unless given
 CASES = {
@@ -16,16 +17,7 @@ CASES = {
     "linear": ({"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, {}),
     "dynamic": ({"rope_type": "dynamic", "factor": 3.0, "rope_theta": 10000.0}, {"max_position_embeddings": 64}),
     "yarn_deepseek_v3": (
-        {
-            "rope_type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "rope_theta": 10000.0,
-        },
+        {"rope_type": "yarn", **DEEPSEEK_V3_YARN, "rope_theta": 10000.0},
         {"max_position_embeddings": 163840},
     ),
     "yarn_kimi_k2": (

@@ -16,7 +16,7 @@ import torch
 from server import LLM, SamplingParams
 from server.runtime import WorkerError
 from server.runtime.workers.worker import PlanEntry, StepPlan
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
 
 STEPS = 16
 PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([1, 5, 40, 9, 23, 2, 17, 33])]
@@ -204,7 +204,7 @@ def _torchrun_rank(info, path: str) -> list[list[int]] | None:  # noqa: ANN001
 
 def test_torchrun_mode(qwen) -> None:  # noqa: ANN001
     """Under a torchrun-style group: rank 0 drives and is worker 0, rank 1 runs run_worker_from_env."""
-    from tests.distributed import parallel_launch
+    from tests.support.distributed import parallel_launch
 
     results = parallel_launch(2, _torchrun_rank, qwen[0], timeout=120)
     assert results[0] == qwen[1][:4] and results[1] is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from server import LLM, SamplingParams
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
 
 STEPS = 8
 PROMPTS = [[(5 * i + 2 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([3, 12, 1, 20])]

@@ -14,7 +14,7 @@ import pytest
 
 from server.api import create_app
 from server.config import build_config
-from tests.server.helpers import FakeEngine, UvicornThread, expected_token_ids
+from tests.support.serving import FakeEngine, UvicornThread, expected_token_ids
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 

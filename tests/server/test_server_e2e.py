@@ -14,8 +14,8 @@ import torch
 from server.api import create_app
 from server.api.serve import build_engine
 from server.config import build_config
-from tests.server.helpers import UvicornThread
-from tests.server.test_models_ckpt import load_hf, make_checkpoint
+from tests.support.checkpoints import load_hf, make_checkpoint
+from tests.support.serving import UvicornThread
 
 STEPS = 12
 PROMPTS = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([1, 6, 19, 40])]

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from server.api import create_app
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.config import build_config
-from tests.server.helpers import FakeEngine, UvicornThread, error_of, expected_token_ids
-from tests.server.test_server_failure import real_server
+from tests.support.serving import FakeEngine, UvicornThread, error_of, expected_token_ids
+from tests.support.tiny_moe import real_server
 
 PATHS = ["/v1/completions", "/v1/chat/completions"]
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,7 +1,7 @@
-"""Serving across simulated hosts (issue 28; :mod:`tests.hosts`): two hosts (network namespaces with their own address
-and a private ``/dev/shm``), one ``torchrun --nnodes 2 --nproc-per-node 2`` per host, rendezvous on host 0's address,
-the ranks' process groups on the hosts' interface (``--socket-ifname eth0``); rank 0 serves HTTP on host 0's address and
-this machine asks through the real ``openai`` client. Greedy tokens equal the single-host EP 4 server's (and
+"""Serving across simulated hosts (issue 28; :mod:`tests.support.hosts`): two hosts (network namespaces with their own
+address and a private ``/dev/shm``), one ``torchrun --nnodes 2 --nproc-per-node 2`` per host, rendezvous on host 0's
+address, the ranks' process groups on the hosts' interface (``--socket-ifname eth0``); rank 0 serves HTTP on host 0's
+address and this machine asks through the real ``openai`` client. Greedy tokens equal the single-host EP 4 server's (and
 transformers'); the two-node A3 commands of docs/serving-ascend.md run as written. Teardown leaves no process,
 namespace, link or ``/dev/shm`` file; a host lost while serving: ``test_server_hosts_failure.py``."""
 
@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests import hosts
-from tests.server.hosts_serving import (
+from tests.support import hosts
+from tests.support.hosts_serving import (
     ep4_args,
     greedy,
     node_log,
@@ -26,7 +26,7 @@ from tests.server.hosts_serving import (
     stop_rank0,
     wait_healthy,
 )
-from tests.server.test_server_launch import ROOT, TORCHRUN, _assert_all_exit, _descendants, _stop, start_healthy
+from tests.support.launch import ROOT, TORCHRUN, assert_all_exit, descendants, start_healthy, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(why := hosts.unavailable()), reason=why or "-")]
 
@@ -38,7 +38,7 @@ def test_torchrun_two_hosts_equals_one_host(hosts_checkpoint):
     try:
         single_host = greedy(one_url, os.path.basename(path))
     finally:
-        _stop([one])
+        stop([one])
     with serving_on_two_hosts(args) as (_, nodes, url):
         got = greedy(url, os.path.basename(path))
         codes = stop_rank0(nodes)
@@ -64,7 +64,7 @@ def test_a3_two_node_commands():
             nodes.append(proc)
         url = f"http://{sim.addresses[0]}:8000"  # (the config's port)
         wait_healthy(url, nodes)
-        pids = set().union(*(_descendants(n.pid) for n in nodes))
+        pids = set().union(*(descendants(n.pid) for n in nodes))
         client = openai.OpenAI(
             base_url=url + "/v1",
             api_key="change-me",
@@ -79,4 +79,4 @@ def test_a3_two_node_commands():
         assert stop_rank0(nodes) == [0, 0], "\n".join(map(node_log, nodes))
     finally:
         sim.close()
-    _assert_all_exit(pids)
+    assert_all_exit(pids)

@@ -13,7 +13,7 @@ from server.api import create_app
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.config import build_config
 from server.engine_api import SamplingParams
-from tests.server.helpers import FakeEngine, UvicornThread, error_of, wait_until
+from tests.support.serving import FakeEngine, UvicornThread, error_of, wait_until
 
 
 @pytest.fixture

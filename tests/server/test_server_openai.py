@@ -15,10 +15,11 @@ import openai
 import pytest
 import torch
 
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
-from tests.server.test_server_failure import real_server
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
+from tests.support.tiny_moe import real_server
 
 TOL = 2e-4  # fp32 log-probabilities of two implementations of one model
+GREEDY = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +77,7 @@ def test_n_samples_each_with_its_own_seed_stream(hf_and_server):
 def test_prompt_batch_choice_index_is_prompt_times_n_plus_sample(hf_and_server):
     hf, _, client = hf_and_server
     prompts = [[1, 2, 3], [9, 8]]
-    r = client.completions.create(
-        model="tiny",
-        prompt=prompts,
-        max_tokens=4,
-        n=2,
-        temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
+    r = client.completions.create(**GREEDY, prompt=prompts, max_tokens=4, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     for c in r.choices:
         assert c.model_extra["token_ids"] == hf_greedy(hf, prompts[c.index // 2], 4)[0]
@@ -94,15 +88,8 @@ def test_prompt_batch_choice_index_is_prompt_times_n_plus_sample(hf_and_server):
 
 def test_chat_top_logprobs_match_the_oracle_and_greedy_choice(hf_and_server):
     hf, _, client = hf_and_server
-    r = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=5,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(**GREEDY, messages=messages, max_tokens=5, logprobs=True, top_logprobs=2)
     choice = r.choices[0]
     prompt, tokens = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
     rows = _log_softmax(hf, prompt + tokens)[len(prompt) - 1 :]
@@ -120,15 +107,7 @@ def test_chat_top_logprobs_match_the_oracle_and_greedy_choice(hf_and_server):
 def test_completion_logprobs_with_echo_cover_prompt_and_output(hf_and_server):
     hf, _, client = hf_and_server
     prompt = [(3 * i) % 120 + 1 for i in range(80)]  # over the step's 64-token capacity: two prefill chunks
-    r = client.completions.create(
-        model="tiny",
-        prompt=prompt,
-        max_tokens=3,
-        temperature=0,
-        logprobs=1,
-        echo=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
+    r = client.completions.create(**GREEDY, prompt=prompt, max_tokens=3, logprobs=1, echo=True)
     choice = r.choices[0]
     tokens = choice.model_extra["token_ids"]
     lp = choice.logprobs

@@ -25,8 +25,8 @@ from server.cli import main as cli_main
 from server.config import ConfigError, build_config
 from server.runtime.engine_config import EngineConfig
 from server.runtime.workers import placement
-from tests.server.helpers import UvicornThread
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
+from tests.support.serving import UvicornThread
 
 STEPS = 6
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [(11 * j) % 250 + 1 for j in range(17)]]

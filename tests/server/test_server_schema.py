@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 
 from server.api import create_app
 from server.config import build_config
-from tests.server.helpers import FakeEngine, UvicornThread
+from tests.support.serving import FakeEngine, UvicornThread
 
 EXAMPLES_PER_OPERATION = 20
 

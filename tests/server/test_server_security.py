@@ -14,8 +14,8 @@ from server.api import create_app
 from server.cli import parse_config
 from server.config import API_KEY_ENV, build_config
 from server.engine_api import SamplingParams
-from tests.server.helpers import FakeEngine, UvicornThread, error_of
-from tests.server.test_server_failure import real_server
+from tests.support.serving import FakeEngine, UvicornThread, error_of
+from tests.support.tiny_moe import real_server
 
 KEY = {"Authorization": "Bearer s3cret"}
 

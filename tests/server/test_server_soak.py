@@ -15,8 +15,8 @@ import httpx
 
 from server.api import create_app
 from server.config import build_config
-from tests.server.helpers import FakeEngine, UvicornThread
-from tests.server.test_server_failure import real_server
+from tests.support.serving import FakeEngine, UvicornThread
+from tests.support.tiny_moe import real_server
 
 NUM_REQUESTS = 500
 CONCURRENCY = 48

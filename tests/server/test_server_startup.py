@@ -7,33 +7,18 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.launch import ROOT, server_cmd
+
 TINY = "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,num_key_value_heads=1,head_dim=16,num_experts=4"
 
 
 def test_start_up_lines_then_serving_line() -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "server",
-        "--port",
-        "0",
-        "--ep-size",
-        "2",
-        "--random-model",
-        TINY,
-        "--served-model-name",
-        "tiny",
-        "--backend",
-        "reference",
-        "--log-level",
-        "info",
-    ]
+    args = ("--ep-size", "2", "--random-model", TINY, "--served-model-name", "tiny", "--backend", "reference")
+    cmd = server_cmd(*args, log_level="info")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []

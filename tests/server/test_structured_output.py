@@ -21,10 +21,10 @@ import openai
 import pydantic
 import pytest
 
-from tests.server.helpers import error_of
-from tests.server.test_chat_template import CHATML, make_tokenizer
-from tests.server.test_models_ckpt import make_checkpoint
-from tests.server.test_server_failure import real_server
+from tests.support.checkpoints import make_checkpoint
+from tests.support.serving import error_of
+from tests.support.tiny_moe import real_server
+from tests.support.tokenizers import CHATML, make_tokenizer
 
 SEEDS = range(20)
 TEMPERATURES = (0.0, 0.7, 1.0)

@@ -14,9 +14,9 @@ from server.loader import load_model
 from server.models import LocalComm, SeqInput
 from server.models.buffer_comm import BufferComm
 from server.models.two_batch import MIN_TOKENS, merge, micro_batches
-from tests.distributed import parallel_launch
-from tests.server.paged import SlotCache
-from tests.server.test_models_ckpt import hf_greedy, load_hf, make_checkpoint
+from tests.support.checkpoints import hf_greedy, load_hf, make_checkpoint
+from tests.support.distributed import parallel_launch
+from tests.support.paged import SlotCache
 
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(1 + (5 * i) % 11)] for i in range(17)]  # 1-11 tokens each
 STEPS = 3

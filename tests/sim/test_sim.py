@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_npu import ops, sim
-from tests.distributed import op_error, parallel_launch
+from tests.support.distributed import op_error, parallel_launch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="a real torch_npu exists")
 TWO_STAGE = ("dispatch_setup", "dispatch_teardown", "combine_setup", "combine_teardown")

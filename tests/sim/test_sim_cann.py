@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep_npu import ops, sim
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="a real torch_npu exists")
 H, E, K = 1024, 8, 3

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deep_ep_npu import sim
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 
 @pytest.fixture

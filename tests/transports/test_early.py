@@ -13,7 +13,7 @@ from deep_ep_npu import MoeDistributeError
 from deep_ep_npu.transports.agreement import STATUS_OK, Agreement, Send, TransportError
 from deep_ep_npu.transports.group import EPGroup
 from deep_ep_npu.transports.staged import Staged
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 ROW = 16  # bytes per row
 

@@ -1,5 +1,5 @@
-"""A group across simulated hosts (issue 28; :mod:`tests.hosts`): 2 hosts x 2 ranks, each host a network namespace
-with its own address and a private ``/dev/shm``.
+"""A group across simulated hosts (issue 28; :mod:`tests.support.hosts`): 2 hosts x 2 ranks, each host a network
+namespace with its own address and a private ``/dev/shm``.
 
 - Host identity: the ranks of one host see one identity, the two hosts two; the Buffer's "auto" transport is the
   spanning one (window within a host, torch.distributed across) and "shm" is refused naming the hosts.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import hosts
-from tests.distributed import parallel_launch
+from tests.support import hosts
+from tests.support.distributed import parallel_launch
 from tests.transports.test_transport import N
 from tests.transports.test_transport import _inputs as transport_inputs
 
@@ -145,14 +145,14 @@ def test_send_phase_waits_for_no_peer_across_hosts(two_hosts):
 
 def _one_dies(info, transport: str = "auto"):
     """Rank 3 (host 1, rank 2's window peer) dies before step 1; the survivors find it missing, mask it and keep
-    computing the oracle's results (:mod:`tests.transports.test_failure_shrink`'s experts and oracle)."""
+    computing the oracle's results (:mod:`tests.support.shrink`'s experts and oracle)."""
     import os
 
     import torch.distributed as dist
 
     from deep_ep_npu import Buffer
-    from tests.distributed import leave_together
-    from tests.transports import test_failure_shrink as shrink
+    from tests.support import shrink
+    from tests.support.distributed import leave_together
 
     buf = Buffer(info.group, enable_shrink=True, timeout=shrink.TIMEOUT, explicitly_destroy=True, transport=transport)
     name, masks, masked = buf._backend.transport.name, [], set()
@@ -160,14 +160,8 @@ def _one_dies(info, transport: str = "auto"):
         if step == 1 and info.rank == 3:
             os._exit(0)  # (a host's process dies: no goodbye)
         masked |= {3} if step >= 1 else set()
-        counts, combined = shrink._step(buf, info.rank, step)
-        want_counts, want = shrink._oracle(info.rank, step, masked)
-        assert torch.equal(counts, want_counts), (step, counts, want_counts)
-        err = (combined.float() - want.float()).abs().max().item()
-        assert err <= 1e-2 * max(1.0, want.float().abs().max().item()), (step, err)
-        mask = torch.zeros(shrink.W, dtype=torch.int32)
-        buf.low_latency_query_mask_buffer(mask)
-        masks.append(mask.nonzero().flatten().tolist())
+        shrink.check(info.rank, step, masked, *shrink.run_step(buf, info.rank, step))
+        masks.append(shrink.masked_ranks(buf))
     leave_together(dist.distributed_c10d._get_default_store(), info.rank, shrink.W - 1)
     buf.destroy()
     return name, masks

@@ -9,7 +9,7 @@ import torch
 
 from deep_ep_npu import Buffer, ops
 from deep_ep_npu.transports.group import EPGroup
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
 
 N, H, E, K = 8, 256, 8, 3
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from deep_ep_npu import Buffer, EPRankFailure
 from deep_ep_npu import kernels as cpu_kernels
-from tests.distributed import parallel_launch
+from tests.support.distributed import parallel_launch
+from tests.support.tokens import routed_tokens
 
 N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 12, 1.0
 
@@ -28,10 +29,9 @@ N, HIDDEN, TOPK, EXPERTS, LATE_S = 8, 256, 3, 12, 1.0
 def _inputs(rank: int, step: int, experts: int = EXPERTS):
     """Rank ``rank``'s tokens (N - rank of them, bf16), top-k ids (one -1) and weights of call ``step``."""
     g = torch.Generator().manual_seed(100 * step + rank)
-    x = (torch.randn((N - rank, HIDDEN), generator=g) * 3).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(experts, generator=g)[:TOPK] for _ in range(x.shape[0])])
+    x, idx, weights = routed_tokens(g, N - rank, HIDDEN, TOPK, experts, scale=3)
     idx[0, 1] = -1
-    return x, idx, torch.rand(idx.shape, generator=g)
+    return x, idx, weights
 
 
 def _late_peer(info):
