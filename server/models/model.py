@@ -8,6 +8,8 @@ weights.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -74,13 +76,44 @@ class MoECausalLM(nn.Module):
             logits: `[len(batch.sample_rows), vocab_size]` with `torch.float32`.
         """
         if batch.micro is not None:
-            return two_batch.forward(self, batch.micro, cache)
+            return self._forward_micro(batch.micro, cache)
         x, delta = self.model.embed_tokens(batch.input_ids), None
         for layer, layer_cache in zip(self.model.layers, cache.layers, strict=True):
             x, delta = layer(x, delta, batch, layer_cache)
         rows = batch.sample_rows
         _, x = self.model.norm.add(x[rows], None if delta is None else delta[rows])
         return self.lm_head(x).float()
+
+    def _forward_micro(self, batches: tuple[ForwardBatch, ForwardBatch], cache: PagedKVCache) -> torch.Tensor:
+        """:meth:`forward` of a step whose micro-batches are ``batches`` (:mod:`.two_batch`; logits rows: the first's
+        sampled rows, then the second's, i.e. the whole step's in order)."""
+        backbone, total = self.model, batches[0].num_tokens_all_ranks
+        assert total is not None
+        xs = [backbone.embed_tokens(b.input_ids) for b in batches]
+        deltas: list[torch.Tensor | None] = [None, None]
+        pending: list[two_batch.Receive | None] = [None, None]
+        for module, layer_cache in zip(backbone.layers, cache.layers, strict=True):
+            layer, routed = cast(DecoderLayer, module), list[two_batch.Routed]()
+            for m, batch in enumerate(batches):
+                receive, pending[m] = pending[m], None
+                if receive is not None:
+                    deltas[m] = receive()
+                xs[m], h = layer.input_layernorm.add(xs[m], deltas[m])
+                xs[m], h = layer.post_attention_layernorm.add(xs[m], layer.self_attn(h, batch, layer_cache))
+                mlp = getattr(layer, layer.mlp_name)
+                if layer.is_moe:
+                    routed.append(two_batch.Routed(mlp, h, total))
+                else:
+                    deltas[m] = mlp(h)
+            if routed:
+                pending = list(two_batch.experts(getattr(layer, layer.mlp_name), routed, total))
+        last = []
+        for m, batch in enumerate(batches):
+            receive = pending[m]
+            delta = receive() if receive is not None else deltas[m]
+            rows = batch.sample_rows
+            last.append(backbone.norm.add(xs[m][rows], None if delta is None else delta[rows])[1])
+        return self.lm_head(torch.cat(last)).float()
 
     def fuse_weights(self) -> None:
         """Fuse the projections that share an input (q / k / v, gate / up); the loader calls it once, after filling

@@ -17,21 +17,19 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from .forward_batch import ForwardBatch, SeqInput
 
 if TYPE_CHECKING:
-    from .kv_cache import PagedKVCache
-    from .model import DecoderLayer, MoECausalLM
     from .moe import SparseMoE
 
 MIN_TOKENS = 16
 """The step's tokens over all ranks from which it runs as two micro-batches (at decode: batch 16, 8 a rank at EP 2)."""
 
-_Receive = Callable[[], torch.Tensor]
+Receive = Callable[[], torch.Tensor]
 _T = TypeVar("_T")
 
 
@@ -55,7 +53,7 @@ def _timed(stats: Any, name: str, call: Callable[[], _T]) -> _T:
     return out
 
 
-class _Routed:
+class Routed:
     """One micro-batch between its dispatch's send and its combine's send."""
 
     def __init__(self, moe: SparseMoE, h: torch.Tensor, num_tokens_all_ranks: int) -> None:
@@ -88,7 +86,7 @@ def merge(
     return merged[:num_rows], offsets, wheres
 
 
-def _experts(moe: SparseMoE, routed: list[_Routed], num_tokens_all_ranks: int) -> list[_Receive]:
+def experts(moe: SparseMoE, routed: list[Routed], num_tokens_all_ranks: int) -> list[Receive]:
     """Both micro-batches' receives, the experts once on their rows, both combines sent (the shared experts computed
     while they travel); returns each micro-batch's combine receive (the MoE output `[num_tokens, hidden]`)."""
     comm = moe.comm
@@ -104,7 +102,7 @@ def _experts(moe: SparseMoE, routed: list[_Routed], num_tokens_all_ranks: int) -
         receives.append(_timed(comm.stats, "combine", send))
     shared = [moe._shared(r.h) if moe.shared_name is not None else None for r in routed]
 
-    def done(receive: _Receive, extra: torch.Tensor | None) -> _Receive:
+    def done(receive: Receive, extra: torch.Tensor | None) -> Receive:
         def call() -> torch.Tensor:
             combined = _timed(comm.stats, "combine", receive)
             return combined if extra is None else combined + extra
@@ -112,35 +110,3 @@ def _experts(moe: SparseMoE, routed: list[_Routed], num_tokens_all_ranks: int) -
         return call
 
     return [done(receive, extra) for receive, extra in zip(receives, shared, strict=True)]
-
-
-def forward(model: MoECausalLM, batches: tuple[ForwardBatch, ForwardBatch], cache: PagedKVCache) -> torch.Tensor:
-    """:meth:`MoECausalLM.forward` of the step whose micro-batches are ``batches`` (logits rows: the first's sampled
-    rows, then the second's, i.e. the whole step's in order)."""
-    backbone, total = model.model, batches[0].num_tokens_all_ranks
-    assert total is not None
-    xs = [backbone.embed_tokens(b.input_ids) for b in batches]
-    deltas: list[torch.Tensor | None] = [None, None]
-    pending: list[_Receive | None] = [None, None]
-    for module, layer_cache in zip(backbone.layers, cache.layers, strict=True):
-        layer, routed = cast("DecoderLayer", module), []
-        for m, batch in enumerate(batches):
-            receive, pending[m] = pending[m], None
-            if receive is not None:
-                deltas[m] = receive()
-            xs[m], h = layer.input_layernorm.add(xs[m], deltas[m])
-            xs[m], h = layer.post_attention_layernorm.add(xs[m], layer.self_attn(h, batch, layer_cache))
-            mlp = getattr(layer, layer.mlp_name)
-            if layer.is_moe:
-                routed.append(_Routed(mlp, h, total))
-            else:
-                deltas[m] = mlp(h)
-        if routed:
-            pending = list(_experts(getattr(layer, layer.mlp_name), routed, total))
-    last = []
-    for m, batch in enumerate(batches):
-        receive = pending[m]
-        delta = receive() if receive is not None else deltas[m]
-        rows = batch.sample_rows
-        last.append(backbone.norm.add(xs[m][rows], None if delta is None else delta[rows])[1])
-    return model.lm_head(torch.cat(last)).float()
