@@ -21,7 +21,7 @@ from .. import kernels, profiling
 from ..backends import Backend, InFlight
 from ..core.call import FFN, CombineCall, DispatchCall
 from ..errors import MoeDistributeError, shape
-from ..transports import Check, Transport, create
+from ..transports import Check, Transport, create, static
 from ..transports.agreement import STATUS_OK, Agreement
 from ..transports.collective import EPGroup
 from ..transports.early import early_bytes
@@ -122,6 +122,8 @@ class Engine(Backend):
 
     def reject(self, op: str, code: int, tp: EPGroup | None = None) -> None:
         width = 1 + 2 * self.num_ranks + FINGERPRINT  # (:func:`header`'s words)
+        if tp is None and static.reject(self.collective, op, code):  # (peers on the static round, exact receives)
+            return
         if tp is not None:  # (the TP stage's call runs on the collective transport, its agreement first)
             self.collective.reject(op, code, width, staged=True)
         else:

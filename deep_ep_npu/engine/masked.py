@@ -12,6 +12,7 @@ import torch
 
 from .. import kernels
 from ..core.call import CombineCall, DispatchCall
+from ..core.rules import values_checked
 from ..errors import shape
 from ..handle import LowLatencyHandle
 from ..transports.agreement import Agreement
@@ -198,3 +199,18 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
             capacity=capacity,
         )
     ]
+
+
+def static_round(backend: Any, c: DispatchCall | CombineCall, message_bytes: Any) -> bool:
+    """Whether the masked call ``c`` takes the static round of :mod:`.static_masked` (see there) on ``backend``: the
+    reference engine, values unchecked, the torch code a device takes (a device's group, or CPU tensors with the
+    kernels off on gloo), the collective transport, no shrink mode nor LogFMT, and (gloo) each message within the
+    bound its receives are posted at (``message_bytes(c)``: its rows' bytes)."""
+    if backend.name != "reference" or values_checked(c.x) or backend.ep.enable_shrink:
+        return False
+    coll, dev = backend.collective, c.x.device
+    if dev.type != backend.ep.device.type or dev.type == "cpu" and kernels.library() is not None:
+        return False
+    if backend.transport_for(dev) is not coll or isinstance(c, CombineCall) and c.comm_quant_mode:
+        return False
+    return not coll.early_bytes or message_bytes(c) + 8 * (8 + 2 * backend.num_ranks + 16) <= coll.early_bytes
