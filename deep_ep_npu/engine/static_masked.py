@@ -252,9 +252,10 @@ def combine(engine: Any, c: CombineCall) -> InFlight:
         parts, wait_ns = receive()
         got = torch.stack(parts).view(source.dtype).view(r, n, kp, hidden)
         y = got[dest.clamp(max=r - 1), torch.arange(t, device=dev).view(t, 1), j.clamp(max=kp - 1)]  # [T, K, H]
+        terms = torch.where(sent.unsqueeze(2), y.float() * w.unsqueeze(2), 0.0)  # [T, K, H] fp32
         acc = torch.zeros((t, hidden), dtype=torch.float32, device=dev)
-        for i in range(k):  # in fp32, in :mod:`.reduce`'s order
-            acc += torch.where(sent[:, i : i + 1], y[:, i].float() * w[:, i : i + 1], 0.0)
+        for i in range(k):  # summed in :mod:`.reduce`'s order
+            acc += terms[:, i]
         if c.wait_stats is not None:
             c.wait_stats += wait_ns
         return out.copy_(acc)
