@@ -204,8 +204,8 @@ def combine_jobs(c: CombineCall, engine: Any) -> list[CombineJob]:
 def static_round(backend: Any, c: DispatchCall | CombineCall, message_bytes: Any) -> bool:
     """Whether the masked call ``c`` takes the static round of :mod:`.static_masked` (see there) on ``backend``: the
     reference engine, values unchecked, the torch code a device takes (a device's group, or CPU tensors with the
-    kernels off on gloo), the collective transport, no shrink mode nor LogFMT, and (gloo) each message within the
-    bound its receives are posted at (``message_bytes(c)``: its rows' bytes)."""
+    kernels off on gloo), the collective transport, no shrink mode nor LogFMT, messages of whole int64 words, and
+    (gloo) each within the bound its receives are posted at (``message_bytes(c)``: its rows' bytes)."""
     if backend.name != "reference" or values_checked(c.x) or backend.ep.enable_shrink:
         return False
     coll, dev = backend.collective, c.x.device
@@ -213,4 +213,5 @@ def static_round(backend: Any, c: DispatchCall | CombineCall, message_bytes: Any
         return False
     if backend.transport_for(dev) is not coll or isinstance(c, CombineCall) and c.comm_quant_mode:
         return False
-    return not coll.early_bytes or message_bytes(c) + 8 * (8 + 2 * backend.num_ranks + 16) <= coll.early_bytes
+    rows = message_bytes(c)
+    return rows % 8 == 0 and (not coll.early_bytes or rows + 8 * (8 + 2 * backend.num_ranks + 16) <= coll.early_bytes)

@@ -41,8 +41,13 @@ def _grid(r: int, n: int, k: int, me: int, device: torch.device) -> tuple[torch.
     """Per shape, what does not depend on values: source `[R, 1, 1]`, token `[1, N, 1]` int64, token `[R, N, K]`
     int32, the sources in block order (this rank first) `[R]`."""
     src, tok = torch.arange(r, device=device).view(r, 1, 1), torch.arange(n, device=device).view(1, n, 1)
-    order = torch.tensor([me, *(s for s in range(r) if s != me)], device=device)
-    return src, tok, tok.expand(r, n, k).to(torch.int32), order
+    return src, tok, tok.expand(r, n, k).to(torch.int32), _order(r, me, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _order(r: int, me: int, device: torch.device) -> torch.Tensor:
+    """`[R]` int64: the sources in the order of their blocks in each expert's rows (this rank first)."""
+    return torch.tensor([me, *(s for s in range(r) if s != me)], device=device)
 
 
 _MASKS: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
@@ -184,7 +189,7 @@ def _place(
     out["recv_count"].copy_(counts.sum(dim=1))
 
 
-def _returns(h: LowLatencyHandle, mask: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _returns(h: LowLatencyHandle, mask: torch.Tensor, kp: int, me: int) -> tuple[torch.Tensor, torch.Tensor]:
     """From the handle alone: `[R * N * kp]` int64, the row of the flattened expert output `[L * R * N]` each return
     message row carries (source s, token t, its j-th expert here at ``(s * N + t) * kp + j``), and the rows returned
     to each source `[R]` int64 (none to masked sources)."""
@@ -192,11 +197,12 @@ def _returns(h: LowLatencyHandle, mask: torch.Tensor, kp: int) -> tuple[torch.Te
     r, dev = rn // n, h.src_info.device
     count, begin = h.recv_count_per_rank, h.recv_begin  # [L, R]
     count = torch.where(mask.view(1, r) == 0, count, 0)
-    at = torch.arange(rn, device=dev).view(1, 1, rn)
-    inside = (at >= begin.unsqueeze(2)) & (at < (begin + count).unsqueeze(2))  # [L, R, R * N]: row in s's block
-    source = (inside * torch.arange(r, device=dev).view(1, r, 1)).sum(dim=1)  # [L, R * N]
-    valid = inside.any(dim=1)
+    order = _order(r, me, dev)  # (the blocks' order: this rank's first)
+    at = torch.arange(rn, device=dev).repeat(nl, 1)
+    block = torch.searchsorted((begin + count)[:, order].contiguous(), at, right=True)  # [L, R * N]: its block
+    source = order[block.clamp(max=r - 1)]
     expert = torch.arange(nl, device=dev).view(nl, 1)
+    valid = (block < r) & (at >= begin[expert, source])
     key = torch.where(valid, (source * n + h.src_info.long().clamp(0, n - 1)) * nl + expert, r * n * nl)
     marks = torch.zeros((r * n * nl + 1,), dtype=torch.int64, device=dev).scatter_(0, key.view(-1), 1)[:-1]
     j = (marks.view(r * n, nl).cumsum(1) - marks.view(r * n, nl)).view(-1)[key.clamp(max=r * n * nl - 1)]
@@ -216,7 +222,7 @@ def combine(engine: Any, c: CombineCall) -> InFlight:
     r, me = e.world_size, e.rank
     source = engine.scratch("zero_copy", (nl, rn, hidden), torch.bfloat16) if c.zero_copy else c.x
     kp, mask = min(k, nl), _mask(engine, dev)
-    index, returned = _returns(h, mask, kp)
+    index, returned = _returns(h, mask, kp, me)
     sent, dest = _sent(c, mask, nl, me)
     dispatched = torch.zeros((r + 1,), dtype=torch.int64, device=dev)
     dispatched.scatter_add_(0, dest.view(-1), sent.view(-1).long())

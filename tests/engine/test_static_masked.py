@@ -197,3 +197,26 @@ def test_graph_step_on_cpu_reads_nothing_and_matches_the_oracle():
         assert not reads and same_set, (rank, reads)
         for seed, out in zip((6, 7, 8), combined, strict=True):
             _check_oracle({"combined": out}, seed + rank)
+
+
+def _exact_reject(info) -> str:
+    """The static round as on NCCL / HCCL (exact-size receives: the gloo bound set to 0): rank 1's second call has a
+    bad ``topk_idx`` dtype; it sends its status at the peers' static size and every rank raises."""
+    _policy("0")
+    buffer, case = Buffer(info.group, transport="collective"), CASES[0]
+    buffer._backend.collective.early_bytes = 0  # (what a group that is not gloo has)
+    x, ids, _ = _inputs(info.rank, case, 0)
+    with kernels.disabled():
+        buffer.low_latency_dispatch(x, ids, case[0], case[3], use_fp8=False)
+        bad = ids.float() if info.rank == 1 else ids
+        try:
+            buffer.low_latency_dispatch(x, bad, case[0], case[3], use_fp8=False)
+        except MoeDistributeError as err:
+            return str(err)
+    return ""
+
+
+def test_a_rejection_travels_at_the_static_size_on_exact_receives():
+    errors = parallel_launch(4, _exact_reject, timeout=120)
+    assert "topk_idx" in errors[1], errors
+    assert all("rejected on rank 1" in e for i, e in enumerate(errors) if i != 1), errors
