@@ -18,6 +18,7 @@ Results are bit-identical to :mod:`.masked`'s. Needs the same ``num_topk`` on ev
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ def _order(r: int, me: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([me, *(s for s in range(r) if s != me)], device=device)
 
 
-_MASKS: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+_MASKS: weakref.WeakKeyDictionary[Any, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def _mask(engine: Any, device: torch.device) -> torch.Tensor:
@@ -58,10 +59,10 @@ def _mask(engine: Any, device: torch.device) -> torch.Tensor:
     mask = engine.mask
     if mask.device == device:
         return mask
-    held = _MASKS.get(id(mask))
-    if held is None or held[0] is not mask or held[1] != mask._version or held[2].device != device:
-        held = _MASKS[id(mask)] = (mask, mask._version, mask.to(device))
-    return held[2]
+    held = _MASKS.get(engine)
+    if held is None or held[0] != mask._version or held[1].device != device:
+        held = _MASKS[engine] = (mask._version, mask.to(device))
+    return held[1]
 
 
 def _fmt(c: DispatchCall) -> RowFormat:
