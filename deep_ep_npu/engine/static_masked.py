@@ -254,12 +254,15 @@ def combine(engine: Any, c: CombineCall) -> InFlight:
         by = torch.where(sent, torch.where(dest == me, ids - e.num_moe_experts, ids), 2 * e.num_moe_experts)
         by = by.argsort(dim=1, stable=True)
     dest, j, sent, w = (a.gather(1, by) for a in (dest, j, sent, c.expert_scales))
+    tokens = torch.arange(t, device=dev).view(t, 1)
+    at = torch.where(sent, (dest * n + tokens) * kp + j, r * n * kp).view(-1)  # [T * K]: its received row
+    w = torch.where(sent, w, 0.0)  # (the pairs not sent: a zero row times 0)
 
     def finish() -> torch.Tensor:
         parts, wait_ns = receive()
-        got = torch.stack(parts).view(source.dtype).view(r, n, kp, hidden)
-        y = got[dest.clamp(max=r - 1), torch.arange(t, device=dev).view(t, 1), j.clamp(max=kp - 1)]  # [T, K, H]
-        terms = torch.where(sent.unsqueeze(2), y.float() * w.unsqueeze(2), 0.0)  # [T, K, H] fp32
+        zero = torch.zeros((1, hidden), dtype=source.dtype, device=dev)
+        got = torch.cat([*(p.view(source.dtype) for p in parts), zero])  # [R * N * kp + 1, H]
+        terms = got.index_select(0, at).view(t, k, hidden).float().mul_(w.unsqueeze(2))  # [T, K, H] fp32
         acc = torch.zeros((t, hidden), dtype=torch.float32, device=dev)
         for i in range(k):  # summed in :mod:`.reduce`'s order
             acc += terms[:, i]
