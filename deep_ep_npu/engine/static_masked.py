@@ -123,7 +123,8 @@ def dispatch(engine: Any, c: DispatchCall) -> InFlight:
 
     def finish() -> tuple[Any, torch.Tensor, LowLatencyHandle]:
         parts, wait_ns = receive()
-        _place(c, fmt, torch.stack(parts), out, (src, tok, tok32, order))
+        got = engine.scratch("static_rows", (r, n, fmt.row_bytes), torch.uint8)
+        _place(c, fmt, torch.stack(parts, out=got), out, (src, tok, tok32, order))
         if c.recv_stats is not None:
             c.recv_stats += out["recv_count"]
         if c.wait_stats is not None:
@@ -230,8 +231,10 @@ def combine(engine: Any, c: CombineCall) -> InFlight:
     fp = (n, h.num_experts, hidden, DTYPE_CODES[source.dtype], k)
     shared = header(hidden * source.element_size(), [0] * 2 * r, fp, r)
 
-    def write(out: torch.Tensor) -> None:  # [R, N * kp, row_bytes]
-        out.view(source.dtype).copy_(source.reshape(nl * rn, hidden).index_select(0, index).view(r, n * kp, hidden))
+    def write(out: torch.Tensor) -> None:  # [R, N * kp, row_bytes] (through reused scratch: no page faults)
+        stage = engine.scratch("static_return", (r * n * kp, hidden), source.dtype)
+        torch.index_select(source.reshape(nl * rn, hidden), 0, index, out=stage)
+        out.view(source.dtype).copy_(stage.view(r, n * kp, hidden))
 
     def explain(agreement: Agreement) -> None:
         check_status(agreement)
@@ -260,10 +263,14 @@ def combine(engine: Any, c: CombineCall) -> InFlight:
 
     def finish() -> torch.Tensor:
         parts, wait_ns = receive()
-        zero = torch.zeros((1, hidden), dtype=source.dtype, device=dev)
-        got = torch.cat([*(p.view(source.dtype) for p in parts), zero])  # [R * N * kp + 1, H]
-        terms = got.index_select(0, at).view(t, k, hidden).float().mul_(w.unsqueeze(2))  # [T, K, H] fp32
-        acc = torch.zeros((t, hidden), dtype=torch.float32, device=dev)
+        got = engine.scratch("static_got", (r * n * kp + 1, hidden), source.dtype)  # (the rows, then a zero row)
+        torch.cat([p.view(source.dtype) for p in parts], out=got[:-1])
+        got[-1].zero_()
+        y = engine.scratch("static_y", (t * k, hidden), source.dtype)
+        torch.index_select(got, 0, at, out=y)
+        terms = engine.scratch("static_terms", (t, k, hidden), torch.float32)
+        terms.copy_(y.view(t, k, hidden)).mul_(w.unsqueeze(2))  # [T, K, H] fp32
+        acc = engine.scratch("static_acc", (t, hidden), torch.float32).zero_()
         for i in range(k):  # summed in :mod:`.reduce`'s order
             acc += terms[:, i]
         if c.wait_stats is not None:
