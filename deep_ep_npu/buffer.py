@@ -17,6 +17,7 @@ from .buffer_layout import host_nodes
 from .buffer_normal import NormalModeMethods
 from .core import rules
 from .core.call import MaskedCombine, MaskedDispatch
+from .engine import masked, static_masked
 from .errors import invalid
 from .handle import EventHandle, EventOverlap, LowLatencyHandle
 from .sizes import get_low_latency_ccl_buffer_size, rdma_size_hint
@@ -177,7 +178,10 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
                 sizes = f"N={n}, hidden={x.shape[1]}, num_experts={num_experts}: {need} bytes needed"
                 why = f"{self.num_rdma_bytes} bytes is too small for {sizes} (Buffer.get_low_latency_rdma_size_hint)"
                 raise invalid("num_rdma_bytes", why)
-        inflight = self._backend.dispatch(call)
+        if masked.static_round(self._backend, call, static_masked.dispatch_bytes):  # (no host read: a graph's)
+            inflight = static_masked.dispatch(self._backend, call)
+        else:
+            inflight = self._backend.dispatch(call)
         event, hook = inflight.overlap(async_finish, return_recv_hook, inflight.value)
         return (*inflight.value, event, hook)  # recv_x, recv_count, handle, event, hook
 
@@ -244,7 +248,10 @@ class Buffer(AscendMethods, NormalModeMethods, CompatMethods):
                     slot_order=rules.flag(slot_order, "slot_order"),
                 )
             )
-        inflight = self._backend.combine(call)
+        if masked.static_round(self._backend, call, static_masked.combine_bytes):
+            inflight = static_masked.combine(self._backend, call)
+        else:
+            inflight = self._backend.combine(call)
         event, hook = inflight.overlap(async_finish, return_recv_hook, (inflight.value,))
         return inflight.value, event, hook
 

@@ -31,7 +31,7 @@ from ..core.call import (
     MaskedDispatch,
 )
 from ..errors import MoeDistributeError, invalid, shape
-from ..transports import Transport, create
+from ..transports import Transport, create, static
 from ..transports.agreement import STATUS_OK, Agreement, Send, TransportError, WindowTooSmall
 from ..transports.early import early_bytes
 from ..transports.group import EPGroup
@@ -117,6 +117,8 @@ class Engine(Backend):
 
     def reject(self, op: str, code: int, tp: EPGroup | None = None) -> None:
         width = 1 + 2 * self.num_ranks + FINGERPRINT  # (:func:`header`'s words)
+        if tp is None and static.reject(self.collective, op, code):  # (peers on the static round, exact receives)
+            return
         if tp is not None:  # (the TP stage's call runs on the collective transport, its agreement first)
             self.collective.reject(op, code, width, staged=True)
         else:

@@ -13,6 +13,7 @@ import torch
 
 from .. import kernels
 from ..core.call import MaskedCombine, MaskedDispatch
+from ..core.rules import values_checked
 from ..errors import shape
 from ..handle import LowLatencyHandle
 from ..transports.agreement import Agreement
@@ -204,3 +205,19 @@ def combine_jobs(c: MaskedCombine, engine: Any) -> list[CombineJob]:
             capacity=capacity,
         )
     ]
+
+
+def static_round(backend: Any, c: MaskedDispatch | MaskedCombine, message_bytes: Any) -> bool:
+    """Whether the masked call ``c`` takes the static round of :mod:`.static_masked` (see there) on ``backend``: the
+    reference engine, values unchecked, the torch code a device takes (a device's group, or CPU tensors with the
+    kernels off on gloo), the collective transport, no shrink mode nor LogFMT, messages of whole int64 words, and
+    (gloo) each within the bound its receives are posted at (``message_bytes(c)``: its rows' bytes)."""
+    if backend.name != "reference" or values_checked(c.x) or backend.ep.enable_shrink:
+        return False
+    coll, dev = backend.collective, c.x.device
+    if dev.type != backend.ep.device.type or dev.type == "cpu" and kernels.library() is not None:
+        return False
+    if backend.transport_for(dev) is not coll or isinstance(c, MaskedCombine) and c.logfmt:
+        return False
+    rows = message_bytes(c)
+    return rows % 8 == 0 and (not coll.early_bytes or rows + 8 * (8 + 2 * backend.num_ranks + 16) <= coll.early_bytes)

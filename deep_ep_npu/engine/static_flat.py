@@ -3,9 +3,9 @@ collective transport's static round (:mod:`deep_ep_npu.transports.static`), whic
 take instead of the engine's exchange (:func:`.flat.static_round`) when the call's values are not checked
 (:func:`~deep_ep_npu.core.rules.values_checked`) and its tensors take the torch code a device takes (CPU tensors with
 ``DEEP_EP_NPU_CPU_KERNELS=0``) on a gloo group, for routed experts only (no shared-expert ranks, elastic re-layout,
-TP stage, smooth scales, copy / const experts or combine quantization: those take :mod:`.flat`). Not on other groups
-yet: a rank that rejects its input must still send a message of the peers' size, which gloo's bounded receives allow
-and NCCL / HCCL's exact ones do not.
+TP stage, smooth scales, copy / const experts or combine quantization: those take :mod:`.flat`). Not on device
+tensors yet (the masked layout's :mod:`.static_masked` is: the static round posts exact sizes off gloo, and a rank
+that rejects its input sends its status at the peers' size, :func:`~deep_ep_npu.transports.static.reject`).
 
 Dispatch: every rank sends every rank its ``N`` (= ``global_bs / W``, else Bs) tokens at their static offsets, row t
 token t, each row's slot table naming the receiver's local expert per top-k slot (-1: none), and the header inside the
@@ -18,6 +18,7 @@ Results are bit-identical to :mod:`.flat`'s."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,13 +40,6 @@ def _sent(c: FlatDispatch | FlatCombine) -> torch.Tensor:
     if mask is not None:
         sent &= mask.unsqueeze(1) if mask.dim() == 1 else mask
     return sent
-
-
-def _care(num_words: int, skip: tuple[int, ...]) -> torch.Tensor:
-    """`[num_words]` bool: the header words compared with this rank's own (all but ``skip``)."""
-    care = torch.ones((num_words,), dtype=torch.bool)
-    care[list(skip)] = False
-    return care
 
 
 def dispatch(engine: Any, c: FlatDispatch) -> InFlight:
@@ -71,7 +65,7 @@ def dispatch(engine: Any, c: FlatDispatch) -> InFlight:
             rows[:, :, fmt.weight_off : fmt.end].view(torch.float32).copy_(weights.expand(r, t, k))
 
     batch = 1 + 2 * r + len(NAMES)  # (the fingerprint's batch word, compared when global_bs is 0)
-    care = _care(len(shared) + static.VECTOR - 1, () if c.global_bs == 0 else (static.VECTOR - 1 + batch,))
+    care = static.care(len(shared) + static.VECTOR - 1, () if c.global_bs == 0 else (static.VECTOR - 1 + batch,), dev)
 
     def explain(agreement: Agreement) -> None:
         check_status(agreement)
@@ -79,7 +73,7 @@ def dispatch(engine: Any, c: FlatDispatch) -> InFlight:
         check_names(agreement, engine.ep, NAMES, 1 + 2 * r)
         check_names(agreement, engine.ep, ("row size in bytes",), 0)
 
-    receive = static.send(engine.collective, c.op, n, shared, write, care.to(dev), None, None, explain, dev)
+    receive = static.send(engine.collective, c.op, n, shared, write, care, None, None, explain, dev)
     bufs = _buffers(c, fmt, a)
     result = _results(c, bufs, fmt, a)
 
@@ -184,23 +178,15 @@ def combine(engine: Any, c: FlatCombine) -> InFlight:
         stage.index_put_((torch.where(back, triple[:, 0] * n + triple[:, 1] * k + triple[:, 2], r * n),), x[:rows])
         out.view(x.dtype).copy_(stage[:-1].view(r, n, hidden))
 
-    def inconsistent(got: torch.Tensor) -> torch.Tensor:
-        sends, expects = got[:, static.VECTOR : static.VECTOR + r], got[:, static.VECTOR + r : static.VECTOR + 2 * r]
-        return (sends != expects.T).any()
-
     def explain(agreement: Agreement) -> None:
         check_status(agreement)
         check_names(agreement, engine.ep, COMBINE_NAMES, 1 + 2 * r)
-        sends = [fp[1 : 1 + r] for fp in agreement.shared]
-        expects = [fp[1 + r : 1 + 2 * r] for fp in agreement.shared]
-        if bad := [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]:
-            (p, q), (param, hint) = bad[0], MISMATCH
-            why = f"rank {p} would return {sends[p][q]} rows to rank {q}, which dispatched {expects[q][p]} pairs to it"
-            raise shape(param, f"{why}; pass {hint} (mismatched rank pairs: {bad[:8]})")
+        check_returns(agreement, r, MISMATCH)
 
     vector = torch.cat([returned, dispatched[:r]])
-    care = _care(len(shared) + static.VECTOR - 1, tuple(range(static.VECTOR, static.VECTOR + 2 * r)))
-    receive = static.send(engine.collective, c.op, n, shared, write, care.to(dev), vector, inconsistent, explain, dev)
+    care = static.care(len(shared) + static.VECTOR - 1, tuple(range(static.VECTOR, static.VECTOR + 2 * r)), dev)
+    inconsistent = inconsistent_returns(r)
+    receive = static.send(engine.collective, c.op, n, shared, write, care, vector, inconsistent, explain, dev)
     out = c.out if c.out is not None else x.new_empty((t, hidden))
 
     def finish() -> torch.Tensor:
@@ -218,3 +204,25 @@ def combine(engine: Any, c: FlatCombine) -> InFlight:
         return out.copy_(acc)
 
     return InFlight(finish, out)
+
+
+def inconsistent_returns(r: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A combine's ``inconsistent(headers)`` for :func:`~deep_ep_npu.transports.static.send`: True where some rank p
+    returns rank q another number of rows than q dispatched pairs to p (the vector words: R returned, R dispatched)."""
+
+    def inconsistent(got: torch.Tensor) -> torch.Tensor:
+        sends, expects = got[:, static.VECTOR : static.VECTOR + r], got[:, static.VECTOR + r : static.VECTOR + 2 * r]
+        return (sends != expects.T).any()
+
+    return inconsistent
+
+
+def check_returns(agreement: Agreement, r: int, mismatch: tuple[str, str]) -> None:
+    """Raise (the same error on every rank) naming the first rank pair whose returned rows and dispatched pairs
+    disagree (the error path of :func:`inconsistent_returns`)."""
+    sends = [fp[1 : 1 + r] for fp in agreement.shared]
+    expects = [fp[1 + r : 1 + 2 * r] for fp in agreement.shared]
+    if bad := [(p, q) for p in range(r) for q in range(r) if sends[p][q] != expects[q][p]]:
+        (p, q), (param, hint) = bad[0], mismatch
+        why = f"rank {p} would return {sends[p][q]} rows to rank {q}, which dispatched {expects[q][p]} pairs to it"
+        raise shape(param, f"{why}; pass {hint} (mismatched rank pairs: {bad[:8]})")

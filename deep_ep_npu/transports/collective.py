@@ -78,7 +78,10 @@ class Communicator:
         work, pending.work = pending.work, None
         if work is not None:
             try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    work.wait()  # (a graph capture: a timed wait polls the work's event, which a capture forbids)
+                else:
+                    work.wait(timeout=datetime.timedelta(seconds=self.timeout))
             except RuntimeError as err:
                 self._fail(pending, op, err)
 

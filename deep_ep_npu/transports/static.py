@@ -2,9 +2,12 @@
 message of a size known from the call's shapes alone, ``rows`` rows of ``row_bytes`` at fixed offsets after the header
 words of :class:`~.collective.Collective`'s one round (status, no spill, ``rows``, -1, the shared words, the first
 vector word per destination filled on the device), and the receive checks every header on the device, so that no
-tensor value is read back to the host: what a DeepEP-style caller captures in a graph. Receives are posted at
+tensor value is read back to the host: what a DeepEP-style caller captures in a graph. On gloo, receives are posted at
 :func:`~.early.early_bytes` per peer as the one round's, so a peer that rejected its input (a header only) or that took
-the one round (its rows and its counts) lands, and its header fails the check.
+the one round (its rows and its counts) lands, and its header fails the check. On other groups (NCCL / HCCL: exact-size
+receives) every message has the static size; a rank that rejects its input while its peers run the static round of an
+op sends every rank a message of that op's last static size whose status word is the code (:func:`reject`). The header
+template and the compared words are built once per shape.
 
 The check compares each live source's header with this rank's own (``care`` picks the words compared) and runs the
 caller's ``consistent(headers)`` (a bool tensor: the vector words disagree). A mismatch raises through
@@ -13,7 +16,9 @@ only) raises the layout's own error, the same on every rank; on a device at the 
 
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,6 +30,22 @@ VECTOR = _HEAD + 3  # the header word of the first vector word (after status, sp
 Write = Callable[[torch.Tensor], None]  # write(out): every destination's rows into out [R, rows, row_bytes]
 Explain = Callable[[Agreement], None]
 Receive = Callable[[], tuple[list[torch.Tensor], int]]
+_LAST: weakref.WeakKeyDictionary[Collective, dict[str, tuple[int, torch.device]]] = weakref.WeakKeyDictionary()
+"""Per collective transport and op: the last static round's message size and device (for :func:`reject`)."""
+
+
+@functools.lru_cache(maxsize=64)
+def care(num_words: int, skip: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`[num_words]` bool: the header words compared with this rank's own (all but ``skip``), once per shape."""
+    out = torch.ones((num_words,), dtype=torch.bool)
+    out[list(skip)] = False
+    return out.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _template(rows: int, shared: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`[words]` int64: the header words of a static message (once per shape: no host-to-device copy per call)."""
+    return torch.tensor([STATUS_OK, 0, rows, -1, *shared], dtype=torch.int64, device=device)
 
 
 def send(
@@ -51,13 +72,14 @@ def send(
     head, r = 8 * num_words, ep.num_ranks
     size = head + rows * row_bytes
     send_buf = coll._buffer(f"static{tag}", r * size, device).view(r, size)
-    words = torch.tensor([STATUS_OK, 0, rows, -1, *shared], dtype=torch.int64, device=device)
+    words = _template(rows, tuple(shared), device)
     header = send_buf[:, :head].view(torch.int64)
     header.copy_(words.expand(r, num_words))
     if vector is not None:
         header[:, VECTOR : VECTOR + vector.numel()] = vector
     write(send_buf[:, head:].view(r, rows, row_bytes))
-    posted = [size if s == me else coll.early_bytes for s in range(r)]
+    posted = [size if s == me or not coll.early_bytes else coll.early_bytes for s in range(r)]  # (gloo: bounded)
+    _LAST.setdefault(coll, {})[op] = (size, device)
     recv = coll._buffer(f"static_recv{tag}", sum(posted), device)
     started = time.perf_counter_ns()
     pending = ep.all_to_all(recv, send_buf.view(-1), posted, [size] * r, op) if r > 1 else None
@@ -81,6 +103,21 @@ def send(
         return [recv[a + head : a + size].view(rows, row_bytes) for a in at], wait_ns
 
     return receive
+
+
+def reject(coll: Collective, op: str, code: int) -> bool:
+    """On a group of exact-size receives (not gloo), send every rank a message of ``op``'s last static size (its
+    peers run that round again) whose status word is ``code``; False (nothing sent) on gloo, whose bounded receives
+    take the one round's rejection, or when ``op`` never took the static round here."""
+    last = _LAST.get(coll, {}).get(op)
+    if coll.early_bytes or last is None:
+        return False
+    (size, device), ep = last, coll.ep
+    send = torch.zeros((ep.num_ranks, size), dtype=torch.uint8, device=device)
+    send[:, :8].view(torch.int64).fill_(code)
+    recv = torch.empty_like(send)
+    ep.wait(ep.all_to_all(recv.view(-1), send.view(-1), [size] * ep.num_ranks, [size] * ep.num_ranks, op), op)
+    return True
 
 
 def agreement_of(op: str, got: torch.Tensor, wait_ns: int) -> Agreement:

@@ -167,15 +167,11 @@ def _step(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, weights: torc
     return recv_count, combined
 
 
-@pytest.mark.xfail(
-    raises=RuntimeError,
-    strict=True,
-    reason="the reference engine still plans with host counts and agrees on headers before the rows (issue 36)",
-)
 def test_low_latency_step_replays_in_a_cuda_graph(groups):
-    """DeepEP's contract: Buffer dispatch -> expert -> combine on NCCL (reference backend) captured once in
-    ``torch.cuda.graph`` and replayed on new inputs copied into the captured tensors gives what the same calls give
-    eagerly (a second Buffer), which is the oracle's ``2 * x * sum(weights)``."""
+    """DeepEP's contract: Buffer dispatch -> expert -> combine on NCCL (reference backend: its static round,
+    :mod:`deep_ep_npu.engine.static_masked`, no host read) captured once in ``torch.cuda.graph`` and replayed on new
+    inputs copied into the captured tensors gives what the same calls give eagerly (a second Buffer), which is the
+    oracle's ``2 * x * sum(weights)``. (The same calls on CPU: ``tests/engine/test_static_masked.py``.)"""
     static = [t.cuda() for t in _inputs(5)]
     captured, eager = Buffer(groups["cuda"], backend="reference"), Buffer(groups["cuda"], backend="reference")
     side = torch.cuda.Stream()

@@ -191,9 +191,10 @@ def test_v3_context_front_end_reads_its_context_once():
 
 
 def _reference_reads(info) -> dict[str, tuple[list[str], list[str]]]:
-    """The ``_v2`` ops (bf16 and int8 per token, a 2D mask, weights, ``shared_expert_x``, ``global_bs``) and
-    MoeDistributeBuffer on the reference engine with checks off and the torch code (the CPU kernels off, as a device
-    runs it): per call, the second run's host reads in all library code and the collectives it issued."""
+    """The ``_v2`` ops (bf16 and int8 per token, a 2D mask, weights, ``shared_expert_x``, ``global_bs``),
+    MoeDistributeBuffer and Buffer's low-latency dispatch / combine (bf16, fp8, int8 per token; the collective
+    transport) on the reference engine with checks off and the torch code (the CPU kernels off, as a device runs it):
+    per call, the second run's host reads in all library code and the collectives it issued."""
     from deep_ep_npu import kernels, ops
     from deep_ep_npu.cann import MoeDistributeBuffer
     from deep_ep_npu.transports.group import EPGroup
@@ -201,6 +202,7 @@ def _reference_reads(info) -> dict[str, tuple[list[str], list[str]]]:
     _policy("0")
     kw = dict(group_ep=info.group, ep_world_size=info.world_size, ep_rank_id=info.rank, moe_expert_num=E)
     buffer, out, issued = MoeDistributeBuffer(info.group), {}, []
+    deepep = Buffer(info.group, transport="collective")
     real = EPGroup.start
     EPGroup.start = lambda group, launch, op: issued.append(op) or real(group, launch, op)  # type: ignore[method-assign]
 
@@ -236,9 +238,19 @@ def _reference_reads(info) -> dict[str, tuple[list[str], list[str]]]:
         got = buffer.low_latency_dispatch(x, ids, E, topk_weights=weights, num_max_dispatch_tokens_per_rank=N)
         buffer.low_latency_combine(got[0], ids, weights, got[2], got[4], num_experts=E)
 
+    def low_latency(use_fp8: bool, fmt: str | None, step: int) -> None:
+        x, topk_idx, weights = _inputs(info.rank, step)
+        topk_idx[1, 0] = -1
+        recv_x, _, handle, _, _ = deepep.low_latency_dispatch(x, topk_idx, N, E, use_fp8=use_fp8, quant_format=fmt)
+        data = recv_x[0].float() * recv_x[1][:, :, :1] if use_fp8 else recv_x.float()
+        deepep.low_latency_combine(data.to(torch.bfloat16), topk_idx, weights, handle)
+
     try:
         with kernels.disabled():
             calls = {"v2": partial(v2, 0), "v2 int8": partial(v2, 2), "MoeDistributeBuffer": v3}
+            calls |= {
+                f"Buffer {f}": partial(low_latency, f is not None, f) for f in (None, "fp8_e4m3", "int8_per_token")
+            }
             for name, call in calls.items():
                 call(0)
                 issued.clear()
@@ -251,12 +263,17 @@ def _reference_reads(info) -> dict[str, tuple[list[str], list[str]]]:
 
 
 def test_reference_engine_ops_steady_state_read_nothing():
-    """The ``_v2`` ops and MoeDistributeBuffer on the reference engine, checks off, the torch code: no host read of a
-    tensor value in library code, one collective per dispatch and per combine (the static round)."""
+    """The ``_v2`` ops, MoeDistributeBuffer and Buffer's low-latency calls on the reference engine, checks off, the
+    torch code: no host read of a tensor value in library code, one collective per dispatch and per combine (the
+    static rounds: :mod:`deep_ep_npu.engine.static_flat`, :mod:`deep_ep_npu.engine.static_masked`)."""
     for rank, per_call in enumerate(parallel_launch(2, _reference_reads, timeout=120)):
+        assert len(per_call) == 6, per_call.keys()
         for name, (reads, collectives) in per_call.items():
             assert not reads, (rank, name, reads)
-            assert collectives == ["moe_distribute_dispatch_v2", "moe_distribute_combine_v2"], (rank, name, collectives)
+            want = ["moe_distribute_dispatch_v2", "moe_distribute_combine_v2"]
+            if name.startswith("Buffer"):
+                want = ["low_latency_dispatch", "low_latency_combine"]
+            assert collectives == want, (rank, name, collectives)
 
 
 def _elastic_reads(info) -> dict[str, list[str]]:

@@ -73,9 +73,11 @@ def bench(fn: Any, num_warmups: int = 50, num_tests: int = 50, post_fn: Any = No
     return sum(times) / len(times), min(times), max(times)
 
 
-def bench_kineto(fn: Any, kernel_names: Any, num_tests: int = 30, **_: Any) -> Any:
-    """One timed run of ``fn`` reported for every name (no per-kernel profile on the CPU)."""
+def bench_kineto(fn: Any, kernel_names: Any, num_tests: int = 30, num_kernels_per_period: int = 1, **_: Any) -> Any:
+    """One timed run of ``fn`` reported for every name (no per-kernel profile on the CPU), per kernel of a period
+    (DeepEP's: a tuple per name when a period has several kernels)."""
     t = bench(fn)[0]
+    t = t if num_kernels_per_period == 1 else (t,) * num_kernels_per_period
     return tuple(t for _ in kernel_names) if isinstance(kernel_names, tuple) else t
 
 
