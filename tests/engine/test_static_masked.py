@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from deep_ep_npu import Buffer, EPRankFailure, envs, kernels
 from deep_ep_npu.errors import MoeDistributeError
-from deep_ep_npu.transports.collective import EPGroup
+from deep_ep_npu.transports.group import EPGroup
 from tests.support.deepep_utils import per_token_cast_back
 from tests.support.distributed import leave_together, parallel_launch, stop_victim
 from tests.support.host_reads import HostReads
