@@ -4,14 +4,12 @@ included."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from deep_ep_npu import ElasticBuffer, EPRankFailure, MoeDistributeError
-from tests.support.distributed import leave_together, parallel_launch, stop_victim
+from deep_ep_npu import ElasticBuffer, MoeDistributeError
+from tests.support.distributed import parallel_launch, stop_victim, survivor_failure
 
 N, H, E, K = 8, 128, 8, 3
 
@@ -253,17 +251,8 @@ def _peer_stops(info, where: str):
     recv_x, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=E)
     if info.rank == 1:
         stop_victim(store, "exit")
-    t0 = time.monotonic()
-    try:
-        if where == "cached":
-            buf.dispatch(x, handle=handle)
-        else:
-            buf.combine(recv_x, handle)
-        out = None
-    except EPRankFailure as err:
-        out = (err.missing_ranks, time.monotonic() - t0)
-    leave_together(store, info.rank, info.world_size - 1)
-    return out
+    call = (lambda: buf.dispatch(x, handle=handle)) if where == "cached" else (lambda: buf.combine(recv_x, handle))
+    return survivor_failure(store, info.rank, info.world_size - 1, call)
 
 
 @pytest.mark.parametrize("where", ["cached", "combine"])

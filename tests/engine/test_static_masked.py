@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from deep_ep_npu import Buffer, EPRankFailure, envs, kernels
+from deep_ep_npu import Buffer, envs, kernels
 from deep_ep_npu.errors import MoeDistributeError
 from deep_ep_npu.transports.group import EPGroup
 from tests.support.deepep_utils import per_token_cast_back
-from tests.support.distributed import leave_together, parallel_launch, stop_victim
+from tests.support.distributed import parallel_launch, stop_victim, survivor_failure
 from tests.support.host_reads import HostReads
 
 H = 512
@@ -153,15 +152,12 @@ def _lost_peer(info, where: str) -> tuple | None:
         if where == "combine":
             buffer.low_latency_dispatch(x, ids, case[0], case[3], use_fp8=False)
         stop_victim(store, "exit")
-    t0 = time.monotonic()
-    try:
+
+    def step() -> None:
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, ids, case[0], case[3], use_fp8=False)
         buffer.low_latency_combine(recv_x, ids, weights, handle)
-        out = None
-    except EPRankFailure as err:
-        out = (err.missing_ranks, time.monotonic() - t0)
-    leave_together(store, info.rank, info.world_size - 1)
-    return out
+
+    return survivor_failure(store, info.rank, info.world_size - 1, step)
 
 
 @pytest.mark.parametrize("where", ["dispatch", "combine"])

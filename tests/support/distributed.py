@@ -206,6 +206,20 @@ def stop_victim(store: Any, how: str) -> None:
         os._exit(0)
 
 
+def survivor_failure(store: Any, rank: int, num_survivors: int, call: Callable[[], object]) -> tuple | None:
+    """A survivor of a failure test: ``call()``, then :func:`leave_together`; ``(missing ranks, seconds until the
+    EPRankFailure)``, or None when ``call()`` returned."""
+    from deep_ep_npu import EPRankFailure
+
+    t0, out = time.monotonic(), None
+    try:
+        call()
+    except EPRankFailure as err:
+        out = (err.missing_ranks, time.monotonic() - t0)
+    leave_together(store, rank, num_survivors)
+    return out
+
+
 def op_error(fn: Callable[[], object]) -> tuple[int, str, str] | None:
     """``(code, param, message)`` of the ``MoeDistributeError`` that ``fn()`` raises, or None if it returns."""
     from deep_ep_npu.ops import MoeDistributeError
