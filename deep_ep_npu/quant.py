@@ -10,6 +10,7 @@ packs the power-of-two scales' exponent bytes four per int32. Non-finite input p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -146,6 +147,7 @@ class Quant:
 INT8_PER_TOKEN = Quant(2, torch.int8)  # DeepEP's use_fp8 with quant_format "int8_per_token" (Ascend's quant_mode 2)
 
 
+@functools.cache
 def deepep_fp8(round_scale: bool = False, ue8m0: bool = False) -> Quant:
     """DeepEP's fp8 (``use_fp8`` with ``round_scale`` / ``use_ue8m0``)."""
     return Quant(3, FP8_DTYPE, deepep=True, round_scale=round_scale, ue8m0=ue8m0)

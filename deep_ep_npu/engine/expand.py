@@ -24,7 +24,7 @@ from ..handle import EPHandle
 from ..transports.agreement import Agreement
 from .plan import Plan, make_plan, plan_topk
 from .reduce import CombineJob
-from .rows import Parts, RowFormat, align, slot_table
+from .rows import Parts, align, row_format, slot_table
 
 X_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 SF_DTYPE_CODES = {None: 0, torch.float32: 1, torch.int32: 2}
@@ -240,7 +240,7 @@ class _Expand:
             no_mask = torch.zeros(e.world_size, dtype=torch.int32)
             self.plan = plan_topk(c.expert_ids, e.num_local, e.world_size, e.rank, no_mask, per_pair_rows=False)
         self.cached: Placement | None = None if h is None else h.state["placement"]
-        self.fmt = RowFormat(p.num_bytes, torch.uint8, None, p.num_topk, False)
+        self.fmt = row_format(p.num_bytes, torch.uint8, None, p.num_topk, False)
         self.source = c.x.contiguous().view(torch.uint8)  # the rows' x bytes: gathered straight into the send rows
         self.tail, self.slots = p.tail(c.x, c.x_sf, c.expert_scales), slot_table(self.plan, p.num_topk)
         self.own_placed = False

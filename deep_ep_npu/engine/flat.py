@@ -24,7 +24,7 @@ from ..errors import shape
 from ..transports.agreement import STATUS_OK, Agreement
 from .plan import pair_weights, plan_call, smooth_rows
 from .reduce import CombineJob, special_contributions
-from .rows import DTYPE_CODES, Parts, RowFormat, parse
+from .rows import DTYPE_CODES, Parts, RowFormat, parse, row_format
 from .tp import tp_agree, tp_gather_rows, tp_reduce_scatter
 
 NAMES = ("moe_expert_num", "hidden", "topk", "quant_mode", "global_bs", "row_bytes", "x dtype", "shared_expert_num",
@@ -49,7 +49,7 @@ class _Flat:
         self.weights = None if c.expert_scales is None else pair_weights(plan, c.expert_scales, c.expert_ids.shape[1])
         self.smooth = None if scales is None else smooth_rows(e, plan, scales, c.expert_ids.shape[1])
         topk, hidden, tp, cap = c.expert_ids.shape[1], x.shape[1], 1 if e.tp is None else 2, c.capacity
-        self.fmt = fmt = RowFormat(hidden, x.dtype, q, topk + e.shared_expert_num, self.weights is not None)
+        self.fmt = fmt = row_format(hidden, x.dtype, q, topk + e.shared_expert_num, self.weights is not None)
         self.fingerprint = fingerprint(c, fmt)
         width, scale_dtype = ((), torch.float32) if q is None else (q.scale_shape(hidden), q.scale_dtype)
         if q is None and c.scales is not None and c.scales.shape[1]:  # quant_mode 0 given scales: `[A, H]` zeros

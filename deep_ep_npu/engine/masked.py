@@ -19,7 +19,7 @@ from ..handle import LowLatencyHandle
 from ..transports.agreement import Agreement
 from .plan import plan_topk
 from .reduce import LOGFMT, CombineJob
-from .rows import DTYPE_CODES, Parts, RowFormat, parse
+from .rows import DTYPE_CODES, Parts, parse, row_format
 
 LOOP_BYTES = 1 << 18
 """Received data above which the layout is filled by one gather per expert instead of one scatter."""
@@ -42,7 +42,7 @@ class _Masked:
         r, num_local, hidden = e.world_size, e.num_local, x.shape[1]
         self.c, self.rank, self.source = c, e.rank, x
         self.plan = plan_topk(c.expert_ids, num_local, r, e.rank, engine.mask, per_pair_rows=False)
-        self.fmt = fmt = RowFormat(hidden, x.dtype, q := c.quant, c.expert_ids.shape[1], False)
+        self.fmt = fmt = row_format(hidden, x.dtype, q := c.quant, c.expert_ids.shape[1], False)
         code = 0 if q is None else 1 if q.deepep else 2  # (the format: none, DeepEP's fp8, int8 per token)
         self.fingerprint = (n, e.num_moe_experts, hidden, DTYPE_CODES[x.dtype], code, fmt.row_bytes)
         out, reused = f"dispatch_out{engine.result_set}_", engine.reused  # the two alternating sets: no page faults

@@ -9,6 +9,7 @@ int8 data and e8m0 scales travel as bytes (gloo cannot carry float8)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -142,6 +143,12 @@ class RowFormat:
     def scale_bytes(self, rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """The raw scale bytes of ``rows[row]``: `[P, scale bytes]` uint8 (any scale dtype)."""
         return rows[row, self.scale_off : self.scale_end]
+
+
+@functools.lru_cache(maxsize=256)
+def row_format(hidden: int, dtype: torch.dtype, quant: Quant | None, num_slots: int, weights: bool) -> RowFormat:
+    """The :class:`RowFormat` of these arguments, made once per combination (a steady-state call makes none)."""
+    return RowFormat(hidden, dtype, quant, num_slots, weights)
 
 
 def parse(fmt: RowFormat, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

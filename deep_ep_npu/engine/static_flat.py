@@ -30,7 +30,7 @@ from ..transports import static
 from ..transports.agreement import Agreement
 from .exchange import check_names, check_status, header
 from .flat import COMBINE_NAMES, MISMATCH, NAMES, check_batch, combine_fingerprint, fingerprint
-from .rows import RowFormat
+from .rows import RowFormat, row_format
 
 
 def _sent(c: FlatDispatch | FlatCombine) -> torch.Tensor:
@@ -48,7 +48,7 @@ def dispatch(engine: Any, c: FlatDispatch) -> InFlight:
     e, x, q, dev = c.experts, c.x, c.quant, c.x.device
     r, (t, k), nl, n, a = e.world_size, c.expert_ids.shape, e.num_local, c.num_max or x.shape[0], c.capacity
     weights = c.expert_scales
-    fmt = RowFormat(x.shape[1], x.dtype, q, k, weights is not None)
+    fmt = row_format(x.shape[1], x.dtype, q, k, weights is not None)
     shared = header(fmt.row_bytes, (), fingerprint(c, fmt), r)
     sent = _sent(c)
     to = torch.arange(r, device=dev).view(r, 1, 1)

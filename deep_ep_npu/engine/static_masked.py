@@ -31,7 +31,7 @@ from ..transports import static
 from ..transports.agreement import Agreement
 from .exchange import check_names, check_status, header
 from .masked import COMBINE_NAMES, MISMATCH, NAMES
-from .rows import DTYPE_CODES, RowFormat
+from .rows import DTYPE_CODES, RowFormat, row_format
 from .static_flat import check_returns, inconsistent_returns
 
 TOPK_NAMES = (*COMBINE_NAMES, "num_topk")
@@ -66,7 +66,7 @@ def _mask(engine: Any, device: torch.device) -> torch.Tensor:
 
 
 def _fmt(c: MaskedDispatch) -> RowFormat:
-    return RowFormat(c.x.shape[1], c.x.dtype, c.quant, c.expert_ids.shape[1], False)
+    return row_format(c.x.shape[1], c.x.dtype, c.quant, c.expert_ids.shape[1], False)
 
 
 def dispatch_bytes(c: MaskedDispatch) -> int:

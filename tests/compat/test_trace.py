@@ -1,8 +1,8 @@
 """How many library files one call runs through: a dispatch and a combine, traced with ``sys.setprofile`` (the
 distinct files of ``deep_ep_npu`` whose Python functions run, C calls and torch excluded), touch at most
-:data:`MAX_FILES` files each, for ``Buffer.low_latency_dispatch`` / ``low_latency_combine`` (bf16 and fp8, both
-transports) and ``ops.moe_distribute_dispatch_v2`` / ``moe_distribute_combine_v2`` (a warm call: the second of two,
-so one-time setup such as a group's first collective does not count)."""
+:data:`MAX_FILES` files each (per front-end), for ``Buffer.low_latency_dispatch`` / ``low_latency_combine`` (bf16
+and fp8, both transports) and ``ops.moe_distribute_dispatch_v2`` / ``moe_distribute_combine_v2`` (a warm call: the
+second of two, so one-time setup such as a group's first collective does not count)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from tests.support.distributed import parallel_launch
 
-MAX_FILES = 10
+MAX_FILES = {"Buffer": 9, "ops": 10}  # (the issue's goal: 8 for both)
 
 
 def _files(call: Callable[[], object]) -> list[str]:
@@ -65,5 +65,6 @@ def _trace(info):
 def test_a_call_runs_through_few_files():
     traced = parallel_launch(2, _trace, timeout=120)[0]
     for name, (dispatch, combine) in traced.items():
-        assert len(dispatch) <= MAX_FILES, (name, "dispatch", " ".join(dispatch))
-        assert len(combine) <= MAX_FILES, (name, "combine", combine)
+        bound = MAX_FILES[name.split()[0]]
+        assert len(dispatch) <= bound, (name, "dispatch", " ".join(dispatch))
+        assert len(combine) <= bound, (name, "combine", combine)
