@@ -21,6 +21,7 @@ from ..core.call import Experts, FlatCombine, FlatDispatch
 from ..core.platforms import SCALAR_TYPE_CODE
 from ..core.rules import values_checked
 from ..errors import shape
+from ..transports import static
 from ..transports.agreement import STATUS_OK, Agreement
 from .plan import pair_weights, plan_call, smooth_rows
 from .reduce import CombineJob, special_contributions
@@ -157,12 +158,17 @@ def static_round(engine: Any, c: FlatDispatch | FlatCombine) -> bool:
     e, coll = c.experts, engine.collective
     if not (e.plain and e.logical_rank >= 0 and not e.shared_expert_num and e.num_local > 0 and e.tp is None):
         return False
+    (t, k), r, hidden = c.expert_ids.shape, e.world_size, c.x.shape[1]
     if isinstance(c, FlatDispatch):
         simple = c.quant is None or c.scales is None
+        fmt = row_format(hidden, c.x.dtype, c.quant, k, c.expert_scales is not None)
+        rows_bytes = (c.num_max or t) * fmt.row_bytes  # (static_flat's message: N rows)
     else:
         simple = not (c.comm_quant_mode or e.copy_expert_num or e.const_expert_num)
+        rows_bytes = (c.global_bs // r or t) * k * hidden * c.x.element_size()  # (its tokens' pairs come back)
     on_round = not engine.ep.enable_shrink and engine.transport_for(c.x.device) is coll and coll.early_bytes > 0
-    return simple and on_round and not values_checked(c.x)  # (gloo's bounded receives: see transports.static)
+    fits = static.fits(coll, rows_bytes, 1 + 2 * r + 16)  # (header(): 16 fingerprint words)
+    return simple and on_round and fits and not values_checked(c.x)  # (gloo's bounded receives: transports.static)
 
 
 def fingerprint(c: FlatDispatch, fmt: RowFormat) -> tuple[int, ...]:

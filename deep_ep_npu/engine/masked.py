@@ -16,6 +16,7 @@ from ..core.call import MaskedCombine, MaskedDispatch
 from ..core.rules import values_checked
 from ..errors import shape
 from ..handle import LowLatencyHandle
+from ..transports import static
 from ..transports.agreement import Agreement
 from .plan import plan_topk
 from .reduce import LOGFMT, CombineJob
@@ -220,4 +221,4 @@ def static_round(backend: Any, c: MaskedDispatch | MaskedCombine, message_bytes:
     if backend.transport_for(dev) is not coll or isinstance(c, MaskedCombine) and c.logfmt:
         return False
     rows = message_bytes(c)
-    return rows % 8 == 0 and (not coll.early_bytes or rows + 8 * (8 + 2 * backend.num_ranks + 16) <= coll.early_bytes)
+    return rows % 8 == 0 and static.fits(coll, rows, 1 + 2 * backend.num_ranks + 16)  # (header(): 16 words)

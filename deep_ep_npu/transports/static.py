@@ -48,6 +48,12 @@ def _template(rows: int, shared: tuple[int, ...], device: torch.device) -> torch
     return torch.tensor([STATUS_OK, 0, rows, -1, *shared], dtype=torch.int64, device=device)
 
 
+def fits(coll: Collective, rows_bytes: int, shared_words: int) -> bool:
+    """Whether a static message of ``rows_bytes`` of rows after the header (``shared_words`` shared words) fits the
+    receive each peer posts: on gloo :func:`~.early.early_bytes`, elsewhere its exact size (always)."""
+    return not coll.early_bytes or 8 * (_HEAD + 2 + shared_words) + rows_bytes <= coll.early_bytes
+
+
 def send(
     coll: Collective,
     op: str,

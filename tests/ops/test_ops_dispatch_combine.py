@@ -86,6 +86,15 @@ def _run_static(info, cases: bytes):
         return _run_cases(info, cases)
 
 
+def _run_static_small_bound(info, cases: bytes):
+    """:func:`_run_static` with the gloo receives posted at 2 KiB per peer: a call whose static message does not fit
+    takes the exchange (which spills), so every case still matches the oracle."""
+    from deep_ep_npu.engine.exchange import engine_for
+
+    engine_for(info.group).collective.early_bytes = 2048
+    return _run_static(info, cases)
+
+
 def _run_cases(info, cases: bytes):
     """Run every case (serialized with ``to_bytes``: tensors as bytes, not shared-memory handles) on this rank."""
     from deep_ep_npu.ops import (
@@ -181,6 +190,11 @@ def test_static_round_matches_oracle(world_size):
     """The same random cases on the static round (checks off, the torch code): bit-identical to the oracle."""
     cases = [make_case(3000 * world_size + i, world_size, smooth=False) for i in range(20)]
     check_cases(world_size, cases, _run_static)
+
+
+def test_static_round_falls_back_when_its_message_does_not_fit():
+    cases = [make_case(5000 + i, 2, smooth=False) for i in range(12)]
+    check_cases(2, cases, _run_static_small_bound)
 
 
 def test_feature_grid_two_ranks():
